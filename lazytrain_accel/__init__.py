@@ -1,0 +1,28 @@
+"""lazytrain_accel: train LLMs that do not fit on the GPU, from Accelerate or Trainer.
+
+Heavy modules (torch, accelerate, transformers) load on first use of what needs them, so
+`lazytrain plan` and the planner stay quick to import.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+from lazytrain_accel.config import LazyTrainConfig, LazyTrainPlugin, OptimizerChoice
+
+_LAZY = {
+    "Accelerator": "lazytrain_accel.integrations.accelerate",
+    "HybridAdamW8bit": "lazytrain_accel.optim",
+}
+
+__all__ = ["LazyTrainConfig", "LazyTrainPlugin", "OptimizerChoice", "__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lazytrain_accel' has no attribute {name!r}")

@@ -1,0 +1,196 @@
+"""`LazyTrainConfig` (alias `LazyTrainPlugin`): every user-facing setting, in one place.
+
+Each field defaults to ``None``; ``__post_init__`` fills it from ``LAZYTRAIN_<FIELD>`` in
+the environment, then from the built-in default, then coerces and validates it. So an
+explicit argument beats the environment, which beats the default. Environment variables
+are read in this module only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "LAZYTRAIN_"
+
+#: Strategy names a plan may be given as, besides "auto" and a JSON path.
+STRATEGIES: tuple[str, ...] = (
+    "lazytrain",
+    "megatrain",
+    "checkpoint_all",
+    "offload_all",
+    "lazytrain_gpu_only",
+)
+
+
+class OptimizerChoice(str, enum.Enum):
+    """What `prepare` does with the user's optimizer."""
+
+    HYBRID8BIT = "hybrid8bit"  # replace it by the hybrid 8-bit CPU operator
+    KEEP = "keep"  # keep the user's optimizer class, stepping on the host masters
+
+
+def _default_cache_dir() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(root) / "lazytrain_accel")
+
+
+def _default_nvme_dir() -> str:
+    import tempfile
+
+    return str(Path(tempfile.gettempdir()) / "lazytrain_nvme")
+
+
+_DEFAULTS: dict[str, Any] = {
+    "plan": "auto",
+    "hardware": "auto",
+    "optimizer": OptimizerChoice.HYBRID8BIT,
+    "nvme_dir": _default_nvme_dir,
+    "gpu_memory_limit_gb": 0.0,
+    "cpu_memory_limit_gb": 0.0,
+    "nvme_limit_gb": 0.0,
+    "max_recompute_block": 8,
+    "solver_time_limit_s": 60.0,
+    "cache_dir": _default_cache_dir,
+    "max_nonfinite_skips": 3,
+}
+
+
+@dataclass(kw_only=True)
+class LazyTrainConfig:
+    """Settings of a LazyTrain run; also the Accelerate plugin (`LazyTrainPlugin`).
+
+    Args:
+        plan: "auto" (profile + solve the MIP), a strategy name (one of `STRATEGIES`) or
+            the path of a plan JSON written by `lazytrain plan --output`.
+        hardware: "auto" (measure this machine), a preset name (`lazytrain profile
+            --list-hardware`) or the path of a hardware profile JSON.
+        optimizer: "hybrid8bit" replaces the user's optimizer by the hybrid 8-bit CPU
+            operator; "keep" keeps the user's optimizer class on the host masters.
+        nvme_dir: directory for activations the plan homes on NVMe.
+        gpu_memory_limit_gb / cpu_memory_limit_gb / nvme_limit_gb: budgets for the
+            planner; 0 means "what the hardware profile says".
+        max_recompute_block: K, the longest recompute block the planner may choose.
+        solver_time_limit_s: wall-clock limit of the MIP solve; the incumbent is used
+            on timeout.
+        cache_dir: where profiles and plans are cached by fingerprint.
+        max_nonfinite_skips: consecutive non-finite steps tolerated before training
+            stops with an error.
+    """
+
+    plan: str | None = None
+    hardware: str | None = None
+    optimizer: OptimizerChoice | str | None = None
+    nvme_dir: str | None = None
+    gpu_memory_limit_gb: float | None = None
+    cpu_memory_limit_gb: float | None = None
+    nvme_limit_gb: float | None = None
+    max_recompute_block: int | None = None
+    solver_time_limit_s: float | None = None
+    cache_dir: str | None = None
+    max_nonfinite_skips: int | None = None
+    _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        explicit = set()
+        for f in dataclasses.fields(self):
+            if f.name.startswith("_"):
+                continue
+            value = getattr(self, f.name)
+            if value is not None:
+                explicit.add(f.name)
+            else:
+                value = os.environ.get(ENV_PREFIX + f.name.upper())
+            if value is None:
+                default = _DEFAULTS[f.name]
+                value = default() if callable(default) else default
+            setattr(self, f.name, _coerce(f.name, value))
+        self._explicit = frozenset(explicit)
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.plan != "auto" and self.plan not in STRATEGIES and not _is_json_path(self.plan):
+            raise ValueError(
+                f"plan={self.plan!r} is not valid: use 'auto', one of {list(STRATEGIES)}, "
+                "or the path of a plan JSON file (ending in .json)"
+            )
+        if _is_json_path(self.plan) and not Path(self.plan).is_file():
+            raise ValueError(f"plan={self.plan!r}: no such plan file; write one with "
+                             "`lazytrain plan ... --output PLAN.json`")
+        if self.hardware != "auto" and _is_json_path(self.hardware):
+            if not Path(self.hardware).is_file():
+                raise ValueError(f"hardware={self.hardware!r}: no such hardware JSON file")
+        elif self.hardware != "auto":
+            from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+
+            if self.hardware not in HARDWARE_PRESETS:
+                raise ValueError(
+                    f"hardware={self.hardware!r} is not valid: use 'auto', one of "
+                    f"{sorted(HARDWARE_PRESETS)}, or the path of a hardware JSON file"
+                )
+        for name in ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = use the "
+                                 "hardware profile's capacity)")
+        if self.max_recompute_block < 1:
+            raise ValueError(f"max_recompute_block={self.max_recompute_block} must be >= 1")
+        if self.solver_time_limit_s <= 0:
+            raise ValueError(f"solver_time_limit_s={self.solver_time_limit_s} must be > 0")
+        if self.max_nonfinite_skips < 1:
+            raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips} must be >= 1")
+
+    def is_explicit(self, name: str) -> bool:
+        """True when `name` was passed as an argument (not from env or default)."""
+        return name in self._explicit
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.name.startswith("_"):
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = value.value if isinstance(value, enum.Enum) else value
+        return out
+
+
+LazyTrainPlugin = LazyTrainConfig
+
+
+def _is_json_path(value: str) -> bool:
+    return value.endswith(".json") or os.sep in value
+
+
+_FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
+                 "solver_time_limit_s")
+_INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn an argument or environment string into the field's type, or raise ValueError."""
+    if name == "optimizer":
+        if isinstance(value, OptimizerChoice):
+            return value
+        try:
+            return OptimizerChoice(str(value).strip().lower())
+        except ValueError:
+            allowed = [c.value for c in OptimizerChoice]
+            raise ValueError(f"optimizer={value!r} is not valid: allowed values are "
+                             f"{allowed}") from None
+    if name in _FLOAT_FIELDS or name in _INT_FIELDS:
+        kind = float if name in _FLOAT_FIELDS else int
+        if isinstance(value, bool):
+            raise ValueError(f"{name}={value!r} must be a number")
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            what = "a number" if kind is float else "an integer"
+            raise ValueError(f"{name}={value!r} must be {what} (set it as an argument or "
+                             f"as {ENV_PREFIX}{name.upper()})") from None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name}={value!r} must be a non-empty string")
+    value = value.strip()
+    return value.lower() if name == "plan" and value.lower() in ("auto", *STRATEGIES) else value

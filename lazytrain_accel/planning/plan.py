@@ -1,0 +1,226 @@
+"""`Plan`: the planner's output and the engine's input, as a versioned JSON document.
+
+Indexing (shared by the MIP, the simulator and the engine):
+
+* Layers j = 1..L. Boundary i = 0..L is the hidden state entering layer i+1 (i = 0 is the
+  embedding output) or leaving layer i (i = L feeds the final norm and head).
+* Windows, in execution order: forward window of layer j is ``j - 1`` (F_1..F_L), the
+  backward window of layer j is ``2L - j`` (B_L..B_1). A window lasts as long as its
+  layer's compute.
+* A boundary's home is where it lives between its forward and the backward that needs it
+  (boundary i is read by layer i+1's backward): GPU, CPU, NVMe, or RECOMPUTE (not kept;
+  regenerated in backward from the block's first boundary). Boundaries 0 and L are GPU.
+* `blocks` are the path edges (s, e): consecutive materialized boundaries; the boundaries
+  strictly between s and e are recomputed.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lazytrain_accel.profiling.hardware import HardwareProfile
+from lazytrain_accel.profiling.model import ModelProfile
+
+PLAN_FORMAT_VERSION = 1
+
+
+class Home(str, enum.Enum):
+    GPU = "gpu"
+    CPU = "cpu"
+    NVME = "nvme"
+    RECOMPUTE = "recompute"
+
+
+class TransferKind(str, enum.Enum):
+    D2H = "d2h"  # device -> host (offload of a CPU or NVMe boundary)
+    NVME_WRITE = "nvme_write"  # host -> NVMe file
+    NVME_READ = "nvme_read"  # NVMe file -> host
+    H2D = "h2d"  # host -> device (reload before the backward that reads it)
+
+
+class PlanError(ValueError):
+    """A plan file is unreadable, of another format version, or for another run."""
+
+
+def forward_window(layer: int, num_layers: int) -> int:
+    """Window index of layer `layer`'s (1-based) forward."""
+    if not 1 <= layer <= num_layers:
+        raise ValueError(f"layer={layer} outside 1..{num_layers}")
+    return layer - 1
+
+
+def backward_window(layer: int, num_layers: int) -> int:
+    """Window index of layer `layer`'s (1-based) backward."""
+    if not 1 <= layer <= num_layers:
+        raise ValueError(f"layer={layer} outside 1..{num_layers}")
+    return 2 * num_layers - layer
+
+
+def window_name(window: int, num_layers: int) -> str:
+    """"F3" for the forward of layer 3, "B3" for its backward."""
+    if window < num_layers:
+        return f"F{window + 1}"
+    return f"B{2 * num_layers - window}"
+
+
+@dataclass(kw_only=True)
+class Transfer:
+    """`bytes` of boundary `boundary` moved by `kind` during window `window`."""
+
+    boundary: int
+    kind: TransferKind
+    window: int
+    bytes: int
+
+
+@dataclass(kw_only=True)
+class Prediction:
+    """What the cost model predicts for one training step (one micro-batch)."""
+
+    step_s: float
+    compute_s: float  # forward + backward compute, recompute excluded
+    recompute_s: float
+    exposed_s: float  # communication the compute does not hide
+    exposed_by_link_s: dict[str, float] = field(default_factory=dict)
+    peak_gpu_bytes: int = 0
+    peak_cpu_bytes: int = 0
+    peak_nvme_bytes: int = 0
+    tokens_per_s: float = 0.0
+    tflops: float = 0.0  # paper convention: 6 * params * tokens / step_s
+
+
+@dataclass(kw_only=True)
+class SolverReport:
+    status: str  # "optimal", "timelimit", "baseline", "fallback", ...
+    solve_s: float = 0.0
+    gap: float = 0.0
+    objective_s: float | None = None
+    message: str = ""
+
+
+@dataclass(kw_only=True)
+class Plan:
+    strategy: str
+    num_layers: int
+    batch_size: int
+    seq_len: int
+    boundary_bytes: int
+    homes: list[Home]  # length num_layers + 1
+    blocks: list[tuple[int, int]]
+    transfers: list[Transfer]
+    prediction: Prediction
+    solver: SolverReport
+    fingerprint: str
+    version: int = PLAN_FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        self.homes = [Home(h) for h in self.homes]
+        self.blocks = [tuple(b) for b in self.blocks]
+        self.transfers = [
+            t if isinstance(t, Transfer) else Transfer(**{**t, "kind": TransferKind(t["kind"])})
+            for t in self.transfers
+        ]
+        self._check_consistent()
+
+    def _check_consistent(self) -> None:
+        L = self.num_layers
+        if len(self.homes) != L + 1:
+            raise PlanError(f"plan has {len(self.homes)} homes for {L} layers; expected {L + 1}")
+        if self.homes[0] != Home.GPU or self.homes[L] != Home.GPU:
+            raise PlanError("boundaries 0 and L must be homed on the GPU")
+        materialized = [i for i, h in enumerate(self.homes) if h != Home.RECOMPUTE]
+        expected = list(itertools.pairwise(materialized))
+        if self.blocks != expected:
+            raise PlanError(f"plan blocks {self.blocks} do not match its homes "
+                            f"(expected {expected})")
+
+    # ---- queries the engine and the reports use -------------------------------------
+    def block_of(self, boundary: int) -> tuple[int, int]:
+        """The block (s, e) with s <= boundary < e (the block whose start regenerates it)."""
+        for s, e in self.blocks:
+            if s <= boundary < e:
+                return s, e
+        raise ValueError(f"boundary {boundary} is not inside any block of this plan")
+
+    def count_homes(self) -> dict[str, int]:
+        return {h.value: sum(1 for x in self.homes if x == h) for h in Home}
+
+    def transfers_in(self, window: int) -> list[Transfer]:
+        return [t for t in self.transfers if t.window == window]
+
+    # ---- JSON ----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["homes"] = [h.value for h in self.homes]
+        out["blocks"] = [list(b) for b in self.blocks]
+        out["transfers"] = [{**asdict(t), "kind": t.kind.value} for t in self.transfers]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError("a plan must be a JSON object")
+        version = data.get("version")
+        if version != PLAN_FORMAT_VERSION:
+            raise PlanError(f"plan format version {version!r} is not supported (this release "
+                            f"reads version {PLAN_FORMAT_VERSION}); re-run `lazytrain plan`")
+        try:
+            fields = dict(data)
+            fields["prediction"] = Prediction(**data["prediction"])
+            fields["solver"] = SolverReport(**data["solver"])
+            return cls(**fields)
+        except (KeyError, TypeError, ValueError) as err:
+            if isinstance(err, PlanError):
+                raise
+            raise PlanError(f"plan JSON is incomplete or malformed ({err}); re-run "
+                            "`lazytrain plan --output PLAN.json`") from err
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise PlanError(f"plan file {str(path)!r} does not exist") from None
+        except json.JSONDecodeError as err:
+            raise PlanError(f"plan file {str(path)!r} is not valid JSON (truncated or "
+                            f"corrupted: {err}); re-run `lazytrain plan --output`") from None
+        return cls.from_dict(data)
+
+    def check_fingerprint(self, expected: str) -> None:
+        if self.fingerprint != expected:
+            raise PlanError(
+                f"this plan was made for another run (plan fingerprint {self.fingerprint[:12]}, "
+                f"this run {expected[:12]}): model geometry, batch size, sequence length or "
+                "hardware differ; plan again for this run or use plan='auto'"
+            )
+
+
+def run_fingerprint(model: ModelProfile, hardware: HardwareProfile) -> str:
+    """Hash of what a plan depends on: model geometry, batch shape, hardware capacities.
+
+    Rates are left out on purpose: re-measuring bandwidth on the same machine gives
+    slightly different numbers and must not invalidate a plan.
+    """
+    geometry = model.geometry.to_dict()
+    geometry.pop("name")
+    key = {
+        "geometry": geometry,
+        "batch_size": model.batch_size,
+        "seq_len": model.seq_len,
+        "compute_bytes_per_elem": model.compute_bytes_per_elem,
+        "hardware": [hardware.gpu_name, hardware.gpu_memory_bytes, hardware.cpu_memory_bytes,
+                     hardware.nvme_bytes],
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()

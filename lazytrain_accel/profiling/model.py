@@ -1,0 +1,71 @@
+"""Model profiles: geometry of a decoder-only LM and its per-layer costs at a batch shape.
+
+Everything here is analytic (from a HF `config.json`), so it works for models far larger
+than this machine; `measure.py` refines the seconds on real hardware.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelGeometry:
+    """Shape of a decoder-only LM, read from its HF config. Counts are parameters."""
+
+    name: str
+    family: str  # HF model_type: "llama", "qwen2", "gpt2", ...
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    layer_param_count: int  # one decoder layer (all layers of these families are identical)
+    embedding_param_count: int  # token (+ position) embeddings
+    head_param_count: int  # lm_head; 0 when tied to the embeddings
+    final_norm_param_count: int
+
+    @property
+    def total_param_count(self) -> int:
+        return (self.num_layers * self.layer_param_count + self.embedding_param_count
+                + self.head_param_count + self.final_norm_param_count)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(kw_only=True, frozen=True)
+class ModelProfile:
+    """A model at one (batch, seq, dtype): the planner's per-layer inputs.
+
+    Boundary i (0..L) is the hidden state entering layer i+1 (i = 0) or leaving layer i.
+    """
+
+    geometry: ModelGeometry
+    batch_size: int
+    seq_len: int
+    compute_bytes_per_elem: int  # 2 for bf16/fp16 compute, 4 for fp32
+    boundary_bytes: int  # A = batch * seq * hidden * compute_bytes_per_elem
+    layer_param_bytes: int  # one layer's weights in the compute dtype (what streams H2D)
+    layer_grad_bytes: int  # one layer's weight gradients as they stream D2H
+    layer_working_bytes: int  # peak extra device bytes while one layer runs its backward
+    layer_fwd_flops: float  # one layer's forward at this batch shape
+    layer_bwd_flops: float  # one layer's backward proper (excludes its forward re-run)
+    head_fwd_flops: float  # final norm + lm_head + loss forward
+    resident_param_bytes: int  # embeddings + final norm + head kept on the device
+
+    @property
+    def num_layers(self) -> int:
+        return self.geometry.num_layers
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["geometry"] = self.geometry.to_dict()
+        return out
