@@ -1,0 +1,196 @@
+"""`Accelerator(..., plugin=LazyTrainPlugin(...))`: a drop-in subclass of accelerate's.
+
+Stock `accelerate.Accelerator` rejects unknown keywords and its kwargs-handler table is
+closed, so LazyTrain ships a subclass. Without `plugin=` it is the stock Accelerator.
+With it, `prepare` profiles, plans, attaches the streaming engine and swaps the optimizer;
+the model is never moved to the device whole and never wrapped in DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import MethodType
+from typing import Any
+
+import accelerate
+import torch
+from torch import nn
+
+from lazytrain_accel.config import LazyTrainConfig
+from lazytrain_accel.integrations import setup
+from lazytrain_accel.integrations.data_parallel import GradientAllReducer
+
+logger = logging.getLogger("lazytrain_accel")
+
+PLAN_FILE = "lazytrain_plan.json"
+_FOREIGN_PLUGINS = ("deepspeed_plugin", "deepspeed_plugins", "fsdp_plugin", "megatron_lm_plugin")
+_FOREIGN_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_USE_MEGATRON_LM")
+
+
+class Accelerator(accelerate.Accelerator):
+    """accelerate.Accelerator plus `plugin: LazyTrainPlugin | None`."""
+
+    def __init__(self, *args: Any, plugin: LazyTrainConfig | None = None, **kwargs: Any) -> None:
+        if plugin is not None:
+            _refuse_foreign_plugins(kwargs)
+        super().__init__(*args, **kwargs)
+        self.lazytrain_plugin = plugin
+        self.lazytrain_run: setup.PreparedRun | None = None
+        self.lazytrain_engine = None
+        self._lazytrain_optimizer: torch.optim.Optimizer | None = None
+        self._lazytrain_reducer: GradientAllReducer | None = None
+
+    # ---- prepare --------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        if self.lazytrain_plugin is None:
+            return super().prepare(*args, device_placement=device_placement)
+        models = [a for a in args if isinstance(a, nn.Module)]
+        if len(models) != 1:
+            raise ValueError(f"LazyTrain prepares exactly one model per Accelerator; got "
+                             f"{len(models)}. Prepare other models with a stock Accelerator.")
+        loaders = [a for a in args if isinstance(a, torch.utils.data.DataLoader)]
+        model = models[0]
+        user_optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        self._lazytrain_prepare_model(model, loaders[0] if loaders else None)
+        optimizer = setup.build_optimizer(self.lazytrain_plugin,
+                                          user_optimizers[0] if user_optimizers else None, model)
+        self._lazytrain_optimizer = optimizer
+        out = []
+        for obj in args:
+            if obj is model:
+                out.append(model)
+            elif isinstance(obj, torch.optim.Optimizer):
+                out.append(super().prepare_optimizer(optimizer, device_placement=False))
+            else:
+                out.append(obj)
+        # Data loaders and schedulers go through the stock path (sharding, step counting).
+        rest = [i for i, o in enumerate(out) if o is not model
+                and not isinstance(o, accelerate.optimizer.AcceleratedOptimizer)]
+        prepared = super().prepare(*[out[i] for i in rest]) if rest else ()
+        prepared = prepared if isinstance(prepared, tuple) else (prepared,)
+        for i, obj in zip(rest, prepared, strict=True):
+            out[i] = obj
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _lazytrain_prepare_model(self, model: nn.Module, loader: Any) -> None:
+        from lazytrain_accel.engine import attach
+        from lazytrain_accel.profiling.hardware import load_hardware
+
+        plugin = self.lazytrain_plugin
+        if getattr(model.config, "use_cache", False):
+            model.config.use_cache = False  # training re-runs layers; caches must stay empty
+        compute_dtype = setup.compute_dtype_for(self.mixed_precision)
+        batch_size, seq_len = _infer_batch_shape(loader, model)
+        model_profile = setup.profile_for_run(model, batch_size=batch_size, seq_len=seq_len,
+                                              compute_dtype=compute_dtype)
+        hardware = load_hardware(plugin.hardware)
+        plan = setup.resolve_plan(plugin, model_profile, hardware)
+        if self.is_main_process:
+            logger.warning("%s", setup.format_plan_summary(plan))
+        self.lazytrain_engine = attach(model, plan, device=self.device,
+                                       compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir)
+        self.lazytrain_run = setup.PreparedRun(model_profile=model_profile, hardware=hardware,
+                                               plan=plan)
+        if self.num_processes > 1:
+            self._lazytrain_reducer = GradientAllReducer(
+                self.lazytrain_engine, model, should_reduce=lambda: self.sync_gradients)
+        if self.native_amp:
+            _wrap_forward_in_autocast(model)
+        model._is_accelerate_prepared = True
+        self._models.append(model)
+
+    # ---- the training step ----------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        super().backward(loss, **kwargs)
+        if self._lazytrain_reducer is not None and self.sync_gradients:
+            self._lazytrain_reducer.finish()
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        """Global gradient norm; with the hybrid operator, clipping happens inside its
+        fused update (the gradients are not touched here, so nothing is clipped twice)."""
+        from lazytrain_accel.optim import HybridAdamW8bit
+
+        optimizer = self._lazytrain_optimizer
+        if isinstance(optimizer, HybridAdamW8bit):
+            if norm_type != 2:
+                raise ValueError(f"norm_type={norm_type}: the hybrid 8-bit operator clips by "
+                                 "the L2 norm only; use norm_type=2 or optimizer='keep'")
+            optimizer.max_grad_norm = float(max_norm)
+            if self.lazytrain_engine is not None and self._lazytrain_reducer is None:
+                optimizer.set_grad_sq_norms(self.lazytrain_engine.grad_sq_norms())
+            return optimizer.grad_norm()
+        return super().clip_grad_norm_(parameters, max_norm, norm_type)
+
+    # ---- state ----------------------------------------------------------------------
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
+                   **kwargs: Any) -> str:
+        location = super().save_state(output_dir, safe_serialization=safe_serialization,
+                                      **kwargs)
+        if self.lazytrain_run is not None and self.is_main_process:
+            self.lazytrain_run.plan.save(Path(location) / PLAN_FILE)
+        return location
+
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+        super().load_state(input_dir, **kwargs)
+        if self.lazytrain_run is None or input_dir is None:
+            return
+        from lazytrain_accel.planning import Plan
+
+        saved = Path(input_dir) / PLAN_FILE
+        if saved.is_file():
+            Plan.load(saved).check_fingerprint(self.lazytrain_run.plan.fingerprint)
+
+    def end_training(self) -> None:
+        if self.lazytrain_engine is not None:
+            self.lazytrain_engine.detach()
+            self.lazytrain_engine = None
+        super().end_training()
+
+
+def _refuse_foreign_plugins(kwargs: dict[str, Any]) -> None:
+    given = [name for name in _FOREIGN_PLUGINS if kwargs.get(name) is not None]
+    given += [name for name in _FOREIGN_ENV
+              if os.environ.get(name, "false").lower() in ("true", "1")]
+    if given:
+        raise ValueError(
+            f"LazyTrainPlugin cannot be combined with {', '.join(given)}: LazyTrain already "
+            "streams the model and owns the optimizer. Remove the other plugin (or the "
+            "DeepSpeed/FSDP/Megatron setting of your `accelerate config`), or drop plugin=."
+        )
+
+
+def _infer_batch_shape(loader: Any, model: nn.Module) -> tuple[int, int]:
+    """(batch, seq) of the run, from one batch built without touching the sampler's RNG."""
+    default_seq = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
+    if loader is None:
+        logger.warning("lazytrain: no DataLoader passed to prepare(); planning for batch 1, "
+                       "seq %d", default_seq)
+        return 1, default_seq
+    batch_size = int(loader.batch_size or 1)
+    try:
+        dataset = loader.dataset
+        samples = [dataset[i] for i in range(min(batch_size, len(dataset)))]
+        batch = loader.collate_fn(samples)
+        ids = batch["input_ids"] if isinstance(batch, dict) else batch[0]
+        return batch_size, int(ids.shape[-1])
+    except Exception as err:  # iterable datasets, custom batches: fall back loudly
+        logger.warning("lazytrain: could not read a batch to size the plan (%s); planning "
+                       "for seq %d", err, default_seq)
+        return batch_size, default_seq
+
+
+def _wrap_forward_in_autocast(model: nn.Module) -> None:
+    """Run `model.forward` under the Accelerator's autocast, as stock `prepare_model` does
+    (a fresh context manager per call: autocast contexts are not reentrant objects)."""
+    from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+
+    original = model.forward
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with get_mixed_precision_context_manager(True, None):
+            return original(*args, **kwargs)
+
+    model._original_forward = original
+    model.forward = MethodType(convert_outputs_to_fp32(forward), model)

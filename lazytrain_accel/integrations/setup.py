@@ -1,0 +1,146 @@
+"""What `prepare` does for every front end (Accelerate, Trainer, `lazytrain demo`):
+profile the model and the hardware, get a plan (cached by fingerprint), attach the
+engine, and build the optimizer on the host masters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lazytrain_accel.config import STRATEGIES, LazyTrainConfig, OptimizerChoice
+from lazytrain_accel.planning import Plan
+from lazytrain_accel.planning.plan import run_fingerprint
+from lazytrain_accel.profiling.hardware import HardwareProfile
+from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.models import geometry_from_config, profile_model
+
+logger = logging.getLogger("lazytrain_accel")
+
+
+@dataclass(kw_only=True)
+class PreparedRun:
+    """Everything `prepare` decided, kept on the Accelerator / Trainer for later use."""
+
+    model_profile: ModelProfile
+    hardware: HardwareProfile
+    plan: Plan
+
+
+def compute_dtype_for(mixed_precision: str | None) -> torch.dtype | None:
+    """The dtype the streamed weight copies take on the device (None = keep fp32)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mixed_precision or "no"))
+
+
+def profile_for_run(model: nn.Module, *, batch_size: int, seq_len: int,
+                    compute_dtype: torch.dtype | None) -> ModelProfile:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        raise TypeError(f"{type(model).__name__} has no HF `config`: LazyTrain streams "
+                        "HuggingFace decoder-only causal LMs (PreTrainedModel)")
+    geometry = geometry_from_config(config.to_dict(), name=getattr(config, "name_or_path", ""))
+    elem_bytes = 4 if compute_dtype is None else torch.empty((), dtype=compute_dtype).element_size()
+    return profile_model(geometry, batch_size=batch_size, seq_len=seq_len,
+                         compute_bytes_per_elem=elem_bytes)
+
+
+def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
+                 hardware: HardwareProfile) -> Plan:
+    """The plan named by `config.plan`, solved or loaded from the cache, fingerprint-checked."""
+    from lazytrain_accel.planning import Budgets, make_plan
+
+    fingerprint = run_fingerprint(model_profile, hardware)
+    if config.plan not in ("auto", *STRATEGIES):
+        plan = Plan.load(config.plan)
+        plan.check_fingerprint(fingerprint)
+        return plan
+    strategy = "lazytrain" if config.plan == "auto" else config.plan
+    budgets = Budgets.from_hardware(hardware, gpu_memory_limit_gb=config.gpu_memory_limit_gb,
+                                    cpu_memory_limit_gb=config.cpu_memory_limit_gb,
+                                    nvme_limit_gb=config.nvme_limit_gb)
+    key = json.dumps([fingerprint, strategy, budgets.gpu_bytes, budgets.cpu_bytes,
+                      budgets.nvme_bytes, config.max_recompute_block], sort_keys=True)
+    cache_path = Path(config.cache_dir) / "plans" / f"{_short_hash(key)}.json"
+    if cache_path.is_file():
+        try:
+            plan = Plan.load(cache_path)
+            plan.check_fingerprint(fingerprint)
+            logger.info("lazytrain: using cached plan %s", cache_path)
+            return plan
+        except ValueError as err:  # stale or damaged cache entry: plan again
+            logger.warning("lazytrain: ignoring cached plan %s (%s)", cache_path, err)
+    plan = make_plan(model_profile, hardware, strategy=strategy, budgets=budgets,
+                     max_recompute_block=config.max_recompute_block,
+                     time_limit_s=config.solver_time_limit_s)
+    try:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        plan.save(cache_path)
+    except OSError as err:  # a read-only cache must not stop training
+        logger.warning("lazytrain: could not cache the plan in %s (%s)", cache_path, err)
+    return plan
+
+
+def _short_hash(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def build_optimizer(config: LazyTrainConfig, user_optimizer: torch.optim.Optimizer | None,
+                    model: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer that steps the host masters.
+
+    With `optimizer="hybrid8bit"` the user's optimizer is replaced by `HybridAdamW8bit`
+    sharing the *same* param-group dicts, so an LR scheduler built on the user's optimizer
+    (before or after `prepare`) still drives the update. With "keep" the user's optimizer
+    is used as is: the engine keeps `param.data` as the host fp32 master, so it already
+    steps the right tensors.
+    """
+    from lazytrain_accel.optim import HybridAdamW8bit
+
+    if user_optimizer is None:
+        return HybridAdamW8bit(model.parameters())
+    if config.optimizer == OptimizerChoice.KEEP or isinstance(user_optimizer, HybridAdamW8bit):
+        return user_optimizer
+    hyper = dict(user_optimizer.defaults)
+    kwargs = {k: hyper[k] for k in ("lr", "betas", "eps", "weight_decay") if k in hyper}
+    if isinstance(user_optimizer, (torch.optim.Adam,)) and not isinstance(
+            user_optimizer, torch.optim.AdamW) and kwargs.get("weight_decay"):
+        logger.warning("lazytrain: replacing torch.optim.Adam (L2 weight decay) by "
+                       "HybridAdamW8bit (decoupled weight decay); pass optimizer='keep' to "
+                       "keep Adam")
+    replacement = HybridAdamW8bit(
+        [{"params": list(g["params"])} for g in user_optimizer.param_groups], **kwargs)
+    for ours, theirs in zip(replacement.param_groups, user_optimizer.param_groups, strict=True):
+        for key, value in ours.items():
+            theirs.setdefault(key, value)
+    # Share the group dicts: schedulers on either object now drive the same lr.
+    replacement.param_groups = user_optimizer.param_groups
+    return replacement
+
+
+def format_plan_summary(plan: Plan) -> str:
+    """One screen about the plan: tiers, blocks, predicted step time, exposure, solver."""
+    homes = plan.count_homes()
+    blocks = [f"{s}-{e}" for s, e in plan.blocks if e - s > 1]
+    pred, solver = plan.prediction, plan.solver
+    gib = 1024**3
+    lines = [
+        f"LazyTrain plan '{plan.strategy}': {plan.num_layers} layers, batch {plan.batch_size}"
+        f" x seq {plan.seq_len}, {plan.boundary_bytes / 2**20:.1f} MiB per boundary",
+        f"  boundaries: gpu {homes['gpu']}, cpu {homes['cpu']}, nvme {homes['nvme']}, "
+        f"recomputed {homes['recompute']}",
+        f"  recompute blocks: {', '.join(blocks) if blocks else 'none'}",
+        f"  predicted step {pred.step_s:.3f} s (compute {pred.compute_s:.3f}, recompute "
+        f"{pred.recompute_s:.3f}, exposed {pred.exposed_s:.3f}), {pred.tokens_per_s:,.0f} tok/s",
+        f"  predicted peaks: gpu {pred.peak_gpu_bytes / gib:.2f} GiB, cpu "
+        f"{pred.peak_cpu_bytes / gib:.2f} GiB, nvme {pred.peak_nvme_bytes / gib:.2f} GiB",
+        f"  solver: {solver.status}, {solver.solve_s:.2f} s, gap {solver.gap:.2%}"
+        + (f" ({solver.message})" if solver.message else ""),
+    ]
+    return "\n".join(lines)
