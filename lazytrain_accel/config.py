@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,28 +35,37 @@ class OptimizerChoice(str, enum.Enum):
     KEEP = "keep"  # keep the user's optimizer class, stepping on the host masters
 
 
-def _default_cache_dir() -> str:
+def default_cache_dir() -> str:
+    """`LAZYTRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/lazytrain_accel` (~/.cache by default).
+
+    For code that needs the cache without a full config (e.g. `load_hardware("auto")`).
+    """
+    explicit = os.environ.get(ENV_PREFIX + "CACHE_DIR", "").strip()
+    if explicit:
+        return explicit
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return str(Path(root) / "lazytrain_accel")
 
 
-def _default_nvme_dir() -> str:
+def default_nvme_dir() -> str:
+    """`LAZYTRAIN_NVME_DIR`, else `<tmp>/lazytrain_nvme`."""
     import tempfile
 
-    return str(Path(tempfile.gettempdir()) / "lazytrain_nvme")
+    explicit = os.environ.get(ENV_PREFIX + "NVME_DIR", "").strip()
+    return explicit or str(Path(tempfile.gettempdir()) / "lazytrain_nvme")
 
 
 _DEFAULTS: dict[str, Any] = {
     "plan": "auto",
     "hardware": "auto",
     "optimizer": OptimizerChoice.HYBRID8BIT,
-    "nvme_dir": _default_nvme_dir,
+    "nvme_dir": default_nvme_dir,
     "gpu_memory_limit_gb": 0.0,
     "cpu_memory_limit_gb": 0.0,
     "nvme_limit_gb": 0.0,
     "max_recompute_block": 8,
     "solver_time_limit_s": 60.0,
-    "cache_dir": _default_cache_dir,
+    "cache_dir": default_cache_dir,
     "max_nonfinite_skips": 3,
 }
 
@@ -100,15 +110,20 @@ class LazyTrainConfig:
         for f in dataclasses.fields(self):
             if f.name.startswith("_"):
                 continue
-            value = getattr(self, f.name)
+            value, origin = getattr(self, f.name), "argument"
             if value is not None:
                 explicit.add(f.name)
             else:
-                value = os.environ.get(ENV_PREFIX + f.name.upper())
+                # An empty variable counts as unset, as shells make `VAR=` easy to leave.
+                value = os.environ.get(ENV_PREFIX + f.name.upper(), "").strip() or None
+                origin = f"environment variable {ENV_PREFIX}{f.name.upper()}"
             if value is None:
                 default = _DEFAULTS[f.name]
-                value = default() if callable(default) else default
-            setattr(self, f.name, _coerce(f.name, value))
+                value, origin = (default() if callable(default) else default), "default"
+            try:
+                setattr(self, f.name, _coerce(f.name, value))
+            except ValueError as err:
+                raise ValueError(f"{err} (value from the {origin})") from None
         self._explicit = frozenset(explicit)
         self._validate()
 
@@ -184,13 +199,18 @@ def _coerce(name: str, value: Any) -> Any:
         kind = float if name in _FLOAT_FIELDS else int
         if isinstance(value, bool):
             raise ValueError(f"{name}={value!r} must be a number")
+        what = "a finite number" if kind is float else "an integer"
         try:
-            return kind(value)
+            number = float(value)
         except (TypeError, ValueError):
-            what = "a number" if kind is float else "an integer"
-            raise ValueError(f"{name}={value!r} must be {what} (set it as an argument or "
-                             f"as {ENV_PREFIX}{name.upper()})") from None
+            raise ValueError(f"{name}={value!r} must be {what}") from None
+        # float("nan") and 2.5 for an integer field would otherwise pass silently.
+        if not math.isfinite(number) or (kind is int and not number.is_integer()):
+            raise ValueError(f"{name}={value!r} must be {what}")
+        return kind(number)
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{name}={value!r} must be a non-empty string")
     value = value.strip()
-    return value.lower() if name == "plan" and value.lower() in ("auto", *STRATEGIES) else value
+    if name in ("plan", "hardware") and not _is_json_path(value):
+        return value.lower()  # names ("auto", strategies, presets) are case-insensitive
+    return os.path.expanduser(value) if name in ("nvme_dir", "cache_dir") else value

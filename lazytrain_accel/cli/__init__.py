@@ -10,7 +10,9 @@ import sys
 from lazytrain_accel import __version__
 
 #: subcommand name -> module holding `add_parser(subparsers)` and `run(args)`.
-SUBCOMMANDS: dict[str, str] = {}
+SUBCOMMANDS: dict[str, str] = {
+    "profile": "lazytrain_accel.cli.profile_cmd",
+}
 
 
 class CliError(Exception):

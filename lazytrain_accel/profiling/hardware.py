@@ -1,8 +1,17 @@
-"""Hardware profiles: capacities and rates of one GPU + host + NVMe machine."""
+"""Hardware profiles: capacities and rates of one GPU + host + NVMe machine.
+
+Presets describe known GPUs with sources noted per number; `load_hardware("auto")`
+measures the current machine instead (`measure.py`, torch needed only then).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -21,9 +30,149 @@ class HardwareProfile:
     cpu_optimizer_params_per_s: float  # hybrid 8-bit update rate of the host
     source: str  # where the numbers come from
 
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("str",):
+                if not isinstance(value, str):
+                    raise ValueError(f"hardware profile field {f.name}={value!r} must be a "
+                                     "string")
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"hardware profile field {f.name}={value!r} must be a number")
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"hardware profile {self.name!r}: {f.name}={value!r} must be "
+                                 "a finite number > 0")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
+        """Build a profile from `to_dict()` output; names missing and unknown keys."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a hardware profile must be a JSON object, got "
+                             f"{type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = sorted(names - data.keys())
+        unknown = sorted(data.keys() - names)
+        if missing or unknown:
+            raise ValueError(f"hardware profile has missing keys {missing} and unknown keys "
+                             f"{unknown}; expected exactly {sorted(names)}")
+        return cls(**data)
 
-#: Filled in by the profiling work (issue 2); keys are preset names.
-HARDWARE_PRESETS: dict[str, HardwareProfile] = {}
+    def save(self, path: str | Path) -> None:
+        """Write the profile as JSON, atomically (a reader never sees half a file)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> HardwareProfile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"hardware profile {str(path)!r} does not exist; write one with "
+                             "`lazytrain profile --hardware auto --save-hardware PATH`") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"hardware profile {str(path)!r} is not valid JSON ({err})") from None
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"hardware profile {str(path)!r}: {err}") from None
+
+
+_GIB = 1024**3
+_PAPER = "LazyTrain paper (arXiv 2608.11919) measurements"
+_NVME_PAPER = f"NVMe 2.83 GB/s read / 3.35 GB/s write: {_PAPER}"
+_NVME_DC = ("NVMe 6.8 / 4.0 GB/s: vendor sheet of a PCIe 4.0 datacenter SSD (Samsung PM9A3 "
+            "3.84 TB sequential read/write)")
+_PCIE4 = ("PCIe 4.0 x16 24 GB/s each way: typical pinned bandwidthTest result (~75% of the "
+          "31.5 GB/s link)")
+_HOPPER_ACHIEVED = ("achieved rate 0.32 x peak: back-derived from the paper's H800 27B run "
+                    "(219.95 TFLOPS in the 6*params*tokens convention = ~316 TFLOPS once the "
+                    "forward re-run, 13 recomputed layers and attention are counted)")
+_AMPERE_ACHIEVED = ("achieved rate 0.45 x peak: estimate of an end-to-end transformer layer "
+                    "(GEMMs + attention + elementwise) on Ampere/Ada, not the GEMM peak")
+_OPTIMIZER = "host optimizer {rate:.0e} params/s: estimate of a memory-bound fused 8-bit AdamW"
+
+
+def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb: float,
+            peak_tflops: float, efficiency: float, h2d_gbps: float, d2h_gbps: float,
+            nvme_read_gbps: float, nvme_write_gbps: float, optimizer_params_per_s: float,
+            source: list[str]) -> HardwareProfile:
+    """A preset in the units vendor sheets use (GiB, TB, TFLOPS, GB/s)."""
+    return HardwareProfile(
+        name=name, gpu_name=gpu_name, gpu_memory_bytes=int(gpu_gib * _GIB),
+        cpu_memory_bytes=int(cpu_gib * _GIB), nvme_bytes=int(nvme_tb * 1e12),
+        peak_bf16_flops_per_s=peak_tflops * 1e12,
+        achieved_flops_per_s=peak_tflops * efficiency * 1e12,
+        h2d_bytes_per_s=h2d_gbps * 1e9, d2h_bytes_per_s=d2h_gbps * 1e9,
+        nvme_read_bytes_per_s=nvme_read_gbps * 1e9, nvme_write_bytes_per_s=nvme_write_gbps * 1e9,
+        cpu_optimizer_params_per_s=optimizer_params_per_s,
+        source="; ".join([*source, _OPTIMIZER.format(rate=optimizer_params_per_s)]))
+
+
+#: Known machines; GPU memory is what `torch.cuda.get_device_properties().total_memory`
+#: reports for the card (a little under the marketing number), host sizes are assumptions.
+HARDWARE_PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (
+    _preset(name="h800", gpu_name="NVIDIA H800 80GB", gpu_gib=79.1, cpu_gib=1024, nvme_tb=3.84,
+            peak_tflops=989.4, efficiency=0.32, h2d_gbps=12.0, d2h_gbps=12.0,
+            nvme_read_gbps=2.83, nvme_write_gbps=3.35, optimizer_params_per_s=2e9,
+            source=["peak 989.4 dense bf16 TFLOPS: NVIDIA H100/H800 SXM5 datasheet",
+                    _HOPPER_ACHIEVED, f"PCIe Gen5 12 GB/s each way: {_PAPER}", _NVME_PAPER,
+                    "host 1 TiB: assumed (8-GPU server class)"]),
+    _preset(name="h200", gpu_name="NVIDIA H200 141GB", gpu_gib=139.8, cpu_gib=1024,
+            nvme_tb=3.84, peak_tflops=989.4, efficiency=0.32, h2d_gbps=50.0, d2h_gbps=50.0,
+            nvme_read_gbps=6.8, nvme_write_gbps=4.0, optimizer_params_per_s=2e9,
+            source=["peak 989.4 dense bf16 TFLOPS: NVIDIA H200 SXM datasheet",
+                    _HOPPER_ACHIEVED, "PCIe 5.0 x16 50 GB/s each way: typical pinned result "
+                    "(~80% of the 63 GB/s link)", _NVME_DC, "host 1 TiB: assumed"]),
+    _preset(name="a100-80g", gpu_name="NVIDIA A100 80GB", gpu_gib=79.2, cpu_gib=1024,
+            nvme_tb=3.84, peak_tflops=312.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
+            nvme_read_gbps=6.8, nvme_write_gbps=4.0, optimizer_params_per_s=2e9,
+            source=["peak 312 dense bf16 TFLOPS: NVIDIA A100 datasheet", _AMPERE_ACHIEVED,
+                    _PCIE4, _NVME_DC, "host 1 TiB: assumed"]),
+    _preset(name="a100-40g", gpu_name="NVIDIA A100 40GB", gpu_gib=39.4, cpu_gib=512,
+            nvme_tb=3.84, peak_tflops=312.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
+            nvme_read_gbps=6.8, nvme_write_gbps=4.0, optimizer_params_per_s=2e9,
+            source=["peak 312 dense bf16 TFLOPS: NVIDIA A100 datasheet", _AMPERE_ACHIEVED,
+                    _PCIE4, _NVME_DC, "host 512 GiB: assumed"]),
+    _preset(name="rtx3090", gpu_name="NVIDIA GeForce RTX 3090", gpu_gib=23.7, cpu_gib=512,
+            nvme_tb=2.0, peak_tflops=71.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
+            nvme_read_gbps=2.83, nvme_write_gbps=3.35, optimizer_params_per_s=1e9,
+            source=["peak 71 dense bf16 TFLOPS (fp32 accumulate): NVIDIA Ampere GA102 "
+                    "whitepaper", _AMPERE_ACHIEVED, _PCIE4,
+                    f"{_NVME_PAPER} (the paper's second testbed)",
+                    "host 512 GiB: assumed, enough for the paper's 27B run on this card"]),
+    _preset(name="rtx4090", gpu_name="NVIDIA GeForce RTX 4090", gpu_gib=23.6, cpu_gib=256,
+            nvme_tb=2.0, peak_tflops=165.2, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
+            nvme_read_gbps=7.45, nvme_write_gbps=6.9, optimizer_params_per_s=1e9,
+            source=["peak 165.2 dense bf16 TFLOPS (fp32 accumulate): NVIDIA Ada AD102 "
+                    "whitepaper", _AMPERE_ACHIEVED, _PCIE4,
+                    "NVMe 7.45 / 6.9 GB/s: vendor sheet of a PCIe 4.0 consumer SSD (Samsung "
+                    "990 Pro 2 TB)", "host 256 GiB: assumed (workstation)"]),
+)}
+
+
+def load_hardware(spec: str, *, cache_dir: str | None = None, nvme_dir: str | None = None,
+                  refresh: bool = False) -> HardwareProfile:
+    """The profile named by `spec`: a preset name, a JSON file, or "auto" (measure here).
+
+    "auto" measures this machine once and caches the result in `cache_dir` (default: the
+    config's cache directory); `refresh=True` measures again. NVMe is measured in `nvme_dir`.
+    """
+    key = spec.strip().lower()
+    if key == "auto":
+        from lazytrain_accel.profiling.measure import measure_hardware
+
+        return measure_hardware(cache_dir=cache_dir, nvme_dir=nvme_dir, refresh=refresh)
+    if key in HARDWARE_PRESETS:
+        return HARDWARE_PRESETS[key]
+    path = Path(spec).expanduser()
+    if path.suffix == ".json" or path.is_file():
+        return HardwareProfile.load(path)
+    raise ValueError(f"hardware {spec!r} is not valid: use 'auto', one of "
+                     f"{sorted(HARDWARE_PRESETS)}, or the path of a hardware JSON file")

@@ -27,6 +27,9 @@ class ModelGeometry:
     embedding_param_count: int  # token (+ position) embeddings
     head_param_count: int  # lm_head; 0 when tied to the embeddings
     final_norm_param_count: int
+    # Gated MLPs (SwiGLU/GeGLU: gate, up, down) keep more intermediates alive in backward
+    # than two-matrix MLPs (GPT-2, GPT-NeoX, OPT); the working-set estimate needs to know.
+    gated_mlp: bool = True
 
     @property
     def total_param_count(self) -> int:

@@ -1,0 +1,185 @@
+"""Measure this machine into a `HardwareProfile` (what `hardware="auto"` means).
+
+Each probe is small (a few hundred MB moved, a few matmuls, a few optimizer steps) so
+the whole measurement takes seconds; the result is cached as JSON in the cache directory
+under a key of the machine (host, GPU, RAM, NVMe directory), so later runs read it back.
+On a machine without a GPU the "device" is the CPU: its link is a host memcpy and its
+memory is half of host RAM (the other half is the host tier; both share one RAM).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import torch
+
+from lazytrain_accel.config import default_cache_dir, default_nvme_dir
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
+
+_MIB = 1024**2
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_time_s(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
+    """Fastest of `repeats` timed runs after one warm-up (the warm-up pays lazy init)."""
+    fn()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return max(best, 1e-9)
+
+
+def _measure_link(device: torch.device, nbytes: int) -> tuple[float, float]:
+    """(H2D, D2H) bytes/s with pinned host buffers; on CPU a host memcpy both ways."""
+    pin = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    host.fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h2d_s = _best_time_s(lambda: dev.copy_(host, non_blocking=True), device)
+    d2h_s = _best_time_s(lambda: host.copy_(dev, non_blocking=True), device)
+    return nbytes / h2d_s, nbytes / d2h_s
+
+
+def _drop_page_cache(fd: int) -> None:
+    # Without this the read-back is served from RAM and reports memory speed.
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _measure_nvme(directory: Path, nbytes: int, chunk_bytes: int = 16 * _MIB) -> tuple[
+        float, float]:
+    """(read, write) bytes/s of a `nbytes` file written (fsync'd) then read cold."""
+    directory.mkdir(parents=True, exist_ok=True)
+    chunk = torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8).numpy().tobytes()
+    chunks = max(1, nbytes // chunk_bytes)
+    fd, name = tempfile.mkstemp(prefix="lazytrain-probe-", dir=directory)
+    try:
+        start = time.perf_counter()
+        for _ in range(chunks):
+            os.write(fd, chunk)
+        os.fsync(fd)
+        write_s = time.perf_counter() - start
+        _drop_page_cache(fd)
+        os.lseek(fd, 0, os.SEEK_SET)
+        start = time.perf_counter()
+        while os.read(fd, chunk_bytes):
+            pass
+        read_s = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    total = chunks * chunk_bytes
+    return total / max(read_s, 1e-9), total / max(write_s, 1e-9)
+
+
+def _measure_matmul(device: torch.device) -> float:
+    """FLOP/s of a square matmul: bf16 on CUDA, fp32 on CPU (what each computes in)."""
+    n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2.0 * n**3 / _best_time_s(lambda: a @ b, device)
+
+
+def _measure_optimizer(num_params: int = 10_000_000) -> float:
+    """Params/s of a fused torch AdamW step on the host: a proxy for the 8-bit operator."""
+    param = torch.nn.Parameter(torch.zeros(num_params))
+    param.grad = torch.full_like(param, 1e-3)
+    optimizer = torch.optim.AdamW([param], lr=1e-3, fused=True)
+    return num_params / _best_time_s(optimizer.step, torch.device("cpu"))
+
+
+def _gpu_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def _vendor_peak_flops_per_s(gpu_name: str, measured: float) -> float:
+    """The dense bf16 peak of a known GPU (from the presets), else the measured rate."""
+    compact = gpu_name.lower().replace(" ", "")
+    for preset in HARDWARE_PRESETS.values():
+        model = preset.name.split("-")[0]  # "a100-80g" -> "a100"
+        if model in compact:
+            return preset.peak_bf16_flops_per_s
+    if "h100" in compact:
+        return HARDWARE_PRESETS["h800"].peak_bf16_flops_per_s
+    return measured
+
+
+def _machine_key(device: torch.device, nvme_dir: Path) -> str:
+    key = {"host": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count(),
+           "ram_bytes": psutil.virtual_memory().total, "gpu": _gpu_name(device),
+           "nvme_dir": str(nvme_dir.resolve()), "torch": torch.__version__}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> HardwareProfile:
+    ram_bytes = psutil.virtual_memory().total
+    if device.type == "cuda":
+        gpu_bytes = torch.cuda.get_device_properties(device).total_memory
+        cpu_bytes = ram_bytes
+    else:
+        gpu_bytes = cpu_bytes = ram_bytes // 2
+    # A host memcpy reaches its steady rate on far less than a PCIe transfer needs.
+    link_bytes = probe_bytes if device.type == "cuda" else min(probe_bytes, 64 * _MIB)
+    h2d, d2h = _measure_link(device, link_bytes)
+    nvme_dir.mkdir(parents=True, exist_ok=True)
+    nvme_read, nvme_write = _measure_nvme(nvme_dir, probe_bytes)
+    matmul = _measure_matmul(device)
+    gpu_name = _gpu_name(device)
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return HardwareProfile(
+        name=f"measured-{platform.node() or 'host'}", gpu_name=gpu_name,
+        gpu_memory_bytes=int(gpu_bytes), cpu_memory_bytes=int(cpu_bytes),
+        nvme_bytes=int(shutil.disk_usage(nvme_dir).free),
+        peak_bf16_flops_per_s=_vendor_peak_flops_per_s(gpu_name, matmul),
+        achieved_flops_per_s=matmul, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
+        nvme_read_bytes_per_s=nvme_read, nvme_write_bytes_per_s=nvme_write,
+        cpu_optimizer_params_per_s=_measure_optimizer(),
+        source=(f"measured by lazytrain_accel on {platform.node()} at {when} with torch "
+                f"{torch.__version__}: {link_bytes // _MIB} MiB host<->device copies, a "
+                f"{probe_bytes // _MIB} MiB file in {nvme_dir}, a square matmul "
+                f"({'bf16' if device.type == 'cuda' else 'fp32'}), fused AdamW on 10M params"),
+    )
+
+
+def measure_hardware(*, cache_dir: str | None = None, nvme_dir: str | None = None,
+                     refresh: bool = False, device: torch.device | None = None,
+                     probe_bytes: int = 256 * _MIB) -> HardwareProfile:
+    """Measure this machine (or read the cached measurement) as a `HardwareProfile`.
+
+    `device` defaults to the first CUDA device, else the CPU. `refresh=True` ignores and
+    overwrites the cache. `probe_bytes` sizes the copy and NVMe probes.
+    """
+    if device is None:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    nvme_path = Path(nvme_dir or default_nvme_dir()).expanduser()
+    nvme_path.mkdir(parents=True, exist_ok=True)
+    cache = (Path(cache_dir or default_cache_dir()).expanduser()
+             / f"hardware-{_machine_key(device, nvme_path)}.json")
+    if cache.is_file() and not refresh:
+        try:
+            return HardwareProfile.load(cache)
+        except ValueError:
+            pass  # a cache from another release or a torn write: measure again
+    profile = _measure(device, nvme_path, probe_bytes)
+    profile.save(cache)
+    return profile

@@ -1,0 +1,141 @@
+"""Model configs (built-in presets, HF directories, JSON files) and their per-layer profiles.
+
+Everything is analytic: a 70B model is profiled without allocating a byte of it.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from lazytrain_accel.profiling.families import FAMILIES, geometry_from_config
+from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
+
+__all__ = ["FAMILIES", "MODEL_PRESETS", "geometry_from_config", "load_model_config",
+           "model_preset_source", "profile_model"]
+
+#: Built-in model configs, shipped as `lazytrain_accel/presets/<name>.json`.
+MODEL_PRESETS: tuple[str, ...] = (
+    "tiny-demo",
+    "qwen2.5-3b",
+    "qwen2.5-7b",
+    "qwen2.5-14b",
+    "qwen3.6-27b",
+    "llama3-8b",
+    "llama3-70b",
+)
+
+# Each preset JSON is a plain HF config plus this key, saying where the numbers come from.
+_SOURCE_KEY = "_lazytrain_source"
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{what} {str(path)!r} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {str(path)!r} must hold a JSON object, got "
+                         f"{type(data).__name__}")
+    return data
+
+
+def _preset_path(name: str) -> Path:
+    return Path(str(resources.files("lazytrain_accel") / "presets" / f"{name}.json"))
+
+
+def load_model_config(spec: str) -> dict[str, Any]:
+    """The HF config dict of `spec`: a preset name (`MODEL_PRESETS`), a local HF model
+    directory holding `config.json`, or the path of a config `.json` file."""
+    if spec in MODEL_PRESETS:
+        config = _read_json(_preset_path(spec), "model preset")
+        config.pop(_SOURCE_KEY, None)
+        return config
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {spec!r} has no config.json; point --model at "
+                             "a HF model directory, a config .json file or a preset")
+        return _read_json(path / "config.json", "model config")
+    if path.is_file():
+        return _read_json(path, "model config")
+    raise ValueError(f"model {spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor an "
+                     "existing HF model directory or config .json file")
+
+
+def model_preset_source(name: str) -> str:
+    """Where the numbers of preset `name` come from (its `_lazytrain_source` note)."""
+    if name not in MODEL_PRESETS:
+        raise ValueError(f"{name!r} is not a model preset; choose one of {list(MODEL_PRESETS)}")
+    return str(_read_json(_preset_path(name), "model preset").get(_SOURCE_KEY, ""))
+
+
+def _saved_elems_per_token(g: ModelGeometry) -> int:
+    """Elements per token that autograd keeps for one layer's backward (compute dtype).
+
+    Counted tensors: the layer input and the residual after attention, both norm outputs,
+    q/k/v, the attention output, and the MLP intermediates (gate, up, act(gate), product
+    for a gated MLP; fc1 output and its activation otherwise). Attention is assumed to run
+    through a fused SDPA/flash kernel, which keeps no seq x seq score matrix.
+    """
+    q_dim = g.num_attention_heads * g.head_dim
+    kv_dim = g.num_kv_heads * g.head_dim
+    mlp = (4 if g.gated_mlp else 2) * g.intermediate_size
+    return 4 * g.hidden_size + q_dim + 2 * kv_dim + q_dim + mlp
+
+
+def _layer_working_bytes(g: ModelGeometry, tokens: int, bytes_per_elem: int) -> int:
+    """Peak extra device bytes while one layer re-runs its forward and runs its backward.
+
+    Saved intermediates + the output gradient arriving and the input gradient leaving +
+    the widest transient gradient (one MLP-intermediate-wide tensor, twice while it is
+    being combined) + the layer's weight gradients before they stream to the host.
+    """
+    widest = max(g.intermediate_size, g.num_attention_heads * g.head_dim)
+    activation_elems = tokens * (_saved_elems_per_token(g) + 2 * g.hidden_size + 2 * widest)
+    return activation_elems * bytes_per_elem + g.layer_param_count * bytes_per_elem
+
+
+def profile_model(
+    geometry: ModelGeometry,
+    *,
+    batch_size: int,
+    seq_len: int,
+    compute_bytes_per_elem: int = 2,
+) -> ModelProfile:
+    """Per-layer bytes and FLOPs of `geometry` at one micro-batch shape.
+
+    FLOPs count 2 per multiply-add. A layer's forward is its matmuls (2 * tokens * layer
+    params; biases and norms are within 0.1%) plus attention's QK^T and AV over the full
+    seq x seq square (4 * batch * seq^2 * q_dim); its backward proper is twice its forward
+    (input and weight gradients), excluding the forward re-run the engine does first.
+    """
+    for field_name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field_name}={value!r} must be a positive integer")
+    if compute_bytes_per_elem not in (1, 2, 4):
+        raise ValueError(f"compute_bytes_per_elem={compute_bytes_per_elem!r} must be 1, 2 "
+                         "(bf16/fp16) or 4 (fp32)")
+    tokens = batch_size * seq_len
+    g = geometry
+    q_dim = g.num_attention_heads * g.head_dim
+    layer_fwd_flops = (2.0 * tokens * g.layer_param_count
+                       + 4.0 * batch_size * seq_len * seq_len * q_dim)
+    head_fwd_flops = 2.0 * tokens * g.hidden_size * g.vocab_size + 5.0 * tokens * g.vocab_size
+    resident = g.embedding_param_count + g.head_param_count + g.final_norm_param_count
+    return ModelProfile(
+        geometry=g,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        compute_bytes_per_elem=compute_bytes_per_elem,
+        boundary_bytes=tokens * g.hidden_size * compute_bytes_per_elem,
+        layer_param_bytes=g.layer_param_count * compute_bytes_per_elem,
+        layer_grad_bytes=g.layer_param_count * compute_bytes_per_elem,
+        layer_working_bytes=_layer_working_bytes(g, tokens, compute_bytes_per_elem),
+        layer_fwd_flops=layer_fwd_flops,
+        layer_bwd_flops=2.0 * layer_fwd_flops,
+        head_fwd_flops=head_fwd_flops,
+        resident_param_bytes=resident * compute_bytes_per_elem,
+    )
