@@ -1,0 +1,249 @@
+"""The MIP (docs/planner.md holds the math and the symbol -> name table). The only module
+that imports pyscipopt.
+
+Two reformulations make it fast (DESIGN.md §3): transfers are not variables per boundary
+and window; each link's windows for boundary i are nested (offload: a suffix of the
+forward; reload: a prefix of the backward), so Hall's condition on the nested sets, one
+row per boundary, is exactly the feasibility of a byte-to-window assignment (decoded later
+by earliest-deadline-first, `schedule.py`). And the block cache is `sum_l y_l`, with
+`y_l >= x[s,e]` for every edge of length >= l, instead of a big-M row per edge.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from pyscipopt import Model, quicksum
+
+from lazytrain_accel.planning.plan import Home
+from lazytrain_accel.planning.problem import GIB, Problem
+
+#: Tie-breakers in seconds, far below any gap we stop at: among equally fast plans prefer
+#: fewer materialized boundaries, fewer transfers, and NVMe last.
+TIE_MATERIALIZE_S = 1e-7
+TIE_OFFLOAD_S = 1e-7
+TIE_NVME_S = 1e-6
+
+
+@dataclass(kw_only=True)
+class MilpSolution:
+    status: str  # "optimal", "timelimit", "gaplimit", "infeasible", ...
+    homes: list[Home] | None  # None when no feasible point was found
+    exposed_s: list[float]  # per window
+    objective_s: float | None
+    gap: float
+    solve_s: float
+    shortfall_bytes: dict[str, int]  # elastic solves only
+    message: str = ""
+
+
+@dataclass(kw_only=True)
+class _Vars:
+    x: dict[tuple[int, int], object]
+    gpu: dict[int, object]
+    cpu: dict[int, object]
+    nvme: dict[int, object]
+    exposed: list[object]
+    slack: dict[str, object]
+
+
+def _add_variables(m: Model, p: Problem, edges: list[tuple[int, int]], allow_cpu: bool,
+                   allow_nvme: bool) -> _Vars:
+    L = p.num_layers
+    x = {(s, e): m.addVar(f"edge_{s}_{e}", vtype="B") for s, e in edges}
+    gpu = {i: m.addVar(f"home_gpu_{i}", vtype="B", lb=1 if i in (0, L) else 0)
+           for i in range(L + 1)}
+    cpu = {i: m.addVar(f"home_cpu_{i}", vtype="B")
+           for i in range(1, L) if allow_cpu and p.can_offload(i)}
+    nvme = {i: m.addVar(f"home_nvme_{i}", vtype="B")
+            for i in range(1, L) if allow_nvme and p.can_offload(i, nvme=True)}
+    exposed = [m.addVar(f"exposed_s_{w}", lb=0.0) for w in range(p.num_windows)]
+    return _Vars(x=x, gpu=gpu, cpu=cpu, nvme=nvme, exposed=exposed, slack={})
+
+
+def _home_sum(v: _Vars, i: int) -> object:
+    return quicksum(d[i] for d in (v.gpu, v.cpu, v.nvme) if i in d)
+
+
+def _offloaded(v: _Vars, i: int) -> object:
+    return quicksum(d[i] for d in (v.cpu, v.nvme) if i in d)
+
+
+def _add_path(m: Model, p: Problem, v: _Vars) -> None:
+    """One path of edges from 0 to L through exactly the materialized boundaries."""
+    L = p.num_layers
+    for i in range(L + 1):
+        into = [v.x[s, e] for (s, e) in v.x if e == i]
+        out = [v.x[s, e] for (s, e) in v.x if s == i]
+        m.addCons(_home_sum(v, i) <= 1, name=f"one_home_{i}")
+        if i > 0:
+            m.addCons(quicksum(into) == _home_sum(v, i), name=f"flow_in_{i}")
+        if i < L:
+            m.addCons(quicksum(out) == _home_sum(v, i), name=f"flow_out_{i}")
+        # A block's start is read at B_e (recompute) and again at B_{s+1}: keep it on the
+        # device for the whole block rather than reloading it twice.
+        long_out = [v.x[s, e] for (s, e) in v.x if s == i and e - s >= 2]
+        if long_out and (i in v.cpu or i in v.nvme):
+            m.addCons(quicksum(long_out) + _offloaded(v, i) <= 1, name=f"block_start_gpu_{i}")
+
+
+def _add_capacity(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
+    a_gib = p.boundary_bytes / GIB
+    max_len = max((e - s for s, e in v.x), default=1)
+    cache = []
+    for length in range(2, max_len + 1):
+        y = m.addVar(f"cache_len_ge_{length}", lb=0.0, ub=1.0)
+        # One path edge covers each position k, so the long edges covering k sum to 0 or
+        # 1: one row per k dominates one row per edge and tightens the LP relaxation.
+        for k in range(p.num_layers):
+            covering = [xv for (s, e), xv in v.x.items() if s <= k < e and e - s >= length]
+            if covering:
+                m.addCons(y >= quicksum(covering), name=f"cache_{length}_{k}")
+        cache.append(y)
+    if elastic:
+        v.slack = {k: m.addVar(f"shortfall_gib_{k}", lb=0.0) for k in ("gpu", "cpu", "nvme")}
+    slack = {k: v.slack.get(k, 0.0) for k in ("gpu", "cpu", "nvme")}
+    b = p.budgets
+    m.addCons(a_gib * (quicksum(v.gpu.values()) + quicksum(cache))
+              <= (b.gpu_bytes - p.gpu_fixed_bytes) / GIB + slack["gpu"], name="capacity_gpu")
+    m.addCons(a_gib * quicksum(v.cpu.values())
+              <= (b.cpu_bytes - p.static_cpu_bytes) / GIB + slack["cpu"], name="capacity_cpu")
+    m.addCons(a_gib * quicksum(v.nvme.values()) <= b.nvme_bytes / GIB + slack["nvme"],
+              name="capacity_nvme")
+
+
+def _window_terms(p: Problem, v: _Vars) -> tuple[list, list]:
+    """Per window: duration (s) and mandatory H2D (bytes), both linear in the edges."""
+    dur = [p.base_duration_s(w) for w in range(p.num_windows)]
+    h2d = [float(p.weight_h2d_bytes(w)) for w in range(p.num_windows)]
+    for (s, e), xv in v.x.items():
+        if e - s < 2:
+            continue
+        dur[2 * p.num_layers - e] = dur[2 * p.num_layers - e] + p.recompute_s(s, e) * xv
+        for w, nbytes in p.restream_windows(s, e):
+            if nbytes:
+                h2d[w] = h2d[w] + nbytes * xv
+    return dur, h2d
+
+
+def _add_links(m: Model, p: Problem, v: _Vars) -> None:
+    dur, h2d = _window_terms(p, v)
+    W = p.num_windows
+    free = {  # seconds each link has for activations in each window
+        "h2d": [dur[w] + v.exposed[w] - h2d[w] * (1 / p.h2d_bytes_per_s) for w in range(W)],
+        "d2h": [dur[w] + v.exposed[w] - p.grad_d2h_bytes(w) / p.d2h_bytes_per_s
+                for w in range(W)],
+        "nvme_write": [dur[w] + v.exposed[w] for w in range(W)],
+        "nvme_read": [dur[w] + v.exposed[w] for w in range(W)],
+    }
+    for w in range(W):
+        m.addCons(free["h2d"][w] >= 0, name=f"mandatory_h2d_{w}")
+        m.addCons(free["d2h"][w] >= 0, name=f"mandatory_d2h_{w}")
+    links = (("d2h", p.d2h_windows, p.d2h_bytes_per_s, True),
+             ("h2d", p.h2d_windows, p.h2d_bytes_per_s, True),
+             ("nvme_write", p.nvme_write_windows, p.nvme_write_bytes_per_s, False),
+             ("nvme_read", p.nvme_read_windows, p.nvme_read_bytes_per_s, False))
+    for link, windows, rate, pcie in links:
+        homes = {**v.cpu, **v.nvme} if pcie else v.nvme
+        demand_s = p.boundary_bytes / rate
+        for i in sorted(homes):
+            # Hall: every boundary whose window set lies inside boundary i's (i' >= i).
+            inside = [homes[j] for j in homes if j >= i]
+            lo, hi = windows(i)
+            m.addCons(demand_s * quicksum(inside) <= quicksum(free[link][lo:hi + 1]),
+                      name=f"hall_{link}_{i}")
+
+
+def _add_objective(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
+    if elastic:  # how far the budgets are from feasible, in GiB
+        m.setObjective(quicksum(v.slack.values()), "minimize")
+        return
+    recompute = quicksum(p.recompute_s(s, e) * xv for (s, e), xv in v.x.items())
+    ties = (TIE_MATERIALIZE_S * quicksum(_home_sum(v, i) for i in range(p.num_layers + 1))
+            + TIE_OFFLOAD_S * quicksum(v.cpu.values()) + TIE_NVME_S * quicksum(v.nvme.values()))
+    m.setObjective(recompute + quicksum(v.exposed) + ties, "minimize")
+
+
+def _fix_homes(m: Model, v: _Vars, homes: list[Home]) -> None:
+    for i, home in enumerate(homes):
+        for kind, table in ((Home.GPU, v.gpu), (Home.CPU, v.cpu), (Home.NVME, v.nvme)):
+            if i in table:
+                value = 1.0 if home == kind else 0.0
+                m.chgVarLb(table[i], value)
+                m.chgVarUb(table[i], value)
+            elif home == kind:
+                raise ValueError(f"boundary {i} cannot be homed {kind.value}: its offload or "
+                                 "reload window set is empty (too close to the last layer)")
+
+
+def build_milp(p: Problem, *, allow_cpu: bool = True, allow_nvme: bool = True,
+               fixed_homes: list[Home] | None = None, elastic: bool = False
+               ) -> tuple[Model, _Vars]:
+    """The SCIP model of `p`; `fixed_homes` pins every boundary (baselines), `elastic`
+    adds capacity slack and minimizes it (to name what an infeasible request lacks)."""
+    if fixed_homes is not None:
+        kept = [i for i, h in enumerate(fixed_homes) if h != Home.RECOMPUTE]
+        edges = list(itertools.pairwise(kept))
+    else:
+        edges = p.edges()
+    m = Model("lazytrain_plan")
+    m.hideOutput()
+    v = _add_variables(m, p, edges, allow_cpu, allow_nvme)
+    _add_path(m, p, v)
+    _add_capacity(m, p, v, elastic)
+    _add_links(m, p, v)
+    _add_objective(m, p, v, elastic)
+    if fixed_homes is not None:
+        _fix_homes(m, v, fixed_homes)
+    return m, v
+
+
+def _read_homes(m: Model, v: _Vars, num_layers: int) -> list[Home]:
+    homes = []
+    for i in range(num_layers + 1):
+        home = Home.RECOMPUTE
+        for kind, table in ((Home.GPU, v.gpu), (Home.CPU, v.cpu), (Home.NVME, v.nvme)):
+            if i in table and m.getVal(table[i]) > 0.5:
+                home = kind
+        homes.append(home)
+    return homes
+
+
+def _step_gap(m: Model, status: str, step_floor_s: float) -> float:
+    """(incumbent - bound) / incumbent's predicted step seconds."""
+    if status == "optimal":
+        return 0.0
+    primal, dual = m.getPrimalbound(), m.getDualbound()
+    return max(primal - dual, 0.0) / (step_floor_s + primal)
+
+
+def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
+               allow_cpu: bool = True, allow_nvme: bool = True,
+               fixed_homes: list[Home] | None = None, elastic: bool = False,
+               first_feasible: bool = False) -> MilpSolution:
+    """Solve; `first_feasible` stops at the first incumbent (admission checks)."""
+    m, v = build_milp(p, allow_cpu=allow_cpu, allow_nvme=allow_nvme,
+                      fixed_homes=fixed_homes, elastic=elastic)
+    m.setParam("limits/time", max(time_limit_s, 0.01))
+    # The gap is relative to the predicted step, not to the objective: the objective
+    # (recompute + exposure) is often ~0 s, where a relative gap means nothing.
+    step_floor_s = p.compute_s + p.prologue_s + p.tail_s
+    m.setParam("limits/gap", 0.0)
+    m.setParam("limits/absgap", gap * step_floor_s)
+    if first_feasible:
+        m.setParam("limits/solutions", 1)
+    start = time.perf_counter()
+    m.optimize()
+    solve_s = time.perf_counter() - start
+    status = m.getStatus()
+    if m.getNSols() == 0:
+        return MilpSolution(status=status, homes=None, exposed_s=[], objective_s=None,
+                            gap=float("inf"), solve_s=solve_s, shortfall_bytes={})
+    shortfall = {k: round(m.getVal(s) * GIB) for k, s in v.slack.items()}
+    return MilpSolution(
+        status=status, homes=_read_homes(m, v, p.num_layers),
+        exposed_s=[max(m.getVal(e), 0.0) for e in v.exposed], objective_s=m.getObjVal(),
+        gap=_step_gap(m, status, step_floor_s), solve_s=solve_s,
+        shortfall_bytes={k: b for k, b in shortfall.items() if b > 0})

@@ -1,0 +1,123 @@
+"""`make_plan`: one strategy -> one `Plan` (the MIP, its GPU-only variant, or a baseline)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from lazytrain_accel.planning.baselines import BASELINES
+from lazytrain_accel.planning.milp import MilpSolution, solve_milp
+from lazytrain_accel.planning.plan import Plan, SolverReport, run_fingerprint
+from lazytrain_accel.planning.problem import (
+    GIB,
+    Budgets,
+    PlanInfeasibleError,
+    Problem,
+    build_problem,
+)
+from lazytrain_accel.planning.schedule import blocks_of, predict, schedule_transfers
+from lazytrain_accel.profiling.hardware import HardwareProfile
+from lazytrain_accel.profiling.model import ModelProfile
+
+log = logging.getLogger(__name__)
+
+STRATEGIES: tuple[str, ...] = ("lazytrain", "megatrain", "checkpoint_all", "offload_all",
+                               "lazytrain_gpu_only")
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def infeasible_error(p: Problem, strategy: str, solution: MilpSolution) -> PlanInfeasibleError:
+    """The error naming each binding tier, its shortfall and its fixed use."""
+    b = p.budgets
+    fixed = {"gpu": (b.gpu_bytes, p.gpu_fixed_bytes, "--gpu-memory-gb"),
+             "cpu": (b.cpu_bytes, p.static_cpu_bytes, "--cpu-memory-gb"),
+             "nvme": (b.nvme_bytes, 0, "--nvme-gb")}
+    parts = [f"{tier.upper()} short by {_gib(short)} (budget {_gib(fixed[tier][0])}, "
+             f"base {_gib(fixed[tier][1])} before activations)"
+             for tier, short in solution.shortfall_bytes.items()]
+    flags = " / ".join(fixed[tier][2] for tier in solution.shortfall_bytes) or "the budgets"
+    detail = "; ".join(parts) or "no tier named (solver limit reached while diagnosing)"
+    return PlanInfeasibleError(
+        f"no {strategy} plan fits {p.num_layers} layers with {_gib(p.boundary_bytes)} per "
+        f"boundary: {detail}. Raise {flags}, lower --batch-size or --seq-len, or pick a "
+        "strategy that recomputes or offloads more.", dict(solution.shortfall_bytes))
+
+
+def _diagnose(p: Problem, strategy: str, time_limit_s: float,
+              **kwargs: object) -> PlanInfeasibleError:
+    elastic = solve_milp(p, time_limit_s=time_limit_s, gap=0.0, elastic=True, **kwargs)
+    return infeasible_error(p, strategy, elastic)
+
+
+def _baseline_solution(p: Problem, strategy: str, time_limit_s: float) -> MilpSolution:
+    homes = BASELINES[strategy](p)
+    solution = solve_milp(p, time_limit_s=time_limit_s, gap=0.0, fixed_homes=homes)
+    if solution.homes is None:
+        raise _diagnose(p, strategy, time_limit_s, fixed_homes=homes)
+    solution.status = "baseline"
+    return solution
+
+
+def _fallback(p: Problem, time_limit_s: float, why: str) -> tuple[str, MilpSolution]:
+    """The fastest feasible baseline, when the MIP found no plan in time."""
+    candidates = []
+    for name in BASELINES:
+        try:
+            candidates.append((name, _baseline_solution(p, name, time_limit_s)))
+        except PlanInfeasibleError:
+            continue
+    if not candidates:
+        raise _diagnose(p, "lazytrain", time_limit_s)
+    name, best = min(candidates, key=lambda c: c[1].objective_s)
+    message = (f"MIP found no plan ({why}) within {time_limit_s:.0f} s; FALLING BACK to the "
+               f"{name} baseline. Raise the time limit to get a LazyTrain plan.")
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    log.warning(message)
+    best.status, best.message = "fallback", message
+    return name, best
+
+
+def solve_problem(p: Problem, *, strategy: str, time_limit_s: float,
+                  gap: float = 0.01) -> MilpSolution:
+    """The solution of `strategy` on `p`; raises `PlanInfeasibleError` when none fits."""
+    if strategy in BASELINES:
+        return _baseline_solution(p, strategy, time_limit_s)
+    if strategy not in ("lazytrain", "lazytrain_gpu_only"):
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    offload = strategy == "lazytrain"
+    solution = solve_milp(p, time_limit_s=time_limit_s, gap=gap, allow_cpu=offload,
+                          allow_nvme=offload)
+    if solution.homes is not None:
+        return solution
+    if solution.status == "infeasible":
+        raise _diagnose(p, strategy, time_limit_s, allow_cpu=offload, allow_nvme=offload)
+    return _fallback(p, time_limit_s, solution.status)[1]
+
+
+def plan_from_solution(p: Problem, solution: MilpSolution, *, strategy: str,
+                       model: ModelProfile, hardware: HardwareProfile) -> Plan:
+    assert solution.homes is not None
+    transfers = schedule_transfers(p, solution.homes, solution.exposed_s)
+    prediction = predict(p, solution.homes, transfers)
+    report = SolverReport(status=solution.status, solve_s=solution.solve_s, gap=solution.gap,
+                          objective_s=solution.objective_s,
+                          message=solution.message)
+    return Plan(strategy=strategy, num_layers=p.num_layers, batch_size=model.batch_size,
+                seq_len=model.seq_len, boundary_bytes=p.boundary_bytes,
+                homes=list(solution.homes), blocks=blocks_of(solution.homes),
+                transfers=transfers, prediction=prediction, solver=report,
+                fingerprint=run_fingerprint(model, hardware))
+
+
+def make_plan(model: ModelProfile, hardware: HardwareProfile, *, strategy: str = "lazytrain",
+              budgets: Budgets | None = None, max_recompute_block: int = 8,
+              time_limit_s: float = 60.0, gap: float = 0.01) -> Plan:
+    """The plan of `strategy` for `model` on `hardware` within `budgets` (default: the
+    hardware's capacities). Raises `PlanInfeasibleError` naming the binding tiers."""
+    p = build_problem(model, hardware, budgets=budgets, max_recompute_block=max_recompute_block)
+    solution = solve_problem(p, strategy=strategy, time_limit_s=time_limit_s, gap=gap)
+    return plan_from_solution(p, solution, strategy=strategy, model=model, hardware=hardware)
+
