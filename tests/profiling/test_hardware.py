@@ -1,0 +1,74 @@
+"""Hardware presets, JSON round trip and `load_hardware`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
+
+_REQUIRED = {"h800", "h200", "a100-80g", "a100-40g", "rtx3090", "rtx4090"}
+
+
+def test_required_presets_exist_with_sources() -> None:
+    assert set(HARDWARE_PRESETS) >= _REQUIRED
+    for name, hw in HARDWARE_PRESETS.items():
+        assert hw.name == name
+        assert "datasheet" in hw.source or "whitepaper" in hw.source
+        assert hw.achieved_flops_per_s < hw.peak_bf16_flops_per_s
+
+
+def test_h800_carries_the_paper_measurements() -> None:
+    hw = HARDWARE_PRESETS["h800"]
+    assert hw.h2d_bytes_per_s == hw.d2h_bytes_per_s == 12e9
+    assert (hw.nvme_read_bytes_per_s, hw.nvme_write_bytes_per_s) == (2.83e9, 3.35e9)
+    assert "2608.11919" in hw.source
+
+
+def test_gpu_memory_ordering_is_sane() -> None:
+    gib = {name: hw.gpu_memory_bytes / 1024**3 for name, hw in HARDWARE_PRESETS.items()}
+    assert gib["rtx3090"] < gib["a100-40g"] < gib["a100-80g"] < gib["h200"]
+    assert 79 < gib["h800"] < 80
+
+
+def test_save_load_round_trip(tmp_path) -> None:
+    path = tmp_path / "sub" / "hw.json"
+    HARDWARE_PRESETS["rtx4090"].save(path)
+    assert HardwareProfile.load(path) == HARDWARE_PRESETS["rtx4090"]
+    assert load_hardware(str(path)) == HARDWARE_PRESETS["rtx4090"]
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_from_dict_names_missing_and_unknown_keys() -> None:
+    data = HARDWARE_PRESETS["h800"].to_dict()
+    del data["h2d_bytes_per_s"]
+    data["pcie_gen"] = 5
+    with pytest.raises(ValueError, match=r"missing keys \['h2d_bytes_per_s'\].*\['pcie_gen'\]"):
+        HardwareProfile.from_dict(data)
+    with pytest.raises(ValueError, match="JSON object"):
+        HardwareProfile.from_dict([1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), "12e9", True])
+def test_rates_must_be_finite_positive_numbers(bad) -> None:
+    with pytest.raises(ValueError, match="h2d_bytes_per_s"):
+        dataclasses.replace(HARDWARE_PRESETS["h800"], h2d_bytes_per_s=bad)
+
+
+def test_load_errors_name_the_file(tmp_path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        HardwareProfile.load(tmp_path / "none.json")
+    (tmp_path / "torn.json").write_text('{"name": ')
+    with pytest.raises(ValueError, match=r"torn\.json.*not valid JSON"):
+        load_hardware(str(tmp_path / "torn.json"))
+    (tmp_path / "partial.json").write_text(json.dumps({"name": "x"}))
+    with pytest.raises(ValueError, match=r"partial\.json.*missing keys"):
+        load_hardware(str(tmp_path / "partial.json"))
+
+
+def test_load_hardware_names_are_case_insensitive_and_checked() -> None:
+    assert load_hardware(" H800 ") is HARDWARE_PRESETS["h800"]
+    with pytest.raises(ValueError, match=r"hardware 'tpu-v5'.*'auto'.*h800"):
+        load_hardware("tpu-v5")

@@ -1,0 +1,76 @@
+"""`hardware="auto"`: this machine measured once, cached by machine, re-measured on demand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lazytrain_accel.profiling import measure
+from lazytrain_accel.profiling.hardware import HardwareProfile, load_hardware
+
+_PROBE_BYTES = 16 * 1024**2
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> tuple[HardwareProfile, str, str]:
+    cache = str(tmp_path_factory.mktemp("cache"))
+    nvme = str(tmp_path_factory.mktemp("nvme"))
+    profile = measure.measure_hardware(cache_dir=cache, nvme_dir=nvme, probe_bytes=_PROBE_BYTES)
+    return profile, cache, nvme
+
+
+def test_measured_profile_is_plausible_for_a_cpu(measured) -> None:
+    profile, _, nvme = measured
+    assert profile.gpu_name.startswith("cpu")
+    # On a CPU "device", the GPU tier and the host tier split one RAM.
+    assert profile.gpu_memory_bytes == profile.cpu_memory_bytes > 1024**3
+    assert profile.achieved_flops_per_s > 1e8
+    assert profile.h2d_bytes_per_s > 1e8 and profile.d2h_bytes_per_s > 1e8
+    assert profile.nvme_read_bytes_per_s > 1e6 and profile.nvme_write_bytes_per_s > 1e6
+    assert profile.cpu_optimizer_params_per_s > 1e6
+    assert nvme in profile.source
+
+
+def test_cache_is_reused_without_measuring(measured, monkeypatch) -> None:
+    profile, cache, nvme = measured
+
+    def fail(*args, **kwargs):
+        raise AssertionError("measured again although a cached profile exists")
+
+    monkeypatch.setattr(measure, "_measure", fail)
+    assert measure.measure_hardware(cache_dir=cache, nvme_dir=nvme) == profile
+    assert load_hardware("auto", cache_dir=cache, nvme_dir=nvme) == profile
+
+
+def test_refresh_and_corrupt_cache_measure_again(measured, monkeypatch) -> None:
+    profile, cache, nvme = measured
+    calls = []
+
+    def fake(device, nvme_dir, probe_bytes):
+        calls.append(nvme_dir)
+        return profile
+
+    monkeypatch.setattr(measure, "_measure", fake)
+    measure.measure_hardware(cache_dir=cache, nvme_dir=nvme, refresh=True)
+    assert len(calls) == 1
+    (cache_file,) = Path(cache).glob("hardware-*.json")
+    cache_file.write_text("{truncated")
+    assert measure.measure_hardware(cache_dir=cache, nvme_dir=nvme) == profile
+    assert len(calls) == 2
+    assert HardwareProfile.load(cache_file) == profile  # the cache was rewritten
+
+
+def test_another_nvme_dir_is_another_machine_key(measured, tmp_path, monkeypatch) -> None:
+    profile, cache, _ = measured
+    calls = []
+    monkeypatch.setattr(measure, "_measure", lambda *a: calls.append(a) or profile)
+    measure.measure_hardware(cache_dir=cache, nvme_dir=str(tmp_path))
+    assert len(calls) == 1
+
+
+def test_known_gpu_names_get_the_vendor_peak() -> None:
+    assert measure._vendor_peak_flops_per_s("NVIDIA H200", 1.0) == 989.4e12
+    assert measure._vendor_peak_flops_per_s("NVIDIA H100 80GB HBM3", 1.0) == 989.4e12
+    assert measure._vendor_peak_flops_per_s("NVIDIA GeForce RTX 4090", 1.0) == 165.2e12
+    assert measure._vendor_peak_flops_per_s("NVIDIA L4", 7.0) == 7.0

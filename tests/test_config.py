@@ -1,0 +1,177 @@
+"""`LazyTrainConfig`: argument > LAZYTRAIN_* environment > default, coercion, validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from lazytrain_accel import LazyTrainPlugin
+from lazytrain_accel.config import (
+    ENV_PREFIX,
+    STRATEGIES,
+    LazyTrainConfig,
+    OptimizerChoice,
+    default_cache_dir,
+    default_nvme_dir,
+)
+
+FIELDS = [f.name for f in dataclasses.fields(LazyTrainConfig) if not f.name.startswith("_")]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    for name in list(os.environ):
+        if name.startswith(ENV_PREFIX):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+
+def test_defaults() -> None:
+    config = LazyTrainConfig()
+    assert config.plan == "auto" and config.hardware == "auto"
+    assert config.optimizer is OptimizerChoice.HYBRID8BIT
+    assert config.max_recompute_block == 8 and isinstance(config.max_recompute_block, int)
+    assert config.solver_time_limit_s == 60.0 and config.max_nonfinite_skips == 3
+    assert config.gpu_memory_limit_gb == config.cpu_memory_limit_gb == config.nvme_limit_gb == 0
+    assert config.cache_dir.endswith(os.path.join("xdg", "lazytrain_accel"))
+    assert config.nvme_dir == default_nvme_dir()
+    assert not any(config.is_explicit(name) for name in FIELDS)
+    assert LazyTrainPlugin is LazyTrainConfig
+
+
+# One valid environment string per field, and the value it must become.
+ENV_VALUES = {
+    "plan": ("megatrain", "megatrain"),
+    "hardware": ("RTX3090", "rtx3090"),
+    "optimizer": ("KEEP", OptimizerChoice.KEEP),
+    "nvme_dir": ("/mnt/nvme0", "/mnt/nvme0"),
+    "gpu_memory_limit_gb": ("10.5", 10.5),
+    "cpu_memory_limit_gb": ("64", 64.0),
+    "nvme_limit_gb": ("100", 100.0),
+    "max_recompute_block": ("4", 4),
+    "solver_time_limit_s": ("2.5", 2.5),
+    "cache_dir": ("~/lt-cache", os.path.expanduser("~/lt-cache")),
+    "max_nonfinite_skips": ("7", 7),
+}
+
+
+def test_every_field_has_an_env_and_argument_case() -> None:
+    assert set(ENV_VALUES) == set(FIELDS)
+    assert set(ARGUMENTS) == set(FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(ENV_VALUES))
+def test_env_overrides_default(name: str, monkeypatch) -> None:
+    raw, expected = ENV_VALUES[name]
+    default = getattr(LazyTrainConfig(), name)
+    monkeypatch.setenv(ENV_PREFIX + name.upper(), raw)
+    config = LazyTrainConfig()
+    assert getattr(config, name) == expected != default
+    assert not config.is_explicit(name)
+
+
+# One valid argument per field, different from its ENV_VALUES entry.
+ARGUMENTS = {
+    "plan": ("checkpoint_all", "checkpoint_all"),
+    "hardware": ("h800", "h800"),
+    "optimizer": (OptimizerChoice.HYBRID8BIT, OptimizerChoice.HYBRID8BIT),
+    "nvme_dir": ("/elsewhere", "/elsewhere"),
+    "gpu_memory_limit_gb": (0, 0.0),
+    "cpu_memory_limit_gb": (1, 1.0),
+    "nvme_limit_gb": (2.5, 2.5),
+    "max_recompute_block": (2, 2),
+    "solver_time_limit_s": (9, 9.0),
+    "cache_dir": ("/cache", "/cache"),
+    "max_nonfinite_skips": (1, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARGUMENTS))
+def test_argument_beats_environment(name: str, monkeypatch) -> None:
+    monkeypatch.setenv(ENV_PREFIX + name.upper(), ENV_VALUES[name][0])
+    argument, expected = ARGUMENTS[name]
+    config = LazyTrainConfig(**{name: argument})
+    assert getattr(config, name) == expected != ENV_VALUES[name][1]
+    assert config.is_explicit(name)
+
+
+def test_empty_env_var_counts_as_unset(monkeypatch) -> None:
+    monkeypatch.setenv("LAZYTRAIN_MAX_RECOMPUTE_BLOCK", "")
+    monkeypatch.setenv("LAZYTRAIN_PLAN", "   ")
+    config = LazyTrainConfig()
+    assert config.max_recompute_block == 8 and config.plan == "auto"
+
+
+def test_strings_coerce_to_enums_and_numbers() -> None:
+    config = LazyTrainConfig(optimizer=" Keep ", max_recompute_block="3",
+                             gpu_memory_limit_gb="1e1", plan="MegaTrain", hardware="AUTO")
+    assert config.optimizer is OptimizerChoice.KEEP
+    assert config.max_recompute_block == 3 and config.gpu_memory_limit_gb == 10.0
+    assert config.plan == "megatrain" and config.hardware == "auto"
+    assert config.to_dict()["optimizer"] == "keep"
+
+
+def test_to_dict_round_trips() -> None:
+    config = LazyTrainConfig(plan="offload_all", max_recompute_block=5, hardware="a100-40g")
+    again = LazyTrainConfig(**config.to_dict())
+    assert again.to_dict() == config.to_dict()
+    assert set(config.to_dict()) == set(FIELDS)
+
+
+# Every validation error: (field, bad value, words the message must contain).
+BAD = [
+    ("plan", "fastest", ["plan='fastest'", "'auto'", *STRATEGIES[:1], "JSON"]),
+    ("plan", "/nowhere/plan.json", ["no such plan file", "lazytrain plan"]),
+    ("hardware", "tpu", ["hardware='tpu'", "'auto'", "h800"]),
+    ("hardware", "/nowhere/hw.json", ["no such hardware JSON file"]),
+    ("optimizer", "sgd", ["optimizer='sgd'", "hybrid8bit", "keep"]),
+    ("nvme_dir", "", ["nvme_dir=''", "non-empty"]),
+    ("cache_dir", 3, ["cache_dir=3", "non-empty string"]),
+    ("gpu_memory_limit_gb", -1, ["gpu_memory_limit_gb=-1", ">= 0"]),
+    ("cpu_memory_limit_gb", "lots", ["cpu_memory_limit_gb='lots'", "finite number"]),
+    ("nvme_limit_gb", float("nan"), ["nvme_limit_gb=nan", "finite number"]),
+    ("max_recompute_block", 0, ["max_recompute_block=0", ">= 1"]),
+    ("max_recompute_block", 2.5, ["max_recompute_block=2.5", "integer"]),
+    ("max_recompute_block", True, ["max_recompute_block=True", "number"]),
+    ("solver_time_limit_s", 0, ["solver_time_limit_s=0", "> 0"]),
+    ("solver_time_limit_s", "inf", ["solver_time_limit_s='inf'", "finite"]),
+    ("max_nonfinite_skips", 0, ["max_nonfinite_skips=0", ">= 1"]),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "words"), BAD, ids=[f"{b[0]}={b[1]!r}" for b in BAD])
+def test_validation_errors_name_field_value_and_fix(name, value, words) -> None:
+    with pytest.raises(ValueError) as info:
+        LazyTrainConfig(**{name: value})
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_env_errors_name_the_variable(monkeypatch) -> None:
+    monkeypatch.setenv("LAZYTRAIN_MAX_RECOMPUTE_BLOCK", "four")
+    with pytest.raises(ValueError, match="environment variable LAZYTRAIN_MAX_RECOMPUTE_BLOCK"):
+        LazyTrainConfig()
+    monkeypatch.delenv("LAZYTRAIN_MAX_RECOMPUTE_BLOCK")
+    monkeypatch.setenv("LAZYTRAIN_OPTIMIZER", "adam")
+    with pytest.raises(ValueError, match=r"optimizer='adam'.*LAZYTRAIN_OPTIMIZER"):
+        LazyTrainConfig()
+
+
+def test_json_paths_are_accepted_when_they_exist(tmp_path) -> None:
+    from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+
+    hw_path = tmp_path / "Machine.JSON.json"
+    HARDWARE_PRESETS["h800"].save(hw_path)
+    plan_path = tmp_path / "Plan.json"
+    plan_path.write_text("{}")
+    config = LazyTrainConfig(hardware=str(hw_path), plan=str(plan_path))
+    assert config.hardware == str(hw_path) and config.plan == str(plan_path)  # case kept
+
+
+def test_default_dirs_follow_their_env_vars(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("LAZYTRAIN_CACHE_DIR", str(tmp_path / "c"))
+    monkeypatch.setenv("LAZYTRAIN_NVME_DIR", str(tmp_path / "n"))
+    assert default_cache_dir() == str(tmp_path / "c")
+    assert default_nvme_dir() == str(tmp_path / "n")
