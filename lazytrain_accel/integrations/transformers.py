@@ -1,0 +1,256 @@
+"""HF Trainer integration: `--lazytrain` on `TrainingArguments`, and the Trainer it drives.
+
+Two ways in:
+
+* `LazyTrainTrainingArguments` + `LazyTrainTrainer` for scripts that import them;
+* `apply_lazytrain_to_trainer(trainer)` for an already-built Trainer (one's own subclass),
+  which is also what `python -m lazytrain_accel.launch` calls on every Trainer an
+  unmodified script builds.
+
+Everything is patched on the *instance* (Liger-Kernel style), so other Trainers in the
+same process stay stock. What changes on a LazyTrain Trainer: the model never moves to the
+device whole; its accelerator is `TrainerAccelerator` with the plugin (profile, plan,
+engine, hybrid 8-bit optimizer at `prepare`); no `nn.DataParallel`; checkpoints also hold
+the plan; `LazyTrainCallback` adds the plan and measured stalls to the logs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MethodType
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+from transformers.training_args import OptimizerNames
+
+from lazytrain_accel.config import LazyTrainConfig, OptimizerChoice
+from lazytrain_accel.integrations.trainer_accelerator import TrainerAccelerator
+from lazytrain_accel.integrations.trainer_callback import LazyTrainCallback
+from lazytrain_accel.integrations.trainer_config import load_lazytrain_config
+
+logger = logging.getLogger("lazytrain_accel")
+
+__all__ = ["LazyTrainCallback", "LazyTrainTrainer", "LazyTrainTrainingArguments",
+           "apply_lazytrain_to_trainer", "load_lazytrain_config"]
+
+
+@dataclass(kw_only=True)
+class LazyTrainTrainingArguments(TrainingArguments):
+    """`TrainingArguments` plus `--lazytrain` and `--lazytrain_config`.
+
+    Only the two switches are added: every LazyTrain setting that is not already a
+    TrainingArguments flag lives in `lazytrain_config` (the `LazyTrainPlugin` fields).
+    Stock flags keep their meaning: `max_grad_norm` is the clip of the fused update,
+    `bf16`/`fp16` the compute dtype of the streamed layers, `optim` the optimizer when set.
+    """
+
+    lazytrain: bool = field(default=False, metadata={
+        "help": "Stream the model's layers through the device with LazyTrain (plan + engine "
+                "+ hybrid 8-bit CPU optimizer)."})
+    lazytrain_config: dict | str | None = field(default=None, metadata={
+        "help": "LazyTrainPlugin fields: a YAML/JSON file or an inline JSON object, e.g. "
+                "'{\"plan\": \"auto\", \"hardware\": \"rtx3090\"}'."})
+
+    def __post_init__(self) -> None:
+        if self.lazytrain:
+            refuse_incompatible_arguments(self)
+        super().__post_init__()
+        #: the parsed plugin (None without --lazytrain); not a field, so not on the CLI.
+        self.lazytrain_plugin = (load_lazytrain_config(self.lazytrain_config)
+                                 if self.lazytrain else None)
+
+    @property
+    def place_model_on_device(self) -> bool | None:
+        return False if self.lazytrain else super().place_model_on_device
+
+
+def refuse_incompatible_arguments(args: TrainingArguments) -> None:
+    """Raise ValueError for TrainingArguments that cannot run with LazyTrain."""
+    if getattr(args, "deepspeed", None):
+        raise ValueError(f"--deepspeed {args.deepspeed!r} cannot be combined with --lazytrain: "
+                         "both stream/shard the model and own the optimizer. Drop one of them.")
+    if getattr(args, "fsdp", None):
+        raise ValueError(f"--fsdp {args.fsdp!r} cannot be combined with --lazytrain: LazyTrain "
+                         "streams the whole model through one device per process. Drop one.")
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if getattr(args, name, None):
+            raise ValueError(f"--{name} cannot be combined with --lazytrain: the LazyTrain plan "
+                             f"decides which layers are recomputed. Remove --{name}.")
+
+
+class LazyTrainTrainer(Trainer):
+    """`Trainer` that runs with LazyTrain when `args.lazytrain` is set (or, with stock
+    `TrainingArguments`, always), configured by `args.lazytrain_config` or the
+    `lazytrain_config=` keyword (a `LazyTrainPlugin`, dict or file path)."""
+
+    def __init__(self, *args: Any, lazytrain_config: LazyTrainConfig | dict | str | None = None,
+                 **kwargs: Any) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        config = _config_for(training_args, lazytrain_config)
+        if config is not None:
+            prepare_trainer_init(self)
+        super().__init__(*args, **kwargs)
+        if config is not None:
+            apply_lazytrain_to_trainer(self, config)
+
+
+def _config_for(args: TrainingArguments | None,
+                explicit: LazyTrainConfig | dict | str | None) -> LazyTrainConfig | None:
+    if explicit is not None:
+        return load_lazytrain_config(explicit)
+    if args is not None and hasattr(args, "lazytrain"):
+        return args.lazytrain_plugin if args.lazytrain else None
+    return load_lazytrain_config(None)
+
+
+def prepare_trainer_init(trainer: Trainer) -> None:
+    """Instance overrides that must exist *before* `Trainer.__init__` runs: keep the
+    model on the host, and record the accelerator arguments Trainer builds."""
+    trainer._move_model_to_device = MethodType(_keep_model_on_host, trainer)
+    stock_build = trainer._build_accelerator_args
+
+    def capture(**kwargs: Any) -> dict[str, Any]:
+        built = stock_build(**kwargs)
+        trainer._lazytrain_accelerator_args = dict(built)
+        return built
+
+    trainer._build_accelerator_args = capture
+
+
+def _keep_model_on_host(self: Trainer, model: torch.nn.Module, device: torch.device) -> None:
+    logger.info("lazytrain: keeping the model on the host; its layers stream to %s", device)
+
+
+def apply_lazytrain_to_trainer(trainer: Trainer,
+                               config: LazyTrainConfig | dict | str | None = None) -> Trainer:
+    """Turn an already-built Trainer (any subclass) into a LazyTrain one, in place.
+
+    Call it before `trainer.train()`. For a model too large for the device, build the
+    Trainer with `LazyTrainTrainingArguments(lazytrain=True, ...)` (or through
+    `LazyTrainTrainer`), which never moves the model; a model a stock Trainer already moved
+    to the device is moved back to the host here. Returns the trainer.
+    """
+    if getattr(trainer, "_lazytrain_applied", False):
+        return trainer
+    config = load_lazytrain_config(config if config is not None
+                                   else getattr(trainer.args, "lazytrain_plugin", None))
+    refuse_incompatible_arguments(trainer.args)
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        raise ValueError("this Trainer runs with DeepSpeed/FSDP (from `accelerate config` or "
+                         "its arguments), which cannot be combined with LazyTrain: drop one")
+    config = _respect_user_optimizer(trainer, config)
+    if "_move_model_to_device" not in vars(trainer):
+        trainer._move_model_to_device = MethodType(_keep_model_on_host, trainer)
+    trainer.place_model_on_device = False
+    _move_back_to_host(trainer.model)
+    if trainer.args.n_gpu > 1:  # Trainer would wrap the model in nn.DataParallel
+        trainer.args._n_gpu = 1
+    _install_accelerator(trainer, config)
+    _record_train_loader(trainer)
+    _save_plan_with_checkpoints(trainer)
+    trainer.callback_handler.callbacks.insert(0, LazyTrainCallback(trainer))
+    trainer._lazytrain_applied = True
+    return trainer
+
+
+def _respect_user_optimizer(trainer: Trainer, config: LazyTrainConfig) -> LazyTrainConfig:
+    """The hybrid 8-bit operator is the default, not an override: if the user chose an
+    optimizer (`optimizers=`, `optimizer_cls_and_kwargs`, a non-default `--optim` or their
+    own `create_optimizer`) and did not ask for "hybrid8bit" explicitly, keep theirs."""
+    if config.is_explicit("optimizer") or config.optimizer == OptimizerChoice.KEEP:
+        return config
+    default_optim = TrainingArguments.__dataclass_fields__["optim"].default
+    chosen = [
+        reason for reason, yes in (
+            ("an optimizer passed to Trainer(optimizers=...)", trainer.optimizer is not None),
+            ("optimizer_cls_and_kwargs", getattr(trainer, "optimizer_cls_and_kwargs", None)
+             is not None),
+            (f"--optim {OptimizerNames(trainer.args.optim).value}",
+             OptimizerNames(trainer.args.optim) != OptimizerNames(default_optim)),
+            ("an overridden create_optimizer",
+             type(trainer).create_optimizer is not Trainer.create_optimizer),
+        ) if yes
+    ]
+    if not chosen:
+        return config
+    logger.warning("lazytrain: keeping the optimizer you chose (%s); pass lazytrain_config "
+                   "optimizer='hybrid8bit' to replace it by the hybrid 8-bit operator",
+                   chosen[0])
+    return dataclasses.replace(config, optimizer=OptimizerChoice.KEEP)
+
+
+def _move_back_to_host(model: torch.nn.Module | None) -> None:
+    if model is None:
+        return
+    devices = {p.device.type for p in model.parameters()}
+    if devices - {"cpu"}:
+        logger.warning("lazytrain: the Trainer had moved the model to %s whole; moving it back "
+                       "to the host (build the Trainer with LazyTrainTrainingArguments("
+                       "lazytrain=True) to avoid the round trip)", sorted(devices - {"cpu"}))
+        model.to("cpu")
+
+
+def _install_accelerator(trainer: Trainer, config: LazyTrainConfig) -> None:
+    """Replace the Trainer's accelerator by ours, built from the very arguments Trainer
+    gave its own (mixed precision, dataloader config, DDP kwargs...)."""
+    if not hasattr(trainer, "_lazytrain_accelerator_args"):
+        # Built without `prepare_trainer_init`: rebuild once to see the arguments.
+        prepare_trainer_init(trainer)
+        trainer.create_accelerator_and_postprocess()
+    del trainer._build_accelerator_args  # back to the class's method
+    trainer.accelerator = TrainerAccelerator(**trainer._lazytrain_accelerator_args, plugin=config)
+    gather = trainer.accelerator.gather_for_metrics
+    if "use_gather_object" in inspect.signature(gather).parameters:
+        gather = functools.partial(gather, use_gather_object=trainer.args.eval_use_gather_object)
+    trainer.gather_function = gather
+
+
+def _record_train_loader(trainer: Trainer) -> None:
+    """Trainer prepares the model with no DataLoader; size the plan from the train loader."""
+    stock = trainer.get_train_dataloader
+
+    def get_train_dataloader() -> Any:
+        loader = stock()
+        # The prepared loader reports the batch of its sampler shard, not the per-device
+        # batch; a plain loader over the same samples and collator gives the real shape.
+        trainer.accelerator.lazytrain_sizing_loader = torch.utils.data.DataLoader(
+            loader.dataset, batch_size=trainer._train_batch_size, collate_fn=loader.collate_fn)
+        return loader
+
+    trainer.get_train_dataloader = get_train_dataloader
+
+
+def _save_plan_with_checkpoints(trainer: Trainer) -> None:
+    """The plan goes beside the optimizer state; on resume, a plan made for another run
+    is reported (the math does not depend on the plan, so training continues)."""
+    from lazytrain_accel.integrations.accelerate import PLAN_FILE
+    from lazytrain_accel.planning import Plan
+
+    stock_save = trainer._save_optimizer_and_scheduler
+    stock_load = trainer._load_optimizer_and_scheduler
+
+    def save(output_dir: str) -> None:
+        stock_save(output_dir)
+        run = trainer.accelerator.lazytrain_run
+        if run is not None and trainer.args.should_save:
+            run.plan.save(Path(output_dir) / PLAN_FILE)
+
+    def load(checkpoint: str | None) -> None:
+        stock_load(checkpoint)
+        run = trainer.accelerator.lazytrain_run
+        saved = Path(checkpoint) / PLAN_FILE if checkpoint else None
+        if run is None or saved is None or not saved.is_file():
+            return
+        previous = Plan.load(saved)
+        if previous.fingerprint != run.plan.fingerprint:
+            logger.warning("lazytrain: %s was planned for another model shape or machine; "
+                           "resuming with this run's plan (results are unaffected)", saved)
+
+    trainer._save_optimizer_and_scheduler = save
+    trainer._load_optimizer_and_scheduler = load
