@@ -1,0 +1,58 @@
+"""Global gradient norm from foreach per-tensor norms, and the clip coefficient.
+
+The norm is a read-only pass (foreach kernels, fp32 accumulation even for bf16
+gradients); the clip coefficient is then applied inside the fused update, so gradients
+are never rewritten. Norms the engine accumulated while gradients streamed in replace
+that pass for the tensors they cover. The arithmetic mirrors `torch.nn.utils.
+clip_grad_norm_` so that clipping inside the update equals clip_grad_norm_ + step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+#: Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does.
+CLIP_EPS = 1e-6
+
+
+def total_grad_norm(
+    grads: Sequence[torch.Tensor], precomputed_sq_norms: Sequence[float] = ()
+) -> torch.Tensor:
+    """fp32 L2 norm over `grads` and over tensors whose squared norms are precomputed."""
+    per_tensor: list[torch.Tensor] = []
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_device.setdefault(grad.device, []).append(grad)
+    for device_grads in by_device.values():
+        norms = torch._foreach_norm(device_grads, 2.0, dtype=torch.float32)
+        per_tensor.extend(norm.cpu() for norm in norms)
+    if precomputed_sq_norms:
+        squares = torch.tensor(list(precomputed_sq_norms), dtype=torch.float32)
+        per_tensor.extend(squares.sqrt().unbind())
+    if not per_tensor:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(per_tensor), 2.0)
+
+
+def clip_coefficient(total_norm: torch.Tensor, max_grad_norm: float) -> float:
+    """The factor (<= 1) that brings the global norm down to `max_grad_norm`."""
+    coef = torch.clamp(max_grad_norm / (total_norm + CLIP_EPS), max=1.0)
+    return float(coef)
+
+
+def split_precomputed(
+    params: Sequence[torch.nn.Parameter], sq_norms: Mapping[torch.nn.Parameter, float]
+) -> tuple[list[torch.Tensor], list[float]]:
+    """(gradients still to measure, squared norms already known) for params with a grad."""
+    to_measure: list[torch.Tensor] = []
+    known: list[float] = []
+    for param in params:
+        if param.grad is None:
+            continue
+        if param in sq_norms:
+            known.append(float(sq_norms[param]))
+        else:
+            to_measure.append(param.grad)
+    return to_measure, known

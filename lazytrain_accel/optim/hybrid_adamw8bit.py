@@ -1,0 +1,295 @@
+"""`HybridAdamW8bit`: AdamW on host fp32 masters with blockwise 8-bit moments.
+
+State per parameter of >= `min_8bit_numel` elements: `exp_avg_codes`/`exp_avg_sq_codes`
+(uint8, one per element) and `exp_avg_absmax`/`exp_avg_sq_absmax` (fp32, one per block),
+about 2.03 bytes per parameter at block 256. Smaller tensors (norms, biases) keep fp32
+`exp_avg`/`exp_avg_sq`: they are few bytes and the most sensitive to quantization.
+
+A step is `begin_step()` (global norm, clip coefficient, finite check: once), then
+`step_params(...)` over any partition of the parameters (the engine calls it layer by
+layer on a worker thread, in forward order), then `end_step()`. `step()` does all three.
+Each update is one fused pass per tensor (`native.py` kernel, or the bit-identical torch
+path of `reference.py`) with the clip scale applied inside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lazytrain_accel.optim import native, reference
+from lazytrain_accel.optim.clipping import clip_coefficient, split_precomputed, total_grad_norm
+from lazytrain_accel.optim.codes import num_blocks
+from lazytrain_accel.optim.state_io import check_loaded_state, load_state_keeping_codes
+
+BACKENDS = ("auto", "native", "torch")
+_MAX_BLOCK_SIZE = 4096
+
+
+@dataclass(kw_only=True)
+class _StepContext:
+    """What begin_step() decided for the step in progress."""
+
+    apply: bool
+    clip_coef: float
+    group_of: dict[torch.nn.Parameter, dict[str, Any]]
+    updated: set[torch.nn.Parameter] = field(default_factory=set)
+
+
+class HybridAdamW8bit(torch.optim.Optimizer):
+    """AdamW with blockwise 8-bit moments and gradient clipping fused into the update.
+
+    Args:
+        params: parameters or param groups (groups may override lr, betas, eps,
+            weight_decay, block_size), fp32 masters.
+        lr, betas, eps, weight_decay: as `torch.optim.AdamW` (decoupled weight decay).
+        max_grad_norm: clip the global L2 norm of the gradients to this (None: no
+            clipping). Settable as an attribute between steps.
+        block_size: elements per fp32 absmax scale of the 8-bit moments.
+        backend: "auto" (native kernel when it builds, else torch), "native", "torch".
+        min_8bit_numel: tensors smaller than this keep fp32 moments.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        max_grad_norm: float | None = None,
+        block_size: int = 256,
+        *,
+        backend: str = "auto",
+        min_8bit_numel: int = 4096,
+    ) -> None:
+        _check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        _check_block_size(block_size)
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0, or None to not clip")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        block_size=block_size)
+        super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
+        self.min_8bit_numel = min_8bit_numel
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self._kernel = _resolve_kernel(backend)
+        self._grad_norm_cache: torch.Tensor | None = None
+        self._precomputed_sq_norms: dict[torch.nn.Parameter, float] = {}
+        self._context: _StepContext | None = None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hyperparameters(lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                               weight_decay=group["weight_decay"])
+        _check_block_size(group["block_size"])
+        for param in group["params"]:
+            if param.dtype != torch.float32:
+                raise ValueError(
+                    f"HybridAdamW8bit updates fp32 master weights, got a {param.dtype} parameter "
+                    f"of shape {tuple(param.shape)}; keep masters in fp32 (the engine does) and "
+                    "cast copies for compute"
+                )
+
+    # --- gradient norm -----------------------------------------------------------------
+
+    def set_grad_sq_norms(self, sq_norms: Mapping[torch.nn.Parameter, float]) -> None:
+        """Use these squared gradient norms (from the engine) instead of measuring them."""
+        self._precomputed_sq_norms = dict(sq_norms)
+        self._grad_norm_cache = None
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm (fp32) of the current gradients, computed once per step."""
+        if self._grad_norm_cache is None:
+            params = [p for group in self.param_groups for p in group["params"]]
+            to_measure, known = split_precomputed(params, self._precomputed_sq_norms)
+            self._grad_norm_cache = total_grad_norm(to_measure, known)
+        return self._grad_norm_cache
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self._forget_gradients()
+
+    def _forget_gradients(self) -> None:
+        self._grad_norm_cache = None
+        self._precomputed_sq_norms = {}
+
+    # --- the step, whole or per layer ---------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One AdamW step over every parameter with a gradient (skipped if non-finite)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.begin_step():
+            self.step_params([p for group in self.param_groups for p in group["params"]])
+        self.end_step()
+        return loss
+
+    def begin_step(self) -> bool:
+        """Decide this step once: returns False (and counts it) if the norm is not finite.
+
+        The norm is measured when clipping is on or the engine supplied norms; without
+        either there is no norm pass, so no finite check (like torch's AdamW).
+        """
+        if self._context is not None:
+            raise RuntimeError("begin_step() called again before end_step(); finish the "
+                               "step in progress with end_step() first")
+        group_of = {p: group for group in self.param_groups for p in group["params"]}
+        self.last_grad_norm = None
+        clip_coef = 1.0
+        if self.max_grad_norm is not None or self._precomputed_sq_norms:
+            norm = self.grad_norm()
+            self.last_grad_norm = float(norm)
+            if not torch.isfinite(norm):
+                self.skipped_steps += 1
+                self._context = _StepContext(apply=False, clip_coef=1.0, group_of=group_of)
+                return False
+            if self.max_grad_norm is not None:
+                clip_coef = clip_coefficient(norm, self.max_grad_norm)
+        self._context = _StepContext(apply=True, clip_coef=clip_coef, group_of=group_of)
+        return True
+
+    @torch.no_grad()
+    def step_params(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        *,
+        out_bf16: Sequence[torch.Tensor | None] | None = None,
+    ) -> None:
+        """Update only `params` (same math as step()); a no-op if the step is skipped.
+
+        `out_bf16[i]`, when given, receives the bf16 copy of `params[i]` after its update,
+        written in the same pass when it is a contiguous CPU tensor.
+        """
+        context = self._context
+        if context is None:
+            raise RuntimeError("step_params() outside a step: call begin_step() first and "
+                               "end_step() after the last step_params()")
+        if out_bf16 is not None and len(out_bf16) != len(params):
+            raise ValueError(f"out_bf16 has {len(out_bf16)} entries for {len(params)} params")
+        if not context.apply:
+            return
+        for i, param in enumerate(params):
+            if param.grad is None:
+                continue
+            if param not in context.group_of:
+                raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in this "
+                                 "optimizer's param groups")
+            if param in context.updated:
+                raise RuntimeError(f"parameter of shape {tuple(param.shape)} was already "
+                                   "updated in this step; pass each parameter once")
+            context.updated.add(param)
+            out = None if out_bf16 is None else out_bf16[i]
+            self._update(param, context.group_of[param], context.clip_coef, out)
+
+    def end_step(self) -> None:
+        """Close the step: the cached norm and the engine's norms belong to it."""
+        self._context = None
+        self._forget_gradients()
+
+    def _update(self, param: torch.nn.Parameter, group: dict[str, Any], clip_coef: float,
+                out: torch.Tensor | None) -> None:
+        grad = param.grad
+        if grad.is_sparse:
+            raise RuntimeError("HybridAdamW8bit does not support sparse gradients")
+        if grad.dtype not in (torch.float32, torch.bfloat16):
+            grad = grad.float()
+        grad = grad.contiguous()
+        state = self.state[param]
+        if not state:
+            _init_state(state, param, group["block_size"], self.min_8bit_numel)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        scalars = reference.AdamStepScalars(
+            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], step=int(state["step"]), clip_coef=clip_coef)
+        if "exp_avg" in state:
+            reference.adamw_fp32_update_(param, grad, state, scalars, out_bf16=out)
+        elif self._kernel is not None and param.device.type == "cpu" and param.is_contiguous():
+            fused_out = out if _writable_in_kernel(out, param) else None
+            self._kernel.adamw8bit_step(
+                param.data, grad, state["exp_avg_codes"], state["exp_avg_absmax"],
+                state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], fused_out,
+                scalars.beta1, scalars.beta2, scalars.eps, scalars.decay, scalars.step_size,
+                scalars.inv_bias_correction2_sqrt, scalars.clip_coef, group["block_size"])
+            if out is not None and fused_out is None:
+                out.copy_(param.data.view_as(out))
+        else:
+            reference.adamw8bit_update_(param, grad, state, scalars,
+                                        block_size=group["block_size"], out_bf16=out)
+
+    # --- state ----------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict (any process); 8-bit codes stay uint8 (torch would cast them)."""
+        load_state_keeping_codes(self, state_dict, super().load_state_dict)
+        check_loaded_state(self)
+
+    def state_nbytes(self) -> int:
+        """Bytes held by the optimizer state (codes, scales, fp32 moments, step counters)."""
+        return sum(
+            value.numel() * value.element_size()
+            for state in self.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        )
+
+    @property
+    def uses_native_kernel(self) -> bool:
+        return self._kernel is not None
+
+
+def _init_state(state: dict[str, Any], param: torch.Tensor, block_size: int,
+                min_8bit_numel: int) -> None:
+    state["step"] = torch.zeros((), dtype=torch.float32)
+    if param.numel() < min_8bit_numel:
+        state["exp_avg"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        return
+    blocks = num_blocks(param.numel(), block_size)
+    for name in ("exp_avg", "exp_avg_sq"):
+        state[f"{name}_codes"] = torch.zeros(param.numel(), dtype=torch.uint8, device=param.device)
+        state[f"{name}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=param.device)
+
+
+def _writable_in_kernel(out: torch.Tensor | None, param: torch.Tensor) -> bool:
+    return (out is not None and out.device.type == "cpu" and out.dtype == torch.bfloat16
+            and out.is_contiguous() and out.numel() == param.numel())
+
+
+def _resolve_kernel(backend: str) -> Any:
+    if backend == "torch":
+        return None
+    kernel = native.load_kernel()
+    if kernel is None and backend == "native":
+        raise RuntimeError("backend='native' but the C++ kernel could not be built (see the "
+                           "warning above); install g++ and ninja, or use backend='auto'")
+    return kernel
+
+
+def _check_hyperparameters(*, lr: float, betas: tuple[float, float], eps: float,
+                           weight_decay: float) -> None:
+    if not lr >= 0:
+        raise ValueError(f"lr={lr} must be >= 0")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas={betas} must be two values in [0, 1)")
+    if not eps > 0:
+        raise ValueError(f"eps={eps} must be > 0")
+    if not weight_decay >= 0:
+        raise ValueError(f"weight_decay={weight_decay} must be >= 0")
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or not 1 <= block_size <= _MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size={block_size!r} must be an int in [1, {_MAX_BLOCK_SIZE}] "
+                         "(256 is the tested default)")

@@ -1,0 +1,79 @@
+"""The native fused kernel: built on first use with torch.utils.cpp_extension, or absent.
+
+`load_kernel()` returns the compiled module, or None when it cannot be built here (no
+compiler, no ninja, an unusual platform); the optimizer then uses the pure-torch path of
+`reference.py`, which computes the same bits, only slower. The build is cached by torch
+under a name that includes this CPU's instruction set, because it is compiled with
+-march=native and must never be reused on an older CPU sharing the same cache directory.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from lazytrain_accel.optim.codes import EXP_AVG_CODE, EXP_AVG_SQ_CODE
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "adamw8bit.cpp"
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+
+
+def _build_name() -> str:
+    cpu = f"{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}"
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        lines = cpuinfo.read_text(errors="replace").splitlines()
+        flags = next((line for line in lines if line.startswith("flags")), "")
+    digest = hashlib.sha1(f"{cpu}|{flags}".encode()).hexdigest()[:10]
+    return f"lazytrain_adamw8bit_{digest}"
+
+
+def _expected_constants() -> tuple[int, ...]:
+    return (
+        EXP_AVG_CODE.shift,
+        EXP_AVG_CODE.offset,
+        EXP_AVG_CODE.max_code,
+        EXP_AVG_SQ_CODE.offset,
+        EXP_AVG_SQ_CODE.max_code,
+    )
+
+
+@functools.cache
+def load_kernel() -> ModuleType | None:
+    """The compiled kernel module, built once per machine; None if it cannot be built."""
+    if EXP_AVG_CODE.shift != EXP_AVG_SQ_CODE.shift:
+        raise AssertionError("the native kernel assumes both moments share one mantissa width")
+    try:
+        from torch.utils.cpp_extension import load
+
+        module = load(
+            name=_build_name(),
+            sources=[str(_SOURCE)],
+            extra_cflags=_CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as error:  # any build failure means: use the torch path
+        logger.warning(
+            "lazytrain: native 8-bit AdamW kernel unavailable (%s: %s); using the pure-torch "
+            "path, which is exact but several times slower. Install a C++ compiler and "
+            "ninja to enable it.",
+            type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "",
+        )
+        return None
+    if tuple(module.code_constants) != _expected_constants():
+        raise RuntimeError(
+            f"native kernel codes {tuple(module.code_constants)} differ from codes.py "
+            f"{_expected_constants()}: update csrc/adamw8bit.cpp together with codes.py"
+        )
+    return module
