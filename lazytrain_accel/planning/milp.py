@@ -146,11 +146,11 @@ def _add_links(m: Model, p: Problem, v: _Vars) -> None:
              ("nvme_write", p.nvme_write_windows, p.nvme_write_bytes_per_s, False),
              ("nvme_read", p.nvme_read_windows, p.nvme_read_bytes_per_s, False))
     for link, windows, rate, pcie in links:
-        homes = {**v.cpu, **v.nvme} if pcie else v.nvme
+        movers = sorted(set(v.cpu) | set(v.nvme)) if pcie else sorted(v.nvme)
         demand_s = p.boundary_bytes / rate
-        for i in sorted(homes):
+        for i in movers:
             # Hall: every boundary whose window set lies inside boundary i's (i' >= i).
-            inside = [homes[j] for j in homes if j >= i]
+            inside = [_offloaded(v, j) if pcie else v.nvme[j] for j in movers if j >= i]
             lo, hi = windows(i)
             m.addCons(demand_s * quicksum(inside) <= quicksum(free[link][lo:hi + 1]),
                       name=f"hall_{link}_{i}")
@@ -183,11 +183,10 @@ def build_milp(p: Problem, *, allow_cpu: bool = True, allow_nvme: bool = True,
                ) -> tuple[Model, _Vars]:
     """The SCIP model of `p`; `fixed_homes` pins every boundary (baselines), `elastic`
     adds capacity slack and minimizes it (to name what an infeasible request lacks)."""
-    if fixed_homes is not None:
+    edges = p.edges()
+    if fixed_homes is not None:  # the full model, plus a baseline's blocks longer than K
         kept = [i for i, h in enumerate(fixed_homes) if h != Home.RECOMPUTE]
-        edges = list(itertools.pairwise(kept))
-    else:
-        edges = p.edges()
+        edges += [b for b in itertools.pairwise(kept) if b[1] - b[0] > p.max_block]
     m = Model("lazytrain_plan")
     m.hideOutput()
     v = _add_variables(m, p, edges, allow_cpu, allow_nvme)

@@ -1,0 +1,175 @@
+"""The MIP against brute force on small chains, and baselines as points of the MIP."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from planner_chains import budgets_in_slots, chain, instances
+from pyscipopt import Model, quicksum
+
+from lazytrain_accel.planning import Home, build_problem, make_plan
+from lazytrain_accel.planning.baselines import BASELINES
+from lazytrain_accel.planning.milp import (
+    TIE_MATERIALIZE_S,
+    TIE_NVME_S,
+    TIE_OFFLOAD_S,
+    solve_milp,
+)
+from lazytrain_accel.planning.problem import GIB, PlanInfeasibleError, Problem
+from lazytrain_accel.planning.schedule import blocks_of, window_loads
+
+RATES = ("h2d", "d2h", "nvme_read", "nvme_write")
+
+
+def _rates(p: Problem) -> dict[str, float]:
+    return {"h2d": p.h2d_bytes_per_s, "d2h": p.d2h_bytes_per_s,
+            "nvme_read": p.nvme_read_bytes_per_s, "nvme_write": p.nvme_write_bytes_per_s}
+
+
+def naive_exposure_s(p: Problem, homes: list[Home]) -> float | None:
+    """The textbook LP: one variable per boundary, link and window (no Hall rows)."""
+    loads = window_loads(p, homes)
+    m = Model()
+    m.hideOutput()
+    W = p.num_windows
+    exposed = [m.addVar(lb=0.0) for _ in range(W)]
+    jobs = {"d2h": p.d2h_windows, "h2d": p.h2d_windows,
+            "nvme_write": p.nvme_write_windows, "nvme_read": p.nvme_read_windows}
+    for link, windows in jobs.items():
+        nvme_only = link.startswith("nvme")
+        movers = [i for i, h in enumerate(homes)
+                  if h == Home.NVME or (not nvme_only and h == Home.CPU)]
+        load = [loads.mandatory_bytes[link][w] / GIB for w in range(W)]
+        for i in movers:
+            lo, hi = windows(i)
+            parts = [m.addVar(lb=0.0) for _ in range(lo, hi + 1)]
+            m.addCons(quicksum(parts) == p.boundary_bytes / GIB)
+            for w, part in zip(range(lo, hi + 1), parts, strict=True):
+                load[w] = load[w] + part
+        for w in range(W):
+            rate_gib = _rates(p)[link] / GIB
+            m.addCons(load[w] <= rate_gib * (loads.duration_s[w] + exposed[w]))
+    m.setObjective(quicksum(exposed), "minimize")
+    m.optimize()
+    return m.getObjVal() if m.getStatus() == "optimal" else None
+
+
+def _admissible(p: Problem, homes: list[Home]) -> bool:
+    blocks = blocks_of(homes)
+    if any(e - s > p.max_block for s, e in blocks):
+        return False
+    if any(e - s >= 2 and homes[s] != Home.GPU for s, e in blocks):
+        return False
+    for i, h in enumerate(homes):
+        if h in (Home.CPU, Home.NVME) and not p.can_offload(i, nvme=h == Home.NVME):
+            return False
+    count = {h: homes.count(h) for h in Home}
+    A, b = p.boundary_bytes, p.budgets
+    longest = max(e - s for s, e in blocks)
+    return (A * (count[Home.GPU] + longest - 1) <= b.gpu_bytes - p.gpu_fixed_bytes
+            and A * count[Home.CPU] <= b.cpu_bytes - p.static_cpu_bytes
+            and A * count[Home.NVME] <= b.nvme_bytes)
+
+
+def _mandatory_floor_s(p: Problem, homes: list[Home]) -> float:
+    """Exposure of the mandatory traffic alone: a lower bound on the exposure."""
+    loads = window_loads(p, homes)
+    return sum(max([0.0] + [loads.mandatory_bytes[k][w] / _rates(p)[k] - loads.duration_s[w]
+                            for k in RATES]) for w in range(p.num_windows))
+
+
+def _lower_bound_s(p: Problem, homes: list[Home]) -> float:
+    loads = window_loads(p, homes)
+    floor = _mandatory_floor_s(p, homes)
+    count = {h: homes.count(h) for h in Home}
+    ties = (TIE_MATERIALIZE_S * (len(homes) - count[Home.RECOMPUTE])
+            + TIE_OFFLOAD_S * count[Home.CPU] + TIE_NVME_S * count[Home.NVME])
+    return loads.recompute_s + floor + ties
+
+
+def brute_force_s(p: Problem) -> float | None:
+    """Best objective over every assignment of homes (exposure by the naive LP)."""
+    L = p.num_layers
+    candidates = []
+    for inner in itertools.product(list(Home), repeat=L - 1):
+        homes = [Home.GPU, *inner, Home.GPU]
+        if _admissible(p, homes):
+            candidates.append((_lower_bound_s(p, homes), homes))
+    best = None
+    for bound, homes in sorted(candidates, key=lambda c: c[0]):
+        if best is not None and bound >= best - 1e-9:
+            break
+        exposure = naive_exposure_s(p, homes)
+        if exposure is not None:  # the bound's mandatory floor is inside the exposure
+            value = bound - _mandatory_floor_s(p, homes) + exposure
+            best = value if best is None else min(best, value)
+    return best
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(max_layers=6))
+def test_milp_optimum_equals_brute_force(instance: tuple) -> None:
+    model, hardware, budgets, K = instance
+    p = build_problem(model, hardware, budgets=budgets, max_recompute_block=K)
+    expected = brute_force_s(p)
+    got = solve_milp(p, time_limit_s=30, gap=0.0)
+    if expected is None:
+        assert got.homes is None, f"MIP found {got.homes} where no assignment is feasible"
+        return
+    assert got.status == "optimal"
+    assert got.objective_s == pytest.approx(expected, rel=1e-6, abs=2e-6)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(max_layers=10))
+def test_baselines_are_mip_points_and_never_beat_it(instance: tuple) -> None:
+    model, hardware, budgets, K = instance
+    p = build_problem(model, hardware, budgets=budgets, max_recompute_block=max(K, 4))
+    best = solve_milp(p, time_limit_s=30, gap=0.0)
+    for name, homes_of in BASELINES.items():
+        homes = homes_of(p)
+        fixed = solve_milp(p, time_limit_s=30, gap=0.0, fixed_homes=homes)
+        if fixed.homes is None:  # then it must really break a budget
+            assert not _admissible(p, homes), f"{name} rejected although it fits"
+            continue
+        assert fixed.homes == homes
+        assert best.objective_s is not None, f"MIP infeasible but {name} is feasible"
+        assert best.objective_s <= fixed.objective_s + 1e-7, name
+        if p.max_block >= 4:  # megatrain's blocks are edges: it is a point of the full MIP
+            assert _admissible(p, homes) == (fixed.homes is not None)
+
+
+def test_gpu_only_mip_keeps_everything_on_the_gpu() -> None:
+    model, hardware = chain(num_layers=8)
+    budgets = budgets_in_slots(model, hardware, gpu_slots=6, cpu_slots=8, nvme_slots=8)
+    plan = make_plan(model, hardware, strategy="lazytrain_gpu_only", budgets=budgets)
+    assert set(plan.homes) <= {Home.GPU, Home.RECOMPUTE}
+    assert plan.prediction.recompute_s > 0
+    full = make_plan(model, hardware, strategy="lazytrain", budgets=budgets)
+    assert full.prediction.step_s < plan.prediction.step_s
+
+
+def test_infeasible_gpu_names_gpu_and_shortfall() -> None:
+    model, hardware = chain(num_layers=6)
+    budgets = budgets_in_slots(model, hardware, gpu_slots=1, cpu_slots=6, nvme_slots=6)
+    with pytest.raises(PlanInfeasibleError) as err:
+        make_plan(model, hardware, budgets=budgets)
+    assert set(err.value.shortfall_bytes) == {"gpu"}
+    # 0 and L live on the GPU, and L-1 has no window to come back in, so it is on the GPU
+    # or recomputed into the block cache: three boundaries in one slot, two short.
+    assert err.value.shortfall_bytes["gpu"] == pytest.approx(2 * model.boundary_bytes,
+                                                             rel=0.01)
+    assert "GPU short by" in str(err.value) and "--gpu-memory-gb" in str(err.value)
+
+
+def test_infeasible_cpu_base_names_cpu() -> None:
+    model, hardware = chain(num_layers=6)
+    roomy = budgets_in_slots(model, hardware, gpu_slots=8, cpu_slots=0, nvme_slots=0)
+    budgets = type(roomy)(gpu_bytes=roomy.gpu_bytes, cpu_bytes=roomy.cpu_bytes - 5 * GIB,
+                          nvme_bytes=0)
+    with pytest.raises(PlanInfeasibleError) as err:
+        make_plan(model, hardware, strategy="checkpoint_all", budgets=budgets)
+    assert set(err.value.shortfall_bytes) == {"cpu"}
+    assert err.value.shortfall_bytes["cpu"] == pytest.approx(5 * GIB, rel=1e-3)
