@@ -1,6 +1,15 @@
-"""Profiles of the model and the hardware. Importing this package does not import torch."""
+"""Profiles of the model and the hardware. Importing this package does not import torch
+(only `load_hardware("auto")` does, through `measure.py`)."""
 
-from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
 from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
+from lazytrain_accel.profiling.models import (
+    MODEL_PRESETS,
+    geometry_from_config,
+    load_model_config,
+    profile_model,
+)
 
-__all__ = ["HARDWARE_PRESETS", "HardwareProfile", "ModelGeometry", "ModelProfile"]
+__all__ = ["HARDWARE_PRESETS", "MODEL_PRESETS", "HardwareProfile", "ModelGeometry",
+           "ModelProfile", "geometry_from_config", "load_hardware", "load_model_config",
+           "profile_model"]

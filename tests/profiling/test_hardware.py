@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -72,3 +74,12 @@ def test_load_hardware_names_are_case_insensitive_and_checked() -> None:
     assert load_hardware(" H800 ") is HARDWARE_PRESETS["h800"]
     with pytest.raises(ValueError, match=r"hardware 'tpu-v5'.*'auto'.*h800"):
         load_hardware("tpu-v5")
+
+
+def test_profiling_import_does_not_load_torch() -> None:
+    """The planner and `lazytrain plan` stay quick to import because profiles are torch-free."""
+    code = ("import sys, lazytrain_accel.profiling, lazytrain_accel.cli.profile_cmd; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
