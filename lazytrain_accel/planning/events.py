@@ -14,6 +14,7 @@ class SimOp:
     window: int = -1
     after_end: list[int] = field(default_factory=list)
     after_start: list[int] = field(default_factory=list)
+    finish_after: list[int] = field(default_factory=list)  # pipelined: ends after these end
     start_s: float = -1.0
     end_s: float = -1.0
     blocked_by: int = -1  # the dependency that set the start (-1: its own resource)
@@ -39,13 +40,14 @@ class EventQueue:
         op = self.ops[idx]
         deps = [(self.ops[d].end_s, d) for d in op.after_end]
         deps += [(self.ops[d].start_s, d) for d in op.after_start]
-        if any(t < 0 for t, _ in deps):
+        ends = [self.ops[d].end_s for d in op.finish_after]
+        if any(t < 0 for t, _ in deps) or any(t < 0 for t in ends):
             return False
         op.start_s, op.blocked_by = free_s, -1
         for t, d in deps:
             if t > op.start_s:
                 op.start_s, op.blocked_by = t, d
-        op.end_s = op.start_s + op.duration_s
+        op.end_s = max([op.start_s + op.duration_s, *ends])
         return True
 
     def run(self) -> None:

@@ -121,7 +121,8 @@ def _window_terms(p: Problem, v: _Vars) -> tuple[list, list]:
     for (s, e), xv in v.x.items():
         if e - s < 2:
             continue
-        dur[2 * p.num_layers - e] = dur[2 * p.num_layers - e] + p.recompute_s(s, e) * xv
+        extra_s = p.recompute_s(s, e) + p.restream_stall_s(s, e)
+        dur[2 * p.num_layers - e] = dur[2 * p.num_layers - e] + extra_s * xv
         for w, nbytes in p.restream_windows(s, e):
             if nbytes:
                 h2d[w] = h2d[w] + nbytes * xv
@@ -160,7 +161,8 @@ def _add_objective(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
     if elastic:  # how far the budgets are from feasible, in GiB
         m.setObjective(quicksum(v.slack.values()), "minimize")
         return
-    recompute = quicksum(p.recompute_s(s, e) * xv for (s, e), xv in v.x.items())
+    recompute = quicksum((p.recompute_s(s, e) + p.restream_stall_s(s, e)) * xv
+                         for (s, e), xv in v.x.items())
     ties = (TIE_MATERIALIZE_S * quicksum(_home_sum(v, i) for i in range(p.num_layers + 1))
             + TIE_OFFLOAD_S * quicksum(v.cpu.values()) + TIE_NVME_S * quicksum(v.nvme.values()))
     m.setObjective(recompute + quicksum(v.exposed) + ties, "minimize")

@@ -94,6 +94,9 @@ class Problem:
     static_cpu_bytes: int
     tail_d2h_bytes: int  # gradients that leave after the last backward window
     budgets: Budgets
+    # Offloaded boundaries on the device while their copy runs; `make_plan` raises it when
+    # the simulated step shows more in flight (saturated links).
+    staging_boundaries: int = STAGING_BOUNDARIES
     param_count: int
     tokens_per_step: int
 
@@ -112,6 +115,12 @@ class Problem:
     def recompute_s(self, s: int, e: int) -> float:
         """R[s,e]: re-running layers s+1..e-1 forward, at the start of window B_e."""
         return (e - s - 1) * self.fwd_s
+
+    def restream_stall_s(self, s: int, e: int) -> float:
+        """Recompute waits for weights: layer k+1's re-stream starts with layer k's re-run,
+        so each of the last n-2 re-runs waits max(0, P/h2d - f)."""
+        stall = self.layer_param_bytes / self.h2d_bytes_per_s - self.fwd_s
+        return max(e - s - 2, 0) * max(stall, 0.0)
 
     def weight_h2d_bytes(self, window: int) -> int:
         """Weights prefetched for the next window's layer (none when it is the same layer)."""
@@ -179,7 +188,7 @@ class Problem:
     @property
     def gpu_fixed_bytes(self) -> int:
         """Device bytes the MIP charges besides GPU homes and the block cache."""
-        staging = STAGING_BOUNDARIES * self.boundary_bytes
+        staging = self.staging_boundaries * self.boundary_bytes
         return self.static_gpu_bytes + staging + self.gpu_reserve_bytes
 
 
@@ -214,7 +223,9 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         nvme_read_bytes_per_s=hardware.nvme_read_bytes_per_s,
         nvme_write_bytes_per_s=hardware.nvme_write_bytes_per_s,
         static_gpu_bytes=static_gpu,
-        static_cpu_bytes=params * HOST_BYTES_PER_PARAM + 2 * model.layer_param_bytes,
+        # Pinned staging: two layers of weights, and two bounce buffers for NVMe boundaries.
+        static_cpu_bytes=(params * HOST_BYTES_PER_PARAM + 2 * model.layer_param_bytes
+                          + STAGING_BOUNDARIES * model.boundary_bytes),
         tail_d2h_bytes=model.layer_grad_bytes + model.resident_param_bytes,
         budgets=budgets, param_count=params, tokens_per_step=model.tokens_per_step,
     )

@@ -31,22 +31,25 @@ class WindowLoads:
     duration_s: list[float]
     mandatory_bytes: dict[str, list[int]]
     recompute_s: float
+    restream_stall_s: float  # recompute waiting for re-streamed weights (H2D exposure)
 
 
 def window_loads(p: Problem, homes: list[Home]) -> WindowLoads:
     W, L = p.num_windows, p.num_layers
     dur = [p.base_duration_s(w) for w in range(W)]
     h2d = [p.weight_h2d_bytes(w) for w in range(W)]
-    recompute_s = 0.0
+    recompute_s = stall_s = 0.0
     for s, e in blocks_of(homes):
         if e - s >= 2:
-            dur[2 * L - e] += p.recompute_s(s, e)
+            dur[2 * L - e] += p.recompute_s(s, e) + p.restream_stall_s(s, e)
             recompute_s += p.recompute_s(s, e)
+            stall_s += p.restream_stall_s(s, e)
             for w, nbytes in p.restream_windows(s, e):
                 h2d[w] += nbytes
     mandatory = {"h2d": h2d, "d2h": [p.grad_d2h_bytes(w) for w in range(W)],
                  "nvme_read": [0] * W, "nvme_write": [0] * W}
-    return WindowLoads(duration_s=dur, mandatory_bytes=mandatory, recompute_s=recompute_s)
+    return WindowLoads(duration_s=dur, mandatory_bytes=mandatory, recompute_s=recompute_s,
+                       restream_stall_s=stall_s)
 
 
 def _edf(jobs: list[tuple[int, int, int, int]], capacity_bytes: list[float],
@@ -85,20 +88,30 @@ def schedule_transfers(p: Problem, homes: list[Home], exposed_s: list[float]) ->
     A = p.boundary_bytes
     offloaded = [i for i, h in enumerate(homes) if h in (Home.CPU, Home.NVME)]
     on_nvme = [i for i, h in enumerate(homes) if h == Home.NVME]
-    plan = ((TransferKind.D2H, offloaded, p.d2h_windows),
-            (TransferKind.NVME_WRITE, on_nvme, p.nvme_write_windows),
-            (TransferKind.NVME_READ, on_nvme, p.nvme_read_windows),
-            (TransferKind.H2D, offloaded, p.h2d_windows))
-    out: list[Transfer] = []
-    for kind, boundaries, windows in plan:
-        link = _KIND_LINK[kind]
-        cap = [rates[link] * (loads.duration_s[w] + exposed_s[w])
-               - loads.mandatory_bytes[link][w] for w in range(p.num_windows)]
+
+    def capacity(link: str) -> list[float]:
         # Round-off slack: a solver value within 1e-6 s of the edge must not spill.
-        cap = [c + rates[link] * 1e-6 for c in cap]
-        late = kind in (TransferKind.NVME_READ, TransferKind.H2D)
-        moves = _edf([(i, A, *windows(i)) for i in boundaries], cap, kind,
-                     as_late_as_possible=late)
+        return [rates[link] * (loads.duration_s[w] + exposed_s[w] + 1e-6)
+                - loads.mandatory_bytes[link][w] for w in range(p.num_windows)]
+
+    d2h = _edf([(i, A, *p.d2h_windows(i)) for i in offloaded], capacity("d2h"),
+               TransferKind.D2H)
+    h2d = _edf([(i, A, *p.h2d_windows(i)) for i in offloaded], capacity("h2d"),
+               TransferKind.H2D, as_late_as_possible=True)
+    # An NVMe write starts in the window after its D2H ends, a read ends in the window
+    # before its H2D starts; where that leaves no window, in the same one (back to back).
+    write_jobs, read_jobs = [], []
+    for i in on_nvme:
+        (w_lo, w_hi), (r_lo, r_hi) = p.nvme_write_windows(i), p.nvme_read_windows(i)
+        last_d2h = max(t.window for t in d2h if t.boundary == i)
+        first_h2d = min(t.window for t in h2d if t.boundary == i)
+        write_jobs.append((i, A, min(max(w_lo, last_d2h + 1), w_hi), w_hi))
+        read_jobs.append((i, A, r_lo, max(min(r_hi, first_h2d - 1), r_lo)))
+    writes = _edf(write_jobs, capacity("nvme_write"), TransferKind.NVME_WRITE)
+    reads = _edf(read_jobs, capacity("nvme_read"), TransferKind.NVME_READ,
+                 as_late_as_possible=True)
+    out: list[Transfer] = []
+    for moves, late in ((d2h, False), (writes, False), (reads, True), (h2d, True)):
         # Within a window, the boundary needed first goes first.
         out += sorted(moves, key=lambda t: (t.window, -t.boundary if late else t.boundary))
     return out
@@ -116,6 +129,7 @@ def predict(p: Problem, homes: list[Home], transfers: list[Transfer]) -> Predict
     by_link = {link: 0.0 for link in LINKS}
     by_link["h2d"] += p.prologue_s
     by_link["d2h"] += p.tail_s
+    by_link["h2d"] += loads.restream_stall_s
     for w in range(W):
         busy = {link: traffic[link][w] / rates[link] for link in LINKS}
         link = max(busy, key=busy.get)

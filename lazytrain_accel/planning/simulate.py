@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from lazytrain_accel.planning.events import EventQueue, SimOp
 from lazytrain_accel.planning.plan import Home, Plan, TransferKind, run_fingerprint
-from lazytrain_accel.planning.problem import Problem, build_problem
+from lazytrain_accel.planning.problem import STAGING_BOUNDARIES, Problem, build_problem
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
 
@@ -60,10 +60,11 @@ class _StepBuilder:
         self.grad: dict[int, int] = {}
         self.moves: dict[tuple[int, TransferKind], list[int]] = {}
 
-    def weight(self, key: tuple[str, int], after_start: list[int]) -> None:
+    def weight(self, key: tuple[str, int], after_start: list[int], window: int) -> None:
         name = f"W{key[1]}" if key[0] == "layer" else f"RW{key[1]}"
         self.weights[key] = self.q.add(name, "h2d", self.p.layer_param_bytes
-                                       / self.p.h2d_bytes_per_s, after_start=after_start)
+                                       / self.p.h2d_bytes_per_s, after_start=after_start,
+                                       window=window)
 
     def compute(self, name: str, seconds: float, window: int, after_end: list[int]) -> int:
         op = self.q.add(name, "compute", seconds, after_end=after_end, window=window)
@@ -85,23 +86,27 @@ class _StepBuilder:
                 self.recompute[k] = self.compute(f"R{k}", p.fwd_s, w,
                                                  [self.weights["recompute", k]])
                 if k + 1 < e:
-                    self.weight(("recompute", k + 1), [self.recompute[k]])
+                    self.weight(("recompute", k + 1), [self.recompute[k]], w)
         deps = [self.weights["layer", j], *self.moves.get((j - 1, TransferKind.H2D), [])]
         if j + 2 in self.grad:
             deps.append(self.grad[j + 2])  # two gradient buffers
         self.bwd[j] = self.compute(f"B{j}", p.fwd_s + p.bwd_s, w, deps)
         self.issue(w, next_layer=j - 1 if j > 1 else None)
+        # The gradients leave with the next window's transfers (the window model's D2H
+        # slot); the last layer's form the tail of the step.
         self.grad[j] = self.q.add(f"G{j}", "d2h", p.layer_grad_bytes / p.d2h_bytes_per_s,
-                                  after_end=[self.bwd[j]])
+                                  after_end=[self.bwd[j]], window=w + 1)
+        if j + 1 in self.grad:
+            self.q.ops[self.grad[j + 1]].after_start.append(self.window_start[w])
 
     def issue(self, w: int, next_layer: int | None) -> None:
         """Transfers issued when window w starts."""
         start = [self.window_start[w]]
         for s, e in self.plan.blocks:  # first recomputed layer of the block after next
             if e - s >= 2 and 2 * self.L - e - 1 == w:
-                self.weight(("recompute", s + 1), start)
+                self.weight(("recompute", s + 1), start, w)
         if next_layer is not None:  # F_L prefetches nothing: B_L reuses layer L's buffer
-            self.weight(("layer", next_layer), start)
+            self.weight(("layer", next_layer), start, w)
         for t in self.plan.transfers_in(w):
             op = self.q.add(f"{t.kind.value}:{t.boundary}", _KIND_RESOURCE[t.kind],
                             t.bytes / self._rate(t.kind), after_start=start, window=w)
@@ -114,26 +119,53 @@ class _StepBuilder:
                 TransferKind.NVME_WRITE: p.nvme_write_bytes_per_s}[kind]
 
     def chain_moves(self) -> None:
-        """NVMe write after its D2H, read after its write, H2D after its read."""
+        """NVMe write after its D2H, read after its write, H2D after its read; within one
+        window the second hop is pipelined in chunks behind the first (starts after it
+        starts, ends after it ends)."""
         order = (TransferKind.D2H, TransferKind.NVME_WRITE, TransferKind.NVME_READ,
                  TransferKind.H2D)
+        ops = self.q.ops
         for i in range(self.L + 1):
             prev: list[int] = []
             for kind in order:
-                ops = self.moves.get((i, kind), [])
-                for op in ops:
-                    self.q.depend(op, prev)
-                prev = ops or prev
+                hop = self.moves.get((i, kind), [])
+                for op in hop:
+                    for before in prev:
+                        if ops[before].window < ops[op].window:
+                            ops[op].after_end.append(before)
+                        else:
+                            ops[op].after_start.append(before)
+                            ops[op].finish_after.append(before)
+                prev = hop or prev
+        # Two host bounce buffers: an NVMe boundary's D2H waits for the write of the NVMe
+        # boundary two before it; its read for the H2D of the one two before it.
+        on_nvme = [i for i, h in enumerate(self.plan.homes) if h == Home.NVME]
+        for order, first, last in ((on_nvme, TransferKind.D2H, TransferKind.NVME_WRITE),
+                                   (on_nvme[::-1], TransferKind.NVME_READ, TransferKind.H2D)):
+            for before, i in zip(order, order[2:], strict=False):
+                for op in self.moves[i, first][:1]:
+                    self.q.depend(op, self.moves[before, last])
+
+    def window_barriers(self) -> None:
+        """A window begins when the previous window's compute and transfers are done: the
+        MIP's window model, and what lets the engine free an offloaded boundary."""
+        issued: dict[int, list[int]] = {}
+        for k, op in enumerate(self.q.ops):
+            if op.resource != "compute":
+                issued.setdefault(op.window, []).append(k)
+        for w, first in self.window_start.items():
+            self.q.depend(first, issued.get(w - 1, []))
 
     def build(self) -> EventQueue:
-        self.weight(("layer", 1), [])
+        self.weight(("layer", 1), [], -1)
         for j in range(1, self.L + 1):
             self.forward(j)
         for j in range(self.L, 0, -1):
             self.backward(j)
         self.q.add("G_resident", "d2h", (self.p.tail_d2h_bytes - self.p.layer_grad_bytes)
-                   / self.p.d2h_bytes_per_s, after_end=[self.bwd[1]])
+                   / self.p.d2h_bytes_per_s, after_end=[self.bwd[1]], window=2 * self.L)
         self.chain_moves()
+        self.window_barriers()
         return self.q
 
 
@@ -225,7 +257,9 @@ def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,
     step_s += optimizer_s
     events = _memory(b, plan)
     peaks, curves = {}, {}
-    for tier, static in (("gpu", p.static_gpu_bytes), ("cpu", p.static_cpu_bytes), ("nvme", 0)):
+    # The planner's host staging for NVMe boundaries is tracked here as events instead.
+    host_static = p.static_cpu_bytes - STAGING_BOUNDARIES * p.boundary_bytes
+    for tier, static in (("gpu", p.static_gpu_bytes), ("cpu", host_static), ("nvme", 0)):
         peaks[tier], curves[tier] = _peak(static, events[tier])
     recompute_s = sum(q.ops[k].duration_s for k in b.recompute.values())
     compute_s = sum(q.ops[k].duration_s for k in q.queues["compute"]) - recompute_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 
@@ -16,10 +17,14 @@ from lazytrain_accel.planning.problem import (
     build_problem,
 )
 from lazytrain_accel.planning.schedule import blocks_of, predict, schedule_transfers
+from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
 
 log = logging.getLogger(__name__)
+
+#: Re-solves allowed when the simulated device peak exceeds the budget.
+MAX_STAGING_ROUNDS = 4
 
 STRATEGIES: tuple[str, ...] = ("lazytrain", "megatrain", "checkpoint_all", "offload_all",
                                "lazytrain_gpu_only")
@@ -116,8 +121,24 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile, *, strategy: str =
               budgets: Budgets | None = None, max_recompute_block: int = 8,
               time_limit_s: float = 60.0, gap: float = 0.01) -> Plan:
     """The plan of `strategy` for `model` on `hardware` within `budgets` (default: the
-    hardware's capacities). Raises `PlanInfeasibleError` naming the binding tiers."""
+    hardware's capacities). Raises `PlanInfeasibleError` naming the binding tiers.
+
+    Every plan is run once in the simulator: when saturated links keep more offloaded
+    boundaries in flight on the device than the staging allowance, the allowance grows by
+    the overflow and the plan is solved again, so no plan's simulated peak exceeds a budget.
+    """
     p = build_problem(model, hardware, budgets=budgets, max_recompute_block=max_recompute_block)
-    solution = solve_problem(p, strategy=strategy, time_limit_s=time_limit_s, gap=gap)
-    return plan_from_solution(p, solution, strategy=strategy, model=model, hardware=hardware)
+    for _ in range(MAX_STAGING_ROUNDS):
+        solution = solve_problem(p, strategy=strategy, time_limit_s=time_limit_s, gap=gap)
+        plan = plan_from_solution(p, solution, strategy=strategy, model=model,
+                                  hardware=hardware)
+        overflow_bytes = simulate(plan, model, hardware).peak_gpu_bytes - p.budgets.gpu_bytes
+        if overflow_bytes <= 0:
+            return plan
+        extra = -(-overflow_bytes // p.boundary_bytes)
+        p = dataclasses.replace(p, staging_boundaries=p.staging_boundaries + extra)
+    raise PlanInfeasibleError(
+        f"the {strategy} plan keeps overflowing the GPU budget in simulation (offloaded "
+        f"boundaries in flight exceed {p.staging_boundaries} staging slots); raise "
+        "--gpu-memory-gb or lower --batch-size", {"gpu": int(overflow_bytes)})
 

@@ -86,7 +86,7 @@ def _lower_bound_s(p: Problem, homes: list[Home]) -> float:
     count = {h: homes.count(h) for h in Home}
     ties = (TIE_MATERIALIZE_S * (len(homes) - count[Home.RECOMPUTE])
             + TIE_OFFLOAD_S * count[Home.CPU] + TIE_NVME_S * count[Home.NVME])
-    return loads.recompute_s + floor + ties
+    return loads.recompute_s + loads.restream_stall_s + floor + ties
 
 
 def brute_force_s(p: Problem) -> float | None:

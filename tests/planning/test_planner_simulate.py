@@ -1,0 +1,121 @@
+"""The event simulator against the MIP's window model; plan JSON and fingerprints."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from planner_chains import budgets_in_slots, chain, instances
+
+from lazytrain_accel.planning import (
+    Home,
+    Plan,
+    PlanError,
+    PlanInfeasibleError,
+    make_plan,
+    simulate,
+)
+from lazytrain_accel.planning.baselines import BASELINES
+from lazytrain_accel.planning.plan import TransferKind
+from lazytrain_accel.planning.timeline import chrome_trace, draw_timeline
+
+
+def _plans(instance: tuple) -> list[Plan]:
+    model, hardware, budgets, K = instance
+    plans = []
+    for strategy in ("lazytrain", *BASELINES):
+        try:
+            plans.append(make_plan(model, hardware, strategy=strategy, budgets=budgets,
+                                   max_recompute_block=K, gap=0.0, time_limit_s=30))
+        except PlanInfeasibleError:
+            continue
+    return plans
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(max_layers=12))
+def test_simulator_agrees_with_mip_and_respects_capacity(instance: tuple) -> None:
+    model, hardware, budgets, _ = instance
+    for plan in _plans(instance):
+        result = simulate(plan, model, hardware)
+        assert result.step_s == pytest.approx(plan.prediction.step_s, rel=0.05), plan.strategy
+        assert result.peak_gpu_bytes <= budgets.gpu_bytes, plan.strategy
+        assert result.peak_cpu_bytes <= budgets.cpu_bytes, plan.strategy
+        assert result.peak_nvme_bytes <= budgets.nvme_bytes, plan.strategy
+        assert result.recompute_s == pytest.approx(plan.prediction.recompute_s)
+
+
+def test_transfers_are_ordered_and_complete() -> None:
+    model, hardware = chain(num_layers=10, d2h_gbps=8.0, h2d_gbps=8.0)
+    budgets = budgets_in_slots(model, hardware, gpu_slots=5, cpu_slots=3, nvme_slots=3)
+    plan = make_plan(model, hardware, budgets=budgets, gap=0.0)
+    L = plan.num_layers
+    assert Home.NVME in plan.homes and Home.CPU in plan.homes
+    for i, home in enumerate(plan.homes):
+        moved = {k: [t for t in plan.transfers if t.boundary == i and t.kind == k]
+                 for k in TransferKind}
+        expected = {TransferKind.D2H, TransferKind.H2D} if home == Home.CPU else (
+            set(TransferKind) if home == Home.NVME else set())
+        assert {k for k, ts in moved.items() if ts} == expected
+        for ts in moved.values():
+            assert ts == [] or sum(t.bytes for t in ts) == plan.boundary_bytes
+        if expected:
+            assert min(t.window for t in moved[TransferKind.D2H]) >= i  # after F_i
+            assert max(t.window for t in moved[TransferKind.H2D]) < 2 * L - i - 1  # < B_{i+1}
+        if home == Home.NVME:
+            assert (min(t.window for t in moved[TransferKind.NVME_WRITE])
+                    > min(t.window for t in moved[TransferKind.D2H]))
+            assert (max(t.window for t in moved[TransferKind.NVME_READ])
+                    < max(t.window for t in moved[TransferKind.H2D]))
+
+
+def test_megatrain_recompute_costs_time_and_restream() -> None:
+    model, hardware = chain(num_layers=8, fwd_s=0.05)
+    plan = make_plan(model, hardware, strategy="megatrain")
+    assert plan.blocks == [(0, 4), (4, 8)]
+    result = simulate(plan, model, hardware)
+    assert result.recompute_s == pytest.approx(2 * 3 * 0.05)
+    weight_loads = [op for op in result.ops if op.name.startswith("RW")]
+    assert len(weight_loads) == 6  # layers 1-3 and 5-7 cross PCIe a third time
+
+
+def test_plan_json_round_trip_and_foreign_fingerprint(tmp_path: Path) -> None:
+    model, hardware = chain(num_layers=6)
+    budgets = budgets_in_slots(model, hardware, gpu_slots=4, cpu_slots=2, nvme_slots=1)
+    plan = make_plan(model, hardware, budgets=budgets)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again == plan
+    assert json.loads(path.read_text())["fingerprint"] == plan.fingerprint
+    other, _ = chain(num_layers=6, batch_size=8)
+    with pytest.raises(PlanError, match="made for another run"):
+        simulate(again, other, hardware)
+
+
+def test_timeline_png_and_chrome_trace(tmp_path: Path) -> None:
+    model, hardware = chain(num_layers=6)
+    budgets = budgets_in_slots(model, hardware, gpu_slots=4, cpu_slots=2, nvme_slots=1)
+    result = simulate(make_plan(model, hardware, budgets=budgets), model, hardware)
+    trace = chrome_trace(result)
+    names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {"F1", "B1", "W2"} <= names
+    assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+    png = tmp_path / "timeline.png"
+    draw_timeline(result, png)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_planning_imports_neither_torch_nor_pyscipopt_outside_milp() -> None:
+    code = ("import sys, lazytrain_accel.planning, lazytrain_accel.planning.simulate;"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
+    package = Path(__file__).parents[2] / "lazytrain_accel" / "planning"
+    users = sorted(f.name for f in package.glob("*.py") if "pyscipopt" in f.read_text())
+    assert users == ["milp.py"]
