@@ -12,6 +12,9 @@ from lazytrain_accel import __version__
 #: subcommand name -> module holding `add_parser(subparsers)` and `run(args)`.
 SUBCOMMANDS: dict[str, str] = {
     "profile": "lazytrain_accel.cli.profile_cmd",
+    "plan": "lazytrain_accel.cli.plan_cmd",
+    "simulate": "lazytrain_accel.cli.plan_cmd",
+    "max-batch": "lazytrain_accel.cli.plan_cmd",
 }
 
 

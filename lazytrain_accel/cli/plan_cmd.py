@@ -1,0 +1,201 @@
+"""`lazytrain plan`, `lazytrain simulate`, `lazytrain max-batch`: the planner from a shell.
+
+`--json` prints one object whose keys are a scripting interface: keep them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from lazytrain_accel.cli import CliError
+from lazytrain_accel.planning import (
+    STRATEGIES,
+    Budgets,
+    Home,
+    Plan,
+    PlanError,
+    PlanInfeasibleError,
+    make_plan,
+    max_batch_size,
+    simulate,
+)
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
+from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.models import (
+    MODEL_PRESETS,
+    geometry_from_config,
+    load_model_config,
+    profile_model,
+)
+
+_GIB = 2**30
+_HELP = {
+    "plan": "solve the activation plan of one run and print or save it",
+    "simulate": "run one step of a plan in the event simulator",
+    "max-batch": "largest micro-batch a strategy can plan within the budgets",
+}
+
+
+def _add_run_args(p: argparse.ArgumentParser, *, batch: bool) -> None:
+    p.add_argument("--model", help=f"preset ({', '.join(MODEL_PRESETS)}), HF model "
+                   "directory or config .json")
+    p.add_argument("--hardware", default="auto", help="preset (" + ", ".join(HARDWARE_PRESETS)
+                   + "), hardware JSON, or 'auto' to measure this machine (default)")
+    if batch:
+        p.add_argument("--batch-size", type=int, help="micro-batch size")
+    p.add_argument("--seq-len", type=int, help="sequence length")
+    p.add_argument("--strategy", choices=STRATEGIES, default="lazytrain",
+                   help="the MIP (default), its GPU-only variant, or a baseline")
+    p.add_argument("--time-limit-s", type=float, default=60.0,
+                   help="MIP wall-clock limit; the incumbent is used on timeout (default 60)")
+    p.add_argument("--max-recompute-block", type=int, default=8,
+                   help="K, the longest recompute block (default 8)")
+    for flag, what in (("--gpu-memory-gb", "GPU"), ("--cpu-memory-gb", "host DRAM"),
+                       ("--nvme-gb", "NVMe")):
+        p.add_argument(flag, type=float, default=0.0,
+                       help=f"{what} budget in GiB (default 0 = the hardware profile's)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
+    p = subparsers.add_parser(name, help=_HELP[name], description=_HELP[name] + ".")
+    if name == "simulate":
+        p.add_argument("--plan", metavar="PLAN.json",
+                       help="a plan from `lazytrain plan --output` (batch and sequence "
+                       "length come from it); without it, plan first with the same options")
+        p.add_argument("--timeline", metavar="OUT.png", help="draw the step as a PNG")
+        p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace")
+    _add_run_args(p, batch=name != "max-batch")
+    if name == "plan":
+        p.add_argument("--output", metavar="PLAN.json", help="write the plan as JSON")
+
+
+def _need(args: argparse.Namespace, *names: str) -> None:
+    missing = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) is None]
+    if missing:
+        raise CliError(f"missing {', '.join(missing)}; see `lazytrain {args.command} --help`",
+                       exit_code=2)
+    for n in names:
+        value = getattr(args, n)
+        if isinstance(value, int) and value < 1:
+            raise CliError(f"--{n.replace('_', '-')}={value} must be >= 1", exit_code=2)
+
+
+def _load(args: argparse.Namespace) -> tuple[dict, HardwareProfile, Budgets]:
+    try:
+        config = load_model_config(args.model)
+        hardware = load_hardware(args.hardware)
+        budgets = Budgets.from_hardware(hardware, args.gpu_memory_gb, args.cpu_memory_gb,
+                                        args.nvme_gb)
+    except (ValueError, OSError) as err:
+        raise CliError(str(err)) from None
+    return config, hardware, budgets
+
+
+def _profile(config: dict, name: str, batch_size: int, seq_len: int) -> ModelProfile:
+    return profile_model(geometry_from_config(config, name=name), batch_size=batch_size,
+                         seq_len=seq_len)
+
+
+def _summary(plan: Plan, numbers: Any) -> dict[str, Any]:
+    counts = plan.count_homes()
+    return {
+        "strategy": plan.strategy, "batch_size": plan.batch_size, "seq_len": plan.seq_len,
+        "step_s": numbers.step_s, "tokens_per_s": numbers.tokens_per_s,
+        "tflops": numbers.tflops, "peak_gpu_bytes": numbers.peak_gpu_bytes,
+        "peak_cpu_bytes": numbers.peak_cpu_bytes, "peak_nvme_bytes": numbers.peak_nvme_bytes,
+        "exposed_s": numbers.exposed_s, "exposed_by_link_s": numbers.exposed_by_link_s,
+        "recompute_s": numbers.recompute_s, "solve_s": plan.solver.solve_s,
+        "gap": plan.solver.gap, "status": plan.solver.status,
+        "homes": {h: counts[h] for h in ("gpu", "cpu", "nvme")},
+        "recomputed": counts[Home.RECOMPUTE.value],
+        "blocks": [list(b) for b in plan.blocks if b[1] - b[0] >= 2],
+    }
+
+
+def _print(summary: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(summary))
+        return
+    homes = summary["homes"]
+    print(f"{summary['strategy']}: batch {summary['batch_size']} x seq {summary['seq_len']}, "
+          f"step {summary['step_s']:.3f} s, {summary['tokens_per_s']:.1f} tokens/s, "
+          f"{summary['tflops']:.1f} TFLOPS (6*params*tokens/step)")
+    print(f"  boundaries: {homes['gpu']} GPU, {homes['cpu']} CPU, {homes['nvme']} NVMe, "
+          f"{summary['recomputed']} recomputed; recompute {summary['recompute_s']:.3f} s, "
+          f"exposed {summary['exposed_s']:.3f} s")
+    print(f"  peaks: GPU {summary['peak_gpu_bytes'] / _GIB:.2f} GiB, CPU "
+          f"{summary['peak_cpu_bytes'] / _GIB:.2f} GiB, NVMe "
+          f"{summary['peak_nvme_bytes'] / _GIB:.2f} GiB")
+    print(f"  solver: {summary['status']}, {summary['solve_s']:.2f} s, gap "
+          f"{summary['gap']:.2%}")
+
+
+def _make(args: argparse.Namespace, config: dict, hardware: HardwareProfile,
+          budgets: Budgets) -> tuple[Plan, ModelProfile]:
+    _need(args, "model", "batch_size", "seq_len")
+    model = _profile(config, args.model, args.batch_size, args.seq_len)
+    plan = make_plan(model, hardware, strategy=args.strategy, budgets=budgets,
+                     max_recompute_block=args.max_recompute_block,
+                     time_limit_s=args.time_limit_s)
+    return plan, model
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    plan, _ = _make(args, *_load(args))
+    if args.output:
+        plan.save(args.output)
+    _print(_summary(plan, plan.prediction), args.json)
+    return 0
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    if args.plan:
+        _need(args, "model")
+        config, hardware, _ = _load(args)
+        plan = Plan.load(args.plan)
+        model = _profile(config, args.model, plan.batch_size, plan.seq_len)
+    else:
+        plan, model = _make(args, *_load(args))
+    result = simulate(plan, model, hardware)
+    if args.timeline:
+        from lazytrain_accel.planning.timeline import draw_timeline
+
+        draw_timeline(result, args.timeline)
+    if args.trace:
+        from lazytrain_accel.planning.timeline import save_chrome_trace
+
+        save_chrome_trace(result, args.trace)
+    summary = _summary(plan, result)
+    summary["predicted_step_s"] = plan.prediction.step_s
+    _print(summary, args.json)
+    return 0
+
+
+def _run_max_batch(args: argparse.Namespace) -> int:
+    _need(args, "model", "seq_len")
+    config, hardware, budgets = _load(args)
+    best = max_batch_size(lambda b: _profile(config, args.model, b, args.seq_len), hardware,
+                          strategy=args.strategy, budgets=budgets,
+                          max_recompute_block=args.max_recompute_block,
+                          time_limit_s=args.time_limit_s)
+    if args.json:
+        print(json.dumps({"strategy": args.strategy, "max_batch_size": best,
+                          "seq_len": args.seq_len}))
+    else:
+        print(f"{args.strategy}: largest micro-batch at seq {args.seq_len} is {best}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    runner = {"plan": _run_plan, "simulate": _run_simulate, "max-batch": _run_max_batch}
+    try:
+        return runner[args.command](args)
+    except (PlanInfeasibleError, PlanError) as err:
+        raise CliError(str(err)) from None
+    except ValueError as err:  # bad profile or argument values reported by the planner
+        raise CliError(str(err), exit_code=2) from None
+    except OSError as err:
+        raise CliError(f"cannot read or write a file: {err}") from None

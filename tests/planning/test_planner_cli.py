@@ -1,0 +1,62 @@
+"""`lazytrain plan / simulate / max-batch` as a script would call them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from lazytrain_accel.cli import main
+
+RUN = ["--model", "qwen2.5-3b", "--hardware", "h800", "--seq-len", "1024"]
+KEYS = {"strategy", "batch_size", "seq_len", "step_s", "tokens_per_s", "tflops",
+        "peak_gpu_bytes", "peak_cpu_bytes", "peak_nvme_bytes", "exposed_s", "recompute_s",
+        "solve_s", "gap", "status", "homes", "recomputed"}
+
+
+def _json(capsys: pytest.CaptureFixture[str]) -> dict:
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_then_simulate_the_saved_plan(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", *RUN, "--batch-size", "8", "--output", str(out), "--json"]) == 0
+    planned = _json(capsys)
+    assert set(planned) >= KEYS and planned["batch_size"] == 8
+    assert set(planned["homes"]) == {"gpu", "cpu", "nvme"}
+    trace = tmp_path / "trace.json"
+    assert main(["simulate", "--plan", str(out), *RUN, "--json", "--trace", str(trace)]) == 0
+    simulated = _json(capsys)
+    assert simulated["step_s"] == pytest.approx(planned["step_s"], rel=0.05)
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def test_megatrain_recomputes_three_of_four(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", *RUN, "--batch-size", "4", "--strategy", "megatrain", "--json"]) == 0
+    summary = _json(capsys)
+    assert summary["recomputed"] == 27 and summary["homes"]["gpu"] == 10  # 36 layers
+    assert summary["status"] == "baseline"
+
+
+def test_max_batch_grows_with_the_gpu_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    sizes = []
+    for gpu_gb in ("16", "24"):
+        assert main(["max-batch", *RUN, "--strategy", "checkpoint_all", "--gpu-memory-gb",
+                     gpu_gb, "--json"]) == 0
+        result = _json(capsys)
+        assert result["strategy"] == "checkpoint_all"
+        sizes.append(result["max_batch_size"])
+    assert 1 <= sizes[0] < sizes[1]
+
+
+def test_errors_are_one_paragraph_without_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", *RUN, "--batch-size", "8", "--gpu-memory-gb", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "GPU short by" in err and "Traceback" not in err and err.count("\n") == 1
+    assert main(["plan", *RUN]) == 2  # no --batch-size
+    assert "missing --batch-size" in capsys.readouterr().err
+    assert main(["simulate", "--plan", str(tmp_path / "none.json"), *RUN]) == 1
+    assert "does not exist" in capsys.readouterr().err
