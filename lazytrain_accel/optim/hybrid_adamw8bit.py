@@ -141,7 +141,7 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         The norm is measured when clipping is on or the engine supplied norms; without
         either there is no norm pass, so no finite check (like torch's AdamW).
         """
-        if self._context is not None:
+        if self._context is not None and self._context.apply:
             raise RuntimeError("begin_step() called again before end_step(); finish the "
                                "step in progress with end_step() first")
         group_of = {p: group for group in self.param_groups for p in group["params"]}
@@ -151,7 +151,10 @@ class HybridAdamW8bit(torch.optim.Optimizer):
             norm = self.grad_norm()
             self.last_grad_norm = float(norm)
             if not torch.isfinite(norm):
+                # A skipped step is complete: callers may stop here (the engine does) or
+                # still call step_params (no-op) and end_step; the next begin_step works.
                 self.skipped_steps += 1
+                self._forget_gradients()
                 self._context = _StepContext(apply=False, clip_coef=1.0, group_of=group_of)
                 return False
             if self.max_grad_norm is not None:

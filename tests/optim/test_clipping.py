@@ -77,6 +77,19 @@ def test_per_layer_protocol_skips_when_begin_step_says_so() -> None:
     assert opt.skipped_steps == 1 and not opt.state[params[0]]
 
 
+def test_a_skipped_step_needs_no_end_step_before_the_next_one() -> None:
+    params = make_params()
+    opt = HybridAdamW8bit(params, max_grad_norm=1.0)
+    set_random_grads(params, seed=0)
+    opt.set_grad_sq_norms({params[0]: math.nan})
+    assert opt.begin_step() is False  # the engine returns here, without end_step()
+    set_random_grads(params, seed=1)
+    assert opt.begin_step() is True
+    opt.step_params(params)
+    opt.end_step()
+    assert opt.skipped_steps == 1 and int(opt.state[params[0]]["step"]) == 1
+
+
 def test_engine_norms_replace_the_measured_ones() -> None:
     params = make_params()
     opt = HybridAdamW8bit(params, max_grad_norm=1.0)
