@@ -38,7 +38,7 @@ def tight_budgets(model, hardware) -> Budgets:
 
 def solve_times(time_limit_s: float) -> None:
     hw = HARDWARE_PRESETS["h800"]
-    print("## MIP solve (h800, seq 1024, K = 8, time limit %.0f s)" % time_limit_s)
+    print(f"## MIP solve (h800, seq 1024, K = 8, time limit {time_limit_s:.0f} s)")
     print("| L | model | batch | budgets | gap 1%: s | gap | status | to optimal: s | status |")
     print("|---|---|---|---|---|---|---|---|---|")
     for preset, batch in SCALES:

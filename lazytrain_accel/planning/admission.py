@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from lazytrain_accel.planning.problem import Budgets, PlanInfeasibleError, build_problem
-from lazytrain_accel.planning.solve import solve_problem
+from lazytrain_accel.planning.problem import Budgets, PlanInfeasibleError
+from lazytrain_accel.planning.solve import make_plan
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
 
@@ -13,10 +13,10 @@ from lazytrain_accel.profiling.model import ModelProfile
 def _fits(profile_at: Callable[[int], ModelProfile], batch_size: int,
           hardware: HardwareProfile, *, strategy: str, budgets: Budgets | None,
           max_recompute_block: int, time_limit_s: float) -> bool:
-    p = build_problem(profile_at(batch_size), hardware, budgets=budgets,
-                      max_recompute_block=max_recompute_block)
+    # The same call a run makes, so admission never promises a batch `make_plan` refuses.
     try:
-        solve_problem(p, strategy=strategy, time_limit_s=time_limit_s, gap=1.0)
+        make_plan(profile_at(batch_size), hardware, strategy=strategy, budgets=budgets,
+                  max_recompute_block=max_recompute_block, time_limit_s=time_limit_s)
     except PlanInfeasibleError:
         return False
     return True
@@ -32,10 +32,9 @@ def max_batch_size(profile_at: Callable[[int], ModelProfile], hardware: Hardware
     does not fit."""
     kwargs = dict(strategy=strategy, budgets=budgets, max_recompute_block=max_recompute_block,
                   time_limit_s=time_limit_s)
-    if not _fits(profile_at, 1, hardware, **kwargs):
-        p = build_problem(profile_at(1), hardware, budgets=budgets,
-                          max_recompute_block=max_recompute_block)
-        solve_problem(p, strategy=strategy, time_limit_s=time_limit_s)  # raises, with why
+    if not _fits(profile_at, 1, hardware, **kwargs):  # again, to raise with the reason
+        make_plan(profile_at(1), hardware, strategy=strategy, budgets=budgets,
+                  max_recompute_block=max_recompute_block, time_limit_s=time_limit_s)
     good, bad = 1, 2
     while bad <= limit and _fits(profile_at, bad, hardware, **kwargs):
         good, bad = bad, bad * 2
