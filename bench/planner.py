@@ -1,7 +1,7 @@
 """Planner benchmarks: MIP solve time and gap by depth, the paper's H800 table in
 simulation, and max batch on an RTX 3090. Prints ratios; never collected by pytest.
 
-    python bench/planner.py [--quick]
+    python bench/planner.py [--skip-solve] [--time-limit-s 60]
 """
 
 from __future__ import annotations
