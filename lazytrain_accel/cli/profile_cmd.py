@@ -76,6 +76,7 @@ def _model_rows(model: ModelProfile) -> list[tuple[str, str]]:
         ("layer params", f"{g.layer_param_count / 1e6:.1f} M "
                          f"({model.layer_param_bytes / _GIB:.3f} GiB)"),
         ("layer backward working set", f"{model.layer_working_bytes / _GIB:.3f} GiB"),
+        ("head + loss working set", f"{model.head_working_bytes / _GIB:.3f} GiB"),
         ("resident params (emb/norm/head)", f"{model.resident_param_bytes / _GIB:.3f} GiB"),
         ("layer forward / backward", f"{model.layer_fwd_flops / 1e12:.2f} / "
                                      f"{model.layer_bwd_flops / 1e12:.2f} TFLOP"),

@@ -211,8 +211,11 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
     # Three weight buffers when recompute is possible: the running layer, the next one,
     # and the first recomputed layer prefetched beside the block's last layer.
     weight_buffers = 3 if K >= 2 else 2
+    # The head + loss runs between the last forward and the first backward, so its
+    # working set and one layer's backward working set are never live together.
+    working = max(model.layer_working_bytes, model.head_working_bytes)
     static_gpu = (weight_buffers * model.layer_param_bytes + 2 * model.layer_grad_bytes
-                  + model.layer_working_bytes + 2 * model.resident_param_bytes)
+                  + working + 2 * model.resident_param_bytes)
     params = model.geometry.total_param_count
     return Problem(
         num_layers=model.num_layers, max_block=K, boundary_bytes=model.boundary_bytes,

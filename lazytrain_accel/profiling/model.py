@@ -59,6 +59,9 @@ class ModelProfile:
     layer_bwd_flops: float  # one layer's backward proper (excludes its forward re-run)
     head_fwd_flops: float  # final norm + lm_head + loss forward
     resident_param_bytes: int  # embeddings + final norm + head kept on the device
+    # Peak extra device bytes of the head + loss forward/backward: HF's unchunked loss
+    # keeps tokens x vocab logits in the compute dtype, their fp32 upcast and fp32 grad.
+    head_working_bytes: int = 0
 
     @property
     def num_layers(self) -> int:

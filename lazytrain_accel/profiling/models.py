@@ -138,4 +138,5 @@ def profile_model(
         layer_bwd_flops=2.0 * layer_fwd_flops,
         head_fwd_flops=head_fwd_flops,
         resident_param_bytes=resident * compute_bytes_per_elem,
+        head_working_bytes=tokens * g.vocab_size * (compute_bytes_per_elem + 4 + 4),
     )
