@@ -1,0 +1,20 @@
+"""The head + loss working set (unchunked HF loss) is part of the GPU's static bytes."""
+
+from __future__ import annotations
+
+from lazytrain_accel.planning import build_problem
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
+
+
+def test_logits_bound_the_gpu_static_bytes_at_large_vocab() -> None:
+    geometry = geometry_from_config(load_model_config("qwen2.5-3b"))
+    model = profile_model(geometry, batch_size=8, seq_len=1024)
+    tokens = 8 * 1024
+    # bf16 logits + fp32 upcast + fp32 gradient of the logits
+    assert model.head_working_bytes == tokens * geometry.vocab_size * (2 + 4 + 4)
+    assert model.head_working_bytes > model.layer_working_bytes  # Qwen's 151k vocabulary
+    problem = build_problem(model, HARDWARE_PRESETS["rtx3090"])
+    weights_and_grads = 3 * model.layer_param_bytes + 2 * model.layer_grad_bytes
+    assert problem.static_gpu_bytes == (weights_and_grads + model.head_working_bytes
+                                        + 2 * model.resident_param_bytes)
