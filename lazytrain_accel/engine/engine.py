@@ -1,0 +1,335 @@
+"""`StreamingEngine`: attaches to a HF causal LM and runs its decoder layers per a `Plan`.
+
+The model's own forward, masks, rotary embeddings, loss and `loss.backward()` stay
+untouched: only each decoder layer's `forward` is replaced (on the instance) by a call
+through the layer Function, and two hooks bracket each model pass.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from lazytrain_accel.engine.discovery import UnsupportedModelError, find_decoder_layers
+from lazytrain_accel.engine.grads import GradSink
+from lazytrain_accel.engine.layer_call import ForwardState
+from lazytrain_accel.engine.nvme import NvmeSpill
+from lazytrain_accel.engine.overlap import LayerwiseUpdate
+from lazytrain_accel.engine.residents import ResidentParams
+from lazytrain_accel.engine.runtime import Runtime
+from lazytrain_accel.engine.stats import Accounting, StepStats
+from lazytrain_accel.engine.streams import Streams
+from lazytrain_accel.engine.weights import WeightPool
+from lazytrain_accel.planning.plan import Plan
+
+#: Keyword names under which HF layers receive a KV cache, and the flag that fills it.
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+#: Model attributes saying HF's own activation checkpointing is on (5.x name first).
+_CHECKPOINTING_FLAGS = ("is_activation_checkpointing", "is_gradient_checkpointing")
+
+#: layer -> (engine, 1-based index). A deep copy of a streamed model is not in here, so
+#: its layers run their own forward: the copy is a plain, self-contained model.
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, tuple[StreamingEngine, int]] = (
+    weakref.WeakKeyDictionary())
+
+
+#: model or decoder parent -> engine, for the hooks (same reason).
+_OWNER: weakref.WeakKeyDictionary[Any, StreamingEngine] = weakref.WeakKeyDictionary()
+
+
+def _on(method: str) -> Any:
+    """A hook that calls `engine.<method>()` for the engine owning its module/tensor."""
+    def hook(owner: Any, *_: Any) -> None:
+        engine = _OWNER.get(owner)
+        if engine is not None:
+            getattr(engine, method)()
+    return hook
+
+
+def _streamed_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    entry = _ATTACHED.get(layer)
+    if entry is None:
+        return type(layer).forward(layer, *args, **kwargs)
+    engine, index = entry
+    return engine._call_layer(index, args, kwargs)
+
+
+class StreamingEngine:
+    def __init__(self, model: nn.Module, plan: Plan, *, device: torch.device,
+                 compute_dtype: torch.dtype | None, nvme_dir: str | None) -> None:
+        parent, _, layers = find_decoder_layers(model)
+        if plan.num_layers != len(layers):
+            raise ValueError(f"plan.num_layers={plan.num_layers} but the model has "
+                             f"{len(layers)} decoder layers; plan for this model")
+        if any(getattr(model, flag, False) for flag in _CHECKPOINTING_FLAGS):
+            raise ValueError("HF gradient checkpointing is on; the engine already re-runs "
+                             "each layer in backward. Call model.gradient_checkpointing_"
+                             "disable() before attaching")
+        self.model, self.plan, self.device = model, plan, torch.device(device)
+        self.compute_dtype = compute_dtype or torch.float32
+        self._layers = list(layers)
+        self._layer_params = [list(layer.parameters()) for layer in self._layers]
+        in_layers = {id(p) for ps in self._layer_params for p in ps}
+        resident = [p for p in model.parameters() if id(p) not in in_layers]
+        self._buffer_devices = _move_buffers(model, self.device)
+        for p in model.parameters():  # fp32 host masters
+            if p.device.type != "cpu" or (p.is_floating_point() and p.dtype != torch.float32):
+                p.data = p.data.to("cpu", torch.float32 if p.is_floating_point() else p.dtype)
+        self._build_parts(nvme_dir, resident)
+        self._patch(model, parent)
+
+    def _build_parts(self, nvme_dir: str | None, resident: list[nn.Parameter]) -> None:
+        self.streams = Streams(self.device)
+        self.acct = Accounting()
+        self.spill = NvmeSpill(nvme_dir, self.acct)
+        trainable = [[p for p in ps if p.requires_grad] for ps in self._layer_params]
+        max_numel = max((sum(p.numel() for p in ps) for ps in trainable), default=1)
+        self.sink = GradSink(streams=self.streams, accounting=self.acct,
+                             max_numel=max(max_numel, 1), grad_dtype=self.compute_dtype)
+        self.pool = WeightPool(self._layer_params, streams=self.streams,
+                               compute_dtype=self.compute_dtype, accounting=self.acct,
+                               is_ready=self._is_updated, wait_ready=self._wait_updated)
+        self.residents = ResidentParams(resident, device=self.device,
+                                        compute_dtype=self.compute_dtype, sink=self.sink,
+                                        accounting=self.acct)
+        self._originals = [layer.forward for layer in self._layers]
+        self._signatures = [inspect.signature(f) for f in self._originals]
+        self.runtime = Runtime(plan=self.plan, originals=self._originals, trainable=trainable,
+                               streams=self.streams, acct=self.acct, spill=self.spill,
+                               pool=self.pool, sink=self.sink,
+                               begin_backward=self._begin_backward)
+        self._state: ForwardState | None = None
+        self._open: weakref.WeakSet[ForwardState] = weakref.WeakSet()
+        self._backwarded: list[ForwardState] = []
+        self._finalizer_queued = False
+        self._update: LayerwiseUpdate | None = None
+
+    def _patch(self, model: nn.Module, parent: nn.Module) -> None:
+        self._saved_forwards = [layer.__dict__.get("forward") for layer in self._layers]
+        for index, layer in enumerate(self._layers, start=1):
+            layer.forward = types.MethodType(_streamed_forward, layer)
+            _ATTACHED[layer] = (self, index)
+        _OWNER[model] = _OWNER[parent] = self
+        self._handles = [
+            model.register_forward_pre_hook(_on("_before_model")),
+            model.register_forward_hook(_on("_after_model")),
+            parent.register_forward_pre_hook(_on("_new_pass")),
+            parent.register_forward_hook(_on("_end_pass")),
+        ]
+        engine_ref = weakref.ref(self)
+        resident_ids = {id(p) for p in self.residents.params}
+
+        def on_resident_grad(p: torch.Tensor) -> None:
+            engine = engine_ref()
+            if engine is not None and id(p) in resident_ids:  # not a deep copy's parameter
+                engine._queue_finalizer()
+
+        self._handles += [p.register_post_accumulate_grad_hook(on_resident_grad)
+                          for p in self.residents.params if p.requires_grad]
+
+    # ---- model pass bracketing -------------------------------------------------------
+    def _before_model(self) -> None:
+        if self._update is not None:
+            self._update.wait(0)  # resident parameters are updated first
+        if self.residents.active and not self._open:
+            self.residents.swap_out()  # a previous pass never ran (or failed) its backward
+        self.residents.swap_in()
+
+    def _after_model(self) -> None:
+        if not self._open:
+            self.residents.swap_out()
+
+    def _new_pass(self) -> None:
+        self.pool.invalidate()  # an optimizer may have updated the masters since
+        self._state = None
+
+    def _end_pass(self) -> None:
+        self._state = None
+
+    # ---- layer calls -----------------------------------------------------------------
+    def _call_layer(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        layer = self._layers[index - 1]
+        if getattr(layer, "gradient_checkpointing", False) and layer.training:
+            raise ValueError("HF gradient checkpointing was enabled on a streamed model; call "
+                             "model.gradient_checkpointing_disable() (the engine re-runs layers)")
+        hidden, call_kwargs = self._bind(index, args, kwargs)
+        trainable = any(p.requires_grad for p in self._layer_params[index - 1])
+        if not torch.is_grad_enabled() or not (trainable or hidden.requires_grad):
+            return self.runtime.run_layer(index, hidden, call_kwargs, next_layer=index + 1,
+                                          counter="layer_forwards")
+        for name in _CACHE_KWARGS:  # re-runs must not write the KV cache a second time
+            if call_kwargs.get(name) is not None:
+                call_kwargs[name] = None
+        if call_kwargs.get("use_cache"):
+            call_kwargs["use_cache"] = False
+        if self._state is None:
+            self._state = ForwardState(self.runtime)
+            self._open.add(self._state)
+            weakref.finalize(self._state, self._state.store.close)
+        return self._state.call(index, hidden, call_kwargs)
+
+    def _bind(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+              ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """(hidden, keyword arguments) of a layer call, whatever mix of positions it used."""
+        sig = self._signatures[index - 1]
+        bound = sig.bind(*args, **kwargs)
+        arguments = dict(bound.arguments)
+        hidden = arguments.pop(next(iter(sig.parameters)))
+        call_kwargs: dict[str, Any] = {}
+        for name, value in arguments.items():
+            kind = sig.parameters[name].kind
+            if kind == inspect.Parameter.VAR_KEYWORD:
+                call_kwargs.update(value)
+            elif kind == inspect.Parameter.VAR_POSITIONAL:
+                if value:
+                    raise UnsupportedModelError(
+                        f"decoder layer {index} was called with extra positional arguments "
+                        f"({len(value)}) its signature {sig} cannot name; pass them by keyword")
+            else:
+                call_kwargs[name] = value
+        if not isinstance(hidden, torch.Tensor):
+            raise UnsupportedModelError(f"decoder layer {index}'s first argument is "
+                                        f"{type(hidden).__name__}, not the hidden-state tensor")
+        return hidden, call_kwargs
+
+    # ---- backward bookkeeping --------------------------------------------------------
+    def _begin_backward(self, state: ForwardState) -> None:
+        if not state.backwarded:
+            state.backwarded = True
+            self._open.discard(state)
+            self._backwarded.append(state)
+        if self._update is not None:
+            self._update.wait()  # gradients of this pass must not meet a running update
+            self._update = None
+        self._queue_finalizer()
+
+    def _queue_finalizer(self) -> None:
+        if not self._finalizer_queued:
+            self._finalizer_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        """End of a backward pass: land gradients, close its states, free the residents."""
+        self._finalizer_queued = False
+        self.sink.drain()
+        for state in self._backwarded:
+            state.close()
+        self._backwarded.clear()
+        if not self._open:
+            self.residents.swap_out()
+
+    # ---- optimizer overlap -----------------------------------------------------------
+    def _is_updated(self, layer: int) -> bool:
+        return self._update is None or self._update.is_ready(layer)
+
+    def _wait_updated(self, layer: int) -> None:
+        if self._update is not None:
+            self._update.wait(layer)
+
+    def step_layerwise(self, optimizer: Any) -> None:
+        """Update parameters layer by layer in forward order on a CPU thread.
+
+        `optimizer` implements `begin_step() -> bool`, `step_params(params)` and
+        `end_step()` (HybridAdamW8bit does). The next forward of layer j waits only for
+        layer j's update; the next backward waits for the whole update.
+        """
+        if self._update is not None:
+            self._update.wait()
+            self._update = None
+        if self._open or self.residents.active:
+            raise RuntimeError("step_layerwise() called while a forward still awaits its "
+                               "backward; call it after loss.backward()")
+        self.sink.drain()
+        if hasattr(optimizer, "set_grad_sq_norms"):
+            optimizer.set_grad_sq_norms(self.grad_sq_norms())
+        if not optimizer.begin_step():
+            return  # non-finite gradients: the optimizer skipped (and counted) this step
+        groups = [self.resident_params(), *self._layer_params]
+        self._update = LayerwiseUpdate(optimizer, groups, self.acct)
+
+    # ---- public queries --------------------------------------------------------------
+    def layer_params(self, j: int) -> list[nn.Parameter]:
+        """Parameters of decoder layer `j` (1-based)."""
+        if not 1 <= j <= len(self._layers):
+            raise ValueError(f"layer j={j} outside 1..{len(self._layers)}")
+        return list(self._layer_params[j - 1])
+
+    def resident_params(self) -> list[nn.Parameter]:
+        """Parameters outside the decoder layers (embeddings, final norm, head)."""
+        return list(self.residents.params)
+
+    def grad_sq_norms(self) -> dict[nn.Parameter, float]:
+        """Squared L2 norm of each parameter's accumulated `.grad`, kept as grads landed."""
+        self.sink.drain()
+        return {p: sq for p, sq in self.sink.sq_norms.items() if p.grad is not None}
+
+    def stats(self) -> StepStats:
+        return self.acct.snapshot()
+
+    def reset_stats(self) -> None:
+        self.acct.reset()
+
+    @property
+    def nvme_directory(self) -> str:
+        """This engine's own directory for boundary files (created on first use)."""
+        return str(self.spill.directory)
+
+    def synchronize(self) -> None:
+        """Wait for background I/O and a running layer-wise update."""
+        if self._update is not None:
+            self._update.wait()
+            self._update = None
+        if self._state is not None:
+            self._state.store.sync()
+        for state in list(self._open):
+            state.store.sync()
+        self.spill.flush()
+
+    def detach(self) -> None:
+        """Restore the model: own forwards, masters in place, buffers where they were."""
+        self.synchronize()
+        self.residents.swap_out()
+        for handle in self._handles:
+            handle.remove()
+        for layer, saved in zip(self._layers, self._saved_forwards, strict=True):
+            _ATTACHED.pop(layer, None)
+            if saved is None:
+                del layer.forward
+            else:
+                layer.forward = saved
+        for module, device in self._buffer_devices.items():
+            for name, buf in module.named_buffers(recurse=False):
+                setattr(module, name, buf.to(device))
+            _OWNER.pop(module, None)
+        self.pool.close()
+        self.sink.close()
+        self.spill.close()
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> dict[nn.Module, torch.device]:
+    """Move every buffer to `device` (dtype kept); return each module's original device."""
+    moved = {}
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            moved.setdefault(module, buf.device)
+            setattr(module, name, buf.to(device))
+    return moved
+
+
+def attach(model: nn.Module, plan: Plan, *, device: torch.device,
+           compute_dtype: torch.dtype | None = None,
+           nvme_dir: str | None = None) -> StreamingEngine:
+    """Stream `model`'s decoder layers per `plan` on `device`; see `StreamingEngine`.
+
+    `plan.num_layers` must equal the decoder depth. `compute_dtype` (default fp32) is the
+    dtype of the device copies; masters stay fp32 on the host. Boundaries homed on NVMe
+    go to a private directory under `nvme_dir` (default: the system temp directory).
+    """
+    return StreamingEngine(model, plan, device=device, compute_dtype=compute_dtype,
+                           nvme_dir=nvme_dir)

@@ -1,0 +1,89 @@
+"""Gradient offload: device grads -> host fp32 `.grad`, accumulated, norms kept as they land.
+
+A layer's weight gradients leave the device as soon as its backward ends. On CUDA they
+are copied on the side stream into one of two pinned staging buffers and folded into the
+host `.grad` once the copy is done (at the next layer's backward, or at the end of the
+backward pass); on CPU they are folded in at once. Each fold also records the squared L2
+norm of the accumulated gradient, so clipping after the last micro-batch needs no pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lazytrain_accel.engine.stats import Accounting
+from lazytrain_accel.engine.streams import Streams
+
+
+class GradSink:
+    def __init__(self, *, streams: Streams, accounting: Accounting, max_numel: int,
+                 grad_dtype: torch.dtype) -> None:
+        self._streams = streams
+        self._acct = accounting
+        self.sq_norms: dict[nn.Parameter, float] = {}
+        self._staging = [streams.empty_host(torch.Size([max_numel]), grad_dtype)
+                         for _ in range(2)] if streams.is_cuda else []
+        self._pending: list[tuple[int, list[nn.Parameter], torch.cuda.Event | None]] = []
+        self._next = 0
+        self._staging_bytes = 2 * max_numel * torch.empty(0, dtype=grad_dtype).element_size()
+        if self._staging:
+            accounting.allocate("host_pinned", self._staging_bytes)
+
+    def put(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
+        """Take `grads` (device, compute dtype) of `params` (already back on their masters)."""
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        if not self._streams.is_cuda:
+            with self._acct.timed_transfer("grads_d2h", nbytes):
+                self.fold(params, grads, owned=True)
+            return
+        slot = self._next
+        self._next = 1 - self._next
+        self._drain(slot)
+        staging, offset = self._staging[slot], 0
+        with self._acct.timed_transfer("grads_d2h", nbytes), self._streams.copy_stream():
+            for g in grads:
+                staging[offset:offset + g.numel()].view(g.shape).copy_(g, non_blocking=True)
+                self._streams.keep_alive(g)
+                offset += g.numel()
+            self._pending.append((slot, params, self._streams.record()))
+
+    def drain(self) -> None:
+        """Fold every pending copy into the host gradients (end of a backward pass)."""
+        while self._pending:
+            self._drain(self._pending[0][0])
+
+    def _drain(self, slot: int) -> None:
+        for k, (pending_slot, params, event) in enumerate(self._pending):
+            if pending_slot != slot:
+                continue
+            Streams.host_waits(event)
+            staging, offset, grads = self._staging[slot], 0, []
+            for p in params:
+                grads.append(staging[offset:offset + p.numel()].view(p.shape))
+                offset += p.numel()
+            self.fold(params, grads, owned=False)
+            del self._pending[k]
+            return
+
+    def fold(self, params: list[nn.Parameter], grads: list[torch.Tensor], *,
+              owned: bool) -> None:
+        """Accumulate; `owned` grads are fresh autograd outputs that may become `.grad`."""
+        if not params:
+            return
+        for p, g in zip(params, grads, strict=True):
+            if p.grad is not None:
+                p.grad.add_(g.to(p.device))
+            elif owned and g.dtype == p.dtype and g.device == p.device:
+                p.grad = g
+            else:  # a staging view or a cast: `.grad` needs its own storage
+                p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
+        norms = torch._foreach_norm([p.grad for p in params])
+        for p, sq in zip(params, torch.stack(norms).square().tolist(), strict=True):
+            self.sq_norms[p] = sq
+
+    def close(self) -> None:
+        self.drain()
+        if self._staging:
+            self._acct.free("host_pinned", self._staging_bytes)
+        self._staging = []

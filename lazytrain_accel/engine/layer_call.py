@@ -1,0 +1,155 @@
+"""One autograd Function per decoder-layer call, and the per-forward state it works on.
+
+Forward: the layer runs under no_grad on streamed weights and its input boundary goes to
+the activation store. Backward: the input boundary is fetched (or regenerated with the
+rest of its recompute block), the layer re-runs with grad under the forward's RNG and
+autocast state, the input gradient is returned and the weight gradients go to the host.
+State is indexed by executed position, not layer index (OPT's layerdrop skips layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from lazytrain_accel.engine.activations import ActivationStore
+from lazytrain_accel.engine.replay import ReplayState, capture, replaying
+from lazytrain_accel.engine.runtime import Runtime
+from lazytrain_accel.planning.plan import Home
+
+
+@dataclass(kw_only=True)
+class _Position:
+    layer: int  # 1-based index of the decoder layer run at this position
+    leaves: list[Any]  # flattened call kwargs (tensors referenced, never copied)
+    spec: pytree.TreeSpec
+    extra_ids: list[int]  # kwargs leaves that require grad (they get gradients too)
+    hidden_requires_grad: bool
+    replay: ReplayState
+    out_spec: pytree.TreeSpec | None = None
+    out_leaves: list[Any] = field(default_factory=list)  # non-tensor outputs, by slot
+    tensor_ids: list[int] = field(default_factory=list)  # output leaves that are tensors
+
+
+class ForwardState:
+    """Everything one forward pass leaves for its backward."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        self.store = ActivationStore(runtime.plan, streams=runtime.streams,
+                                     spill=runtime.spill, accounting=runtime.acct)
+        self.positions: list[_Position] = []
+        self.cache: dict[int, torch.Tensor] = {}  # boundaries regenerated for a block
+        self.last_output: torch.Tensor | None = None
+        self.backwarded = False
+
+    def close(self) -> None:
+        self.store.close()
+        for t in self.cache.values():
+            self.rt.acct.free("device", t.numel() * t.element_size())
+        self.cache.clear()
+
+    # ---- forward -------------------------------------------------------------------
+    def call(self, layer: int, hidden: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+        leaves, spec = pytree.tree_flatten(kwargs)
+        extra_ids = [k for k, v in enumerate(leaves)
+                     if isinstance(v, torch.Tensor) and v.requires_grad]
+        pos = _Position(layer=layer, leaves=leaves, spec=spec, extra_ids=extra_ids,
+                        hidden_requires_grad=hidden.requires_grad,
+                        replay=capture(self.rt.streams.device))
+        self.positions.append(pos)
+        index = len(self.positions)
+        home = None
+        if index > 1 and hidden is not self.last_output \
+                and self.rt.plan.homes[index - 1] == Home.RECOMPUTE:
+            home = Home.GPU  # something ran between layers: the chain cannot regenerate it
+        try:
+            outs = _LayerFunction.apply(self, index, home, self.rt.anchor(layer), hidden,
+                                        *[leaves[k] for k in extra_ids])
+        except BaseException:
+            self.close()  # no boundary file outlives a failed forward
+            raise
+        full = list(pos.out_leaves)
+        for slot, tensor in zip(pos.tensor_ids, outs, strict=True):
+            full[slot] = tensor
+        self.last_output = outs[0] if outs else None
+        return pytree.tree_unflatten(full, pos.out_spec)
+
+    def run_forward(self, index: int, home: Home | None, hidden: torch.Tensor) -> list[Any]:
+        pos = self.positions[index - 1]
+        self.store.put(index - 1, hidden, home=home)
+        self.store.run_window(index - 1)
+        kwargs = pytree.tree_unflatten(pos.leaves, pos.spec)
+        outputs = self.rt.run_layer(pos.layer, hidden, kwargs, next_layer=pos.layer + 1,
+                                    counter="layer_forwards")
+        out_leaves, pos.out_spec = pytree.tree_flatten(outputs)
+        pos.tensor_ids = [k for k, v in enumerate(out_leaves) if isinstance(v, torch.Tensor)]
+        pos.out_leaves = [None if k in pos.tensor_ids else v for k, v in enumerate(out_leaves)]
+        if not pos.tensor_ids or pos.tensor_ids[0] != 0:
+            raise TypeError(f"decoder layer {pos.layer} returned {type(outputs).__name__} whose "
+                            "first element is not a tensor; the engine needs the hidden state "
+                            "first")
+        return [out_leaves[k] for k in pos.tensor_ids]
+
+    # ---- backward ------------------------------------------------------------------
+    def input_for_backward(self, boundary: int) -> torch.Tensor:
+        if boundary in self.cache:
+            t = self.cache.pop(boundary)
+            self.rt.acct.free("device", t.numel() * t.element_size())
+            return t
+        if self.store.has(boundary):
+            return self.store.fetch(boundary)
+        start = max(i for i in range(boundary) if self.store.has(i))
+        x = self.store.fetch(start)
+        for k in range(start + 1, boundary + 1):
+            pos = self.positions[k - 1]
+            nxt = self.positions[k].layer if k < len(self.positions) else pos.layer
+            with replaying(pos.replay):
+                x = self.rt.run_layer(pos.layer, x, pytree.tree_unflatten(pos.leaves, pos.spec),
+                                      next_layer=nxt, counter="layer_recomputes")
+            x = pytree.tree_leaves(x)[0]
+            self.cache[k] = x
+            self.rt.acct.allocate("device", x.numel() * x.element_size())
+        return self.input_for_backward(boundary)
+
+    def first_layer_for_backward(self, index: int) -> int:
+        """Layer that computes first when the backward of position `index` starts."""
+        boundary = index - 1
+        if boundary in self.cache or self.store.has(boundary):
+            return self.positions[index - 1].layer
+        start = max(i for i in range(boundary) if self.store.has(i))
+        return self.positions[start].layer
+
+    def run_backward(self, index: int, grad_outs: tuple[torch.Tensor | None, ...]
+                     ) -> tuple[torch.Tensor | None, ...]:
+        pos = self.positions[index - 1]
+        self.rt.begin_backward(self)
+        self.store.run_window(2 * self.rt.plan.num_layers - index)
+        hidden = self.input_for_backward(index - 1)
+        nxt = self.first_layer_for_backward(index - 1) if index > 1 else None
+        grads = self.rt.rerun_with_grad(pos.layer, hidden, pos, grad_outs, next_layer=nxt)
+        self.store.release(index - 1)
+        return grads
+
+
+class _LayerFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, state: ForwardState, index: int, home: Home | None,
+                anchor: torch.Tensor, hidden: torch.Tensor, *extras: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        ctx.state, ctx.index = state, index
+        outs = state.run_forward(index, home, hidden)
+        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        try:
+            grads = ctx.state.run_backward(ctx.index, grad_outs)
+        except BaseException:
+            ctx.state.close()  # no boundary file outlives a failed backward
+            raise
+        return (None, None, None, None, *grads)

@@ -1,0 +1,82 @@
+"""Boundary files on NVMe, written and read by one background I/O thread.
+
+Each engine gets its own directory `<nvme_dir>/lazytrain-<pid>-<random>`, so processes
+sharing a disk never collide; files are removed as soon as their boundary is consumed,
+the directory when the engine detaches (and at interpreter exit as a last resort).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from lazytrain_accel.engine.stats import Accounting
+
+
+class NvmeSpill:
+    def __init__(self, nvme_dir: str | None, accounting: Accounting) -> None:
+        root = Path(nvme_dir) if nvme_dir else Path(tempfile.gettempdir()) / "lazytrain_nvme"
+        self.directory = root / f"lazytrain-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._acct = accounting
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-nvme")
+        self._sizes: dict[str, int] = {}
+        atexit.register(shutil.rmtree, self.directory, True)
+
+    def write(self, name: str, tensor: torch.Tensor) -> Future[None]:
+        """Write a host tensor's bytes to file `name` in the background."""
+        raw = tensor.reshape(-1).view(torch.uint8)
+        self._sizes[name] = raw.numel()
+        return self._io.submit(self._write, self.directory / name, raw)
+
+    def _write(self, path: Path, raw: torch.Tensor) -> None:
+        start = time.perf_counter()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(raw.numpy().data)
+        self._acct.allocate("nvme", raw.numel())
+        self._acct.add_transfer("nvme_write", time.perf_counter() - start, raw.numel())
+
+    def read(self, name: str, out: torch.Tensor) -> Future[torch.Tensor]:
+        """Fill host tensor `out` from file `name` in the background (after its write)."""
+        return self._io.submit(self._read, self.directory / name, out)
+
+    def _read(self, path: Path, out: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        raw = out.reshape(-1).view(torch.uint8)
+        with open(path, "rb") as f:
+            got = f.readinto(raw.numpy().data)
+        if got != raw.numel():
+            raise OSError(f"boundary file {path} holds {got} bytes, expected {raw.numel()}: "
+                          "the NVMe directory was modified while training; do not share it")
+        self._acct.add_transfer("nvme_read", time.perf_counter() - start, raw.numel())
+        return out
+
+    def remove(self, name: str) -> None:
+        """Delete file `name` (queued after any pending I/O on it)."""
+        size = self._sizes.pop(name, None)
+        if size is not None:
+            self._io.submit(self._remove, self.directory / name, size)
+
+    def _remove(self, path: Path, size: int) -> None:
+        if path.exists():
+            path.unlink()
+            self._acct.free("nvme", size)
+
+    def flush(self) -> None:
+        """Wait for every queued write, read and removal."""
+        self._io.submit(lambda: None).result()
+
+    def files(self) -> list[Path]:
+        return sorted(self.directory.glob("*")) if self.directory.exists() else []
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+        shutil.rmtree(self.directory, ignore_errors=True)

@@ -1,0 +1,97 @@
+"""The engine parts a layer call needs: weight pool, gradient sink, store backends, plan.
+
+Kept apart from `StreamingEngine` (attach/detach, hooks, optimizer overlap) so the layer
+Function only sees what it uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from lazytrain_accel.engine.grads import GradSink
+from lazytrain_accel.engine.nvme import NvmeSpill
+from lazytrain_accel.engine.replay import replaying
+from lazytrain_accel.engine.stats import Accounting
+from lazytrain_accel.engine.streams import Streams
+from lazytrain_accel.engine.weights import WeightPool
+from lazytrain_accel.planning.plan import Plan
+
+if TYPE_CHECKING:
+    from lazytrain_accel.engine.layer_call import ForwardState, _Position
+
+
+class Runtime:
+    def __init__(self, *, plan: Plan, originals: list[Callable[..., Any]],
+                 trainable: list[list[nn.Parameter]], streams: Streams, acct: Accounting,
+                 spill: NvmeSpill, pool: WeightPool, sink: GradSink,
+                 begin_backward: Callable[[ForwardState], None]) -> None:
+        self.plan = plan
+        self.streams = streams
+        self.acct = acct
+        self.spill = spill
+        self.pool = pool
+        self.sink = sink
+        self.begin_backward = begin_backward
+        self._originals = originals  # the layers' own forwards, index 0 = layer 1
+        self._trainable = trainable
+        # A grad-requiring scalar per trainable layer keeps its Function in the graph
+        # even when the hidden state needs no grad (frozen embeddings, LoRA-style).
+        self._anchors = [torch.zeros((), device=streams.device, requires_grad=bool(ps))
+                         for ps in trainable]
+
+    def anchor(self, layer: int) -> torch.Tensor:
+        return self._anchors[layer - 1]
+
+    def run_layer(self, layer: int, hidden: torch.Tensor, kwargs: dict[str, Any], *,
+                  next_layer: int | None, counter: str) -> Any:
+        """Run layer `layer`'s own forward on its device weights (no autograd graph)."""
+        self.pool.acquire(layer)
+        if next_layer is not None:
+            self.pool.prefetch(next_layer)  # loads while this layer computes (CUDA)
+        timer = "recompute_s" if counter == "layer_recomputes" else "compute_s"
+        try:
+            with self.acct.timed(timer), torch.no_grad():
+                out = self._originals[layer - 1](hidden, **kwargs)
+        finally:
+            self.pool.release(layer)
+        self.acct.add(counter, 1)
+        return out
+
+    def rerun_with_grad(self, layer: int, hidden: torch.Tensor, pos: _Position,
+                        grad_outs: tuple[torch.Tensor | None, ...], *,
+                        next_layer: int | None) -> tuple[torch.Tensor | None, ...]:
+        """Re-run `layer` with grad; return grads of (hidden, *extras); stream weight grads."""
+        params = self._trainable[layer - 1]
+        self.pool.acquire(layer)
+        if next_layer is not None:
+            self.pool.prefetch(next_layer)
+        try:
+            with self.acct.timed("compute_s"), replaying(pos.replay), torch.enable_grad():
+                h = hidden.detach().requires_grad_(pos.hidden_requires_grad)
+                leaves = list(pos.leaves)
+                extras = [leaves[k].detach().requires_grad_() for k in pos.extra_ids]
+                for k, extra in zip(pos.extra_ids, extras, strict=True):
+                    leaves[k] = extra
+                out = self._originals[layer - 1](h, **pytree.tree_unflatten(leaves, pos.spec))
+                outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
+                pairs = [(o, g) for o, g in zip(outs, grad_outs, strict=False)
+                         if g is not None and o.requires_grad]
+                inputs = ([h] if pos.hidden_requires_grad else []) + extras + params
+                grads: tuple[torch.Tensor | None, ...] = (None,) * len(inputs)
+                if pairs and inputs:
+                    grads = torch.autograd.grad([o for o, _ in pairs], inputs,
+                                                [g for _, g in pairs], allow_unused=True)
+        finally:
+            self.pool.release(layer)
+        param_grads = grads[len(inputs) - len(params):]
+        kept = [(p, g) for p, g in zip(params, param_grads, strict=True) if g is not None]
+        self.sink.put([p for p, _ in kept], [g for _, g in kept])
+        self.acct.add("layer_backwards", 1)
+        grad_hidden = grads[0] if pos.hidden_requires_grad else None
+        first_extra = 1 if pos.hidden_requires_grad else 0
+        return (grad_hidden, *grads[first_extra:first_extra + len(extras)])

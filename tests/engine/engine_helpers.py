@@ -1,0 +1,112 @@
+"""Test helpers: tiny HF models of each family and hand-built plans of each kind."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import torch
+import transformers
+from torch import nn
+
+from lazytrain_accel.planning.plan import (
+    Home,
+    Plan,
+    Prediction,
+    SolverReport,
+    Transfer,
+    TransferKind,
+)
+
+_COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64)
+
+ARCH_CONFIGS = {
+    "llama": lambda n: transformers.LlamaConfig(num_hidden_layers=n, **_COMMON),
+    "qwen2": lambda n: transformers.Qwen2Config(num_hidden_layers=n, **_COMMON),
+    "qwen3": lambda n: transformers.Qwen3Config(num_hidden_layers=n, head_dim=8, **_COMMON),
+    "mistral": lambda n: transformers.MistralConfig(num_hidden_layers=n, **_COMMON),
+    "gemma": lambda n: transformers.GemmaConfig(num_hidden_layers=n, head_dim=8, **_COMMON),
+    "phi3": lambda n: transformers.Phi3Config(num_hidden_layers=n, pad_token_id=0, **_COMMON),
+    "gpt_neox": lambda n: transformers.GPTNeoXConfig(
+        num_hidden_layers=n, vocab_size=96, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.1),
+    "opt": lambda n: transformers.OPTConfig(
+        num_hidden_layers=n, vocab_size=96, hidden_size=32, ffn_dim=64, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.1),
+    "gpt2": lambda n: transformers.GPT2Config(n_layer=n, vocab_size=96, n_embd=32, n_head=4,
+                                              n_positions=64),
+}
+
+PLAN_KINDS = ("checkpoint_all", "megatrain", "offload_all", "all_nvme", "mixed")
+
+
+def build_model(arch: str, num_layers: int, seed: int = 0, **overrides: object) -> nn.Module:
+    config = ARCH_CONFIGS[arch](num_layers)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.train()
+    return model
+
+
+def twin(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+def _homes(kind: str, num_layers: int) -> list[Home]:
+    L = num_layers
+    inner = {"checkpoint_all": Home.GPU, "offload_all": Home.CPU, "all_nvme": Home.NVME}
+    if kind in inner:
+        return [Home.GPU] + [inner[kind]] * (L - 1) + [Home.GPU]
+    if kind == "megatrain":
+        return [Home.GPU if i % 4 == 0 or i == L else Home.RECOMPUTE for i in range(L + 1)]
+    if kind == "mixed":  # blocks (0,1) (1,3) (3,6) (6,10): lengths 1..4, every home kind
+        if L != 10:
+            raise ValueError(f"the mixed test plan is for 10 layers, not {L}")
+        marks = {0: Home.GPU, 1: Home.CPU, 3: Home.NVME, 6: Home.CPU, 10: Home.GPU}
+        return [marks.get(i, Home.RECOMPUTE) for i in range(L + 1)]
+    raise ValueError(f"unknown plan kind {kind!r}; use one of {PLAN_KINDS}")
+
+
+def _transfers(homes: list[Home], boundary_bytes: int) -> list[Transfer]:
+    """Offload right after production, reload one window before the backward needs it."""
+    L = len(homes) - 1
+    out = []
+    for b, home in enumerate(homes):
+        if home not in (Home.CPU, Home.NVME):
+            continue
+        d2h = b
+        h2d = max(d2h, 2 * L - b - 2)
+        out.append(Transfer(boundary=b, kind=TransferKind.D2H, window=d2h, bytes=boundary_bytes))
+        if home == Home.NVME:
+            write = min(b + 1, L - 1)
+            read = max(write, 2 * L - b - 3)
+            h2d = max(h2d, read)
+            out += [Transfer(boundary=b, kind=TransferKind.NVME_WRITE, window=write,
+                             bytes=boundary_bytes),
+                    Transfer(boundary=b, kind=TransferKind.NVME_READ, window=read,
+                             bytes=boundary_bytes)]
+        out.append(Transfer(boundary=b, kind=TransferKind.H2D, window=h2d, bytes=boundary_bytes))
+    return out
+
+
+def make_plan(kind: str, num_layers: int, *, boundary_bytes: int = 4096,
+              transfers: bool = True) -> Plan:
+    homes = _homes(kind, num_layers)
+    marks = [i for i, h in enumerate(homes) if h != Home.RECOMPUTE]
+    return Plan(
+        strategy=f"test_{kind}", num_layers=num_layers, batch_size=2, seq_len=16,
+        boundary_bytes=boundary_bytes, homes=homes, blocks=list(itertools.pairwise(marks)),
+        transfers=_transfers(homes, boundary_bytes) if transfers else [],
+        prediction=Prediction(step_s=0.0, compute_s=0.0, recompute_s=0.0, exposed_s=0.0),
+        solver=SolverReport(status="baseline"), fingerprint="test",
+    )
+
+
+def batches(num: int, *, vocab: int = 96, batch: int = 2, seq: int = 16, seed: int = 1
+            ) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(num)]
