@@ -106,6 +106,7 @@ class StreamingEngine:
                                begin_backward=self._begin_backward)
         self._state: ForwardState | None = None
         self._open: weakref.WeakSet[ForwardState] = weakref.WeakSet()
+        self._latest: weakref.ref[ForwardState] | None = None
         self._backwarded: list[ForwardState] = []
         self._finalizer_queued = False
         self._update: LayerwiseUpdate | None = None
@@ -171,6 +172,7 @@ class StreamingEngine:
         if self._state is None:
             self._state = ForwardState(self.runtime)
             self._open.add(self._state)
+            self._latest = weakref.ref(self._state)
             weakref.finalize(self._state, self._state.store.close)
         return self._state.call(index, hidden, call_kwargs)
 
@@ -274,6 +276,14 @@ class StreamingEngine:
 
     def reset_stats(self) -> None:
         self.acct.reset()
+
+    def boundary_tiers(self) -> dict[int, set[str]]:
+        """Where each boundary stored by the latest forward awaiting backward lives now."""
+        state = self._latest() if self._latest is not None else None
+        if state is None or state.backwarded:
+            return {}
+        return {i: state.store.where(i) for i in range(len(state.positions))
+                if state.store.where(i)}
 
     @property
     def nvme_directory(self) -> str:

@@ -9,6 +9,7 @@ State is indexed by executed position, not layer index (OPT's layerdrop skips la
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,9 @@ class ForwardState:
                                      spill=runtime.spill, accounting=runtime.acct)
         self.positions: list[_Position] = []
         self.cache: dict[int, torch.Tensor] = {}  # boundaries regenerated for a block
-        self.last_output: torch.Tensor | None = None
+        # weak: the output's grad_fn holds this state; a strong ref would be a cycle
+        # through the C++ graph that Python's GC cannot see (the graph would leak)
+        self.last_output: weakref.ref[torch.Tensor] | None = None
         self.backwarded = False
 
     def close(self) -> None:
@@ -63,7 +66,7 @@ class ForwardState:
         self.positions.append(pos)
         index = len(self.positions)
         home = None
-        if index > 1 and hidden is not self.last_output \
+        if index > 1 and (self.last_output is None or hidden is not self.last_output()) \
                 and self.rt.plan.homes[index - 1] == Home.RECOMPUTE:
             home = Home.GPU  # something ran between layers: the chain cannot regenerate it
         try:
@@ -75,7 +78,7 @@ class ForwardState:
         full = list(pos.out_leaves)
         for slot, tensor in zip(pos.tensor_ids, outs, strict=True):
             full[slot] = tensor
-        self.last_output = outs[0] if outs else None
+        self.last_output = weakref.ref(outs[0]) if outs else None
         return pytree.tree_unflatten(full, pos.out_spec)
 
     def run_forward(self, index: int, home: Home | None, hidden: torch.Tensor) -> list[Any]:

@@ -28,6 +28,7 @@ class NvmeSpill:
         self._acct = accounting
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-nvme")
         self._sizes: dict[str, int] = {}
+        self._closed = False
         atexit.register(shutil.rmtree, self.directory, True)
 
     def write(self, name: str, tensor: torch.Tensor) -> Future[None]:
@@ -62,7 +63,11 @@ class NvmeSpill:
     def remove(self, name: str) -> None:
         """Delete file `name` (queued after any pending I/O on it)."""
         size = self._sizes.pop(name, None)
-        if size is not None:
+        if size is None:
+            return
+        if self._closed:  # a late garbage-collected forward: no I/O is pending any more
+            self._remove(self.directory / name, size)
+        else:
             self._io.submit(self._remove, self.directory / name, size)
 
     def _remove(self, path: Path, size: int) -> None:
@@ -78,5 +83,6 @@ class NvmeSpill:
         return sorted(self.directory.glob("*")) if self.directory.exists() else []
 
     def close(self) -> None:
+        self._closed = True
         self._io.shutdown(wait=True)
         shutil.rmtree(self.directory, ignore_errors=True)
