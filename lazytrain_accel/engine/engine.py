@@ -33,31 +33,45 @@ _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 #: Model attributes saying HF's own activation checkpointing is on (5.x name first).
 _CHECKPOINTING_FLAGS = ("is_activation_checkpointing", "is_gradient_checkpointing")
 
-#: layer -> (engine, 1-based index). A deep copy of a streamed model is not in here, so
-#: its layers run their own forward: the copy is a plain, self-contained model.
-_ATTACHED: weakref.WeakKeyDictionary[nn.Module, tuple[StreamingEngine, int]] = (
-    weakref.WeakKeyDictionary())
+_LINK = "_lazytrain_engine_link"
 
 
-#: model or decoder parent -> engine, for the hooks (same reason).
-_OWNER: weakref.WeakKeyDictionary[Any, StreamingEngine] = weakref.WeakKeyDictionary()
+def _none() -> None:
+    return None
+
+
+class _Link:
+    """Attribute tying a layer (or hooked module) to its engine.
+
+    The model owns its engine through these links (an ordinary, collectable cycle). A deep
+    copy or a pickle of the model gets None instead, so the copy's layers run their own
+    forward and its hooks do nothing: the copy is a plain, self-contained model.
+    """
+
+    def __init__(self, engine: StreamingEngine, index: int = 0) -> None:
+        self.engine, self.index = engine, index
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _none, ()
 
 
 def _on(method: str) -> Any:
-    """A hook that calls `engine.<method>()` for the engine owning its module/tensor."""
-    def hook(owner: Any, *_: Any) -> None:
-        engine = _OWNER.get(owner)
-        if engine is not None:
-            getattr(engine, method)()
+    """A hook calling `engine.<method>()` for the engine linked to its module."""
+    def hook(module: nn.Module, *_: Any) -> None:
+        link = module.__dict__.get(_LINK)
+        if link is not None:
+            getattr(link.engine, method)()
     return hook
 
 
 def _streamed_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    entry = _ATTACHED.get(layer)
-    if entry is None:
+    link = layer.__dict__.get(_LINK)
+    if link is None:
         return type(layer).forward(layer, *args, **kwargs)
-    engine, index = entry
-    return engine._call_layer(index, args, kwargs)
+    return link.engine._call_layer(link.index, args, kwargs)
 
 
 class StreamingEngine:
@@ -115,8 +129,9 @@ class StreamingEngine:
         self._saved_forwards = [layer.__dict__.get("forward") for layer in self._layers]
         for index, layer in enumerate(self._layers, start=1):
             layer.forward = types.MethodType(_streamed_forward, layer)
-            _ATTACHED[layer] = (self, index)
-        _OWNER[model] = _OWNER[parent] = self
+            layer.__dict__[_LINK] = _Link(self, index)
+        model.__dict__[_LINK] = parent.__dict__[_LINK] = _Link(self)
+        self._linked = [model, parent]
         self._handles = [
             model.register_forward_pre_hook(_on("_before_model")),
             model.register_forward_hook(_on("_after_model")),
@@ -148,6 +163,9 @@ class StreamingEngine:
 
     def _new_pass(self) -> None:
         self.pool.invalidate()  # an optimizer may have updated the masters since
+        for state in self._backwarded:  # left by a backward that raised
+            state.close()
+        self._backwarded.clear()
         self._state = None
 
     def _end_pass(self) -> None:
@@ -308,15 +326,16 @@ class StreamingEngine:
         for handle in self._handles:
             handle.remove()
         for layer, saved in zip(self._layers, self._saved_forwards, strict=True):
-            _ATTACHED.pop(layer, None)
+            layer.__dict__.pop(_LINK, None)
             if saved is None:
                 del layer.forward
             else:
                 layer.forward = saved
+        for module in self._linked:
+            module.__dict__.pop(_LINK, None)
         for module, device in self._buffer_devices.items():
             for name, buf in module.named_buffers(recurse=False):
                 setattr(module, name, buf.to(device))
-            _OWNER.pop(module, None)
         self.pool.close()
         self.sink.close()
         self.spill.close()
