@@ -141,3 +141,32 @@ def test_import_hook_survives_lazy_module_replacement() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_evaluate_then_train_in_process(tmp_path: Path) -> None:
+    """evaluate() before train() attaches the engine (no whole-model move), gives the stock
+    eval loss; train() then reuses the engine and the clip reaches the fused update."""
+    ids = torch.arange(8 * 12).reshape(8, 12) % 64
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    common = {"output_dir": str(tmp_path), "use_cpu": True, "report_to": "none",
+              "per_device_train_batch_size": 4, "per_device_eval_batch_size": 4,
+              "max_steps": 2, "save_strategy": "no", "max_grad_norm": 0.5}
+    stock = LazyTrainTrainer(model=_tiny_model(), eval_dataset=data, train_dataset=data,
+                             args=LazyTrainTrainingArguments(**common))
+    ours = LazyTrainTrainer(
+        model=_tiny_model(), eval_dataset=data, train_dataset=data,
+        args=LazyTrainTrainingArguments(**common, lazytrain=True),
+        lazytrain_config={"plan": "checkpoint_all", "hardware": "h800",
+                          "cache_dir": str(tmp_path / "cache"), "nvme_dir": str(tmp_path)})
+    expected = stock.evaluate()["eval_loss"]
+    assert ours.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    engine = ours.accelerator.lazytrain_engine
+    assert engine is not None
+    plan = ours.accelerator.lazytrain_run.plan
+    assert (plan.batch_size, plan.seq_len) == (4, 12)  # sized from the eval loader
+    ours.train()
+    assert ours.accelerator.lazytrain_engine is engine  # attached once
+    optimizer = ours.accelerator._lazytrain_optimizer
+    assert type(optimizer).__name__ == "HybridAdamW8bit"
+    assert optimizer.max_grad_norm == 0.5
+    assert all(p.device.type == "cpu" for p in ours.model.parameters())

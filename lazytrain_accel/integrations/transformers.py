@@ -152,7 +152,7 @@ def apply_lazytrain_to_trainer(trainer: Trainer,
     if trainer.args.n_gpu > 1:  # Trainer would wrap the model in nn.DataParallel
         trainer.args._n_gpu = 1
     _install_accelerator(trainer, config)
-    _record_train_loader(trainer)
+    _record_sizing_loaders(trainer)
     _save_plan_with_checkpoints(trainer)
     trainer.callback_handler.callbacks.insert(0, LazyTrainCallback(trainer))
     trainer._lazytrain_applied = True
@@ -211,19 +211,26 @@ def _install_accelerator(trainer: Trainer, config: LazyTrainConfig) -> None:
     trainer.gather_function = gather
 
 
-def _record_train_loader(trainer: Trainer) -> None:
-    """Trainer prepares the model with no DataLoader; size the plan from the train loader."""
-    stock = trainer.get_train_dataloader
+def _record_sizing_loaders(trainer: Trainer) -> None:
+    """Trainer prepares the model with no DataLoader: size the plan from the train loader
+    (or, when `evaluate()` comes first, from the eval loader it builds)."""
 
-    def get_train_dataloader() -> Any:
-        loader = stock()
-        # The prepared loader reports the batch of its sampler shard, not the per-device
-        # batch; a plain loader over the same samples and collator gives the real shape.
-        trainer.accelerator.lazytrain_sizing_loader = torch.utils.data.DataLoader(
-            loader.dataset, batch_size=trainer._train_batch_size, collate_fn=loader.collate_fn)
-        return loader
+    def recording(stock: Any, batch_size: Any, *, overrides: bool) -> Any:
+        def get_dataloader(*args: Any, **kwargs: Any) -> Any:
+            loader = stock(*args, **kwargs)
+            accelerator = trainer.accelerator
+            if overrides or accelerator.lazytrain_sizing_loader is None:
+                # The prepared loader reports its sampler shard's batch, not the per-device
+                # batch; a plain loader over the same samples and collator has the real shape.
+                accelerator.lazytrain_sizing_loader = torch.utils.data.DataLoader(
+                    loader.dataset, batch_size=batch_size(), collate_fn=loader.collate_fn)
+            return loader
+        return get_dataloader
 
-    trainer.get_train_dataloader = get_train_dataloader
+    trainer.get_train_dataloader = recording(
+        trainer.get_train_dataloader, lambda: trainer._train_batch_size, overrides=True)
+    trainer.get_eval_dataloader = recording(
+        trainer.get_eval_dataloader, lambda: trainer.args.eval_batch_size, overrides=False)
 
 
 def _save_plan_with_checkpoints(trainer: Trainer) -> None:
