@@ -271,7 +271,7 @@ class StreamingEngine:
         if not optimizer.begin_step():
             return  # non-finite gradients: the optimizer skipped (and counted) this step
         groups = [self.resident_params(), *self._layer_params]
-        self._update = LayerwiseUpdate(optimizer, groups, self.acct)
+        self._update = LayerwiseUpdate(optimizer, self.model, groups, self.acct)
 
     # ---- public queries --------------------------------------------------------------
     def layer_params(self, j: int) -> list[nn.Parameter]:

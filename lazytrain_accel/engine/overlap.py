@@ -1,9 +1,11 @@
 """Optimizer/forward overlap: a layer-by-layer update on a CPU thread.
 
 Groups are updated in forward order (group 0 = resident parameters, group j = layer j);
-the next forward of layer j waits only for group j. `optimizer.zero_grad()` called while
-the update runs is deferred per group: a group's gradients are cleared right after its
-update, never before, so a prompt `zero_grad()` cannot erase gradients still unread.
+the next forward of layer j waits only for group j. `optimizer.zero_grad()` and
+`model.zero_grad()` called while the update runs are deferred per group: a group's
+gradients are cleared right after its update, never before, so a prompt `zero_grad()`
+cannot erase gradients still unread. (Both are patched on the instance for the duration
+of the update; a `zero_grad` bound before `step_layerwise` bypasses the deferral.)
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ from lazytrain_accel.engine.stats import Accounting
 
 
 class LayerwiseUpdate:
-    def __init__(self, optimizer: Any, groups: list[list[nn.Parameter]],
+    def __init__(self, optimizer: Any, model: nn.Module, groups: list[list[nn.Parameter]],
                  accounting: Accounting) -> None:
         self._opt = optimizer
+        self._patched = (optimizer, model)
         self._groups = groups
         self._acct = accounting
         self._done = [threading.Event() for _ in groups]
         self._lock = threading.Lock()
         self._zero: bool | None = None  # set_to_none of a deferred zero_grad, if any
         self._error: BaseException | None = None
-        optimizer.zero_grad = self._deferred_zero_grad  # instance patch, removed at the end
+        for owner in self._patched:  # instance patches, removed when the update ends
+            owner.__dict__["zero_grad"] = self._deferred_zero_grad
         self._thread = threading.Thread(target=self._run, name="lazytrain-step", daemon=True)
         self._thread.start()
 
@@ -45,7 +49,8 @@ class LayerwiseUpdate:
             self._error = err
         finally:
             with self._lock:
-                del self._opt.zero_grad
+                for owner in self._patched:
+                    owner.__dict__.pop("zero_grad", None)
                 for done in self._done:
                     done.set()
 

@@ -1,0 +1,116 @@
+"""step_layerwise: a layer-by-layer update on a thread equals a whole-model step."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from engine_helpers import batches, build_model, make_plan, twin
+from torch import nn
+
+from lazytrain_accel.engine import attach
+
+CPU = torch.device("cpu")
+LR = 1e-2
+
+
+class LayeredSGD(torch.optim.Optimizer):
+    """Stand-in with the per-layer protocol; records which groups it stepped, in order."""
+
+    def __init__(self, params, *, allow: bool = True) -> None:
+        super().__init__(params, {"lr": LR})
+        self.allow = allow
+        self.calls: list[list[nn.Parameter]] = []
+        self.threads: set[str] = set()
+        self.sq_norms: dict[nn.Parameter, float] = {}
+
+    def set_grad_sq_norms(self, sq_norms):
+        self.sq_norms = dict(sq_norms)
+
+    def begin_step(self) -> bool:
+        return self.allow
+
+    @torch.no_grad()
+    def step_params(self, params) -> None:
+        self.calls.append(list(params))
+        self.threads.add(threading.current_thread().name)
+        for p in params:
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-LR)
+
+    def end_step(self) -> None:
+        pass
+
+
+def _train(model, step_fn, zero_fn, steps: int = 3):
+    for step, ids in enumerate(batches(steps)):
+        torch.manual_seed(step)
+        model(input_ids=ids, labels=ids).loss.backward()
+        step_fn()
+        zero_fn()
+
+
+def test_layerwise_update_matches_a_plain_step_in_forward_order(tmp_path):
+    ref = build_model("qwen2", 10)
+    model = twin(ref)
+    engine = attach(model, make_plan("mixed", 10), device=CPU, nvme_dir=str(tmp_path))
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
+    opt = LayeredSGD(model.parameters())
+    ref.config.use_cache = False
+    _train(ref, opt_ref.step, opt_ref.zero_grad)
+    # model.zero_grad() right after the threaded step is deferred, not destructive
+    _train(model, lambda: engine.step_layerwise(opt), lambda: model.zero_grad())
+    engine.synchronize()
+    for p_ref, p in zip(ref.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-6)
+        assert p.grad is None  # the deferred zero_grad cleared every group after its update
+    groups = opt.calls[:11]
+    assert groups[0] == engine.resident_params()
+    assert groups[1:] == [engine.layer_params(j) for j in range(1, 11)]
+    assert opt.threads == {"lazytrain-step"}
+    assert set(opt.sq_norms) == set(model.parameters())
+
+
+def test_engine_norms_equal_the_accumulated_gradients(tmp_path):
+    model = build_model("gpt2", 4)
+    engine = attach(model, make_plan("offload_all", 4), device=CPU, nvme_dir=str(tmp_path))
+    for ids in batches(2):  # two micro-batches accumulate
+        model(input_ids=ids, labels=ids).loss.backward()
+    norms = engine.grad_sq_norms()
+    assert set(norms) == {p for p in model.parameters() if p.grad is not None}
+    for p, sq in norms.items():
+        torch.testing.assert_close(torch.tensor(sq), p.grad.pow(2).sum(), rtol=1e-5, atol=1e-9)
+
+
+def test_a_skipped_step_changes_nothing(tmp_path):
+    model = build_model("llama", 4)
+    engine = attach(model, make_plan("checkpoint_all", 4), device=CPU, nvme_dir=str(tmp_path))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = LayeredSGD(model.parameters(), allow=False)
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    engine.step_layerwise(opt)
+    engine.synchronize()
+    assert opt.calls == []
+    for b, p in zip(before, model.parameters(), strict=True):
+        assert torch.equal(b, p)
+
+
+def test_hybrid_adamw8bit_layerwise_equals_its_own_step(tmp_path):
+    from lazytrain_accel.optim import HybridAdamW8bit
+
+    ref = build_model("qwen2", 10)
+    model = twin(ref)
+    ref_engine = attach(ref, make_plan("checkpoint_all", 10), device=CPU,
+                        nvme_dir=str(tmp_path))
+    engine = attach(model, make_plan("mixed", 10), device=CPU, nvme_dir=str(tmp_path))
+    opt_ref = HybridAdamW8bit(ref.parameters(), lr=LR, max_grad_norm=1.0)
+    opt = HybridAdamW8bit(model.parameters(), lr=LR, max_grad_norm=1.0)
+    _train(ref, opt_ref.step, opt_ref.zero_grad)  # whole step, norms measured by the optimizer
+    _train(model, lambda: engine.step_layerwise(opt), lambda: opt.zero_grad())
+    engine.synchronize()
+    ref_engine.synchronize()
+    assert opt.last_grad_norm is not None
+    torch.testing.assert_close(opt.last_grad_norm, opt_ref.last_grad_norm, rtol=1e-5, atol=0)
+    for p_ref, p in zip(ref.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-6)
