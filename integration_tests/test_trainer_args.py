@@ -80,7 +80,9 @@ def test_apply_to_a_users_own_trainer_subclass(tmp_path: Path) -> None:
                              optim="sgd")
     trainer = MyTrainer(model=_tiny_model(), args=args)
     stock_accelerator = trainer.accelerator
+    trainer.args._n_gpu = 2  # as on a 2-GPU host, where Trainer would use nn.DataParallel
     apply_lazytrain_to_trainer(trainer, {"plan": "checkpoint_all"})
+    assert trainer.args.n_gpu == 1 and trainer.place_model_on_device is False
     assert isinstance(trainer.accelerator, TrainerAccelerator)
     assert trainer.accelerator is not stock_accelerator
     assert trainer.accelerator.mixed_precision == stock_accelerator.mixed_precision
