@@ -72,6 +72,8 @@ class HybridAdamW8bit(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm={max_grad_norm} must be > 0, or None to not clip")
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        if not isinstance(min_8bit_numel, int) or min_8bit_numel < 0:
+            raise ValueError(f"min_8bit_numel={min_8bit_numel!r} must be an int >= 0")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         block_size=block_size)
         super().__init__(params, defaults)
@@ -207,7 +209,6 @@ class HybridAdamW8bit(torch.optim.Optimizer):
             raise RuntimeError("HybridAdamW8bit does not support sparse gradients")
         if grad.dtype not in (torch.float32, torch.bfloat16):
             grad = grad.float()
-        grad = grad.contiguous()
         state = self.state[param]
         if not state:
             _init_state(state, param, group["block_size"], self.min_8bit_numel)
@@ -216,20 +217,29 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         scalars = reference.AdamStepScalars(
             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
             weight_decay=group["weight_decay"], step=int(state["step"]), clip_coef=clip_coef)
+        # both paths walk flat memory; a strided master is updated through a copy
+        master = param.data if param.data.is_contiguous() else param.data.contiguous()
+        self._update_flat(master, grad.contiguous(), state, scalars, group["block_size"], out)
+        if master is not param.data:
+            param.data.copy_(master)
+
+    def _update_flat(self, master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                     scalars: reference.AdamStepScalars, block_size: int,
+                     out: torch.Tensor | None) -> None:
         if "exp_avg" in state:
-            reference.adamw_fp32_update_(param, grad, state, scalars, out_bf16=out)
-        elif self._kernel is not None and param.device.type == "cpu" and param.is_contiguous():
-            fused_out = out if _writable_in_kernel(out, param) else None
+            reference.adamw_fp32_update_(master, grad, state, scalars, out_bf16=out)
+        elif self._kernel is not None and master.device.type == "cpu":
+            fused_out = out if _writable_in_kernel(out, master) else None
             self._kernel.adamw8bit_step(
-                param.data, grad, state["exp_avg_codes"], state["exp_avg_absmax"],
+                master, grad, state["exp_avg_codes"], state["exp_avg_absmax"],
                 state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], fused_out,
                 scalars.beta1, scalars.beta2, scalars.eps, scalars.decay, scalars.step_size,
-                scalars.inv_bias_correction2_sqrt, scalars.clip_coef, group["block_size"])
+                scalars.inv_bias_correction2_sqrt, scalars.clip_coef, block_size)
             if out is not None and fused_out is None:
-                out.copy_(param.data.view_as(out))
+                out.copy_(master.view_as(out))
         else:
-            reference.adamw8bit_update_(param, grad, state, scalars,
-                                        block_size=group["block_size"], out_bf16=out)
+            reference.adamw8bit_update_(master, grad, state, scalars, block_size=block_size,
+                                        out_bf16=out)
 
     # --- state ----------------------------------------------------------------------------
 

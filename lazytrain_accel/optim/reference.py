@@ -67,7 +67,7 @@ def _moments_and_master_(
     root = exp_avg_sq.double().sqrt_().float()
     denom = root.mul_(s.inv_bias_correction2_sqrt).add_(s.eps)
     update = exp_avg.div(denom).mul_(s.step_size)
-    flat = param.data.view(-1)
+    flat = param.data.view(-1)  # callers pass a contiguous master
     flat.mul_(s.decay)
     flat.sub_(update)
     return exp_avg, exp_avg_sq

@@ -66,3 +66,19 @@ def test_non_contiguous_compute_copy_is_still_written() -> None:
     opt.step_params(params, out_bf16=[out])
     opt.end_step()
     assert torch.equal(out, params[0].detach().to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_strided_master_is_updated_like_a_contiguous_one(backend) -> None:
+    base = make_params(4)[2]  # (33, 257): a partial last block
+    strided = torch.nn.Parameter(base.detach().t().contiguous().t())
+    assert not strided.is_contiguous()
+    plain = torch.nn.Parameter(base.detach().clone())
+    a = HybridAdamW8bit([strided], lr=1e-2, backend=backend)
+    b = HybridAdamW8bit([plain], lr=1e-2, backend=backend)
+    for step in range(3):
+        set_random_grads([strided], seed=step)
+        set_random_grads([plain], seed=step)
+        a.step()
+        b.step()
+    assert torch.equal(strided, plain) and not strided.is_contiguous()
