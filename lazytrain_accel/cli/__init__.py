@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, str] = {
     "plan": "lazytrain_accel.cli.plan_cmd",
     "simulate": "lazytrain_accel.cli.plan_cmd",
     "max-batch": "lazytrain_accel.cli.plan_cmd",
+    "demo": "lazytrain_accel.cli.demo_cmd",
 }
 
 

@@ -1,0 +1,157 @@
+"""`run_demo`: profile, plan, stream, step, evaluate and save, on this machine, no downloads."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from torch.utils.data import DataLoader
+
+from lazytrain_accel.data.arithmetic import bundled_path, load_jsonl, split_train_eval
+from lazytrain_accel.data.collate import CausalLMCollator, encode_record
+from lazytrain_accel.data.evaluate import EvalResult, exact_match
+from lazytrain_accel.demo.artifacts import MEASURED_TRACE_FILE, write_artifacts
+from lazytrain_accel.demo.budget import demo_gpu_budget_gb
+from lazytrain_accel.demo.model import load_model_and_tokenizer
+from lazytrain_accel.demo.report import hardware_table, model_table, plan_columns, plan_table
+from lazytrain_accel.demo.train import TrainResult, train
+
+SUMMARY_FILE = "demo_summary.json"
+
+
+@dataclass(kw_only=True)
+class DemoSettings:
+    """What `lazytrain demo` runs; the defaults are the measured five-minute demo."""
+
+    model: str | None = None  # local HF directory; None = the built-in demo model
+    dataset: str | None = None  # MetaMathQA-form JSONL; None = the bundled problems
+    steps: int = 300
+    batch_size: int = 32
+    seq_len: int = 48
+    lr: float = 3e-3
+    output_dir: str = "lazytrain_demo"
+    plan: str = "auto"
+    hardware: str = "auto"
+    nvme_dir: str | None = None
+    gpu_memory_gb: float | None = None  # None = the demo budget (budget.py); 0 = all of it
+    eval_count: int = 200
+    max_new_tokens: int = 32
+    seed: int = 0
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "eval_count", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+
+
+@dataclass(kw_only=True)
+class DemoResult:
+    exact_match_before: float
+    exact_match_after: float
+    eval_problems: int
+    train: TrainResult
+    wall_s: float
+    files: dict[str, str] = field(default_factory=dict)
+
+
+def _load_records(settings: DemoSettings) -> tuple[list[dict], list[dict]]:
+    records = load_jsonl(settings.dataset or bundled_path())
+    return split_train_eval(records, eval_count=min(settings.eval_count, len(records) // 4))
+
+
+def _make_loader(tokenizer: Any, records: list[dict], settings: DemoSettings) -> DataLoader:
+    examples = [encode_record(tokenizer, r, seq_len=settings.seq_len) for r in records]
+    if len(examples) < settings.batch_size:
+        raise ValueError(f"--batch-size {settings.batch_size} exceeds the {len(examples)} "
+                         "training records; lower it or pass a larger --dataset")
+    collator = CausalLMCollator(pad_token_id=tokenizer.pad_token_id, seq_len=settings.seq_len)
+    return DataLoader(examples, batch_size=settings.batch_size, shuffle=True, drop_last=True,
+                      collate_fn=collator,
+                      generator=torch.Generator().manual_seed(settings.seed))
+
+
+def _accelerator(settings: DemoSettings, model: torch.nn.Module, loader: DataLoader) -> Any:
+    from lazytrain_accel import Accelerator, LazyTrainPlugin
+    from lazytrain_accel.integrations.setup import compute_dtype_for, profile_for_run
+    from lazytrain_accel.profiling.hardware import load_hardware
+
+    mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    gpu_gb = settings.gpu_memory_gb
+    if gpu_gb is None:
+        profile = profile_for_run(model, batch_size=settings.batch_size,
+                                  seq_len=settings.seq_len,
+                                  compute_dtype=compute_dtype_for(mixed))
+        gpu_gb = demo_gpu_budget_gb(profile, load_hardware(settings.hardware,
+                                                           nvme_dir=settings.nvme_dir))
+    plugin = LazyTrainPlugin(plan=settings.plan, hardware=settings.hardware,
+                             nvme_dir=settings.nvme_dir, gpu_memory_limit_gb=gpu_gb)
+    return Accelerator(mixed_precision=mixed, plugin=plugin)
+
+
+def _schedule(optimizer: torch.optim.Optimizer, steps: int) -> Any:
+    """Linear warm-up over 5% of the steps, then linear decay to a tenth."""
+    warmup = max(1, steps // 20)
+
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup) * max(0.1, 1.0 - step / steps)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _evaluate(label: str, accelerator: Any, model: Any, tokenizer: Any, records: list[dict],
+              settings: DemoSettings, console: Console) -> EvalResult:
+    start = time.perf_counter()
+    result = exact_match(model, tokenizer, records, device=accelerator.device,
+                         max_new_tokens=settings.max_new_tokens)
+    console.print(f"exact match {label}: [bold]{result.exact_match:.1%}[/bold] "
+                  f"({result.correct}/{result.total}, {time.perf_counter() - start:.1f} s)")
+    for query, text in result.samples[:1]:
+        console.print(f"  Q: {query}\n  A: {text.strip()!r}")
+    return result
+
+
+def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoResult:
+    """Fine-tune, evaluate before/after, write the artifacts; see docs/getting_started.md."""
+    console = console or Console()
+    start = time.perf_counter()
+    torch.manual_seed(settings.seed)
+    train_records, eval_records = _load_records(settings)
+    texts = [r["query"] + "\n" + r["response"] for r in train_records]
+    model, tokenizer = load_model_and_tokenizer(settings.model, texts, seed=settings.seed)
+    loader = _make_loader(tokenizer, train_records, settings)
+    accelerator = _accelerator(settings, model, loader)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.01)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    # Built on the prepared optimizer (LazyTrain swapped in its own), so the scheduler
+    # counts the steps that really happen.
+    scheduler = _schedule(optimizer, settings.steps)
+    run = accelerator.lazytrain_run
+    budget_bytes = int(accelerator.lazytrain_plugin.gpu_memory_limit_gb * 2**30)
+    columns = plan_columns(run, accelerator.lazytrain_plugin)
+    for table in (hardware_table(run.hardware, gpu_budget_bytes=budget_bytes),
+                  model_table(run.model_profile), plan_table(columns)):
+        console.print(table)
+    before = _evaluate("before training", accelerator, model, tokenizer, eval_records,
+                       settings, console)
+    out = Path(settings.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trained = train(accelerator, model, optimizer, scheduler, loader, steps=settings.steps,
+                    max_grad_norm=settings.max_grad_norm, console=console,
+                    trace_path=out / MEASURED_TRACE_FILE)
+    after = _evaluate("after training", accelerator, model, tokenizer, eval_records,
+                      settings, console)
+    accelerator.end_training()  # detaches the engine: the model is a plain HF model again
+    files = write_artifacts(out, model=model, tokenizer=tokenizer, run=run)
+    result = DemoResult(exact_match_before=before.exact_match,
+                        exact_match_after=after.exact_match, eval_problems=after.total,
+                        train=trained, wall_s=time.perf_counter() - start, files=files)
+    (out / SUMMARY_FILE).write_text(json.dumps(asdict(result), indent=1))
+    return result

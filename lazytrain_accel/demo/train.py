@@ -1,0 +1,81 @@
+"""The demo's training loop: plain Accelerate code, with LazyTrain under `prepare`."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from torch.profiler import ProfilerActivity, profile
+
+
+@dataclass(kw_only=True)
+class TrainResult:
+    steps: int
+    final_loss: float
+    mean_step_s: float  # excludes the first step (plan caches, allocator warm-up)
+    tokens_per_s: float
+    stall_s: float  # engine wait on transfers and updates, summed over all steps
+
+
+def _forever(loader: Any) -> Iterator[dict[str, torch.Tensor]]:
+    while True:
+        yield from loader
+
+
+def _trace_context(trace_path: Path | None) -> Any:
+    """torch.profiler around one step when a trace is wanted, else a no-op context."""
+    if trace_path is None:
+        return contextlib.nullcontext()
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    return profile(activities=activities, record_shapes=False)
+
+
+def train(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+          scheduler: Any, loader: Any, *, steps: int, max_grad_norm: float,
+          console: Console, trace_path: Path | None) -> TrainResult:
+    """`steps` optimizer steps; the step chosen for tracing (the second, once caches are
+    warm) is recorded with torch.profiler and written to `trace_path` as a Chrome trace."""
+    engine = accelerator.lazytrain_engine
+    batches = _forever(loader)
+    traced_step = min(1, steps - 1)
+    step_times_s, loss_value, stall_s, tokens = [], float("nan"), 0.0, 0
+    columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[info]}"))
+    model.train()
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("train", total=steps, info="")
+        for step in range(steps):
+            batch = next(batches)
+            engine.reset_stats()
+            start = time.perf_counter()
+            tracing = trace_path if step == traced_step else None
+            with _trace_context(tracing) as prof:
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            step_s = time.perf_counter() - start
+            if tracing is not None:
+                prof.export_chrome_trace(str(tracing))
+            step_times_s.append(step_s)
+            loss_value = float(loss.detach())
+            step_stall_s = engine.stats().stall_s
+            stall_s += step_stall_s
+            tokens = batch["input_ids"].numel()
+            progress.update(task, advance=1, info=f"loss {loss_value:.3f}  "
+                            f"{tokens / step_s:,.0f} tok/s  stall {step_stall_s * 1e3:.1f} ms")
+    timed = step_times_s[1:] or step_times_s
+    mean_step_s = sum(timed) / len(timed)
+    return TrainResult(steps=steps, final_loss=loss_value, mean_step_s=mean_step_s,
+                       tokens_per_s=tokens / mean_step_s, stall_s=stall_s)
