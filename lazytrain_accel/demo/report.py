@@ -98,7 +98,8 @@ def model_table(model: ModelProfile) -> Table:
 
 def plan_table(columns: list[PlanColumn]) -> Table:
     """Strategies side by side: where boundaries live, what is recomputed, predicted time."""
-    table = Table(title="Plan (predicted by the event simulator)", title_justify="left")
+    table = Table(title="Plan (predicted by the event simulator)", title_justify="left",
+                  caption=_speedup_caption(columns), caption_justify="left")
     table.add_column("")
     for column in columns:
         table.add_column(column.name, justify="right")
@@ -115,6 +116,14 @@ def plan_table(columns: list[PlanColumn]) -> Table:
     for label, cells in rows:
         table.add_row(label, *cells)
     return table
+
+
+def _speedup_caption(columns: list[PlanColumn]) -> str | None:
+    steps = [c.simulated.step_s for c in columns if c.simulated is not None]
+    if len(columns) != 2 or len(steps) != 2:
+        return None
+    return (f"predicted step of {columns[0].name}: {steps[1] / steps[0]:.2f}x faster than "
+            f"{columns[1].name} in the same device budget")
 
 
 def _column_values(column: PlanColumn) -> list[str]:
