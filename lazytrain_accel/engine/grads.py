@@ -78,6 +78,12 @@ class GradSink:
                 p.grad = g
             else:  # a staging view or a cast: `.grad` needs its own storage
                 p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
+        self.record_norms(params)
+
+    def record_norms(self, params: list[nn.Parameter]) -> None:
+        """Remember the squared norm of each parameter's current `.grad`."""
+        if not params:
+            return
         norms = torch._foreach_norm([p.grad for p in params])
         for p, sq in zip(params, torch.stack(norms).square().tolist(), strict=True):
             self.sq_norms[p] = sq
