@@ -20,9 +20,9 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
-from engine_helpers import make_plan  # noqa: E402
+from engine_helpers import make_plan
 
-from lazytrain_accel.engine import attach  # noqa: E402
+from lazytrain_accel.engine import attach
 
 
 def rss_bytes() -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -288,6 +289,11 @@ class StreamingEngine:
         """Squared L2 norm of each parameter's accumulated `.grad`, kept as grads landed."""
         self.sink.drain()
         return {p: sq for p, sq in self.sink.sq_norms.items() if p.grad is not None}
+
+    def register_grad_ready_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> None:
+        """Call `hook(params)` each time a streamed layer's gradients have been folded
+        into the host `.grad` of `params` (once per layer per backward pass)."""
+        self.sink.ready_hooks.append(hook)
 
     def stats(self) -> StepStats:
         return self.acct.snapshot()

@@ -9,6 +9,8 @@ norm of the accumulated gradient, so clipping after the last micro-batch needs n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -22,6 +24,9 @@ class GradSink:
         self._streams = streams
         self._acct = accounting
         self.sq_norms: dict[nn.Parameter, float] = {}
+        # Called with a layer's params once their grads are accumulated on the host
+        # (data parallelism starts that layer's all-reduce there).
+        self.ready_hooks: list[Callable[[list[nn.Parameter]], None]] = []
         self._staging = [streams.empty_host(torch.Size([max_numel]), grad_dtype)
                          for _ in range(2)] if streams.is_cuda else []
         self._pending: list[tuple[int, list[nn.Parameter], torch.cuda.Event | None]] = []
@@ -79,6 +84,8 @@ class GradSink:
             else:  # a staging view or a cast: `.grad` needs its own storage
                 p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
         self.record_norms(params)
+        for hook in self.ready_hooks:
+            hook(params)
 
     def record_norms(self, params: list[nn.Parameter]) -> None:
         """Remember the squared norm of each parameter's current `.grad`."""

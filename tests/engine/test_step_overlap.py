@@ -114,3 +114,14 @@ def test_hybrid_adamw8bit_layerwise_equals_its_own_step(tmp_path):
     torch.testing.assert_close(opt.last_grad_norm, opt_ref.last_grad_norm, rtol=1e-5, atol=0)
     for p_ref, p in zip(ref.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_ready_hook_sees_each_layer_once_as_its_backward_ends(tmp_path):
+    model = build_model("qwen2", 4)
+    engine = attach(model, make_plan("megatrain", 4), device=CPU, nvme_dir=str(tmp_path))
+    seen: list[list[nn.Parameter]] = []
+    engine.register_grad_ready_hook(lambda params: seen.append(list(params)))
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert seen == [engine.layer_params(j) for j in (4, 3, 2, 1)]
+    assert all(p.grad is not None for params in seen for p in params)
