@@ -57,9 +57,11 @@ class ActivationStore:
         self._records: dict[int, _Boundary] = {}
         self._done_windows: set[int] = set()
         self._by_window: dict[int, list[tuple[int, TransferKind]]] = {}
+        scheduled: set[tuple[int, TransferKind]] = set()
         for t in sorted(plan.transfers, key=lambda t: t.window):
             # a stage runs once, in the first window holding any of its bytes
-            if not any((t.boundary, t.kind) in v for v in self._by_window.values()):
+            if (t.boundary, t.kind) not in scheduled:
+                scheduled.add((t.boundary, t.kind))
                 self._by_window.setdefault(t.window, []).append((t.boundary, t.kind))
 
     # ---- forward -------------------------------------------------------------------

@@ -49,11 +49,8 @@ class Streams:
         if event is not None:
             event.synchronize()
 
-    def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Page-locked copy target on CUDA (async DMA); plain memory on CPU."""
-        return tensor.pin_memory() if self.is_cuda else tensor
-
     def empty_host(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer: page-locked on CUDA (async DMA), plain memory on CPU."""
         return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
 
     @property
