@@ -11,8 +11,8 @@ fused update run at memory speed. `docs/optimizer.md` has the measurements that 
 * second moment (unsigned, >= 0): 8 magnitude bits, e5m3 -> 2^-31 .. 1 of the absmax
   (v spans twice the binades of the gradients it squares).
 
-Code 0 is exactly 0. The native kernel (`csrc/adamw8bit.cpp`) implements the same
-arithmetic; these torch functions are its oracle.
+Codes 0 (and 0x80, a signed "-0") are exactly 0. The native kernel (`csrc/adamw8bit.cpp`)
+implements the same arithmetic; these torch functions are its oracle.
 """
 
 from __future__ import annotations
@@ -71,9 +71,9 @@ def encode(normalized: torch.Tensor, code: FloatCode) -> torch.Tensor:
     rounded = (magnitude + (1 << (code.shift - 1))) >> code.shift
     codes = (rounded - code.offset).clamp_(0, code.max_code)
     if code.signed:
-        # the sign bit of fp32 moves to bit 7; a zero magnitude keeps code 0 (never -0)
-        sign = torch.where(bits < 0, 0x80, 0).to(torch.int32)
-        codes = torch.where(codes > 0, codes | sign, codes)
+        # the sign bit of fp32 moves to bit 7; a zero magnitude may keep it ("-0", 0x80),
+        # which decodes to 0 like code 0 and saves the kernel a select per element
+        codes = codes | ((bits >> 24) & 0x80)
     return codes.to(torch.uint8)
 
 

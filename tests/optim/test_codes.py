@@ -26,7 +26,7 @@ CODES = [EXP_AVG_CODE, EXP_AVG_SQ_CODE]
 def test_every_code_decodes_to_a_value_that_encodes_back(code) -> None:
     codes = torch.arange(256, dtype=torch.uint8)
     if code.signed:
-        codes = codes[codes != 0x80]  # "-0" is never produced: zero has one code, 0
+        codes = codes[codes != 0x80]  # "-0" decodes to +0, which encodes as 0
     assert torch.equal(encode(decode(codes, code), code), codes)
 
 
@@ -50,11 +50,13 @@ def test_relative_rounding_error_is_at_most_half_a_mantissa_step(code) -> None:
     assert relative <= 2.0 ** -(code.mantissa_bits + 1) + 1e-7
 
 
-def test_signed_code_keeps_the_sign_and_zero_is_code_zero() -> None:
-    values = torch.tensor([-1.0, -0.25, -0.0, 0.0, 0.25, 1.0, -1e-12])
+def test_signed_code_keeps_the_sign_and_tiny_values_decode_to_exact_zero() -> None:
+    values = torch.tensor([-1.0, -0.25, -0.0, 0.0, 0.25, 1.0, -1e-12, 1e-12])
     codes = encode(values, EXP_AVG_CODE)
-    assert codes[2] == 0 and codes[3] == 0 and codes[6] == 0
-    assert torch.equal(decode(codes, EXP_AVG_CODE), torch.tensor([-1, -0.25, 0, 0, 0.25, 1, 0.0]))
+    assert codes[3] == 0 and codes[7] == 0 and codes[2] == 0x80 and codes[6] == 0x80
+    decoded = decode(codes, EXP_AVG_CODE)
+    assert torch.equal(decoded, torch.tensor([-1, -0.25, 0, 0, 0.25, 1, 0, 0.0]))
+    assert not torch.signbit(decoded[2:4]).any() and not torch.signbit(decoded[6:]).any()
 
 
 @settings(max_examples=40, deadline=None)
