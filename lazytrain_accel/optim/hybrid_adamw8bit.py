@@ -108,7 +108,11 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         self._grad_norm_cache = None
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm (fp32) of the current gradients, computed once per step."""
+        """Global L2 norm (fp32) of the current gradients, computed once per step.
+
+        Cached until `zero_grad()`, `end_step()` or `set_grad_sq_norms()`: call it after
+        the step's last backward.
+        """
         if self._grad_norm_cache is None:
             params = [p for group in self.param_groups for p in group["params"]]
             to_measure, known = split_precomputed(params, self._precomputed_sq_norms)
