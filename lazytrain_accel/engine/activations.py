@@ -157,8 +157,11 @@ class ActivationStore:
         else:
             self._d2h(rec)
         self._stall_on(lambda: Streams.host_waits(rec.host_ready))
+        # allocated on the compute stream, which reads and frees it; written on the side one
+        rec.device = torch.empty(rec.shape, dtype=rec.dtype, device=self._streams.device)
         with self._acct.timed_transfer("h2d", rec.nbytes), self._streams.copy_stream():
-            rec.device = rec.host.to(self._streams.device, non_blocking=True, copy=True)
+            rec.device.copy_(rec.host, non_blocking=True)
+            self._streams.keep_alive(rec.device)
             rec.device_ready = self._streams.record()
         rec.version = rec.device._version
         self._acct.allocate("device", rec.nbytes)
