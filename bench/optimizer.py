@@ -3,7 +3,7 @@
     python bench/optimizer.py [--params-m 100] [--rounds 5] [--threads 2]
 
 One process, the contenders alternate round by round, medians reported:
-1. the machine's memory bandwidth (STREAM-like copy, same run);
+1. the machine's memory bandwidth (STREAM-like copy, alternating with the others);
 2. step seconds and state bytes/param for 100M parameters in transformer-layer shapes:
    HybridAdamW8bit (native, with and without clipping; torch path once), torch AdamW
    (fused, foreach) and bitsandbytes AdamW8bit, plus the operator's achieved GB/s. Wall
@@ -52,11 +52,16 @@ def time_once(fn: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def copy_bandwidth_bytes_per_s(numel: int, rounds: int) -> float:
-    """STREAM copy: bytes read + bytes written per second (best of `rounds`)."""
-    src, dst = torch.randn(numel), torch.empty(numel)
-    best = min(time_once(lambda: dst.copy_(src)) for _ in range(rounds))
-    return 2 * 4 * numel / best
+class StreamCopy:
+    """STREAM copy as a contender of the alternating loop, so it sees the same machine
+    load: `step()` copies `numel` floats; bytes = read + written (STREAM's count)."""
+
+    def __init__(self, numel: int) -> None:
+        self.src, self.dst = torch.randn(numel), torch.zeros(numel)  # zeros: pages touched
+        self.state: dict = {}
+
+    def step(self) -> None:
+        self.dst.copy_(self.src)
 
 
 def bench_steps(params: list[torch.nn.Parameter], rounds: int) -> dict[str, dict[str, float]]:
@@ -69,10 +74,11 @@ def bench_steps(params: list[torch.nn.Parameter], rounds: int) -> dict[str, dict
         "adamw_fused": torch.optim.AdamW(params, lr=1e-5, fused=True),
         "adamw_foreach": torch.optim.AdamW(params, lr=1e-5, foreach=True),
         "bnb_adamw8bit": bnb.optim.AdamW8bit(params, lr=1e-5),
+        "stream_copy": StreamCopy(numel),
     }
     # bytes each step must move: grad read, master read+write, state read+write
     traffic = {"hybrid8bit": 16, "hybrid8bit+clip": 20, "adamw_fused": 28, "adamw_foreach": 28,
-               "bnb_adamw8bit": 16}
+               "bnb_adamw8bit": 16, "stream_copy": 8}
     times: dict[str, list[float]] = {name: [] for name in contenders}
     cpu_times: dict[str, list[float]] = {name: [] for name in contenders}
     for opt in contenders.values():
@@ -176,12 +182,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"threads={args.threads} torch={torch.__version__} "
           f"cpu={torch.backends.cpu.get_cpu_capability()}")
-    bandwidth = copy_bandwidth_bytes_per_s(50_000_000, args.rounds)
-    print(f"memory bandwidth (copy): {bandwidth / GB:.1f} GB/s")
     params = make_params(args.params_m)
     numel = sum(p.numel() for p in params)
     print(f"{numel / 1e6:.1f}M parameters in {len(params)} tensors")
     results = bench_steps(params, args.rounds)
+    bandwidth = results.pop("stream_copy")["achieved_bytes_per_s"]
+    print(f"memory bandwidth (STREAM copy, same rounds): {bandwidth / GB:.1f} GB/s")
     fused, bnb_r = results["adamw_fused"], results["bnb_adamw8bit"]
     for name, r in results.items():
         print(f"{name:24s} step {r['step_s']:.4f} s (x{r['step_s'] / fused['step_s']:5.2f} of "
