@@ -176,3 +176,31 @@ def test_protocol_misuse_and_bad_arguments_raise_clear_errors() -> None:
 def _with_grad(param: torch.nn.Parameter) -> torch.nn.Parameter:
     param.grad = torch.ones_like(param)
     return param
+
+
+def test_without_a_kernel_auto_falls_back_and_native_refuses(monkeypatch) -> None:
+    from lazytrain_accel.optim import native
+
+    monkeypatch.setattr(native, "load_kernel", lambda: None)
+    params = make_params()
+    opt = HybridAdamW8bit(params, backend="auto")
+    assert not opt.uses_native_kernel
+    set_random_grads(params, seed=0)
+    opt.step()
+    assert int(opt.state[params[0]]["step"]) == 1
+    with pytest.raises(RuntimeError, match="could not be built"):
+        HybridAdamW8bit(make_params(), backend="native")
+
+
+def test_a_failed_build_warns_and_returns_none(monkeypatch, caplog) -> None:
+    import torch.utils.cpp_extension
+
+    from lazytrain_accel.optim import native
+
+    def broken_load(**kwargs):
+        raise OSError("no compiler here\nsecond line")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", broken_load)
+    with caplog.at_level("WARNING"):
+        assert native.load_kernel.__wrapped__() is None
+    assert "OSError: no compiler here" in caplog.text and "pure-torch" in caplog.text
