@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 class TrainResult:
     steps: int
     final_loss: float
-    mean_step_s: float  # excludes the first step (plan caches, allocator warm-up)
+    mean_step_s: float  # excludes the first and the traced step
     tokens_per_s: float
     stall_s: float  # engine wait on transfers and updates, summed over all steps
 
@@ -75,7 +75,8 @@ def train(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optim
             tokens = batch["input_ids"].numel()
             progress.update(task, advance=1, info=f"loss {loss_value:.3f}  "
                             f"{tokens / step_s:,.0f} tok/s  stall {step_stall_s * 1e3:.1f} ms")
-    timed = step_times_s[1:] or step_times_s
+    # The first step fills caches and the traced one pays the profiler: neither is typical.
+    timed = [t for i, t in enumerate(step_times_s) if i not in (0, traced_step)] or step_times_s
     mean_step_s = sum(timed) / len(timed)
     return TrainResult(steps=steps, final_loss=loss_value, mean_step_s=mean_step_s,
                        tokens_per_s=tokens / mean_step_s, stall_s=stall_s)

@@ -83,3 +83,20 @@ def test_own_dataset_and_bad_flags_are_reported_in_one_line(
     assert main(["demo", "--dataset", str(small), "--batch-size", "64",
                  "--output-dir", str(tmp_path / "o")]) == 1
     assert "--batch-size 64 exceeds" in capsys.readouterr().err
+
+
+def test_continues_from_the_saved_checkpoint_with_a_baseline_plan(
+        demo_out: Path, tmp_path: Path, hardware_json: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--model reloads the demo's own output (weights and tokenizer), --plan picks MegaTrain."""
+    monkeypatch.setenv("LAZYTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "continued"
+    code = main(["demo", "--model", str(demo_out / "checkpoint"), "--plan", "megatrain",
+                 "--steps", "1", "--batch-size", "4", "--eval-count", "4",
+                 "--hardware", str(hardware_json), "--output-dir", str(out)])
+    assert code == 0
+    plan = Plan.load(out / "plan.json")
+    assert plan.strategy == "megatrain"
+    assert [b for b in plan.blocks if b[1] - b[0] > 1] == [(0, 4), (4, 8)]
+    saved = AutoTokenizer.from_pretrained(out / "checkpoint")
+    assert saved.get_vocab() == AutoTokenizer.from_pretrained(demo_out / "checkpoint").get_vocab()
