@@ -20,6 +20,7 @@ from lazytrain_accel.demo.budget import demo_gpu_budget_gb
 from lazytrain_accel.demo.model import load_model_and_tokenizer
 from lazytrain_accel.demo.report import hardware_table, model_table, plan_columns, plan_table
 from lazytrain_accel.demo.train import TrainResult, train
+from lazytrain_accel.planning import Budgets
 
 SUMMARY_FILE = "demo_summary.json"
 
@@ -134,7 +135,9 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoResu
     # counts the steps that really happen.
     scheduler = _schedule(optimizer, settings.steps)
     run = accelerator.lazytrain_run
-    budget_bytes = int(accelerator.lazytrain_plugin.gpu_memory_limit_gb * 2**30)
+    budget_bytes = Budgets.from_hardware(  # 0 GiB means the whole device
+        run.hardware, gpu_memory_limit_gb=accelerator.lazytrain_plugin.gpu_memory_limit_gb,
+    ).gpu_bytes
     columns = plan_columns(run, accelerator.lazytrain_plugin)
     for table in (hardware_table(run.hardware, gpu_budget_bytes=budget_bytes),
                   model_table(run.model_profile), plan_table(columns)):
