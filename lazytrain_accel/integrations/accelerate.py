@@ -41,38 +41,51 @@ class Accelerator(accelerate.Accelerator):
         self.lazytrain_engine = None
         self._lazytrain_optimizer: torch.optim.Optimizer | None = None
         self._lazytrain_reducer: GradientAllReducer | None = None
+        self._lazytrain_model: nn.Module | None = None
 
     # ---- prepare --------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         if self.lazytrain_plugin is None:
             return super().prepare(*args, device_placement=device_placement)
         models = [a for a in args if isinstance(a, nn.Module)]
-        if len(models) != 1:
-            raise ValueError(f"LazyTrain prepares exactly one model per Accelerator; got "
-                             f"{len(models)}. Prepare other models with a stock Accelerator.")
-        loaders = [a for a in args if isinstance(a, torch.utils.data.DataLoader)]
-        model = models[0]
-        user_optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
-        self._lazytrain_prepare_model(model, loaders[0] if loaders else None)
-        optimizer = setup.build_optimizer(self.lazytrain_plugin,
-                                          user_optimizers[0] if user_optimizers else None, model)
-        self._lazytrain_optimizer = optimizer
-        out = []
-        for obj in args:
-            if obj is model:
-                out.append(model)
-            elif isinstance(obj, torch.optim.Optimizer):
-                out.append(super().prepare_optimizer(optimizer, device_placement=False))
-            else:
-                out.append(obj)
+        if len(models) > 1 or (models and self._lazytrain_model not in (None, models[0])):
+            raise ValueError("LazyTrain streams exactly one model per Accelerator; prepare "
+                             "other models with a stock accelerate.Accelerator.")
+        if models and self._lazytrain_model is None:  # a second prepare() of it is a no-op
+            loaders = [a for a in args if isinstance(a, torch.utils.data.DataLoader)]
+            self._lazytrain_prepare_model(models[0], loaders[0] if loaders else None)
+        out = list(args)
+        for i, obj in enumerate(args):
+            if isinstance(obj, torch.optim.Optimizer):
+                out[i] = self._lazytrain_prepare_optimizer(obj)
         # Data loaders and schedulers go through the stock path (sharding, step counting).
-        rest = [i for i, o in enumerate(out) if o is not model
-                and not isinstance(o, accelerate.optimizer.AcceleratedOptimizer)]
+        rest = [i for i, o in enumerate(out)
+                if not isinstance(o, (nn.Module, torch.optim.Optimizer))]
         prepared = super().prepare(*[out[i] for i in rest]) if rest else ()
         prepared = prepared if isinstance(prepared, tuple) else (prepared,)
         for i, obj in zip(rest, prepared, strict=True):
             out[i] = obj
         return out[0] if len(out) == 1 else tuple(out)
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None,
+                      evaluation_mode: bool = False) -> nn.Module:
+        if self.lazytrain_plugin is not None and model is self._lazytrain_model:
+            return model  # streamed already: never move it to the device whole
+        return super().prepare_model(model, device_placement=device_placement,
+                                     evaluation_mode=evaluation_mode)
+
+    def _lazytrain_prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+        if self._lazytrain_model is None:
+            raise ValueError("prepare the model before (or together with) its optimizer: "
+                             "LazyTrain rebuilds the optimizer on the streamed model's host "
+                             "masters")
+        if isinstance(optimizer, accelerate.optimizer.AcceleratedOptimizer):
+            if optimizer.optimizer is self._lazytrain_optimizer:
+                return optimizer  # already ours and prepared
+            optimizer = optimizer.optimizer
+        self._lazytrain_optimizer = setup.build_optimizer(self.lazytrain_plugin, optimizer,
+                                                          self._lazytrain_model)
+        return super().prepare_optimizer(self._lazytrain_optimizer, device_placement=False)
 
     def _lazytrain_prepare_model(self, model: nn.Module, loader: Any) -> None:
         from lazytrain_accel.engine import attach
@@ -85,7 +98,8 @@ class Accelerator(accelerate.Accelerator):
         batch_size, seq_len = _infer_batch_shape(loader, model)
         model_profile = setup.profile_for_run(model, batch_size=batch_size, seq_len=seq_len,
                                               compute_dtype=compute_dtype)
-        hardware = load_hardware(plugin.hardware)
+        hardware = load_hardware(plugin.hardware, cache_dir=plugin.cache_dir,
+                                 nvme_dir=plugin.nvme_dir)
         plan = setup.resolve_plan(plugin, model_profile, hardware)
         if self.is_main_process:
             logger.warning("%s", setup.format_plan_summary(plan))
@@ -99,6 +113,7 @@ class Accelerator(accelerate.Accelerator):
         if self.native_amp:
             _wrap_forward_in_autocast(model)
         model._is_accelerate_prepared = True
+        self._lazytrain_model = model
         self._models.append(model)
 
     # ---- the training step ----------------------------------------------------------

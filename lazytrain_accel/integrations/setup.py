@@ -105,6 +105,10 @@ def build_optimizer(config: LazyTrainConfig, user_optimizer: torch.optim.Optimiz
 
     if user_optimizer is None:
         return HybridAdamW8bit(model.parameters())
+    import accelerate
+
+    if isinstance(user_optimizer, accelerate.optimizer.AcceleratedOptimizer):
+        user_optimizer = user_optimizer.optimizer
     if config.optimizer == OptimizerChoice.KEEP or isinstance(user_optimizer, HybridAdamW8bit):
         return user_optimizer
     hyper = dict(user_optimizer.defaults)
@@ -121,6 +125,9 @@ def build_optimizer(config: LazyTrainConfig, user_optimizer: torch.optim.Optimiz
             theirs.setdefault(key, value)
     # Share the group dicts: schedulers on either object now drive the same lr.
     replacement.param_groups = user_optimizer.param_groups
+    # A scheduler built on the user's optimizer checks that *its* step ran first.
+    replacement.register_step_post_hook(
+        lambda *_: setattr(user_optimizer, "_opt_called", True))
     return replacement
 
 

@@ -104,8 +104,13 @@ def profile_model(
     batch_size: int,
     seq_len: int,
     compute_bytes_per_elem: int = 2,
+    loss_chunk_tokens: int = 0,
 ) -> ModelProfile:
     """Per-layer bytes and FLOPs of `geometry` at one micro-batch shape.
+
+    `loss_chunk_tokens` = 0 models HF's own loss (full tokens x vocab logits); > 0 models
+    LazyTrain's fused chunked loss, which materializes logits for that many tokens at a
+    time (plus the hidden states' gradient).
 
     FLOPs count 2 per multiply-add. A layer's forward is its matmuls (2 * tokens * layer
     params; biases and norms are within 0.1%) plus attention's QK^T and AV over the full
@@ -138,5 +143,20 @@ def profile_model(
         layer_bwd_flops=2.0 * layer_fwd_flops,
         head_fwd_flops=head_fwd_flops,
         resident_param_bytes=resident * compute_bytes_per_elem,
-        head_working_bytes=tokens * g.vocab_size * (compute_bytes_per_elem + 4 + 4),
+        head_working_bytes=_head_working_bytes(g, tokens, compute_bytes_per_elem,
+                                               loss_chunk_tokens),
     )
+
+
+def _head_working_bytes(g: ModelGeometry, tokens: int, bytes_per_elem: int,
+                        loss_chunk_tokens: int) -> int:
+    """Logits in the compute dtype + their fp32 upcast + their fp32 gradient, for all
+    tokens (HF's loss) or one chunk (fused chunked loss, which also holds the hidden
+    states' gradient for all tokens)."""
+    if loss_chunk_tokens < 0:
+        raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 0 (0 = the "
+                         "model's own unchunked loss)")
+    per_token_logits = g.vocab_size * (bytes_per_elem + 4 + 4)
+    if loss_chunk_tokens == 0 or loss_chunk_tokens >= tokens:
+        return tokens * per_token_logits
+    return loss_chunk_tokens * per_token_logits + tokens * g.hidden_size * bytes_per_elem

@@ -1,0 +1,104 @@
+"""A user-style Accelerate training script, as people write them, with one LazyTrain line.
+
+Tiny Qwen2 from a config, synthetic token data, AdamW, a linear LR schedule, gradient
+accumulation, clipping. Writes the per-step losses to --losses (JSON) so tests can compare
+runs launched in different ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from accelerate.utils import DataLoaderConfiguration, set_seed
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lazytrain_accel import Accelerator, LazyTrainPlugin
+
+
+def build_data(num_samples: int, seq_len: int, vocab: int) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    # A learnable pattern: each sequence counts upward from a random start (mod vocab).
+    start = torch.randint(0, vocab, (num_samples, 1), generator=g)
+    ids = (start + torch.arange(seq_len)) % vocab
+    return torch.utils.data.TensorDataset(ids)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--lazytrain", action="store_true")
+    p.add_argument("--plan", default=None)
+    p.add_argument("--optimizer", default=None)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--save-at", type=int, default=None)
+    p.add_argument("--resume-from", default=None)
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--losses", required=True)
+    p.add_argument("--cpu", action="store_true")
+    args = p.parse_args()
+
+    set_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    data = build_data(64, 16, config.vocab_size)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / 100)
+
+    plugin = None
+    if args.lazytrain:
+        kwargs = {k: v for k, v in (("plan", args.plan), ("optimizer", args.optimizer)) if v}
+        plugin = LazyTrainPlugin(**kwargs)
+    # A seedable sampler makes the data order a function of (seed, epoch), so a resumed
+    # run can skip the batches it already saw and see the same ones after.
+    accelerator = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.grad_accum,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+                              plugin=plugin)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
+                                                              scheduler)
+    if args.resume_from:
+        accelerator.load_state(args.resume_from)
+    losses: list[float] = []
+    step = 0
+    skip_batches = 0
+    if args.resume_from:
+        with open(args.resume_from + "/progress.json") as f:
+            step = json.load(f)["step"]
+        skip_batches = step * args.grad_accum
+    epoch_loader = (accelerator.skip_first_batches(loader, skip_batches) if skip_batches
+                    else loader)
+    while step < args.steps:
+        for (ids,) in epoch_loader:
+            with accelerator.accumulate(model):
+                out = model(input_ids=ids, labels=ids)
+                accelerator.backward(out.loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            loss = accelerator.reduce(out.loss.detach(), reduction="mean")
+            if accelerator.sync_gradients:
+                losses.append(float(loss))
+                step += 1
+                if args.save_at is not None and step == args.save_at:
+                    accelerator.save_state(args.ckpt_dir)
+                    if accelerator.is_main_process:
+                        with open(args.ckpt_dir + "/progress.json", "w") as f:
+                            json.dump({"step": step}, f)
+                if step >= args.steps:
+                    break
+        epoch_loader = loader
+    if accelerator.is_main_process:
+        with open(args.losses, "w") as f:
+            json.dump(losses, f)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
