@@ -46,6 +46,8 @@ def test_fence_parser_finds_only_runnable_blocks() -> None:
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
 def test_doc_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    for folder in ("examples", "bench"):  # docs run commands from the repository root
+        (tmp_path / folder).symlink_to(DOCS.parent / folder)
     monkeypatch.setenv("LAZYTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}

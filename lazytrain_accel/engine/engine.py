@@ -82,7 +82,9 @@ class StreamingEngine:
         if plan.num_layers != len(layers):
             raise ValueError(f"plan.num_layers={plan.num_layers} but the model has "
                              f"{len(layers)} decoder layers; plan for this model")
-        if any(getattr(model, flag, False) for flag in _CHECKPOINTING_FLAGS):
+        # The newest name the model's class has (reading the deprecated one warns).
+        flag = next((f for f in _CHECKPOINTING_FLAGS if hasattr(type(model), f)), None)
+        if flag is not None and getattr(model, flag):
             raise ValueError("HF gradient checkpointing is on; the engine already re-runs "
                              "each layer in backward. Call model.gradient_checkpointing_"
                              "disable() before attaching")
