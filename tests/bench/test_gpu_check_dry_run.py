@@ -1,0 +1,37 @@
+"""bench/gpu_check.sh --dry-run: the GPU check's code path, on the CPU with a tiny model,
+so the script is known to work before it meets a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_dry_run_writes_its_report(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep
+           + os.environ.get("PATH", ""), "LAZYTRAIN_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), str(out), "--dry-run"],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["dry_run"] is True
+    assert {"h2d_bytes_per_s", "d2h_bytes_per_s", "matmul_flops_per_s"} <= set(report["links"])
+    runs = report["runs"]
+    # Every strategy either ran at both caps or was refused by the planner, loudly.
+    seen = {(r["strategy"], round(r["cap_gib"], 9)) for r in runs}
+    seen |= {(r["strategy"], round(r["cap_gib"], 9)) for r in report["refused"]}
+    assert {s for s, _ in seen} == {"lazytrain", "megatrain", "checkpoint_all"}
+    assert len(seen) == 6
+    for r in runs:
+        assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_device_bytes"] > 0
+        assert r["predicted_step_s"] > 0 and r["measured_stall_s"] >= 0
+    assert set(report["admitted_batch_at_smallest_cap"]) == {"lazytrain", "megatrain",
+                                                              "checkpoint_all"}
+    table = (out / "gpu_check.txt").read_text()
+    assert "lazytrain" in table and "TFLOPS" in table
