@@ -55,7 +55,9 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     try:
         result = run_demo(settings, console)
-    except (ValueError, OSError) as err:  # bad inputs, infeasible plans: one paragraph
+    except ValueError as err:  # bad inputs, infeasible plans, preflight: one paragraph
+        raise CliError(str(err), exit_code=2) from None
+    except OSError as err:  # a failure while running (disk full, I/O error)
         raise CliError(str(err)) from None
     console.print(
         f"exact match {result.exact_match_before:.1%} -> [bold]{result.exact_match_after:.1%}"

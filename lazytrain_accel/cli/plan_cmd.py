@@ -15,12 +15,12 @@ from lazytrain_accel.planning import (
     Budgets,
     Home,
     Plan,
-    PlanError,
     PlanInfeasibleError,
     make_plan,
     max_batch_size,
     simulate,
 )
+from lazytrain_accel.planning.infeasible import with_largest_batch
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import (
@@ -89,8 +89,8 @@ def _load(args: argparse.Namespace) -> tuple[dict, HardwareProfile, Budgets]:
         hardware = load_hardware(args.hardware)
         budgets = Budgets.from_hardware(hardware, args.gpu_memory_gb, args.cpu_memory_gb,
                                         args.nvme_gb)
-    except (ValueError, OSError) as err:
-        raise CliError(str(err)) from None
+    except (ValueError, OSError) as err:  # unknown presets, unreadable files: inputs
+        raise CliError(str(err), exit_code=2) from None
     return config, hardware, budgets
 
 
@@ -137,9 +137,14 @@ def _make(args: argparse.Namespace, config: dict, hardware: HardwareProfile,
           budgets: Budgets) -> tuple[Plan, ModelProfile]:
     _need(args, "model", "batch_size", "seq_len")
     model = _profile(config, args.model, args.batch_size, args.seq_len)
-    plan = make_plan(model, hardware, strategy=args.strategy, budgets=budgets,
-                     max_recompute_block=args.max_recompute_block,
-                     time_limit_s=args.time_limit_s)
+    kwargs = dict(strategy=args.strategy, budgets=budgets,
+                  max_recompute_block=args.max_recompute_block, time_limit_s=args.time_limit_s)
+    try:
+        plan = make_plan(model, hardware, **kwargs)
+    except PlanInfeasibleError as err:  # say what would fit, not only what does not
+        raise with_largest_batch(err, lambda b: _profile(config, args.model, b, args.seq_len),
+                                 hardware, batch_size=args.batch_size, seq_len=args.seq_len,
+                                 **kwargs) from None
     return plan, model
 
 
@@ -193,9 +198,7 @@ def run(args: argparse.Namespace) -> int:
     runner = {"plan": _run_plan, "simulate": _run_simulate, "max-batch": _run_max_batch}
     try:
         return runner[args.command](args)
-    except (PlanInfeasibleError, PlanError) as err:
-        raise CliError(str(err)) from None
-    except ValueError as err:  # bad profile or argument values reported by the planner
+    except ValueError as err:  # infeasible budgets, bad plan files, bad values: inputs
         raise CliError(str(err), exit_code=2) from None
     except OSError as err:
         raise CliError(f"cannot read or write a file: {err}") from None

@@ -18,6 +18,7 @@ import accelerate
 import torch
 from torch import nn
 
+from lazytrain_accel import preflight
 from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.integrations import setup
 from lazytrain_accel.integrations.data_parallel import GradientAllReducer
@@ -103,6 +104,11 @@ class Accelerator(accelerate.Accelerator):
         plan = setup.resolve_plan(plugin, model_profile, hardware)
         if self.is_main_process:
             logger.warning("%s", setup.format_plan_summary(plan))
+        # Before the engine allocates anything: fail with a sentence, not an OOM kill.
+        preflight.check_run(model=model, plan=plan, optimizer=plugin.optimizer.value,
+                            layer_param_bytes=model_profile.layer_param_bytes,
+                            layer_grad_bytes=model_profile.layer_grad_bytes,
+                            nvme_dir=plugin.nvme_dir)
         self.lazytrain_engine = attach(model, plan, device=self.device,
                                        compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir)
         self.lazytrain_run = setup.PreparedRun(model_profile=model_profile, hardware=hardware,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from lazytrain_accel.config import STRATEGIES, LazyTrainConfig, OptimizerChoice
-from lazytrain_accel.planning import Plan
+from lazytrain_accel.planning import Budgets, Plan
 from lazytrain_accel.planning.plan import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
@@ -52,8 +52,6 @@ def profile_for_run(model: nn.Module, *, batch_size: int, seq_len: int,
 def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
                  hardware: HardwareProfile) -> Plan:
     """The plan named by `config.plan`, solved or loaded from the cache, fingerprint-checked."""
-    from lazytrain_accel.planning import Budgets, make_plan
-
     fingerprint = run_fingerprint(model_profile, hardware)
     if config.plan not in ("auto", *STRATEGIES):
         plan = Plan.load(config.plan)
@@ -74,15 +72,35 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
             return plan
         except ValueError as err:  # stale or damaged cache entry: plan again
             logger.warning("lazytrain: ignoring cached plan %s (%s)", cache_path, err)
-    plan = make_plan(model_profile, hardware, strategy=strategy, budgets=budgets,
-                     max_recompute_block=config.max_recompute_block,
-                     time_limit_s=config.solver_time_limit_s)
+    plan = _make_or_explain(config, model_profile, hardware, strategy=strategy,
+                            budgets=budgets)
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         plan.save(cache_path)
     except OSError as err:  # a read-only cache must not stop training
         logger.warning("lazytrain: could not cache the plan in %s (%s)", cache_path, err)
     return plan
+
+
+def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
+                     hardware: HardwareProfile, *, strategy: str, budgets: Budgets) -> Plan:
+    """`make_plan`, or a `BatchInfeasibleError` that also names the largest batch that fits."""
+    from lazytrain_accel.planning import PlanInfeasibleError, make_plan
+    from lazytrain_accel.planning.infeasible import with_largest_batch
+
+    kwargs = dict(strategy=strategy, budgets=budgets,
+                  max_recompute_block=config.max_recompute_block,
+                  time_limit_s=config.solver_time_limit_s)
+    try:
+        return make_plan(model_profile, hardware, **kwargs)
+    except PlanInfeasibleError as err:
+        def profile_at(batch_size: int) -> ModelProfile:
+            return profile_model(model_profile.geometry, batch_size=batch_size,
+                                 seq_len=model_profile.seq_len,
+                                 compute_bytes_per_elem=model_profile.compute_bytes_per_elem)
+
+        raise with_largest_batch(err, profile_at, hardware, batch_size=model_profile.batch_size,
+                                 seq_len=model_profile.seq_len, **kwargs) from None
 
 
 def _short_hash(text: str) -> str:

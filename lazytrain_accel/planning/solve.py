@@ -40,8 +40,8 @@ def infeasible_error(p: Problem, strategy: str, solution: MilpSolution) -> PlanI
     fixed = {"gpu": (b.gpu_bytes, p.gpu_fixed_bytes, "--gpu-memory-gb"),
              "cpu": (b.cpu_bytes, p.static_cpu_bytes, "--cpu-memory-gb"),
              "nvme": (b.nvme_bytes, 0, "--nvme-gb")}
-    parts = [f"{tier.upper()} short by {_gib(short)} (budget {_gib(fixed[tier][0])}, "
-             f"base {_gib(fixed[tier][1])} before activations)"
+    parts = [f"{tier.upper()} short by {_gib(short)} (needs {_gib(fixed[tier][0] + short)}, "
+             f"budget {_gib(fixed[tier][0])}, base {_gib(fixed[tier][1])} before activations)"
              for tier, short in solution.shortfall_bytes.items()]
     flags = " / ".join(fixed[tier][2] for tier in solution.shortfall_bytes) or "the budgets"
     detail = "; ".join(parts) or "no tier named (solver limit reached while diagnosing)"

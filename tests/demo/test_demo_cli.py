@@ -74,14 +74,14 @@ def test_own_dataset_and_bad_flags_are_reported_in_one_line(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"query": "q", "response": "no final answer"}\n')
-    assert main(["demo", "--dataset", str(bad), "--output-dir", str(tmp_path / "o")]) == 1
+    assert main(["demo", "--dataset", str(bad), "--output-dir", str(tmp_path / "o")]) == 2
     assert "bad.jsonl:1: response does not end" in capsys.readouterr().err
     assert main(["demo", "--steps", "0"]) == 2
     assert "steps=0 must be >= 1" in capsys.readouterr().err
     small = tmp_path / "small.jsonl"
     write_jsonl(generate_problems(8, seed=1), small)
     assert main(["demo", "--dataset", str(small), "--batch-size", "64",
-                 "--output-dir", str(tmp_path / "o")]) == 1
+                 "--output-dir", str(tmp_path / "o")]) == 2
     assert "--batch-size 64 exceeds" in capsys.readouterr().err
 
 

@@ -53,10 +53,10 @@ def test_max_batch_grows_with_the_gpu_budget(capsys: pytest.CaptureFixture[str])
 
 def test_errors_are_one_paragraph_without_traceback(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", *RUN, "--batch-size", "8", "--gpu-memory-gb", "2"]) == 1
+    assert main(["plan", *RUN, "--batch-size", "8", "--gpu-memory-gb", "2"]) == 2
     err = capsys.readouterr().err
     assert "GPU short by" in err and "Traceback" not in err and err.count("\n") == 1
     assert main(["plan", *RUN]) == 2  # no --batch-size
     assert "missing --batch-size" in capsys.readouterr().err
-    assert main(["simulate", "--plan", str(tmp_path / "none.json"), *RUN]) == 1
+    assert main(["simulate", "--plan", str(tmp_path / "none.json"), *RUN]) == 2
     assert "does not exist" in capsys.readouterr().err

@@ -1,0 +1,164 @@
+"""Preflight: host memory and the NVMe directory fail in `prepare`, before any allocation."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from fault_helpers import loader, plan_json, tiny_model
+
+from lazytrain_accel import Accelerator, LazyTrainPlugin, preflight
+from lazytrain_accel.planning.plan import Home
+from lazytrain_accel.preflight import PreflightError
+
+GIB = 2**30
+
+
+def _prepare(tmp_path: Path, model: torch.nn.Module, **plugin_kwargs: object) -> Accelerator:
+    plugin = LazyTrainPlugin(hardware="h800", cache_dir=str(tmp_path / "cache"),
+                             **plugin_kwargs)
+    acc = Accelerator(cpu=True, plugin=plugin)
+    acc.prepare(model, torch.optim.AdamW(model.parameters()), loader())
+    return acc
+
+
+def _assert_untouched(model: torch.nn.Module) -> None:
+    """Nothing was attached: no layer forward is patched, no parameter moved or cast."""
+    assert all("forward" not in vars(layer) for layer in model.model.layers)
+    assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
+
+
+def test_host_estimate_adds_up_each_holder(tmp_path) -> None:
+    plan_path = plan_json(tmp_path, tiny_model(), Home.CPU)
+    from lazytrain_accel.planning import Plan
+
+    plan = Plan.load(plan_path)
+    est = preflight.estimate_host_bytes(param_count=1000, trainable_param_count=800,
+                                        present_bytes=4000, optimizer="keep", plan=plan,
+                                        layer_param_bytes=100, layer_grad_bytes=50)
+    assert est.master_bytes == 4000 and est.grad_bytes == 3200
+    assert est.optimizer_state_bytes == 6400  # AdamW: two fp32 moments
+    assert est.pinned_staging_bytes == 300  # no NVMe homes: no bounce buffers
+    assert est.cpu_activation_bytes == 3 * plan.boundary_bytes
+    assert est.new_bytes == est.total_bytes - 4000
+    hybrid = preflight.estimate_host_bytes(param_count=1000, trainable_param_count=800,
+                                           present_bytes=0, optimizer="hybrid8bit",
+                                           plan=plan, layer_param_bytes=0, layer_grad_bytes=0)
+    assert hybrid.optimizer_state_bytes == int(800 * (2 + 8 / 256))
+
+
+def test_available_host_bytes_is_within_physical_memory() -> None:
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < preflight.available_host_bytes() <= total
+
+
+def test_too_little_host_memory_fails_in_prepare_before_attaching(tmp_path, monkeypatch) -> None:
+    model = tiny_model()
+    monkeypatch.setattr(preflight, "available_host_bytes", lambda: 64 * 1024)
+    with pytest.raises(PreflightError) as info:
+        _prepare(tmp_path, model, plan=plan_json(tmp_path, model, Home.CPU),
+                 nvme_dir=str(tmp_path / "nvme"))
+    text = str(info.value)
+    for words in ("host memory", "optimizer state", "CPU-home activations",
+                  "0.00 GiB is available", "cpu_memory_limit_gb"):
+        assert words in text, text
+    _assert_untouched(model)
+
+
+def test_enough_host_memory_passes(tmp_path) -> None:
+    model = tiny_model()
+    acc = _prepare(tmp_path, model, plan=plan_json(tmp_path, model, Home.CPU),
+                   nvme_dir=str(tmp_path / "nvme"))
+    assert acc.lazytrain_engine is not None
+    acc.end_training()
+
+
+def test_missing_nvme_dir_with_missing_parent_fails(tmp_path) -> None:
+    model = tiny_model()
+    missing = tmp_path / "not_mounted" / "lazytrain"
+    with pytest.raises(PreflightError, match="does not exist, nor does its parent"):
+        _prepare(tmp_path, model, plan=plan_json(tmp_path, model, Home.NVME),
+                 nvme_dir=str(missing))
+    assert not missing.parent.exists()
+    _assert_untouched(model)
+
+
+def test_missing_nvme_dir_under_an_existing_parent_is_created(tmp_path) -> None:
+    preflight.check_nvme_dir(str(tmp_path / "spill"), need_bytes=1)
+    assert (tmp_path / "spill").is_dir() and not list((tmp_path / "spill").iterdir())
+
+
+def test_nvme_dir_that_is_a_file_fails(tmp_path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(PreflightError, match="is a file, not a directory"):
+        preflight.check_nvme_dir(str(tmp_path / "file"), need_bytes=1)
+
+
+def test_plans_without_nvme_homes_never_touch_the_dir(tmp_path) -> None:
+    preflight.check_nvme_dir(str(tmp_path / "a" / "b"), need_bytes=0)
+    assert not (tmp_path / "a").exists()
+
+
+def test_unwritable_nvme_dir_fails() -> None:
+    # Not under tmp_path: pytest's root is private, and the probe may run as another user.
+    home = Path(tempfile.mkdtemp(prefix="lazytrain-ro-"))
+    home.chmod(0o711)
+    target = home / "ro"
+    target.mkdir()
+    target.chmod(0o555)
+    try:
+        if os.geteuid() != 0:
+            with pytest.raises(PreflightError, match="is not writable"):
+                preflight.check_nvme_dir(str(target), need_bytes=1)
+        else:  # root ignores permission bits: probe from a child that drops to nobody
+            assert _check_as_nobody(target) == "PreflightError: is not writable"
+        assert not list(target.iterdir())
+    finally:
+        target.chmod(0o700)
+        shutil.rmtree(home)
+
+
+def _check_as_nobody(target: Path) -> str:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: no imports, the module is already loaded
+        os.close(read)
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            preflight.check_nvme_dir(str(target), need_bytes=1)
+            out = "passed"
+        except PreflightError as err:
+            out = "PreflightError: is not writable" if "is not writable" in str(err) \
+                else f"PreflightError: {err}"
+        except BaseException as err:  # report anything to the parent
+            out = f"{type(err).__name__}: {err}"
+        os.write(write, out.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        out = pipe.read()
+    os.waitpid(pid, 0)
+    return out
+
+
+def test_nvme_dir_with_too_little_free_space_fails_in_prepare(tmp_path, monkeypatch) -> None:
+    model = tiny_model()
+    free = shutil.disk_usage(tmp_path).free
+    from lazytrain_accel.planning import Plan
+
+    path = plan_json(tmp_path, model, Home.NVME)
+    plan = Plan.load(path)
+    need = preflight.nvme_need_bytes(plan)
+    assert need == 3 * plan.boundary_bytes
+    # The real free space is checked; a plan needing more than it fails with both figures.
+    with pytest.raises(PreflightError, match="GiB free but the plan keeps"):
+        preflight.check_nvme_dir(str(tmp_path), need_bytes=free + GIB)
+    monkeypatch.setattr(preflight, "nvme_need_bytes", lambda _plan: free + GIB)
+    with pytest.raises(PreflightError, match="nvme_limit_gb"):
+        _prepare(tmp_path, model, plan=path, nvme_dir=str(tmp_path / "nvme"))
+    _assert_untouched(model)
