@@ -22,6 +22,7 @@ from lazytrain_accel import preflight
 from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.integrations import setup
 from lazytrain_accel.integrations.data_parallel import GradientAllReducer
+from lazytrain_accel.integrations.step_guard import StepGuard
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -33,6 +34,9 @@ _FOREIGN_ENV = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_U
 class Accelerator(accelerate.Accelerator):
     """accelerate.Accelerator plus `plugin: LazyTrainPlugin | None`."""
 
+    #: Ctrl-C raises `TrainingInterrupted` at the step boundary (a Trainer stops instead).
+    _lazytrain_interrupt_raises = True
+
     def __init__(self, *args: Any, plugin: LazyTrainConfig | None = None, **kwargs: Any) -> None:
         if plugin is not None:
             _refuse_foreign_plugins(kwargs)
@@ -40,6 +44,7 @@ class Accelerator(accelerate.Accelerator):
         self.lazytrain_plugin = plugin
         self.lazytrain_run: setup.PreparedRun | None = None
         self.lazytrain_engine = None
+        self.lazytrain_guard: StepGuard | None = None
         self._lazytrain_optimizer: torch.optim.Optimizer | None = None
         self._lazytrain_reducer: GradientAllReducer | None = None
         self._lazytrain_model: nn.Module | None = None
@@ -86,6 +91,7 @@ class Accelerator(accelerate.Accelerator):
             optimizer = optimizer.optimizer
         self._lazytrain_optimizer = setup.build_optimizer(self.lazytrain_plugin, optimizer,
                                                           self._lazytrain_model)
+        self.lazytrain_guard.install(self._lazytrain_optimizer)
         return super().prepare_optimizer(self._lazytrain_optimizer, device_placement=False)
 
     def _lazytrain_prepare_model(self, model: nn.Module, loader: Any) -> None:
@@ -113,6 +119,10 @@ class Accelerator(accelerate.Accelerator):
                                        compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir)
         self.lazytrain_run = setup.PreparedRun(model_profile=model_profile, hardware=hardware,
                                                plan=plan)
+        self.lazytrain_guard = StepGuard(model=model, engine=self.lazytrain_engine,
+                                         max_nonfinite_skips=plugin.max_nonfinite_skips,
+                                         raise_on_interrupt=self._lazytrain_interrupt_raises)
+        self.lazytrain_guard.install_sigint()
         if self.num_processes > 1:
             self._lazytrain_reducer = GradientAllReducer(
                 self.lazytrain_engine, model, should_reduce=lambda: self.sync_gradients)
@@ -164,6 +174,8 @@ class Accelerator(accelerate.Accelerator):
             Plan.load(saved).check_fingerprint(self.lazytrain_run.plan.fingerprint)
 
     def end_training(self) -> None:
+        if self.lazytrain_guard is not None:
+            self.lazytrain_guard.restore_sigint()
         if self.lazytrain_engine is not None:
             self.lazytrain_engine.detach()
             self.lazytrain_engine = None

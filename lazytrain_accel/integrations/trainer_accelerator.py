@@ -27,6 +27,9 @@ logger = logging.getLogger("lazytrain_accel")
 class TrainerAccelerator(Accelerator):
     """`lazytrain_accel.Accelerator` with a plugin, adapted to Trainer's prepare calls."""
 
+    #: Ctrl-C sets a flag `LazyTrainCallback` turns into a clean stop (and a checkpoint).
+    _lazytrain_interrupt_raises = False
+
     def __init__(self, *args: Any, plugin: LazyTrainConfig, **kwargs: Any) -> None:
         super().__init__(*args, plugin=plugin, **kwargs)
         #: the training DataLoader the plan is sized from (set by the Trainer integration).

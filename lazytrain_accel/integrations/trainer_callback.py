@@ -50,6 +50,9 @@ class LazyTrainCallback(TrainerCallback):
             return
         if engine is not None:
             engine.reset_stats()
+        guard = getattr(self._trainer.accelerator, "lazytrain_guard", None)
+        if guard is not None:
+            guard.install_sigint()  # again when train() runs more than once
         self._measured_s, self._steps = 0.0, 0
         if state.is_world_process_zero:
             logger.info("%s", setup.format_plan_summary(run.plan))
@@ -65,6 +68,19 @@ class LazyTrainCallback(TrainerCallback):
             self._measured_s += time.perf_counter() - self._step_start_s
             self._steps += 1
             self._step_start_s = None
+        guard = getattr(self._trainer.accelerator, "lazytrain_guard", None)
+        if guard is not None and guard.interrupted:  # Ctrl-C: stop at this step boundary
+            control.should_training_stop = True
+            control.should_save = args.save_strategy != "no"  # a checkpoint, if asked for
+            logger.warning("lazytrain: stopping after step %d (Ctrl-C)%s", state.global_step,
+                           "; saving a checkpoint" if control.should_save else "")
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kwargs: Any) -> None:
+        guard = getattr(self._trainer.accelerator, "lazytrain_guard", None)
+        if guard is not None:
+            guard.restore_sigint()
+            guard.interrupted = False  # a later train() call runs again
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
