@@ -130,7 +130,8 @@ class StepGuard:
             self._previous_handler = None
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
-        if self.interrupted:  # second press: stop now
+        if self.interrupted:  # second press: stop now (a caller that goes on starts afresh)
+            self.interrupted = False
             self.restore_sigint()
             raise KeyboardInterrupt
         self.interrupted = True
