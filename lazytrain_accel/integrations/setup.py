@@ -143,10 +143,24 @@ def build_optimizer(config: LazyTrainConfig, user_optimizer: torch.optim.Optimiz
             theirs.setdefault(key, value)
     # Share the group dicts: schedulers on either object now drive the same lr.
     replacement.param_groups = user_optimizer.param_groups
+    replacement.register_load_state_dict_post_hook(_keep_groups_shared(user_optimizer))
     # A scheduler built on the user's optimizer checks that *its* step ran first.
     replacement.register_step_post_hook(
         lambda *_: setattr(user_optimizer, "_opt_called", True))
     return replacement
+
+
+def _keep_groups_shared(user_optimizer: torch.optim.Optimizer):
+    """`Optimizer.load_state_dict` rebinds `param_groups` to new dicts; copy the loaded
+    hyperparameters back into the shared dicts so the user's scheduler keeps driving."""
+    shared = user_optimizer.param_groups
+
+    def hook(optimizer: torch.optim.Optimizer) -> None:
+        for loaded, group in zip(optimizer.param_groups, shared, strict=True):
+            group.update({k: v for k, v in loaded.items() if k != "params"})
+        optimizer.param_groups = shared
+
+    return hook
 
 
 def format_plan_summary(plan: Plan) -> str:

@@ -88,3 +88,20 @@ def test_without_plugin_it_is_the_stock_accelerator() -> None:
     model, opt = acc.prepare(model, opt)
     assert acc.lazytrain_engine is None
     assert type(opt.optimizer) is torch.optim.AdamW
+
+
+def test_loading_optimizer_state_keeps_the_scheduler_in_charge(plugin: LazyTrainPlugin) -> None:
+    model = _model()
+    user = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(user, lambda s: 0.5 ** s)
+    acc = Accelerator(cpu=True, plugin=plugin)
+    model, opt, loader, scheduler = acc.prepare(model, user, _loader(), scheduler)
+    (ids,) = next(iter(loader))
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    scheduler.step()
+    opt.optimizer.load_state_dict(opt.optimizer.state_dict())
+    assert opt.optimizer.param_groups is user.param_groups
+    scheduler.step()
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-4)
+    acc.end_training()
