@@ -8,6 +8,7 @@ the directory when the engine detaches (and at interpreter exit as a last resort
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import shutil
 import tempfile
@@ -19,6 +20,22 @@ from pathlib import Path
 import torch
 
 from lazytrain_accel.engine.stats import Accounting
+
+
+class NvmeIOError(OSError):
+    """A boundary file could not be written or read: the step is abandoned before any
+    optimizer update, and the engine removes its files."""
+
+
+def _io_error(what: str, path: Path, err: OSError) -> NvmeIOError:
+    full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+    return NvmeIOError(
+        err.errno, f"NVMe {what} of activation file {path} failed ({err.strerror or err}); "
+        "this step was abandoned before the optimizer update, so weights and optimizer "
+        "state are unchanged and the last checkpoint is intact. "
+        + ("Free space in nvme_dir or lower nvme_limit_gb, " if full else
+           "Check the drive (dmesg), ")
+        + "or point nvme_dir at another local drive, then resume from the checkpoint.")
 
 
 class NvmeSpill:
@@ -39,9 +56,13 @@ class NvmeSpill:
 
     def _write(self, path: Path, raw: torch.Tensor) -> None:
         start = time.perf_counter()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(raw.numpy().data)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(raw.numpy().data)
+        except OSError as err:
+            path.unlink(missing_ok=True)  # no partial file outlives a failed write
+            raise _io_error("write", path, err) from err
         self._acct.allocate("nvme", raw.numel())
         self._acct.add_transfer("nvme_write", time.perf_counter() - start, raw.numel())
 
@@ -52,8 +73,11 @@ class NvmeSpill:
     def _read(self, path: Path, out: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         raw = out.reshape(-1).view(torch.uint8)
-        with open(path, "rb") as f:
-            got = f.readinto(raw.numpy().data)
+        try:
+            with open(path, "rb") as f:
+                got = f.readinto(raw.numpy().data)
+        except OSError as err:
+            raise _io_error("read", path, err) from err
         if got != raw.numel():
             raise OSError(f"boundary file {path} holds {got} bytes, expected {raw.numel()}: "
                           "the NVMe directory was modified while training; do not share it")
@@ -74,6 +98,7 @@ class NvmeSpill:
         if path.exists():
             path.unlink()
             self._acct.free("nvme", size)
+        # else: its write failed (and removed it) before the bytes were accounted
 
     def flush(self) -> None:
         """Wait for every queued write, read and removal."""
