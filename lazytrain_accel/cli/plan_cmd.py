@@ -163,7 +163,9 @@ def _run_simulate(args: argparse.Namespace) -> int:
         plan = Plan.load(args.plan)
         model = _profile(config, args.model, plan.batch_size, plan.seq_len)
     else:
-        plan, model = _make(args, *_load(args))
+        loaded = _load(args)
+        hardware = loaded[1]
+        plan, model = _make(args, *loaded)
     result = simulate(plan, model, hardware)
     if args.timeline:
         from lazytrain_accel.planning.timeline import draw_timeline

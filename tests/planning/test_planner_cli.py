@@ -60,3 +60,13 @@ def test_errors_are_one_paragraph_without_traceback(
     assert "missing --batch-size" in capsys.readouterr().err
     assert main(["simulate", "--plan", str(tmp_path / "none.json"), *RUN]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_simulate_plans_itself_from_the_plan_arguments(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    timeline = tmp_path / "timeline.png"
+    assert main(["simulate", *RUN, "--batch-size", "4", "--strategy", "megatrain",
+                 "--timeline", str(timeline), "--json"]) == 0
+    simulated = _json(capsys)
+    assert set(simulated) >= KEYS and simulated["recomputed"] == 27
+    assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
