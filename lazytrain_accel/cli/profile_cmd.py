@@ -90,8 +90,8 @@ def _hardware_rows(hw: HardwareProfile, seconds: dict[str, float]) -> list[tuple
         ("GPU / host / NVMe", f"{hw.gpu_memory_bytes / _GIB:.1f} / "
                               f"{hw.cpu_memory_bytes / _GIB:.0f} / {hw.nvme_bytes / 1e12:.2f} TB"
                               " (GiB, GiB, TB)"),
-        ("achieved / peak", f"{hw.achieved_flops_per_s / 1e12:.1f} / "
-                            f"{hw.peak_bf16_flops_per_s / 1e12:.1f} TFLOPS"),
+        ("achieved / peak", f"{hw.achieved_flops_per_s / 1e12:.3g} / "
+                            f"{hw.peak_bf16_flops_per_s / 1e12:.3g} TFLOPS"),
         ("H2D / D2H", f"{hw.h2d_bytes_per_s / 1e9:.2f} / {hw.d2h_bytes_per_s / 1e9:.2f} GB/s"),
         ("NVMe read / write", f"{hw.nvme_read_bytes_per_s / 1e9:.2f} / "
                               f"{hw.nvme_write_bytes_per_s / 1e9:.2f} GB/s"),
