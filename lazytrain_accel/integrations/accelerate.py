@@ -21,6 +21,7 @@ from torch import nn
 from lazytrain_accel import preflight
 from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.integrations import setup
+from lazytrain_accel.integrations.checkpoint import atomic_directory, recover
 from lazytrain_accel.integrations.data_parallel import GradientAllReducer
 from lazytrain_accel.integrations.step_guard import StepGuard
 
@@ -157,13 +158,26 @@ class Accelerator(accelerate.Accelerator):
     # ---- state ----------------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **kwargs: Any) -> str:
-        location = super().save_state(output_dir, safe_serialization=safe_serialization,
-                                      **kwargs)
+        """Stock `save_state` plus the plan. With LazyTrain, one process and an explicit
+        `output_dir`, the save is atomic: a kill mid-save leaves the previous checkpoint."""
+        if (self.lazytrain_plugin is None or output_dir is None or self.num_processes > 1
+                or self.project_configuration.automatic_checkpoint_naming):
+            location = super().save_state(output_dir, safe_serialization=safe_serialization,
+                                          **kwargs)
+            self._lazytrain_save_plan(Path(location))
+            return location
+        with atomic_directory(output_dir) as tmp:
+            super().save_state(str(tmp), safe_serialization=safe_serialization, **kwargs)
+            self._lazytrain_save_plan(tmp)
+        return str(output_dir)
+
+    def _lazytrain_save_plan(self, directory: Path) -> None:
         if self.lazytrain_run is not None and self.is_main_process:
-            self.lazytrain_run.plan.save(Path(location) / PLAN_FILE)
-        return location
+            self.lazytrain_run.plan.save(directory / PLAN_FILE)
 
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+        if self.lazytrain_plugin is not None and input_dir is not None:
+            recover(input_dir)  # a save killed between its renames left the old one aside
         super().load_state(input_dir, **kwargs)
         if self.lazytrain_run is None or input_dir is None:
             return

@@ -1,0 +1,95 @@
+"""Atomic checkpoint directories: a save is written beside its target, made durable,
+then renamed into place, so a process killed mid-save leaves the previous checkpoint.
+
+Layout next to a checkpoint `ckpt/`: `.ckpt.tmp-<pid>` while a save runs, `.ckpt.old-<pid>`
+for the instant between the two renames that replace an existing checkpoint. `recover`
+undoes whatever a killed save left behind; `load_state` calls it first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | Path) -> Iterator[Path]:
+    """Yield an empty temporary directory; on success it becomes `final` (replacing an
+    existing one), on any error it is removed and `final` is untouched."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    recover(final)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _publish(tmp, final)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    # rename(2) cannot replace a non-empty directory: move the old one aside first. A kill
+    # between the two renames leaves `.old`, which `recover` puts back.
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def recover(final: str | Path) -> None:
+    """Restore `final` from a save killed between its renames; drop dead saves' temps."""
+    final = Path(final)
+    if not final.parent.is_dir():
+        return
+    for sibling in final.parent.glob(f".{final.name}.old-*"):
+        if not final.exists():
+            sibling.rename(final)
+        elif not _owner_alive(sibling):
+            shutil.rmtree(sibling, ignore_errors=True)
+    for sibling in final.parent.glob(f".{final.name}.tmp-*"):
+        if not _owner_alive(sibling):
+            shutil.rmtree(sibling, ignore_errors=True)
+    if final.exists():
+        _fsync_dir(final.parent)
+
+
+def _owner_alive(path: Path) -> bool:
+    pid = path.name.rsplit("-", 1)[-1]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and directory under `root` to the disk (rename orders nothing)."""
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
