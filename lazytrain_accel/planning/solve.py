@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+from typing import TYPE_CHECKING
 
 from lazytrain_accel.planning.baselines import BASELINES
-from lazytrain_accel.planning.milp import MilpSolution, solve_milp
+from lazytrain_accel.planning.no_solver import FixedSolution, evaluate_fixed
 from lazytrain_accel.planning.plan import Plan, SolverReport, run_fingerprint
 from lazytrain_accel.planning.problem import (
     GIB,
@@ -20,6 +21,16 @@ from lazytrain_accel.planning.schedule import blocks_of, predict, schedule_trans
 from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
+
+if TYPE_CHECKING:
+    from lazytrain_accel.planning.milp import MilpSolution
+
+try:  # the only import of the solver; without it, baselines still plan (loudly)
+    from lazytrain_accel.planning.milp import solve_milp
+    NO_SOLVER_REASON = ""
+except ImportError as err:
+    solve_milp = None
+    NO_SOLVER_REASON = f"PySCIPOpt cannot be imported ({err})"
 
 log = logging.getLogger(__name__)
 
@@ -66,28 +77,34 @@ def _baseline_solution(p: Problem, strategy: str, time_limit_s: float) -> MilpSo
     return solution
 
 
-def _fallback(p: Problem, time_limit_s: float, why: str) -> tuple[str, MilpSolution]:
-    """The fastest feasible baseline, when the MIP found no plan in time."""
-    candidates = []
-    for name in BASELINES:
-        try:
-            candidates.append((name, _baseline_solution(p, name, time_limit_s)))
-        except PlanInfeasibleError:
-            continue
-    if not candidates:
-        raise _diagnose(p, "lazytrain", time_limit_s)
-    name, best = min(candidates, key=lambda c: c[1].objective_s)
-    message = (f"MIP found no plan ({why}) within {time_limit_s:.0f} s; FALLING BACK to the "
-               f"{name} baseline. Raise the time limit to get a LazyTrain plan.")
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-    log.warning(message)
-    best.status, best.message = "fallback", message
-    return name, best
+def _fallback(p: Problem, time_limit_s: float, why: str) -> FixedSolution:
+    """The fastest baseline that fits, when the MIP found no plan in time. Baselines are
+    priced without the solver: a time-limited solve of them could run dry as well."""
+    return _loud_fallback(p, f"MIP found no plan ({why}) within {time_limit_s:g} s",
+                          "Raise the time limit (solver_time_limit_s, --time-limit-s)")
+
+
+def _loud_fallback(p: Problem, why: str, remedy: str) -> FixedSolution:
+    results = {name: evaluate_fixed(p, BASELINES[name](p)) for name in BASELINES}
+    feasible = {n: r for n, r in results.items() if not r.shortfall_bytes}
+    if not feasible:  # name the tiers of the baseline closest to fitting
+        closest = min(results.values(), key=lambda r: sum(r.shortfall_bytes.values()))
+        err = infeasible_error(p, "baseline", closest)
+        raise PlanInfeasibleError(f"{why}, and {err} {remedy}.", err.shortfall_bytes)
+    name = min(feasible, key=lambda n: feasible[n].objective_s)
+    best = feasible[name]
+    best.status = "fallback"
+    best.message = f"{why}; FALLING BACK to the {name} baseline. {remedy} to get a LazyTrain plan."
+    warnings.warn(best.message, RuntimeWarning, stacklevel=4)
+    log.warning(best.message)
+    return best
 
 
 def solve_problem(p: Problem, *, strategy: str, time_limit_s: float,
                   gap: float = 0.01) -> MilpSolution:
     """The solution of `strategy` on `p`; raises `PlanInfeasibleError` when none fits."""
+    if solve_milp is None:
+        return _without_solver(p, strategy)
     if strategy in BASELINES:
         return _baseline_solution(p, strategy, time_limit_s)
     if strategy not in ("lazytrain", "lazytrain_gpu_only"):
@@ -96,10 +113,26 @@ def solve_problem(p: Problem, *, strategy: str, time_limit_s: float,
     solution = solve_milp(p, time_limit_s=time_limit_s, gap=gap, allow_cpu=offload,
                           allow_nvme=offload)
     if solution.homes is not None:
+        if solution.status not in ("optimal", "gaplimit"):  # a limit hit: the incumbent
+            solution.message = (f"MIP stopped ({solution.status}) after "
+                                f"{solution.solve_s:.1f} s; using the best plan found, "
+                                f"within {solution.gap:.2%} of the best possible step")
+            log.warning("lazytrain: %s", solution.message)
         return solution
     if solution.status == "infeasible":
         raise _diagnose(p, strategy, time_limit_s, allow_cpu=offload, allow_nvme=offload)
-    return _fallback(p, time_limit_s, solution.status)[1]
+    return _fallback(p, time_limit_s, solution.status)
+
+
+def _without_solver(p: Problem, strategy: str) -> FixedSolution:
+    """`strategy` if it is a baseline, else the fastest baseline that fits, with a warning."""
+    if strategy not in BASELINES:
+        return _loud_fallback(p, NO_SOLVER_REASON,
+                              "Install PySCIPOpt (pip install PySCIPOpt)")
+    solution = evaluate_fixed(p, BASELINES[strategy](p))
+    if solution.shortfall_bytes:
+        raise infeasible_error(p, strategy, solution)
+    return solution
 
 
 def plan_from_solution(p: Problem, solution: MilpSolution, *, strategy: str,
