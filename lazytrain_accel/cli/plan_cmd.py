@@ -31,6 +31,7 @@ from lazytrain_accel.profiling.models import (
 )
 
 _GIB = 2**30
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _HELP = {
     "plan": "solve the activation plan of one run and print or save it",
     "simulate": "run one step of a plan in the event simulator",
@@ -46,6 +47,10 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: bool) -> None:
     if batch:
         p.add_argument("--batch-size", type=int, help="micro-batch size")
     p.add_argument("--seq-len", type=int, help="sequence length")
+    # Part of the plan's fingerprint: a plan for bf16 does not fit an fp32 run.
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
+                   help="compute dtype of the run: bf16/fp16 = Accelerator(mixed_precision="
+                   "...), fp32 = no mixed precision (default bf16)")
     p.add_argument("--strategy", choices=STRATEGIES, default="lazytrain",
                    help="the MIP (default), its GPU-only variant, or a baseline")
     p.add_argument("--time-limit-s", type=float, default=60.0,
@@ -94,9 +99,10 @@ def _load(args: argparse.Namespace) -> tuple[dict, HardwareProfile, Budgets]:
     return config, hardware, budgets
 
 
-def _profile(config: dict, name: str, batch_size: int, seq_len: int) -> ModelProfile:
-    return profile_model(geometry_from_config(config, name=name), batch_size=batch_size,
-                         seq_len=seq_len)
+def _profile(config: dict, args: argparse.Namespace, batch_size: int,
+             seq_len: int) -> ModelProfile:
+    return profile_model(geometry_from_config(config, name=args.model), batch_size=batch_size,
+                         seq_len=seq_len, compute_bytes_per_elem=DTYPE_BYTES[args.dtype])
 
 
 def _summary(plan: Plan, numbers: Any) -> dict[str, Any]:
@@ -136,13 +142,13 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
 def _make(args: argparse.Namespace, config: dict, hardware: HardwareProfile,
           budgets: Budgets) -> tuple[Plan, ModelProfile]:
     _need(args, "model", "batch_size", "seq_len")
-    model = _profile(config, args.model, args.batch_size, args.seq_len)
+    model = _profile(config, args, args.batch_size, args.seq_len)
     kwargs = dict(strategy=args.strategy, budgets=budgets,
                   max_recompute_block=args.max_recompute_block, time_limit_s=args.time_limit_s)
     try:
         plan = make_plan(model, hardware, **kwargs)
     except PlanInfeasibleError as err:  # say what would fit, not only what does not
-        raise with_largest_batch(err, lambda b: _profile(config, args.model, b, args.seq_len),
+        raise with_largest_batch(err, lambda b: _profile(config, args, b, args.seq_len),
                                  hardware, batch_size=args.batch_size, seq_len=args.seq_len,
                                  **kwargs) from None
     return plan, model
@@ -161,7 +167,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         _need(args, "model")
         config, hardware, _ = _load(args)
         plan = Plan.load(args.plan)
-        model = _profile(config, args.model, plan.batch_size, plan.seq_len)
+        model = _profile(config, args, plan.batch_size, plan.seq_len)
     else:
         loaded = _load(args)
         hardware = loaded[1]
@@ -184,7 +190,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
 def _run_max_batch(args: argparse.Namespace) -> int:
     _need(args, "model", "seq_len")
     config, hardware, budgets = _load(args)
-    best = max_batch_size(lambda b: _profile(config, args.model, b, args.seq_len), hardware,
+    best = max_batch_size(lambda b: _profile(config, args, b, args.seq_len), hardware,
                           strategy=args.strategy, budgets=budgets,
                           max_recompute_block=args.max_recompute_block,
                           time_limit_s=args.time_limit_s)

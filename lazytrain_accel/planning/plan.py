@@ -193,7 +193,7 @@ class Plan:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise PlanError(f"plan file {str(path)!r} does not exist") from None
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise PlanError(f"plan file {str(path)!r} is not valid JSON (truncated or "
                             f"corrupted: {err}); re-run `lazytrain plan --output`") from None
         return cls.from_dict(data)
@@ -202,8 +202,9 @@ class Plan:
         if self.fingerprint != expected:
             raise PlanError(
                 f"this plan was made for another run (plan fingerprint {self.fingerprint[:12]}, "
-                f"this run {expected[:12]}): model geometry, batch size, sequence length or "
-                "hardware differ; plan again for this run or use plan='auto'"
+                f"this run {expected[:12]}): model geometry, batch size, sequence length, "
+                "compute dtype (mixed_precision; `lazytrain plan --dtype`) or hardware "
+                "differ; plan again for this run or use plan='auto'"
             )
 
 

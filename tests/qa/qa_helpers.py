@@ -1,0 +1,102 @@
+"""Tiny HF models of several families, padded batches, and a user-style training loop run
+through either the stock `accelerate.Accelerator` or LazyTrain's plugin."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from lazytrain_accel import Accelerator, LazyTrainPlugin
+
+VOCAB = 96
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=64)
+
+CONFIGS = {
+    "llama": lambda n: transformers.LlamaConfig(num_hidden_layers=n, **_COMMON),
+    "gemma": lambda n: transformers.GemmaConfig(num_hidden_layers=n, head_dim=8, **_COMMON),
+    "phi3": lambda n: transformers.Phi3Config(num_hidden_layers=n, pad_token_id=0,
+                                              resid_pdrop=0.1, **_COMMON),
+    "gpt_neox": lambda n: transformers.GPTNeoXConfig(
+        num_hidden_layers=n, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.1),
+    "opt": lambda n: transformers.OPTConfig(
+        num_hidden_layers=n, vocab_size=VOCAB, hidden_size=32, ffn_dim=64,
+        num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
+        dropout=0.1),
+    "gpt2": lambda n: transformers.GPT2Config(  # tied embeddings, dropout 0.1 everywhere
+        n_layer=n, vocab_size=VOCAB, n_embd=32, n_head=4, n_positions=64,
+        bos_token_id=1, eos_token_id=2),
+}
+
+
+def build(arch: str, num_layers: int = 4, seed: int = 0) -> nn.Module:
+    config = CONFIGS[arch](num_layers)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def padded_samples(num: int = 8, seq: int = 12, seed: int = 1) -> list[dict[str, torch.Tensor]]:
+    """Right-padded rows (0..3 pad tokens), labels -100 on padding and on a 3-token prompt."""
+    ids = torch.randint(3, VOCAB, (num, seq), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for row in range(num):
+        if row % 4:
+            ids[row, -(row % 4):] = 0
+            mask[row, -(row % 4):] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :3] = -100
+    return [dict(input_ids=ids[i], attention_mask=mask[i], labels=labels[i]) for i in range(num)]
+
+
+def plugin(tmp_path: Path, plan: str, **kwargs: Any) -> LazyTrainPlugin:
+    return LazyTrainPlugin(plan=plan, hardware="h800", cache_dir=str(tmp_path / "cache"),
+                           nvme_dir=str(tmp_path / "nvme"), **kwargs)
+
+
+@dataclass(kw_only=True)
+class Run:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def decay_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict[str, Any]]:
+    """The usual recipe: no weight decay on norms and biases (1-D tensors)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trainable if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in trainable if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def train(model: nn.Module, lazytrain: LazyTrainPlugin | None, *, accumulation: int = 2,
+          max_norm: float = 0.5, lr: float = 1e-2, epochs: int = 1) -> Run:
+    """A user's Accelerate loop: accumulate, clip, AdamW with decay groups, LR schedule."""
+    optimizer = torch.optim.AdamW(decay_groups(model), lr=lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    loader = torch.utils.data.DataLoader(padded_samples(), batch_size=2)
+    extra = {} if lazytrain is None else {"plugin": lazytrain}
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=accumulation, **extra)
+    model, optimizer, loader, scheduler = acc.prepare(model, optimizer, loader, scheduler)
+    run = Run()
+    torch.manual_seed(5)  # the same dropout masks in both runs
+    for _ in range(epochs):
+        for batch in loader:
+            with acc.accumulate(model):
+                loss = model(**batch).loss
+                acc.backward(loss)
+                run.losses.append(loss.item())
+                if acc.sync_gradients:
+                    run.grad_norms.append(float(acc.clip_grad_norm_(model.parameters(),
+                                                                    max_norm)))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+    run.params = {n: p.detach().clone() for n, p in acc.unwrap_model(model).named_parameters()}
+    acc.end_training()
+    return run
