@@ -67,6 +67,7 @@ _DEFAULTS: dict[str, Any] = {
     "solver_time_limit_s": 60.0,
     "cache_dir": default_cache_dir,
     "max_nonfinite_skips": 3,
+    "loss_chunk_tokens": 0,
 }
 
 
@@ -90,6 +91,9 @@ class LazyTrainConfig:
         cache_dir: where profiles and plans are cached by fingerprint.
         max_nonfinite_skips: consecutive non-finite steps tolerated before training
             stops with an error.
+        loss_chunk_tokens: 0 keeps the model's own loss (full tokens x vocab logits); > 0
+            computes the training loss with the fused chunked cross-entropy, whose logits
+            exist for that many tokens at a time (`logits` is then None in the output).
     """
 
     plan: str | None = None
@@ -103,10 +107,11 @@ class LazyTrainConfig:
     solver_time_limit_s: float | None = None
     cache_dir: str | None = None
     max_nonfinite_skips: int | None = None
+    loss_chunk_tokens: int | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
-        explicit = set()
+        explicit, origins = set(), {}
         for f in dataclasses.fields(self):
             if f.name.startswith("_"):
                 continue
@@ -120,12 +125,19 @@ class LazyTrainConfig:
             if value is None:
                 default = _DEFAULTS[f.name]
                 value, origin = (default() if callable(default) else default), "default"
+            origins[f.name] = origin
             try:
                 setattr(self, f.name, _coerce(f.name, value))
             except ValueError as err:
                 raise ValueError(f"{err} (value from the {origin})") from None
         self._explicit = frozenset(explicit)
-        self._validate()
+        try:
+            self._validate()
+        except ValueError as err:  # messages start with "<field>=": say where it came from
+            origin = origins.get(str(err).split("=", 1)[0])
+            if origin is None:
+                raise
+            raise ValueError(f"{err} (value from the {origin})") from None
 
     def _validate(self) -> None:
         if self.plan != "auto" and self.plan not in STRATEGIES and not _is_json_path(self.plan):
@@ -157,6 +169,9 @@ class LazyTrainConfig:
             raise ValueError(f"solver_time_limit_s={self.solver_time_limit_s} must be > 0")
         if self.max_nonfinite_skips < 1:
             raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips} must be >= 1")
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = the "
+                             "model's own loss; e.g. 4096 for the fused chunked loss)")
 
     def is_explicit(self, name: str) -> bool:
         """True when `name` was passed as an argument (not from env or default)."""
@@ -181,7 +196,7 @@ def _is_json_path(value: str) -> bool:
 
 _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
                  "solver_time_limit_s")
-_INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips")
+_INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens")
 
 
 def _coerce(name: str, value: Any) -> Any:
