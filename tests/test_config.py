@@ -54,6 +54,7 @@ ENV_VALUES = {
     "solver_time_limit_s": ("2.5", 2.5),
     "cache_dir": ("~/lt-cache", os.path.expanduser("~/lt-cache")),
     "max_nonfinite_skips": ("7", 7),
+    "loss_chunk_tokens": ("4096", 4096),
 }
 
 
@@ -85,6 +86,7 @@ ARGUMENTS = {
     "solver_time_limit_s": (9, 9.0),
     "cache_dir": ("/cache", "/cache"),
     "max_nonfinite_skips": (1, 1),
+    "loss_chunk_tokens": (1024, 1024),
 }
 
 
@@ -138,6 +140,8 @@ BAD = [
     ("solver_time_limit_s", 0, ["solver_time_limit_s=0", "> 0"]),
     ("solver_time_limit_s", "inf", ["solver_time_limit_s='inf'", "finite"]),
     ("max_nonfinite_skips", 0, ["max_nonfinite_skips=0", ">= 1"]),
+    ("loss_chunk_tokens", -1, ["loss_chunk_tokens=-1", ">= 0"]),
+    ("loss_chunk_tokens", 1.5, ["loss_chunk_tokens=1.5", "integer"]),
 ]
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from lazytrain_accel.engine.discovery import UnsupportedModelError, find_decoder_layers
 from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.layer_call import ForwardState
+from lazytrain_accel.engine.loss_patch import FusedLoss, apply_fused_loss
 from lazytrain_accel.engine.nvme import NvmeSpill
 from lazytrain_accel.engine.overlap import LayerwiseUpdate
 from lazytrain_accel.engine.residents import ResidentParams
@@ -77,7 +78,11 @@ def _streamed_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 class StreamingEngine:
     def __init__(self, model: nn.Module, plan: Plan, *, device: torch.device,
-                 compute_dtype: torch.dtype | None, nvme_dir: str | None) -> None:
+                 compute_dtype: torch.dtype | None, nvme_dir: str | None,
+                 loss_chunk_tokens: int = 0) -> None:
+        if loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 0 (0 = the "
+                             "model's own loss)")
         parent, _, layers = find_decoder_layers(model)
         if plan.num_layers != len(layers):
             raise ValueError(f"plan.num_layers={plan.num_layers} but the model has "
@@ -100,6 +105,8 @@ class StreamingEngine:
                 p.data = p.data.to("cpu", torch.float32 if p.is_floating_point() else p.dtype)
         self._build_parts(nvme_dir, resident)
         self._patch(model, parent)
+        self.fused_loss: FusedLoss | None = (
+            apply_fused_loss(model, chunk_tokens=loss_chunk_tokens) if loss_chunk_tokens else None)
 
     def _build_parts(self, nvme_dir: str | None, resident: list[nn.Parameter]) -> None:
         self.streams = Streams(self.device)
@@ -331,6 +338,8 @@ class StreamingEngine:
         """Restore the model: own forwards, masters in place, buffers where they were."""
         self.synchronize()
         self.residents.swap_out()
+        if self.fused_loss is not None:
+            self.fused_loss.remove()
         for handle in self._handles:
             handle.remove()
         for layer, saved in zip(self._layers, self._saved_forwards, strict=True):
@@ -361,12 +370,14 @@ def _move_buffers(model: nn.Module, device: torch.device) -> dict[nn.Module, tor
 
 def attach(model: nn.Module, plan: Plan, *, device: torch.device,
            compute_dtype: torch.dtype | None = None,
-           nvme_dir: str | None = None) -> StreamingEngine:
+           nvme_dir: str | None = None, loss_chunk_tokens: int = 0) -> StreamingEngine:
     """Stream `model`'s decoder layers per `plan` on `device`; see `StreamingEngine`.
 
     `plan.num_layers` must equal the decoder depth. `compute_dtype` (default fp32) is the
     dtype of the device copies; masters stay fp32 on the host. Boundaries homed on NVMe
     go to a private directory under `nvme_dir` (default: the system temp directory).
+    `loss_chunk_tokens` > 0 computes the training loss with the fused chunked
+    cross-entropy (`apply_fused_loss`; docs/engine.md "Fused loss").
     """
     return StreamingEngine(model, plan, device=device, compute_dtype=compute_dtype,
-                           nvme_dir=nvme_dir)
+                           nvme_dir=nvme_dir, loss_chunk_tokens=loss_chunk_tokens)

@@ -105,7 +105,8 @@ class Accelerator(accelerate.Accelerator):
         compute_dtype = setup.compute_dtype_for(self.mixed_precision)
         batch_size, seq_len = _infer_batch_shape(loader, model)
         model_profile = setup.profile_for_run(model, batch_size=batch_size, seq_len=seq_len,
-                                              compute_dtype=compute_dtype)
+                                              compute_dtype=compute_dtype,
+                                              loss_chunk_tokens=plugin.loss_chunk_tokens)
         hardware = load_hardware(plugin.hardware, cache_dir=plugin.cache_dir,
                                  nvme_dir=plugin.nvme_dir)
         plan = setup.resolve_plan(plugin, model_profile, hardware)
@@ -117,7 +118,8 @@ class Accelerator(accelerate.Accelerator):
                             layer_grad_bytes=model_profile.layer_grad_bytes,
                             nvme_dir=plugin.nvme_dir)
         self.lazytrain_engine = attach(model, plan, device=self.device,
-                                       compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir)
+                                       compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir,
+                                       loss_chunk_tokens=plugin.loss_chunk_tokens)
         self.lazytrain_run = setup.PreparedRun(model_profile=model_profile, hardware=hardware,
                                                plan=plan)
         self.lazytrain_guard = StepGuard(model=model, engine=self.lazytrain_engine,

@@ -38,7 +38,10 @@ def compute_dtype_for(mixed_precision: str | None) -> torch.dtype | None:
 
 
 def profile_for_run(model: nn.Module, *, batch_size: int, seq_len: int,
-                    compute_dtype: torch.dtype | None) -> ModelProfile:
+                    compute_dtype: torch.dtype | None,
+                    loss_chunk_tokens: int = 0) -> ModelProfile:
+    """The model's profile at the run's shape; `loss_chunk_tokens` (the config's) sizes
+    the head's working bytes: full logits at 0, one chunk of them with the fused loss."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise TypeError(f"{type(model).__name__} has no HF `config`: LazyTrain streams "
@@ -46,7 +49,8 @@ def profile_for_run(model: nn.Module, *, batch_size: int, seq_len: int,
     geometry = geometry_from_config(config.to_dict(), name=getattr(config, "name_or_path", ""))
     elem_bytes = 4 if compute_dtype is None else torch.empty((), dtype=compute_dtype).element_size()
     return profile_model(geometry, batch_size=batch_size, seq_len=seq_len,
-                         compute_bytes_per_elem=elem_bytes)
+                         compute_bytes_per_elem=elem_bytes,
+                         loss_chunk_tokens=loss_chunk_tokens)
 
 
 def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
@@ -97,7 +101,8 @@ def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
         def profile_at(batch_size: int) -> ModelProfile:
             return profile_model(model_profile.geometry, batch_size=batch_size,
                                  seq_len=model_profile.seq_len,
-                                 compute_bytes_per_elem=model_profile.compute_bytes_per_elem)
+                                 compute_bytes_per_elem=model_profile.compute_bytes_per_elem,
+                                 loss_chunk_tokens=config.loss_chunk_tokens)
 
         raise with_largest_batch(err, profile_at, hardware, batch_size=model_profile.batch_size,
                                  seq_len=model_profile.seq_len, **kwargs) from None
