@@ -39,6 +39,24 @@ _HELP = {
 }
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def add_loss_chunk_arg(p: argparse.ArgumentParser) -> None:
+    """`--loss-chunk-tokens`: the head's working bytes the planner counts."""
+    p.add_argument("--loss-chunk-tokens", type=_non_negative_int, default=0, metavar="N",
+                   help="plan for the fused chunked loss with N tokens of logits at a time "
+                   "(LazyTrainConfig.loss_chunk_tokens); 0 = the model's own loss, full "
+                   "tokens x vocab logits (default 0)")
+
+
 def _add_run_args(p: argparse.ArgumentParser, *, batch: bool) -> None:
     p.add_argument("--model", help=f"preset ({', '.join(MODEL_PRESETS)}), HF model "
                    "directory or config .json")
@@ -57,6 +75,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: bool) -> None:
                    help="MIP wall-clock limit; the incumbent is used on timeout (default 60)")
     p.add_argument("--max-recompute-block", type=int, default=8,
                    help="K, the longest recompute block (default 8)")
+    add_loss_chunk_arg(p)
     for flag, what in (("--gpu-memory-gb", "GPU"), ("--cpu-memory-gb", "host DRAM"),
                        ("--nvme-gb", "NVMe")):
         p.add_argument(flag, type=float, default=0.0,
@@ -102,7 +121,8 @@ def _load(args: argparse.Namespace) -> tuple[dict, HardwareProfile, Budgets]:
 def _profile(config: dict, args: argparse.Namespace, batch_size: int,
              seq_len: int) -> ModelProfile:
     return profile_model(geometry_from_config(config, name=args.model), batch_size=batch_size,
-                         seq_len=seq_len, compute_bytes_per_elem=DTYPE_BYTES[args.dtype])
+                         seq_len=seq_len, compute_bytes_per_elem=DTYPE_BYTES[args.dtype],
+                         loss_chunk_tokens=args.loss_chunk_tokens)
 
 
 def _summary(plan: Plan, numbers: Any) -> dict[str, Any]:

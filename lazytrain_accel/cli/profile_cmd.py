@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from lazytrain_accel.cli import CliError
+from lazytrain_accel.cli.plan_cmd import add_loss_chunk_arg
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import (
@@ -34,6 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--seq-len", type=int, default=1024, help="sequence length (default 1024)")
     p.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="bf16",
                    help="compute dtype of activations and streamed weights (default bf16)")
+    add_loss_chunk_arg(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--save-hardware", metavar="PATH",
                    help="also write the hardware profile as JSON to PATH")
@@ -137,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         geometry = geometry_from_config(load_model_config(args.model), name=args.model)
         model = profile_model(geometry, batch_size=args.batch_size, seq_len=args.seq_len,
-                              compute_bytes_per_elem=_DTYPE_BYTES[args.dtype])
+                              compute_bytes_per_elem=_DTYPE_BYTES[args.dtype],
+                              loss_chunk_tokens=args.loss_chunk_tokens)
         hardware = load_hardware(args.hardware, refresh=args.refresh)
     except ValueError as err:
         raise CliError(str(err), exit_code=2) from None
