@@ -7,7 +7,7 @@ import argparse
 from lazytrain_accel.cli import CliError
 
 _SETTINGS = ("model", "dataset", "steps", "batch_size", "seq_len", "lr", "output_dir", "plan",
-             "hardware", "nvme_dir", "gpu_memory_gb", "eval_count", "seed")
+             "hardware", "nvme_dir", "gpu_memory_gb", "eval_count", "seed", "loss_chunk_tokens")
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
@@ -39,6 +39,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--eval-count", type=int,
                    help="held-out problems for exact match (default 200)")
     p.add_argument("--seed", type=int, help="seed of weights and data order")
+    p.add_argument("--loss-chunk-tokens", type=int, metavar="N",
+                   help="train with the fused chunked loss, N tokens of logits at a time "
+                   "(default 0 = the model's own loss)")
 
 
 def run(args: argparse.Namespace) -> int:

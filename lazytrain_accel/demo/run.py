@@ -44,6 +44,7 @@ class DemoSettings:
     max_new_tokens: int = 32
     seed: int = 0
     max_grad_norm: float = 1.0
+    loss_chunk_tokens: int = 0  # > 0: the fused chunked loss (LazyTrainConfig's field)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_count", "max_new_tokens"):
@@ -51,6 +52,9 @@ class DemoSettings:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr} must be > 0")
+        if self.loss_chunk_tokens < 0:
+            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = "
+                             "the model's own loss)")
 
 
 @dataclass(kw_only=True)
@@ -89,11 +93,13 @@ def _accelerator(settings: DemoSettings, model: torch.nn.Module, loader: DataLoa
     if gpu_gb is None:
         profile = profile_for_run(model, batch_size=settings.batch_size,
                                   seq_len=settings.seq_len,
-                                  compute_dtype=compute_dtype_for(mixed))
+                                  compute_dtype=compute_dtype_for(mixed),
+                                  loss_chunk_tokens=settings.loss_chunk_tokens)
         gpu_gb = demo_gpu_budget_gb(profile, load_hardware(settings.hardware,
                                                            nvme_dir=settings.nvme_dir))
     plugin = LazyTrainPlugin(plan=settings.plan, hardware=settings.hardware,
-                             nvme_dir=settings.nvme_dir, gpu_memory_limit_gb=gpu_gb)
+                             nvme_dir=settings.nvme_dir, gpu_memory_limit_gb=gpu_gb,
+                             loss_chunk_tokens=settings.loss_chunk_tokens)
     return Accelerator(mixed_precision=mixed, plugin=plugin)
 
 

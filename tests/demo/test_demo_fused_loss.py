@@ -1,0 +1,39 @@
+"""`lazytrain demo --loss-chunk-tokens`: the demo trains through the fused chunked loss."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lazytrain_accel.cli import main
+
+
+def test_demo_trains_with_the_fused_loss(tmp_path: Path, hardware_json: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from lazytrain_accel.engine import engine as engine_module
+
+    applied = []
+
+    def recording(model, *, chunk_tokens):
+        applied.append(chunk_tokens)
+        return apply_fused_loss(model, chunk_tokens=chunk_tokens)
+
+    apply_fused_loss = engine_module.apply_fused_loss
+    monkeypatch.setattr(engine_module, "apply_fused_loss", recording)
+    monkeypatch.setenv("LAZYTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    code = main(["demo", "--plan", "megatrain", "--steps", "2", "--batch-size", "4",
+                 "--eval-count", "4", "--loss-chunk-tokens", "16",
+                 "--hardware", str(hardware_json), "--output-dir", str(out)])
+    assert code == 0
+    summary = json.loads((out / "demo_summary.json").read_text())
+    assert applied == [16]
+    assert summary["train"]["steps"] == 2 and math.isfinite(summary["train"]["final_loss"])
+
+
+def test_negative_chunk_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--loss-chunk-tokens", "-1"]) == 2
+    assert "loss_chunk_tokens=-1 must be >= 0" in capsys.readouterr().err
