@@ -60,6 +60,10 @@ class StepGuard:
         def guarded_step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
             return self.step(previous, opt, *args, **kwargs)
 
+        # A scheduler built before prepare() checks its mark on `optimizer.step`; it
+        # still counts (it wraps `previous`), so keep the mark or torch warns spuriously.
+        if getattr(previous, "_wrapped_by_lr_sched", False):
+            guarded_step._wrapped_by_lr_sched = True
         optimizer.step = MethodType(guarded_step, optimizer)
         optimizer._lazytrain_guard = self
 

@@ -38,6 +38,9 @@ CONFIGS = {
 def build(arch: str, num_layers: int = 4, seed: int = 0) -> nn.Module:
     config = CONFIGS[arch](num_layers)
     config._attn_implementation = "eager"
+    # The plugin turns the KV cache off for training; a stock run with it on differs in the
+    # last bits (GPT-2's cache concatenation changes the attention matmuls' memory layout).
+    config.use_cache = False
     torch.manual_seed(seed)
     return transformers.AutoModelForCausalLM.from_config(config).train()
 
