@@ -100,8 +100,8 @@ class Accelerator(accelerate.Accelerator):
         from lazytrain_accel.profiling.hardware import load_hardware
 
         plugin = self.lazytrain_plugin
-        if getattr(model.config, "use_cache", False):
-            model.config.use_cache = False  # training re-runs layers; caches must stay empty
+        # config.use_cache stays as the user set it: the engine strips KV caches from
+        # training calls itself, and the config is what save_pretrained writes.
         compute_dtype = setup.compute_dtype_for(self.mixed_precision)
         batch_size, seq_len = _infer_batch_shape(loader, model)
         model_profile = setup.profile_for_run(model, batch_size=batch_size, seq_len=seq_len,

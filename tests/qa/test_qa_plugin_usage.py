@@ -112,3 +112,21 @@ def test_frozen_embeddings_and_a_frozen_layer(tmp_path: Path, arch: str) -> None
         torch.testing.assert_close(ours.params[name], value, rtol=0, atol=0, msg=name)
         if "embed_tokens" in name or ".layers.1." in name:
             assert torch.equal(ours.params[name], initial[name].detach()), name
+
+
+def test_prepare_leaves_the_model_config_alone(tmp_path: Path) -> None:
+    """The engine strips KV caches from training calls itself; prepare() must not switch
+    `config.use_cache` off, or every checkpoint saved from the run generates without a
+    cache once reloaded (and the user's config silently changed)."""
+    runs = {}
+    for name, lazy in (("stock", None), ("ours", plugin(tmp_path, "offload_all",
+                                                        optimizer="keep"))):
+        model = build("llama")
+        model.config.use_cache = True
+        runs[name] = train(model, lazy)
+        assert model.config.use_cache is True, name
+        model.save_pretrained(tmp_path / name)
+    assert runs["ours"].losses == runs["stock"].losses
+    for key, value in runs["stock"].params.items():
+        torch.testing.assert_close(runs["ours"].params[key], value, rtol=0, atol=0, msg=key)
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "ours").use_cache is True
