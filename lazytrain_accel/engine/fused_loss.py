@@ -153,16 +153,9 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                     targets: torch.Tensor, spec: _Spec, need: list[bool]
                     ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Loss and (hidden, weight, bias) gradients for d(loss) = 1, one token chunk at a time."""
-    vocab = weight.shape[0]
     rows = (targets != spec.ignore_index).nonzero().squeeze(1)
     n_valid = rows.numel()
-    if n_valid:
-        picked = targets.index_select(0, rows)
-        low, high = int(picked.min()), int(picked.max())
-        if low < 0 or high >= vocab:
-            bad = low if low < 0 else high
-            raise ValueError(f"target {bad} is outside the vocabulary [0, {vocab}) and is not "
-                             f"ignore_index={spec.ignore_index}; check the labels")
+    _check_targets(targets.index_select(0, rows), weight.shape[0], spec.ignore_index)
     all_rows = n_valid == targets.numel()  # then chunks are plain slices, no gather
     w_c = weight.to(spec.compute_dtype)
     b_c = None if bias is None else bias.to(spec.compute_dtype)
@@ -174,33 +167,48 @@ def _loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     for start in range(0, n_valid, spec.chunk_tokens):
         stop = min(start + spec.chunk_tokens, n_valid)
         idx = rows[start:stop]
-        h_c = (hidden[start:stop] if all_rows else hidden.index_select(0, idx))
-        h_c = h_c.to(spec.compute_dtype)
+        h_c = hidden[start:stop] if all_rows else hidden.index_select(0, idx)
         t_c = targets[start:stop] if all_rows else targets.index_select(0, idx)
-        logits = F.linear(h_c, w_c, b_c)  # (chunk, V): the only logits alive
-        x, derivs = _apply_ops(logits, spec.logit_ops)
-        del logits
-        lse = torch.logsumexp(x, dim=-1)
-        loss_sum += (lse - x.gather(1, t_c[:, None]).squeeze(1)).sum()
-        if not any(need):
-            continue
-        g = _grad_logits_(x, lse, t_c, scale, spec.logit_ops, derivs).to(spec.compute_dtype)
-        del x, derivs
-        if grad_h is not None:
-            part = (g @ w_c).to(hidden.dtype)
+        chunk_loss, part = _chunk(h_c.to(spec.compute_dtype), t_c, w_c, b_c, spec, scale,
+                                  need_h=grad_h is not None, grad_w=grad_w, grad_b=grad_b)
+        loss_sum += chunk_loss
+        if part is not None:
             if all_rows:
                 grad_h[start:stop] = part
             else:
-                grad_h.index_copy_(0, idx, part)
-        if grad_w is not None:
-            _accumulate_mm_(grad_w, g.t(), h_c)
-        if grad_b is not None:
-            grad_b += g.sum(0, dtype=torch.float32)
+                grad_h.index_copy_(0, idx, part.to(hidden.dtype))
     # Mean: 0 / 0 = NaN when every target is ignored, as torch's own loss.
     loss = loss_sum / n_valid if spec.reduction == "mean" else loss_sum
     if grad_b is not None:
         grad_b = grad_b.to(bias.dtype)
     return loss, [grad_h, grad_w, grad_b]
+
+
+def _check_targets(picked: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    if picked.numel() == 0:
+        return
+    low, high = int(picked.min()), int(picked.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"target {low if low < 0 else high} is outside the vocabulary "
+                         f"[0, {vocab}) and is not ignore_index={ignore_index}; check the labels")
+
+
+def _chunk(h_c: torch.Tensor, t_c: torch.Tensor, w_c: torch.Tensor, b_c: torch.Tensor | None,
+           spec: _Spec, scale: float, *, need_h: bool, grad_w: torch.Tensor | None,
+           grad_b: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk: its summed loss and hidden gradient; adds into grad_w / grad_b. Its own
+    function so the chunk's (tokens, V) buffer is freed before the next one exists."""
+    x, derivs = _apply_ops(F.linear(h_c, w_c, b_c), spec.logit_ops)  # (chunk, V) fp32
+    loss = _exp_and_loss_(x, t_c)
+    if not (need_h or grad_w is not None or grad_b is not None):
+        return loss, None
+    g = _grad_logits_(x, t_c, scale, spec.logit_ops, derivs).to(spec.compute_dtype)
+    del x, derivs
+    if grad_w is not None:
+        _accumulate_mm_(grad_w, g.t(), h_c)
+    if grad_b is not None:
+        grad_b += g.sum(0, dtype=torch.float32)
+    return loss, (g @ w_c if need_h else None)
 
 
 def _apply_ops(logits: torch.Tensor, ops: tuple[LogitOp, ...]
@@ -222,11 +230,25 @@ def _apply_ops(logits: torch.Tensor, ops: tuple[LogitOp, ...]
     return x.float(), derivs
 
 
-def _grad_logits_(x: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, scale: float,
+def _exp_and_loss_(x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of the rows of `x` (fp32 logits), leaving softmax in `x`.
+
+    In place, row max first (as logsumexp does, for range), so no second (chunk, V)
+    buffer ever exists: `torch.logsumexp` would allocate one for exp(x - max).
+    """
+    picked = x.gather(1, targets[:, None]).squeeze(1)
+    row_max = x.amax(dim=1, keepdim=True)
+    x.sub_(row_max).exp_()
+    sums = x.sum(dim=1, keepdim=True)
+    x.div_(sums)
+    lse = sums.log_().add_(row_max).squeeze(1)
+    return (lse - picked).sum()
+
+
+def _grad_logits_(x: torch.Tensor, targets: torch.Tensor, scale: float,
                   ops: tuple[LogitOp, ...], derivs: list[torch.Tensor | None]) -> torch.Tensor:
-    """d(loss)/d(logits before the ops), written over `x` (fp32): softmax - one-hot, then
-    back through the ops in reverse."""
-    x.sub_(lse[:, None]).exp_()
+    """d(loss)/d(logits before the ops), written over `x` (holding the softmax): softmax -
+    one-hot, then back through the ops in reverse."""
     x[torch.arange(x.shape[0], device=x.device), targets] -= 1.0
     if scale != 1.0:
         x.mul_(scale)
