@@ -142,6 +142,26 @@ def test_resume_after_interrupt_continues_exactly(
     assert _losses(workdir, "interrupted") == _losses(workdir, "hybrid")
 
 
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_the_latest(
+        workdir: Path) -> None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    args = _example_args(workdir, "killed", "--lazytrain", "--lazytrain_config",
+                         '{"plan": "checkpoint_all", "optimizer": "hybrid8bit"}')
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "run_clm.py"), "--kill-in-second-save",
+                           "--", *args], env=_env(workdir), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == -9, proc.stderr[-4000:]  # SIGKILL inside checkpoint-8's save
+    out = workdir / "killed"
+    assert not (out / f"checkpoint-{2 * SAVE_STEPS}").exists()  # never half-published
+    latest = get_last_checkpoint(str(out))
+    assert latest == str(out / f"checkpoint-{SAVE_STEPS}")
+    assert json.loads((Path(latest) / "trainer_state.json").read_text())["global_step"] == 4
+    _run([sys.executable, str(EXAMPLE), *args, "--resume_from_checkpoint", latest], workdir)
+    assert not list(out.glob(".lazytrain-staging-*"))  # the dead save's folder is gone
+    assert (out / f"checkpoint-{2 * SAVE_STEPS}" / "trainer_state.json").is_file()
+
+
 def test_accelerate_launch_runs_the_example(workdir: Path, stock: list[float]) -> None:
     proc = _run([*ACCELERATE, "--cpu", "--num_processes", "1", "--num_machines", "1",
                  "--mixed_precision", "no", "--dynamo_backend", "no", str(EXAMPLE),

@@ -27,7 +27,7 @@ def atomic_directory(final: str | Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -41,7 +41,7 @@ def _publish(tmp: Path, final: Path) -> None:
     if final.exists():
         final.rename(old)
     tmp.rename(final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -53,16 +53,16 @@ def recover(final: str | Path) -> None:
     for sibling in final.parent.glob(f".{final.name}.old-*"):
         if not final.exists():
             sibling.rename(final)
-        elif not _owner_alive(sibling):
+        elif not owner_alive(sibling):
             shutil.rmtree(sibling, ignore_errors=True)
     for sibling in final.parent.glob(f".{final.name}.tmp-*"):
-        if not _owner_alive(sibling):
+        if not owner_alive(sibling):
             shutil.rmtree(sibling, ignore_errors=True)
     if final.exists():
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
 
 
-def _owner_alive(path: Path) -> bool:
+def owner_alive(path: Path) -> bool:
     pid = path.name.rsplit("-", 1)[-1]
     if not pid.isdigit() or int(pid) == os.getpid():
         return False
@@ -75,7 +75,7 @@ def _owner_alive(path: Path) -> bool:
     return True
 
 
-def _fsync_tree(root: Path) -> None:
+def fsync_tree(root: Path) -> None:
     """Flush every file and directory under `root` to the disk (rename orders nothing)."""
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
@@ -84,10 +84,10 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(dirpath))
+        fsync_dir(Path(dirpath))
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

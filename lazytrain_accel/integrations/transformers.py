@@ -32,6 +32,7 @@ from transformers.training_args import OptimizerNames
 from lazytrain_accel.config import LazyTrainConfig, OptimizerChoice
 from lazytrain_accel.integrations.trainer_accelerator import TrainerAccelerator
 from lazytrain_accel.integrations.trainer_callback import LazyTrainCallback
+from lazytrain_accel.integrations.trainer_checkpoint import make_checkpoints_atomic
 from lazytrain_accel.integrations.trainer_config import load_lazytrain_config
 
 logger = logging.getLogger("lazytrain_accel")
@@ -154,6 +155,7 @@ def apply_lazytrain_to_trainer(trainer: Trainer,
     _install_accelerator(trainer, config)
     _record_sizing_loaders(trainer)
     _save_plan_with_checkpoints(trainer)
+    make_checkpoints_atomic(trainer)
     trainer.callback_handler.callbacks.insert(0, LazyTrainCallback(trainer))
     trainer._lazytrain_applied = True
     return trainer
