@@ -134,6 +134,7 @@ def build_optimizer(config: LazyTrainConfig, user_optimizer: torch.optim.Optimiz
         user_optimizer = user_optimizer.optimizer
     if config.optimizer == OptimizerChoice.KEEP or isinstance(user_optimizer, HybridAdamW8bit):
         return user_optimizer
+    _check_replaceable(user_optimizer)
     hyper = dict(user_optimizer.defaults)
     kwargs = {k: hyper[k] for k in ("lr", "betas", "eps", "weight_decay") if k in hyper}
     if isinstance(user_optimizer, (torch.optim.Adam,)) and not isinstance(
@@ -153,6 +154,31 @@ def build_optimizer(config: LazyTrainConfig, user_optimizer: torch.optim.Optimiz
     replacement.register_step_post_hook(
         lambda *_: setattr(user_optimizer, "_opt_called", True))
     return replacement
+
+
+def _check_replaceable(user_optimizer: torch.optim.Optimizer) -> None:
+    """The swap keeps lr/betas/eps/weight_decay and drops the class: refuse it where that
+    changes the math (an SGD learning rate used as AdamW's diverges) instead of training
+    something else than what the user wrote."""
+    name = type(user_optimizer).__name__
+    keep = (f"pass LazyTrainPlugin(optimizer='keep') (or LAZYTRAIN_OPTIMIZER=keep) to step "
+            f"your {name} on the host masters")
+    hyper = user_optimizer.defaults
+    # bitsandbytes' and other AdamW ports are named *Adam* and carry the same fields.
+    adam_like = isinstance(user_optimizer, torch.optim.Adam | torch.optim.AdamW) or (
+        "adam" in name.lower() and "betas" in hyper)
+    if not adam_like or not isinstance(hyper.get("lr"), float | int):
+        raise ValueError(
+            f"optimizer='hybrid8bit' replaces your optimizer by AdamW with 8-bit moments, "
+            f"reusing its lr/betas/eps/weight_decay; {name} (lr={hyper.get('lr')!r}) is not "
+            f"an Adam-family optimizer, so its hyperparameters mean something else. Build "
+            f"torch.optim.AdamW instead, or {keep}")
+    unsupported = sorted({key for group in user_optimizer.param_groups
+                          for key in ("amsgrad", "maximize") if group.get(key)})
+    if unsupported:
+        raise ValueError(
+            f"{name} has {', '.join(f'{k}=True' for k in unsupported)}, which the hybrid "
+            f"8-bit AdamW does not implement; drop it, or {keep}")
 
 
 def _keep_groups_shared(user_optimizer: torch.optim.Optimizer):
