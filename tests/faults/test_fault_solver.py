@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from lazytrain_accel.planning import Budgets, make_plan
+from lazytrain_accel.planning import Budgets, build_problem, make_plan
 from lazytrain_accel.profiling.hardware import load_hardware
 from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
 
@@ -86,3 +86,28 @@ def test_time_limit_uses_the_incumbent_or_the_best_baseline_loudly(caplog) -> No
         assert plan.solver.status == "timelimit"
         assert f"within {plan.solver.gap:.2%}" in caplog.text
     assert plan.solver.message in caplog.text
+
+
+def test_a_stopped_solve_keeps_its_incumbent_and_logs_the_gap(caplog, monkeypatch) -> None:
+    # Deterministic stand-in for a time limit: SCIP stops at its first incumbent.
+    from lazytrain_accel.planning import solve
+
+    real = solve.solve_milp
+    monkeypatch.setattr(solve, "solve_milp",
+                        lambda *a, **kw: real(*a, **{**kw, "first_feasible": True}))
+    hw = load_hardware("h800")
+    model = _profile("qwen2.5-7b", 4, 1024)
+    fixed = build_problem(model, hw).gpu_fixed_bytes  # room for ~8 of 29 boundaries
+    budgets = Budgets(gpu_bytes=int((fixed + 8 * model.boundary_bytes) / 0.96),
+                      cpu_bytes=hw.cpu_memory_bytes, nvme_bytes=hw.nvme_bytes)
+    with caplog.at_level(logging.WARNING):
+        plan = make_plan(model, hw, budgets=budgets)
+    assert plan.solver.status not in ("optimal", "gaplimit", "fallback")  # the incumbent
+    assert plan.solver.message.startswith(f"MIP stopped ({plan.solver.status})")
+    assert f"within {plan.solver.gap:.2%}" in plan.solver.message
+    assert plan.solver.message in caplog.text
+    monkeypatch.setattr(solve, "solve_milp", real)
+    optimal = make_plan(model, hw, budgets=budgets)
+    # this incumbent is a feasible plan, worse than the optimum by a gap that was reported
+    assert plan.solver.gap > 0
+    assert plan.prediction.step_s > optimal.prediction.step_s
