@@ -8,6 +8,7 @@ through the layer Function, and two hooks bracket each model pass.
 from __future__ import annotations
 
 import inspect
+import logging
 import types
 import weakref
 from collections.abc import Callable
@@ -36,6 +37,8 @@ _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 _CHECKPOINTING_FLAGS = ("is_activation_checkpointing", "is_gradient_checkpointing")
 
 _LINK = "_lazytrain_engine_link"
+
+logger = logging.getLogger("lazytrain_accel")
 
 
 def _none() -> None:
@@ -134,6 +137,7 @@ class StreamingEngine:
         self._backwarded: list[ForwardState] = []
         self._finalizer_queued = False
         self._update: LayerwiseUpdate | None = None
+        self._shape_warned = False
 
     def _patch(self, model: nn.Module, parent: nn.Module) -> None:
         self._saved_forwards = [layer.__dict__.get("forward") for layer in self._layers]
@@ -197,12 +201,30 @@ class StreamingEngine:
                 call_kwargs[name] = None
         if call_kwargs.get("use_cache"):
             call_kwargs["use_cache"] = False
+        if index == 1:
+            self._check_planned_tokens(hidden)
         if self._state is None:
             self._state = ForwardState(self.runtime)
             self._open.add(self._state)
             self._latest = weakref.ref(self._state)
             weakref.finalize(self._state, self._state.store.close)
         return self._state.call(index, hidden, call_kwargs)
+
+    def _check_planned_tokens(self, hidden: torch.Tensor) -> None:
+        """Warn once when a training batch holds more tokens than the plan was sized for:
+        its boundaries outgrow the planned bytes, so the plan's peaks no longer hold."""
+        plan = self.plan
+        if self._shape_warned or hidden.numel() // hidden.shape[-1] <= (
+                plan.batch_size * plan.seq_len):
+            return
+        self._shape_warned = True
+        shape = " x ".join(str(n) for n in hidden.shape[:-1])
+        logger.warning(
+            "lazytrain: a training batch of %s tokens is beyond the plan's %d x %d (sized "
+            "from the first batch prepare() saw); its activations exceed the planned memory "
+            "and may not fit the GPU. Pad every batch to one length (padding='max_length'), "
+            "or plan for the largest batch (`lazytrain plan --batch-size --seq-len`).",
+            shape, plan.batch_size, plan.seq_len)
 
     def _bind(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
               ) -> tuple[torch.Tensor, dict[str, Any]]:
