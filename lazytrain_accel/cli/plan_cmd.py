@@ -32,6 +32,7 @@ from lazytrain_accel.profiling.models import (
 
 _GIB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+MAX_BATCH_SEARCH_LIMIT = 1 << 16
 _HELP = {
     "plan": "solve the activation plan of one run and print or save it",
     "simulate": "run one step of a plan in the event simulator",
@@ -213,10 +214,15 @@ def _run_max_batch(args: argparse.Namespace) -> int:
     best = max_batch_size(lambda b: _profile(config, args, b, args.seq_len), hardware,
                           strategy=args.strategy, budgets=budgets,
                           max_recompute_block=args.max_recompute_block,
-                          time_limit_s=args.time_limit_s)
+                          time_limit_s=args.time_limit_s, limit=MAX_BATCH_SEARCH_LIMIT)
+    # The search stops at its limit: there, the budgets were never binding.
+    at_limit = best >= MAX_BATCH_SEARCH_LIMIT
     if args.json:
         print(json.dumps({"strategy": args.strategy, "max_batch_size": best,
-                          "seq_len": args.seq_len}))
+                          "seq_len": args.seq_len, "search_limit_reached": at_limit}))
+    elif at_limit:
+        print(f"{args.strategy}: every micro-batch up to the search limit {best} fits at seq "
+              f"{args.seq_len} (the budgets never bind)")
     else:
         print(f"{args.strategy}: largest micro-batch at seq {args.seq_len} is {best}")
     return 0

@@ -59,3 +59,19 @@ def test_simulate_and_max_batch_take_the_dtype(tmp_path: Path,
         assert main(["max-batch", *run, "--dtype", dtype]) == 0
         assert json.loads(capsys.readouterr().out)["max_batch_size"] >= 1
     assert peaks["fp32"] == 2 * peaks["bf16"]  # weights and boundaries at 4 bytes, not 2
+
+
+def test_max_batch_says_when_it_stopped_at_its_search_limit(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    build("gpt2").save_pretrained(tmp_path / "model")
+    run = ["max-batch", "--model", str(tmp_path / "model"), "--hardware", "h800",
+           "--seq-len", "1"]
+    assert main([*run, "--json"]) == 0
+    unbounded = json.loads(capsys.readouterr().out)
+    assert unbounded["search_limit_reached"] is True
+    assert main(run) == 0
+    assert "search limit" in capsys.readouterr().out
+    assert main([*run, "--json", "--gpu-memory-gb", "0.0003"]) == 0
+    bounded = json.loads(capsys.readouterr().out)
+    assert bounded["search_limit_reached"] is False
+    assert 1 <= bounded["max_batch_size"] < unbounded["max_batch_size"]
