@@ -93,7 +93,10 @@ class Accelerator(accelerate.Accelerator):
         self._lazytrain_optimizer = setup.build_optimizer(self.lazytrain_plugin, optimizer,
                                                           self._lazytrain_model)
         self.lazytrain_guard.install(self._lazytrain_optimizer)
-        return super().prepare_optimizer(self._lazytrain_optimizer, device_placement=False)
+        prepared = super().prepare_optimizer(self._lazytrain_optimizer, device_placement=False)
+        # `step_was_skipped` is what accelerate's schedulers and the Trainer consult.
+        self.lazytrain_guard.on_step = lambda skipped: setattr(prepared, "_is_overflow", skipped)
+        return prepared
 
     def _lazytrain_prepare_model(self, model: nn.Module, loader: Any) -> None:
         from lazytrain_accel.engine import attach

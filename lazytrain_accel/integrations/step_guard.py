@@ -46,6 +46,9 @@ class StepGuard:
         self._first_bad: tuple[int, str] | None = None  # (step, parameter) of this streak
         self.interrupted = False
         self._previous_handler: Any = None
+        # Told after each step whether it was skipped (the Accelerator reports it to
+        # accelerate, so LR schedulers and the Trainer do not count a skipped step).
+        self.on_step: Callable[[bool], None] | None = None
 
     # ---- the step --------------------------------------------------------------------
     def install(self, optimizer: torch.optim.Optimizer) -> None:
@@ -77,6 +80,8 @@ class StepGuard:
             result = run_step(*args, **kwargs)
         else:
             self._skip(optimizer, bad)
+        if self.on_step is not None:
+            self.on_step(bad is not None)
         if self.interrupted and self.raise_on_interrupt:
             self._stop_at_boundary()
         return result

@@ -106,3 +106,31 @@ def test_the_limit_comes_from_the_plugin(tmp_path, monkeypatch) -> None:
                             strict=True):
         assert torch.equal(ours, theirs)  # skipped: no layer was updated
     acc.end_training()
+
+
+def test_a_skipped_step_does_not_advance_the_lr_schedule(tmp_path) -> None:
+    import warnings
+
+    model = tiny_model()
+    plugin = LazyTrainPlugin(plan="checkpoint_all", hardware="h800",
+                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"))
+    acc = Accelerator(cpu=True, plugin=plugin)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 ** s)
+    model, opt, data, scheduler = acc.prepare(model, optimizer, loader(), scheduler)
+    batch = next(iter(data))[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        loss = model(input_ids=batch, labels=batch).loss
+        acc.backward(loss * float("inf"))
+        opt.step()
+        scheduler.step()
+        opt.zero_grad()
+    assert opt.step_was_skipped and acc.optimizer_step_was_skipped
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(1e-2)  # not advanced
+    acc.backward(model(input_ids=batch, labels=batch).loss)
+    opt.step()
+    scheduler.step()
+    assert not opt.step_was_skipped
+    assert opt.optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
+    acc.end_training()
