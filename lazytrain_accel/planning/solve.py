@@ -42,7 +42,11 @@ STRATEGIES: tuple[str, ...] = ("lazytrain", "megatrain", "checkpoint_all", "offl
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB"
+    """Bytes in the largest binary unit that keeps three significant digits visible."""
+    for unit, size in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def infeasible_error(p: Problem, strategy: str, solution: MilpSolution) -> PlanInfeasibleError:

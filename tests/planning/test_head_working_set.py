@@ -18,3 +18,17 @@ def test_logits_bound_the_gpu_static_bytes_at_large_vocab() -> None:
     weights_and_grads = 3 * model.layer_param_bytes + 2 * model.layer_grad_bytes
     assert problem.static_gpu_bytes == (weights_and_grads + model.head_working_bytes
                                         + 2 * model.resident_param_bytes)
+
+
+def test_shortfalls_of_small_models_are_shown_in_readable_units() -> None:
+    import pytest
+
+    from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan
+
+    geometry = geometry_from_config(load_model_config("tiny-demo"))
+    model = profile_model(geometry, batch_size=2, seq_len=64)
+    budgets = Budgets(gpu_bytes=2**20, cpu_bytes=2**40, nvme_bytes=2**40)
+    with pytest.raises(PlanInfeasibleError) as info:
+        make_plan(model, HARDWARE_PRESETS["h800"], strategy="checkpoint_all", budgets=budgets)
+    text = str(info.value)
+    assert "0.00 GiB" not in text and "MiB" in text and "KiB per boundary" in text
