@@ -24,6 +24,7 @@ from lazytrain_accel.planning.infeasible import with_largest_batch
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import (
+    COMPUTE_DTYPE_BYTES,
     MODEL_PRESETS,
     geometry_from_config,
     load_model_config,
@@ -31,7 +32,6 @@ from lazytrain_accel.profiling.models import (
 )
 
 _GIB = 2**30
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 MAX_BATCH_SEARCH_LIMIT = 1 << 16
 _HELP = {
     "plan": "solve the activation plan of one run and print or save it",
@@ -67,7 +67,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: bool) -> None:
         p.add_argument("--batch-size", type=int, help="micro-batch size")
     p.add_argument("--seq-len", type=int, help="sequence length")
     # Part of the plan's fingerprint: a plan for bf16 does not fit an fp32 run.
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
+    p.add_argument("--dtype", choices=sorted(COMPUTE_DTYPE_BYTES), default="bf16",
                    help="compute dtype of the run: bf16/fp16 = Accelerator(mixed_precision="
                    "...), fp32 = no mixed precision (default bf16)")
     p.add_argument("--strategy", choices=STRATEGIES, default="lazytrain",
@@ -122,7 +122,7 @@ def _load(args: argparse.Namespace) -> tuple[dict, HardwareProfile, Budgets]:
 def _profile(config: dict, args: argparse.Namespace, batch_size: int,
              seq_len: int) -> ModelProfile:
     return profile_model(geometry_from_config(config, name=args.model), batch_size=batch_size,
-                         seq_len=seq_len, compute_bytes_per_elem=DTYPE_BYTES[args.dtype],
+                         seq_len=seq_len, compute_bytes_per_elem=COMPUTE_DTYPE_BYTES[args.dtype],
                          loss_chunk_tokens=args.loss_chunk_tokens)
 
 

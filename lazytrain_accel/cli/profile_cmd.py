@@ -11,6 +11,7 @@ from lazytrain_accel.cli.plan_cmd import add_loss_chunk_arg
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import (
+    COMPUTE_DTYPE_BYTES,
     MODEL_PRESETS,
     geometry_from_config,
     load_model_config,
@@ -19,7 +20,6 @@ from lazytrain_accel.profiling.models import (
 )
 
 _GIB = 1024**3
-_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
@@ -33,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
                    + "), hardware JSON, or 'auto' to measure this machine (default)")
     p.add_argument("--batch-size", type=int, default=1, help="micro-batch size (default 1)")
     p.add_argument("--seq-len", type=int, default=1024, help="sequence length (default 1024)")
-    p.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), default="bf16",
+    p.add_argument("--dtype", choices=sorted(COMPUTE_DTYPE_BYTES), default="bf16",
                    help="compute dtype of activations and streamed weights (default bf16)")
     add_loss_chunk_arg(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         geometry = geometry_from_config(load_model_config(args.model), name=args.model)
         model = profile_model(geometry, batch_size=args.batch_size, seq_len=args.seq_len,
-                              compute_bytes_per_elem=_DTYPE_BYTES[args.dtype],
+                              compute_bytes_per_elem=COMPUTE_DTYPE_BYTES[args.dtype],
                               loss_chunk_tokens=args.loss_chunk_tokens)
         hardware = load_hardware(args.hardware, refresh=args.refresh)
     except ValueError as err:

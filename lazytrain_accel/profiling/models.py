@@ -13,10 +13,13 @@ from typing import Any
 from lazytrain_accel.profiling.families import FAMILIES, geometry_from_config
 from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
 
-__all__ = ["FAMILIES", "MODEL_PRESETS", "geometry_from_config", "load_model_config",
-           "model_preset_source", "profile_model"]
+__all__ = ["COMPUTE_DTYPE_BYTES", "FAMILIES", "MODEL_PRESETS", "geometry_from_config",
+           "load_model_config", "model_preset_source", "profile_model"]
 
 #: Built-in model configs, shipped as `lazytrain_accel/presets/<name>.json`.
+#: Bytes per element of each compute dtype name the CLI and configs accept.
+COMPUTE_DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+
 MODEL_PRESETS: tuple[str, ...] = (
     "tiny-demo",
     "qwen2.5-3b",

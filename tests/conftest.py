@@ -1,5 +1,5 @@
-"""Accelerate keeps process-wide singletons; reset them so each test picks its own
-mixed precision and device."""
+"""Shared by every unit test: accelerate keeps process-wide singletons; reset them so each
+test picks its own mixed precision and device."""
 
 from __future__ import annotations
 
