@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,14 @@ SCRIPT = Path(__file__).parent / "scripts" / "accelerate_train.py"
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch"]
 
 
+def _free_port() -> int:
+    # A fresh rendezvous port per launch: a lingering process of an earlier launch must
+    # never be mistaken for this launch's store.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _launch(tmp_path: Path, name: str, *script_args: str, num_processes: int = 1,
             env: dict[str, str] | None = None) -> list[float]:
     losses = tmp_path / f"{name}.json"
@@ -21,7 +30,7 @@ def _launch(tmp_path: Path, name: str, *script_args: str, num_processes: int = 1
         launcher = [*ACCELERATE, "--cpu", "--num_processes", "1"]
     else:  # accelerate's multi-process CPU mode: --multi_gpu without CUDA + cpu=True
         launcher = [*ACCELERATE, "--multi_gpu", "--num_processes", str(num_processes),
-                    "--main_process_port", "29517"]
+                    "--main_process_port", str(_free_port())]
     full_env = {**os.environ, "LAZYTRAIN_CACHE_DIR": str(tmp_path / "cache"),
                 "LAZYTRAIN_HARDWARE": "h800", "LAZYTRAIN_NVME_DIR": str(tmp_path / "nvme"),
                 **(env or {})}

@@ -97,6 +97,9 @@ def main() -> None:
     if accelerator.is_main_process:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
+    # All ranks reach the process-group teardown together: a rank still tearing down
+    # after rank 0 (which hosts the rendezvous store) has exited can wait forever.
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 
