@@ -4,9 +4,11 @@ from lazytrain_accel.engine.activations import BoundaryModifiedError
 from lazytrain_accel.engine.discovery import UnsupportedModelError, find_decoder_layers
 from lazytrain_accel.engine.engine import StreamingEngine, attach
 from lazytrain_accel.engine.fused_loss import causal_lm_loss, fused_linear_cross_entropy
+from lazytrain_accel.engine.lazy_logits import LogitsNotMaterializedError
 from lazytrain_accel.engine.loss_patch import FusedLoss, apply_fused_loss
 from lazytrain_accel.engine.stats import StepStats
 
-__all__ = ["BoundaryModifiedError", "FusedLoss", "StepStats", "StreamingEngine",
+__all__ = ["BoundaryModifiedError", "FusedLoss", "LogitsNotMaterializedError", "StepStats",
+           "StreamingEngine",
            "UnsupportedModelError", "apply_fused_loss", "attach", "causal_lm_loss",
            "find_decoder_layers", "fused_linear_cross_entropy"]

@@ -19,6 +19,11 @@ import torch.nn.functional as F
 
 from lazytrain_accel.engine.fused_loss import LogitOp, fused_linear_cross_entropy
 
+
+class LogitsNotMaterializedError(NotImplementedError):
+    """An operation needed the logits, which the fused chunked loss never builds."""
+
+
 _UNSUPPORTED = ("the fused loss (loss_chunk_tokens > 0) never materializes the logits, so "
                 "the model's forward or loss function may only scale, tanh-cap, upcast and "
                 "flatten them before F.cross_entropy. Set loss_chunk_tokens=0 (the model's "
@@ -69,14 +74,14 @@ class LazyLogits(torch.Tensor):
         handler = _HANDLERS.get(func)
         if handler is None:
             name = getattr(func, "__qualname__", getattr(func, "__name__", repr(func)))
-            raise NotImplementedError(f"{name} on the logits: {_UNSUPPORTED}")
+            raise LogitsNotMaterializedError(f"{name} on the logits: {_UNSUPPORTED}")
         return handler(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         # Reached only by ops that bypass __torch_function__ (C++ internals).
-        raise NotImplementedError(f"{func} on the logits: {_UNSUPPORTED}")
+        raise LogitsNotMaterializedError(f"{func} on the logits: {_UNSUPPORTED}")
 
 
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
@@ -86,12 +91,12 @@ _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel,
 def _scalar(value: Any, what: str) -> float:
     if isinstance(value, torch.Tensor) and not isinstance(value, LazyLogits):
         if value.numel() != 1:
-            raise NotImplementedError(f"{what} by a tensor of shape {tuple(value.shape)}: "
-                                      f"{_UNSUPPORTED}")
+            raise LogitsNotMaterializedError(
+                f"{what} by a tensor of shape {tuple(value.shape)}: {_UNSUPPORTED}")
         return float(value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    raise NotImplementedError(f"{what} by {type(value).__name__}: {_UNSUPPORTED}")
+    raise LogitsNotMaterializedError(f"{what} by {type(value).__name__}: {_UNSUPPORTED}")
 
 
 def _mul(a: Any, b: Any) -> LazyLogits:
@@ -101,7 +106,7 @@ def _mul(a: Any, b: Any) -> LazyLogits:
 
 def _div(a: Any, b: Any, *, rounding_mode: str | None = None) -> LazyLogits:
     if not isinstance(a, LazyLogits) or rounding_mode is not None:
-        raise NotImplementedError(f"dividing by the logits or rounding: {_UNSUPPORTED}")
+        raise LogitsNotMaterializedError(f"dividing by the logits or rounding: {_UNSUPPORTED}")
     return a._derive(op=LogitOp(kind="div", value=_scalar(b, "dividing")))
 
 
@@ -127,11 +132,11 @@ def _to(a: LazyLogits, *args: Any, **kwargs: Any) -> LazyLogits:
             if target == torch.float32:
                 a = _to_float(a)
             elif target != a.dtype:
-                raise NotImplementedError(f".to({target}) on the logits: {_UNSUPPORTED}")
+                raise LogitsNotMaterializedError(f".to({target}) on the logits: {_UNSUPPORTED}")
         elif isinstance(target, (str, torch.device)) and _same_device(target, a.device):
             continue
         else:
-            raise NotImplementedError(f".to({target!r}) on the logits: {_UNSUPPORTED}")
+            raise LogitsNotMaterializedError(f".to({target!r}) on the logits: {_UNSUPPORTED}")
     return a
 
 
@@ -150,8 +155,9 @@ def _view(a: LazyLogits, *shape: Any) -> LazyLogits:
         known = math.prod(s for s in sizes if s != -1)
         sizes[sizes.index(-1)] = (rows * vocab) // known if known else 0
     if not sizes or sizes[-1] != vocab or math.prod(sizes[:-1]) != rows:
-        raise NotImplementedError(f"reshaping logits {tuple(a.shape)} to {tuple(shape)} (only "
-                                  f"(..., vocab) shapes keep rows whole): {_UNSUPPORTED}")
+        raise LogitsNotMaterializedError(
+            f"reshaping logits {tuple(a.shape)} to {tuple(shape)} (only (..., vocab) shapes "
+            f"keep rows whole): {_UNSUPPORTED}")
     return a._derive(shape=tuple(sizes))
 
 
@@ -164,16 +170,18 @@ def _cross_entropy(*args: Any, **kwargs: Any) -> torch.Tensor:
     arg = bound.arguments
     logits, target = arg["input"], arg["target"]
     if not isinstance(logits, LazyLogits) or logits.dim() != 2:
-        raise NotImplementedError(f"F.cross_entropy on logits of shape {tuple(logits.shape)} "
-                                  f"(expected (tokens, vocab)): {_UNSUPPORTED}")
+        raise LogitsNotMaterializedError(
+            f"F.cross_entropy on logits of shape {tuple(logits.shape)} (expected (tokens, "
+            f"vocab)): {_UNSUPPORTED}")
     extras = {name: arg[name] for name in ("weight", "size_average", "reduce")
               if arg[name] is not None}
     if arg["label_smoothing"]:
         extras["label_smoothing"] = arg["label_smoothing"]
     if extras or arg["reduction"] not in ("mean", "sum"):
-        raise NotImplementedError(f"F.cross_entropy with {extras or arg['reduction']!r}: the "
-                                  "fused loss supports reduction 'mean'/'sum' without class "
-                                  "weights or label smoothing; set loss_chunk_tokens=0")
+        raise LogitsNotMaterializedError(
+            f"F.cross_entropy with {extras or arg['reduction']!r}: the fused loss supports "
+            "reduction 'mean'/'sum' without class weights or label smoothing; set "
+            "loss_chunk_tokens=0")
     return fused_linear_cross_entropy(
         logits.hidden, logits.weight, target, bias=logits.bias,
         chunk_tokens=logits.chunk_tokens, ignore_index=arg["ignore_index"],

@@ -11,6 +11,7 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lazytrain_accel.engine import (
+    LogitsNotMaterializedError,
     UnsupportedModelError,
     apply_fused_loss,
     causal_lm_loss,
@@ -202,7 +203,8 @@ def test_unsupported_use_of_the_logits_is_refused_clearly() -> None:
     apply_fused_loss(model, chunk_tokens=4)
     model.loss_function = lambda logits, labels, **_: logits.argmax(-1).float().mean()
     ids, labels = _batch(1)
-    with pytest.raises(NotImplementedError, match=r"argmax on the logits.*loss_chunk_tokens=0"):
+    with pytest.raises(LogitsNotMaterializedError,
+                       match=r"argmax on the logits.*loss_chunk_tokens=0"):
         model(input_ids=ids, labels=labels)
     with pytest.raises(ValueError, match="already has the fused loss"):
         apply_fused_loss(model, chunk_tokens=4)
