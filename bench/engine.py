@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -19,10 +18,10 @@ from pathlib import Path
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "engine"))
-from engine_helpers import make_plan
-
 from lazytrain_accel.engine import attach
+from lazytrain_accel.planning import make_plan
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+from lazytrain_accel.profiling.models import geometry_from_config, profile_model
 
 
 def rss_bytes() -> int:
@@ -81,8 +80,11 @@ def main() -> None:
     streamed = copy.deepcopy(hf)
     hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     nvme_dir = tempfile.mkdtemp(prefix="lazytrain-bench-")
-    engine = attach(streamed, make_plan("checkpoint_all", args.layers), device=torch.device("cpu"),
-                    nvme_dir=nvme_dir)
+    # The planner's checkpoint_all plan for this very batch shape (fp32 compute).
+    profile = profile_model(geometry_from_config(hf.config.to_dict()), batch_size=args.batch,
+                            seq_len=args.seq, compute_bytes_per_elem=4)
+    plan = make_plan(profile, HARDWARE_PRESETS["h800"], strategy="checkpoint_all")
+    engine = attach(streamed, plan, device=torch.device("cpu"), nvme_dir=nvme_dir)
     variants = {"hf_checkpointing": (hf, torch.optim.AdamW(hf.parameters(), lr=1e-4)),
                 "engine": (streamed, torch.optim.AdamW(streamed.parameters(), lr=1e-4))}
     ids = torch.randint(0, 32000, (args.batch, args.seq))
