@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -40,32 +41,50 @@ _HELP = {
 }
 
 
-def _non_negative_int(text: str) -> int:
+def _loss_chunk(text: str) -> int | None:
+    """'auto' -> None (the planner decides), else a token count >= 0."""
+    if text.strip().lower() == "auto":
+        return None
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor an integer") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} must be >= 0")
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def add_loss_chunk_arg(p: argparse.ArgumentParser) -> None:
     """`--loss-chunk-tokens`: the head's working bytes the planner counts."""
-    p.add_argument("--loss-chunk-tokens", type=_non_negative_int, default=0, metavar="N",
-                   help="plan for the fused chunked loss with N tokens of logits at a time "
-                   "(LazyTrainConfig.loss_chunk_tokens); 0 = the model's own loss, full "
-                   "tokens x vocab logits (default 0)")
+    p.add_argument("--loss-chunk-tokens", type=_loss_chunk, default=None, metavar="auto|N",
+                   help="the loss head (LazyTrainConfig.loss_chunk_tokens): 'auto' lets the "
+                   "planner turn the fused chunked loss on where the full logits would cost "
+                   "memory or speed (default); N = the fused loss with N tokens of logits at "
+                   "a time; 0 = the model's own loss, full tokens x vocab logits")
 
 
-def _add_run_args(p: argparse.ArgumentParser, *, batch: bool) -> None:
-    p.add_argument("--model", help=f"preset ({', '.join(MODEL_PRESETS)}), HF model "
-                   "directory or config .json")
+def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
+    """`batch`: "required", "optional" (simulate: a plan file brings it) or "none"."""
+    p.add_argument("--model", required=True, help=f"preset ({', '.join(MODEL_PRESETS)}), "
+                   "HF model directory or config .json")
     p.add_argument("--hardware", default="auto", help="preset (" + ", ".join(HARDWARE_PRESETS)
                    + "), hardware JSON, or 'auto' to measure this machine (default)")
-    if batch:
-        p.add_argument("--batch-size", type=int, help="micro-batch size")
-    p.add_argument("--seq-len", type=int, help="sequence length")
+    with_plan = " (required unless --plan gives it)" if batch == "optional" else ""
+    if batch != "none":
+        p.add_argument("--batch-size", type=_positive_int, required=batch == "required",
+                       help="micro-batch size" + with_plan)
+    p.add_argument("--seq-len", type=_positive_int, required=batch != "optional",
+                   help="sequence length" + with_plan)
     # Part of the plan's fingerprint: a plan for bf16 does not fit an fp32 run.
     p.add_argument("--dtype", choices=sorted(COMPUTE_DTYPE_BYTES), default="bf16",
                    help="compute dtype of the run: bf16/fp16 = Accelerator(mixed_precision="
@@ -92,7 +111,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
                        "length come from it); without it, plan first with the same options")
         p.add_argument("--timeline", metavar="OUT.png", help="draw the step as a PNG")
         p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace")
-    _add_run_args(p, batch=name != "max-batch")
+    _add_run_args(p, batch={"plan": "required", "simulate": "optional"}.get(name, "none"))
     if name == "plan":
         p.add_argument("--output", metavar="PLAN.json", help="write the plan as JSON")
 
@@ -100,12 +119,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
 def _need(args: argparse.Namespace, *names: str) -> None:
     missing = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n, None) is None]
     if missing:
-        raise CliError(f"missing {', '.join(missing)}; see `lazytrain {args.command} --help`",
-                       exit_code=2)
-    for n in names:
-        value = getattr(args, n)
-        if isinstance(value, int) and value < 1:
-            raise CliError(f"--{n.replace('_', '-')}={value} must be >= 1", exit_code=2)
+        raise CliError(f"missing {', '.join(missing)} (or --plan); see `lazytrain "
+                       f"{args.command} --help`", exit_code=2)
 
 
 def _load(args: argparse.Namespace) -> tuple[dict, HardwareProfile, Budgets]:
@@ -127,6 +142,8 @@ def _profile(config: dict, args: argparse.Namespace, batch_size: int,
 
 
 def _summary(plan: Plan, numbers: Any) -> dict[str, Any]:
+    """The printed figures: `numbers` is the plan's prediction (itself one simulated step)
+    or a fresh simulation of it, which give the same values."""
     counts = plan.count_homes()
     return {
         "strategy": plan.strategy, "batch_size": plan.batch_size, "seq_len": plan.seq_len,
@@ -139,6 +156,8 @@ def _summary(plan: Plan, numbers: Any) -> dict[str, Any]:
         "homes": {h: counts[h] for h in ("gpu", "cpu", "nvme")},
         "recomputed": counts[Home.RECOMPUTE.value],
         "blocks": [list(b) for b in plan.blocks if b[1] - b[0] >= 2],
+        "optimizer_exposed_s": numbers.optimizer_exposed_s,
+        "loss_chunk_tokens": plan.loss_chunk_tokens,
     }
 
 
@@ -152,7 +171,11 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
           f"{summary['tflops']:.1f} TFLOPS (6*params*tokens/step)")
     print(f"  boundaries: {homes['gpu']} GPU, {homes['cpu']} CPU, {homes['nvme']} NVMe, "
           f"{summary['recomputed']} recomputed; recompute {summary['recompute_s']:.3f} s, "
-          f"exposed {summary['exposed_s']:.3f} s")
+          f"exposed {summary['exposed_s']:.3f} s (host optimizer "
+          f"{summary['optimizer_exposed_s']:.3f} s of it)")
+    chunk = summary["loss_chunk_tokens"]
+    print("  loss head: " + (f"fused chunked loss, {chunk} tokens per chunk (training "
+                             "outputs carry no logits)" if chunk else "the model's own loss"))
     print(f"  peaks: GPU {summary['peak_gpu_bytes'] / _GIB:.2f} GiB, CPU "
           f"{summary['peak_cpu_bytes'] / _GIB:.2f} GiB, NVMe "
           f"{summary['peak_nvme_bytes'] / _GIB:.2f} GiB")
@@ -162,7 +185,7 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
 
 def _make(args: argparse.Namespace, config: dict, hardware: HardwareProfile,
           budgets: Budgets) -> tuple[Plan, ModelProfile]:
-    _need(args, "model", "batch_size", "seq_len")
+    _need(args, "batch_size", "seq_len")
     model = _profile(config, args, args.batch_size, args.seq_len)
     kwargs = dict(strategy=args.strategy, budgets=budgets,
                   max_recompute_block=args.max_recompute_block, time_limit_s=args.time_limit_s)
@@ -185,7 +208,6 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _run_simulate(args: argparse.Namespace) -> int:
     if args.plan:
-        _need(args, "model")
         config, hardware, _ = _load(args)
         plan = Plan.load(args.plan)
         model = _profile(config, args, plan.batch_size, plan.seq_len)
@@ -194,14 +216,16 @@ def _run_simulate(args: argparse.Namespace) -> int:
         hardware = loaded[1]
         plan, model = _make(args, *loaded)
     result = simulate(plan, model, hardware)
-    if args.timeline:
-        from lazytrain_accel.planning.timeline import draw_timeline
+    if args.timeline or args.trace:
+        from lazytrain_accel.planning import timeline
 
-        draw_timeline(result, args.timeline)
-    if args.trace:
-        from lazytrain_accel.planning.timeline import save_chrome_trace
-
-        save_chrome_trace(result, args.trace)
+        # Only the lanes this timeline draws (the host optimizer's once it has one).
+        drawable = dataclasses.replace(result, ops=[op for op in result.ops
+                                                    if op.resource in timeline.RESOURCES])
+        if args.timeline:
+            timeline.draw_timeline(drawable, args.timeline)
+        if args.trace:
+            timeline.save_chrome_trace(drawable, args.trace)
     summary = _summary(plan, result)
     summary["predicted_step_s"] = plan.prediction.step_s
     _print(summary, args.json)
@@ -209,7 +233,6 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 def _run_max_batch(args: argparse.Namespace) -> int:
-    _need(args, "model", "seq_len")
     config, hardware, budgets = _load(args)
     best = max_batch_size(lambda b: _profile(config, args, b, args.seq_len), hardware,
                           strategy=args.strategy, budgets=budgets,

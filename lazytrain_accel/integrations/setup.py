@@ -15,7 +15,7 @@ from torch import nn
 
 from lazytrain_accel.config import STRATEGIES, LazyTrainConfig, OptimizerChoice
 from lazytrain_accel.planning import Budgets, Plan
-from lazytrain_accel.planning.plan import run_fingerprint
+from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import geometry_from_config, profile_model

@@ -33,3 +33,6 @@ BASELINES: dict[str, Callable[[Problem], list[Home]]] = {
     "checkpoint_all": checkpoint_all_homes,
     "offload_all": offload_all_homes,
 }
+
+#: The baselines that keep every boundary on the GPU (the GPU-only MIP's warm start).
+GPU_ONLY_BASELINES: tuple[str, ...] = ("megatrain", "checkpoint_all")

@@ -18,25 +18,14 @@ from dataclasses import dataclass
 from pyscipopt import Model, quicksum
 
 from lazytrain_accel.planning.plan import Home
-from lazytrain_accel.planning.problem import GIB, Problem
+from lazytrain_accel.planning.problem import GIB, LINKS, Problem
+from lazytrain_accel.planning.solution import Solution
 
 #: Tie-breakers in seconds, far below any gap we stop at: among equally fast plans prefer
 #: fewer materialized boundaries, fewer transfers, and NVMe last.
 TIE_MATERIALIZE_S = 1e-7
 TIE_OFFLOAD_S = 1e-7
 TIE_NVME_S = 1e-6
-
-
-@dataclass(kw_only=True)
-class MilpSolution:
-    status: str  # "optimal", "timelimit", "gaplimit", "infeasible", ...
-    homes: list[Home] | None  # None when no feasible point was found
-    exposed_s: list[float]  # per window
-    objective_s: float | None
-    gap: float
-    solve_s: float
-    shortfall_bytes: dict[str, int]  # elastic solves only
-    message: str = ""
 
 
 @dataclass(kw_only=True)
@@ -90,7 +79,6 @@ def _add_path(m: Model, p: Problem, v: _Vars) -> None:
 
 
 def _add_capacity(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
-    a_gib = p.boundary_bytes / GIB
     max_len = max((e - s for s, e in v.x), default=1)
     cache = []
     for length in range(2, max_len + 1):
@@ -104,65 +92,40 @@ def _add_capacity(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
         cache.append(y)
     if elastic:
         v.slack = {k: m.addVar(f"shortfall_gib_{k}", lb=0.0) for k in ("gpu", "cpu", "nvme")}
-    slack = {k: v.slack.get(k, 0.0) for k in ("gpu", "cpu", "nvme")}
-    b = p.budgets
-    m.addCons(a_gib * (quicksum(v.gpu.values()) + quicksum(cache))
-              <= (b.gpu_bytes - p.gpu_fixed_bytes) / GIB + slack["gpu"], name="capacity_gpu")
-    m.addCons(a_gib * quicksum(v.cpu.values())
-              <= (b.cpu_bytes - p.static_cpu_bytes) / GIB + slack["cpu"], name="capacity_cpu")
-    m.addCons(a_gib * quicksum(v.nvme.values()) <= b.nvme_bytes / GIB + slack["nvme"],
-              name="capacity_nvme")
-
-
-def _window_terms(p: Problem, v: _Vars) -> tuple[list, list]:
-    """Per window: duration (s) and mandatory H2D (bytes), both linear in the edges."""
-    dur = [p.base_duration_s(w) for w in range(p.num_windows)]
-    h2d = [float(p.weight_h2d_bytes(w)) for w in range(p.num_windows)]
-    for (s, e), xv in v.x.items():
-        if e - s < 2:
-            continue
-        extra_s = p.recompute_s(s, e) + p.restream_stall_s(s, e)
-        dur[2 * p.num_layers - e] = dur[2 * p.num_layers - e] + extra_s * xv
-        for w, nbytes in p.restream_windows(s, e):
-            if nbytes:
-                h2d[w] = h2d[w] + nbytes * xv
-    return dur, h2d
+    need = p.tier_need_bytes(gpu=quicksum(v.gpu.values()), cache=quicksum(cache),
+                             cpu=quicksum(v.cpu.values()), nvme=quicksum(v.nvme.values()))
+    for tier, nbytes in need.items():  # rows in GiB: byte-sized coefficients hurt the LP
+        m.addCons(nbytes * (1 / GIB) <= p.budget_bytes(tier) / GIB + v.slack.get(tier, 0.0),
+                  name=f"capacity_{tier}")
 
 
 def _add_links(m: Model, p: Problem, v: _Vars) -> None:
-    dur, h2d = _window_terms(p, v)
+    dur = p.window_durations_s(v.x)
+    mandatory = p.mandatory_bytes(v.x)
     W = p.num_windows
     free = {  # seconds each link has for activations in each window
-        "h2d": [dur[w] + v.exposed[w] - h2d[w] * (1 / p.h2d_bytes_per_s) for w in range(W)],
-        "d2h": [dur[w] + v.exposed[w] - p.grad_d2h_bytes(w) / p.d2h_bytes_per_s
-                for w in range(W)],
-        "nvme_write": [dur[w] + v.exposed[w] for w in range(W)],
-        "nvme_read": [dur[w] + v.exposed[w] for w in range(W)],
-    }
-    for w in range(W):
-        m.addCons(free["h2d"][w] >= 0, name=f"mandatory_h2d_{w}")
-        m.addCons(free["d2h"][w] >= 0, name=f"mandatory_d2h_{w}")
-    links = (("d2h", p.d2h_windows, p.d2h_bytes_per_s, True),
-             ("h2d", p.h2d_windows, p.h2d_bytes_per_s, True),
-             ("nvme_write", p.nvme_write_windows, p.nvme_write_bytes_per_s, False),
-             ("nvme_read", p.nvme_read_windows, p.nvme_read_bytes_per_s, False))
-    for link, windows, rate, pcie in links:
-        movers = sorted(set(v.cpu) | set(v.nvme)) if pcie else sorted(v.nvme)
-        demand_s = p.boundary_bytes / rate
+        link: [dur[w] + v.exposed[w] - mandatory[link][w] * (1 / p.rate_bytes_per_s(link))
+               for w in range(W)] for link in LINKS}
+    for link in ("h2d", "d2h"):
+        for w in range(W):
+            m.addCons(free[link][w] >= 0, name=f"mandatory_{link}_{w}")
+    for link in LINKS:
+        moved = v.nvme if link.startswith("nvme") else {
+            i: _offloaded(v, i) for i in sorted(set(v.cpu) | set(v.nvme))}
+        movers = sorted(moved)
+        demand_s = p.boundary_bytes / p.rate_bytes_per_s(link)
         for i in movers:
             # Hall: every boundary whose window set lies inside boundary i's (i' >= i).
-            inside = [_offloaded(v, j) if pcie else v.nvme[j] for j in movers if j >= i]
-            lo, hi = windows(i)
-            m.addCons(demand_s * quicksum(inside) <= quicksum(free[link][lo:hi + 1]),
-                      name=f"hall_{link}_{i}")
+            lo, hi = p.transfer_windows(link, i)
+            m.addCons(demand_s * quicksum(moved[j] for j in movers if j >= i)
+                      <= quicksum(free[link][lo:hi + 1]), name=f"hall_{link}_{i}")
 
 
 def _add_objective(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
     if elastic:  # how far the budgets are from feasible, in GiB
         m.setObjective(quicksum(v.slack.values()), "minimize")
         return
-    recompute = quicksum((p.recompute_s(s, e) + p.restream_stall_s(s, e)) * xv
-                         for (s, e), xv in v.x.items())
+    recompute = quicksum(p.block_cost_s(s, e) * xv for (s, e), xv in v.x.items())
     ties = (TIE_MATERIALIZE_S * quicksum(_home_sum(v, i) for i in range(p.num_layers + 1))
             + TIE_OFFLOAD_S * quicksum(v.cpu.values()) + TIE_NVME_S * quicksum(v.nvme.values()))
     m.setObjective(recompute + quicksum(v.exposed) + ties, "minimize")
@@ -201,7 +164,7 @@ def build_milp(p: Problem, *, allow_cpu: bool = True, allow_nvme: bool = True,
     return m, v
 
 
-def _read_homes(m: Model, v: _Vars, num_layers: int) -> list[Home]:
+def _read_homes(m: Model, v: _Vars, num_layers: int) -> tuple[Home, ...]:
     homes = []
     for i in range(num_layers + 1):
         home = Home.RECOMPUTE
@@ -209,7 +172,21 @@ def _read_homes(m: Model, v: _Vars, num_layers: int) -> list[Home]:
             if i in table and m.getVal(table[i]) > 0.5:
                 home = kind
         homes.append(home)
-    return homes
+    return tuple(homes)
+
+
+def _add_start(m: Model, v: _Vars, homes: list[Home] | tuple[Home, ...]) -> None:
+    """A known feasible point (the best baseline) as SCIP's first incumbent: a partial
+    solution of the binaries, which SCIP completes by solving the LP of the rest."""
+    sol = m.createPartialSol()
+    for i, home in enumerate(homes):
+        for kind, table in ((Home.GPU, v.gpu), (Home.CPU, v.cpu), (Home.NVME, v.nvme)):
+            if i in table:
+                m.setSolVal(sol, table[i], 1.0 if home == kind else 0.0)
+    chosen = set(itertools.pairwise([i for i, h in enumerate(homes) if h != Home.RECOMPUTE]))
+    for edge, xv in v.x.items():
+        m.setSolVal(sol, xv, 1.0 if edge in chosen else 0.0)
+    m.addSol(sol)
 
 
 def _step_gap(m: Model, status: str, step_floor_s: float) -> float:
@@ -223,16 +200,20 @@ def _step_gap(m: Model, status: str, step_floor_s: float) -> float:
 def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
                allow_cpu: bool = True, allow_nvme: bool = True,
                fixed_homes: list[Home] | None = None, elastic: bool = False,
-               first_feasible: bool = False) -> MilpSolution:
-    """Solve; `first_feasible` stops at the first incumbent (admission checks)."""
+               start_homes: list[Home] | tuple[Home, ...] | None = None,
+               first_feasible: bool = False) -> Solution:
+    """Solve `p`; `start_homes`, a feasible point, seeds the search (warm start);
+    `first_feasible` stops at the first incumbent (admission checks, tests)."""
     m, v = build_milp(p, allow_cpu=allow_cpu, allow_nvme=allow_nvme,
                       fixed_homes=fixed_homes, elastic=elastic)
     m.setParam("limits/time", max(time_limit_s, 0.01))
     # The gap is relative to the predicted step, not to the objective: the objective
     # (recompute + exposure) is often ~0 s, where a relative gap means nothing.
-    step_floor_s = p.compute_s + p.prologue_s + p.tail_s
+    step_floor_s = p.step_floor_s()
     m.setParam("limits/gap", 0.0)
     m.setParam("limits/absgap", gap * step_floor_s)
+    if start_homes is not None and fixed_homes is None and not elastic:
+        _add_start(m, v, start_homes)
     if first_feasible:
         m.setParam("limits/solutions", 1)
     start = time.perf_counter()
@@ -240,11 +221,10 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
     solve_s = time.perf_counter() - start
     status = m.getStatus()
     if m.getNSols() == 0:
-        return MilpSolution(status=status, homes=None, exposed_s=[], objective_s=None,
-                            gap=float("inf"), solve_s=solve_s, shortfall_bytes={})
+        return Solution(status=status, homes=None, gap=float("inf"), solve_s=solve_s)
     shortfall = {k: round(m.getVal(s) * GIB) for k, s in v.slack.items()}
-    return MilpSolution(
+    return Solution(
         status=status, homes=_read_homes(m, v, p.num_layers),
-        exposed_s=[max(m.getVal(e), 0.0) for e in v.exposed], objective_s=m.getObjVal(),
+        exposed_s=tuple(max(m.getVal(e), 0.0) for e in v.exposed), objective_s=m.getObjVal(),
         gap=_step_gap(m, status, step_floor_s), solve_s=solve_s,
         shortfall_bytes={k: b for k, b in shortfall.items() if b > 0})

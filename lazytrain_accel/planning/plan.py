@@ -17,15 +17,11 @@ Indexing (shared by the MIP, the simulator and the engine):
 from __future__ import annotations
 
 import enum
-import hashlib
 import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
 
 PLAN_FORMAT_VERSION = 1
 
@@ -93,6 +89,9 @@ class Prediction:
     peak_nvme_bytes: int = 0
     tokens_per_s: float = 0.0
     tflops: float = 0.0  # paper convention: 6 * params * tokens / step_s
+    # The host optimizer's update overlapped with the next step (0 when not simulated):
+    # seconds the next forward waited for it, included in step_s and exposed_s.
+    optimizer_exposed_s: float = 0.0
 
 
 @dataclass(kw_only=True)
@@ -117,6 +116,9 @@ class Plan:
     prediction: Prediction
     solver: SolverReport
     fingerprint: str
+    # Tokens per chunk of the fused chunked loss the plan was made for (0: the model's
+    # own loss, full logits); with loss_chunk_tokens="auto" the engine follows it.
+    loss_chunk_tokens: int = 0
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -206,22 +208,3 @@ class Plan:
                 "compute dtype (mixed_precision; `lazytrain plan --dtype`) or hardware "
                 "differ; plan again for this run or use plan='auto'"
             )
-
-
-def run_fingerprint(model: ModelProfile, hardware: HardwareProfile) -> str:
-    """Hash of what a plan depends on: model geometry, batch shape, hardware capacities.
-
-    Rates are left out on purpose: re-measuring bandwidth on the same machine gives
-    slightly different numbers and must not invalidate a plan.
-    """
-    geometry = model.geometry.to_dict()
-    geometry.pop("name")
-    key = {
-        "geometry": geometry,
-        "batch_size": model.batch_size,
-        "seq_len": model.seq_len,
-        "compute_bytes_per_elem": model.compute_bytes_per_elem,
-        "hardware": [hardware.gpu_name, hardware.gpu_memory_bytes, hardware.cpu_memory_bytes,
-                     hardware.nvme_bytes],
-    }
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()

@@ -1,7 +1,11 @@
 """The planning problem: one training step of a layer chain as windows, links and tiers.
 
-Everything the MIP, the baselines, the schedule decoder and the simulator share lives
-here, so the four agree on the cost model by construction (see docs/planner.md):
+This is the one cost model. Every duration, byte count and window index the MIP
+(`milp.py`), the schedule decoder and window objective (`schedule.py`), the baselines
+(`no_solver.py`) and the simulator (`simulate.py`) use is a method here; the methods that
+depend on the plan's choices take the edge weights (`{(s, e): x}`) or tier counts, so the
+same code returns floats for a fixed plan and linear expressions for the MIP's variables
+(see docs/planner.md):
 
 * Windows (plan.py indexing): F_1..F_L then B_L..B_1. F_j lasts one layer forward;
   B_j lasts the layer's forward re-run plus its backward, plus the block's recompute
@@ -16,12 +20,18 @@ here, so the four agree on the cost model by construction (see docs/planner.md):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+from lazytrain_accel.planning.plan import Home, backward_window, forward_window
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
 
 GIB = 2**30
+
+#: The links activation and weight bytes cross, each a serial resource of the step.
+LINKS: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write")
 
 #: Host bytes per parameter: fp32 master (4) + fp32 gradient accumulator (4) + two 8-bit
 #: Adam moments (2); the per-block fp32 absmax adds < 2% and is covered by the reserve.
@@ -32,7 +42,8 @@ HOST_BYTES_PER_PARAM = 10
 GPU_RESERVE_FRACTION = 0.04
 
 #: Boundaries in flight between tiers at once (one being offloaded, one reloaded): they
-#: sit on the device beside the GPU-homed ones while their copy runs.
+#: sit on the device beside the GPU-homed ones while their copy runs, and NVMe
+#: boundaries sit in host memory between their D2H and their write (and read and H2D).
 STAGING_BOUNDARIES = 2
 
 
@@ -91,12 +102,17 @@ class Problem:
     nvme_read_bytes_per_s: float
     nvme_write_bytes_per_s: float
     static_gpu_bytes: int  # everything on the device that is not a boundary activation
-    static_cpu_bytes: int
+    # static_gpu_bytes term by term, largest first, as refusals name them.
+    gpu_base_terms: tuple[tuple[str, int], ...] = ()
+    static_cpu_bytes: int  # host bytes that are not boundary activations
     tail_d2h_bytes: int  # gradients that leave after the last backward window
     budgets: Budgets
     # Offloaded boundaries on the device while their copy runs; `make_plan` raises it when
     # the simulated step shows more in flight (saturated links).
     staging_boundaries: int = STAGING_BOUNDARIES
+    # NVMe boundaries in host memory at once on their way to and from the file;
+    # `make_plan` raises it when the simulated host peak shows more (slow NVMe).
+    host_staging_boundaries: int = STAGING_BOUNDARIES
     param_count: int
     tokens_per_step: int
 
@@ -122,50 +138,85 @@ class Problem:
         stall = self.layer_param_bytes / self.h2d_bytes_per_s - self.fwd_s
         return max(e - s - 2, 0) * max(stall, 0.0)
 
+    def block_cost_s(self, s: int, e: int) -> float:
+        """Seconds block (s, e) adds to its window B_e: recompute plus re-stream stall."""
+        return self.recompute_s(s, e) + self.restream_stall_s(s, e)
+
     def weight_h2d_bytes(self, window: int) -> int:
         """Weights prefetched for the next window's layer (none when it is the same layer)."""
         L = self.num_layers
-        return 0 if window in (L - 1, 2 * L - 1) else self.layer_param_bytes
+        return 0 if window in (forward_window(L, L), backward_window(1, L)) \
+            else self.layer_param_bytes
 
     def grad_d2h_bytes(self, window: int) -> int:
         """Gradients of the previous backward layer leave while this window computes."""
-        return self.layer_grad_bytes if window > self.num_layers else 0
+        return self.layer_grad_bytes if window > backward_window(self.num_layers,
+                                                                 self.num_layers) else 0
 
     def restream_windows(self, s: int, e: int) -> tuple[tuple[int, int], tuple[int, int]]:
         """((window, bytes), (window, bytes)) of the weight re-stream block (s,e) costs:
         the first recomputed layer is prefetched in the window before B_e, the others
         stream during B_e's recompute."""
-        n = e - s
-        L = self.num_layers
-        first = (2 * L - e - 1, self.layer_param_bytes if n >= 2 else 0)
-        rest = (2 * L - e, max(n - 2, 0) * self.layer_param_bytes)
-        return first, rest
+        n, w = e - s, backward_window(e, self.num_layers)
+        return ((w - 1, self.layer_param_bytes if n >= 2 else 0),
+                (w, max(n - 2, 0) * self.layer_param_bytes))
+
+    def window_durations_s(self, edges: Mapping[tuple[int, int], Any]) -> list[Any]:
+        """Per window, compute seconds; `edges` maps chosen blocks to their weight (1 for a
+        fixed plan, a binary variable in the MIP)."""
+        dur: list[Any] = [self.base_duration_s(w) for w in range(self.num_windows)]
+        for (s, e), x in edges.items():
+            if e - s >= 2:
+                w = backward_window(e, self.num_layers)
+                dur[w] = dur[w] + self.block_cost_s(s, e) * x
+        return dur
+
+    def mandatory_bytes(self, edges: Mapping[tuple[int, int], Any]) -> dict[str, list[Any]]:
+        """Per link and window, the bytes that move whatever the homes: weights (and the
+        re-stream of recompute blocks, weighted like `window_durations_s`), gradients."""
+        W = self.num_windows
+        h2d: list[Any] = [self.weight_h2d_bytes(w) for w in range(W)]
+        for (s, e), x in edges.items():
+            for w, nbytes in self.restream_windows(s, e):
+                if nbytes:
+                    h2d[w] = h2d[w] + nbytes * x
+        return {"h2d": h2d, "d2h": [self.grad_d2h_bytes(w) for w in range(W)],
+                "nvme_read": [0] * W, "nvme_write": [0] * W}
 
     def edges(self) -> list[tuple[int, int]]:
         L, K = self.num_layers, self.max_block
         return [(s, e) for s in range(L) for e in range(s + 1, min(s + K, L) + 1)]
 
-    # ---- per-boundary transfer windows (inclusive ranges; empty when lo > hi) --------
-    def d2h_windows(self, i: int) -> tuple[int, int]:
-        return i, self.num_layers - 1
+    # ---- links -----------------------------------------------------------------------
+    def rate_bytes_per_s(self, link: str) -> float:
+        return {"h2d": self.h2d_bytes_per_s, "d2h": self.d2h_bytes_per_s,
+                "nvme_read": self.nvme_read_bytes_per_s,
+                "nvme_write": self.nvme_write_bytes_per_s}[link]
 
-    def nvme_write_windows(self, i: int) -> tuple[int, int]:
-        return i + 1, self.num_layers - 1
+    @staticmethod
+    def moves_on(link: str, home: Home) -> bool:
+        """Whether a boundary homed `home` crosses `link` (PCIe: CPU and NVMe homes)."""
+        return home == Home.NVME or (home == Home.CPU and not link.startswith("nvme"))
 
-    def h2d_windows(self, i: int) -> tuple[int, int]:
-        return self.num_layers, 2 * self.num_layers - i - 2
+    def transfer_windows(self, link: str, i: int) -> tuple[int, int]:
+        """Inclusive window range in which boundary i may cross `link` (empty: lo > hi).
 
-    def nvme_read_windows(self, i: int) -> tuple[int, int]:
-        return self.num_layers, 2 * self.num_layers - i - 3
+        Offloads after F_i (D2H from F_{i+1}, NVMe write one window later) until the
+        forward ends; reloads from the backward's start until B_{i+1} reads it (H2D by
+        B_{i+2}, NVMe read one window earlier)."""
+        L = self.num_layers
+        last_forward, first_backward = forward_window(L, L), backward_window(L, L)
+        reader = backward_window(min(i + 1, L), L)
+        return {"d2h": (i, last_forward), "nvme_write": (i + 1, last_forward),
+                "h2d": (first_backward, reader - 1),
+                "nvme_read": (first_backward, reader - 2)}[link]
 
     def can_offload(self, i: int, nvme: bool = False) -> bool:
         """Whether boundary i has a window to leave and a window to come back in."""
         if i in (0, self.num_layers):
             return False
-        ranges = [self.d2h_windows(i), self.h2d_windows(i)]
-        if nvme:
-            ranges += [self.nvme_write_windows(i), self.nvme_read_windows(i)]
-        return all(lo <= hi for lo, hi in ranges)
+        links = LINKS if nvme else ("d2h", "h2d")
+        return all(lo <= hi for lo, hi in (self.transfer_windows(k, i) for k in links))
 
     # ---- constants of the step -------------------------------------------------------
     @property
@@ -191,6 +242,31 @@ class Problem:
         staging = self.staging_boundaries * self.boundary_bytes
         return self.static_gpu_bytes + staging + self.gpu_reserve_bytes
 
+    @property
+    def cpu_fixed_bytes(self) -> int:
+        """Host bytes charged besides CPU homes: the static bytes and the NVMe staging."""
+        return self.static_cpu_bytes + self.host_staging_boundaries * self.boundary_bytes
+
+    def tier_need_bytes(self, *, gpu: Any, cache: Any, cpu: Any, nvme: Any) -> dict[str, Any]:
+        """Bytes each tier needs for `gpu`/`cpu`/`nvme` homed boundaries and a block cache
+        of `cache` boundaries (longest block - 1): counts or the MIP's sums of variables."""
+        A = self.boundary_bytes
+        return {"gpu": self.gpu_fixed_bytes + A * (gpu + cache),
+                "cpu": self.cpu_fixed_bytes + A * cpu, "nvme": A * nvme}
+
+    def budget_bytes(self, tier: str) -> int:
+        return {"gpu": self.budgets.gpu_bytes, "cpu": self.budgets.cpu_bytes,
+                "nvme": self.budgets.nvme_bytes}[tier]
+
+    def fixed_bytes(self, tier: str) -> int:
+        """The part of a tier's need that no home changes (the base of a refusal)."""
+        return {"gpu": self.gpu_fixed_bytes, "cpu": self.cpu_fixed_bytes, "nvme": 0}[tier]
+
+    def step_floor_s(self) -> float:
+        """Step seconds no plan avoids: compute, layer 1's weights, the last gradients.
+        A plan's step is this plus its objective (recompute, stalls, exposure)."""
+        return self.compute_s + self.prologue_s + self.tail_s
+
 
 def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
                   budgets: Budgets | None = None, max_recompute_block: int = 8) -> Problem:
@@ -214,8 +290,14 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
     # The head + loss runs between the last forward and the first backward, so its
     # working set and one layer's backward working set are never live together.
     working = max(model.layer_working_bytes, model.head_working_bytes)
-    static_gpu = (weight_buffers * model.layer_param_bytes + 2 * model.layer_grad_bytes
-                  + working + 2 * model.resident_param_bytes)
+    working_term = ("the loss head's working set" if model.head_working_bytes
+                    > model.layer_working_bytes else "one layer's backward working set")
+    terms = sorted([(working_term, working),
+                    (f"{weight_buffers} layer weight buffers",
+                     weight_buffers * model.layer_param_bytes),
+                    ("2 gradient buffers", 2 * model.layer_grad_bytes),
+                    ("resident embeddings/head and their gradients",
+                     2 * model.resident_param_bytes)], key=lambda t: -t[1])
     params = model.geometry.total_param_count
     return Problem(
         num_layers=model.num_layers, max_block=K, boundary_bytes=model.boundary_bytes,
@@ -225,10 +307,9 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         h2d_bytes_per_s=hardware.h2d_bytes_per_s, d2h_bytes_per_s=hardware.d2h_bytes_per_s,
         nvme_read_bytes_per_s=hardware.nvme_read_bytes_per_s,
         nvme_write_bytes_per_s=hardware.nvme_write_bytes_per_s,
-        static_gpu_bytes=static_gpu,
-        # Pinned staging: two layers of weights, and two bounce buffers for NVMe boundaries.
-        static_cpu_bytes=(params * HOST_BYTES_PER_PARAM + 2 * model.layer_param_bytes
-                          + STAGING_BOUNDARIES * model.boundary_bytes),
+        static_gpu_bytes=sum(b for _, b in terms), gpu_base_terms=tuple(terms),
+        # Pinned staging: two layers of weights (NVMe staging is `cpu_fixed_bytes`).
+        static_cpu_bytes=params * HOST_BYTES_PER_PARAM + 2 * model.layer_param_bytes,
         tail_d2h_bytes=model.layer_grad_bytes + model.resident_param_bytes,
         budgets=budgets, param_count=params, tokens_per_step=model.tokens_per_step,
     )

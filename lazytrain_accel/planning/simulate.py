@@ -1,9 +1,10 @@
 """A discrete-event run of one training step of a `Plan` on a profile.
 
-Resources are serial FIFO queues: GPU compute, H2D, D2H, NVMe read, NVMe write (and
-optionally the host optimizer). Unlike the MIP's window model, nothing waits at window
-ends: an op starts when its queue is free and its dependencies are met, as on the
-engine's streams:
+Resources are serial FIFO queues: GPU compute, H2D, D2H, NVMe read, NVMe write, and the
+host optimizer. An op starts when its queue is free and its dependencies are met, as on
+the engine's streams; a window starts when the previous window's compute and transfers
+are done (the engine's barrier), and every dependency points to an op of the same or an
+earlier window, issued before it on its queue, so no plan can deadlock (`_check_order`):
 
 * weights of the next window's layer are issued when a window starts (two device buffers,
   plus one for the first recomputed layer, prefetched one window before its block);
@@ -11,7 +12,11 @@ engine's streams:
   boundary's D2H, an NVMe read for its write, an H2D for its read;
 * B_e of block (s, e) first re-runs layers s+1..e-1 forward, each waiting for its
   re-streamed weights; the block cache holds them until layers e..s+1 ran backward;
-* a backward waits for its input boundary's reload and for a free gradient buffer (two).
+* a backward waits for its input boundary's reload and for a free gradient buffer (two);
+* NVMe boundaries hold host memory from their D2H until their write ends (and from their
+  read until their H2D ends), counted in the host peak rather than throttled;
+* the host optimizer updates layer j once its gradients are home, in forward order; the
+  next step's forward of layer j waits only for update j (`optimizer_exposed_s`).
 """
 
 from __future__ import annotations
@@ -19,13 +24,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lazytrain_accel.planning.events import EventQueue, SimOp
-from lazytrain_accel.planning.plan import Home, Plan, TransferKind, run_fingerprint
-from lazytrain_accel.planning.problem import STAGING_BOUNDARIES, Problem, build_problem
+from lazytrain_accel.planning.plan import (
+    Home,
+    Plan,
+    Prediction,
+    TransferKind,
+    backward_window,
+    forward_window,
+)
+from lazytrain_accel.planning.problem import LINKS, Problem, build_problem
+from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.models import with_loss_chunk
 
-_KIND_RESOURCE = {TransferKind.H2D: "h2d", TransferKind.D2H: "d2h",
-                  TransferKind.NVME_READ: "nvme_read", TransferKind.NVME_WRITE: "nvme_write"}
+#: The resource name of the host optimizer's ops (a lane of its own in the timeline).
+HOST_OPTIMIZER = "host_optimizer"
 
 
 @dataclass(kw_only=True)
@@ -40,9 +54,18 @@ class SimulationResult:
     peak_gpu_bytes: int
     peak_cpu_bytes: int
     peak_nvme_bytes: int
-    optimizer_exposed_s: float  # 0 unless simulated with the host optimizer
+    optimizer_exposed_s: float  # next forward waiting for an update (0 without it)
     ops: list[SimOp] = field(default_factory=list)
     memory_bytes: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+
+    def prediction(self) -> Prediction:
+        """The figures a `Plan` carries (what `lazytrain plan` prints)."""
+        return Prediction(
+            step_s=self.step_s, compute_s=self.compute_s, recompute_s=self.recompute_s,
+            exposed_s=self.exposed_s, exposed_by_link_s=dict(self.exposed_by_link_s),
+            peak_gpu_bytes=self.peak_gpu_bytes, peak_cpu_bytes=self.peak_cpu_bytes,
+            peak_nvme_bytes=self.peak_nvme_bytes, tokens_per_s=self.tokens_per_s,
+            tflops=self.tflops, optimizer_exposed_s=self.optimizer_exposed_s)
 
 
 class _StepBuilder:
@@ -56,7 +79,7 @@ class _StepBuilder:
         self.fwd: dict[int, int] = {}
         self.bwd: dict[int, int] = {}
         self.recompute: dict[int, int] = {}
-        self.head = -1
+        self.head = self.resident = -1
         self.grad: dict[int, int] = {}
         self.moves: dict[tuple[int, TransferKind], list[int]] = {}
 
@@ -72,12 +95,12 @@ class _StepBuilder:
         return op
 
     def forward(self, j: int) -> None:
-        w = j - 1
+        w = forward_window(j, self.L)
         self.fwd[j] = self.compute(f"F{j}", self.p.fwd_s, w, [self.weights["layer", j]])
         self.issue(w, next_layer=j + 1 if j < self.L else None)
 
     def backward(self, j: int) -> None:
-        p, w = self.p, 2 * self.L - j
+        p, w = self.p, backward_window(j, self.L)
         if j == self.L:
             self.head = self.compute("head", p.head_s, w, [])
         s, e = self.plan.block_of(j - 1)
@@ -91,32 +114,31 @@ class _StepBuilder:
         if j + 2 in self.grad:
             deps.append(self.grad[j + 2])  # two gradient buffers
         self.bwd[j] = self.compute(f"B{j}", p.fwd_s + p.bwd_s, w, deps)
+        if j < self.L:  # the previous layer's gradients leave while this window computes
+            self.gradients(j + 1, [self.window_start[w]], w)
         self.issue(w, next_layer=j - 1 if j > 1 else None)
-        # The gradients leave with the next window's transfers (the window model's D2H
-        # slot); the last layer's form the tail of the step.
-        self.grad[j] = self.q.add(f"G{j}", "d2h", p.layer_grad_bytes / p.d2h_bytes_per_s,
-                                  after_end=[self.bwd[j]], window=w + 1)
-        if j + 1 in self.grad:
-            self.q.ops[self.grad[j + 1]].after_start.append(self.window_start[w])
+
+    def gradients(self, j: int, after_start: list[int], window: int) -> None:
+        """Layer j's weight gradients to the host, in the window after its backward (the
+        window model's D2H slot); layer 1's form the tail of the step."""
+        self.grad[j] = self.q.add(f"G{j}", "d2h",
+                                  self.p.layer_grad_bytes / self.p.d2h_bytes_per_s,
+                                  after_end=[self.bwd[j]], after_start=after_start,
+                                  window=window)
 
     def issue(self, w: int, next_layer: int | None) -> None:
         """Transfers issued when window w starts."""
         start = [self.window_start[w]]
         for s, e in self.plan.blocks:  # first recomputed layer of the block after next
-            if e - s >= 2 and 2 * self.L - e - 1 == w:
+            if e - s >= 2 and backward_window(e, self.L) - 1 == w:
                 self.weight(("recompute", s + 1), start, w)
         if next_layer is not None:  # F_L prefetches nothing: B_L reuses layer L's buffer
             self.weight(("layer", next_layer), start, w)
         for t in self.plan.transfers_in(w):
-            op = self.q.add(f"{t.kind.value}:{t.boundary}", _KIND_RESOURCE[t.kind],
-                            t.bytes / self._rate(t.kind), after_start=start, window=w)
+            op = self.q.add(f"{t.kind.value}:{t.boundary}", t.kind.value,
+                            t.bytes / self.p.rate_bytes_per_s(t.kind.value),
+                            after_start=start, window=w)
             self.moves.setdefault((t.boundary, t.kind), []).append(op)
-
-    def _rate(self, kind: TransferKind) -> float:
-        p = self.p
-        return {TransferKind.H2D: p.h2d_bytes_per_s, TransferKind.D2H: p.d2h_bytes_per_s,
-                TransferKind.NVME_READ: p.nvme_read_bytes_per_s,
-                TransferKind.NVME_WRITE: p.nvme_write_bytes_per_s}[kind]
 
     def chain_moves(self) -> None:
         """NVMe write after its D2H, read after its write, H2D after its read; within one
@@ -137,14 +159,6 @@ class _StepBuilder:
                             ops[op].after_start.append(before)
                             ops[op].finish_after.append(before)
                 prev = hop or prev
-        # Two host bounce buffers: an NVMe boundary's D2H waits for the write of the NVMe
-        # boundary two before it; its read for the H2D of the one two before it.
-        on_nvme = [i for i, h in enumerate(self.plan.homes) if h == Home.NVME]
-        for order, first, last in ((on_nvme, TransferKind.D2H, TransferKind.NVME_WRITE),
-                                   (on_nvme[::-1], TransferKind.NVME_READ, TransferKind.H2D)):
-            for before, i in zip(order, order[2:], strict=False):
-                for op in self.moves[i, first][:1]:
-                    self.q.depend(op, self.moves[before, last])
 
     def window_barriers(self) -> None:
         """A window begins when the previous window's compute and transfers are done: the
@@ -162,11 +176,37 @@ class _StepBuilder:
             self.forward(j)
         for j in range(self.L, 0, -1):
             self.backward(j)
-        self.q.add("G_resident", "d2h", (self.p.tail_d2h_bytes - self.p.layer_grad_bytes)
-                   / self.p.d2h_bytes_per_s, after_end=[self.bwd[1]], window=2 * self.L)
+        end = self.p.num_windows  # after the last window: the tail of the step
+        self.gradients(1, [], end)
+        self.resident = self.q.add(
+            "G_resident", "d2h", (self.p.tail_d2h_bytes - self.p.layer_grad_bytes)
+            / self.p.d2h_bytes_per_s, after_end=[self.bwd[1]], window=end)
         self.chain_moves()
         self.window_barriers()
         return self.q
+
+    def host_optimizer(self, hardware: HardwareProfile, model: ModelProfile) -> list[int]:
+        """The update of layers 1..L in forward order, each once its gradients are home,
+        then the resident parameters' (ops on the "host_optimizer" resource)."""
+        rate, end = hardware.cpu_optimizer_params_per_s, self.p.num_windows
+        g = model.geometry
+        ops = [self.q.add(f"U{j}", HOST_OPTIMIZER, g.layer_param_count / rate,
+                          after_end=[self.grad[j]], window=end)
+               for j in range(1, self.L + 1)]
+        resident = g.total_param_count - self.L * g.layer_param_count
+        ops.append(self.q.add("U_resident", HOST_OPTIMIZER, resident / rate,
+                              after_end=[self.resident], window=end))
+        return ops
+
+
+def _check_order(q: EventQueue) -> None:
+    """Every dependency of an op was issued before it: with FIFO queues, the op issued
+    first among the queue heads can always start, so the step cannot deadlock."""
+    for k, op in enumerate(q.ops):
+        late = [d for d in (*op.after_end, *op.after_start, *op.finish_after) if d >= k]
+        if late:
+            raise AssertionError(f"simulator op {op.name} depends on ops issued after it "
+                                 f"({[q.ops[d].name for d in late]}): a schedule bug")
 
 
 def _memory(b: _StepBuilder, plan: Plan) -> dict[str, list[tuple[float, int]]]:
@@ -212,54 +252,55 @@ def _peak(static_bytes: int, events: list[tuple[float, int]]) -> tuple[int, list
     return peak, curve
 
 
-def _exposure(q: EventQueue) -> dict[str, float]:
+def _exposure(q: EventQueue, step_ops: list[SimOp]) -> dict[str, float]:
     """Seconds the compute queue waited, charged to the link it waited for; the tail after
     the last compute to the link that finishes last."""
-    by_link = {"h2d": 0.0, "d2h": 0.0, "nvme_read": 0.0, "nvme_write": 0.0}
+    by_link = dict.fromkeys(LINKS, 0.0)
     prev_end = 0.0
     for k in q.queues["compute"]:
         op = q.ops[k]
         if op.start_s > prev_end and op.blocked_by >= 0:
             by_link[q.ops[op.blocked_by].resource] += op.start_s - prev_end
         prev_end = op.end_s
-    last = max(q.ops, key=lambda op: op.end_s)
+    last = max(step_ops, key=lambda op: op.end_s)
     if last.end_s > prev_end:
         by_link[last.resource] += last.end_s - prev_end
     return by_link
 
 
-def _optimizer_exposed_s(b: _StepBuilder, hardware: HardwareProfile, params_per_layer: int,
-                         end_s: float) -> float:
-    """Host updates run in forward order once each layer's gradients are home; the next
-    step's forward of layer j waits only for update j."""
-    rate, free_s, worst = hardware.cpu_optimizer_params_per_s, end_s, 0.0
-    for j in range(1, b.L + 1):
-        grads_home = b.q.ops[b.grad[j]].end_s
-        free_s = max(free_s, grads_home) + params_per_layer / rate
-        next_forward_s = end_s + b.p.prologue_s + (j - 1) * b.p.fwd_s
-        worst = max(worst, free_s - next_forward_s)
-    return max(worst, 0.0)
+def _optimizer_exposed_s(b: _StepBuilder, updates: list[int], step_s: float) -> float:
+    """How long the next step waits for the host optimizer: its forward of layer j
+    starts at step_s + prologue + (j-1) f unless update j ends later; its head needs the
+    resident parameters' update."""
+    ops, p = b.q.ops, b.p
+    needed_s = [step_s + p.prologue_s + j * p.fwd_s for j in range(len(updates))]
+    return max([0.0] + [ops[u].end_s - t for u, t in zip(updates, needed_s, strict=True)])
 
 
 def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,
-             include_optimizer: bool = False) -> SimulationResult:
-    """One step of `plan`; refuses a plan made for another model, batch or machine."""
+             include_optimizer: bool = True) -> SimulationResult:
+    """One step of `plan` (with the host optimizer's overlapped update unless
+    `include_optimizer=False`); refuses a plan made for another model, batch or machine.
+    A profile with loss_chunk_tokens="auto" (None) takes the plan's loss head."""
     plan.check_fingerprint(run_fingerprint(model, hardware))
+    if model.loss_chunk_tokens is None:
+        model = with_loss_chunk(model, plan.loss_chunk_tokens)
     longest = max(e - s for s, e in plan.blocks)
     p = build_problem(model, hardware, max_recompute_block=longest)
     b = _StepBuilder(p, plan)
     q = b.build()
+    updates = b.host_optimizer(hardware, model) if include_optimizer else []
+    _check_order(q)
     q.run()
-    step_s = max(op.end_s for op in q.ops)
-    by_link = _exposure(q)
-    optimizer_s = (_optimizer_exposed_s(b, hardware, model.geometry.layer_param_count, step_s)
-                   if include_optimizer else 0.0)
+    step_ops = [op for op in q.ops if op.resource != HOST_OPTIMIZER]
+    step_s = max(op.end_s for op in step_ops)
+    by_link = _exposure(q, step_ops)
+    optimizer_s = _optimizer_exposed_s(b, updates, step_s) if updates else 0.0
     step_s += optimizer_s
     events = _memory(b, plan)
     peaks, curves = {}, {}
-    # The planner's host staging for NVMe boundaries is tracked here as events instead.
-    host_static = p.static_cpu_bytes - STAGING_BOUNDARIES * p.boundary_bytes
-    for tier, static in (("gpu", p.static_gpu_bytes), ("cpu", host_static), ("nvme", 0)):
+    for tier, static in (("gpu", p.static_gpu_bytes), ("cpu", p.static_cpu_bytes),
+                         ("nvme", 0)):
         peaks[tier], curves[tier] = _peak(static, events[tier])
     recompute_s = sum(q.ops[k].duration_s for k in b.recompute.values())
     compute_s = sum(q.ops[k].duration_s for k in q.queues["compute"]) - recompute_s

@@ -62,6 +62,10 @@ class ModelProfile:
     # Peak extra device bytes of the head + loss forward/backward: HF's unchunked loss
     # keeps tokens x vocab logits in the compute dtype, their fp32 upcast and fp32 grad.
     head_working_bytes: int = 0
+    # The loss `head_working_bytes` was sized for: 0 = the model's own (full logits), N =
+    # the fused chunked loss at N tokens per chunk, None = "auto", for the planner to
+    # decide (head_working_bytes is then the full logits').
+    loss_chunk_tokens: int | None = 0
 
     @property
     def num_layers(self) -> int:

@@ -5,6 +5,7 @@ Everything is analytic: a 70B model is profiled without allocating a byte of it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from importlib import resources
 from pathlib import Path
@@ -14,7 +15,8 @@ from lazytrain_accel.profiling.families import FAMILIES, geometry_from_config
 from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
 
 __all__ = ["COMPUTE_DTYPE_BYTES", "FAMILIES", "MODEL_PRESETS", "geometry_from_config",
-           "load_model_config", "model_preset_source", "profile_model"]
+           "head_working_bytes", "load_model_config", "model_preset_source", "profile_model",
+           "with_loss_chunk"]
 
 #: Built-in model configs, shipped as `lazytrain_accel/presets/<name>.json`.
 #: Bytes per element of each compute dtype name the CLI and configs accept.
@@ -107,13 +109,14 @@ def profile_model(
     batch_size: int,
     seq_len: int,
     compute_bytes_per_elem: int = 2,
-    loss_chunk_tokens: int = 0,
+    loss_chunk_tokens: int | None = 0,
 ) -> ModelProfile:
     """Per-layer bytes and FLOPs of `geometry` at one micro-batch shape.
 
     `loss_chunk_tokens` = 0 models HF's own loss (full tokens x vocab logits); > 0 models
     LazyTrain's fused chunked loss, which materializes logits for that many tokens at a
-    time (plus the hidden states' gradient).
+    time (plus the hidden states' gradient); None ("auto") sizes the full logits and
+    leaves the choice to the planner (`planning/loss_head.py`).
 
     FLOPs count 2 per multiply-add. A layer's forward is its matmuls (2 * tokens * layer
     params; biases and norms are within 0.1%) plus attention's QK^T and AV over the full
@@ -146,13 +149,22 @@ def profile_model(
         layer_bwd_flops=2.0 * layer_fwd_flops,
         head_fwd_flops=head_fwd_flops,
         resident_param_bytes=resident * compute_bytes_per_elem,
-        head_working_bytes=_head_working_bytes(g, tokens, compute_bytes_per_elem,
-                                               loss_chunk_tokens),
+        head_working_bytes=head_working_bytes(g, tokens, compute_bytes_per_elem,
+                                              loss_chunk_tokens or 0),
+        loss_chunk_tokens=loss_chunk_tokens,
     )
 
 
-def _head_working_bytes(g: ModelGeometry, tokens: int, bytes_per_elem: int,
-                        loss_chunk_tokens: int) -> int:
+def with_loss_chunk(profile: ModelProfile, loss_chunk_tokens: int) -> ModelProfile:
+    """`profile` with its head sized for `loss_chunk_tokens` (0 = full logits)."""
+    nbytes = head_working_bytes(profile.geometry, profile.tokens_per_step,
+                                profile.compute_bytes_per_elem, loss_chunk_tokens)
+    return dataclasses.replace(profile, head_working_bytes=nbytes,
+                               loss_chunk_tokens=loss_chunk_tokens)
+
+
+def head_working_bytes(g: ModelGeometry, tokens: int, bytes_per_elem: int,
+                       loss_chunk_tokens: int) -> int:
     """Logits in the compute dtype + their fp32 upcast + their fp32 gradient, for all
     tokens (HF's loss) or one chunk (fused chunked loss, which also holds the hidden
     states' gradient for all tokens)."""

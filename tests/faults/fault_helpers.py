@@ -16,8 +16,8 @@ from lazytrain_accel.planning.plan import (
     SolverReport,
     Transfer,
     TransferKind,
-    run_fingerprint,
 )
+from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import load_hardware
 
 NUM_LAYERS, BATCH, SEQ, VOCAB = 4, 4, 12, 64

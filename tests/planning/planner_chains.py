@@ -53,7 +53,7 @@ def budgets_in_slots(model: ModelProfile, hardware: HardwareProfile, *, gpu_slot
     gpu = math.ceil(fixed / (1 - 0.04)) + 1
     while gpu - int(0.04 * gpu) < fixed:
         gpu += 1
-    return Budgets(gpu_bytes=gpu, cpu_bytes=p.static_cpu_bytes + A * cpu_slots,
+    return Budgets(gpu_bytes=gpu, cpu_bytes=p.cpu_fixed_bytes + A * cpu_slots,
                    nvme_bytes=A * nvme_slots)
 
 
