@@ -2,11 +2,13 @@
 that imports pyscipopt.
 
 Two reformulations make it fast (DESIGN.md §3): transfers are not variables per boundary
-and window; each link's windows for boundary i are nested (offload: a suffix of the
-forward; reload: a prefix of the backward), so Hall's condition on the nested sets, one
-row per boundary, is exactly the feasibility of a byte-to-window assignment (decoded later
-by earliest-deadline-first, `schedule.py`). And the block cache is `sum_l y_l`, with
-`y_l >= x[s,e]` for every edge of length >= l, instead of a big-M row per edge.
+and window; each link's window sets form a laminar family (offload: a suffix of the
+forward; reload: a prefix of the backward; an NVMe boundary's PCIe hop: one window inside
+them, `Problem.transfer_windows`), so Hall's condition on the sets, one row per boundary,
+is exactly the feasibility of a byte-to-window assignment (decoded later by
+earliest-deadline-first, `schedule.py`). And the block cache is `sum_l y_l`, with
+covering rows instead of a big-M row per edge; `_add_block_counts` adds the valid rows
+that let the LP count blocks against the GPU's slots.
 """
 
 from __future__ import annotations
@@ -92,11 +94,30 @@ def _add_capacity(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
         cache.append(y)
     if elastic:
         v.slack = {k: m.addVar(f"shortfall_gib_{k}", lb=0.0) for k in ("gpu", "cpu", "nvme")}
+    else:
+        _add_block_counts(m, p, v, cache)
     need = p.tier_need_bytes(gpu=quicksum(v.gpu.values()), cache=quicksum(cache),
                              cpu=quicksum(v.cpu.values()), nvme=quicksum(v.nvme.values()))
     for tier, nbytes in need.items():  # rows in GiB: byte-sized coefficients hurt the LP
         m.addCons(nbytes * (1 / GIB) <= p.budget_bytes(tier) / GIB + v.slack.get(tier, 0.0),
                   name=f"capacity_{tier}")
+
+
+def _add_block_counts(m: Model, p: Problem, v: _Vars, cache: list) -> None:
+    """Valid rows that let the LP count: every block of length >= 2 starts at its own GPU
+    boundary other than L, and with a block of length >= l the cache takes l-1 of the
+    GPU's boundary slots, so at most (slots - l) blocks that long exist. Without them
+    the relaxation cannot see that a tight GPU caps the recompute, and SCIP searched a
+    minute for plans of an infeasible request (issue 15)."""
+    slots = (p.budgets.gpu_bytes - p.gpu_fixed_bytes) // p.boundary_bytes
+    long_edges = [xv for (s, e), xv in v.x.items() if e - s >= 2]
+    if long_edges:
+        m.addCons(quicksum(long_edges) <= quicksum(v.gpu.values()) - 1, name="starts_on_gpu")
+    for length, y in enumerate(cache, start=2):
+        edges = [xv for (s, e), xv in v.x.items() if e - s >= length]
+        m.addCons(quicksum(edges) <= max(slots - length, 0) * y, name=f"long_blocks_{length}")
+        if length > 2:
+            m.addCons(y <= cache[length - 3], name=f"cache_nested_{length}")
 
 
 def _add_links(m: Model, p: Problem, v: _Vars) -> None:
@@ -119,6 +140,10 @@ def _add_links(m: Model, p: Problem, v: _Vars) -> None:
             lo, hi = p.transfer_windows(link, i)
             m.addCons(demand_s * quicksum(moved[j] for j in movers if j >= i)
                       <= quicksum(free[link][lo:hi + 1]), name=f"hall_{link}_{i}")
+        if link in ("d2h", "h2d"):  # an NVMe boundary's hop: its one window, alone
+            for i in v.nvme:
+                w, _ = p.transfer_windows(link, i, Home.NVME)
+                m.addCons(demand_s * v.nvme[i] <= free[link][w], name=f"hop_{link}_{i}")
 
 
 def _add_objective(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:

@@ -198,15 +198,22 @@ class Problem:
         """Whether a boundary homed `home` crosses `link` (PCIe: CPU and NVMe homes)."""
         return home == Home.NVME or (home == Home.CPU and not link.startswith("nvme"))
 
-    def transfer_windows(self, link: str, i: int) -> tuple[int, int]:
-        """Inclusive window range in which boundary i may cross `link` (empty: lo > hi).
+    def transfer_windows(self, link: str, i: int, home: Home = Home.CPU) -> tuple[int, int]:
+        """Inclusive window range in which boundary i, homed `home`, may cross `link`
+        (empty when lo > hi).
 
-        Offloads after F_i (D2H from F_{i+1}, NVMe write one window later) until the
-        forward ends; reloads from the backward's start until B_{i+1} reads it (H2D by
-        B_{i+2}, NVMe read one window earlier)."""
+        A CPU boundary leaves after F_i (D2H in F_{i+1}..F_L) and is back before B_{i+1}
+        reads it (H2D in B_L..B_{i+2}). An NVMe boundary's PCIe hops take one window each,
+        D2H in F_{i+1} and H2D in B_{i+2}, so its NVMe write (F_{i+2}..F_L) and read
+        (B_L..B_{i+3}) are always in other windows: a hop never starts before the one it
+        needs ended, whatever the MIP chose. The windows of each link form a laminar
+        family (nested suffixes or prefixes, and single windows inside them), which is
+        what makes the MIP's Hall rows exact."""
         L = self.num_layers
         last_forward, first_backward = forward_window(L, L), backward_window(L, L)
         reader = backward_window(min(i + 1, L), L)
+        if home == Home.NVME and link in ("d2h", "h2d"):
+            return (i, i) if link == "d2h" else (reader - 1, reader - 1)
         return {"d2h": (i, last_forward), "nvme_write": (i + 1, last_forward),
                 "h2d": (first_backward, reader - 1),
                 "nvme_read": (first_backward, reader - 2)}[link]
@@ -215,8 +222,8 @@ class Problem:
         """Whether boundary i has a window to leave and a window to come back in."""
         if i in (0, self.num_layers):
             return False
-        links = LINKS if nvme else ("d2h", "h2d")
-        return all(lo <= hi for lo, hi in (self.transfer_windows(k, i) for k in links))
+        home, links = (Home.NVME, LINKS) if nvme else (Home.CPU, ("d2h", "h2d"))
+        return all(lo <= hi for lo, hi in (self.transfer_windows(k, i, home) for k in links))
 
     # ---- constants of the step -------------------------------------------------------
     @property

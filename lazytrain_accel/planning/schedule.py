@@ -65,22 +65,13 @@ def schedule_transfers(p: Problem, homes: list[Home] | tuple[Home, ...],
                 - mandatory[link][w] for w in range(p.num_windows)]
 
     def jobs(link: str) -> list[tuple[int, int, int, int]]:
-        return [(i, A, *p.transfer_windows(link, i)) for i, h in enumerate(homes)
+        return [(i, A, *p.transfer_windows(link, i, h)) for i, h in enumerate(homes)
                 if p.moves_on(link, h)]
 
     d2h = _edf(jobs("d2h"), capacity("d2h"), TransferKind.D2H)
     h2d = _edf(jobs("h2d"), capacity("h2d"), TransferKind.H2D, as_late_as_possible=True)
-    # An NVMe write starts in the window after its D2H ends, a read ends in the window
-    # before its H2D starts; where that leaves no window, in the same one (back to back).
-    write_jobs, read_jobs = [], []
-    for i, lo, hi in ((j[0], j[2], j[3]) for j in jobs("nvme_write")):
-        last_d2h = max(t.window for t in d2h if t.boundary == i)
-        write_jobs.append((i, A, min(max(lo, last_d2h + 1), hi), hi))
-    for i, lo, hi in ((j[0], j[2], j[3]) for j in jobs("nvme_read")):
-        first_h2d = min(t.window for t in h2d if t.boundary == i)
-        read_jobs.append((i, A, lo, max(min(hi, first_h2d - 1), lo)))
-    writes = _edf(write_jobs, capacity("nvme_write"), TransferKind.NVME_WRITE)
-    reads = _edf(read_jobs, capacity("nvme_read"), TransferKind.NVME_READ,
+    writes = _edf(jobs("nvme_write"), capacity("nvme_write"), TransferKind.NVME_WRITE)
+    reads = _edf(jobs("nvme_read"), capacity("nvme_read"), TransferKind.NVME_READ,
                  as_late_as_possible=True)
     out: list[Transfer] = []
     for moves, late in ((d2h, False), (writes, False), (reads, True), (h2d, True)):

@@ -46,7 +46,7 @@ def naive_exposure_s(p: Problem, homes: list[Home]) -> float | None:
                   if h == Home.NVME or (not nvme_only and h == Home.CPU)]
         load = [mandatory[link][w] / GIB for w in range(W)]
         for i in movers:
-            lo, hi = p.transfer_windows(link, i)
+            lo, hi = p.transfer_windows(link, i, homes[i])
             parts = [m.addVar(lb=0.0) for _ in range(lo, hi + 1)]
             m.addCons(quicksum(parts) == p.boundary_bytes / GIB)
             for w, part in zip(range(lo, hi + 1), parts, strict=True):
