@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lazytrain_accel.engine import hf_checkpointing
 from lazytrain_accel.engine.discovery import UnsupportedModelError, find_decoder_layers
 from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.layer_call import ForwardState
@@ -28,13 +29,10 @@ from lazytrain_accel.engine.runtime import Runtime
 from lazytrain_accel.engine.stats import Accounting, StepStats
 from lazytrain_accel.engine.streams import Streams
 from lazytrain_accel.engine.weights import WeightPool
-from lazytrain_accel.planning.plan import Plan
+from lazytrain_accel.planning.plan import Home, Plan
 
 #: Keyword names under which HF layers receive a KV cache, and the flag that fills it.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
-#: Model attributes saying HF's own activation checkpointing is on (5.x name first).
-_CHECKPOINTING_FLAGS = ("is_activation_checkpointing", "is_gradient_checkpointing")
 
 _LINK = "_lazytrain_engine_link"
 
@@ -90,13 +88,11 @@ class StreamingEngine:
         if plan.num_layers != len(layers):
             raise ValueError(f"plan.num_layers={plan.num_layers} but the model has "
                              f"{len(layers)} decoder layers; plan for this model")
-        # The newest name the model's class has (reading the deprecated one warns).
-        flag = next((f for f in _CHECKPOINTING_FLAGS if hasattr(type(model), f)), None)
-        if flag is not None and getattr(model, flag):
-            raise ValueError("HF gradient checkpointing is on; the engine already re-runs "
-                             "each layer in backward. Call model.gradient_checkpointing_"
-                             "disable() before attaching")
         self.model, self.plan, self.device = model, plan, torch.device(device)
+        self._checkpointing_said = False
+        if hf_checkpointing.turn_off(model):
+            self._absorb_checkpointing()
+        self._checkpointing_patched = hf_checkpointing.keep_off(model, self._absorb_checkpointing)
         self.compute_dtype = compute_dtype or torch.float32
         self._layers = list(layers)
         self._layer_params = [list(layer.parameters()) for layer in self._layers]
@@ -110,6 +106,16 @@ class StreamingEngine:
         self._patch(model, parent)
         self.fused_loss: FusedLoss | None = (
             apply_fused_loss(model, chunk_tokens=loss_chunk_tokens) if loss_chunk_tokens else None)
+
+    def _absorb_checkpointing(self) -> None:
+        """HF checkpointing was requested: keep it off; say once who decides recompute."""
+        hf_checkpointing.turn_off(self.model)
+        if not self._checkpointing_said:
+            self._checkpointing_said = True
+            recomputed = sum(h == Home.RECOMPUTE for h in self.plan.homes)
+            logger.info("lazytrain: HF gradient checkpointing is off on the streamed model: "
+                        "the plan decides recompute (%d of %d layer inputs recomputed, the "
+                        "rest stored)", recomputed, self.plan.num_layers)
 
     def _build_parts(self, nvme_dir: str | None, resident: list[nn.Parameter]) -> None:
         self.streams = Streams(self.device)
@@ -189,8 +195,9 @@ class StreamingEngine:
     def _call_layer(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         layer = self._layers[index - 1]
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
-            raise ValueError("HF gradient checkpointing was enabled on a streamed model; call "
-                             "model.gradient_checkpointing_disable() (the engine re-runs layers)")
+            raise ValueError(f"gradient_checkpointing was set by hand on streamed layer {index}; "
+                             "the engine re-runs layers itself: set it back to False (or use "
+                             "model.gradient_checkpointing_enable(), which LazyTrain absorbs)")
         hidden, call_kwargs = self._bind(index, args, kwargs)
         trainable = any(p.requires_grad for p in self._layer_params[index - 1])
         if not torch.is_grad_enabled() or not (trainable or hidden.requires_grad):
@@ -364,6 +371,7 @@ class StreamingEngine:
             self.fused_loss.remove()
         for handle in self._handles:
             handle.remove()
+        hf_checkpointing.restore(self._checkpointing_patched)
         for layer, saved in zip(self._layers, self._saved_forwards, strict=True):
             layer.__dict__.pop(_LINK, None)
             if saved is None:

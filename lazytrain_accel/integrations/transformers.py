@@ -79,10 +79,8 @@ def refuse_incompatible_arguments(args: TrainingArguments) -> None:
     if getattr(args, "fsdp", None):
         raise ValueError(f"--fsdp {args.fsdp!r} cannot be combined with --lazytrain: LazyTrain "
                          "streams the whole model through one device per process. Drop one.")
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        if getattr(args, name, None):
-            raise ValueError(f"--{name} cannot be combined with --lazytrain: the LazyTrain plan "
-                             f"decides which layers are recomputed. Remove --{name}.")
+    # --gradient_checkpointing (TRL's default) is absorbed: the engine turns HF's
+    # checkpointing off on the streamed model and the plan decides recompute.
 
 
 class LazyTrainTrainer(Trainer):
