@@ -144,6 +144,8 @@ class StreamingEngine:
         self._finalizer_queued = False
         self._update: LayerwiseUpdate | None = None
         self._shape_warned = False
+        #: `replan(batch, seq) -> Plan | None`, asked before a batch beyond the plan runs
+        self.replan: Callable[[int, int], Plan | None] | None = None
 
     def _patch(self, model: nn.Module, parent: nn.Module) -> None:
         self._saved_forwards = [layer.__dict__.get("forward") for layer in self._layers]
@@ -218,20 +220,34 @@ class StreamingEngine:
         return self._state.call(index, hidden, call_kwargs)
 
     def _check_planned_tokens(self, hidden: torch.Tensor) -> None:
-        """Warn once when a training batch holds more tokens than the plan was sized for:
-        its boundaries outgrow the planned bytes, so the plan's peaks no longer hold."""
+        """A training batch with more tokens than the plan was sized for outgrows its
+        planned bytes: re-plan (`replan`, set by the front end) before it runs, else warn."""
         plan = self.plan
-        if self._shape_warned or hidden.numel() // hidden.shape[-1] <= (
-                plan.batch_size * plan.seq_len):
+        batch = hidden.shape[0] if hidden.dim() > 2 else 1
+        seq = hidden.numel() // hidden.shape[-1] // batch
+        if batch * seq <= plan.batch_size * plan.seq_len:
+            return
+        new = self.replan(batch, seq) if self.replan is not None else None
+        if new is not None:
+            self.set_plan(new)
+            return
+        if self._shape_warned:
             return
         self._shape_warned = True
-        shape = " x ".join(str(n) for n in hidden.shape[:-1])
+        where = "may not fit the GPU" if self.device.type == "cuda" else "are not planned"
         logger.warning(
-            "lazytrain: a training batch of %s tokens is beyond the plan's %d x %d (sized "
-            "from the first batch prepare() saw); its activations exceed the planned memory "
-            "and may not fit the GPU. Pad every batch to one length (padding='max_length'), "
-            "or plan for the largest batch (`lazytrain plan --batch-size --seq-len`).",
-            shape, plan.batch_size, plan.seq_len)
+            "lazytrain: a training batch of %d x %d tokens is beyond the plan's %d x %d; its "
+            "activations exceed the planned memory and %s. Plan for the longest batch "
+            "(LazyTrainPlugin(batch_size=..., seq_len=...) or `lazytrain plan --batch-size "
+            "--seq-len`).", batch, seq, plan.batch_size, plan.seq_len, where)
+
+    def set_plan(self, plan: Plan) -> None:
+        """Run the next forward passes with `plan` (same model; e.g. sized for longer
+        batches). Passes already awaiting their backward keep the plan they ran with."""
+        if plan.num_layers != self.plan.num_layers:
+            raise ValueError(f"plan.num_layers={plan.num_layers} but the model has "
+                             f"{self.plan.num_layers} decoder layers; plan for this model")
+        self.plan = self.runtime.plan = plan
 
     def _bind(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
               ) -> tuple[torch.Tensor, dict[str, Any]]:

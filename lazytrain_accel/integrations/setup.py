@@ -76,11 +76,16 @@ def geometry_for_run(model: nn.Module) -> ModelGeometry:
     return live
 
 
+def is_plan_file(config: LazyTrainConfig) -> bool:
+    """Whether `config.plan` names a plan file (not "auto" or a strategy)."""
+    return config.plan not in ("auto", *STRATEGIES)
+
+
 def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
                  hardware: HardwareProfile) -> Plan:
     """The plan named by `config.plan`, solved or loaded from the cache, fingerprint-checked."""
     fingerprint = run_fingerprint(model_profile, hardware)
-    if config.plan not in ("auto", *STRATEGIES):
+    if is_plan_file(config):
         plan = Plan.load(config.plan)
         plan.check_fingerprint(fingerprint)
         return plan
