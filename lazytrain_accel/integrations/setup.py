@@ -172,6 +172,10 @@ def build_optimizer(config: LazyTrainConfig, user_optimizer: torch.optim.Optimiz
                        "keep Adam")
     replacement = HybridAdamW8bit(
         [{"params": list(g["params"])} for g in user_optimizer.param_groups], **kwargs)
+    logger.info("lazytrain: optimizer %s replaced by HybridAdamW8bit (8-bit moments on the "
+                "host, same param groups, lr/betas/eps/weight_decay); to keep yours pass "
+                "optimizer='keep' (LazyTrainPlugin, LAZYTRAIN_OPTIMIZER or --lazytrain_config)",
+                type(user_optimizer).__name__)
     for ours, theirs in zip(replacement.param_groups, user_optimizer.param_groups, strict=True):
         for key, value in ours.items():
             theirs.setdefault(key, value)

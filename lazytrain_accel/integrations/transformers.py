@@ -32,7 +32,7 @@ from transformers.training_args import OptimizerNames
 from lazytrain_accel.config import LazyTrainConfig, OptimizerChoice
 from lazytrain_accel.integrations.batch_shape import seq_bound_of
 from lazytrain_accel.integrations.trainer_accelerator import TrainerAccelerator
-from lazytrain_accel.integrations.trainer_callback import LazyTrainCallback
+from lazytrain_accel.integrations.trainer_callback import LazyTrainCallback, quiet_console
 from lazytrain_accel.integrations.trainer_checkpoint import make_checkpoints_atomic
 from lazytrain_accel.integrations.trainer_config import load_lazytrain_config
 
@@ -157,6 +157,7 @@ def apply_lazytrain_to_trainer(trainer: Trainer,
     _save_plan_with_checkpoints(trainer)
     make_checkpoints_atomic(trainer)
     trainer.callback_handler.callbacks.insert(0, LazyTrainCallback(trainer))
+    quiet_console(trainer)
     trainer._lazytrain_applied = True
     return trainer
 
