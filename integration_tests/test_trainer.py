@@ -75,7 +75,7 @@ def hybrid(workdir: Path) -> subprocess.CompletedProcess:
     """--lazytrain with the default optimizer; also saves the trained model's logits."""
     return _run([sys.executable, str(SCRIPTS / "run_clm.py"), "--logits-out",
                  str(workdir / "logits.pt"), "--", *_example_args(
-                     workdir, "hybrid", "--lazytrain", "--lazytrain_config",
+                     workdir, "hybrid", "--log_level", "info", "--lazytrain", "--lazytrain_config",
                      '{"plan": "offload_all", "optimizer": "hybrid8bit"}')], workdir)
 
 
@@ -165,7 +165,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_the_latest(
 def test_accelerate_launch_runs_the_example(workdir: Path, stock: list[float]) -> None:
     proc = _run([*ACCELERATE, "--cpu", "--num_processes", "1", "--num_machines", "1",
                  "--mixed_precision", "no", "--dynamo_backend", "no", str(EXAMPLE),
-                 *_example_args(workdir, "accel", "--lazytrain", "--lazytrain_config",
+                 *_example_args(workdir, "accel", "--log_level", "info", "--lazytrain",
+                                "--lazytrain_config",
                                 '{"plan": "checkpoint_all", "optimizer": "keep"}')], workdir)
     assert "LazyTrain plan 'checkpoint_all'" in proc.stderr
     assert _losses(workdir, "accel") == pytest.approx(stock, rel=1e-5, abs=1e-6)

@@ -64,12 +64,17 @@ def test_inline_json_and_errors_name_the_problem(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("flag", "value", "match"), [
     ("deepspeed", "ds.json", "--deepspeed 'ds.json' cannot be combined with --lazytrain"),
     ("fsdp", "full_shard", "--fsdp 'full_shard' cannot be combined with --lazytrain"),
-    ("gradient_checkpointing", True, "--gradient_checkpointing cannot be combined"),
 ])
-def test_deepspeed_fsdp_and_hf_checkpointing_are_refused(tmp_path: Path, flag: str,
-                                                         value: object, match: str) -> None:
+def test_deepspeed_and_fsdp_are_refused(tmp_path: Path, flag: str, value: object,
+                                        match: str) -> None:
     with pytest.raises(ValueError, match=match):
         LazyTrainTrainingArguments(output_dir=str(tmp_path), lazytrain=True, **{flag: value})
+
+
+@pytest.mark.parametrize("flag", ["gradient_checkpointing", "activation_checkpointing"])
+def test_hf_checkpointing_flags_are_accepted(tmp_path: Path, flag: str) -> None:
+    args = LazyTrainTrainingArguments(output_dir=str(tmp_path), lazytrain=True, **{flag: True})
+    assert args.lazytrain and args.activation_checkpointing  # the engine absorbs it
 
 
 def test_apply_to_a_users_own_trainer_subclass(tmp_path: Path) -> None:

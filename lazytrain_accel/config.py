@@ -68,6 +68,8 @@ _DEFAULTS: dict[str, Any] = {
     "cache_dir": default_cache_dir,
     "max_nonfinite_skips": 3,
     "loss_chunk_tokens": 0,
+    "batch_size": 0,
+    "seq_len": 0,
 }
 
 
@@ -94,6 +96,9 @@ class LazyTrainConfig:
         loss_chunk_tokens: 0 keeps the model's own loss (full tokens x vocab logits); > 0
             computes the training loss with the fused chunked cross-entropy, whose logits
             exist for that many tokens at a time (`logits` is then None in the output).
+        batch_size / seq_len: the micro-batch shape to plan for; 0 (the default) sizes
+            the plan from the data (the run's sequence bound or its first batch) and
+            re-plans once upward, cached, if a longer batch arrives.
     """
 
     plan: str | None = None
@@ -108,6 +113,8 @@ class LazyTrainConfig:
     cache_dir: str | None = None
     max_nonfinite_skips: int | None = None
     loss_chunk_tokens: int | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -172,6 +179,10 @@ class LazyTrainConfig:
         if self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = the "
                              "model's own loss; e.g. 4096 for the fused chunked loss)")
+        for name in ("batch_size", "seq_len"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = size the "
+                                 "plan from the data)")
 
     def is_explicit(self, name: str) -> bool:
         """True when `name` was passed as an argument (not from env or default)."""
@@ -196,7 +207,8 @@ def _is_json_path(value: str) -> bool:
 
 _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
                  "solver_time_limit_s")
-_INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens")
+_INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens",
+               "batch_size", "seq_len")
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -55,6 +55,8 @@ ENV_VALUES = {
     "cache_dir": ("~/lt-cache", os.path.expanduser("~/lt-cache")),
     "max_nonfinite_skips": ("7", 7),
     "loss_chunk_tokens": ("4096", 4096),
+    "batch_size": ("8", 8),
+    "seq_len": ("2048", 2048),
 }
 
 
@@ -87,6 +89,8 @@ ARGUMENTS = {
     "cache_dir": ("/cache", "/cache"),
     "max_nonfinite_skips": (1, 1),
     "loss_chunk_tokens": (1024, 1024),
+    "batch_size": (4, 4),
+    "seq_len": (512, 512),
 }
 
 
@@ -142,6 +146,8 @@ BAD = [
     ("max_nonfinite_skips", 0, ["max_nonfinite_skips=0", ">= 1"]),
     ("loss_chunk_tokens", -1, ["loss_chunk_tokens=-1", ">= 0"]),
     ("loss_chunk_tokens", 1.5, ["loss_chunk_tokens=1.5", "integer"]),
+    ("seq_len", -2, ["seq_len=-2", ">= 0"]),
+    ("batch_size", 0.5, ["batch_size=0.5", "integer"]),
 ]
 
 

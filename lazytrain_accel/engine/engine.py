@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lazytrain_accel.engine import hf_checkpointing
 from lazytrain_accel.engine.discovery import UnsupportedModelError, find_decoder_layers
 from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.layer_call import ForwardState
@@ -28,13 +29,10 @@ from lazytrain_accel.engine.runtime import Runtime
 from lazytrain_accel.engine.stats import Accounting, StepStats
 from lazytrain_accel.engine.streams import Streams
 from lazytrain_accel.engine.weights import WeightPool
-from lazytrain_accel.planning.plan import Plan
+from lazytrain_accel.planning.plan import Home, Plan
 
 #: Keyword names under which HF layers receive a KV cache, and the flag that fills it.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
-#: Model attributes saying HF's own activation checkpointing is on (5.x name first).
-_CHECKPOINTING_FLAGS = ("is_activation_checkpointing", "is_gradient_checkpointing")
 
 _LINK = "_lazytrain_engine_link"
 
@@ -90,13 +88,11 @@ class StreamingEngine:
         if plan.num_layers != len(layers):
             raise ValueError(f"plan.num_layers={plan.num_layers} but the model has "
                              f"{len(layers)} decoder layers; plan for this model")
-        # The newest name the model's class has (reading the deprecated one warns).
-        flag = next((f for f in _CHECKPOINTING_FLAGS if hasattr(type(model), f)), None)
-        if flag is not None and getattr(model, flag):
-            raise ValueError("HF gradient checkpointing is on; the engine already re-runs "
-                             "each layer in backward. Call model.gradient_checkpointing_"
-                             "disable() before attaching")
         self.model, self.plan, self.device = model, plan, torch.device(device)
+        self._checkpointing_said = False
+        if hf_checkpointing.turn_off(model):
+            self._absorb_checkpointing()
+        self._checkpointing_patched = hf_checkpointing.keep_off(model, self._absorb_checkpointing)
         self.compute_dtype = compute_dtype or torch.float32
         self._layers = list(layers)
         self._layer_params = [list(layer.parameters()) for layer in self._layers]
@@ -110,6 +106,16 @@ class StreamingEngine:
         self._patch(model, parent)
         self.fused_loss: FusedLoss | None = (
             apply_fused_loss(model, chunk_tokens=loss_chunk_tokens) if loss_chunk_tokens else None)
+
+    def _absorb_checkpointing(self) -> None:
+        """HF checkpointing was requested: keep it off; say once who decides recompute."""
+        hf_checkpointing.turn_off(self.model)
+        if not self._checkpointing_said:
+            self._checkpointing_said = True
+            recomputed = sum(h == Home.RECOMPUTE for h in self.plan.homes)
+            logger.info("lazytrain: HF gradient checkpointing is off on the streamed model: "
+                        "the plan decides recompute (%d of %d layer inputs recomputed, the "
+                        "rest stored)", recomputed, self.plan.num_layers)
 
     def _build_parts(self, nvme_dir: str | None, resident: list[nn.Parameter]) -> None:
         self.streams = Streams(self.device)
@@ -138,6 +144,8 @@ class StreamingEngine:
         self._finalizer_queued = False
         self._update: LayerwiseUpdate | None = None
         self._shape_warned = False
+        #: `replan(batch, seq) -> Plan | None`, asked before a batch beyond the plan runs
+        self.replan: Callable[[int, int], Plan | None] | None = None
 
     def _patch(self, model: nn.Module, parent: nn.Module) -> None:
         self._saved_forwards = [layer.__dict__.get("forward") for layer in self._layers]
@@ -189,8 +197,9 @@ class StreamingEngine:
     def _call_layer(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         layer = self._layers[index - 1]
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
-            raise ValueError("HF gradient checkpointing was enabled on a streamed model; call "
-                             "model.gradient_checkpointing_disable() (the engine re-runs layers)")
+            raise ValueError(f"gradient_checkpointing was set by hand on streamed layer {index}; "
+                             "the engine re-runs layers itself: set it back to False (or use "
+                             "model.gradient_checkpointing_enable(), which LazyTrain absorbs)")
         hidden, call_kwargs = self._bind(index, args, kwargs)
         trainable = any(p.requires_grad for p in self._layer_params[index - 1])
         if not torch.is_grad_enabled() or not (trainable or hidden.requires_grad):
@@ -211,20 +220,34 @@ class StreamingEngine:
         return self._state.call(index, hidden, call_kwargs)
 
     def _check_planned_tokens(self, hidden: torch.Tensor) -> None:
-        """Warn once when a training batch holds more tokens than the plan was sized for:
-        its boundaries outgrow the planned bytes, so the plan's peaks no longer hold."""
+        """A training batch with more tokens than the plan was sized for outgrows its
+        planned bytes: re-plan (`replan`, set by the front end) before it runs, else warn."""
         plan = self.plan
-        if self._shape_warned or hidden.numel() // hidden.shape[-1] <= (
-                plan.batch_size * plan.seq_len):
+        batch = hidden.shape[0] if hidden.dim() > 2 else 1
+        seq = hidden.numel() // hidden.shape[-1] // batch
+        if batch * seq <= plan.batch_size * plan.seq_len:
+            return
+        new = self.replan(batch, seq) if self.replan is not None else None
+        if new is not None:
+            self.set_plan(new)
+            return
+        if self._shape_warned:
             return
         self._shape_warned = True
-        shape = " x ".join(str(n) for n in hidden.shape[:-1])
+        where = "may not fit the GPU" if self.device.type == "cuda" else "are not planned"
         logger.warning(
-            "lazytrain: a training batch of %s tokens is beyond the plan's %d x %d (sized "
-            "from the first batch prepare() saw); its activations exceed the planned memory "
-            "and may not fit the GPU. Pad every batch to one length (padding='max_length'), "
-            "or plan for the largest batch (`lazytrain plan --batch-size --seq-len`).",
-            shape, plan.batch_size, plan.seq_len)
+            "lazytrain: a training batch of %d x %d tokens is beyond the plan's %d x %d; its "
+            "activations exceed the planned memory and %s. Plan for the longest batch "
+            "(LazyTrainPlugin(batch_size=..., seq_len=...) or `lazytrain plan --batch-size "
+            "--seq-len`).", batch, seq, plan.batch_size, plan.seq_len, where)
+
+    def set_plan(self, plan: Plan) -> None:
+        """Run the next forward passes with `plan` (same model; e.g. sized for longer
+        batches). Passes already awaiting their backward keep the plan they ran with."""
+        if plan.num_layers != self.plan.num_layers:
+            raise ValueError(f"plan.num_layers={plan.num_layers} but the model has "
+                             f"{self.plan.num_layers} decoder layers; plan for this model")
+        self.plan = self.runtime.plan = plan
 
     def _bind(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
               ) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -364,6 +387,7 @@ class StreamingEngine:
             self.fused_loss.remove()
         for handle in self._handles:
             handle.remove()
+        hf_checkpointing.restore(self._checkpointing_patched)
         for layer, saved in zip(self._layers, self._saved_forwards, strict=True):
             layer.__dict__.pop(_LINK, None)
             if saved is None:

@@ -17,6 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from lazytrain_accel.engine.activations import ActivationStore
+from lazytrain_accel.engine.captures import Captured, capturing, recording, restore
 from lazytrain_accel.engine.replay import ReplayState, capture, replaying
 from lazytrain_accel.engine.runtime import Runtime
 from lazytrain_accel.planning.plan import Home
@@ -33,6 +34,7 @@ class _Position:
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] = field(default_factory=list)  # non-tensor outputs, by slot
     tensor_ids: list[int] = field(default_factory=list)  # output leaves that are tensors
+    captured: Captured | None = None  # tensors the layer gave transformers' collector
 
 
 class ForwardState:
@@ -76,8 +78,10 @@ class ForwardState:
             self.close()  # no boundary file outlives a failed forward
             raise
         full = list(pos.out_leaves)
-        for slot, tensor in zip(pos.tensor_ids, outs, strict=True):
+        for slot, tensor in zip(pos.tensor_ids, outs[:len(pos.tensor_ids)], strict=True):
             full[slot] = tensor
+        if pos.captured is not None:
+            restore(pos.captured, list(outs[len(pos.tensor_ids):]))
         self.last_output = weakref.ref(outs[0]) if outs else None
         return pytree.tree_unflatten(full, pos.out_spec)
 
@@ -86,8 +90,10 @@ class ForwardState:
         self.store.put(index - 1, hidden, home=home)
         self.store.run_window(index - 1)
         kwargs = pytree.tree_unflatten(pos.leaves, pos.spec)
-        outputs = self.rt.run_layer(pos.layer, hidden, kwargs, next_layer=pos.layer + 1,
-                                    counter="layer_forwards")
+        with capturing(hidden) as captured:
+            outputs = self.rt.run_layer(pos.layer, hidden, kwargs, next_layer=pos.layer + 1,
+                                        counter="layer_forwards")
+        pos.captured = captured.record
         out_leaves, pos.out_spec = pytree.tree_flatten(outputs)
         pos.tensor_ids = [k for k, v in enumerate(out_leaves) if isinstance(v, torch.Tensor)]
         pos.out_leaves = [None if k in pos.tensor_ids else v for k, v in enumerate(out_leaves)]
@@ -95,7 +101,7 @@ class ForwardState:
             raise TypeError(f"decoder layer {pos.layer} returned {type(outputs).__name__} whose "
                             "first element is not a tensor; the engine needs the hidden state "
                             "first")
-        return [out_leaves[k] for k in pos.tensor_ids]
+        return [out_leaves[k] for k in pos.tensor_ids] + captured.tensors
 
     # ---- backward ------------------------------------------------------------------
     def input_for_backward(self, boundary: int) -> torch.Tensor:
@@ -110,7 +116,7 @@ class ForwardState:
         for k in range(start + 1, boundary + 1):
             pos = self.positions[k - 1]
             nxt = self.positions[k].layer if k < len(self.positions) else pos.layer
-            with replaying(pos.replay):
+            with replaying(pos.replay), recording(None):  # regenerating records nothing
                 x = self.rt.run_layer(pos.layer, x, pytree.tree_unflatten(pos.leaves, pos.spec),
                                       next_layer=nxt, counter="layer_recomputes")
             x = pytree.tree_leaves(x)[0]
@@ -144,6 +150,9 @@ class _LayerFunction(torch.autograd.Function):
                 anchor: torch.Tensor, hidden: torch.Tensor, *extras: torch.Tensor
                 ) -> tuple[torch.Tensor, ...]:
         ctx.state, ctx.index = state, index
+        # an output the loss does not use gets None, not zeros: parameters reached only
+        # through it keep `.grad is None`, as in plain PyTorch (an optimizer skips those)
+        ctx.set_materialize_grads(False)
         outs = state.run_forward(index, home, hidden)
         ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
         return tuple(outs)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from lazytrain_accel.engine.captures import recorded, recording
 from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.nvme import NvmeSpill
 from lazytrain_accel.engine.replay import replaying
@@ -71,7 +72,8 @@ class Runtime:
         if next_layer is not None:
             self.pool.prefetch(next_layer)
         try:
-            with self.acct.timed("compute_s"), replaying(pos.replay), torch.enable_grad():
+            with self.acct.timed("compute_s"), replaying(pos.replay), torch.enable_grad(), \
+                    recording(pos.captured) as fresh:
                 h = hidden.detach().requires_grad_(pos.hidden_requires_grad)
                 leaves = list(pos.leaves)
                 extras = [leaves[k].detach().requires_grad_() for k in pos.extra_ids]
@@ -79,6 +81,7 @@ class Runtime:
                     leaves[k] = extra
                 out = self._originals[layer - 1](h, **pytree.tree_unflatten(leaves, pos.spec))
                 outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
+                outs += recorded(fresh, pos.captured)  # the Function's extra outputs, in order
                 pairs = [(o, g) for o, g in zip(outs, grad_outs, strict=False)
                          if g is not None and o.requires_grad]
                 inputs = ([h] if pos.hidden_requires_grad else []) + extras + params

@@ -20,7 +20,7 @@ from torch import nn
 
 from lazytrain_accel import preflight
 from lazytrain_accel.config import LazyTrainConfig
-from lazytrain_accel.integrations import setup
+from lazytrain_accel.integrations import batch_shape, setup
 from lazytrain_accel.integrations.checkpoint import atomic_directory, recover
 from lazytrain_accel.integrations.data_parallel import GradientAllReducer
 from lazytrain_accel.integrations.step_guard import StepGuard
@@ -49,6 +49,9 @@ class Accelerator(accelerate.Accelerator):
         self._lazytrain_optimizer: torch.optim.Optimizer | None = None
         self._lazytrain_reducer: GradientAllReducer | None = None
         self._lazytrain_model: nn.Module | None = None
+        self._lazytrain_sizing: batch_shape.Sizing | None = None
+        #: a sequence bound the front end knows (the Trainer sets TRL's max_length).
+        self.lazytrain_seq_bound: int | None = None
 
     # ---- prepare --------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
@@ -106,15 +109,12 @@ class Accelerator(accelerate.Accelerator):
         # config.use_cache stays as the user set it: the engine strips KV caches from
         # training calls itself, and the config is what save_pretrained writes.
         compute_dtype = setup.compute_dtype_for(self.mixed_precision)
-        batch_size, seq_len = _infer_batch_shape(loader, model)
-        model_profile = setup.profile_for_run(model, batch_size=batch_size, seq_len=seq_len,
-                                              compute_dtype=compute_dtype,
-                                              loss_chunk_tokens=plugin.loss_chunk_tokens)
+        self._lazytrain_sizing = batch_shape.size_run(loader, model, plugin,
+                                                      seq_bound=self.lazytrain_seq_bound)
         hardware = load_hardware(plugin.hardware, cache_dir=plugin.cache_dir,
                                  nvme_dir=plugin.nvme_dir)
-        plan = setup.resolve_plan(plugin, model_profile, hardware)
-        if self.is_main_process:
-            logger.warning("%s", setup.format_plan_summary(plan))
+        self.lazytrain_run = self._lazytrain_plan_for(model, self._lazytrain_sizing, hardware)
+        plan, model_profile = self.lazytrain_run.plan, self.lazytrain_run.model_profile
         # Before the engine allocates anything: fail with a sentence, not an OOM kill.
         preflight.check_run(model=model, plan=plan, optimizer=plugin.optimizer.value,
                             layer_param_bytes=model_profile.layer_param_bytes,
@@ -123,8 +123,8 @@ class Accelerator(accelerate.Accelerator):
         self.lazytrain_engine = attach(model, plan, device=self.device,
                                        compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir,
                                        loss_chunk_tokens=plugin.loss_chunk_tokens)
-        self.lazytrain_run = setup.PreparedRun(model_profile=model_profile, hardware=hardware,
-                                               plan=plan)
+        if not setup.is_plan_file(plugin):  # a plan file is the user's: never re-planned
+            self.lazytrain_engine.replan = lambda b, s: self._lazytrain_replan(model, b, s)
         self.lazytrain_guard = StepGuard(model=model, engine=self.lazytrain_engine,
                                          max_nonfinite_skips=plugin.max_nonfinite_skips,
                                          raise_on_interrupt=self._lazytrain_interrupt_raises)
@@ -137,6 +137,33 @@ class Accelerator(accelerate.Accelerator):
         model._is_accelerate_prepared = True
         self._lazytrain_model = model
         self._models.append(model)
+
+    def _lazytrain_plan_for(self, model: nn.Module, sizing: batch_shape.Sizing,
+                            hardware: Any) -> setup.PreparedRun:
+        """Profile and plan for `sizing`; summarize the plan unless it is provisional."""
+        plugin = self.lazytrain_plugin
+        model_profile = setup.profile_for_run(
+            model, batch_size=sizing.batch_size, seq_len=sizing.seq_len,
+            compute_dtype=setup.compute_dtype_for(self.mixed_precision),
+            loss_chunk_tokens=plugin.loss_chunk_tokens)
+        plan = setup.resolve_plan(plugin, model_profile, hardware)
+        if self.is_main_process and not sizing.provisional:
+            logger.info("%s (sized from %s)", setup.format_plan_summary(plan), sizing.source)
+        return setup.PreparedRun(model_profile=model_profile, hardware=hardware, plan=plan)
+
+    def _lazytrain_replan(self, model: nn.Module, batch_size: int, seq_len: int) -> Any:
+        """The engine saw a (batch, seq) batch beyond its plan: plan once upward (cached)."""
+        from lazytrain_accel.planning import PlanInfeasibleError
+
+        sizing = batch_shape.grown(self._lazytrain_sizing, batch_size, seq_len)
+        try:
+            run = self._lazytrain_plan_for(model, sizing, self.lazytrain_run.hardware)
+        except PlanInfeasibleError as err:
+            logger.warning("lazytrain: a batch of %d x %d tokens needs a new plan, and none "
+                           "fits: %s", batch_size, seq_len, err)
+            return None
+        self._lazytrain_sizing, self.lazytrain_run = sizing, run
+        return run.plan
 
     # ---- the training step ----------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -190,7 +217,25 @@ class Accelerator(accelerate.Accelerator):
 
         saved = Path(input_dir) / PLAN_FILE
         if saved.is_file():
-            Plan.load(saved).check_fingerprint(self.lazytrain_run.plan.fingerprint)
+            previous = Plan.load(saved)
+            self.lazytrain_adopt_shape(previous)
+            previous.check_fingerprint(self.lazytrain_run.plan.fingerprint)
+
+    def lazytrain_adopt_shape(self, previous: Any) -> None:
+        """A checkpoint's plan sized for longer batches than this run's (it re-planned
+        upward before it was saved): plan for that shape too, so resuming matches it."""
+        plan = self.lazytrain_run.plan
+        tokens = previous.batch_size * previous.seq_len
+        if (self.lazytrain_engine is None or self.lazytrain_engine.replan is None
+                or tokens <= plan.batch_size * plan.seq_len):
+            return
+        sizing = batch_shape.Sizing(batch_size=previous.batch_size, seq_len=previous.seq_len,
+                                    source="the checkpoint's plan",
+                                    seq_cap=self._lazytrain_sizing.seq_cap)
+        self.lazytrain_run = self._lazytrain_plan_for(self._lazytrain_model, sizing,
+                                                      self.lazytrain_run.hardware)
+        self._lazytrain_sizing = sizing
+        self.lazytrain_engine.set_plan(self.lazytrain_run.plan)
 
     def end_training(self) -> None:
         if self.lazytrain_guard is not None:
@@ -211,26 +256,6 @@ def _refuse_foreign_plugins(kwargs: dict[str, Any]) -> None:
             "streams the model and owns the optimizer. Remove the other plugin (or the "
             "DeepSpeed/FSDP/Megatron setting of your `accelerate config`), or drop plugin=."
         )
-
-
-def _infer_batch_shape(loader: Any, model: nn.Module) -> tuple[int, int]:
-    """(batch, seq) of the run, from one batch built without touching the sampler's RNG."""
-    default_seq = int(getattr(model.config, "max_position_embeddings", 2048) or 2048)
-    if loader is None:
-        logger.warning("lazytrain: no DataLoader passed to prepare(); planning for batch 1, "
-                       "seq %d", default_seq)
-        return 1, default_seq
-    batch_size = int(loader.batch_size or 1)
-    try:
-        dataset = loader.dataset
-        samples = [dataset[i] for i in range(min(batch_size, len(dataset)))]
-        batch = loader.collate_fn(samples)
-        ids = batch["input_ids"] if isinstance(batch, dict) else batch[0]
-        return batch_size, int(ids.shape[-1])
-    except Exception as err:  # iterable datasets, custom batches: fall back loudly
-        logger.warning("lazytrain: could not read a batch to size the plan (%s); planning "
-                       "for seq %d", err, default_seq)
-        return batch_size, default_seq
 
 
 def _wrap_forward_in_autocast(model: nn.Module) -> None:

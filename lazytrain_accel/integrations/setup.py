@@ -17,8 +17,9 @@ from lazytrain_accel.config import STRATEGIES, LazyTrainConfig, OptimizerChoice
 from lazytrain_accel.planning import Budgets, Plan
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
-from lazytrain_accel.profiling.models import geometry_from_config, profile_model
+from lazytrain_accel.profiling.live import geometry_from_model
+from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
+from lazytrain_accel.profiling.models import FAMILIES, geometry_from_config, profile_model
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -42,22 +43,49 @@ def profile_for_run(model: nn.Module, *, batch_size: int, seq_len: int,
                     loss_chunk_tokens: int = 0) -> ModelProfile:
     """The model's profile at the run's shape; `loss_chunk_tokens` (the config's) sizes
     the head's working bytes: full logits at 0, one chunk of them with the fused loss."""
+    elem_bytes = 4 if compute_dtype is None else torch.empty((), dtype=compute_dtype).element_size()
+    return profile_model(geometry_for_run(model), batch_size=batch_size, seq_len=seq_len,
+                         compute_bytes_per_elem=elem_bytes,
+                         loss_chunk_tokens=loss_chunk_tokens)
+
+
+def geometry_for_run(model: nn.Module) -> ModelGeometry:
+    """The geometry of the live model (its own parameters, any decoder-only family).
+
+    Where the config-based family table also knows the model and agrees on the counts,
+    its geometry is used, so a plan made by `lazytrain plan --model <config.json>` keeps
+    the same fingerprint as the run; a disagreement is said and the live count wins.
+    """
+    from lazytrain_accel.engine.discovery import find_decoder_layers
+
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
         raise TypeError(f"{type(model).__name__} has no HF `config`: LazyTrain streams "
                         "HuggingFace decoder-only causal LMs (PreTrainedModel)")
-    geometry = geometry_from_config(config.to_dict(), name=getattr(config, "name_or_path", ""))
-    elem_bytes = 4 if compute_dtype is None else torch.empty((), dtype=compute_dtype).element_size()
-    return profile_model(geometry, batch_size=batch_size, seq_len=seq_len,
-                         compute_bytes_per_elem=elem_bytes,
-                         loss_chunk_tokens=loss_chunk_tokens)
+    live = geometry_from_model(model, list(find_decoder_layers(model)[2]))
+    if getattr(config, "model_type", None) not in FAMILIES:
+        return live
+    table = geometry_from_config(config.to_dict(), name=getattr(config, "name_or_path", ""))
+    if (table.layer_param_count, table.total_param_count) == (live.layer_param_count,
+                                                              live.total_param_count):
+        return table
+    logger.info("lazytrain: the %s family table counts %d parameters per layer and %d in "
+                "all, the live model %d and %d; planning with the live counts",
+                table.family, table.layer_param_count, table.total_param_count,
+                live.layer_param_count, live.total_param_count)
+    return live
+
+
+def is_plan_file(config: LazyTrainConfig) -> bool:
+    """Whether `config.plan` names a plan file (not "auto" or a strategy)."""
+    return config.plan not in ("auto", *STRATEGIES)
 
 
 def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
                  hardware: HardwareProfile) -> Plan:
     """The plan named by `config.plan`, solved or loaded from the cache, fingerprint-checked."""
     fingerprint = run_fingerprint(model_profile, hardware)
-    if config.plan not in ("auto", *STRATEGIES):
+    if is_plan_file(config):
         plan = Plan.load(config.plan)
         plan.check_fingerprint(fingerprint)
         return plan
@@ -144,6 +172,10 @@ def build_optimizer(config: LazyTrainConfig, user_optimizer: torch.optim.Optimiz
                        "keep Adam")
     replacement = HybridAdamW8bit(
         [{"params": list(g["params"])} for g in user_optimizer.param_groups], **kwargs)
+    logger.info("lazytrain: optimizer %s replaced by HybridAdamW8bit (8-bit moments on the "
+                "host, same param groups, lr/betas/eps/weight_decay); to keep yours pass "
+                "optimizer='keep' (LazyTrainPlugin, LAZYTRAIN_OPTIMIZER or --lazytrain_config)",
+                type(user_optimizer).__name__)
     for ours, theirs in zip(replacement.param_groups, user_optimizer.param_groups, strict=True):
         for key, value in ours.items():
             theirs.setdefault(key, value)

@@ -1,9 +1,10 @@
 """`LazyTrainCallback`: the plan and the engine's measurements in the Trainer's own logs.
 
-Whatever watches the logs (TensorBoard, W&B, `trainer_state.json`, the console) then shows
-them beside the loss: at train start the plan (boundary homes, predicted step and peaks),
-and on every logging step the measured stall seconds, the predicted and measured step
-seconds and the peak bytes per memory tier since the previous logging step.
+Whatever watches the logs (TensorBoard, W&B, `trainer_state.json`) then shows them
+beside the loss: at train start the plan (boundary homes, predicted step and peaks), and
+on every logging step the measured stall seconds, the predicted and measured step seconds
+and the peak bytes per memory tier since the previous logging step. The console lines
+(progress bar, `PrinterCallback`) leave them out unless `--log_level debug` asks for them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from lazytrain_accel.integrations import setup
 
@@ -54,9 +56,7 @@ class LazyTrainCallback(TrainerCallback):
         if guard is not None:
             guard.install_sigint()  # again when train() runs more than once
         self._measured_s, self._steps = 0.0, 0
-        if state.is_world_process_zero:
-            logger.info("%s", setup.format_plan_summary(run.plan))
-        self._trainer.log(plan_metrics(run.plan))
+        self._trainer.log(plan_metrics(run.plan))  # prepare() logged the plan summary
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState,
                       control: TrainerControl, **kwargs: Any) -> None:
@@ -96,6 +96,27 @@ class LazyTrainCallback(TrainerCallback):
             state.log_history[-1].update(metrics)
         engine.reset_stats()
         self._measured_s, self._steps = 0.0, 0
+
+
+def quiet_console(trainer: Trainer) -> None:
+    """The console callbacks of `trainer` print logs without `lazytrain/*` keys (a line of
+    only those is not printed), unless the lazytrain logger is at DEBUG."""
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, ProgressCallback | PrinterCallback) \
+                and "on_log" not in vars(callback):
+            callback.on_log = _without_ours(callback.on_log)
+
+
+def _without_ours(on_log: Any) -> Any:
+    def filtered(args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                 logs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
+        if logs is None or logger.isEnabledFor(logging.DEBUG):
+            return on_log(args, state, control, logs=logs, **kwargs)
+        kept = {k: v for k, v in logs.items() if not k.startswith(PREFIX)}
+        if len(kept) < len(logs) and not set(kept) - {"epoch", "step"}:
+            return None  # the plan metrics line: nothing left to show
+        return on_log(args, state, control, logs=kept, **kwargs)
+    return filtered
 
 
 def plan_metrics(plan: Any) -> dict[str, float]:

@@ -10,6 +10,7 @@ new one is complete.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -21,6 +22,10 @@ from transformers.trainer_utils import rotate_checkpoints
 from lazytrain_accel.integrations.checkpoint import fsync_dir, fsync_tree, owner_alive
 
 STAGING_PREFIX = ".lazytrain-staging-"
+#: Loggers whose messages name the folder a checkpoint is being written to.
+_SAVE_LOGGERS = ("transformers.trainer", "transformers.modeling_utils",
+                 "transformers.configuration_utils", "transformers.tokenization_utils_base",
+                 "transformers.generation.configuration_utils")
 
 
 def make_checkpoints_atomic(trainer: Trainer) -> None:
@@ -58,18 +63,31 @@ def make_checkpoints_atomic(trainer: Trainer) -> None:
     remove_dead_staging(trainer.args.output_dir)
 
 
-class _redirected:
-    """While the stock save runs, its run dir is the staging folder."""
+class _redirected(logging.Filter):
+    """While the stock save runs, its run dir is the staging folder; its log messages
+    ("Saving model checkpoint to ...") name the folder the checkpoint ends up in."""
 
     def __init__(self, trainer: Trainer, staging: Path) -> None:
+        super().__init__()
         self._trainer, self._staging = trainer, staging
+        self._final = str(staging.parent)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if str(self._staging) in message:
+            record.msg, record.args = message.replace(str(self._staging), self._final), ()
+        return True
 
     def __enter__(self) -> None:
         self._trainer._get_output_dir = lambda trial=None: str(self._staging)
+        for name in _SAVE_LOGGERS:
+            logging.getLogger(name).addFilter(self)
 
     def __exit__(self, *exc: object) -> None:
         # Drop the instance attribute: the class's method shows through again.
         self._trainer.__dict__.pop("_get_output_dir", None)
+        for name in _SAVE_LOGGERS:
+            logging.getLogger(name).removeFilter(self)
 
 
 def remove_dead_staging(output_dir: str | None) -> None:

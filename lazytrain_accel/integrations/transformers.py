@@ -30,8 +30,9 @@ from transformers import Trainer, TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from lazytrain_accel.config import LazyTrainConfig, OptimizerChoice
+from lazytrain_accel.integrations.batch_shape import seq_bound_of
 from lazytrain_accel.integrations.trainer_accelerator import TrainerAccelerator
-from lazytrain_accel.integrations.trainer_callback import LazyTrainCallback
+from lazytrain_accel.integrations.trainer_callback import LazyTrainCallback, quiet_console
 from lazytrain_accel.integrations.trainer_checkpoint import make_checkpoints_atomic
 from lazytrain_accel.integrations.trainer_config import load_lazytrain_config
 
@@ -79,10 +80,8 @@ def refuse_incompatible_arguments(args: TrainingArguments) -> None:
     if getattr(args, "fsdp", None):
         raise ValueError(f"--fsdp {args.fsdp!r} cannot be combined with --lazytrain: LazyTrain "
                          "streams the whole model through one device per process. Drop one.")
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        if getattr(args, name, None):
-            raise ValueError(f"--{name} cannot be combined with --lazytrain: the LazyTrain plan "
-                             f"decides which layers are recomputed. Remove --{name}.")
+    # --gradient_checkpointing (TRL's default) is absorbed: the engine turns HF's
+    # checkpointing off on the streamed model and the plan decides recompute.
 
 
 class LazyTrainTrainer(Trainer):
@@ -152,13 +151,27 @@ def apply_lazytrain_to_trainer(trainer: Trainer,
     _move_back_to_host(trainer.model)
     if trainer.args.n_gpu > 1:  # Trainer would wrap the model in nn.DataParallel
         trainer.args._n_gpu = 1
+    _follow_log_level(trainer.args)
     _install_accelerator(trainer, config)
     _record_sizing_loaders(trainer)
     _save_plan_with_checkpoints(trainer)
     make_checkpoints_atomic(trainer)
     trainer.callback_handler.callbacks.insert(0, LazyTrainCallback(trainer))
+    quiet_console(trainer)
     trainer._lazytrain_applied = True
     return trainer
+
+
+def _follow_log_level(args: TrainingArguments) -> None:
+    """LazyTrain's messages follow the Trainer's `--log_level` (INFO shows the plan); with
+    the default "passive" level only warnings show, as for transformers' own messages."""
+    level = args.get_process_log_level()
+    ours = logging.getLogger("lazytrain_accel")
+    if level < 0 or args.log_level == "passive":
+        return
+    ours.setLevel(level)
+    if not ours.handlers and not logging.getLogger().handlers:
+        ours.addHandler(logging.StreamHandler())
 
 
 def _respect_user_optimizer(trainer: Trainer, config: LazyTrainConfig) -> LazyTrainConfig:
@@ -207,6 +220,8 @@ def _install_accelerator(trainer: Trainer, config: LazyTrainConfig) -> None:
         trainer.create_accelerator_and_postprocess()
     del trainer._build_accelerator_args  # back to the class's method
     trainer.accelerator = TrainerAccelerator(**trainer._lazytrain_accelerator_args, plugin=config)
+    # TRL states the longest sequence (max_length): plan for it, not for the first batch
+    trainer.accelerator.lazytrain_seq_bound = seq_bound_of(trainer.args)
     gather = trainer.accelerator.gather_for_metrics
     if "use_gather_object" in inspect.signature(gather).parameters:
         gather = functools.partial(gather, use_gather_object=trainer.args.eval_use_gather_object)
@@ -257,6 +272,8 @@ def _save_plan_with_checkpoints(trainer: Trainer) -> None:
         if run is None or saved is None or not saved.is_file():
             return
         previous = Plan.load(saved)
+        trainer.accelerator.lazytrain_adopt_shape(previous)
+        run = trainer.accelerator.lazytrain_run
         if previous.fingerprint != run.plan.fingerprint:
             logger.warning("lazytrain: %s was planned for another model shape or machine; "
                            "resuming with this run's plan (results are unaffected)", saved)

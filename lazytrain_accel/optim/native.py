@@ -2,9 +2,12 @@
 
 `load_kernel()` returns the compiled module, or None when it cannot be built here (no
 compiler, no ninja, an unusual platform); the optimizer then uses the pure-torch path of
-`reference.py`, which computes the same bits, only slower. The build is cached by torch
-under a name that includes this CPU's instruction set, because it is compiled with
--march=native and must never be reused on an older CPU sharing the same cache directory.
+`reference.py`, which computes the same bits, only slower. The build is cached under a
+name that hashes everything the binary depends on: this CPU's instruction set (it is
+compiled with -march=native and must never be reused on an older CPU sharing the cache),
+the kernel's source and flags, the torch version and the Python ABI. Two checkouts or
+venvs on one machine then keep separate builds instead of overwriting each other's (a
+rebuild of 30-50 s on every switch), and a build that exists is loaded, not rebuilt.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import platform
+import sys
+import sysconfig
 from pathlib import Path
 from types import ModuleType
 
@@ -33,8 +39,17 @@ def _build_name() -> str:
     if cpuinfo.is_file():
         lines = cpuinfo.read_text(errors="replace").splitlines()
         flags = next((line for line in lines if line.startswith("flags")), "")
-    digest = hashlib.sha1(f"{cpu}|{flags}".encode()).hexdigest()[:10]
+    abi = f"{sys.implementation.cache_tag}|{sysconfig.get_config_var('SOABI')}"
+    torch_build = f"{torch.__version__}|{torch.version.git_version}"
+    digest = hashlib.sha1("|".join([cpu, flags, abi, torch_build, " ".join(_CFLAGS)]).encode()
+                          + _SOURCE.read_bytes()).hexdigest()[:12]
     return f"lazytrain_adamw8bit_{digest}"
+
+
+def _build_directory(name: str) -> Path:
+    """Where the build of `name` lives (torch's extension root, one folder per build)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / name
 
 
 def _expected_constants() -> tuple[int, ...]:
@@ -55,8 +70,15 @@ def load_kernel() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
+        name = _build_name()
+        directory = _build_directory(name)
+        if not (directory / f"{name}.so").is_file():
+            logger.warning("lazytrain: building the 8-bit optimizer kernel (first use with this "
+                           "source, torch and Python only, ~30 s) in %s", directory)
+        directory.mkdir(parents=True, exist_ok=True)
         module = load(
-            name=_build_name(),
+            name=name,
+            build_directory=str(directory),
             sources=[str(_SOURCE)],
             extra_cflags=_CFLAGS,
             extra_ldflags=["-fopenmp"],

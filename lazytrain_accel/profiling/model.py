@@ -30,6 +30,15 @@ class ModelGeometry:
     # Gated MLPs (SwiGLU/GeGLU: gate, up, down) keep more intermediates alive in backward
     # than two-matrix MLPs (GPT-2, GPT-NeoX, OPT); the working-set estimate needs to know.
     gated_mlp: bool = True
+    # Parameters one token's FLOPs go through in a layer: an MoE layer streams all its
+    # experts (layer_param_count) but computes with top_k of them. None = dense.
+    active_layer_param_count: int | None = None
+
+    @property
+    def layer_flops_param_count(self) -> int:
+        """Parameters per layer that the FLOP count multiplies (active ones for MoE)."""
+        active = self.active_layer_param_count
+        return self.layer_param_count if active is None else active
 
     @property
     def total_param_count(self) -> int:

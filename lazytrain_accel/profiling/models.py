@@ -119,7 +119,8 @@ def profile_model(
     leaves the choice to the planner (`planning/loss_head.py`).
 
     FLOPs count 2 per multiply-add. A layer's forward is its matmuls (2 * tokens * layer
-    params; biases and norms are within 0.1%) plus attention's QK^T and AV over the full
+    params; biases and norms are within 0.1%; an MoE layer counts its top-k active experts
+    only) plus attention's QK^T and AV over the full
     seq x seq square (4 * batch * seq^2 * q_dim); its backward proper is twice its forward
     (input and weight gradients), excluding the forward re-run the engine does first.
     """
@@ -132,7 +133,7 @@ def profile_model(
     tokens = batch_size * seq_len
     g = geometry
     q_dim = g.num_attention_heads * g.head_dim
-    layer_fwd_flops = (2.0 * tokens * g.layer_param_count
+    layer_fwd_flops = (2.0 * tokens * g.layer_flops_param_count
                        + 4.0 * batch_size * seq_len * seq_len * q_dim)
     head_fwd_flops = 2.0 * tokens * g.hidden_size * g.vocab_size + 5.0 * tokens * g.vocab_size
     resident = g.embedding_param_count + g.head_param_count + g.final_norm_param_count

@@ -21,6 +21,9 @@ from lazytrain_accel.planning.plan import (
 _COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64)
 
+_MOE = dict(num_local_experts=8, num_experts_per_tok=2, output_router_logits=True,
+            router_aux_loss_coef=0.1)
+
 ARCH_CONFIGS = {
     "llama": lambda n: transformers.LlamaConfig(num_hidden_layers=n, **_COMMON),
     "qwen2": lambda n: transformers.Qwen2Config(num_hidden_layers=n, **_COMMON),
@@ -36,6 +39,21 @@ ARCH_CONFIGS = {
         max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.1),
     "gpt2": lambda n: transformers.GPT2Config(n_layer=n, vocab_size=96, n_embd=32, n_head=4,
                                               n_positions=64),
+    # families outside the profiling table: the engine and the live profile are generic
+    "gpt_bigcode": lambda n: transformers.GPTBigCodeConfig(
+        n_layer=n, vocab_size=96, n_embd=32, n_head=4, n_positions=64),
+    "starcoder2": lambda n: transformers.Starcoder2Config(num_hidden_layers=n, **_COMMON),
+    "stablelm": lambda n: transformers.StableLmConfig(num_hidden_layers=n, **_COMMON),
+    "bloom": lambda n: transformers.BloomConfig(n_layer=n, vocab_size=96, hidden_size=32,
+                                                n_head=4),
+    "falcon": lambda n: transformers.FalconConfig(num_hidden_layers=n, vocab_size=96,
+                                                  hidden_size=32, num_attention_heads=4),
+    # MoE with the router auxiliary loss on: its gradient reaches the layers
+    "mixtral": lambda n: transformers.MixtralConfig(num_hidden_layers=n, **_MOE, **_COMMON),
+    "qwen3_moe": lambda n: transformers.Qwen3MoeConfig(
+        num_hidden_layers=n, num_experts=_MOE["num_local_experts"], head_dim=8,
+        moe_intermediate_size=32, **{k: v for k, v in _MOE.items() if k != "num_local_experts"},
+        **_COMMON),
 }
 
 PLAN_KINDS = ("checkpoint_all", "megatrain", "offload_all", "all_nvme", "mixed")

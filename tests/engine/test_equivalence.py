@@ -16,7 +16,7 @@ def _layers_for(kind: str) -> int:
 
 
 def train_pair(arch: str, kind: str, tmp_path, *, accumulation: int = 1, steps: int = 3,
-               compute_dtype: torch.dtype | None = None, **overrides):
+               compute_dtype: torch.dtype | None = None, data=None, **overrides):
     """Train a plain model and a streamed twin side by side; return losses and both models."""
     num_layers = _layers_for(kind)
     ref = build_model(arch, num_layers, **overrides)
@@ -26,7 +26,7 @@ def train_pair(arch: str, kind: str, tmp_path, *, accumulation: int = 1, steps: 
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses_ref, losses = [], []
-    data = batches(steps * accumulation)
+    data = data or batches(steps * accumulation)
     for step in range(steps):
         for micro in range(accumulation):
             ids = data[step * accumulation + micro]

@@ -101,19 +101,6 @@ def test_in_place_change_of_a_stored_boundary_is_detected(tmp_path):
         loss.backward()
 
 
-def test_hf_gradient_checkpointing_is_refused(tmp_path):
-    model = build_model("qwen2", 4)
-    model.gradient_checkpointing_enable()
-    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
-        attach(model, make_plan("checkpoint_all", 4), device=CPU)
-    model.gradient_checkpointing_disable()
-    attach(model, make_plan("checkpoint_all", 4), device=CPU, nvme_dir=str(tmp_path))
-    model.gradient_checkpointing_enable()
-    ids = batches(1)[0]
-    with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
-        model(input_ids=ids, labels=ids)
-
-
 @pytest.mark.parametrize("kind", ["checkpoint_all", "mixed"])
 def test_opt_layerdrop_indexes_state_by_executed_position(kind, tmp_path):
     ref = build_model("opt", 10, layerdrop=0.5)

@@ -1,5 +1,5 @@
-"""The plan is sized from the first batch prepare() sees; a dynamically padded loader can
-send longer batches later, beyond the planned activation bytes (an OOM on a GPU)."""
+"""The plan is sized for the longest batch the run can produce; a dynamically padded loader
+that sends a longer batch later re-plans once upward (cached) before that batch runs."""
 
 from __future__ import annotations
 
@@ -21,31 +21,106 @@ def _pad_to_longest(rows: list[torch.Tensor]) -> dict[str, torch.Tensor]:
             "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def _run(tmp_path: Path, lengths: list[int]) -> None:
+def _rows(lengths: list[int]) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    rows = [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
-    loader = torch.utils.data.DataLoader(rows, batch_size=2, collate_fn=_pad_to_longest)
+    return [torch.randint(3, VOCAB, (n,), generator=gen) for n in lengths]
+
+
+def _run(tmp_path: Path, lengths: list[int], *, with_loader: bool = True,
+         **settings: object) -> tuple[list[float], Accelerator]:
+    loader = torch.utils.data.DataLoader(_rows(lengths), batch_size=2,
+                                         collate_fn=_pad_to_longest)
     model = build("llama")
-    acc = Accelerator(cpu=True, plugin=plugin(tmp_path, "offload_all", optimizer="keep"))
-    model, opt, loader = acc.prepare(model, torch.optim.AdamW(model.parameters()), loader)
+    acc = Accelerator(cpu=True, plugin=plugin(tmp_path, settings.pop("plan", "offload_all"),
+                                              optimizer="keep", **settings))
+    opt = torch.optim.AdamW(model.parameters())
+    if with_loader:
+        model, opt, loader = acc.prepare(model, opt, loader)
+    else:
+        model, opt = acc.prepare(model, opt)
+    losses = []
     for batch in loader:
-        acc.backward(model(**batch).loss)
+        loss = model(**batch).loss
+        acc.backward(loss)
+        losses.append(loss.item())
         opt.step()
         opt.zero_grad()
+    return losses, acc
+
+
+def _stock(lengths: list[int]) -> list[float]:
+    model = build("llama")
+    opt = torch.optim.AdamW(model.parameters())
+    losses = []
+    for batch in torch.utils.data.DataLoader(_rows(lengths), batch_size=2,
+                                             collate_fn=_pad_to_longest):
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def test_a_longer_batch_replans_once_upward_before_it_runs(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    lengths = [6, 5, 20, 9, 30, 4]
+    with caplog.at_level(logging.INFO, logger="lazytrain_accel"):
+        losses, acc = _run(tmp_path, lengths)
+    plans = [r.message for r in caplog.records if "LazyTrain plan" in r.message]
+    assert len(plans) == 2, plans  # the first batch's 2 x 6, then 2 x 32 (covers 20 and 30)
+    assert "batch 2 x seq 6" in plans[0] and "batch 2 x seq 32" in plans[1]
+    assert "sized from a longer batch" in plans[1]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert acc.lazytrain_engine.plan.seq_len == 32 == acc.lazytrain_run.plan.seq_len
+    assert losses == _stock(lengths)
     acc.end_training()
 
 
-def test_a_batch_beyond_the_planned_shape_is_reported_once(
+def test_no_loader_plans_for_the_first_batch_and_says_nothing_before(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="lazytrain_accel"):
+        _, acc = _run(tmp_path, [12, 5, 12, 9], with_loader=False)
+    plans = [r.message for r in caplog.records if "LazyTrain plan" in r.message]
+    assert len(plans) == 1 and "batch 2 x seq 12" in plans[0], plans  # never seq 64
+    acc.end_training()
+
+
+def test_explicit_shape_fields_size_the_plan(tmp_path: Path) -> None:
+    _, acc = _run(tmp_path, [12, 5, 12, 9], batch_size=2, seq_len=16)
+    assert (acc.lazytrain_engine.plan.batch_size, acc.lazytrain_engine.plan.seq_len) == (2, 16)
+    acc.end_training()
+
+
+def test_a_plan_file_is_not_replanned_and_the_warning_names_no_gpu_on_cpu(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _, acc = _run(tmp_path, [6, 6])
+    path = tmp_path / "plan.json"
+    acc.lazytrain_run.plan.save(path)
+    acc.end_training()
     with caplog.at_level(logging.WARNING, logger="lazytrain_accel"):
-        _run(tmp_path, [6, 5, 20, 9, 30, 4])
+        _, acc = _run(tmp_path, [6, 5, 20, 9, 30, 4], plan=str(path))
     beyond = [r.message for r in caplog.records if "beyond the plan" in r.message]
-    assert len(beyond) == 1, beyond
-    assert "2 x 20" in beyond[0] and "2 x 6" in beyond[0]
+    assert len(beyond) == 1 and "2 x 20" in beyond[0] and "2 x 6" in beyond[0]
+    assert "GPU" not in beyond[0]
+    acc.end_training()
 
 
 def test_batches_within_the_plan_say_nothing(tmp_path: Path,
                                              caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="lazytrain_accel"):
-        _run(tmp_path, [12, 5, 12, 9, 3])  # the last batch holds one row
+        _, acc = _run(tmp_path, [12, 5, 12, 9, 3])  # the last batch holds one row
     assert not [r for r in caplog.records if "beyond the plan" in r.message]
+    assert acc.lazytrain_engine.plan.seq_len == 12
+    acc.end_training()
+
+
+def test_resuming_a_checkpoint_planned_for_longer_batches_adopts_its_shape(
+        tmp_path: Path) -> None:
+    _, acc = _run(tmp_path, [6, 5, 20, 9])
+    acc.save_state(str(tmp_path / "ckpt"))
+    acc.end_training()
+    _, resumed = _run(tmp_path, [6, 5])  # planned 2 x 6 from its first batch
+    resumed.load_state(str(tmp_path / "ckpt"))  # the checkpoint's plan is 2 x 32: no error
+    assert resumed.lazytrain_engine.plan.seq_len == 32
+    resumed.end_training()

@@ -1,0 +1,97 @@
+"""Tensors a layer hands to transformers' output collector, routed through the layer Function.
+
+Transformers 5 gathers router logits (Mixtral's and Qwen3-MoE's auxiliary loss), attention
+weights and hidden states with forward hooks on submodules that append to a per-forward
+collector (`transformers.utils.output_capturing._active_collector`). Inside a streamed
+layer those hooks fire while the layer runs under no_grad, so what they record carries no
+graph: a loss built from it (the router auxiliary loss) would silently give the layers no
+gradient. The engine takes what a layer's run appended, returns it from the layer Function
+as extra outputs (connected to autograd), and puts those outputs back in the collector;
+the backward re-run records the same tensors again, now with grad, to differentiate them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+try:  # transformers >= 5: the collector behind `output_router_logits` and friends
+    from transformers.utils.output_capturing import _active_collector
+except ImportError:  # older transformers returned those tensors as layer outputs
+    _active_collector = None
+
+
+@dataclass(kw_only=True, frozen=True)
+class Captured:
+    """Where one layer run's tensors went in the collector (never the tensors: they become
+    the Function's outputs, whose graph holds this record; holding them would be a cycle
+    through the C++ graph that Python's GC cannot see)."""
+
+    prior: dict[str, int]  # each list's length before the run (hooks may branch on it)
+    slots: list[tuple[str, int]]  # where each captured tensor sits, in output order
+
+
+@dataclass(kw_only=True)
+class Capture:
+    """Filled when a `capturing` block ends: the record and the tensors it found."""
+
+    record: Captured | None = None
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+def _collector() -> dict[str, Any] | None:
+    return None if _active_collector is None else _active_collector.get()
+
+
+@contextmanager
+def capturing(hidden: torch.Tensor) -> Iterator[Capture]:
+    """Run the body with the live collector; yield a `Capture` that then holds what it
+    appended (tensors other than `hidden`), for `restore` to replace with connected ones."""
+    out = Capture()
+    collector = _collector()
+    prior = {k: len(v) for k, v in (collector or {}).items() if isinstance(v, list)}
+    yield out
+    slots, tensors = [], []
+    for key, start in prior.items():
+        for slot in range(start, len(collector[key])):
+            value = collector[key][slot]
+            if isinstance(value, torch.Tensor) and value is not hidden:
+                slots.append((key, slot))
+                tensors.append(value)
+    out.record, out.tensors = Captured(prior=prior, slots=slots), tensors
+
+
+def restore(captured: Captured, tensors: list[torch.Tensor]) -> None:
+    """Put the layer Function's outputs in the collector slots their originals held."""
+    collector = _collector()
+    if collector is None or not captured.slots:
+        return
+    for (key, slot), tensor in zip(captured.slots, tensors, strict=True):
+        collector[key][slot] = tensor
+
+
+@contextmanager
+def recording(captured: Captured | None) -> Iterator[dict[str, list[Any]]]:
+    """A fresh collector shaped as the forward's was (same keys, same prior lengths), so a
+    re-run's hooks record the same tensors in the same slots; yields it."""
+    fresh: dict[str, Any] = {}
+    if captured is not None and captured.slots and _active_collector is not None:
+        live = {k: [None] * n for k, n in captured.prior.items()}
+        fresh.update(live)
+    token = _active_collector.set(fresh or None) if _active_collector is not None else None
+    try:
+        yield fresh
+    finally:
+        if _active_collector is not None:
+            _active_collector.reset(token)
+
+
+def recorded(fresh: dict[str, list[Any]], captured: Captured | None) -> list[torch.Tensor]:
+    """The tensors a re-run recorded in the forward's capture slots."""
+    if captured is None:
+        return []
+    return [fresh[key][slot] for key, slot in captured.slots]

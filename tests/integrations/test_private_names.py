@@ -1,0 +1,63 @@
+"""Private names of transformers / accelerate that LazyTrain patches or reads.
+
+Each one is a point where an upgrade can silently change behaviour (a patch that no longer
+runs, a flag nobody reads). This test fails with the name and where LazyTrain uses it, so an
+upgrade is caught here rather than as wrong training.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import accelerate
+import pytest
+import transformers
+from accelerate.optimizer import AcceleratedOptimizer
+from transformers import Trainer
+from transformers.modeling_utils import PreTrainedModel
+
+#: (owner, attribute, where LazyTrain relies on it)
+PATCHED = [
+    (Trainer, "_move_model_to_device", "integrations/transformers.py keeps the model on host"),
+    (Trainer, "_build_accelerator_args", "integrations/transformers.py builds TrainerAccelerator"),
+    (Trainer, "create_accelerator_and_postprocess", "integrations/transformers.py"),
+    (Trainer, "_save_optimizer_and_scheduler", "integrations/transformers.py saves the plan"),
+    (Trainer, "_load_optimizer_and_scheduler", "integrations/transformers.py checks the plan"),
+    (Trainer, "_save_checkpoint", "integrations/trainer_checkpoint.py atomic checkpoints"),
+    (Trainer, "_get_output_dir", "integrations/trainer_checkpoint.py redirects the save"),
+    (Trainer, "get_train_dataloader", "integrations/transformers.py sizes the plan"),
+    (Trainer, "get_eval_dataloader", "integrations/transformers.py sizes the plan"),
+    (PreTrainedModel, "_set_gradient_checkpointing", "engine/hf_checkpointing.py keeps it off"),
+    (accelerate.Accelerator, "prepare_model", "integrations/accelerate.py streams instead"),
+    (accelerate.Accelerator, "prepare_optimizer", "integrations/accelerate.py"),
+]
+
+
+@pytest.mark.parametrize(("owner", "name", "where"), PATCHED,
+                         ids=[f"{o.__name__}.{n}" for o, n, _ in PATCHED])
+def test_patched_names_exist(owner, name, where):
+    assert callable(getattr(owner, name, None)), (
+        f"{owner.__module__}.{owner.__name__}.{name} is gone in transformers "
+        f"{transformers.__version__} / accelerate {accelerate.__version__}; LazyTrain patches "
+        f"it in {where}: adapt that code before raising the upper bound in setup.cfg")
+
+
+def test_read_and_written_private_state_still_exists():
+    from transformers.utils import output_capturing
+
+    assert hasattr(output_capturing, "_active_collector"), (
+        "transformers.utils.output_capturing._active_collector is gone: engine/captures.py "
+        "routes router logits (the MoE aux loss) through it; without it their gradient is lost")
+    assert "_train_batch_size" in inspect.getsource(Trainer.__init__) + inspect.getsource(
+        Trainer.train), "Trainer._train_batch_size (integrations/transformers.py) is gone"
+    assert "_is_overflow" in inspect.getsource(AcceleratedOptimizer), (
+        "AcceleratedOptimizer._is_overflow (integrations/accelerate.py step_was_skipped) is gone")
+    assert "_models" in vars(accelerate.Accelerator(cpu=True)), (
+        "Accelerator._models (integrations/accelerate.py registers the streamed model) is gone")
+
+
+def test_the_gradient_checkpointing_enable_path_goes_through_the_patched_method():
+    source = inspect.getsource(PreTrainedModel._activation_checkpointing_enable)
+    assert "self._set_gradient_checkpointing(" in source, (
+        "PreTrainedModel no longer enables checkpointing through _set_gradient_checkpointing: "
+        "engine/hf_checkpointing.py would not see later enables")
