@@ -68,7 +68,13 @@ _DEFAULTS: dict[str, Any] = {
     "cache_dir": default_cache_dir,
     "max_nonfinite_skips": 3,
     "loss_chunk_tokens": 0,
+    "emulate_async": False,
+    "emulate_seed": 0,
+    "emulate_links": "off",
 }
+
+#: Link throttling modes of the emulated async device.
+EMULATE_LINKS: tuple[str, ...] = ("profile", "off")
 
 
 @dataclass(kw_only=True)
@@ -94,6 +100,11 @@ class LazyTrainConfig:
         loss_chunk_tokens: 0 keeps the model's own loss (full tokens x vocab logits); > 0
             computes the training loss with the fused chunked cross-entropy, whose logits
             exist for that many tokens at a time (`logits` is then None in the output).
+        emulate_async: on a CPU, run the engine on the emulated async device (worker-thread
+            streams, poisoned destinations; docs/engine.md "Emulated async device").
+        emulate_seed: seed of the emulation's random delays (a failure names it).
+        emulate_links: "profile" throttles the emulated links to the hardware profile's
+            H2D, D2H and NVMe rates; "off" leaves them unthrottled.
     """
 
     plan: str | None = None
@@ -108,6 +119,9 @@ class LazyTrainConfig:
     cache_dir: str | None = None
     max_nonfinite_skips: int | None = None
     loss_chunk_tokens: int | None = None
+    emulate_async: bool | None = None
+    emulate_seed: int | None = None
+    emulate_links: str | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -172,6 +186,9 @@ class LazyTrainConfig:
         if self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = the "
                              "model's own loss; e.g. 4096 for the fused chunked loss)")
+        if self.emulate_links not in EMULATE_LINKS:
+            raise ValueError(f"emulate_links={self.emulate_links!r} is not valid: use one of "
+                             f"{list(EMULATE_LINKS)}")
 
     def is_explicit(self, name: str) -> bool:
         """True when `name` was passed as an argument (not from env or default)."""
@@ -196,7 +213,28 @@ def _is_json_path(value: str) -> bool:
 
 _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
                  "solver_time_limit_s")
-_INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens")
+_INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens", "emulate_seed")
+_BOOL_FIELDS = ("emulate_async",)
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+               "0": False, "false": False, "no": False, "off": False}
+
+
+def env_setting(name: str) -> Any:
+    """Field `name` from `LAZYTRAIN_<NAME>`, else its default, coerced and checked as in
+    `LazyTrainConfig` (for code running without a config, e.g. a bare `engine.attach`)."""
+    value = os.environ.get(ENV_PREFIX + name.upper(), "").strip()
+    if not value:
+        default = _DEFAULTS[name]
+        return default() if callable(default) else default
+    try:
+        coerced = _coerce(name, value)
+        if name == "emulate_links" and coerced not in EMULATE_LINKS:
+            raise ValueError(f"emulate_links={coerced!r} is not valid: use one of "
+                             f"{list(EMULATE_LINKS)}")
+    except ValueError as err:
+        raise ValueError(f"{err} (value from the environment variable "
+                         f"{ENV_PREFIX}{name.upper()})") from None
+    return coerced
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -210,6 +248,13 @@ def _coerce(name: str, value: Any) -> Any:
             allowed = [c.value for c in OptimizerChoice]
             raise ValueError(f"optimizer={value!r} is not valid: allowed values are "
                              f"{allowed}") from None
+    if name in _BOOL_FIELDS:
+        if isinstance(value, bool):
+            return value
+        word = str(value).strip().lower()
+        if word not in _BOOL_WORDS:
+            raise ValueError(f"{name}={value!r} must be a boolean (1/0, true/false)")
+        return _BOOL_WORDS[word]
     if name in _FLOAT_FIELDS or name in _INT_FIELDS:
         kind = float if name in _FLOAT_FIELDS else int
         if isinstance(value, bool):
@@ -226,6 +271,6 @@ def _coerce(name: str, value: Any) -> Any:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{name}={value!r} must be a non-empty string")
     value = value.strip()
-    if name in ("plan", "hardware") and not _is_json_path(value):
+    if name in ("plan", "hardware", "emulate_links") and not _is_json_path(value):
         return value.lower()  # names ("auto", strategies, presets) are case-insensitive
     return os.path.expanduser(value) if name in ("nvme_dir", "cache_dir") else value
