@@ -38,6 +38,7 @@ from lazytrain_accel.engine import attach
 from lazytrain_accel.engine.emulation import EmulationSettings
 from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning import Budgets, build_problem, make_plan, simulate
+from lazytrain_accel.planning.problem import GPU_RESERVE_FRACTION
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import geometry_from_config, profile_model
@@ -168,7 +169,8 @@ def plans(profile: ModelProfile, hw: HardwareProfile) -> dict[str, object]:
     # rest must go to NVMe.
     p = build_problem(profile, hw, max_recompute_block=1)
     A = profile.boundary_bytes
-    gpu = int((p.static_gpu_bytes + (p.staging_boundaries + 3) * A) / 0.9) + 1
+    gpu = int((p.static_gpu_bytes + (p.staging_boundaries + 3) * A)
+              / (1 - GPU_RESERVE_FRACTION)) + 1
     budgets = Budgets(gpu_bytes=gpu, cpu_bytes=p.static_cpu_bytes + 2 * A, nvme_bytes=64 * GIB)
     out["auto+nvme"] = make_plan(profile, hw, strategy="lazytrain", budgets=budgets,
                                  max_recompute_block=1, time_limit_s=20.0)
