@@ -70,7 +70,13 @@ _DEFAULTS: dict[str, Any] = {
     "loss_chunk_tokens": 0,
     "batch_size": 0,
     "seq_len": 0,
+    "emulate_async": False,
+    "emulate_seed": 0,
+    "emulate_links": "off",
 }
+
+#: Link throttling modes of the emulated async device.
+EMULATE_LINKS: tuple[str, ...] = ("profile", "off")
 
 
 @dataclass(kw_only=True)
@@ -99,6 +105,11 @@ class LazyTrainConfig:
         batch_size / seq_len: the micro-batch shape to plan for; 0 (the default) sizes
             the plan from the data (the run's sequence bound or its first batch) and
             re-plans once upward, cached, if a longer batch arrives.
+        emulate_async: on a CPU, run the engine on the emulated async device (worker-thread
+            streams, poisoned destinations; docs/engine.md "Emulated async device").
+        emulate_seed: seed of the emulation's random delays (a failure names it).
+        emulate_links: "profile" throttles the emulated links to the hardware profile's
+            H2D, D2H and NVMe rates; "off" leaves them unthrottled.
     """
 
     plan: str | None = None
@@ -115,6 +126,9 @@ class LazyTrainConfig:
     loss_chunk_tokens: int | None = None
     batch_size: int | None = None
     seq_len: int | None = None
+    emulate_async: bool | None = None
+    emulate_seed: int | None = None
+    emulate_links: str | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -183,6 +197,9 @@ class LazyTrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = size the "
                                  "plan from the data)")
+        if self.emulate_links not in EMULATE_LINKS:
+            raise ValueError(f"emulate_links={self.emulate_links!r} is not valid: use one of "
+                             f"{list(EMULATE_LINKS)}")
 
     def is_explicit(self, name: str) -> bool:
         """True when `name` was passed as an argument (not from env or default)."""
@@ -208,7 +225,28 @@ def _is_json_path(value: str) -> bool:
 _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
                  "solver_time_limit_s")
 _INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens",
-               "batch_size", "seq_len")
+               "batch_size", "seq_len", "emulate_seed")
+_BOOL_FIELDS = ("emulate_async",)
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+               "0": False, "false": False, "no": False, "off": False}
+
+
+def env_setting(name: str) -> Any:
+    """Field `name` from `LAZYTRAIN_<NAME>`, else its default, coerced and checked as in
+    `LazyTrainConfig` (for code running without a config, e.g. a bare `engine.attach`)."""
+    value = os.environ.get(ENV_PREFIX + name.upper(), "").strip()
+    if not value:
+        default = _DEFAULTS[name]
+        return default() if callable(default) else default
+    try:
+        coerced = _coerce(name, value)
+        if name == "emulate_links" and coerced not in EMULATE_LINKS:
+            raise ValueError(f"emulate_links={coerced!r} is not valid: use one of "
+                             f"{list(EMULATE_LINKS)}")
+    except ValueError as err:
+        raise ValueError(f"{err} (value from the environment variable "
+                         f"{ENV_PREFIX}{name.upper()})") from None
+    return coerced
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -222,6 +260,13 @@ def _coerce(name: str, value: Any) -> Any:
             allowed = [c.value for c in OptimizerChoice]
             raise ValueError(f"optimizer={value!r} is not valid: allowed values are "
                              f"{allowed}") from None
+    if name in _BOOL_FIELDS:
+        if isinstance(value, bool):
+            return value
+        word = str(value).strip().lower()
+        if word not in _BOOL_WORDS:
+            raise ValueError(f"{name}={value!r} must be a boolean (1/0, true/false)")
+        return _BOOL_WORDS[word]
     if name in _FLOAT_FIELDS or name in _INT_FIELDS:
         kind = float if name in _FLOAT_FIELDS else int
         if isinstance(value, bool):
@@ -238,6 +283,6 @@ def _coerce(name: str, value: Any) -> Any:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{name}={value!r} must be a non-empty string")
     value = value.strip()
-    if name in ("plan", "hardware") and not _is_json_path(value):
+    if name in ("plan", "hardware", "emulate_links") and not _is_json_path(value):
         return value.lower()  # names ("auto", strategies, presets) are case-insensitive
     return os.path.expanduser(value) if name in ("nvme_dir", "cache_dir") else value

@@ -57,6 +57,9 @@ ENV_VALUES = {
     "loss_chunk_tokens": ("4096", 4096),
     "batch_size": ("8", 8),
     "seq_len": ("2048", 2048),
+    "emulate_async": ("yes", True),
+    "emulate_seed": ("7", 7),
+    "emulate_links": ("Profile", "profile"),
 }
 
 
@@ -91,6 +94,9 @@ ARGUMENTS = {
     "loss_chunk_tokens": (1024, 1024),
     "batch_size": (4, 4),
     "seq_len": (512, 512),
+    "emulate_async": (False, False),
+    "emulate_seed": (3, 3),
+    "emulate_links": ("off", "off"),
 }
 
 
@@ -142,6 +148,8 @@ BAD = [
     ("max_recompute_block", 2.5, ["max_recompute_block=2.5", "integer"]),
     ("max_recompute_block", True, ["max_recompute_block=True", "number"]),
     ("solver_time_limit_s", 0, ["solver_time_limit_s=0", "> 0"]),
+    ("emulate_async", "maybe", ["emulate_async='maybe'", "boolean"]),
+    ("emulate_links", "fast", ["emulate_links='fast'", "profile"]),
     ("solver_time_limit_s", "inf", ["solver_time_limit_s='inf'", "finite"]),
     ("max_nonfinite_skips", 0, ["max_nonfinite_skips=0", ">= 1"]),
     ("loss_chunk_tokens", -1, ["loss_chunk_tokens=-1", ">= 0"]),
@@ -185,3 +193,15 @@ def test_default_dirs_follow_their_env_vars(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("LAZYTRAIN_NVME_DIR", str(tmp_path / "n"))
     assert default_cache_dir() == str(tmp_path / "c")
     assert default_nvme_dir() == str(tmp_path / "n")
+
+
+def test_env_setting_reads_one_field_without_a_config(monkeypatch) -> None:
+    from lazytrain_accel.config import env_setting
+
+    assert env_setting("emulate_async") is False and env_setting("emulate_links") == "off"
+    monkeypatch.setenv("LAZYTRAIN_EMULATE_ASYNC", "1")
+    monkeypatch.setenv("LAZYTRAIN_EMULATE_SEED", "12")
+    assert env_setting("emulate_async") is True and env_setting("emulate_seed") == 12
+    monkeypatch.setenv("LAZYTRAIN_EMULATE_LINKS", "sometimes")
+    with pytest.raises(ValueError, match="LAZYTRAIN_EMULATE_LINKS"):
+        env_setting("emulate_links")

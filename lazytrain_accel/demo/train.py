@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch.profiler import ProfilerActivity, profile
 
+from lazytrain_accel.engine.fidelity import FidelityMonitor
+
 
 @dataclass(kw_only=True)
 class TrainResult:
@@ -51,6 +53,7 @@ def train(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optim
     columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("{task.fields[info]}"))
     model.train()
+    fidelity = FidelityMonitor(interval_steps=max(steps // 5, 1))  # engine/fidelity.py
     with Progress(*columns, console=console, transient=False) as progress:
         task = progress.add_task("train", total=steps, info="")
         for step in range(steps):
@@ -72,6 +75,8 @@ def train(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optim
             loss_value = float(loss.detach())
             step_stall_s = engine.stats().stall_s
             stall_s += step_stall_s
+            fidelity.add_step(accelerator.lazytrain_run.plan.prediction, step_s, engine.stats(),
+                              progress.console.log)
             tokens = batch["input_ids"].numel()
             progress.update(task, advance=1, info=f"loss {loss_value:.3f}  "
                             f"{tokens / step_s:,.0f} tok/s  stall {step_stall_s * 1e3:.1f} ms")

@@ -19,7 +19,7 @@ import torch
 
 from lazytrain_accel.engine.nvme import NvmeSpill
 from lazytrain_accel.engine.stats import Accounting
-from lazytrain_accel.engine.streams import Streams
+from lazytrain_accel.engine.streams import Event, Streams
 from lazytrain_accel.planning.plan import Home, Plan, TransferKind
 
 _FORWARD_IDS = itertools.count()
@@ -39,8 +39,8 @@ class _Boundary:
     version: int
     device: torch.Tensor | None = None
     host: torch.Tensor | None = None
-    host_ready: torch.cuda.Event | None = None
-    device_ready: torch.cuda.Event | None = None
+    host_ready: Event | None = None
+    device_ready: Event | None = None
     write: Future[None] | None = None
     read: Future[torch.Tensor] | None = None
     on_nvme: bool = False
@@ -122,9 +122,9 @@ class ActivationStore:
         if rec.host is not None or rec.on_nvme or rec.device is None:
             return
         self._check_version(rec)
-        with self._acct.timed_transfer("d2h", rec.nbytes), self._streams.copy_stream():
+        with self._acct.timed_transfer("d2h", rec.nbytes), self._streams.copy_stream("d2h"):
             rec.host = self._streams.empty_host(rec.shape, rec.dtype)
-            rec.host.copy_(rec.device, non_blocking=True)
+            self._streams.copy_(rec.host, rec.device)
             self._streams.keep_alive(rec.device)
             rec.host_ready = self._streams.record()
         self._acct.allocate(self._streams.host_tier, rec.nbytes)
@@ -135,7 +135,7 @@ class ActivationStore:
         if rec.write is not None or rec.on_nvme:
             return
         self._d2h(rec)
-        self._stall_on(lambda: Streams.host_waits(rec.host_ready))
+        self._stall_on(lambda: self._streams.host_waits(rec.host_ready))
         rec.write = self._spill.write(self._name(rec), rec.host)
 
     def _nvme_read(self, rec: _Boundary) -> None:
@@ -156,11 +156,11 @@ class ActivationStore:
                 self._stall_on(rec.read.result)
         else:
             self._d2h(rec)
-        self._stall_on(lambda: Streams.host_waits(rec.host_ready))
+        self._stall_on(lambda: self._streams.host_waits(rec.host_ready))
         # allocated on the compute stream, which reads and frees it; written on the side one
         rec.device = torch.empty(rec.shape, dtype=rec.dtype, device=self._streams.device)
-        with self._acct.timed_transfer("h2d", rec.nbytes), self._streams.copy_stream():
-            rec.device.copy_(rec.host, non_blocking=True)
+        with self._acct.timed_transfer("h2d", rec.nbytes), self._streams.copy_stream("h2d"):
+            self._streams.copy_(rec.device, rec.host)
             self._streams.keep_alive(rec.device)
             rec.device_ready = self._streams.record()
         rec.version = rec.device._version

@@ -19,6 +19,7 @@ from torch import nn
 
 from lazytrain_accel.engine import hf_checkpointing
 from lazytrain_accel.engine.discovery import UnsupportedModelError, find_decoder_layers
+from lazytrain_accel.engine.emulation import EmulationSettings
 from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.layer_call import ForwardState
 from lazytrain_accel.engine.loss_patch import FusedLoss, apply_fused_loss
@@ -27,7 +28,7 @@ from lazytrain_accel.engine.overlap import LayerwiseUpdate
 from lazytrain_accel.engine.residents import ResidentParams
 from lazytrain_accel.engine.runtime import Runtime
 from lazytrain_accel.engine.stats import Accounting, StepStats
-from lazytrain_accel.engine.streams import Streams
+from lazytrain_accel.engine.streams import make_streams
 from lazytrain_accel.engine.weights import WeightPool
 from lazytrain_accel.planning.plan import Home, Plan
 
@@ -80,7 +81,8 @@ def _streamed_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
 class StreamingEngine:
     def __init__(self, model: nn.Module, plan: Plan, *, device: torch.device,
                  compute_dtype: torch.dtype | None, nvme_dir: str | None,
-                 loss_chunk_tokens: int = 0) -> None:
+                 loss_chunk_tokens: int = 0, emulation: EmulationSettings | bool | None = None
+                 ) -> None:
         if loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 0 (0 = the "
                              "model's own loss)")
@@ -102,6 +104,7 @@ class StreamingEngine:
         for p in model.parameters():  # fp32 host masters
             if p.device.type != "cpu" or (p.is_floating_point() and p.dtype != torch.float32):
                 p.data = p.data.to("cpu", torch.float32 if p.is_floating_point() else p.dtype)
+        self.streams = make_streams(self.device, emulation)
         self._build_parts(nvme_dir, resident)
         self._patch(model, parent)
         self.fused_loss: FusedLoss | None = (
@@ -118,9 +121,8 @@ class StreamingEngine:
                         "rest stored)", recomputed, self.plan.num_layers)
 
     def _build_parts(self, nvme_dir: str | None, resident: list[nn.Parameter]) -> None:
-        self.streams = Streams(self.device)
         self.acct = Accounting()
-        self.spill = NvmeSpill(nvme_dir, self.acct)
+        self.spill = NvmeSpill(nvme_dir, self.acct, streams=self.streams)
         trainable = [[p for p in ps if p.requires_grad] for ps in self._layer_params]
         max_numel = max((sum(p.numel() for p in ps) for ps in trainable), default=1)
         self.sink = GradSink(streams=self.streams, accounting=self.acct,
@@ -402,6 +404,7 @@ class StreamingEngine:
         self.pool.close()
         self.sink.close()
         self.spill.close()
+        self.streams.close()
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> dict[nn.Module, torch.device]:
@@ -416,14 +419,18 @@ def _move_buffers(model: nn.Module, device: torch.device) -> dict[nn.Module, tor
 
 def attach(model: nn.Module, plan: Plan, *, device: torch.device,
            compute_dtype: torch.dtype | None = None,
-           nvme_dir: str | None = None, loss_chunk_tokens: int = 0) -> StreamingEngine:
+           nvme_dir: str | None = None, loss_chunk_tokens: int = 0,
+           emulation: EmulationSettings | bool | None = None) -> StreamingEngine:
     """Stream `model`'s decoder layers per `plan` on `device`; see `StreamingEngine`.
 
     `plan.num_layers` must equal the decoder depth. `compute_dtype` (default fp32) is the
     dtype of the device copies; masters stay fp32 on the host. Boundaries homed on NVMe
     go to a private directory under `nvme_dir` (default: the system temp directory).
     `loss_chunk_tokens` > 0 computes the training loss with the fused chunked
-    cross-entropy (`apply_fused_loss`; docs/engine.md "Fused loss").
+    cross-entropy (`apply_fused_loss`; docs/engine.md "Fused loss"). On a CPU,
+    `emulation` selects the emulated async device (`engine/emulation.py`; None: from
+    `LAZYTRAIN_EMULATE_ASYNC`, False: synchronous).
     """
     return StreamingEngine(model, plan, device=device, compute_dtype=compute_dtype,
-                           nvme_dir=nvme_dir, loss_chunk_tokens=loss_chunk_tokens)
+                           nvme_dir=nvme_dir, loss_chunk_tokens=loss_chunk_tokens,
+                           emulation=emulation)

@@ -1,9 +1,10 @@
 """Gradient offload: device grads -> host fp32 `.grad`, accumulated, norms kept as they land.
 
-A layer's weight gradients leave the device as soon as its backward ends. On CUDA they
-are copied on the side stream into one of two pinned staging buffers and folded into the
-host `.grad` once the copy is done (at the next layer's backward, or at the end of the
-backward pass); on CPU they are folded in at once. Each fold also records the squared L2
+A layer's weight gradients leave the device as soon as its backward ends. With an async
+backend (CUDA, or its CPU emulation) they are copied on the D2H side stream into one of two
+pinned staging buffers and folded into the host `.grad` once the copy is done (at the
+next layer's backward, or at the end of the backward pass); on CPU they are folded in at
+once. Each fold also records the squared L2
 norm of the accumulated gradient, so clipping after the last micro-batch needs no pass.
 """
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from lazytrain_accel.engine.stats import Accounting
-from lazytrain_accel.engine.streams import Streams
+from lazytrain_accel.engine.streams import Event, Streams
 
 
 class GradSink:
@@ -28,8 +29,8 @@ class GradSink:
         # (data parallelism starts that layer's all-reduce there).
         self.ready_hooks: list[Callable[[list[nn.Parameter]], None]] = []
         self._staging = [streams.empty_host(torch.Size([max_numel]), grad_dtype)
-                         for _ in range(2)] if streams.is_cuda else []
-        self._pending: list[tuple[int, list[nn.Parameter], torch.cuda.Event | None]] = []
+                         for _ in range(2)] if streams.is_async else []
+        self._pending: list[tuple[int, list[nn.Parameter], Event | None]] = []
         self._next = 0
         self._staging_bytes = 2 * max_numel * torch.empty(0, dtype=grad_dtype).element_size()
         if self._staging:
@@ -38,20 +39,21 @@ class GradSink:
     def put(self, params: list[nn.Parameter], grads: list[torch.Tensor]) -> None:
         """Take `grads` (device, compute dtype) of `params` (already back on their masters)."""
         nbytes = sum(g.numel() * g.element_size() for g in grads)
-        if not self._streams.is_cuda:
+        if not self._streams.is_async:
             with self._acct.timed_transfer("grads_d2h", nbytes):
                 self.fold(params, grads, owned=True)
             return
         slot = self._next
         self._next = 1 - self._next
-        self._drain(slot)
-        staging, offset = self._staging[slot], 0
-        with self._acct.timed_transfer("grads_d2h", nbytes), self._streams.copy_stream():
+        self._drain(slot)  # the host has read this staging's previous contents
+        streams, staging, offset = self._streams, self._staging[slot], 0
+        streams.claim(staging)
+        with self._acct.timed_transfer("grads_d2h", nbytes), streams.copy_stream("d2h"):
             for g in grads:
-                staging[offset:offset + g.numel()].view(g.shape).copy_(g, non_blocking=True)
-                self._streams.keep_alive(g)
+                streams.copy_(staging[offset:offset + g.numel()].view(g.shape), g)
+                streams.keep_alive(g)
                 offset += g.numel()
-            self._pending.append((slot, params, self._streams.record()))
+            self._pending.append((slot, params, streams.record()))
 
     def drain(self) -> None:
         """Fold every pending copy into the host gradients (end of a backward pass)."""
@@ -62,7 +64,7 @@ class GradSink:
         for k, (pending_slot, params, event) in enumerate(self._pending):
             if pending_slot != slot:
                 continue
-            Streams.host_waits(event)
+            self._streams.host_waits(event)
             staging, offset, grads = self._staging[slot], 0, []
             for p in params:
                 grads.append(staging[offset:offset + p.numel()].view(p.shape))

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from lazytrain_accel.engine.stats import Accounting
+from lazytrain_accel.engine.streams import Streams, SyncStreams
 
 
 class NvmeIOError(OSError):
@@ -39,10 +40,12 @@ def _io_error(what: str, path: Path, err: OSError) -> NvmeIOError:
 
 
 class NvmeSpill:
-    def __init__(self, nvme_dir: str | None, accounting: Accounting) -> None:
+    def __init__(self, nvme_dir: str | None, accounting: Accounting, *,
+                 streams: Streams | None = None) -> None:
         root = Path(nvme_dir) if nvme_dir else Path(tempfile.gettempdir()) / "lazytrain_nvme"
         self.directory = root / f"lazytrain-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._acct = accounting
+        self._streams = streams or SyncStreams(torch.device("cpu"))  # throttles, jitters
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-nvme")
         self._sizes: dict[str, int] = {}
         self._closed = False
@@ -58,7 +61,7 @@ class NvmeSpill:
         start = time.perf_counter()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "wb") as f:
+            with self._streams.io_link("nvme_write", raw.numel()), open(path, "wb") as f:
                 f.write(raw.numpy().data)
         except OSError as err:
             path.unlink(missing_ok=True)  # no partial file outlives a failed write
@@ -68,13 +71,14 @@ class NvmeSpill:
 
     def read(self, name: str, out: torch.Tensor) -> Future[torch.Tensor]:
         """Fill host tensor `out` from file `name` in the background (after its write)."""
+        self._streams.poison(out)  # a read of `out` before this future's result shows
         return self._io.submit(self._read, self.directory / name, out)
 
     def _read(self, path: Path, out: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         raw = out.reshape(-1).view(torch.uint8)
         try:
-            with open(path, "rb") as f:
+            with self._streams.io_link("nvme_read", raw.numel()), open(path, "rb") as f:
                 got = f.readinto(raw.numpy().data)
         except OSError as err:
             raise _io_error("read", path, err) from err

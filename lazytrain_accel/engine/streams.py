@@ -1,64 +1,194 @@
-"""Copy streams and events: a CUDA side stream when the device is a GPU, no-ops on CPU.
+"""Copy streams and events behind one interface, with three backends.
 
-Everything above this file is written against `Streams`, so the CPU test suite runs the
-same code paths that overlap copies with compute on a GPU.
+The weight pool, gradient sink, activation store and NVMe spill are written against
+`Streams`; only the primitives (side streams, events, `record_stream`, pinned memory)
+differ per backend:
+
+* `CudaStreams`: two CUDA side streams (one per PCIe direction, so H2D and D2H overlap
+  as the simulator assumes), CUDA events, pinned host buffers.
+* `SyncStreams` (CPU default): every copy completes when issued; events are None.
+* `EmulatedStreams` (`engine/emulation.py`, CPU with `LAZYTRAIN_EMULATE_ASYNC=1`): each
+  side stream is a worker thread, each event a completion flag, copies happen later on
+  the worker, destinations are poisoned at enqueue. It drives the CUDA code paths
+  (`is_async` is True), so their ordering logic runs, and fails, on a CPU.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
+if TYPE_CHECKING:
+    from lazytrain_accel.engine.emulation import EmulationSettings
 
-class Streams:
-    """The compute stream and one side stream for host<->device copies."""
+#: A side stream, named by the link its copies use.
+Link = Literal["h2d", "d2h"]
+#: The NVMe links (the spill's I/O thread), throttled and jittered under emulation.
+IoLink = Literal["nvme_read", "nvme_write"]
+
+
+class Event(Protocol):
+    """Completion of the work a stream had queued when the event was recorded."""
+
+    def synchronize(self) -> None: ...
+    def query(self) -> bool: ...
+
+
+class Streams(Protocol):
+    """What the engine's parts need from a device: side streams, events, host buffers."""
+
+    device: torch.device
+    #: True when copies complete after they are issued: staging buffers and events are
+    #: then needed (CUDA, emulation); False when a copy is done when issued (CPU).
+    is_async: bool
+    #: Tier host staging buffers count against ("host_pinned" or "host_pageable").
+    host_tier: str
+
+    def copy_stream(self, link: Link) -> AbstractContextManager[None]:
+        """Issue the enclosed copies on `link`'s side stream, after the compute so far."""
+        ...
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy `src` into `dst` on the stream in use (asynchronously on a side stream)."""
+        ...
+
+    def record(self) -> Event | None:
+        """An event on the stream in use (None when its work is already done)."""
+        ...
+
+    def compute_waits(self, event: Event | None) -> None:
+        """Make the stream in use (compute, or the side stream inside `copy_stream`) wait
+        for `event` without blocking the host."""
+        ...
+
+    def host_waits(self, event: Event | None) -> None:
+        """Block the host until `event` (e.g. a copy into a host buffer) has completed."""
+        ...
+
+    def claim(self, buffer: torch.Tensor) -> None:
+        """Declare that the host hands `buffer` (a staging buffer) out again: every copy
+        that used it must have been waited for (checked under emulation)."""
+        ...
+
+    def empty_host(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer: page-locked where DMA needs it, plain memory otherwise."""
+        ...
+
+    def keep_alive(self, tensor: torch.Tensor) -> None:
+        """Inside `copy_stream`: tell the allocator `tensor` is in use by the side stream."""
+        ...
+
+    def poison(self, tensor: torch.Tensor) -> None:
+        """Mark `tensor` as about to be filled in the background (NaN under emulation)."""
+        ...
+
+    def io_link(self, link: IoLink, nbytes: int) -> AbstractContextManager[None]:
+        """Bracket one NVMe transfer of `nbytes` on the spill's I/O thread."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SyncStreams:
+    """CPU, synchronous: every copy is done when issued, so no event is ever needed."""
+
+    is_async = False
+    host_tier = "host_pageable"
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.is_cuda = device.type == "cuda"
-        self._copy = torch.cuda.Stream(device) if self.is_cuda else None
+
+    def copy_stream(self, link: Link) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def record(self) -> Event | None:
+        return None
+
+    def compute_waits(self, event: Event | None) -> None:
+        return None
+
+    def host_waits(self, event: Event | None) -> None:
+        return None
+
+    def claim(self, buffer: torch.Tensor) -> None:
+        return None
+
+    def empty_host(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def keep_alive(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def poison(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def io_link(self, link: IoLink, nbytes: int) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def close(self) -> None:
+        return None
+
+
+class CudaStreams(SyncStreams):
+    """A GPU: one side stream per PCIe direction, CUDA events, pinned staging."""
+
+    is_async = True
+    host_tier = "host_pinned"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._side = {"h2d": torch.cuda.Stream(device), "d2h": torch.cuda.Stream(device)}
 
     @contextmanager
-    def copy_stream(self) -> Iterator[None]:
-        """Run copies on the side stream, after the work queued so far on compute."""
-        if self._copy is None:
-            yield
-            return
-        self._copy.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._copy):
+    def copy_stream(self, link: Link) -> Iterator[None]:
+        side = self._side[link]
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
             yield
 
-    def record(self) -> torch.cuda.Event | None:
-        """An event on the stream currently in use (None on CPU: work is already done)."""
-        if not self.is_cuda:
-            return None
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def record(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def compute_waits(self, event: torch.cuda.Event | None) -> None:
-        """Make the compute stream wait for `event` without blocking the host."""
+    def compute_waits(self, event: Event | None) -> None:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
-    @staticmethod
-    def host_waits(event: torch.cuda.Event | None) -> None:
-        """Block the host until `event` (a copy into a host buffer) has completed."""
+    def host_waits(self, event: Event | None) -> None:
         if event is not None:
             event.synchronize()
 
     def empty_host(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer: page-locked on CUDA (async DMA), plain memory on CPU."""
-        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
-
-    @property
-    def host_tier(self) -> str:
-        """Tier that host staging buffers count against."""
-        return "host_pinned" if self.is_cuda else "host_pageable"
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def keep_alive(self, tensor: torch.Tensor) -> None:
-        """Tell the caching allocator `tensor` is in use by the side stream too."""
-        if self._copy is not None and tensor.is_cuda:
-            tensor.record_stream(self._copy)
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(self.device))
+
+
+def make_streams(device: torch.device,
+                 emulation: EmulationSettings | bool | None = None) -> Streams:
+    """The backend for `device`. `emulation`: None reads `LAZYTRAIN_EMULATE_ASYNC` (and
+    its seed) from the environment, False forces the synchronous CPU backend, settings
+    emulate. A CUDA device always gets `CudaStreams` (the emulation is for CPU runs)."""
+    if device.type == "cuda":
+        return CudaStreams(device)
+    from lazytrain_accel.engine.emulation import EmulatedStreams, EmulationSettings
+
+    if emulation is None:
+        emulation = EmulationSettings.from_env()
+    if emulation is None or emulation is False:
+        return SyncStreams(device)
+    if emulation is True:
+        emulation = EmulationSettings()
+    return EmulatedStreams(device, emulation)

@@ -3,8 +3,9 @@
 Masters stay where `param.data` points when a layer is idle (host, fp32). To run layer j
 its parameters' `.data` are swapped to views of a device slot holding the compute-dtype
 copy, and swapped back afterwards. Two slots: the running layer and the prefetched next.
-On CUDA a master goes master -> pinned staging (dtype cast on the host) -> slot on the side
-stream, so only two layers' worth of pinned memory exist, never a pinned model copy.
+With an async backend (CUDA, or its CPU emulation) a master goes master -> pinned staging
+(dtype cast on the host) -> slot on the H2D side stream, so only two layers' worth of pinned
+memory exist, never a pinned model copy.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from lazytrain_accel.engine.stats import Accounting
-from lazytrain_accel.engine.streams import Streams
+from lazytrain_accel.engine.streams import Event, Streams
 
 NUM_SLOTS = 2
 
@@ -36,11 +37,11 @@ class WeightPool:
         self._slots = [torch.empty(numel, dtype=compute_dtype, device=device)
                        for _ in range(NUM_SLOTS)]
         self._staging = [streams.empty_host(torch.Size([numel]), compute_dtype)
-                         for _ in range(NUM_SLOTS)] if streams.is_cuda else []
-        self._staging_free: list[torch.cuda.Event | None] = [None] * NUM_SLOTS
+                         for _ in range(NUM_SLOTS)] if streams.is_async else []
+        self._staging_free: list[Event | None] = [None] * NUM_SLOTS
         self._slot_layer: list[int | None] = [None] * NUM_SLOTS
-        self._slot_loaded: list[torch.cuda.Event | None] = [None] * NUM_SLOTS
-        self._slot_done: list[torch.cuda.Event | None] = [None] * NUM_SLOTS
+        self._slot_loaded: list[Event | None] = [None] * NUM_SLOTS
+        self._slot_done: list[Event | None] = [None] * NUM_SLOTS
         self._last_used = [0] * NUM_SLOTS
         self._clock = 0
         self._acquired: dict[int, tuple[int, list[torch.Tensor]]] = {}
@@ -105,8 +106,8 @@ class WeightPool:
         params = self._params[layer - 1]
         nbytes = sum(p.numel() for p in params) * self._slots[slot].element_size()
         with self._acct.timed_transfer("weights_h2d", nbytes):
-            if self._streams.is_cuda:
-                self._load_cuda(slot, params)
+            if self._streams.is_async:
+                self._load_async(slot, params)
             else:
                 for p, view in zip(params, self._views(slot, params), strict=True):
                     view.copy_(p.data)
@@ -114,16 +115,17 @@ class WeightPool:
         self._clock += 1
         self._last_used[slot] = self._clock
 
-    def _load_cuda(self, slot: int, params: list[nn.Parameter]) -> None:
-        Streams.host_waits(self._staging_free[slot])  # previous H2D from this staging done
-        staging, offset = self._staging[slot], 0
+    def _load_async(self, slot: int, params: list[nn.Parameter]) -> None:
+        streams, staging, offset = self._streams, self._staging[slot], 0
+        streams.host_waits(self._staging_free[slot])  # previous H2D from this staging done
+        streams.claim(staging)
         for p in params:
             staging[offset:offset + p.numel()].view(p.shape).copy_(p.data)
             offset += p.numel()
-        with self._streams.copy_stream():
-            self._streams.compute_waits(self._slot_done[slot])  # slot's last reader done
-            self._slots[slot][:offset].copy_(staging[:offset], non_blocking=True)
-            event = self._streams.record()
+        with streams.copy_stream("h2d"):
+            streams.compute_waits(self._slot_done[slot])  # slot's last reader done
+            streams.copy_(self._slots[slot][:offset], staging[:offset])
+            event = streams.record()
         self._slot_loaded[slot] = event
         self._staging_free[slot] = event
 

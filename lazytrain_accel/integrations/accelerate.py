@@ -122,7 +122,8 @@ class Accelerator(accelerate.Accelerator):
                             nvme_dir=plugin.nvme_dir)
         self.lazytrain_engine = attach(model, plan, device=self.device,
                                        compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir,
-                                       loss_chunk_tokens=plugin.loss_chunk_tokens)
+                                       loss_chunk_tokens=plugin.loss_chunk_tokens,
+                                       emulation=setup.emulation_for(plugin, hardware))
         if not setup.is_plan_file(plugin):  # a plan file is the user's: never re-planned
             self.lazytrain_engine.replan = lambda b, s: self._lazytrain_replan(model, b, s)
         self.lazytrain_guard = StepGuard(model=model, engine=self.lazytrain_engine,

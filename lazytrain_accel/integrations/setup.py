@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lazytrain_accel.config import STRATEGIES, LazyTrainConfig, OptimizerChoice
+from lazytrain_accel.engine.emulation import EmulationSettings
 from lazytrain_accel.planning import Budgets, Plan
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
@@ -36,6 +37,17 @@ class PreparedRun:
 def compute_dtype_for(mixed_precision: str | None) -> torch.dtype | None:
     """The dtype the streamed weight copies take on the device (None = keep fp32)."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mixed_precision or "no"))
+
+
+def emulation_for(config: LazyTrainConfig, hardware: HardwareProfile) -> EmulationSettings | bool:
+    """The emulated async device `config` asks for on a CPU (False: the synchronous one);
+    `emulate_links="profile"` throttles each link to `hardware`'s rate."""
+    if not config.emulate_async:
+        return False
+    rates = {} if config.emulate_links == "off" else {
+        "h2d": hardware.h2d_bytes_per_s, "d2h": hardware.d2h_bytes_per_s,
+        "nvme_read": hardware.nvme_read_bytes_per_s, "nvme_write": hardware.nvme_write_bytes_per_s}
+    return EmulationSettings(seed=config.emulate_seed, link_bytes_per_s=rates)
 
 
 def profile_for_run(model: nn.Module, *, batch_size: int, seq_len: int,

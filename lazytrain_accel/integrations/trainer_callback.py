@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
+from lazytrain_accel.engine.fidelity import FidelityMonitor, StepTerms
 from lazytrain_accel.integrations import setup
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ class LazyTrainCallback(TrainerCallback):
         self._step_start_s: float | None = None
         self._measured_s = 0.0
         self._steps = 0
+        self._fidelity = FidelityMonitor()  # predicted vs measured step, drift warnings
 
     # ---- what the engine and the plan say --------------------------------------------
     def _run_and_engine(self) -> tuple[setup.PreparedRun | None, Any]:
@@ -91,6 +93,10 @@ class LazyTrainCallback(TrainerCallback):
                                steps=self._steps,
                                grad_accum_steps=args.gradient_accumulation_steps)
         logs.update(metrics)
+        predicted = StepTerms.predicted(run.plan.prediction,
+                                        micro_batches=args.gradient_accumulation_steps)
+        measured = StepTerms.measured(self._measured_s, engine.stats(), steps=self._steps)
+        logger.info("lazytrain: %s", self._fidelity.observe(predicted, measured))
         # Trainer.log appended a copy of `logs` to the history before calling us.
         if state.log_history and state.log_history[-1].get("loss") == logs["loss"]:
             state.log_history[-1].update(metrics)

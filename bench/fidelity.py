@@ -1,0 +1,243 @@
+"""Plan fidelity on a CPU: `planning.simulate`'s step against the engine's, on throttled
+emulated links (engine/emulation.py).
+
+For each model (the demo's Qwen2 shape; a 12-layer, 116M-parameter Qwen2) and plan (auto,
+megatrain, offload_all, and an auto plan whose tight device and host budgets home
+boundaries on NVMe):
+
+1. Compute is measured on this CPU, not taken from a GPU preset: the engine (synchronous
+   backend, every boundary on the device) is timed forward and backward; a layer's forward
+   seconds, its backward seconds (re-run included) and the rest of the step (embeddings,
+   head, loss, weight copies) become the model profile's FLOPs at a nominal 1 TFLOP/s.
+   Residents are used in place on a CPU, so the profile streams none.
+2. Links get rates that make transfers comparable to that compute (H2D: a layer's weights
+   in `H2D_FORWARDS` layer forwards, ...); the hardware profile holds them, the plans are
+   made for it and the emulation throttles each link to exactly that rate (no jitter).
+3. Each plan runs on the emulated device. Measured (each the fastest of --steps steady
+   steps, as on a quiet machine): the step; its compute (the same plan with unthrottled
+   links) and so its exposed transfer time (step minus compute); the step with
+   HybridAdamW8bit overlapped by `step_layerwise` and so the optimizer exposure (that step
+   minus the step without an optimizer); each beside the simulator's.
+
+    python bench/fidelity.py [--models demo,large] [--steps 5]
+
+Compute and the emulation's worker threads share the CPU: run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+import transformers
+
+from lazytrain_accel.demo.model import DEMO_MODEL_CONFIG
+from lazytrain_accel.engine import attach
+from lazytrain_accel.engine.emulation import EmulationSettings
+from lazytrain_accel.optim import HybridAdamW8bit
+from lazytrain_accel.planning import Budgets, build_problem, make_plan, simulate
+from lazytrain_accel.planning.problem import GPU_RESERVE_FRACTION
+from lazytrain_accel.profiling.hardware import HardwareProfile
+from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.models import geometry_from_config, profile_model
+
+GIB = 2**30
+NOMINAL_FLOPS_PER_S = 1e12  # measured seconds x this = the profile's FLOPs
+H2D_FORWARDS = 1.3  # a layer's weights take 1.3 layer forwards: partly exposed in forward
+D2H_BACKWARDS = 0.6  # a layer's gradients take 0.6 of its backward window
+NVME_FORWARDS = 1.5  # one boundary file write or read takes 1.5 layer forwards
+
+MODELS: dict[str, tuple[dict, int, int]] = {  # config, batch size, sequence length
+    "demo": ({**DEMO_MODEL_CONFIG, "vocab_size": 2048}, 8, 128),
+    "large": ({"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+               "num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 8192,
+               "max_position_embeddings": 512, "tie_word_embeddings": False}, 1, 128),
+}
+
+
+def _model(config: dict) -> transformers.PreTrainedModel:
+    cfg = transformers.Qwen2Config(**config)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(cfg).train()
+
+
+class _Case:
+    """One engine on the emulated device: a plan, link rates, with or without optimizer."""
+
+    def __init__(self, config: dict, plan, links: dict[str, float], *, with_optimizer: bool,
+                 nvme_dir: str) -> None:
+        self.model = _model(config)
+        self.engine = attach(self.model, plan, device=torch.device("cpu"), nvme_dir=nvme_dir,
+                             emulation=EmulationSettings(seed=0, jitter_s=0.0,
+                                                         link_bytes_per_s=links))
+        self.optimizer = (HybridAdamW8bit(self.model.parameters(), lr=1e-4)
+                          if with_optimizer else None)
+
+    def _step(self, ids: torch.Tensor) -> None:
+        self.model(input_ids=ids, labels=ids).loss.backward()
+        if self.optimizer is not None:
+            self.engine.step_layerwise(self.optimizer)  # runs into the next step's forward
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.model.zero_grad(set_to_none=True)
+
+    def steady_step_s(self, ids: torch.Tensor) -> float:
+        """Seconds of a step that follows a step (it waits for that step's update)."""
+        self._step(ids)
+        start = time.perf_counter()
+        self._step(ids)
+        elapsed = time.perf_counter() - start
+        self.engine.synchronize()  # no update left running into another case's step
+        return elapsed
+
+
+def measure_compute(config: dict, batch: int, seq: int, steps: int) -> dict[str, float]:
+    """Seconds of one layer forward, one layer backward (re-run included) and the rest."""
+    model = _model(config)
+    base = profile_model(geometry_from_config(model.config.to_dict()), batch_size=batch,
+                         seq_len=seq, compute_bytes_per_elem=4)
+    plan = make_plan(base, _hardware(1e12, 1e12, 1e12, 1e9), strategy="checkpoint_all")
+    engine = attach(model, plan, device=torch.device("cpu"), emulation=False)
+    ids = torch.randint(0, config["vocab_size"], (batch, seq))
+    L, fwd, bwd, rest = base.num_layers, [], [], []
+    for _ in range(steps + 1):
+        engine.reset_stats()
+        start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        forward_s = engine.stats().compute_s
+        loss.backward()
+        wall_s, total_s = time.perf_counter() - start, engine.stats().compute_s
+        model.zero_grad(set_to_none=True)
+        fwd.append(forward_s / L)
+        bwd.append((total_s - forward_s) / L - forward_s / L)
+        rest.append(wall_s - total_s)
+    engine.detach()
+    return {"fwd_s": min(fwd[1:]), "bwd_s": min(bwd[1:]), "rest_s": min(rest[1:])}
+
+
+def measured_profile(config: dict, batch: int, seq: int, compute: dict[str, float]
+                     ) -> ModelProfile:
+    base = profile_model(geometry_from_config(_model(config).config.to_dict()),
+                         batch_size=batch, seq_len=seq, compute_bytes_per_elem=4)
+    F = NOMINAL_FLOPS_PER_S
+    return dataclasses.replace(base, layer_fwd_flops=compute["fwd_s"] * F,
+                               layer_bwd_flops=compute["bwd_s"] * F,
+                               head_fwd_flops=compute["rest_s"] * F / 3.0,  # head_s = 3 x fwd
+                               resident_param_bytes=0)
+
+
+def _hardware(h2d: float, d2h: float, nvme: float, optimizer_params_per_s: float
+              ) -> HardwareProfile:
+    return HardwareProfile(
+        name="cpu-emulated", gpu_name="emulated async device", gpu_memory_bytes=64 * GIB,
+        cpu_memory_bytes=64 * GIB, nvme_bytes=64 * GIB,
+        peak_bf16_flops_per_s=NOMINAL_FLOPS_PER_S, achieved_flops_per_s=NOMINAL_FLOPS_PER_S,
+        h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, nvme_read_bytes_per_s=nvme,
+        nvme_write_bytes_per_s=nvme, cpu_optimizer_params_per_s=optimizer_params_per_s,
+        source="bench/fidelity.py: compute measured on this CPU, links chosen against it")
+
+
+def optimizer_rate(config: dict) -> float:
+    """Params/s of one serial HybridAdamW8bit update of the whole model on this CPU."""
+    model = _model(config)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer = HybridAdamW8bit(model.parameters(), lr=1e-4)
+    optimizer.step()  # allocates the 8-bit states
+    start = time.perf_counter()
+    optimizer.step()
+    return sum(p.numel() for p in model.parameters()) / (time.perf_counter() - start)
+
+
+def link_hardware(profile: ModelProfile, compute: dict[str, float],
+                  optimizer_params_per_s: float) -> HardwareProfile:
+    fwd_s, bwd_s = compute["fwd_s"], compute["bwd_s"]
+    return _hardware(h2d=profile.layer_param_bytes / (H2D_FORWARDS * fwd_s),
+                     d2h=profile.layer_grad_bytes / (D2H_BACKWARDS * (fwd_s + bwd_s)),
+                     nvme=profile.boundary_bytes / (NVME_FORWARDS * fwd_s),
+                     optimizer_params_per_s=optimizer_params_per_s)
+
+
+def plans(profile: ModelProfile, hw: HardwareProfile) -> dict[str, object]:
+    out = {name: make_plan(profile, hw, strategy=strategy, time_limit_s=20.0)
+           for name, strategy in (("auto", "lazytrain"), ("megatrain", "megatrain"),
+                                  ("offload_all", "offload_all"))}
+    # No recompute, room for three boundaries on the device and two on the host: the
+    # rest must go to NVMe.
+    p = build_problem(profile, hw, max_recompute_block=1)
+    A = profile.boundary_bytes
+    gpu = int((p.static_gpu_bytes + (p.staging_boundaries + 3) * A)
+              / (1 - GPU_RESERVE_FRACTION)) + 1
+    budgets = Budgets(gpu_bytes=gpu, cpu_bytes=p.static_cpu_bytes + 2 * A, nvme_bytes=64 * GIB)
+    out["auto+nvme"] = make_plan(profile, hw, strategy="lazytrain", budgets=budgets,
+                                 max_recompute_block=1, time_limit_s=20.0)
+    return out
+
+
+def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, steps: int,
+             tmp: str) -> dict[str, float]:
+    """Fastest steady step with unthrottled links, throttled links, throttled + optimizer;
+    the three engines take turns, so a change of machine load hits them alike."""
+    rates = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,
+             "nvme_read": hw.nvme_read_bytes_per_s, "nvme_write": hw.nvme_write_bytes_per_s}
+    ids = torch.randint(0, config["vocab_size"], (batch, seq))
+    cases = {"free": _Case(config, plan, {}, with_optimizer=False, nvme_dir=tmp),
+             "step": _Case(config, plan, rates, with_optimizer=False, nvme_dir=tmp),
+             "step_opt": _Case(config, plan, rates, with_optimizer=True, nvme_dir=tmp)}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(steps + 1):  # the first round warms up
+        for name, case in cases.items():
+            times[name].append(case.steady_step_s(ids))
+    for case in cases.values():
+        case.engine.detach()
+    return {name: min(ts[1:]) for name, ts in times.items()}
+
+
+HEADER = (f"{'model':>5} {'plan':>11} {'homes g/c/n/r':>13} | {'step pred':>9} {'meas':>6} "
+          f"{'ratio':>5} | {'compute pred':>12} {'meas':>6} | {'exposed pred':>12} {'meas':>6} "
+          f"| {'+optim pred':>11} {'meas':>6} {'ratio':>5} | {'opt exposed pred':>16} "
+          f"{'meas':>6}")
+
+
+def _row(model: str, name: str, plan, pred, pred_opt, meas: dict[str, float]) -> str:
+    homes = "/".join(str(n) for n in plan.count_homes().values())
+    return (f"{model:>5} {name:>11} {homes:>13} | {pred.step_s:9.3f} {meas['step']:6.3f} "
+            f"{meas['step'] / pred.step_s:5.2f} | {pred.step_s - pred.exposed_s:12.3f} "
+            f"{meas['free']:6.3f} | {pred.exposed_s:12.3f} {meas['step'] - meas['free']:6.3f} "
+            f"| {pred_opt.step_s:11.3f} {meas['step_opt']:6.3f} "
+            f"{meas['step_opt'] / pred_opt.step_s:5.2f} | {pred_opt.optimizer_exposed_s:16.3f} "
+            f"{meas['step_opt'] - meas['step']:6.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="demo,large")
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one core computes; the emulated links and updates use another
+    import tempfile
+
+    print(HEADER)
+    for name in args.models.split(","):
+        config, batch, seq = MODELS[name]
+        compute = measure_compute(config, batch, seq, args.steps)
+        profile = measured_profile(config, batch, seq, compute)
+        hw = link_hardware(profile, compute, optimizer_rate(config))
+        print(f"# {name}: {profile.geometry.total_param_count / 1e6:.0f}M parameters, "
+              f"{profile.num_layers} layers, batch {batch} x {seq}; measured layer fwd "
+              f"{compute['fwd_s'] * 1e3:.1f} ms, bwd {compute['bwd_s'] * 1e3:.1f} ms, rest "
+              f"{compute['rest_s'] * 1e3:.0f} ms; links H2D {hw.h2d_bytes_per_s / 1e6:.0f}, "
+              f"D2H {hw.d2h_bytes_per_s / 1e6:.0f}, NVMe {hw.nvme_read_bytes_per_s / 1e6:.1f} "
+              f"MB/s; optimizer {hw.cpu_optimizer_params_per_s / 1e6:.0f}M params/s", flush=True)
+        for plan_name, plan in plans(profile, hw).items():
+            with tempfile.TemporaryDirectory() as tmp:
+                meas = run_plan(config, plan, hw, batch, seq, args.steps, tmp)
+            print(_row(name, plan_name, plan, simulate(plan, profile, hw),
+                       simulate(plan, profile, hw, include_optimizer=True), meas), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""An emulated async device for CPU runs: a missing synchronization becomes a failure.
+
+`EmulatedStreams` implements `Streams` with `is_async = True`, so the engine runs its
+CUDA code paths (staging buffers, events, waits, staging reuse) on a CPU:
+
+* each side stream is a worker thread with a FIFO queue; a copy runs later, on it;
+* each event is a real completion flag (the worker's progress past the recording point);
+* the destination of a copy is poisoned when the copy is enqueued (NaN for floats, a
+  sentinel for integers), so reading it before waiting yields NaN, not a lucky answer;
+* `claim(buffer)` raises `BufferReuseError` when a staging buffer is handed out again
+  before the host waited for the last copy that used it (a generation check, exact and
+  independent of timing);
+* each worker sleeps a seeded random time before each op (jitter), so orderings vary
+  with the seed and a failure replays with it (errors name it);
+* optionally each link is throttled to a byte rate, so overlap is measured, not assumed.
+
+Compute runs synchronously on the host thread, so "compute waits for an event" blocks
+the host. What this cannot show: the CUDA calls themselves (stream semantics, the caching
+allocator's reuse that `record_stream` guards against, pinned-memory DMA).
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from lazytrain_accel.engine.streams import IoLink, Link
+
+#: Value written into integer destinations at enqueue (floats get NaN, bools True).
+INT_SENTINEL = -0x5A5A5A5A
+#: Upper bound of one jitter sleep, seconds.
+DEFAULT_JITTER_S = 3e-4
+
+
+class BufferReuseError(RuntimeError):
+    """A staging buffer was handed out again before the copy using it was waited for."""
+
+
+def replay_hint(seed: int) -> str:
+    return (f"emulated async device, seed {seed}: replay with LAZYTRAIN_EMULATE_ASYNC=1 "
+            f"LAZYTRAIN_EMULATE_SEED={seed}")
+
+
+@dataclass(kw_only=True, frozen=True)
+class EmulationSettings:
+    seed: int = 0
+    jitter_s: float = DEFAULT_JITTER_S
+    #: Byte rate per link ("h2d", "d2h", "nvme_read", "nvme_write"); missing = unthrottled.
+    link_bytes_per_s: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, link_bytes_per_s: dict[str, float] | None = None
+                 ) -> EmulationSettings | None:
+        """Settings from `LAZYTRAIN_EMULATE_*` (read in config.py), None when off."""
+        from lazytrain_accel.config import env_setting
+
+        if not env_setting("emulate_async"):
+            return None
+        links = link_bytes_per_s if env_setting("emulate_links") == "profile" else None
+        return cls(seed=env_setting("emulate_seed"), link_bytes_per_s=dict(links or {}))
+
+
+class _Worker:
+    """One emulated stream: a thread running queued ops in order."""
+
+    def __init__(self, name: str, rng: random.Random, jitter_s: float) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._done = threading.Condition()
+        self.enqueued = 0  # ops enqueued so far (an event's seq is this count)
+        self.completed = 0
+        self.error: BaseException | None = None
+        self._rng, self._jitter_s = rng, jitter_s
+        threading.Thread(target=self._run, name=f"lazytrain-emulated-{name}",
+                         daemon=True).start()
+
+    def submit(self, op: Callable[[], None]) -> int:
+        self.enqueued += 1
+        self._queue.put(op)
+        return self.enqueued
+
+    def _run(self) -> None:
+        while (op := self._queue.get()) is not None:
+            if self._jitter_s:
+                time.sleep(self._rng.random() * self._jitter_s)
+            try:
+                if self.error is None:
+                    op()
+            except BaseException as err:  # surfaced on the host by the next wait
+                self.error = err
+            with self._done:
+                self.completed += 1
+                self._done.notify_all()
+
+    def wait_for(self, seq: int) -> None:
+        with self._done:
+            self._done.wait_for(lambda: self.completed >= seq)
+        if self.error is not None:
+            raise RuntimeError(f"an emulated {self.name} copy failed") from self.error
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+
+class EmulatedEvent:
+    """Completion of the ops `worker` had queued when recorded (None worker: done)."""
+
+    def __init__(self, worker: _Worker | None, seq: int) -> None:
+        self.worker, self.seq = worker, seq
+
+    def query(self) -> bool:
+        return self.worker is None or self.worker.completed >= self.seq
+
+    def synchronize(self) -> None:
+        if self.worker is not None:
+            self.worker.wait_for(self.seq)
+
+
+def poison_(tensor: torch.Tensor) -> None:
+    """Fill `tensor` with a value no correct computation reads back unnoticed."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(float("nan"))
+    elif tensor.dtype == torch.bool:
+        tensor.fill_(True)
+    elif tensor.dtype == torch.uint8:
+        tensor.fill_(0xA5)
+    else:
+        tensor.fill_(max(INT_SENTINEL, torch.iinfo(tensor.dtype).min))
+
+
+def _throttled(seconds_for: Callable[[], float], start_s: float) -> None:
+    remaining = seconds_for() - (time.perf_counter() - start_s)
+    if remaining > 0:
+        time.sleep(remaining)
+
+
+def _alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A view of `tensor`'s memory with its own autograd version counter."""
+    return torch.empty(0, dtype=tensor.dtype).set_(
+        tensor.untyped_storage(), tensor.storage_offset(), tensor.size(), tensor.stride())
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+class EmulatedStreams:
+    """`Streams` on a CPU with worker-thread side streams; see the module docstring."""
+
+    is_async = True
+    host_tier = "host_pinned"  # what the same buffers would cost on a GPU machine
+
+    def __init__(self, device: torch.device, settings: EmulationSettings) -> None:
+        self.device = device
+        self.settings = settings
+        self.seed = settings.seed
+        self._workers = {link: _Worker(link, random.Random(f"{settings.seed}:{link}"),
+                                       settings.jitter_s) for link in ("h2d", "d2h")}
+        self._io_rngs = {link: random.Random(f"{settings.seed}:{link}")
+                         for link in ("nvme_read", "nvme_write")}
+        self._local = threading.local()
+        self._host_seen = dict.fromkeys(self._workers, 0)  # newest op the host waited for
+        self._last_use: dict[int, tuple[str, int]] = {}  # storage -> (link, op) last using it
+        #: Seconds the host was blocked waiting on each side stream (exposed transfers).
+        self.blocked_s = dict.fromkeys(self._workers, 0.0)
+        self._stop = weakref.finalize(self, _stop_all, list(self._workers.values()))
+
+    def _current(self) -> _Worker | None:
+        return getattr(self._local, "worker", None)
+
+    @contextmanager
+    def copy_stream(self, link: Link) -> Iterator[None]:
+        previous, self._local.worker = self._current(), self._workers[link]
+        try:
+            yield
+        finally:
+            self._local.worker = previous
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        worker = self._current()
+        if worker is None:  # the compute stream is the host thread itself
+            dst.copy_(src)
+            return
+        poison_(dst)  # bumps dst's version once, at issue, as a CUDA copy_ does
+        target = _alias(dst)  # the worker's write must not bump it a second time, later
+        rate = self.settings.link_bytes_per_s.get(worker.name)
+        nbytes = src.numel() * src.element_size()
+
+        def op() -> None:
+            start = time.perf_counter()
+            target.copy_(src)
+            if rate:
+                _throttled(lambda: nbytes / rate, start)
+
+        seq = worker.submit(op)
+        self._last_use[_storage_key(dst)] = self._last_use[_storage_key(src)] = (worker.name, seq)
+        if seq % 1024 == 0:  # forget uses the host has already waited for
+            self._last_use = {k: v for k, v in self._last_use.items()
+                              if v[1] > self._host_seen[v[0]]}
+
+    def record(self) -> EmulatedEvent:
+        worker = self._current()
+        return EmulatedEvent(worker, worker.enqueued if worker is not None else 0)
+
+    def compute_waits(self, event: EmulatedEvent | None) -> None:
+        worker = self._current()
+        if event is None or event.worker is None:
+            return
+        if worker is None:
+            self.host_waits(event)  # compute runs on the host: it blocks
+        elif event.worker is not worker:  # stream order covers the same worker
+            worker.submit(event.synchronize)
+
+    def host_waits(self, event: EmulatedEvent | None) -> None:
+        if event is None or event.worker is None:
+            return
+        name = event.worker.name
+        start = time.perf_counter()
+        try:
+            event.synchronize()
+        except RuntimeError as err:
+            raise RuntimeError(f"{err}; {replay_hint(self.seed)}") from err.__cause__
+        self.blocked_s[name] += time.perf_counter() - start
+        self._host_seen[name] = max(self._host_seen[name], event.seq)
+
+    def claim(self, buffer: torch.Tensor) -> None:
+        last = self._last_use.get(_storage_key(buffer))
+        if last is None or self._host_seen[last[0]] >= last[1]:
+            return
+        link, seq = last
+        raise BufferReuseError(
+            f"a staging buffer ({buffer.numel()} x {buffer.dtype}) was handed out again "
+            f"while {link} copy #{seq}, the last one using it, may still run (the host has "
+            f"waited for copies up to #{self._host_seen[link]}): a wait on that copy's event "
+            f"is missing before the buffer is reused; {replay_hint(self.seed)}")
+
+    def empty_host(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def keep_alive(self, tensor: torch.Tensor) -> None:
+        return None  # a queued copy holds references to its tensors until it ran
+
+    def poison(self, tensor: torch.Tensor) -> None:
+        poison_(tensor)
+
+    @contextmanager
+    def io_link(self, link: IoLink, nbytes: int) -> Iterator[None]:
+        """On the spill's single I/O thread: jitter before, throttle to the link's rate."""
+        if self.settings.jitter_s:
+            time.sleep(self._io_rngs[link].random() * self.settings.jitter_s)
+        start = time.perf_counter()
+        yield
+        rate = self.settings.link_bytes_per_s.get(link)
+        if rate:
+            _throttled(lambda: nbytes / rate, start)
+
+    def close(self) -> None:
+        self._stop()  # queued ops run first; runs once (also on garbage collection)
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+    for worker in workers:
+        worker.stop()

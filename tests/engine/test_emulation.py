@@ -1,0 +1,107 @@
+"""The emulated async device: copies land late, on a worker; a missing wait fails loudly."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lazytrain_accel.engine.emulation import (
+    INT_SENTINEL,
+    BufferReuseError,
+    EmulatedStreams,
+    EmulationSettings,
+)
+from lazytrain_accel.engine.streams import CudaStreams, SyncStreams, make_streams
+
+CPU = torch.device("cpu")
+
+
+def _slow(seed: int = 0, **rates: float) -> EmulatedStreams:
+    return EmulatedStreams(CPU, EmulationSettings(seed=seed, link_bytes_per_s=rates))
+
+
+def test_a_destination_is_poisoned_until_its_event_completes():
+    streams = _slow(h2d=40_000.0)  # 4 KB take 0.1 s
+    src, dst = torch.ones(1024), torch.zeros(1024)
+    ints, int_dst = torch.arange(8), torch.zeros(8, dtype=torch.int64)
+    with streams.copy_stream("h2d"):
+        streams.copy_(dst, src)
+        streams.copy_(int_dst, ints)
+        event = streams.record()
+    assert not event.query()
+    assert torch.isnan(dst).all() and (int_dst == INT_SENTINEL).all()  # read before the wait
+    streams.host_waits(event)
+    assert event.query() and torch.equal(dst, src) and torch.equal(int_dst, ints)
+    streams.close()
+
+
+def test_a_copy_does_not_bump_the_version_a_second_time_later():
+    streams = _slow(d2h=1e6)
+    dst = torch.zeros(256)
+    with streams.copy_stream("d2h"):
+        streams.copy_(dst, torch.ones(256))
+        version = dst._version  # the engine records this right after issuing
+        event = streams.record()
+    streams.host_waits(event)
+    assert dst._version == version
+
+
+def test_throttled_links_take_bytes_over_rate_and_count_host_blocking():
+    streams = _slow(h2d=1e6)
+    start = time.perf_counter()
+    with streams.copy_stream("h2d"):
+        streams.copy_(torch.empty(25_000), torch.ones(25_000))  # 100 KB at 1 MB/s
+        event = streams.record()
+    streams.host_waits(event)
+    assert time.perf_counter() - start >= 0.1
+    assert streams.blocked_s["h2d"] >= 0.09 and streams.blocked_s["d2h"] == 0.0
+
+
+def test_side_streams_order_by_events_not_by_luck():
+    streams = _slow(h2d=20_000.0)  # the H2D copy takes 0.2 s; D2H is unthrottled
+    a, b, c = torch.ones(1000), torch.empty(1000), torch.empty(1000)
+    with streams.copy_stream("h2d"):
+        streams.copy_(b, a)
+        loaded = streams.record()
+    with streams.copy_stream("d2h"):
+        streams.compute_waits(loaded)  # the D2H stream waits for the H2D copy
+        streams.copy_(c, b)
+        done = streams.record()
+    streams.host_waits(done)
+    assert torch.equal(c, a)
+
+
+def test_reusing_a_staging_buffer_before_waiting_raises_and_names_the_seed():
+    streams = _slow(seed=41, h2d=1e5)
+    staging, slot = torch.empty(1000), torch.empty(1000)
+    with streams.copy_stream("h2d"):
+        streams.copy_(slot, staging)
+        event = streams.record()
+    with pytest.raises(BufferReuseError, match="LAZYTRAIN_EMULATE_SEED=41"):
+        streams.claim(staging)
+    streams.host_waits(event)
+    streams.claim(staging)  # fine once the copy that read it was waited for
+
+
+def test_worker_errors_surface_on_the_host_with_the_seed():
+    streams = _slow(seed=9)
+    with streams.copy_stream("d2h"):
+        streams.copy_(torch.empty(3), torch.ones(3))
+        streams._workers["d2h"].submit(lambda: 1 / 0)
+        event = streams.record()
+    with pytest.raises(RuntimeError, match="LAZYTRAIN_EMULATE_SEED=9") as info:
+        streams.host_waits(event)
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_backend_choice(monkeypatch):
+    assert isinstance(make_streams(CPU), SyncStreams)
+    monkeypatch.setenv("LAZYTRAIN_EMULATE_ASYNC", "1")
+    monkeypatch.setenv("LAZYTRAIN_EMULATE_SEED", "5")
+    streams = make_streams(CPU)
+    assert isinstance(streams, EmulatedStreams) and streams.seed == 5
+    assert streams.is_async and streams.settings.link_bytes_per_s == {}
+    assert isinstance(make_streams(CPU, emulation=False), SyncStreams)
+    assert not isinstance(make_streams(CPU, emulation=False), CudaStreams)

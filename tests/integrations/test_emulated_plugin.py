@@ -1,0 +1,39 @@
+"""The plugin runs on the emulated async device when asked, throttled to its profile."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lazytrain_accel import Accelerator, LazyTrainPlugin
+from lazytrain_accel.engine.emulation import EmulatedStreams
+from lazytrain_accel.profiling.hardware import load_hardware
+
+
+def test_env_turns_the_emulation_on_with_profile_rates(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("LAZYTRAIN_EMULATE_ASYNC", "1")
+    monkeypatch.setenv("LAZYTRAIN_EMULATE_SEED", "8")
+    monkeypatch.setenv("LAZYTRAIN_EMULATE_LINKS", "profile")
+    plugin = LazyTrainPlugin(plan="offload_all", hardware="h800", optimizer="keep",
+                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"))
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    ids = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+    acc = Accelerator(cpu=True, plugin=plugin)
+    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+    streams = acc.lazytrain_engine.streams
+    assert isinstance(streams, EmulatedStreams) and streams.seed == 8
+    h800 = load_hardware("h800")
+    assert streams.settings.link_bytes_per_s == {
+        "h2d": h800.h2d_bytes_per_s, "d2h": h800.d2h_bytes_per_s,
+        "nvme_read": h800.nvme_read_bytes_per_s, "nvme_write": h800.nvme_write_bytes_per_s}
+    for (batch,) in loader:
+        loss = model(input_ids=batch, labels=batch).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        assert torch.isfinite(loss)
+    acc.end_training()
