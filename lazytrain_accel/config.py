@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lazytrain_accel.suggest import did_you_mean
+
 ENV_PREFIX = "LAZYTRAIN_"
 
 #: Strategy names a plan may be given as, besides "auto" and a JSON path.
@@ -109,9 +111,10 @@ class LazyTrainConfig:
     max_nonfinite_skips: int | None = None
     loss_chunk_tokens: int | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
+    _from_env: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
-        explicit, origins = set(), {}
+        explicit, from_env, origins = set(), set(), {}
         for f in dataclasses.fields(self):
             if f.name.startswith("_"):
                 continue
@@ -122,6 +125,8 @@ class LazyTrainConfig:
                 # An empty variable counts as unset, as shells make `VAR=` easy to leave.
                 value = os.environ.get(ENV_PREFIX + f.name.upper(), "").strip() or None
                 origin = f"environment variable {ENV_PREFIX}{f.name.upper()}"
+                if value is not None:
+                    from_env.add(f.name)
             if value is None:
                 default = _DEFAULTS[f.name]
                 value, origin = (default() if callable(default) else default), "default"
@@ -130,7 +135,7 @@ class LazyTrainConfig:
                 setattr(self, f.name, _coerce(f.name, value))
             except ValueError as err:
                 raise ValueError(f"{err} (value from the {origin})") from None
-        self._explicit = frozenset(explicit)
+        self._explicit, self._from_env = frozenset(explicit), frozenset(from_env)
         try:
             self._validate()
         except ValueError as err:  # messages start with "<field>=": say where it came from
@@ -142,7 +147,8 @@ class LazyTrainConfig:
     def _validate(self) -> None:
         if self.plan != "auto" and self.plan not in STRATEGIES and not _is_json_path(self.plan):
             raise ValueError(
-                f"plan={self.plan!r} is not valid: use 'auto', one of {list(STRATEGIES)}, "
+                f"plan={self.plan!r} is not valid: {did_you_mean(self.plan, STRATEGIES)}use "
+                f"'auto', one of {list(STRATEGIES)}, "
                 "or the path of a plan JSON file (ending in .json)"
             )
         if _is_json_path(self.plan) and not Path(self.plan).is_file():
@@ -156,7 +162,8 @@ class LazyTrainConfig:
 
             if self.hardware not in HARDWARE_PRESETS:
                 raise ValueError(
-                    f"hardware={self.hardware!r} is not valid: use 'auto', one of "
+                    f"hardware={self.hardware!r} is not valid: "
+                    f"{did_you_mean(self.hardware, HARDWARE_PRESETS)}use 'auto', one of "
                     f"{sorted(HARDWARE_PRESETS)}, or the path of a hardware JSON file"
                 )
         for name in ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb"):
@@ -176,6 +183,11 @@ class LazyTrainConfig:
     def is_explicit(self, name: str) -> bool:
         """True when `name` was passed as an argument (not from env or default)."""
         return name in self._explicit
+
+    def is_default(self, name: str) -> bool:
+        """True when `name` holds the built-in default (neither an argument nor the
+        environment set it)."""
+        return name not in self._explicit and name not in self._from_env
 
     def to_dict(self) -> dict[str, Any]:
         out = {}

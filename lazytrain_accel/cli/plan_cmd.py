@@ -9,7 +9,8 @@ import argparse
 import json
 from typing import Any
 
-from lazytrain_accel.cli import CliError
+from lazytrain_accel.cli import CliError, help_of
+from lazytrain_accel.cli.args import add_loss_chunk_arg, positive_int
 from lazytrain_accel.planning import (
     STRATEGIES,
     Budgets,
@@ -33,29 +34,6 @@ from lazytrain_accel.profiling.models import (
 
 _GIB = 2**30
 MAX_BATCH_SEARCH_LIMIT = 1 << 16
-_HELP = {
-    "plan": "solve the activation plan of one run and print or save it",
-    "simulate": "run one step of a plan in the event simulator",
-    "max-batch": "largest micro-batch a strategy can plan within the budgets",
-}
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
-
-
-def add_loss_chunk_arg(p: argparse.ArgumentParser) -> None:
-    """`--loss-chunk-tokens`: the head's working bytes the planner counts."""
-    p.add_argument("--loss-chunk-tokens", type=_non_negative_int, default=0, metavar="N",
-                   help="plan for the fused chunked loss with N tokens of logits at a time "
-                   "(LazyTrainConfig.loss_chunk_tokens); 0 = the model's own loss, full "
-                   "tokens x vocab logits (default 0)")
 
 
 def _add_run_args(p: argparse.ArgumentParser, *, batch: bool) -> None:
@@ -64,8 +42,8 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: bool) -> None:
     p.add_argument("--hardware", default="auto", help="preset (" + ", ".join(HARDWARE_PRESETS)
                    + "), hardware JSON, or 'auto' to measure this machine (default)")
     if batch:
-        p.add_argument("--batch-size", type=int, help="micro-batch size")
-    p.add_argument("--seq-len", type=int, help="sequence length")
+        p.add_argument("--batch-size", type=positive_int, help="micro-batch size")
+    p.add_argument("--seq-len", type=positive_int, help="sequence length")
     # Part of the plan's fingerprint: a plan for bf16 does not fit an fp32 run.
     p.add_argument("--dtype", choices=sorted(COMPUTE_DTYPE_BYTES), default="bf16",
                    help="compute dtype of the run: bf16/fp16 = Accelerator(mixed_precision="
@@ -74,7 +52,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: bool) -> None:
                    help="the MIP (default), its GPU-only variant, or a baseline")
     p.add_argument("--time-limit-s", type=float, default=60.0,
                    help="MIP wall-clock limit; the incumbent is used on timeout (default 60)")
-    p.add_argument("--max-recompute-block", type=int, default=8,
+    p.add_argument("--max-recompute-block", type=positive_int, default=8,
                    help="K, the longest recompute block (default 8)")
     add_loss_chunk_arg(p)
     for flag, what in (("--gpu-memory-gb", "GPU"), ("--cpu-memory-gb", "host DRAM"),
@@ -85,7 +63,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: bool) -> None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
-    p = subparsers.add_parser(name, help=_HELP[name], description=_HELP[name] + ".")
+    p = subparsers.add_parser(name, help=help_of(name), description=help_of(name) + ".")
     if name == "simulate":
         p.add_argument("--plan", metavar="PLAN.json",
                        help="a plan from `lazytrain plan --output` (batch and sequence "
@@ -102,10 +80,6 @@ def _need(args: argparse.Namespace, *names: str) -> None:
     if missing:
         raise CliError(f"missing {', '.join(missing)}; see `lazytrain {args.command} --help`",
                        exit_code=2)
-    for n in names:
-        value = getattr(args, n)
-        if isinstance(value, int) and value < 1:
-            raise CliError(f"--{n.replace('_', '-')}={value} must be >= 1", exit_code=2)
 
 
 def _load(args: argparse.Namespace) -> tuple[dict, HardwareProfile, Budgets]:
