@@ -70,6 +70,7 @@ _DEFAULTS: dict[str, Any] = {
     "cache_dir": default_cache_dir,
     "max_nonfinite_skips": 3,
     "loss_chunk_tokens": 0,
+    "threads": 0,
 }
 
 
@@ -96,6 +97,8 @@ class LazyTrainConfig:
         loss_chunk_tokens: 0 keeps the model's own loss (full tokens x vocab logits); > 0
             computes the training loss with the fused chunked cross-entropy, whose logits
             exist for that many tokens at a time (`logits` is then None in the output).
+        threads: torch intra-op threads (also the update kernel's); 0 sizes them by the
+            rule of `lazytrain_accel/threads.py` at `prepare`, N > 0 uses N.
     """
 
     plan: str | None = None
@@ -110,6 +113,7 @@ class LazyTrainConfig:
     cache_dir: str | None = None
     max_nonfinite_skips: int | None = None
     loss_chunk_tokens: int | None = None
+    threads: int | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _from_env: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
@@ -176,6 +180,9 @@ class LazyTrainConfig:
             raise ValueError(f"solver_time_limit_s={self.solver_time_limit_s} must be > 0")
         if self.max_nonfinite_skips < 1:
             raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips} must be >= 1")
+        if self.threads < 0:
+            raise ValueError(f"threads={self.threads} must be >= 0 (0 = sized for this "
+                             "machine's free cores, see docs/user_guide.md \"Threads\")")
         if self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = the "
                              "model's own loss; e.g. 4096 for the fused chunked loss)")
@@ -208,7 +215,7 @@ def _is_json_path(value: str) -> bool:
 
 _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
                  "solver_time_limit_s")
-_INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens")
+_INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens", "threads")
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -55,7 +55,15 @@ ENV_VALUES = {
     "cache_dir": ("~/lt-cache", os.path.expanduser("~/lt-cache")),
     "max_nonfinite_skips": ("7", 7),
     "loss_chunk_tokens": ("4096", 4096),
+    "threads": ("4", 4),
 }
+
+
+def test_is_default_tells_a_built_in_default_from_the_environment(monkeypatch) -> None:
+    assert LazyTrainConfig().is_default("gpu_memory_limit_gb")
+    monkeypatch.setenv("LAZYTRAIN_GPU_MEMORY_LIMIT_GB", "0")  # same value, but chosen
+    assert not LazyTrainConfig().is_default("gpu_memory_limit_gb")
+    assert not LazyTrainConfig(plan="auto").is_default("plan")
 
 
 def test_every_field_has_an_env_and_argument_case() -> None:
@@ -87,6 +95,7 @@ ARGUMENTS = {
     "cache_dir": ("/cache", "/cache"),
     "max_nonfinite_skips": (1, 1),
     "loss_chunk_tokens": (1024, 1024),
+    "threads": (2, 2),
 }
 
 

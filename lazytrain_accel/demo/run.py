@@ -29,6 +29,7 @@ from lazytrain_accel.demo.model import load_model_and_tokenizer
 from lazytrain_accel.demo.report import hardware_table, model_table, plan_columns, plan_table
 from lazytrain_accel.demo.train import TrainResult, train
 from lazytrain_accel.planning import Budgets
+from lazytrain_accel.threads import apply_threads
 
 SUMMARY_FILE = "demo_summary.json"
 #: The one default output directory (README, docs, .gitignore).
@@ -108,6 +109,9 @@ def _accelerator(settings: DemoSettings, model: torch.nn.Module) -> Any:
                              nvme_dir=settings.nvme_dir,
                              gpu_memory_limit_gb=settings.gpu_memory_gb,
                              loss_chunk_tokens=settings.loss_chunk_tokens)
+    # Before the hardware is measured: the compute rate depends on the thread count.
+    apply_threads(plugin.threads, device=torch.device("cuda" if torch.cuda.is_available()
+                                                      else "cpu"))
     if plugin.is_default("gpu_memory_limit_gb"):
         profile = profile_for_run(model, batch_size=settings.batch_size,
                                   seq_len=settings.seq_len,
