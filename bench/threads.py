@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from lazytrain_accel.demo.model import load_model_and_tokenizer
 from lazytrain_accel.demo.run import (
     DemoSettings,
     _accelerator,
@@ -24,7 +25,6 @@ from lazytrain_accel.demo.run import (
     _make_loader,
     _schedule,
 )
-from lazytrain_accel.demo.model import load_model_and_tokenizer
 from lazytrain_accel.demo.train import _optimizer_step
 from lazytrain_accel.threads import usable_cores
 
