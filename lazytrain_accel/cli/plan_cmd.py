@@ -160,18 +160,18 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _run_simulate(args: argparse.Namespace) -> int:
     if args.plan:
         _need(args, "model")
-        config, hardware, _ = _load(args)
+        config, hardware, budgets = _load(args)
         plan = Plan.load(args.plan)
         model = _profile(config, args, plan.batch_size, plan.seq_len)
     else:
         loaded = _load(args)
-        hardware = loaded[1]
+        hardware, budgets = loaded[1], loaded[2]
         plan, model = _make(args, *loaded)
     result = simulate(plan, model, hardware)
     if args.timeline:
         from lazytrain_accel.planning.timeline import draw_timeline
 
-        draw_timeline(result, args.timeline)
+        draw_timeline(result, args.timeline, budgets=budgets)
     if args.trace:
         from lazytrain_accel.planning.timeline import save_chrome_trace
 

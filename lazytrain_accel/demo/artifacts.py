@@ -10,7 +10,7 @@ from transformers.utils import logging as hf_logging
 from lazytrain_accel.data.arithmetic import write_jsonl
 from lazytrain_accel.integrations.checkpoint import make_readable
 from lazytrain_accel.integrations.setup import PreparedRun
-from lazytrain_accel.planning import simulate
+from lazytrain_accel.planning import Budgets, simulate
 from lazytrain_accel.planning.timeline import draw_timeline, save_chrome_trace
 
 #: File names inside the output directory; tests and docs refer to these.
@@ -23,7 +23,7 @@ MEASURED_TRACE_FILE = "trace_measured_step.json"
 
 
 def write_artifacts(out: Path, *, model: Any, tokenizer: Any, run: PreparedRun,
-                    eval_records: list[dict[str, str]]) -> dict[str, str]:
+                    budgets: Budgets, eval_records: list[dict[str, str]]) -> dict[str, str]:
     """HF checkpoint (safetensors + tokenizer), the held-out problems exact match was
     measured on, plan JSON, predicted timeline PNG and Chrome trace; returns
     {what: path} of every file the demo produced."""
@@ -38,7 +38,7 @@ def write_artifacts(out: Path, *, model: Any, tokenizer: Any, run: PreparedRun,
     write_jsonl(eval_records, out / EVAL_PROBLEMS_FILE)
     run.plan.save(out / PLAN_FILE)
     simulated = simulate(run.plan, run.model_profile, run.hardware)
-    draw_timeline(simulated, out / TIMELINE_FILE)
+    draw_timeline(simulated, out / TIMELINE_FILE, budgets=budgets)
     save_chrome_trace(simulated, out / PREDICTED_TRACE_FILE)
     return {"checkpoint": str(checkpoint), "eval_problems": str(out / EVAL_PROBLEMS_FILE),
             "plan": str(out / PLAN_FILE), "timeline": str(out / TIMELINE_FILE),

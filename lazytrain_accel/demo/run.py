@@ -187,11 +187,12 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoResu
     # counts the steps that really happen.
     scheduler = _schedule(optimizer, settings.steps)
     run = accelerator.lazytrain_run
-    budget_bytes = Budgets.from_hardware(  # 0 GiB means the whole device
-        run.hardware, gpu_memory_limit_gb=accelerator.lazytrain_plugin.gpu_memory_limit_gb,
-    ).gpu_bytes
-    columns = plan_columns(run, accelerator.lazytrain_plugin)
-    for table in (hardware_table(run.hardware, gpu_budget_bytes=budget_bytes),
+    plugin = accelerator.lazytrain_plugin
+    budgets = Budgets.from_hardware(  # 0 GiB means the whole tier
+        run.hardware, gpu_memory_limit_gb=plugin.gpu_memory_limit_gb,
+        cpu_memory_limit_gb=plugin.cpu_memory_limit_gb, nvme_limit_gb=plugin.nvme_limit_gb)
+    columns = plan_columns(run, plugin)
+    for table in (hardware_table(run.hardware, gpu_budget_bytes=budgets.gpu_bytes),
                   model_table(run.model_profile), plan_table(columns)):
         console.print(table)
     before = _evaluate("before training", accelerator, model, tokenizer, eval_records,
@@ -204,7 +205,7 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoResu
     after = _evaluate("after training", accelerator, model, tokenizer, eval_records,
                       settings, console, shown=2)
     accelerator.end_training()  # detaches the engine: the model is a plain HF model again
-    files = write_artifacts(out, model=model, tokenizer=tokenizer, run=run,
+    files = write_artifacts(out, model=model, tokenizer=tokenizer, run=run, budgets=budgets,
                             eval_records=eval_records)
     result = DemoResult(exact_match_before=before.exact_match,
                         exact_match_after=after.exact_match, eval_problems=after.total,
