@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         settings = DemoSettings(**given)
     except ValueError as err:
         raise CliError(str(err), exit_code=2) from None
-    console = Console()
+    console = Console(soft_wrap=True)  # a log line stays one line, whatever the width
     try:
         result = run_demo(settings, console)
     except ValueError as err:  # bad inputs, infeasible plans, preflight: one paragraph

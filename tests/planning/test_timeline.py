@@ -22,7 +22,7 @@ from lazytrain_accel.planning.timeline import (
 )
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 @pytest.fixture(scope="module")
