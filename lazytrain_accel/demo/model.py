@@ -2,7 +2,7 @@
 
 The `tiny-demo` preset (8 x 256, 6.2M parameters, a 1024-token vocabulary) costs about
 four times the FLOPs per step of this model; the 300 steps that take the demo from 0% to
-65% exact match already take ~50 s on 2 idle cores, so the demo model is narrower
+68% exact match are most of the demo's time on 2 cores, so the demo model is narrower
 (hidden 128) with the same depth: the plan still has eight layers and nine boundaries.
 """
 
