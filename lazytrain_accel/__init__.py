@@ -12,9 +12,14 @@ __version__ = "0.1.0"
 
 from lazytrain_accel.config import LazyTrainConfig, LazyTrainPlugin, OptimizerChoice
 
+#: Public names imported on first use: name -> module that defines it.
 _LAZY = {
     "Accelerator": "lazytrain_accel.integrations.accelerate",
     "HybridAdamW8bit": "lazytrain_accel.optim",
+    "LazyTrainTrainingArguments": "lazytrain_accel.integrations.transformers",
+    "LazyTrainTrainer": "lazytrain_accel.integrations.transformers",
+    "LazyTrainCallback": "lazytrain_accel.integrations.transformers",
+    "apply_lazytrain_to_trainer": "lazytrain_accel.integrations.transformers",
 }
 
 __all__ = ["LazyTrainConfig", "LazyTrainPlugin", "OptimizerChoice", "__version__", *_LAZY]

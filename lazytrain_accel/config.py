@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lazytrain_accel.suggest import did_you_mean
+
 ENV_PREFIX = "LAZYTRAIN_"
 
 #: Strategy names a plan may be given as, besides "auto" and a JSON path.
@@ -73,6 +75,7 @@ _DEFAULTS: dict[str, Any] = {
     "emulate_async": False,
     "emulate_seed": 0,
     "emulate_links": "off",
+    "threads": 0,
 }
 
 #: Link throttling modes of the emulated async device.
@@ -110,6 +113,8 @@ class LazyTrainConfig:
         emulate_seed: seed of the emulation's random delays (a failure names it).
         emulate_links: "profile" throttles the emulated links to the hardware profile's
             H2D, D2H and NVMe rates; "off" leaves them unthrottled.
+        threads: torch intra-op threads (also the update kernel's); 0 sizes them by the
+            rule of `lazytrain_accel/threads.py` at `prepare`, N > 0 uses N.
     """
 
     plan: str | None = None
@@ -129,10 +134,12 @@ class LazyTrainConfig:
     emulate_async: bool | None = None
     emulate_seed: int | None = None
     emulate_links: str | None = None
+    threads: int | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
+    _from_env: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
-        explicit, origins = set(), {}
+        explicit, from_env, origins = set(), set(), {}
         for f in dataclasses.fields(self):
             if f.name.startswith("_"):
                 continue
@@ -143,6 +150,8 @@ class LazyTrainConfig:
                 # An empty variable counts as unset, as shells make `VAR=` easy to leave.
                 value = os.environ.get(ENV_PREFIX + f.name.upper(), "").strip() or None
                 origin = f"environment variable {ENV_PREFIX}{f.name.upper()}"
+                if value is not None:
+                    from_env.add(f.name)
             if value is None:
                 default = _DEFAULTS[f.name]
                 value, origin = (default() if callable(default) else default), "default"
@@ -151,7 +160,7 @@ class LazyTrainConfig:
                 setattr(self, f.name, _coerce(f.name, value))
             except ValueError as err:
                 raise ValueError(f"{err} (value from the {origin})") from None
-        self._explicit = frozenset(explicit)
+        self._explicit, self._from_env = frozenset(explicit), frozenset(from_env)
         try:
             self._validate()
         except ValueError as err:  # messages start with "<field>=": say where it came from
@@ -163,7 +172,8 @@ class LazyTrainConfig:
     def _validate(self) -> None:
         if self.plan != "auto" and self.plan not in STRATEGIES and not _is_json_path(self.plan):
             raise ValueError(
-                f"plan={self.plan!r} is not valid: use 'auto', one of {list(STRATEGIES)}, "
+                f"plan={self.plan!r} is not valid: {did_you_mean(self.plan, STRATEGIES)}use "
+                f"'auto', one of {list(STRATEGIES)}, "
                 "or the path of a plan JSON file (ending in .json)"
             )
         if _is_json_path(self.plan) and not Path(self.plan).is_file():
@@ -177,7 +187,8 @@ class LazyTrainConfig:
 
             if self.hardware not in HARDWARE_PRESETS:
                 raise ValueError(
-                    f"hardware={self.hardware!r} is not valid: use 'auto', one of "
+                    f"hardware={self.hardware!r} is not valid: "
+                    f"{did_you_mean(self.hardware, HARDWARE_PRESETS)}use 'auto', one of "
                     f"{sorted(HARDWARE_PRESETS)}, or the path of a hardware JSON file"
                 )
         for name in ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb"):
@@ -190,6 +201,9 @@ class LazyTrainConfig:
             raise ValueError(f"solver_time_limit_s={self.solver_time_limit_s} must be > 0")
         if self.max_nonfinite_skips < 1:
             raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips} must be >= 1")
+        if self.threads < 0:
+            raise ValueError(f"threads={self.threads} must be >= 0 (0 = sized for this "
+                             "machine's free cores, see docs/user_guide.md \"Threads\")")
         if self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = the "
                              "model's own loss; e.g. 4096 for the fused chunked loss)")
@@ -204,6 +218,11 @@ class LazyTrainConfig:
     def is_explicit(self, name: str) -> bool:
         """True when `name` was passed as an argument (not from env or default)."""
         return name in self._explicit
+
+    def is_default(self, name: str) -> bool:
+        """True when `name` holds the built-in default (neither an argument nor the
+        environment set it)."""
+        return name not in self._explicit and name not in self._from_env
 
     def to_dict(self) -> dict[str, Any]:
         out = {}
@@ -225,7 +244,7 @@ def _is_json_path(value: str) -> bool:
 _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
                  "solver_time_limit_s")
 _INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens",
-               "batch_size", "seq_len", "emulate_seed")
+               "batch_size", "seq_len", "emulate_seed", "threads")
 _BOOL_FIELDS = ("emulate_async",)
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                "0": False, "false": False, "no": False, "off": False}

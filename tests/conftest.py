@@ -3,10 +3,18 @@ test picks its own mixed precision and device."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 from accelerate.state import AcceleratorState, GradientState, PartialState
+
+# `prepare` sizes torch's thread pool for the free cores (lazytrain_accel/threads.py); on a
+# busy test machine that would change the count between a reference run and a LazyTrain
+# run that tests compare bit for bit. Keep the count torch started with
+# (tests/test_threads.py checks the rule itself).
+os.environ.setdefault("LAZYTRAIN_THREADS", str(torch.get_num_threads()))
 
 
 @pytest.fixture(autouse=True)

@@ -67,7 +67,7 @@ def test_lists(capsys) -> None:
     (["profile", "--model", "gpt-9", "--hardware", "h800"], "'gpt-9' is neither a preset"),
     (["profile", "--model", "tiny-demo", "--hardware", "tpu"], "hardware 'tpu' is not valid"),
     (["profile", "--model", "tiny-demo", "--hardware", "h800", "--batch-size", "0"],
-     "batch_size=0"),
+     "argument --batch-size: 0 must be >= 1"),
 ])
 def test_errors_are_one_paragraph_with_status_2(argv, message, capsys) -> None:
     assert main(argv) == 2

@@ -60,7 +60,15 @@ ENV_VALUES = {
     "emulate_async": ("yes", True),
     "emulate_seed": ("7", 7),
     "emulate_links": ("Profile", "profile"),
+    "threads": ("4", 4),
 }
+
+
+def test_is_default_tells_a_built_in_default_from_the_environment(monkeypatch) -> None:
+    assert LazyTrainConfig().is_default("gpu_memory_limit_gb")
+    monkeypatch.setenv("LAZYTRAIN_GPU_MEMORY_LIMIT_GB", "0")  # same value, but chosen
+    assert not LazyTrainConfig().is_default("gpu_memory_limit_gb")
+    assert not LazyTrainConfig(plan="auto").is_default("plan")
 
 
 def test_every_field_has_an_env_and_argument_case() -> None:
@@ -97,6 +105,7 @@ ARGUMENTS = {
     "emulate_async": (False, False),
     "emulate_seed": (3, 3),
     "emulate_links": ("off", "off"),
+    "threads": (2, 2),
 }
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from lazytrain_accel.cli import CliError
+from lazytrain_accel.cli import CliError, help_of
+from lazytrain_accel.cli.args import add_loss_chunk_arg, positive_int
 
 _SETTINGS = ("model", "dataset", "steps", "batch_size", "seq_len", "lr", "output_dir", "plan",
              "hardware", "nvme_dir", "gpu_memory_gb", "eval_count", "seed", "loss_chunk_tokens")
@@ -12,7 +13,7 @@ _SETTINGS = ("model", "dataset", "steps", "batch_size", "seq_len", "lr", "output
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p = subparsers.add_parser(
-        name, help="fine-tune a small model end to end on this machine (no downloads)",
+        name, help=help_of(name),
         description="Profile, plan, stream, train, evaluate (exact match before/after) and "
         "save a checkpoint, the plan, a timeline PNG and Chrome traces. With no flags it "
         "runs the built-in demo model on the bundled arithmetic word problems.")
@@ -20,14 +21,14 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
                    "default: the built-in 8-layer demo Qwen2")
     p.add_argument("--dataset", help="MetaMathQA-form JSONL ({query, response} ending in "
                    "'The answer is: N'); default: the bundled word problems")
-    p.add_argument("--steps", type=int, help="optimizer steps (default 300)")
-    p.add_argument("--batch-size", type=int, help="micro-batch size (default 32)")
-    p.add_argument("--seq-len", type=int,
+    p.add_argument("--steps", type=positive_int, help="optimizer steps (default 300)")
+    p.add_argument("--batch-size", type=positive_int, help="micro-batch size (default 32)")
+    p.add_argument("--seq-len", type=positive_int,
                    help="tokens per example, padded or cut (default 48)")
     p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
     p.add_argument("--output-dir",
                    help="where the checkpoint, plan, timeline and traces go "
-                   "(default ./lazytrain_demo)")
+                   "(default ./lazytrain_output)")
     p.add_argument("--plan", help="'auto' (solve the MIP), a strategy name, "
                    "or a plan JSON from `lazytrain plan --output`")
     p.add_argument("--hardware", help="'auto' (measure this machine, cached), "
@@ -36,12 +37,10 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--gpu-memory-gb", type=float,
                    help="device budget to plan for, GiB; default: a budget that holds about "
                    "a third of the boundaries, so the plan offloads; 0 = the whole device")
-    p.add_argument("--eval-count", type=int,
+    p.add_argument("--eval-count", type=positive_int,
                    help="held-out problems for exact match (default 200)")
     p.add_argument("--seed", type=int, help="seed of weights and data order")
-    p.add_argument("--loss-chunk-tokens", type=int, metavar="N",
-                   help="train with the fused chunked loss, N tokens of logits at a time "
-                   "(default 0 = the model's own loss)")
+    add_loss_chunk_arg(p, default=None)  # unset: LAZYTRAIN_LOSS_CHUNK_TOKENS, else 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         settings = DemoSettings(**given)
     except ValueError as err:
         raise CliError(str(err), exit_code=2) from None
-    console = Console()
+    console = Console(soft_wrap=True)  # a log line stays one line, whatever the width
     try:
         result = run_demo(settings, console)
     except ValueError as err:  # bad inputs, infeasible plans, preflight: one paragraph

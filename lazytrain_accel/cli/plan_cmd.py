@@ -6,11 +6,11 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from typing import Any
 
-from lazytrain_accel.cli import CliError
+from lazytrain_accel.cli import CliError, help_of
+from lazytrain_accel.cli.args import add_loss_chunk_arg, positive_int
 from lazytrain_accel.planning import (
     STRATEGIES,
     Budgets,
@@ -34,43 +34,6 @@ from lazytrain_accel.profiling.models import (
 
 _GIB = 2**30
 MAX_BATCH_SEARCH_LIMIT = 1 << 16
-_HELP = {
-    "plan": "solve the activation plan of one run and print or save it",
-    "simulate": "run one step of a plan in the event simulator",
-    "max-batch": "largest micro-batch a strategy can plan within the budgets",
-}
-
-
-def _loss_chunk(text: str) -> int | None:
-    """'auto' -> None (the planner decides), else a token count >= 0."""
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
-def add_loss_chunk_arg(p: argparse.ArgumentParser) -> None:
-    """`--loss-chunk-tokens`: the head's working bytes the planner counts."""
-    p.add_argument("--loss-chunk-tokens", type=_loss_chunk, default=None, metavar="auto|N",
-                   help="the loss head (LazyTrainConfig.loss_chunk_tokens): 'auto' lets the "
-                   "planner turn the fused chunked loss on where the full logits would cost "
-                   "memory or speed (default); N = the fused loss with N tokens of logits at "
-                   "a time; 0 = the model's own loss, full tokens x vocab logits")
 
 
 def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
@@ -81,9 +44,9 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
                    + "), hardware JSON, or 'auto' to measure this machine (default)")
     with_plan = " (required unless --plan gives it)" if batch == "optional" else ""
     if batch != "none":
-        p.add_argument("--batch-size", type=_positive_int, required=batch == "required",
+        p.add_argument("--batch-size", type=positive_int, required=batch == "required",
                        help="micro-batch size" + with_plan)
-    p.add_argument("--seq-len", type=_positive_int, required=batch != "optional",
+    p.add_argument("--seq-len", type=positive_int, required=batch != "optional",
                    help="sequence length" + with_plan)
     # Part of the plan's fingerprint: a plan for bf16 does not fit an fp32 run.
     p.add_argument("--dtype", choices=sorted(COMPUTE_DTYPE_BYTES), default="bf16",
@@ -93,9 +56,9 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
                    help="the MIP (default), its GPU-only variant, or a baseline")
     p.add_argument("--time-limit-s", type=float, default=60.0,
                    help="MIP wall-clock limit; the incumbent is used on timeout (default 60)")
-    p.add_argument("--max-recompute-block", type=int, default=8,
+    p.add_argument("--max-recompute-block", type=positive_int, default=8,
                    help="K, the longest recompute block (default 8)")
-    add_loss_chunk_arg(p)
+    add_loss_chunk_arg(p, default=None, allow_auto=True)
     for flag, what in (("--gpu-memory-gb", "GPU"), ("--cpu-memory-gb", "host DRAM"),
                        ("--nvme-gb", "NVMe")):
         p.add_argument(flag, type=float, default=0.0,
@@ -104,7 +67,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
 
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
-    p = subparsers.add_parser(name, help=_HELP[name], description=_HELP[name] + ".")
+    p = subparsers.add_parser(name, help=help_of(name), description=help_of(name) + ".")
     if name == "simulate":
         p.add_argument("--plan", metavar="PLAN.json",
                        help="a plan from `lazytrain plan --output` (batch and sequence "
@@ -208,24 +171,21 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def _run_simulate(args: argparse.Namespace) -> int:
     if args.plan:
-        config, hardware, _ = _load(args)
+        config, hardware, budgets = _load(args)
         plan = Plan.load(args.plan)
         model = _profile(config, args, plan.batch_size, plan.seq_len)
     else:
         loaded = _load(args)
-        hardware = loaded[1]
+        hardware, budgets = loaded[1], loaded[2]
         plan, model = _make(args, *loaded)
     result = simulate(plan, model, hardware)
     if args.timeline or args.trace:
         from lazytrain_accel.planning import timeline
 
-        # Only the lanes this timeline draws (the host optimizer's once it has one).
-        drawable = dataclasses.replace(result, ops=[op for op in result.ops
-                                                    if op.resource in timeline.RESOURCES])
         if args.timeline:
-            timeline.draw_timeline(drawable, args.timeline)
+            timeline.draw_timeline(result, args.timeline, budgets=budgets)
         if args.trace:
-            timeline.save_chrome_trace(drawable, args.trace)
+            timeline.save_chrome_trace(result, args.trace)
     summary = _summary(plan, result)
     summary["predicted_step_s"] = plan.prediction.step_s
     _print(summary, args.json)

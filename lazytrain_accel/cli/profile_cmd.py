@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from lazytrain_accel.cli import CliError
-from lazytrain_accel.cli.plan_cmd import add_loss_chunk_arg
+from lazytrain_accel.cli import CliError, help_of
+from lazytrain_accel.cli.args import add_loss_chunk_arg, positive_int
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import (
@@ -24,15 +24,17 @@ _GIB = 1024**3
 
 def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p = subparsers.add_parser(
-        name, help="profile a model on a hardware profile (bytes, FLOPs, seconds per layer)",
+        name, help=help_of(name),
         description="Analytic profile of a decoder-only model at one micro-batch shape, "
         "with per-layer compute and transfer seconds on a hardware profile.")
     p.add_argument("--model", help=f"preset ({', '.join(MODEL_PRESETS)}), HF model "
                    "directory or config .json")
     p.add_argument("--hardware", default="auto", help="preset (" + ", ".join(HARDWARE_PRESETS)
                    + "), hardware JSON, or 'auto' to measure this machine (default)")
-    p.add_argument("--batch-size", type=int, default=1, help="micro-batch size (default 1)")
-    p.add_argument("--seq-len", type=int, default=1024, help="sequence length (default 1024)")
+    p.add_argument("--batch-size", type=positive_int, default=1,
+                   help="micro-batch size (default 1)")
+    p.add_argument("--seq-len", type=positive_int, default=1024,
+                   help="sequence length (default 1024)")
     p.add_argument("--dtype", choices=sorted(COMPUTE_DTYPE_BYTES), default="bf16",
                    help="compute dtype of activations and streamed weights (default bf16)")
     add_loss_chunk_arg(p)

@@ -83,23 +83,29 @@ def write_jsonl(records: Iterable[dict[str, str]], path: str | Path) -> None:
 def load_jsonl(path: str | Path) -> list[dict[str, str]]:
     """Records of a MetaMathQA-form JSONL file; each must have string "query"/"response"
     and a response that states "The answer is: N" (the exact-match evaluation needs it)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:  # an input error: the CLI exits 2
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ValueError(f"cannot read the dataset {str(path)!r} ({reason}); pass a "
+                         "MetaMathQA-form JSONL file or leave --dataset out for the bundled "
+                         "problems") from None
     records = []
-    with Path(path).open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number} is not valid JSON ({err})") from None
-            if not (isinstance(record, dict) and isinstance(record.get("query"), str)
-                    and isinstance(record.get("response"), str)):
-                raise ValueError(f"{path}:{number} needs string fields 'query' and 'response' "
-                                 "(MetaMathQA form)")
-            if extract_answer(record["response"]) is None:
-                raise ValueError(f"{path}:{number}: response does not end with 'The answer "
-                                 "is: N'; exact-match evaluation needs that final line")
-            records.append(record)
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number} is not valid JSON ({err})") from None
+        if not (isinstance(record, dict) and isinstance(record.get("query"), str)
+                and isinstance(record.get("response"), str)):
+            raise ValueError(f"{path}:{number} needs string fields 'query' and 'response' "
+                             "(MetaMathQA form)")
+        if extract_answer(record["response"]) is None:
+            raise ValueError(f"{path}:{number}: response does not end with 'The answer "
+                             "is: N'; exact-match evaluation needs that final line")
+        records.append(record)
     if not records:
         raise ValueError(f"{path} holds no records")
     return records

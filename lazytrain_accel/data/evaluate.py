@@ -13,10 +13,21 @@ from lazytrain_accel.data.collate import prompt_of
 
 
 @dataclass(kw_only=True)
+class Sample:
+    """One evaluated problem: what the model was asked, what it wrote, and whether the
+    answer it stated is the reference one."""
+
+    query: str
+    generated: str
+    expected: str
+    correct: bool
+
+
+@dataclass(kw_only=True)
 class EvalResult:
     correct: int
     total: int
-    samples: list[tuple[str, str]]  # (query, generated text) of the first few problems
+    samples: list[Sample]  # the first few right and the first few wrong, in record order
 
     @property
     def exact_match(self) -> float:
@@ -29,14 +40,16 @@ def exact_match(model: nn.Module, tokenizer: PreTrainedTokenizerBase,
                 max_new_tokens: int = 32, device: torch.device | None = None,
                 keep_samples: int = 3) -> EvalResult:
     """Greedy-generate a response to every record's query (left-padded batches) and count
-    the records whose generated answer equals the reference answer."""
+    the records whose generated answer equals the reference answer. `samples` keeps the
+    first `keep_samples` right and the first `keep_samples` wrong problems."""
     if not records:
         raise ValueError("exact_match needs at least one record to evaluate")
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
     tokenizer.padding_side = "left"  # generation appends on the right of every row
-    correct, samples = 0, []
+    correct = 0
+    samples: list[Sample] = []
     try:
         for start in range(0, len(records), batch_size):
             chunk = records[start:start + batch_size]
@@ -44,9 +57,11 @@ def exact_match(model: nn.Module, tokenizer: PreTrainedTokenizerBase,
                               max_new_tokens=max_new_tokens, device=device)
             for record, text in zip(chunk, texts, strict=True):
                 expected = extract_answer(record["response"])
-                correct += int(expected is not None and extract_answer(text) == expected)
-                if len(samples) < keep_samples:
-                    samples.append((record["query"], text))
+                right = expected is not None and extract_answer(text) == expected
+                correct += int(right)
+                if sum(s.correct == right for s in samples) < keep_samples:
+                    samples.append(Sample(query=record["query"], generated=text,
+                                          expected=expected or "", correct=right))
     finally:
         model.train(was_training)
     return EvalResult(correct=correct, total=len(records), samples=samples)

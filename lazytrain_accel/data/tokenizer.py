@@ -1,50 +1,45 @@
-"""A word-level tokenizer built in code from the training texts (no downloads).
+"""The demo's tokenizer: a Qwen2 byte-level BPE trained in code on the training texts.
 
-Words keep their leading space (SentencePiece's "▁" convention) and every digit is its own
-token, so numbers of any size are spelled from ten tokens and decoding gives back the
-exact text. It is a `PreTrainedTokenizerFast`, so it saves next to the checkpoint with
-`save_pretrained` and reloads with `AutoTokenizer.from_pretrained`.
+The demo model is a Qwen2, and for `model_type: qwen2` transformers' `AutoTokenizer`
+always builds a `Qwen2Tokenizer` (its ByteLevel pre-tokenizer, whatever class
+`tokenizer_config.json` names). A tokenizer of any other form would be re-read
+differently from a saved checkpoint and the reloaded model would score garbage, so the
+demo's tokenizer *is* a `Qwen2Tokenizer`: Qwen2's pre-tokenizer (digits one by one,
+words with their leading space), byte-level symbols, and BPE merges learned here from the
+training texts until every word seen is one token. No downloads; the same texts always
+give the same vocabulary and merges.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import json
 from collections.abc import Iterable
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import Qwen2Tokenizer
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
-_DIGITS = tuple("0123456789")
+#: Large enough never to stop the merges before every word seen is a single token.
+_MAX_VOCAB = 1 << 16
 
 
-def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split("\n", behavior="isolated"),
-        pre_tokenizers.Metaspace(prepend_scheme="never"),
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.Punctuation(),
-    ])
-
-
-def build_word_tokenizer(texts: Iterable[str], *, min_count: int = 1) -> PreTrainedTokenizerFast:
-    """A tokenizer whose vocabulary is every piece seen in `texts` at least `min_count`
-    times (plus specials and the ten digits), ordered by frequency then spelling, so the
-    same texts always give the same ids."""
+def build_demo_tokenizer(texts: Iterable[str], *, min_count: int = 1) -> Qwen2Tokenizer:
+    """A `Qwen2Tokenizer` whose merges are learned from `texts`: every piece seen at least
+    `min_count` times becomes one token; anything else is spelled from its bytes."""
     if min_count < 1:
         raise ValueError(f"min_count={min_count} must be >= 1")
-    splitter = _pre_tokenizer()
-    counts: Counter[str] = Counter()
-    for text in texts:
-        counts.update(piece for piece, _ in splitter.pre_tokenize_str(text))
-    if not counts:
-        raise ValueError("build_word_tokenizer needs at least one non-empty text")
-    vocab = {token: i for i, token in enumerate((PAD, BOS, EOS, UNK, *_DIGITS))}
-    for piece, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        if count >= min_count and piece not in vocab:
-            vocab[piece] = len(vocab)
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    core.pre_tokenizer = splitter
-    core.decoder = decoders.Metaspace(prepend_scheme="never")
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS,
-                                   eos_token=EOS, unk_token=UNK)
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise ValueError("build_demo_tokenizer needs at least one non-empty text")
+    pipeline = Qwen2Tokenizer().backend_tokenizer  # Qwen2's normalizer and pre-tokenizer
+    core = Tokenizer(models.BPE())
+    core.normalizer = pipeline.normalizer
+    core.pre_tokenizer = pipeline.pre_tokenizer
+    trainer = trainers.BpeTrainer(vocab_size=_MAX_VOCAB, min_frequency=min_count,
+                                  show_progress=False, special_tokens=[PAD, BOS, EOS, UNK],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(texts, trainer)
+    learned = json.loads(core.to_str())["model"]
+    return Qwen2Tokenizer(vocab=learned["vocab"],
+                          merges=[tuple(pair) for pair in learned["merges"]],
+                          pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK)

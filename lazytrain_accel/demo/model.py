@@ -2,7 +2,7 @@
 
 The `tiny-demo` preset (8 x 256, 6.2M parameters, a 1024-token vocabulary) costs about
 four times the FLOPs per step of this model; the 300 steps that take the demo from 0% to
-65% exact match already take ~50 s on 2 idle cores, so the demo model is narrower
+68% exact match are most of the demo's time on 2 cores, so the demo model is narrower
 (hidden 128) with the same depth: the plan still has eight layers and nine boundaries.
 """
 
@@ -21,7 +21,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from lazytrain_accel.data.tokenizer import build_word_tokenizer
+from lazytrain_accel.data.tokenizer import build_demo_tokenizer
+from lazytrain_accel.suggest import hub_id_hint
 
 #: Qwen2 shape of the demo model; vocabulary size and special ids come from the tokenizer.
 DEMO_MODEL_CONFIG: dict[str, Any] = {
@@ -53,14 +54,15 @@ def build_demo_model(tokenizer: PreTrainedTokenizerBase, *, seed: int) -> PreTra
 def load_model_and_tokenizer(model_dir: str | None, train_texts: list[str], *,
                              seed: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model of `model_dir` (a local HF directory with weights and a tokenizer) in
-    fp32, or, without one, the demo model and a word-level tokenizer built from the texts."""
+    fp32, or, without one, the demo model and a Qwen2 BPE tokenizer learned from the texts."""
     if model_dir is None:
-        tokenizer = build_word_tokenizer(train_texts)
+        tokenizer = build_demo_tokenizer(train_texts)
         return build_demo_model(tokenizer, seed=seed), tokenizer
     path = Path(model_dir).expanduser()
     if not (path / "config.json").is_file():
+        hint = "" if path.exists() else hub_id_hint(model_dir, presets=False)
         raise ValueError(f"--model {model_dir!r} is not a HF model directory (no config.json); "
-                         "pass a directory written by save_pretrained")
+                         + (hint.rstrip("; ") or "pass a directory written by save_pretrained"))
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         # Decoder-only tokenizers often lack a pad token; padding positions are masked

@@ -18,7 +18,7 @@ import accelerate
 import torch
 from torch import nn
 
-from lazytrain_accel import preflight
+from lazytrain_accel import preflight, threads
 from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.integrations import batch_shape, setup
 from lazytrain_accel.integrations.checkpoint import atomic_directory, recover
@@ -106,6 +106,7 @@ class Accelerator(accelerate.Accelerator):
         from lazytrain_accel.profiling.hardware import load_hardware
 
         plugin = self.lazytrain_plugin
+        threads.apply_threads(plugin.threads, device=self.device)  # before any timing
         # config.use_cache stays as the user set it: the engine strips KV caches from
         # training calls itself, and the config is what save_pretrained writes.
         compute_dtype = setup.compute_dtype_for(self.mixed_precision)

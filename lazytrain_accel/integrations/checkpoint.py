@@ -27,6 +27,7 @@ def atomic_directory(final: str | Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        make_readable(tmp)
         fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -73,6 +74,25 @@ def owner_alive(path: Path) -> bool:
     except PermissionError:  # alive, another user's
         return True
     return True
+
+
+def make_readable(root: Path) -> None:
+    """Give every file under `root` the mode a plain `open()` gives (0644 under the usual
+    umask): transformers writes `model.safetensors` through a private temp file (0600),
+    which other users, containers and serving processes then cannot read."""
+    mode = 0o666 & ~_umask()
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), mode)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (`os.umask` sets it to read it)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    return 0o022
 
 
 def fsync_tree(root: Path) -> None:

@@ -18,6 +18,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from lazytrain_accel.engine.fidelity import FidelityMonitor, StepTerms
 from lazytrain_accel.integrations import setup
+from lazytrain_accel.progress import PlainProgress, is_terminal
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -40,6 +41,8 @@ class LazyTrainCallback(TrainerCallback):
         self._measured_s = 0.0
         self._steps = 0
         self._fidelity = FidelityMonitor()  # predicted vs measured step, drift warnings
+        self._plain: PlainProgress | None = None  # off a terminal: a line every few steps
+        self._stall_seen_s = 0.0  # engine stall already counted in a progress line
 
     # ---- what the engine and the plan say --------------------------------------------
     def _run_and_engine(self) -> tuple[setup.PreparedRun | None, Any]:
@@ -57,7 +60,7 @@ class LazyTrainCallback(TrainerCallback):
         guard = getattr(self._trainer.accelerator, "lazytrain_guard", None)
         if guard is not None:
             guard.install_sigint()  # again when train() runs more than once
-        self._measured_s, self._steps = 0.0, 0
+        self._measured_s, self._steps, self._plain = 0.0, 0, None
         self._trainer.log(plan_metrics(run.plan))  # prepare() logged the plan summary
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState,
@@ -67,9 +70,12 @@ class LazyTrainCallback(TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: TrainerState,
                     control: TrainerControl, **kwargs: Any) -> None:
         if self._step_start_s is not None:
-            self._measured_s += time.perf_counter() - self._step_start_s
+            step_s = time.perf_counter() - self._step_start_s
+            self._measured_s += step_s
             self._steps += 1
             self._step_start_s = None
+            if state.is_world_process_zero and not is_terminal():
+                self._print_plain_progress(args, state, step_s)
         guard = getattr(self._trainer.accelerator, "lazytrain_guard", None)
         if guard is not None and guard.interrupted:  # Ctrl-C: stop at this step boundary
             control.should_training_stop = True
@@ -101,7 +107,27 @@ class LazyTrainCallback(TrainerCallback):
         if state.log_history and state.log_history[-1].get("loss") == logs["loss"]:
             state.log_history[-1].update(metrics)
         engine.reset_stats()
-        self._measured_s, self._steps = 0.0, 0
+        self._measured_s, self._steps, self._stall_seen_s = 0.0, 0, 0.0
+
+    def _print_plain_progress(self, args: TrainingArguments, state: TrainerState,
+                              step_s: float) -> None:
+        """The Trainer's bar shows nothing in a log file: a plain line every few steps."""
+        run, engine = self._run_and_engine()
+        if run is None or engine is None:
+            return
+        accum = args.gradient_accumulation_steps
+        if self._plain is None:
+            self._plain = PlainProgress(total_steps=state.max_steps or None,
+                                        predicted_step_s=run.plan.prediction.step_s * accum,
+                                        loss_label="last logged loss")
+        stall_s = engine.stats().stall_s  # since the last log's reset
+        losses = (entry["loss"] for entry in reversed(state.log_history) if "loss" in entry)
+        line = self._plain.step_done(
+            state.global_step, step_s=step_s, stall_s=stall_s - self._stall_seen_s,
+            tokens=run.plan.batch_size * run.plan.seq_len * accum, loss=next(losses, None))
+        self._stall_seen_s = stall_s
+        if line:
+            print(f"lazytrain: {line}", flush=True)
 
 
 def quiet_console(trainer: Trainer) -> None:

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from lazytrain_accel.suggest import did_you_mean
+
 
 @dataclass(kw_only=True, frozen=True)
 class HardwareProfile:
@@ -174,5 +176,6 @@ def load_hardware(spec: str, *, cache_dir: str | None = None, nvme_dir: str | No
     path = Path(spec).expanduser()
     if path.suffix == ".json" or path.is_file():
         return HardwareProfile.load(path)
-    raise ValueError(f"hardware {spec!r} is not valid: use 'auto', one of "
-                     f"{sorted(HARDWARE_PRESETS)}, or the path of a hardware JSON file")
+    raise ValueError(f"hardware {spec!r} is not valid: {did_you_mean(spec, HARDWARE_PRESETS)}"
+                     f"use 'auto', one of {sorted(HARDWARE_PRESETS)}, or the path of a "
+                     "hardware JSON file")

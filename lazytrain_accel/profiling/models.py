@@ -13,6 +13,7 @@ from typing import Any
 
 from lazytrain_accel.profiling.families import FAMILIES, geometry_from_config
 from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
+from lazytrain_accel.suggest import did_you_mean, hub_id_hint
 
 __all__ = ["COMPUTE_DTYPE_BYTES", "FAMILIES", "MODEL_PRESETS", "geometry_from_config",
            "head_working_bytes", "load_model_config", "model_preset_source", "profile_model",
@@ -66,8 +67,9 @@ def load_model_config(spec: str) -> dict[str, Any]:
         return _read_json(path / "config.json", "model config")
     if path.is_file():
         return _read_json(path, "model config")
-    raise ValueError(f"model {spec!r} is neither a preset ({', '.join(MODEL_PRESETS)}) nor an "
-                     "existing HF model directory or config .json file")
+    raise ValueError(f"model {spec!r} is neither a preset nor an existing HF model directory "
+                     f"or config .json file; {hub_id_hint(spec)}{did_you_mean(spec, MODEL_PRESETS)}"
+                     f"presets: {', '.join(MODEL_PRESETS)}")
 
 
 def model_preset_source(name: str) -> str:

@@ -8,10 +8,10 @@ from torch import nn
 from lazytrain_accel.data.arithmetic import generate_problems
 from lazytrain_accel.data.collate import prompt_of
 from lazytrain_accel.data.evaluate import exact_match
-from lazytrain_accel.data.tokenizer import build_word_tokenizer
+from lazytrain_accel.data.tokenizer import build_demo_tokenizer
 
 RECORDS = generate_problems(12, seed=5)
-TOKENIZER = build_word_tokenizer([r["query"] + "\n" + r["response"] for r in RECORDS])
+TOKENIZER = build_demo_tokenizer([r["query"] + "\n" + r["response"] for r in RECORDS])
 
 
 class LookupModel(nn.Module):
@@ -49,7 +49,12 @@ def test_counts_correct_answers_across_batches() -> None:
     assert (result.correct, result.total) == (len(RECORDS) - len(wrong), len(RECORDS))
     assert result.exact_match == (len(RECORDS) - len(wrong)) / len(RECORDS)
     assert model.batch_sizes == [5, 5, 2]
-    assert result.samples[0] == (RECORDS[0]["query"], answers[prompt_of(RECORDS[0])])
+    # The first three wrong and the first three right problems, labelled, in record order.
+    assert [(s.query, s.correct) for s in result.samples] == [
+        *[(r["query"], False) for r in RECORDS[:3]], *[(r["query"], True) for r in RECORDS[4:7]]]
+    first_right = result.samples[3]
+    assert first_right.generated == answers[prompt_of(RECORDS[4])]
+    assert first_right.expected == RECORDS[4]["response"].rsplit(": ", 1)[1]
     assert model.training  # restored after evaluating
 
 

@@ -36,4 +36,4 @@ def test_demo_trains_with_the_fused_loss(tmp_path: Path, hardware_json: Path,
 
 def test_negative_chunk_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--loss-chunk-tokens", "-1"]) == 2
-    assert "loss_chunk_tokens=-1 must be >= 0" in capsys.readouterr().err
+    assert "argument --loss-chunk-tokens: -1 must be >= 0" in capsys.readouterr().err

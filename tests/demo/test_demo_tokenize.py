@@ -5,32 +5,34 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, Qwen2Config
 
 from lazytrain_accel.data.arithmetic import generate_problems
 from lazytrain_accel.data.collate import IGNORE_INDEX, CausalLMCollator, encode_record, prompt_of
-from lazytrain_accel.data.tokenizer import build_word_tokenizer
+from lazytrain_accel.data.tokenizer import build_demo_tokenizer
 
 RECORDS = generate_problems(300, seed=11)
 TEXTS = [r["query"] + "\n" + r["response"] for r in RECORDS]
 
 
 def test_decoding_gives_back_the_exact_text() -> None:
-    tokenizer = build_word_tokenizer(TEXTS)
+    tokenizer = build_demo_tokenizer(TEXTS)
     for text in TEXTS:
         assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
 
 
-def test_digits_are_single_tokens_and_unknown_words_map_to_unk() -> None:
-    tokenizer = build_word_tokenizer(TEXTS)
+def test_digits_are_single_tokens_and_unknown_words_are_spelled_from_bytes() -> None:
+    tokenizer = build_demo_tokenizer(TEXTS)
     pieces = tokenizer.convert_ids_to_tokens(tokenizer("buys 1234")["input_ids"])
     assert pieces[-4:] == ["1", "2", "3", "4"]
+    assert tokenizer.convert_ids_to_tokens(tokenizer(" apples")["input_ids"]) == ["\u0120apples"]
     ids = tokenizer("Tom owns zebras")["input_ids"]
-    assert tokenizer.unk_token_id in ids
+    assert tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids) == "Tom owns zebras"
 
 
 def test_same_texts_same_vocabulary_and_it_survives_save_pretrained(tmp_path: Path) -> None:
-    first, second = build_word_tokenizer(TEXTS), build_word_tokenizer(list(TEXTS))
+    first, second = build_demo_tokenizer(TEXTS), build_demo_tokenizer(list(TEXTS))
     assert first.get_vocab() == second.get_vocab()
     first.save_pretrained(tmp_path)
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
@@ -38,8 +40,23 @@ def test_same_texts_same_vocabulary_and_it_survives_save_pretrained(tmp_path: Pa
     assert reloaded.pad_token_id == first.pad_token_id == 0
 
 
+def test_reloads_identically_beside_a_qwen2_config(tmp_path: Path) -> None:
+    """AutoTokenizer picks the tokenizer class from `model_type: qwen2` (Qwen2Tokenizer,
+    ByteLevel), not from tokenizer_config.json: a checkpoint must survive exactly that."""
+    tokenizer = build_demo_tokenizer(TEXTS)
+    tokenizer.save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                num_hidden_layers=1, num_attention_heads=2).save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(reloaded) == len(tokenizer)
+    for text in TEXTS[:50]:
+        assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"], text
+    assert [reloaded.pad_token_id, reloaded.eos_token_id] == [tokenizer.pad_token_id,
+                                                              tokenizer.eos_token_id]
+
+
 def test_labels_cover_exactly_the_response_and_end_token() -> None:
-    tokenizer = build_word_tokenizer(TEXTS)
+    tokenizer = build_demo_tokenizer(TEXTS)
     record = RECORDS[0]
     example = encode_record(tokenizer, record, seq_len=64)
     prompt_len = len(tokenizer(prompt_of(record))["input_ids"])
@@ -51,7 +68,7 @@ def test_labels_cover_exactly_the_response_and_end_token() -> None:
 
 
 def test_collator_pads_every_batch_to_seq_len_and_masks_padding() -> None:
-    tokenizer = build_word_tokenizer(TEXTS)
+    tokenizer = build_demo_tokenizer(TEXTS)
     examples = [encode_record(tokenizer, r, seq_len=40) for r in RECORDS[:5]]
     assert max(len(e.input_ids) for e in examples) == 40  # the long ones are cut
     batch = CausalLMCollator(pad_token_id=tokenizer.pad_token_id, seq_len=48)(examples)

@@ -23,7 +23,8 @@ def _prepare(tmp_path: Path, model: torch.nn.Module, **kwargs: object) -> None:
 
 
 def test_unknown_hardware_preset(tmp_path) -> None:
-    with pytest.raises(ValueError, match="hardware='a100x' is not valid: use 'auto', one of"):
+    with pytest.raises(ValueError, match="hardware='a100x' is not valid: did you mean "
+                                         "'a100-80g'\\? use 'auto', one of"):
         LazyTrainPlugin(hardware="a100x")
 
 

@@ -1,0 +1,58 @@
+"""Flag types and flags several subcommands share, so a bad value reads the same in all.
+
+Light on purpose (argparse only): every subcommand's parser imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type of counts and sizes (`--batch-size`, `--seq-len`, `--steps`): >= 1."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type of settings where 0 means "off" (`--loss-chunk-tokens`): >= 0."""
+    return _int_at_least(text, 0)
+
+
+def loss_chunk_or_auto(text: str) -> int | None:
+    """argparse type of `--loss-chunk-tokens` where the planner may decide: 'auto' -> None."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return non_negative_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor an integer "
+                                         ">= 0") from None
+
+
+def add_loss_chunk_arg(p: argparse.ArgumentParser, *, default: int | None = 0,
+                       allow_auto: bool = False) -> None:
+    """`--loss-chunk-tokens`: the head's working bytes the planner counts. With
+    `allow_auto`, 'auto' (None, the default there) lets the planner decide."""
+    if allow_auto:
+        p.add_argument("--loss-chunk-tokens", type=loss_chunk_or_auto, default=default,
+                       metavar="auto|N",
+                       help="the loss head (LazyTrainConfig.loss_chunk_tokens): 'auto' lets the "
+                       "planner turn the fused chunked loss on where the full logits would cost "
+                       "memory or speed (default); N = the fused loss with N tokens of logits "
+                       "at a time; 0 = the model's own loss, full tokens x vocab logits")
+        return
+    shown = "" if default is None else f" (default {default})"
+    p.add_argument("--loss-chunk-tokens", type=non_negative_int, default=default, metavar="N",
+                   help="the fused chunked loss with N tokens of logits at a time "
+                   "(LazyTrainConfig.loss_chunk_tokens); 0 = the model's own loss, full "
+                   f"tokens x vocab logits{shown}")
