@@ -30,13 +30,7 @@ def non_negative_int(text: str) -> int:
 
 def loss_chunk_or_auto(text: str) -> int | None:
     """argparse type of `--loss-chunk-tokens` where the planner may decide: 'auto' -> None."""
-    if text.strip().lower() == "auto":
-        return None
-    try:
-        return non_negative_int(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor an integer "
-                                         ">= 0") from None
+    return None if text.strip().lower() == "auto" else non_negative_int(text)
 
 
 def add_loss_chunk_arg(p: argparse.ArgumentParser, *, default: int | None = 0,
