@@ -67,7 +67,7 @@ _DEFAULTS: dict[str, Any] = {
     "solver_time_limit_s": 60.0,
     "cache_dir": default_cache_dir,
     "max_nonfinite_skips": 3,
-    "loss_chunk_tokens": 0,
+    "loss_chunk_tokens": "auto",
 }
 
 
@@ -91,9 +91,13 @@ class LazyTrainConfig:
         cache_dir: where profiles and plans are cached by fingerprint.
         max_nonfinite_skips: consecutive non-finite steps tolerated before training
             stops with an error.
-        loss_chunk_tokens: 0 keeps the model's own loss (full tokens x vocab logits); > 0
-            computes the training loss with the fused chunked cross-entropy, whose logits
-            exist for that many tokens at a time (`logits` is then None in the output).
+        loss_chunk_tokens: "auto" (default) lets the planner turn the fused chunked loss
+            on (and pick the chunk) where the full logits would bind a budget or slow the
+            plan (`Plan.loss_chunk_tokens` says what it chose); 0 keeps the model's own
+            loss (full tokens x vocab logits); > 0 computes the training loss with the
+            fused chunked cross-entropy, whose logits exist for that many tokens at a time.
+            With the fused loss on, training outputs carry `logits=None`; evaluation
+            (`model.eval()`) still returns logits.
     """
 
     plan: str | None = None
@@ -107,7 +111,7 @@ class LazyTrainConfig:
     solver_time_limit_s: float | None = None
     cache_dir: str | None = None
     max_nonfinite_skips: int | None = None
-    loss_chunk_tokens: int | None = None
+    loss_chunk_tokens: int | str | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -169,7 +173,7 @@ class LazyTrainConfig:
             raise ValueError(f"solver_time_limit_s={self.solver_time_limit_s} must be > 0")
         if self.max_nonfinite_skips < 1:
             raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips} must be >= 1")
-        if self.loss_chunk_tokens < 0:
+        if self.loss_chunk_tokens != "auto" and self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = the "
                              "model's own loss; e.g. 4096 for the fused chunked loss)")
 
@@ -197,6 +201,7 @@ def _is_json_path(value: str) -> bool:
 _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
                  "solver_time_limit_s")
 _INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens")
+_AUTO_FIELDS = ("loss_chunk_tokens",)  # also accept "auto"
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -210,6 +215,8 @@ def _coerce(name: str, value: Any) -> Any:
             allowed = [c.value for c in OptimizerChoice]
             raise ValueError(f"optimizer={value!r} is not valid: allowed values are "
                              f"{allowed}") from None
+    if name in _AUTO_FIELDS and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
     if name in _FLOAT_FIELDS or name in _INT_FIELDS:
         kind = float if name in _FLOAT_FIELDS else int
         if isinstance(value, bool):

@@ -122,7 +122,8 @@ class Accelerator(accelerate.Accelerator):
                             nvme_dir=plugin.nvme_dir)
         self.lazytrain_engine = attach(model, plan, device=self.device,
                                        compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir,
-                                       loss_chunk_tokens=plugin.loss_chunk_tokens)
+                                       loss_chunk_tokens=setup.engine_loss_chunk_tokens(
+                                           plugin, plan))
         self.lazytrain_run = setup.PreparedRun(model_profile=model_profile, hardware=hardware,
                                                plan=plan)
         self.lazytrain_guard = StepGuard(model=model, engine=self.lazytrain_engine,

@@ -225,7 +225,8 @@ def _step_gap(m: Model, status: str, step_floor_s: float) -> float:
     """(incumbent - bound) / incumbent's predicted step seconds."""
     if status == "optimal":
         return 0.0
-    primal, dual = m.getPrimalbound(), m.getDualbound()
+    # The objective (recompute + exposure) is >= 0: a bound below it says nothing more.
+    primal, dual = m.getPrimalbound(), max(m.getDualbound(), 0.0)
     return max(primal - dual, 0.0) / (step_floor_s + primal)
 
 
@@ -235,7 +236,8 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
                start_homes: list[Home] | tuple[Home, ...] | None = None,
                first_feasible: bool = False) -> Solution:
     """Solve `p`; `start_homes`, a feasible point, seeds the search (warm start);
-    `first_feasible` stops at the first incumbent (admission checks, tests)."""
+    `first_feasible` stops at the first incumbent SCIP's own search finds (no warm
+    start then; a deterministic stand-in for a time limit in tests)."""
     m, v = build_milp(p, allow_cpu=allow_cpu, allow_nvme=allow_nvme,
                       fixed_homes=fixed_homes, elastic=elastic)
     m.setParam("limits/time", max(time_limit_s, 0.01))
@@ -244,7 +246,7 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
     step_floor_s = p.step_floor_s()
     m.setParam("limits/gap", 0.0)
     m.setParam("limits/absgap", gap * step_floor_s)
-    if start_homes is not None and fixed_homes is None and not elastic:
+    if start_homes is not None and fixed_homes is None and not elastic and not first_feasible:
         _add_start(m, v, start_homes)
     if first_feasible:
         m.setParam("limits/solutions", 1)
