@@ -121,3 +121,15 @@ def test_planning_imports_neither_torch_nor_pyscipopt_outside_milp() -> None:
     package = Path(__file__).parents[2] / "lazytrain_accel" / "planning"
     users = sorted(f.name for f in package.glob("*.py") if "pyscipopt" in f.read_text())
     assert users == ["milp.py"]
+
+
+def test_the_plan_ir_loads_alone() -> None:
+    code = ("import sys, lazytrain_accel.planning.plan;"
+            "print(sorted(m for m in sys.modules if m.startswith('lazytrain_accel.') "
+            "or m == 'pyscipopt'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    # the package root loads its (stdlib-only) config; no profiling, no solver
+    assert out.stdout.strip() == str(["lazytrain_accel.config",
+                                      "lazytrain_accel.planning",
+                                      "lazytrain_accel.planning.plan"])
