@@ -246,7 +246,7 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
     step_floor_s = p.step_floor_s()
     m.setParam("limits/gap", 0.0)
     m.setParam("limits/absgap", gap * step_floor_s)
-    if start_homes is not None and fixed_homes is None and not elastic and not first_feasible:
+    if start_homes is not None and fixed_homes is None and not first_feasible:
         _add_start(m, v, start_homes)
     if first_feasible:
         m.setParam("limits/solutions", 1)

@@ -45,9 +45,22 @@ __all__ = ["STRATEGIES", "make_plan", "solve_problem"]
 MAX_STAGING_ROUNDS = 4
 
 
-def _diagnose(p: Problem, strategy: str, time_limit_s: float,
+#: Seconds the elastic re-solve that names a refusal's shortfall may take: it starts from
+#: the baseline closest to fitting, so on a limit it still names what that plan lacks.
+DIAGNOSE_TIME_LIMIT_S = 5.0
+
+
+def _diagnose(p: Problem, strategy: str, time_limit_s: float, names: tuple[str, ...],
               **kwargs: object) -> PlanInfeasibleError:
-    elastic = solve_milp(p, time_limit_s=time_limit_s, gap=0.0, elastic=True, **kwargs)
+    """The refusal: the least total shortfall over the strategy's plans (with more
+    budget by that much, a plan fits)."""
+    closest = min((BASELINES[n](p) for n in names if admissible(p, BASELINES[n](p))),
+                  key=lambda h: sum(evaluate_fixed(p, h).shortfall_bytes.values()),
+                  default=None)
+    if "fixed_homes" in kwargs:
+        closest = None
+    elastic = solve_milp(p, time_limit_s=min(time_limit_s, DIAGNOSE_TIME_LIMIT_S), gap=0.01,
+                         elastic=True, start_homes=closest, **kwargs)
     return infeasible_error(p, strategy, elastic.shortfall_bytes)
 
 
@@ -73,7 +86,7 @@ def _baseline_solution(p: Problem, strategy: str, time_limit_s: float) -> Soluti
         return solution
     solution = solve_milp(p, time_limit_s=time_limit_s, gap=0.0, fixed_homes=homes)
     if solution.homes is None:
-        raise _diagnose(p, strategy, time_limit_s, fixed_homes=homes)
+        raise _diagnose(p, strategy, time_limit_s, (strategy,), fixed_homes=homes)
     return dataclasses.replace(solution, status="baseline")
 
 
@@ -115,7 +128,8 @@ def solve_problem(p: Problem, *, strategy: str, time_limit_s: float,
             solution = dataclasses.replace(solution, message=message)
         return solution
     if solution.status == "infeasible":
-        raise _diagnose(p, strategy, time_limit_s, allow_cpu=offload, allow_nvme=offload)
+        raise _diagnose(p, strategy, time_limit_s, names, allow_cpu=offload,
+                        allow_nvme=offload)
     return _fallback(p, names, f"MIP found no plan ({solution.status}) within "
                      f"{time_limit_s:g} s", "Raise the time limit (--time-limit-s, "
                      "solver_time_limit_s)")
