@@ -1,34 +1,36 @@
-"""Planner benchmarks: MIP solve time and gap by depth, the paper's H800 table in
-simulation, and max batch on an RTX 3090. Prints ratios; never collected by pytest.
+"""Planner benchmarks: MIP solve time and gap per instance class, the paper's H800 table
+in simulation, and max batch on an RTX 3090. Prints ratios; never collected by pytest.
 
-    python bench/planner.py [--skip-solve] [--time-limit-s 60]
+    python bench/planner.py [--skip-solve] [--skip-tables] [--time-limit-s 60]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
+import sys
 import time
+from pathlib import Path
 
-from lazytrain_accel.planning import Budgets, make_plan, max_batch_size, simulate
-from lazytrain_accel.planning.milp import solve_milp
-from lazytrain_accel.planning.problem import GIB, build_problem
+from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan, max_batch_size
+from lazytrain_accel.planning.problem import Problem, build_problem
+from lazytrain_accel.planning.solve import solve_problem
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
 
-#: (preset, paper batch on the H800); llama3-70b stands in for L = 80 (no paper figure).
-SCALES = (("qwen2.5-7b", 144), ("qwen2.5-14b", 96), ("qwen3.6-27b", 72), ("llama3-70b", 32))
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "planning"))
+from planner_chains import budgets_in_slots, chain  # the property test's chains
+
 PAPER = (("qwen2.5-3b", 192, 142.80, 176.42), ("qwen2.5-7b", 144, 161.35, 199.84),
          ("qwen2.5-14b", 96, 171.92, 212.34), ("qwen3.6-27b", 72, 176.90, 219.95))
 PAPER_3090 = {"qwen2.5-3b": (7, 8), "qwen2.5-7b": (5, 6), "qwen2.5-14b": (3, 4),
               "qwen3.6-27b": (1, 2)}
 SEQ_LEN = 1024
-#: The paper's H800 batches (e.g. 192 x 1024 tokens at 3B) cannot hold full-vocabulary
-#: logits (~300 GB), so the H800 figures assume the fused chunked loss; the 3090
-#: admission uses HF's own loss, which is what bounds its batch.
-H800_LOSS_CHUNK_TOKENS = 1024
+GAP = 0.001  # the planner's default stopping gap
 
 
-def profile(preset: str, batch_size: int, loss_chunk_tokens: int = H800_LOSS_CHUNK_TOKENS):
+def profile(preset: str, batch_size: int, loss_chunk_tokens: int | None = None):
     geometry = geometry_from_config(load_model_config(preset), name=preset)
     return profile_model(geometry, batch_size=batch_size, seq_len=SEQ_LEN,
                          loss_chunk_tokens=loss_chunk_tokens)
@@ -38,54 +40,95 @@ def tight_budgets(model, hardware) -> Budgets:
     """DESIGN.md's tight case: 10.8 GB of GPU for activations, 8 GB CPU, 8 GB NVMe."""
     p = build_problem(model, hardware)
     gpu = int((p.gpu_fixed_bytes - p.gpu_reserve_bytes + 10.8e9) / 0.96)
-    return Budgets(gpu_bytes=gpu, cpu_bytes=p.static_cpu_bytes + int(8e9), nvme_bytes=int(8e9))
+    return Budgets(gpu_bytes=gpu, cpu_bytes=p.cpu_fixed_bytes + int(8e9), nvme_bytes=int(8e9))
+
+
+def tight_chains(count: int, seed: int = 15) -> list[Problem]:
+    """64-layer chains of the property test's tight class: few GPU slots, random rates."""
+    rng, problems = random.Random(seed), []
+    for _ in range(count):
+        model, hw = chain(num_layers=64, boundary_gib=rng.choice([0.25, 1.0]),
+                          layer_param_gib=rng.choice([0.1, 0.5, 1.5]),
+                          fwd_s=rng.choice([0.02, 0.05, 0.2]),
+                          bwd_s=rng.choice([0.04, 0.1, 0.4]),
+                          h2d_gbps=rng.choice([4.0, 12.0, 40.0]),
+                          d2h_gbps=rng.choice([4.0, 12.0, 40.0]),
+                          nvme_read_gbps=rng.choice([1.0, 3.0]),
+                          nvme_write_gbps=rng.choice([1.0, 3.0]))
+        budgets = budgets_in_slots(model, hw, gpu_slots=rng.randint(4, 14),
+                                   cpu_slots=rng.randint(16, 48),
+                                   nvme_slots=rng.randint(0, 24))
+        problems.append(build_problem(model, hw, budgets=budgets))
+    return problems
+
+
+def classes() -> dict[str, list[Problem]]:
+    h800 = HARDWARE_PRESETS["h800"]
+    request = profile("qwen3.6-27b", 40, loss_chunk_tokens=8192)
+    issue = [build_problem(request, h800, budgets=Budgets.from_hardware(h800, 30, cpu, 8))
+             for cpu in (258, 262)]
+    deep = [build_problem(m, h800, budgets=tight_budgets(m, h800))
+            for m in (profile("llama3-70b", b, 4096) for b in (8, 16, 32))]
+    return {"tight 64-layer chains (property test class)": tight_chains(12),
+            "27B request of issue 15, host 258 / 262 GiB": issue,
+            "llama3-70b (80 layers), tight GPU/host/NVMe": deep}
 
 
 def solve_times(time_limit_s: float) -> None:
-    hw = HARDWARE_PRESETS["h800"]
-    print(f"## MIP solve (h800, seq 1024, K = 8, time limit {time_limit_s:.0f} s)")
-    print("| L | model | batch | budgets | gap 1%: s | gap | status | to optimal: s | status |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for preset, batch in SCALES:
-        model = profile(preset, batch)
-        for label, budgets in (("hardware", None), ("tight", tight_budgets(model, hw))):
-            p = build_problem(model, hw, budgets=budgets)
-            fast = solve_milp(p, time_limit_s=time_limit_s, gap=0.01)
-            exact = solve_milp(p, time_limit_s=time_limit_s, gap=0.0)
-            print(f"| {model.num_layers} | {preset} | {batch} | {label} | {fast.solve_s:.2f} "
-                  f"| {fast.gap:.2%} | {fast.status} | {exact.solve_s:.2f} | {exact.status} |")
+    print(f"## MIP solve time per class (lazytrain strategy, gap {GAP:.1%}, warm start, "
+          f"time limit {time_limit_s:.0f} s)")
+    print("| class | n | median s | p90 s | max s | max gap | outcomes |")
+    print("|---|---|---|---|---|---|---|")
+    for name, problems in classes().items():
+        seconds, gaps, outcomes = [], [], {}
+        for p in problems:
+            start = time.perf_counter()
+            try:
+                solution = solve_problem(p, strategy="lazytrain", time_limit_s=time_limit_s,
+                                         gap=GAP)
+                outcome, gap = solution.status, solution.gap
+            except PlanInfeasibleError:
+                outcome, gap = "refused (proven infeasible)", 0.0
+            seconds.append(time.perf_counter() - start)
+            gaps.append(gap)
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+        seconds.sort()
+        p90 = seconds[min(len(seconds) - 1, round(0.9 * (len(seconds) - 1)))]
+        summary = ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
+        print(f"| {name} | {len(problems)} | {statistics.median(seconds):.2f} | {p90:.2f} | "
+              f"{seconds[-1]:.2f} | {max(gaps):.2%} | {summary} |")
 
 
 def paper_table(time_limit_s: float) -> None:
     hw = HARDWARE_PRESETS["h800"]
-    print("\n## Paper table in simulation (h800, seq 1024, chunked loss)")
-    print("| model | batch | MegaTrain TFLOPS | LazyTrain TFLOPS | ratio | paper ratio | "
-          "LazyTrain homes g/c/n/r | LazyTrain peak GPU GiB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n## Paper table in simulation (h800, seq 1024, loss_chunk_tokens=auto, host "
+          "optimizer overlapped in both)")
+    print("| model | batch | MegaTrain TFLOPS | LazyTrain TFLOPS | ratio | ratio w/o optimizer "
+          "| paper ratio | LazyTrain g/c/n/r | loss chunk |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for preset, batch, paper_mega, paper_lazy in PAPER:
         model = profile(preset, batch)
-        results = {}
-        for strategy in ("megatrain", "lazytrain"):
-            plan = make_plan(model, hw, strategy=strategy, time_limit_s=time_limit_s)
-            results[strategy] = (plan, simulate(plan, model, hw))
-        mega, lazy = results["megatrain"][1], results["lazytrain"][1]
-        counts = results["lazytrain"][0].count_homes()
+        plans = {s: make_plan(model, hw, strategy=s, time_limit_s=time_limit_s)
+                 for s in ("megatrain", "lazytrain")}
+        bare = {s: make_plan(model, hw, strategy=s, time_limit_s=time_limit_s,
+                             include_optimizer=False).prediction.tflops for s in plans}
+        mega, lazy = plans["megatrain"].prediction, plans["lazytrain"].prediction
+        counts = plans["lazytrain"].count_homes()
         homes = "/".join(str(counts[k]) for k in ("gpu", "cpu", "nvme", "recompute"))
         print(f"| {preset} | {batch} | {mega.tflops:.1f} | {lazy.tflops:.1f} | "
-              f"{lazy.tflops / mega.tflops:.3f}x | {paper_lazy / paper_mega:.3f}x | {homes} | "
-              f"{lazy.peak_gpu_bytes / GIB:.1f} |")
+              f"{lazy.tflops / mega.tflops:.3f}x | {bare['lazytrain'] / bare['megatrain']:.3f}x "
+              f"| {paper_lazy / paper_mega:.3f}x | {homes} | "
+              f"{plans['lazytrain'].loss_chunk_tokens} |")
 
 
 def max_batches(time_limit_s: float) -> None:
     hw = HARDWARE_PRESETS["rtx3090"]
-    print("\n## Max batch on rtx3090 (seq 1024, HF's unchunked loss)")
+    print("\n## Max batch on rtx3090 (seq 1024, HF's unchunked loss: loss_chunk_tokens=0)")
     print("| model | MegaTrain | LazyTrain | ratio | paper MegaTrain / LazyTrain | search s |")
     print("|---|---|---|---|---|---|")
     for preset, (paper_mega, paper_lazy) in PAPER_3090.items():
-        geometry = geometry_from_config(load_model_config(preset), name=preset)
-
-        def at(b: int, geometry=geometry):
-            return profile_model(geometry, batch_size=b, seq_len=SEQ_LEN)
+        def at(b: int, preset: str = preset):
+            return profile(preset, b, loss_chunk_tokens=0)
 
         start = time.perf_counter()
         sizes = {}
@@ -105,11 +148,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--time-limit-s", type=float, default=60.0)
     parser.add_argument("--skip-solve", action="store_true")
+    parser.add_argument("--skip-tables", action="store_true")
     args = parser.parse_args()
     if not args.skip_solve:
         solve_times(args.time_limit_s)
-    paper_table(args.time_limit_s)
-    max_batches(args.time_limit_s)
+    if not args.skip_tables:
+        paper_table(args.time_limit_s)
+        max_batches(args.time_limit_s)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ _DEFAULTS: dict[str, Any] = {
     "solver_time_limit_s": 60.0,
     "cache_dir": default_cache_dir,
     "max_nonfinite_skips": 3,
-    "loss_chunk_tokens": 0,
+    "loss_chunk_tokens": "auto",
     "batch_size": 0,
     "seq_len": 0,
     "emulate_async": False,
@@ -102,9 +102,13 @@ class LazyTrainConfig:
         cache_dir: where profiles and plans are cached by fingerprint.
         max_nonfinite_skips: consecutive non-finite steps tolerated before training
             stops with an error.
-        loss_chunk_tokens: 0 keeps the model's own loss (full tokens x vocab logits); > 0
-            computes the training loss with the fused chunked cross-entropy, whose logits
-            exist for that many tokens at a time (`logits` is then None in the output).
+        loss_chunk_tokens: "auto" (default) lets the planner turn the fused chunked loss
+            on (and pick the chunk) where the full logits would bind a budget or slow the
+            plan (`Plan.loss_chunk_tokens` says what it chose); 0 keeps the model's own
+            loss (full tokens x vocab logits); > 0 computes the training loss with the
+            fused chunked cross-entropy, whose logits exist for that many tokens at a time.
+            With the fused loss on, training outputs carry `logits=None`; evaluation
+            (`model.eval()`) still returns logits.
         batch_size / seq_len: the micro-batch shape to plan for; 0 (the default) sizes
             the plan from the data (the run's sequence bound or its first batch) and
             re-plans once upward, cached, if a longer batch arrives.
@@ -128,7 +132,7 @@ class LazyTrainConfig:
     solver_time_limit_s: float | None = None
     cache_dir: str | None = None
     max_nonfinite_skips: int | None = None
-    loss_chunk_tokens: int | None = None
+    loss_chunk_tokens: int | str | None = None
     batch_size: int | None = None
     seq_len: int | None = None
     emulate_async: bool | None = None
@@ -204,7 +208,7 @@ class LazyTrainConfig:
         if self.threads < 0:
             raise ValueError(f"threads={self.threads} must be >= 0 (0 = sized for this "
                              "machine's free cores, see docs/user_guide.md \"Threads\")")
-        if self.loss_chunk_tokens < 0:
+        if self.loss_chunk_tokens != "auto" and self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = the "
                              "model's own loss; e.g. 4096 for the fused chunked loss)")
         for name in ("batch_size", "seq_len"):
@@ -245,6 +249,7 @@ _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
                  "solver_time_limit_s")
 _INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens",
                "batch_size", "seq_len", "emulate_seed", "threads")
+_AUTO_FIELDS = ("loss_chunk_tokens",)  # also accept "auto"
 _BOOL_FIELDS = ("emulate_async",)
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                "0": False, "false": False, "no": False, "off": False}
@@ -279,6 +284,8 @@ def _coerce(name: str, value: Any) -> Any:
             allowed = [c.value for c in OptimizerChoice]
             raise ValueError(f"optimizer={value!r} is not valid: allowed values are "
                              f"{allowed}") from None
+    if name in _AUTO_FIELDS and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
     if name in _BOOL_FIELDS:
         if isinstance(value, bool):
             return value

@@ -144,6 +144,11 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
           f"{summary['peak_nvme_bytes'] / _GIB:.2f} GiB")
     print(f"  solver: {summary['status']}, {summary['solve_s']:.2f} s, gap "
           f"{summary['gap']:.2%}")
+    if "megatrain_tflops" in summary:
+        mega = summary["megatrain_tflops"]
+        print("  vs megatrain in the same budgets: " + (
+            f"{mega:.1f} TFLOPS, {summary['tflops'] / mega:.3f}x" if mega else
+            "it does not fit"))
 
 
 def _make(args: argparse.Namespace, config: dict, hardware: HardwareProfile,
@@ -161,11 +166,27 @@ def _make(args: argparse.Namespace, config: dict, hardware: HardwareProfile,
     return plan, model
 
 
+def _baseline_tflops(args: argparse.Namespace, model: ModelProfile, hardware: HardwareProfile,
+                     budgets: Budgets) -> float | None:
+    """TFLOPS of the MegaTrain baseline in the same budgets (None when it does not fit)."""
+    try:
+        plan = make_plan(model, hardware, strategy="megatrain", budgets=budgets,
+                         max_recompute_block=args.max_recompute_block,
+                         time_limit_s=args.time_limit_s)
+    except PlanInfeasibleError:
+        return None
+    return plan.prediction.tflops
+
+
 def _run_plan(args: argparse.Namespace) -> int:
-    plan, _ = _make(args, *_load(args))
+    config, hardware, budgets = _load(args)
+    plan, model = _make(args, config, hardware, budgets)
     if args.output:
         plan.save(args.output)
-    _print(_summary(plan, plan.prediction), args.json)
+    summary = _summary(plan, plan.prediction)
+    if args.strategy != "megatrain":  # the paper's comparison, like for like
+        summary["megatrain_tflops"] = _baseline_tflops(args, model, hardware, budgets)
+    _print(summary, args.json)
     return 0
 
 

@@ -123,7 +123,8 @@ class Accelerator(accelerate.Accelerator):
                             nvme_dir=plugin.nvme_dir)
         self.lazytrain_engine = attach(model, plan, device=self.device,
                                        compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir,
-                                       loss_chunk_tokens=plugin.loss_chunk_tokens,
+                                       loss_chunk_tokens=setup.engine_loss_chunk_tokens(
+                                           plugin, plan),
                                        emulation=setup.emulation_for(plugin, hardware))
         if not setup.is_plan_file(plugin):  # a plan file is the user's: never re-planned
             self.lazytrain_engine.replan = lambda b, s: self._lazytrain_replan(model, b, s)

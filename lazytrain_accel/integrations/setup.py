@@ -52,13 +52,15 @@ def emulation_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Emulati
 
 def profile_for_run(model: nn.Module, *, batch_size: int, seq_len: int,
                     compute_dtype: torch.dtype | None,
-                    loss_chunk_tokens: int = 0) -> ModelProfile:
+                    loss_chunk_tokens: int | str = 0) -> ModelProfile:
     """The model's profile at the run's shape; `loss_chunk_tokens` (the config's) sizes
-    the head's working bytes: full logits at 0, one chunk of them with the fused loss."""
+    the head's working bytes: full logits at 0, one chunk of them with the fused loss,
+    the planner's choice at "auto"."""
     elem_bytes = 4 if compute_dtype is None else torch.empty((), dtype=compute_dtype).element_size()
     return profile_model(geometry_for_run(model), batch_size=batch_size, seq_len=seq_len,
                          compute_bytes_per_elem=elem_bytes,
-                         loss_chunk_tokens=loss_chunk_tokens)
+                         loss_chunk_tokens=None if loss_chunk_tokens == "auto"
+                         else loss_chunk_tokens)
 
 
 def geometry_for_run(model: nn.Module) -> ModelGeometry:
@@ -93,6 +95,12 @@ def is_plan_file(config: LazyTrainConfig) -> bool:
     return config.plan not in ("auto", *STRATEGIES)
 
 
+def engine_loss_chunk_tokens(config: LazyTrainConfig, plan: Plan) -> int:
+    """The fused loss's chunk the engine uses: the config's, or the plan's at "auto"."""
+    chunk = config.loss_chunk_tokens
+    return plan.loss_chunk_tokens if chunk == "auto" else int(chunk)
+
+
 def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
                  hardware: HardwareProfile) -> Plan:
     """The plan named by `config.plan`, solved or loaded from the cache, fingerprint-checked."""
@@ -106,7 +114,8 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
                                     cpu_memory_limit_gb=config.cpu_memory_limit_gb,
                                     nvme_limit_gb=config.nvme_limit_gb)
     key = json.dumps([fingerprint, strategy, budgets.gpu_bytes, budgets.cpu_bytes,
-                      budgets.nvme_bytes, config.max_recompute_block], sort_keys=True)
+                      budgets.nvme_bytes, config.max_recompute_block,
+                      config.loss_chunk_tokens, config.optimizer.value], sort_keys=True)
     cache_path = Path(config.cache_dir) / "plans" / f"{_short_hash(key)}.json"
     if cache_path.is_file():
         try:
@@ -135,14 +144,15 @@ def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
     kwargs = dict(strategy=strategy, budgets=budgets,
                   max_recompute_block=config.max_recompute_block,
                   time_limit_s=config.solver_time_limit_s)
-    try:
-        return make_plan(model_profile, hardware, **kwargs)
+    try:  # the prediction includes the host update where the hybrid 8-bit one runs it
+        return make_plan(model_profile, hardware, **kwargs,
+                         include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT)
     except PlanInfeasibleError as err:
         def profile_at(batch_size: int) -> ModelProfile:
             return profile_model(model_profile.geometry, batch_size=batch_size,
                                  seq_len=model_profile.seq_len,
                                  compute_bytes_per_elem=model_profile.compute_bytes_per_elem,
-                                 loss_chunk_tokens=config.loss_chunk_tokens)
+                                 loss_chunk_tokens=model_profile.loss_chunk_tokens)
 
         raise with_largest_batch(err, profile_at, hardware, batch_size=model_profile.batch_size,
                                  seq_len=model_profile.seq_len, **kwargs) from None

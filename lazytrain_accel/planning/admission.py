@@ -13,10 +13,12 @@ from lazytrain_accel.profiling.model import ModelProfile
 def _fits(profile_at: Callable[[int], ModelProfile], batch_size: int,
           hardware: HardwareProfile, *, strategy: str, budgets: Budgets | None,
           max_recompute_block: int, time_limit_s: float) -> bool:
-    # The same call a run makes, so admission never promises a batch `make_plan` refuses.
+    # The same call a run makes, so admission never promises a batch `make_plan` refuses
+    # (the refusal's reason is not read here: no diagnosis solve).
     try:
         make_plan(profile_at(batch_size), hardware, strategy=strategy, budgets=budgets,
-                  max_recompute_block=max_recompute_block, time_limit_s=time_limit_s)
+                  max_recompute_block=max_recompute_block, time_limit_s=time_limit_s,
+                  diagnose_s=0.0)
     except PlanInfeasibleError:
         return False
     return True

@@ -104,20 +104,27 @@ def _add_capacity(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
 
 
 def _add_block_counts(m: Model, p: Problem, v: _Vars, cache: list) -> None:
-    """Valid rows that let the LP count: every block of length >= 2 starts at its own GPU
-    boundary other than L, and with a block of length >= l the cache takes l-1 of the
-    GPU's boundary slots, so at most (slots - l) blocks that long exist. Without them
-    the relaxation cannot see that a tight GPU caps the recompute, and SCIP searched a
-    minute for plans of an infeasible request (issue 15)."""
+    """Valid rows that let the LP count blocks against the GPU's boundary slots.
+
+    With the longest block of length c+1 the cache takes c slots, so at most slots - c
+    boundaries are GPU homes, each block of length >= 2 starts at its own GPU boundary
+    other than L, and each recomputes at most c: recomputed <= c (GPU homes - 1). The
+    product is linearized by the binary choice of c (`longest_block_{c}`) and the GPU
+    homes split by it (`gpu_homes_at_{c}`). Without these rows the relaxation cannot see
+    that a tight GPU caps the recompute, and SCIP searched minutes (issue 15)."""
     slots = (p.budgets.gpu_bytes - p.gpu_fixed_bytes) // p.boundary_bytes
-    long_edges = [xv for (s, e), xv in v.x.items() if e - s >= 2]
-    if long_edges:
-        m.addCons(quicksum(long_edges) <= quicksum(v.gpu.values()) - 1, name="starts_on_gpu")
-    for length, y in enumerate(cache, start=2):
-        edges = [xv for (s, e), xv in v.x.items() if e - s >= length]
-        m.addCons(quicksum(edges) <= max(slots - length, 0) * y, name=f"long_blocks_{length}")
-        if length > 2:
-            m.addCons(y <= cache[length - 3], name=f"cache_nested_{length}")
+    longest = [m.addVar(f"longest_block_{c + 1}", vtype="B") for c in range(len(cache) + 1)]
+    split = [m.addVar(f"gpu_homes_at_{c + 1}", lb=0.0) for c in range(len(longest))]
+    m.addCons(quicksum(longest) == 1, name="one_longest_block")
+    for length, y in enumerate(cache, start=2):  # y_l = [some block has length >= l]
+        m.addCons(y == quicksum(longest[length - 1:]), name=f"cache_is_longest_{length}")
+    m.addCons(quicksum(split) == quicksum(v.gpu.values()), name="gpu_homes_split")
+    for c, (w, g) in enumerate(zip(longest, split, strict=True)):
+        m.addCons(g <= max(slots - c, 0) * w, name=f"gpu_homes_cap_{c + 1}")
+    recomputed = quicksum((e - s - 1) * xv for (s, e), xv in v.x.items())
+    m.addCons(recomputed <= quicksum(c * (g - w) for c, (w, g)
+                                     in enumerate(zip(longest, split, strict=True))),
+              name="recompute_per_block")
 
 
 def _add_links(m: Model, p: Problem, v: _Vars) -> None:
@@ -218,7 +225,8 @@ def _step_gap(m: Model, status: str, step_floor_s: float) -> float:
     """(incumbent - bound) / incumbent's predicted step seconds."""
     if status == "optimal":
         return 0.0
-    primal, dual = m.getPrimalbound(), m.getDualbound()
+    # The objective (recompute + exposure) is >= 0: a bound below it says nothing more.
+    primal, dual = m.getPrimalbound(), max(m.getDualbound(), 0.0)
     return max(primal - dual, 0.0) / (step_floor_s + primal)
 
 
@@ -228,7 +236,8 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
                start_homes: list[Home] | tuple[Home, ...] | None = None,
                first_feasible: bool = False) -> Solution:
     """Solve `p`; `start_homes`, a feasible point, seeds the search (warm start);
-    `first_feasible` stops at the first incumbent (admission checks, tests)."""
+    `first_feasible` stops at the first incumbent SCIP's own search finds (no warm
+    start then; a deterministic stand-in for a time limit in tests)."""
     m, v = build_milp(p, allow_cpu=allow_cpu, allow_nvme=allow_nvme,
                       fixed_homes=fixed_homes, elastic=elastic)
     m.setParam("limits/time", max(time_limit_s, 0.01))
@@ -237,7 +246,7 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
     step_floor_s = p.step_floor_s()
     m.setParam("limits/gap", 0.0)
     m.setParam("limits/absgap", gap * step_floor_s)
-    if start_homes is not None and fixed_homes is None and not elastic:
+    if start_homes is not None and fixed_homes is None and not first_feasible:
         _add_start(m, v, start_homes)
     if first_feasible:
         m.setParam("limits/solutions", 1)

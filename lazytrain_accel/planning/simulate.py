@@ -269,12 +269,14 @@ def _exposure(q: EventQueue, step_ops: list[SimOp]) -> dict[str, float]:
 
 
 def _optimizer_exposed_s(b: _StepBuilder, updates: list[int], step_s: float) -> float:
-    """How long the next step waits for the host optimizer: its forward of layer j
-    starts at step_s + prologue + (j-1) f unless update j ends later; its head needs the
-    resident parameters' update."""
+    """How long the next step waits for the host optimizer. Its forward of layer j would
+    start at step_s + prologue + (j-1) f; layer j's weights stream to the device (P/h2d,
+    the prologue's length) only once update j has ended. Its head needs the resident
+    parameters' update."""
     ops, p = b.q.ops, b.p
-    needed_s = [step_s + p.prologue_s + j * p.fwd_s for j in range(len(updates))]
-    return max([0.0] + [ops[u].end_s - t for u, t in zip(updates, needed_s, strict=True)])
+    late_s = [ops[u].end_s + p.prologue_s - (step_s + p.prologue_s + j * p.fwd_s)
+              for j, u in enumerate(updates)]
+    return max([0.0, *late_s])
 
 
 def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,

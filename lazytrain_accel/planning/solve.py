@@ -45,9 +45,24 @@ __all__ = ["STRATEGIES", "make_plan", "solve_problem"]
 MAX_STAGING_ROUNDS = 4
 
 
-def _diagnose(p: Problem, strategy: str, time_limit_s: float,
+#: Seconds the elastic re-solve that names a refusal's shortfall may take: it starts from
+#: the baseline closest to fitting, so on a limit it still names what that plan lacks.
+DIAGNOSE_TIME_LIMIT_S = 5.0
+
+
+def _diagnose(p: Problem, strategy: str, time_limit_s: float, names: tuple[str, ...],
               **kwargs: object) -> PlanInfeasibleError:
-    elastic = solve_milp(p, time_limit_s=time_limit_s, gap=0.0, elastic=True, **kwargs)
+    """The refusal: the least total shortfall over the strategy's plans (with more
+    budget by that much, a plan fits). `time_limit_s` = 0: the closest baseline's
+    shortfall, without a solve (admission probes, whose reason nobody reads)."""
+    closest = min((evaluate_fixed(p, BASELINES[n](p)) for n in names
+                   if admissible(p, BASELINES[n](p))),
+                  key=lambda r: sum(r.shortfall_bytes.values()), default=None)
+    if time_limit_s <= 0 and closest is not None:
+        return infeasible_error(p, strategy, closest.shortfall_bytes)
+    start = None if closest is None or "fixed_homes" in kwargs else closest.homes
+    elastic = solve_milp(p, time_limit_s=max(time_limit_s, 0.5), gap=0.0, elastic=True,
+                         start_homes=start, **kwargs)
     return infeasible_error(p, strategy, elastic.shortfall_bytes)
 
 
@@ -64,7 +79,8 @@ def _best_fixed(p: Problem, names: tuple[str, ...]) -> tuple[str, Solution] | No
     return min(fits, key=lambda f: f[0])[1:] if fits else None
 
 
-def _baseline_solution(p: Problem, strategy: str, time_limit_s: float) -> Solution:
+def _baseline_solution(p: Problem, strategy: str, time_limit_s: float,
+                       diagnose_s: float) -> Solution:
     homes = BASELINES[strategy](p)
     if solve_milp is None:
         solution = evaluate_fixed(p, homes)
@@ -73,7 +89,7 @@ def _baseline_solution(p: Problem, strategy: str, time_limit_s: float) -> Soluti
         return solution
     solution = solve_milp(p, time_limit_s=time_limit_s, gap=0.0, fixed_homes=homes)
     if solution.homes is None:
-        raise _diagnose(p, strategy, time_limit_s, fixed_homes=homes)
+        raise _diagnose(p, strategy, diagnose_s, (strategy,), fixed_homes=homes)
     return dataclasses.replace(solution, status="baseline")
 
 
@@ -92,11 +108,13 @@ def _fallback(p: Problem, names: tuple[str, ...], why: str, remedy: str) -> Solu
     return dataclasses.replace(solution, status="fallback", message=message)
 
 
-def solve_problem(p: Problem, *, strategy: str, time_limit_s: float,
-                  gap: float = 0.001) -> Solution:
-    """The solution of `strategy` on `p`; raises `PlanInfeasibleError` when none fits."""
+def solve_problem(p: Problem, *, strategy: str, time_limit_s: float, gap: float = 0.001,
+                  diagnose_s: float = DIAGNOSE_TIME_LIMIT_S) -> Solution:
+    """The solution of `strategy` on `p`; raises `PlanInfeasibleError` when none fits,
+    naming the shortfall found within `diagnose_s` seconds."""
+    diagnose_s = min(diagnose_s, time_limit_s)
     if strategy in BASELINES:
-        return _baseline_solution(p, strategy, time_limit_s)
+        return _baseline_solution(p, strategy, time_limit_s, diagnose_s)
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
     offload = strategy == "lazytrain"
@@ -115,7 +133,8 @@ def solve_problem(p: Problem, *, strategy: str, time_limit_s: float,
             solution = dataclasses.replace(solution, message=message)
         return solution
     if solution.status == "infeasible":
-        raise _diagnose(p, strategy, time_limit_s, allow_cpu=offload, allow_nvme=offload)
+        raise _diagnose(p, strategy, diagnose_s, names, allow_cpu=offload,
+                        allow_nvme=offload)
     return _fallback(p, names, f"MIP found no plan ({solution.status}) within "
                      f"{time_limit_s:g} s", "Raise the time limit (--time-limit-s, "
                      "solver_time_limit_s)")
@@ -157,11 +176,13 @@ def _overflow(p: Problem, plan: Plan) -> Problem | None:
 
 def plan_problem(p: Problem, model: ModelProfile, hardware: HardwareProfile, *,
                  strategy: str, time_limit_s: float, gap: float,
-                 include_optimizer: bool = True) -> Plan:
+                 include_optimizer: bool = True,
+                 diagnose_s: float = DIAGNOSE_TIME_LIMIT_S) -> Plan:
     """Solve, simulate, and solve again with more staging while a simulated peak exceeds
     its budget, so no plan's simulated peak does."""
     for _ in range(MAX_STAGING_ROUNDS):
-        solution = solve_problem(p, strategy=strategy, time_limit_s=time_limit_s, gap=gap)
+        solution = solve_problem(p, strategy=strategy, time_limit_s=time_limit_s, gap=gap,
+                                 diagnose_s=diagnose_s)
         plan = plan_from_solution(p, solution, strategy=strategy, model=model,
                                   hardware=hardware, include_optimizer=include_optimizer)
         bigger = _overflow(p, plan)
@@ -180,11 +201,13 @@ def plan_problem(p: Problem, model: ModelProfile, hardware: HardwareProfile, *,
 def make_plan(model: ModelProfile, hardware: HardwareProfile, *, strategy: str = "lazytrain",
               budgets: Budgets | None = None, max_recompute_block: int = 8,
               time_limit_s: float = 60.0, gap: float = 0.001,
-              include_optimizer: bool = True) -> Plan:
+              include_optimizer: bool = True,
+              diagnose_s: float = DIAGNOSE_TIME_LIMIT_S) -> Plan:
     """The plan of `strategy` for `model` on `hardware` within `budgets` (default: the
     hardware's capacities). Raises `PlanInfeasibleError` naming the binding tiers. The
     prediction is one simulated step, with the hybrid 8-bit host optimizer's overlapped
-    update unless `include_optimizer=False`.
+    update unless `include_optimizer=False`. A refusal's shortfall comes from an elastic
+    re-solve of at most `diagnose_s` seconds (0: the closest baseline's, no solve).
 
     `model.loss_chunk_tokens=None` ("auto") lets the planner turn the fused chunked loss
     on where the full logits' working set would cost a budget or speed (`loss_head.py`).
@@ -194,7 +217,7 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile, *, strategy: str =
                           max_recompute_block=max_recompute_block)
         return plan_problem(p, profile, hardware, strategy=strategy,
                             time_limit_s=time_limit_s, gap=gap,
-                            include_optimizer=include_optimizer)
+                            include_optimizer=include_optimizer, diagnose_s=diagnose_s)
 
     if model.loss_chunk_tokens is None:
         return plan_loss_head(model, hardware, plan_for, budgets=budgets,

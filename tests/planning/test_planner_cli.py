@@ -70,3 +70,38 @@ def test_simulate_plans_itself_from_the_plan_arguments(
     simulated = _json(capsys)
     assert set(simulated) >= KEYS and simulated["recomputed"] == 27
     assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+FIGURES = ("step_s", "tokens_per_s", "tflops", "peak_gpu_bytes", "peak_cpu_bytes",
+           "peak_nvme_bytes", "exposed_s", "exposed_by_link_s", "recompute_s",
+           "optimizer_exposed_s")
+
+
+def test_plan_and_simulate_print_the_same_figures(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    gpu = ["--gpu-memory-gb", "20"]  # some boundaries leave the GPU
+    assert main(["plan", *RUN, *gpu, "--batch-size", "16", "--output", str(out),
+                 "--json"]) == 0
+    planned = _json(capsys)
+    assert main(["simulate", "--plan", str(out), *RUN, *gpu, "--json"]) == 0
+    simulated = _json(capsys)
+    assert {k: planned[k] for k in FIGURES} == {k: simulated[k] for k in FIGURES}
+    assert planned["megatrain_tflops"] < planned["tflops"]
+
+
+def test_each_command_names_only_its_own_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["max-batch", *RUN, "--gpu-memory-gb", "2", "--loss-chunk-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "GPU short by" in err and "--batch-size" not in err
+    assert "--gpu-memory-gb" in err and "--loss-chunk-tokens auto" in err
+
+
+@pytest.mark.parametrize("command", ["plan", "max-batch"])
+def test_required_arguments_show_as_required_in_help(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
+    assert " --model MODEL " in usage and "[--model" not in usage
+    assert " --seq-len SEQ_LEN" in usage and "[--seq-len" not in usage

@@ -121,3 +121,15 @@ def test_planning_imports_neither_torch_nor_pyscipopt_outside_milp() -> None:
     package = Path(__file__).parents[2] / "lazytrain_accel" / "planning"
     users = sorted(f.name for f in package.glob("*.py") if "pyscipopt" in f.read_text())
     assert users == ["milp.py"]
+
+
+def test_the_plan_ir_is_a_standard_library_leaf() -> None:
+    import ast
+
+    source = (Path(__file__).parents[2] / "lazytrain_accel" / "planning" / "plan.py")
+    tree = ast.parse(source.read_text())
+    modules = {alias.name.split(".")[0] for node in ast.walk(tree)
+               if isinstance(node, ast.Import) for alias in node.names}
+    modules |= {node.module.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module}
+    assert modules <= set(sys.stdlib_module_names) | {"__future__"}, modules
