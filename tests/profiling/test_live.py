@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -82,6 +83,6 @@ def test_an_unsupported_model_is_told_what_is_missing():
     with pytest.raises(UnsupportedModelError, match="no ModuleList of identical decoder blocks"):
         profile_for_run(NoStack(), batch_size=1, seq_len=4, compute_dtype=None)
     model = build_model("llama", 2)
-    model.config.hidden_size = None
+    model.config = SimpleNamespace(num_attention_heads=4, model_type="custom")
     with pytest.raises(ValueError, match="no hidden size"):
         _live(model)
