@@ -48,7 +48,8 @@ def test_without_flag_the_script_runs_as_stock(tmp_path: Path, stock: dict) -> N
 
 def test_lazytrain_keeping_the_optimizer_matches_stock(tmp_path: Path, stock: dict) -> None:
     ours, proc = _run(tmp_path, "keep", [sys.executable, *LAUNCH], "--lazytrain",
-                      "--lazytrain_config", '{"plan": "megatrain", "optimizer": "keep"}')
+                      "--lazytrain_config", '{"plan": "megatrain", "optimizer": "keep"}',
+                      "--log_level", "info")  # the plan summary is an INFO line
     assert "LazyTrain plan 'megatrain'" in proc.stderr
     assert ours["optimizer"] == "AdamW"
     assert "lazytrain/stall_s" in ours["log_keys"]
@@ -59,7 +60,7 @@ def test_accelerate_launch_module_trains_through_the_engine(tmp_path: Path, stoc
     config = tmp_path / "lazytrain.yaml"
     config.write_text("plan: checkpoint_all\nmax_recompute_block: 4\n")
     ours, proc = _run(tmp_path, "accel", [*ACCELERATE, *LAUNCH], "--lazytrain",
-                      "--lazytrain_config", str(config))
+                      "--lazytrain_config", str(config), "--log_level", "info")
     assert "LazyTrain plan 'checkpoint_all'" in proc.stderr
     assert ours["optimizer"] == "HybridAdamW8bit"  # the default: the script chose no --optim
     assert "lazytrain/plan_gpu_boundaries" in ours["log_keys"]

@@ -236,10 +236,11 @@ class StreamingEngine:
         if self._shape_warned:
             return
         self._shape_warned = True
-        where = "may not fit the GPU" if self.device.type == "cuda" else "are not planned"
+        where = ("may not fit the GPU" if self.device.type == "cuda"
+                 else "the plan's memory figures no longer hold")
         logger.warning(
             "lazytrain: a training batch of %d x %d tokens is beyond the plan's %d x %d; its "
-            "activations exceed the planned memory and %s. Plan for the longest batch "
+            "activations exceed the planned memory: %s. Plan for the longest batch "
             "(LazyTrainPlugin(batch_size=..., seq_len=...) or `lazytrain plan --batch-size "
             "--seq-len`).", batch, seq, plan.batch_size, plan.seq_len, where)
 

@@ -49,7 +49,8 @@ class Accelerator(accelerate.Accelerator):
         self._lazytrain_optimizer: torch.optim.Optimizer | None = None
         self._lazytrain_reducer: GradientAllReducer | None = None
         self._lazytrain_model: nn.Module | None = None
-        self._lazytrain_sizing: batch_shape.Sizing | None = None
+        #: the shape the plan is sized for (provisional until the first batch without a loader)
+        self.lazytrain_sizing: batch_shape.Sizing | None = None
         #: a sequence bound the front end knows (the Trainer sets TRL's max_length).
         self.lazytrain_seq_bound: int | None = None
 
@@ -110,11 +111,11 @@ class Accelerator(accelerate.Accelerator):
         # config.use_cache stays as the user set it: the engine strips KV caches from
         # training calls itself, and the config is what save_pretrained writes.
         compute_dtype = setup.compute_dtype_for(self.mixed_precision)
-        self._lazytrain_sizing = batch_shape.size_run(loader, model, plugin,
+        self.lazytrain_sizing = batch_shape.size_run(loader, model, plugin,
                                                       seq_bound=self.lazytrain_seq_bound)
         hardware = load_hardware(plugin.hardware, cache_dir=plugin.cache_dir,
                                  nvme_dir=plugin.nvme_dir)
-        self.lazytrain_run = self._lazytrain_plan_for(model, self._lazytrain_sizing, hardware)
+        self.lazytrain_run = self._lazytrain_plan_for(model, self.lazytrain_sizing, hardware)
         plan, model_profile = self.lazytrain_run.plan, self.lazytrain_run.model_profile
         # Before the engine allocates anything: fail with a sentence, not an OOM kill.
         preflight.check_run(model=model, plan=plan, optimizer=plugin.optimizer.value,
@@ -158,14 +159,14 @@ class Accelerator(accelerate.Accelerator):
         """The engine saw a (batch, seq) batch beyond its plan: plan once upward (cached)."""
         from lazytrain_accel.planning import PlanInfeasibleError
 
-        sizing = batch_shape.grown(self._lazytrain_sizing, batch_size, seq_len)
+        sizing = batch_shape.grown(self.lazytrain_sizing, batch_size, seq_len)
         try:
             run = self._lazytrain_plan_for(model, sizing, self.lazytrain_run.hardware)
         except PlanInfeasibleError as err:
             logger.warning("lazytrain: a batch of %d x %d tokens needs a new plan, and none "
                            "fits: %s", batch_size, seq_len, err)
             return None
-        self._lazytrain_sizing, self.lazytrain_run = sizing, run
+        self.lazytrain_sizing, self.lazytrain_run = sizing, run
         return run.plan
 
     # ---- the training step ----------------------------------------------------------
@@ -234,10 +235,10 @@ class Accelerator(accelerate.Accelerator):
             return
         sizing = batch_shape.Sizing(batch_size=previous.batch_size, seq_len=previous.seq_len,
                                     source="the checkpoint's plan",
-                                    seq_cap=self._lazytrain_sizing.seq_cap)
+                                    seq_cap=self.lazytrain_sizing.seq_cap)
         self.lazytrain_run = self._lazytrain_plan_for(self._lazytrain_model, sizing,
                                                       self.lazytrain_run.hardware)
-        self._lazytrain_sizing = sizing
+        self.lazytrain_sizing = sizing
         self.lazytrain_engine.set_plan(self.lazytrain_run.plan)
 
     def end_training(self) -> None:

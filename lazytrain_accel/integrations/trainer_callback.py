@@ -61,7 +61,9 @@ class LazyTrainCallback(TrainerCallback):
         if guard is not None:
             guard.install_sigint()  # again when train() runs more than once
         self._measured_s, self._steps, self._plain = 0.0, 0, None
-        self._trainer.log(plan_metrics(run.plan))  # prepare() logged the plan summary
+        sizing = getattr(self._trainer.accelerator, "lazytrain_sizing", None)
+        if sizing is None or not sizing.provisional:  # no prediction for a shape not asked for
+            self._trainer.log(plan_metrics(run.plan))  # prepare() logged the plan summary
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState,
                       control: TrainerControl, **kwargs: Any) -> None:

@@ -9,6 +9,7 @@ instantiating tiny configs of every family.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class _Counts:
     final_norm: int
     intermediate_size: int
     gated_mlp: bool
+    active_layer: int | None = None  # MoE: parameters one token computes with (top-k)
 
 
 def _get(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
@@ -163,6 +165,36 @@ def _opt(config: dict[str, Any]) -> _Counts:
                    intermediate_size=inter, gated_mlp=False)
 
 
+def _moe(config: dict[str, Any], *, inter_key: str, qk_norm: bool) -> _Counts:
+    """Mixtral / Qwen3-MoE: Llama attention, a router (experts x hidden, no bias) and
+    fused experts of gate+up and down matrices; a token runs through top_k experts."""
+    hidden = _require(config, "hidden_size")
+    # transformers 5 writes num_local_experts; older Qwen MoE config.json files num_experts
+    experts = _require(config, "num_local_experts", "num_experts")
+    top_k = _require(config, "num_experts_per_tok")
+    inter = _require(config, inter_key)
+    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1:
+        warnings.warn("an MoE config with dense layers (mlp_only_layers / decoder_sparse_step) "
+                      "is counted as if every layer were sparse; counts are approximate",
+                      stacklevel=3)
+    bias = bool(config.get("attention_bias", False))
+    dense = _llama_style({**config, "intermediate_size": 0}, qkv_bias=bias, o_bias=bias,
+                         qk_norm=qk_norm)
+    expert_params = experts * 3 * hidden * inter
+    layer = dense.layer + experts * hidden + expert_params
+    return dataclasses.replace(dense, layer=layer, intermediate_size=inter,
+                               active_layer=round(layer - expert_params
+                                                  + expert_params * top_k / experts))
+
+
+def _mixtral(config: dict[str, Any]) -> _Counts:
+    return _moe(config, inter_key="intermediate_size", qk_norm=False)
+
+
+def _qwen3_moe(config: dict[str, Any]) -> _Counts:
+    return _moe(config, inter_key="moe_intermediate_size", qk_norm=True)
+
+
 #: HF `model_type` -> counter. Unknown types with Llama-style keys fall back to `_llama`.
 FAMILIES: dict[str, Callable[[dict[str, Any]], _Counts]] = {
     "llama": _llama,
@@ -175,6 +207,8 @@ FAMILIES: dict[str, Callable[[dict[str, Any]], _Counts]] = {
     "gpt_neox": _gpt_neox,
     "opt": _opt,
     "gpt2": _gpt2,
+    "mixtral": _mixtral,
+    "qwen3_moe": _qwen3_moe,
 }
 
 #: Whether the input embedding and lm_head share weights when config.json does not say.
@@ -223,4 +257,5 @@ def geometry_from_config(config: dict[str, Any], name: str = "") -> ModelGeometr
         head_param_count=0 if tied else counts.head_untied,
         final_norm_param_count=counts.final_norm,
         gated_mlp=counts.gated_mlp,
+        active_layer_param_count=counts.active_layer,
     )

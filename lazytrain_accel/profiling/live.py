@@ -122,7 +122,8 @@ def geometry_from_model(model: nn.Module, layers: Sequence[nn.Module]) -> ModelG
         vocab_size=int(vocab),
         tied_embeddings=tied,
         layer_param_count=max(c[0] for c in counts),
-        active_layer_param_count=round(max(c[1] for c in counts)),
+        active_layer_param_count=(None if fraction == 1.0
+                                  else round(max(c[1] for c in counts))),
         embedding_param_count=embedding,
         head_param_count=head,
         final_norm_param_count=rest,

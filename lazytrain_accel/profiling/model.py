@@ -46,7 +46,10 @@ class ModelGeometry:
                 + self.head_param_count + self.final_norm_param_count)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if out["active_layer_param_count"] is None:  # dense: plan fingerprints stay as before
+            del out["active_layer_param_count"]
+        return out
 
 
 @dataclass(kw_only=True, frozen=True)

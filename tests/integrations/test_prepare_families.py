@@ -15,7 +15,7 @@ from lazytrain_accel import Accelerator, LazyTrainPlugin
 
 
 @pytest.mark.parametrize("arch", ["gpt_bigcode", "mixtral", "falcon"])
-def test_prepare_trains_a_family_outside_the_table_like_plain_pytorch(arch, tmp_path):
+def test_prepare_trains_families_outside_the_table_and_moe_like_plain_pytorch(arch, tmp_path):
     ref = build_model(arch, 3)
     model = twin(ref)
     plugin = LazyTrainPlugin(plan="auto", hardware="h800", optimizer="keep",

@@ -37,6 +37,9 @@ CONFIGS = {
     "opt-projected-postnorm": T.OPTConfig(**_TWO_MATRIX, ffn_dim=48, pad_token_id=1,
                                           word_embed_proj_dim=16, do_layer_norm_before=False),
     "gpt2": T.GPT2Config(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64),
+    "mixtral": T.MixtralConfig(**_LLAMA_KEYS, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": T.Qwen3MoeConfig(**_LLAMA_KEYS, head_dim=8, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=24),
     "gpt2-inner": T.GPT2Config(vocab_size=97, n_embd=32, n_layer=3, n_head=4, n_positions=64,
                                n_inner=40),
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,3 +68,21 @@ def test_moe_streams_every_expert_and_computes_with_top_k(arch):
     assert profile.layer_param_bytes == 4 * total  # every expert's weights stream
     attention_flops = 4.0 * 1 * 4 * 4 * g.num_attention_heads * g.head_dim
     assert profile.layer_fwd_flops == 2.0 * 4 * g.active_layer_param_count + attention_flops
+
+
+def test_an_unsupported_model_is_told_what_is_missing():
+    from lazytrain_accel.engine.discovery import UnsupportedModelError
+
+    class NoStack(torch.nn.Module):
+        config = build_model("llama", 2).config
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+    with pytest.raises(UnsupportedModelError, match="no ModuleList of identical decoder blocks"):
+        profile_for_run(NoStack(), batch_size=1, seq_len=4, compute_dtype=None)
+    model = build_model("llama", 2)
+    model.config = SimpleNamespace(num_attention_heads=4, model_type="custom")
+    with pytest.raises(ValueError, match="no hidden size"):
+        _live(model)
