@@ -14,11 +14,13 @@ boundaries on NVMe):
    in `H2D_FORWARDS` layer forwards, ...); the hardware profile holds them, the plans are
    made for it and the emulation throttles each link to exactly that rate (no jitter).
 3. Each plan runs on the emulated device in rounds; a round times, back to back, the
-   compute (step 1 again), the plan with unthrottled links, with throttled links, and with
+   compute (step 1 again), the plan on throttled links, and the same with
    HybridAdamW8bit overlapped by `step_layerwise`. The prediction of a round simulates the
    plan on that round's compute, so a change of machine load between rounds moves both
-   sides; the row shown is the round with the median ratio. Exposed transfer = throttled
-   step - unthrottled step; optimizer exposure = step with optimizer - step without.
+   sides; the row shown is the round with the median ratio. A step's measured compute is
+   its layers' compute as the engine timed it inside that step plus the round's
+   calibrated rest; exposed = step - compute; optimizer exposure = the exposed time the
+   optimizer adds (with minus without).
 
     python bench/fidelity.py [--models demo,large] [--rounds 3]
 
@@ -87,14 +89,16 @@ class _Case:
         else:
             self.model.zero_grad(set_to_none=True)
 
-    def steady_step_s(self, ids: torch.Tensor) -> float:
-        """Seconds of a step that follows a step (it waits for that step's update)."""
+    def steady_step(self, ids: torch.Tensor) -> tuple[float, float]:
+        """(seconds, layer compute seconds in it) of a step that follows a step (so it
+        waits for that step's update)."""
         self._step(ids)
+        self.engine.reset_stats()
         start = time.perf_counter()
         self._step(ids)
-        elapsed = time.perf_counter() - start
+        elapsed, stats = time.perf_counter() - start, self.engine.stats()
         self.engine.synchronize()  # no update left running into another case's step
-        return elapsed
+        return elapsed, stats.compute_s + stats.recompute_s
 
 
 class _Calibration:
@@ -191,20 +195,23 @@ def plans(profile: ModelProfile, hw: HardwareProfile) -> dict[str, object]:
 
 def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, rounds: int,
              tmp: str) -> list[dict]:
-    """Per round: this CPU's compute, and the steady step unthrottled, throttled, throttled
-    with the optimizer; the engines take turns, so load changes hit them alike."""
+    """Per round: this CPU's compute, then the steady step on throttled links without and
+    with the optimizer, each with the layer compute timed inside it; the engines take
+    turns, so load changes hit them alike."""
     rates = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,
              "nvme_read": hw.nvme_read_bytes_per_s, "nvme_write": hw.nvme_write_bytes_per_s}
     ids = torch.randint(0, config["vocab_size"], (batch, seq))
     calibration = _Calibration(config, batch, seq)
-    cases = {"free": _Case(config, plan, {}, with_optimizer=False, nvme_dir=tmp),
-             "step": _Case(config, plan, rates, with_optimizer=False, nvme_dir=tmp),
+    cases = {"step": _Case(config, plan, rates, with_optimizer=False, nvme_dir=tmp),
              "step_opt": _Case(config, plan, rates, with_optimizer=True, nvme_dir=tmp)}
     out = []
     for _ in range(rounds + 1):  # the first round warms up
         calibration.measure(ids)
         row: dict = {"compute": calibration.measure(ids)}
-        row.update({name: case.steady_step_s(ids) for name, case in cases.items()})
+        for name, case in cases.items():
+            row[name], layers_s = case.steady_step(ids)
+            # the step's compute: its layers as timed in it, the rest as calibrated
+            row[f"{name}_compute"] = layers_s + row["compute"]["rest_s"]
         out.append(row)
     for engine in [calibration.engine, *(case.engine for case in cases.values())]:
         engine.detach()
@@ -229,14 +236,16 @@ HEADER = (f"{'model':>5} {'plan':>11} {'homes g/c/n/r':>13} | {'step pred':>9} {
           f"{'meas':>6}")
 
 
-def _row(model: str, name: str, plan, pred, pred_opt, meas: dict[str, float]) -> str:
+def _row(model: str, name: str, plan, pred, pred_opt, meas: dict) -> str:
     homes = "/".join(str(n) for n in plan.count_homes().values())
+    exposed = meas["step"] - meas["step_compute"]  # time the step's compute waited
+    optimizer = meas["step_opt"] - meas["step_opt_compute"] - exposed
     return (f"{model:>5} {name:>11} {homes:>13} | {pred.step_s:9.3f} {meas['step']:6.3f} "
             f"{meas['step'] / pred.step_s:5.2f} | {pred.step_s - pred.exposed_s:12.3f} "
-            f"{meas['free']:6.3f} | {pred.exposed_s:12.3f} {meas['step'] - meas['free']:6.3f} "
+            f"{meas['step_compute']:6.3f} | {pred.exposed_s:12.3f} {exposed:6.3f} "
             f"| {pred_opt.step_s:11.3f} {meas['step_opt']:6.3f} "
             f"{meas['step_opt'] / pred_opt.step_s:5.2f} | {pred_opt.optimizer_exposed_s:16.3f} "
-            f"{meas['step_opt'] - meas['step']:6.3f}")
+            f"{optimizer:6.3f}")
 
 
 def report_plan(name: str, plan_name: str, plan, config: dict, batch: int, seq: int,

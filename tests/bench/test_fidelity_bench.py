@@ -45,6 +45,7 @@ def test_rates_plans_and_one_round(tmp_path):
     assert plans["offload_all"].count_homes()["cpu"] > 0
     assert plans["auto+nvme"].count_homes()["nvme"] > 0
     (measured,) = fidelity.run_plan(TINY, plans["auto+nvme"], hw, 2, 16, 1, str(tmp_path))
-    assert {"free", "step", "step_opt"} <= set(measured) and measured["step"] > 0
+    assert {"step", "step_compute", "step_opt", "step_opt_compute"} <= set(measured)
+    assert measured["step"] > 0
     pred, pred_opt = fidelity.predict(plans["auto+nvme"], TINY, 2, 16, measured["compute"], hw)
     assert pred_opt.step_s >= pred.step_s > pred.exposed_s > 0
