@@ -57,15 +57,15 @@ class EmulationSettings:
     link_bytes_per_s: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_env(cls, link_bytes_per_s: dict[str, float] | None = None
-                 ) -> EmulationSettings | None:
-        """Settings from `LAZYTRAIN_EMULATE_*` (read in config.py), None when off."""
+    def from_env(cls) -> EmulationSettings | None:
+        """Settings from `LAZYTRAIN_EMULATE_ASYNC` and `_SEED` (read in config.py), None
+        when off. A bare `attach` has no hardware profile, so its links stay unthrottled
+        (the plugin throttles them to its profile: `setup.emulation_for`)."""
         from lazytrain_accel.config import env_setting
 
         if not env_setting("emulate_async"):
             return None
-        links = link_bytes_per_s if env_setting("emulate_links") == "profile" else None
-        return cls(seed=env_setting("emulate_seed"), link_bytes_per_s=dict(links or {}))
+        return cls(seed=env_setting("emulate_seed"))
 
 
 class _Worker:

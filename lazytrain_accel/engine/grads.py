@@ -4,8 +4,8 @@ A layer's weight gradients leave the device as soon as its backward ends. With a
 backend (CUDA, or its CPU emulation) they are copied on the D2H side stream into one of two
 pinned staging buffers and folded into the host `.grad` once the copy is done (at the
 next layer's backward, or at the end of the backward pass); on CPU they are folded in at
-once. Each fold also records the squared L2
-norm of the accumulated gradient, so clipping after the last micro-batch needs no pass.
+once. Each fold also records the squared L2 norm of the accumulated gradient, so clipping
+after the last micro-batch needs no pass.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ def test_a_destination_is_poisoned_until_its_event_completes():
     src, dst = torch.ones(1024), torch.zeros(1024)
     ints, int_dst = torch.arange(8), torch.zeros(8, dtype=torch.int64)
     with streams.copy_stream("h2d"):
+        streams.copy_(torch.empty(1024), src)  # 0.1 s ahead of the copies checked below
         streams.copy_(dst, src)
         streams.copy_(int_dst, ints)
         event = streams.record()
@@ -97,6 +98,7 @@ def test_worker_errors_surface_on_the_host_with_the_seed():
 
 
 def test_backend_choice(monkeypatch):
+    monkeypatch.delenv("LAZYTRAIN_EMULATE_ASYNC", raising=False)
     assert isinstance(make_streams(CPU), SyncStreams)
     monkeypatch.setenv("LAZYTRAIN_EMULATE_ASYNC", "1")
     monkeypatch.setenv("LAZYTRAIN_EMULATE_SEED", "5")

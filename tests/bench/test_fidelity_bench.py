@@ -1,0 +1,51 @@
+"""bench/fidelity.py's code path on a tiny model: measured compute, profile, link rates, the
+plans it promises (one with NVMe homes), one emulated round and its prediction."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+fidelity = pytest.importorskip("fidelity")
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96,
+        "max_position_embeddings": 64}
+#: Fixed seconds, so the links (chosen against compute) do not depend on machine load.
+COMPUTE = {"fwd_s": 0.002, "bwd_s": 0.004, "rest_s": 0.005}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_compute_is_measured_per_term():
+    compute = fidelity.measure_compute(TINY, 2, 16, steps=1)
+    assert set(compute) == {"fwd_s", "bwd_s", "rest_s"}
+    assert compute["fwd_s"] > 0 and compute["bwd_s"] > 0
+
+
+def test_rates_plans_and_one_round(tmp_path):
+    profile = fidelity.measured_profile(TINY, 2, 16, COMPUTE)
+    assert profile.layer_fwd_flops == pytest.approx(COMPUTE["fwd_s"] * 1e12)
+    hw = fidelity.link_hardware(profile, COMPUTE, 1e8)
+    # a layer's weights take H2D_FORWARDS layer forwards on the throttled link
+    assert profile.layer_param_bytes / hw.h2d_bytes_per_s == pytest.approx(
+        fidelity.H2D_FORWARDS * COMPUTE["fwd_s"])
+    plans = fidelity.plans(profile, hw)
+    assert plans["megatrain"].count_homes()["recompute"] > 0
+    assert plans["offload_all"].count_homes()["cpu"] > 0
+    assert plans["auto+nvme"].count_homes()["nvme"] > 0
+    (measured,) = fidelity.run_plan(TINY, plans["auto+nvme"], hw, 2, 16, 1, str(tmp_path))
+    assert {"step", "step_compute", "step_opt", "step_opt_compute"} <= set(measured)
+    assert measured["step"] > 0
+    pred, pred_opt = fidelity.predict(plans["auto+nvme"], TINY, 2, 16, measured["compute"], hw)
+    assert pred_opt.step_s >= pred.step_s > pred.exposed_s > 0
