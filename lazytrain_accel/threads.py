@@ -8,8 +8,11 @@ copy workers (the NVMe writer; it waits on the disk, not on a core). OpenMP work
 while they wait, so a pool larger than the free cores does not just share them: under one
 competing busy process on 2 cores the demo ran at half the speed of one thread. The rule:
 
-    threads = usable cores (sched_getaffinity: taskset, cgroup cpusets)
-              - cores other processes keep busy (the 1-minute load average, rounded)
+    threads = usable cores (sched_getaffinity: taskset, cgroup cpusets), divided among
+              this machine's training processes (LOCAL_WORLD_SIZE, set by torchrun and
+              accelerate launch) unless the launcher already pinned each to its own cores
+              - cores other processes keep busy (the 1-minute load average, rounded, also
+              divided among them)
               - 1 on a GPU run (the training thread launches kernels and drives copies
                 while the update kernel runs; on a CPU run it *is* the pool's first thread)
 
@@ -33,6 +36,24 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def cores_for_this_process() -> int:
+    """This process's share of the usable cores: all of them when alone on the machine or
+    pinned to its own cores (an affinity mask narrower than the machine), else an equal
+    share among the LOCAL_WORLD_SIZE ranks of a multi-process launch."""
+    cores = usable_cores()
+    ranks = _local_world_size()
+    if ranks <= 1 or cores < (os.cpu_count() or cores):
+        return cores
+    return max(1, cores // ranks)
+
+
+def _local_world_size() -> int:
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def busy_cores_elsewhere(cores: int) -> int:
@@ -63,8 +84,9 @@ def apply_threads(requested: int, *, device: torch.device) -> int:
     if requested > 0:
         count = requested
     else:
-        cores = usable_cores()
-        count = thread_count(cores=cores, busy_elsewhere=busy_cores_elsewhere(cores),
+        cores = cores_for_this_process()
+        busy = busy_cores_elsewhere(usable_cores()) // _local_world_size()
+        count = thread_count(cores=cores, busy_elsewhere=min(busy, cores - 1),
                              gpu=device.type == "cuda")
     if count != torch.get_num_threads():
         logger.info("lazytrain: torch intra-op threads %d -> %d", torch.get_num_threads(),

@@ -49,6 +49,19 @@ def test_apply_sizes_the_pool_the_update_thread_also_uses(
     assert threads.apply_threads(1, device=torch.device("cpu")) == 1
 
 
+def test_ranks_on_one_machine_share_its_cores_unless_pinned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(threads, "busy_cores_elsewhere", lambda cores: 0)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    assert threads.cores_for_this_process() == 4
+    assert threads.apply_threads(0, device=torch.device("cuda")) == 3  # 4 - the launcher
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)  # the launcher pinned 4 cores
+    assert threads.cores_for_this_process() == 4
+
+
 def test_omp_num_threads_is_the_users_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.set_num_threads(1)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
