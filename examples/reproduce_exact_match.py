@@ -6,6 +6,8 @@ Loads `checkpoint/` with `AutoTokenizer` and `AutoModelForCausalLM` (no lazytrai
 import), greedily answers every problem of `eval_problems.jsonl` the way the demo does
 (prompt = query + newline, left-padded batches of 64), and prints one JSON object: the
 exact match recomputed here, the one `demo_summary.json` reports, and the answers.
+After a CPU run (fp32) the two are equal; a GPU run evaluates through bf16 layer copies,
+so a few greedy answers, and the figure, may differ from this fp32 recomputation.
 """
 
 from __future__ import annotations

@@ -207,7 +207,7 @@ class LazyTrainConfig:
             raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips} must be >= 1")
         if self.threads < 0:
             raise ValueError(f"threads={self.threads} must be >= 0 (0 = sized for this "
-                             "machine's free cores, see docs/user_guide.md \"Threads\")")
+                             "machine's free cores, see docs/user_guide.md \"threads\")")
         if self.loss_chunk_tokens != "auto" and self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = the "
                              "model's own loss; e.g. 4096 for the fused chunked loss)")

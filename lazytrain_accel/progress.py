@@ -35,6 +35,10 @@ class PlainProgress:
         self._span_s = self._stall_s = 0.0
         self._tokens = self._steps = 0
 
+    def due(self, step: int) -> bool:
+        """Whether optimizer step `step` (1-based) gets a line."""
+        return step == 1 or step % self.every_steps == 0 or step == self.total_steps
+
     def step_done(self, step: int, *, step_s: float, stall_s: float, tokens: int,
                   loss: float | None) -> str | None:
         """Record optimizer step `step` (1-based); the line, if this step gets one."""
@@ -42,7 +46,7 @@ class PlainProgress:
         self._stall_s += stall_s
         self._tokens += tokens
         self._steps += 1
-        if not (step == 1 or step % self.every_steps == 0 or step == self.total_steps):
+        if not self.due(step):
             return None
         line = self._format(step, loss)
         self._span_s = self._stall_s = 0.0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,11 +30,32 @@ def test_rule(cores: int, busy: int, gpu: bool, expected: int) -> None:
     assert threads.thread_count(cores=cores, busy_elsewhere=busy, gpu=gpu) == expected
 
 
-def test_load_of_other_processes_is_read_and_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_busy_cores_exclude_this_process_and_are_capped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Over the quarter second the machine was busy 0.6 CPU s, 0.35 s of them ours:
+    # others kept one core busy.
+    machine, own = iter([100.0, 100.6]), iter([5.0, 5.35])
+    monkeypatch.setattr(threads, "_machine_busy_s", lambda: next(machine))
+    monkeypatch.setattr(threads, "_own_cpu_s", lambda: next(own))
+    clock = iter([0.0, threads.SAMPLE_S])
+    monkeypatch.setattr(threads, "time", SimpleNamespace(sleep=lambda s: None,
+                                                         perf_counter=lambda: next(clock)))
+    assert threads.busy_cores_elsewhere(4) == 1
+    monkeypatch.setattr(threads, "_other_processes_cpu_s", lambda window_s: 9.0 * window_s)
+    assert threads.busy_cores_elsewhere(4) == 3  # this process keeps one
+
+
+def test_without_proc_stat_the_load_average_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(threads, "_machine_busy_s", lambda: None)
     monkeypatch.setattr(threads.os, "getloadavg", lambda: (1.4, 0.0, 0.0))
     assert threads.busy_cores_elsewhere(4) == 1
-    monkeypatch.setattr(threads.os, "getloadavg", lambda: (9.0, 0.0, 0.0))
-    assert threads.busy_cores_elsewhere(4) == 3  # this process keeps one
+
+
+def test_the_machine_reading_is_real_on_linux() -> None:
+    if not os.path.exists("/proc/stat"):
+        pytest.skip("no /proc/stat")
+    assert threads._machine_busy_s() > 0
+    assert 0 <= threads.busy_cores_elsewhere(threads.usable_cores()) < threads.usable_cores()
 
 
 def test_apply_sizes_the_pool_the_update_thread_also_uses(
@@ -47,6 +70,19 @@ def test_apply_sizes_the_pool_the_update_thread_also_uses(
     worker.join()
     assert torch.get_num_threads() == 2 and seen == [2]  # a new thread (the update) too
     assert threads.apply_threads(1, device=torch.device("cpu")) == 1
+
+
+def test_ranks_on_one_machine_share_its_cores_unless_pinned(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(threads, "busy_cores_elsewhere", lambda cores: 0)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    assert threads.cores_for_this_process() == 4
+    assert threads.apply_threads(0, device=torch.device("cuda")) == 3  # 4 - the launcher
+    monkeypatch.setattr(threads, "usable_cores", lambda: 4)  # the launcher pinned 4 cores
+    assert threads.cores_for_this_process() == 4
 
 
 def test_omp_num_threads_is_the_users_choice(monkeypatch: pytest.MonkeyPatch) -> None:

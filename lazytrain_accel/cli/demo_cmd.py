@@ -16,7 +16,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         name, help=help_of(name),
         description="Profile, plan, stream, train, evaluate (exact match before/after) and "
         "save a checkpoint, the plan, a timeline PNG and Chrome traces. With no flags it "
-        "runs the built-in demo model on the bundled arithmetic word problems.")
+        "runs the built-in demo model on the bundled arithmetic word problems. --plan, --hardware, "
+        "--nvme-dir, --gpu-memory-gb and --loss-chunk-tokens left out take their LAZYTRAIN_* "
+        "variable when it is set.")
     p.add_argument("--model", help="local HF model directory (config, weights, tokenizer); "
                    "default: the built-in 8-layer demo Qwen2")
     p.add_argument("--dataset", help="MetaMathQA-form JSONL ({query, response} ending in "

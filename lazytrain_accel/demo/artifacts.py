@@ -37,7 +37,8 @@ def write_artifacts(out: Path, *, model: Any, tokenizer: Any, run: PreparedRun,
     make_readable(checkpoint)  # transformers leaves model.safetensors 0600
     write_jsonl(eval_records, out / EVAL_PROBLEMS_FILE)
     run.plan.save(out / PLAN_FILE)
-    simulated = simulate(run.plan, run.model_profile, run.hardware)
+    # With the host optimizer: the demo's update runs on the CPU, layer by layer.
+    simulated = simulate(run.plan, run.model_profile, run.hardware, include_optimizer=True)
     draw_timeline(simulated, out / TIMELINE_FILE, budgets=budgets)
     save_chrome_trace(simulated, out / PREDICTED_TRACE_FILE)
     return {"checkpoint": str(checkpoint), "eval_problems": str(out / EVAL_PROBLEMS_FILE),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from rich.table import Table
 
 from lazytrain_accel.config import LazyTrainConfig
@@ -19,6 +20,7 @@ from lazytrain_accel.planning import (
 )
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.threads import usable_cores
 
 _MIB = 2**20
 _GIB = 2**30
@@ -73,6 +75,8 @@ def hardware_table(hw: HardwareProfile, *, gpu_budget_bytes: int) -> Table:
         ("NVMe read / write", f"{hw.nvme_read_bytes_per_s / 1e9:.2f} / "
                               f"{hw.nvme_write_bytes_per_s / 1e9:.2f} GB/s"),
         ("host optimizer", f"{hw.cpu_optimizer_params_per_s / 1e6:.0f} M params/s"),
+        ("torch threads", f"{torch.get_num_threads()} of {usable_cores()} cores "
+                          "(LAZYTRAIN_THREADS)"),
     ):
         table.add_row(key, value)
     return table

@@ -13,6 +13,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
@@ -120,13 +121,13 @@ class LazyTrainCallback(TrainerCallback):
         accum = args.gradient_accumulation_steps
         if self._plain is None:
             self._plain = PlainProgress(total_steps=state.max_steps or None,
-                                        predicted_step_s=run.plan.prediction.step_s * accum,
-                                        loss_label="last logged loss")
+                                        predicted_step_s=run.plan.prediction.step_s * accum)
         stall_s = engine.stats().stall_s  # since the last log's reset
-        losses = (entry["loss"] for entry in reversed(state.log_history) if "loss" in entry)
+        due = self._plain.due(state.global_step)  # read the loss (a device sync) only then
         line = self._plain.step_done(
             state.global_step, step_s=step_s, stall_s=stall_s - self._stall_seen_s,
-            tokens=run.plan.batch_size * run.plan.seq_len * accum, loss=next(losses, None))
+            tokens=run.plan.batch_size * run.plan.seq_len * accum,
+            loss=mean_loss_since_log(self._trainer, state) if due else None)
         self._stall_seen_s = stall_s
         if line:
             print(f"lazytrain: {line}", flush=True)
@@ -151,6 +152,18 @@ def _without_ours(on_log: Any) -> Any:
             return None  # the plan metrics line: nothing left to show
         return on_log(args, state, control, logs=kept, **kwargs)
     return filtered
+
+
+def mean_loss_since_log(trainer: Any, state: TrainerState) -> float | None:
+    """The training loss the Trainer's next log will report: its on-device sum since the
+    last log (`_tr_loss`, over `global_step - _globalstep_last_logged` steps; read only,
+    tests/integrations/test_trainer_progress.py fails if transformers renames them)."""
+    total = getattr(trainer, "_tr_loss", None)
+    last_logged = getattr(trainer, "_globalstep_last_logged", None)
+    if not isinstance(total, torch.Tensor) or not isinstance(last_logged, int):
+        return None
+    steps = state.global_step - last_logged
+    return float(total.detach()) / steps if steps > 0 else None
 
 
 def plan_metrics(plan: Any) -> dict[str, float]:

@@ -30,3 +30,20 @@ def test_budget_fits_megatrain_exactly_and_makes_lazytrain_offload(batch_size: i
     lazy_sim, mega_sim = (simulate(p, model, hardware) for p in (lazytrain, megatrain))
     assert lazy_sim.peak_gpu_bytes <= budgets.gpu_bytes
     assert lazy_sim.step_s <= mega_sim.step_s
+
+
+def test_a_budget_from_the_environment_is_kept(monkeypatch: pytest.MonkeyPatch,
+                                               hardware_json) -> None:
+    """LAZYTRAIN_GPU_MEMORY_LIMIT_GB (even 0, "the whole device") beats the demo budget;
+    without it the demo plans in MegaTrain's budget."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from lazytrain_accel.demo.run import DemoSettings, _accelerator
+
+    model = Qwen2ForCausalLM(Qwen2Config(**DEMO_MODEL_CONFIG, vocab_size=80))
+    settings = DemoSettings(hardware=str(hardware_json), batch_size=8)
+    monkeypatch.setenv("LAZYTRAIN_GPU_MEMORY_LIMIT_GB", "0")
+    assert _accelerator(settings, model).lazytrain_plugin.gpu_memory_limit_gb == 0
+    monkeypatch.delenv("LAZYTRAIN_GPU_MEMORY_LIMIT_GB")
+    budget_gb = _accelerator(settings, model).lazytrain_plugin.gpu_memory_limit_gb
+    assert 0 < budget_gb * GIB < 64 * 2**20  # tens of MiB: MegaTrain's need

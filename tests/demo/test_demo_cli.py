@@ -128,6 +128,7 @@ def test_printed_output_reads_in_a_log(demo_out: Path) -> None:
     assert "Writing model shards" not in printed
     assert PLAN_SUMMARY_PREFIX not in printed
     assert printed.count("boundaries gpu / cpu / nvme") == 1
+    assert "torch threads" in printed  # the count the thread rule chose
     assert "exact match after training" in printed
     assert "[wrong" in printed or "[right" in printed  # labelled sample answers
 
