@@ -68,6 +68,7 @@ _DEFAULTS: dict[str, Any] = {
     "cache_dir": default_cache_dir,
     "max_nonfinite_skips": 3,
     "loss_chunk_tokens": 0,
+    "overlap_step": True,
 }
 
 
@@ -94,6 +95,9 @@ class LazyTrainConfig:
         loss_chunk_tokens: 0 keeps the model's own loss (full tokens x vocab logits); > 0
             computes the training loss with the fused chunked cross-entropy, whose logits
             exist for that many tokens at a time (`logits` is then None in the output).
+        overlap_step: with optimizer="hybrid8bit", `optimizer.step()` starts the update
+            layer by layer on a CPU thread and returns; the next forward of layer j waits
+            only for layer j (docs/engine.md "Step overlap"). False runs it serially.
     """
 
     plan: str | None = None
@@ -108,6 +112,7 @@ class LazyTrainConfig:
     cache_dir: str | None = None
     max_nonfinite_skips: int | None = None
     loss_chunk_tokens: int | None = None
+    overlap_step: bool | str | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -197,6 +202,18 @@ def _is_json_path(value: str) -> bool:
 _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
                  "solver_time_limit_s")
 _INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens")
+_BOOL_FIELDS = ("overlap_step",)
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+               "0": False, "false": False, "no": False, "off": False}
+
+
+def _coerce_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word not in _BOOL_WORDS:
+        raise ValueError(f"{name}={value!r} must be a boolean (one of {sorted(_BOOL_WORDS)})")
+    return _BOOL_WORDS[word]
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -210,6 +227,8 @@ def _coerce(name: str, value: Any) -> Any:
             allowed = [c.value for c in OptimizerChoice]
             raise ValueError(f"optimizer={value!r} is not valid: allowed values are "
                              f"{allowed}") from None
+    if name in _BOOL_FIELDS:
+        return _coerce_bool(name, value)
     if name in _FLOAT_FIELDS or name in _INT_FIELDS:
         kind = float if name in _FLOAT_FIELDS else int
         if isinstance(value, bool):

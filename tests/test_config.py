@@ -55,6 +55,7 @@ ENV_VALUES = {
     "cache_dir": ("~/lt-cache", os.path.expanduser("~/lt-cache")),
     "max_nonfinite_skips": ("7", 7),
     "loss_chunk_tokens": ("4096", 4096),
+    "overlap_step": ("off", False),
 }
 
 
@@ -87,6 +88,7 @@ ARGUMENTS = {
     "cache_dir": ("/cache", "/cache"),
     "max_nonfinite_skips": (1, 1),
     "loss_chunk_tokens": (1024, 1024),
+    "overlap_step": (True, True),
 }
 
 
@@ -142,6 +144,7 @@ BAD = [
     ("max_nonfinite_skips", 0, ["max_nonfinite_skips=0", ">= 1"]),
     ("loss_chunk_tokens", -1, ["loss_chunk_tokens=-1", ">= 0"]),
     ("loss_chunk_tokens", 1.5, ["loss_chunk_tokens=1.5", "integer"]),
+    ("overlap_step", "sometimes", ["overlap_step='sometimes'", "boolean"]),
 ]
 
 

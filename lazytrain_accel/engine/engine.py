@@ -22,7 +22,7 @@ from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.layer_call import ForwardState
 from lazytrain_accel.engine.loss_patch import FusedLoss, apply_fused_loss
 from lazytrain_accel.engine.nvme import NvmeSpill
-from lazytrain_accel.engine.overlap import LayerwiseUpdate
+from lazytrain_accel.engine.overlap import LayerwiseOptimizer, LayerwiseUpdate
 from lazytrain_accel.engine.residents import ResidentParams
 from lazytrain_accel.engine.runtime import Runtime
 from lazytrain_accel.engine.stats import Accounting, StepStats
@@ -135,7 +135,7 @@ class StreamingEngine:
         self._open: weakref.WeakSet[ForwardState] = weakref.WeakSet()
         self._latest: weakref.ref[ForwardState] | None = None
         self._backwarded: list[ForwardState] = []
-        self._finalizer_queued = False
+        self._finalizer_task: int | None = None  # backward (graph task) with our callback
         self._update: LayerwiseUpdate | None = None
         self._shape_warned = False
 
@@ -151,6 +151,9 @@ class StreamingEngine:
             model.register_forward_hook(_on("_after_model")),
             parent.register_forward_pre_hook(_on("_new_pass")),
             parent.register_forward_hook(_on("_end_pass")),
+            # masters must not be read or written while the layer-wise update runs
+            model.register_state_dict_pre_hook(_on("synchronize")),
+            model.register_load_state_dict_pre_hook(_on("synchronize")),
         ]
         engine_ref = weakref.ref(self)
         resident_ids = {id(p) for p in self.residents.params}
@@ -208,7 +211,15 @@ class StreamingEngine:
             self._open.add(self._state)
             self._latest = weakref.ref(self._state)
             weakref.finalize(self._state, self._state.store.close)
-        return self._state.call(index, hidden, call_kwargs)
+        state = self._state
+        try:
+            return state.call(index, hidden, call_kwargs)
+        except BaseException:  # the state closed itself; it awaits no backward any more
+            self._open.discard(state)
+            self._state = None
+            if not self._open:
+                self.residents.swap_out()  # masters back in place (`_after_model` won't run)
+            raise
 
     def _check_planned_tokens(self, hidden: torch.Tensor) -> None:
         """Warn once when a training batch holds more tokens than the plan was sized for:
@@ -256,19 +267,20 @@ class StreamingEngine:
             state.backwarded = True
             self._open.discard(state)
             self._backwarded.append(state)
-        if self._update is not None:
-            self._update.wait()  # gradients of this pass must not meet a running update
-            self._update = None
+        self._wait_update()  # gradients of this pass must not meet a running update
         self._queue_finalizer()
 
     def _queue_finalizer(self) -> None:
-        if not self._finalizer_queued:
-            self._finalizer_queued = True
+        # Keyed by graph task: a backward that raised never ran its callback, and the
+        # next backward must queue its own.
+        task = torch._C._current_graph_task_id()
+        if self._finalizer_task != task:
+            self._finalizer_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
         """End of a backward pass: land gradients, close its states, free the residents."""
-        self._finalizer_queued = False
+        self._finalizer_task = None
         self.sink.drain()
         for state in self._backwarded:
             state.close()
@@ -284,26 +296,35 @@ class StreamingEngine:
         if self._update is not None:
             self._update.wait(layer)
 
-    def step_layerwise(self, optimizer: Any) -> None:
+    def step_layerwise(self, optimizer: LayerwiseOptimizer, *,
+                       use_engine_norms: bool = True) -> None:
         """Update parameters layer by layer in forward order on a CPU thread.
 
-        `optimizer` implements `begin_step() -> bool`, `step_params(params)` and
-        `end_step()` (HybridAdamW8bit does). The next forward of layer j waits only for
-        layer j's update; the next backward waits for the whole update.
+        `optimizer` implements `LayerwiseOptimizer` (HybridAdamW8bit does). The next
+        forward of layer j waits only for layer j's update; the next backward, a
+        `state_dict()`, `load_state_dict()` and `synchronize()` wait for the whole update.
+        `use_engine_norms`: clip with the norms recorded as gradients landed (False when
+        something rewrote the gradients since, e.g. a data-parallel all-reduce).
         """
-        if self._update is not None:
-            self._update.wait()
-            self._update = None
+        self._wait_update()
         if self._open or self.residents.active:
             raise RuntimeError("step_layerwise() called while a forward still awaits its "
                                "backward; call it after loss.backward()")
         self.sink.drain()
-        if hasattr(optimizer, "set_grad_sq_norms"):
+        if use_engine_norms:
             optimizer.set_grad_sq_norms(self.grad_sq_norms())
         if not optimizer.begin_step():
             return  # non-finite gradients: the optimizer skipped (and counted) this step
-        groups = [self.resident_params(), *self._layer_params]
-        self._update = LayerwiseUpdate(optimizer, self.model, groups, self.acct)
+        owned = {p for group in optimizer.param_groups for p in group["params"]}
+        groups = [[p for p in ps if p in owned]
+                  for ps in (self.resident_params(), *self._layer_params)]
+        self._update = LayerwiseUpdate(optimizer, self.model, groups, self.acct,
+                                       copies=self.pool)
+
+    def _wait_update(self) -> None:
+        if self._update is not None:
+            update, self._update = self._update, None
+            update.wait()
 
     # ---- public queries --------------------------------------------------------------
     def layer_params(self, j: int) -> list[nn.Parameter]:
@@ -347,9 +368,7 @@ class StreamingEngine:
 
     def synchronize(self) -> None:
         """Wait for background I/O and a running layer-wise update."""
-        if self._update is not None:
-            self._update.wait()
-            self._update = None
+        self._wait_update()
         if self._state is not None:
             self._state.store.sync()
         for state in list(self._open):
