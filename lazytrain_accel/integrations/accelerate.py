@@ -12,7 +12,7 @@ import logging
 import os
 from pathlib import Path
 from types import MethodType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import accelerate
 import torch
@@ -24,6 +24,10 @@ from lazytrain_accel.integrations import setup
 from lazytrain_accel.integrations.checkpoint import atomic_directory, recover
 from lazytrain_accel.integrations.data_parallel import GradientAllReducer
 from lazytrain_accel.integrations.step_guard import StepGuard
+
+if TYPE_CHECKING:
+    from lazytrain_accel.engine import StreamingEngine
+    from lazytrain_accel.profiling.model import ModelProfile
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -44,7 +48,7 @@ class Accelerator(accelerate.Accelerator):
         super().__init__(*args, **kwargs)
         self.lazytrain_plugin = plugin
         self.lazytrain_run: setup.PreparedRun | None = None
-        self.lazytrain_engine = None
+        self.lazytrain_engine: StreamingEngine | None = None
         self.lazytrain_guard: StepGuard | None = None
         self._lazytrain_optimizer: torch.optim.Optimizer | None = None
         self._lazytrain_reducer: GradientAllReducer | None = None
@@ -239,7 +243,7 @@ class Accelerator(accelerate.Accelerator):
         super().end_training()
 
 
-def _compute_copy_bytes(plugin: LazyTrainConfig, model_profile: Any,
+def _compute_copy_bytes(plugin: LazyTrainConfig, model_profile: ModelProfile,
                         compute_dtype: torch.dtype | None) -> int:
     """Host bytes of the layers' compute-dtype copies the overlapped update writes."""
     overlapped = plugin.optimizer == OptimizerChoice.HYBRID8BIT and plugin.overlap_step
