@@ -1,12 +1,19 @@
-"""The prepared GPU check: measured throughput and plan fidelity, one script, < 8 minutes.
+"""The prepared GPU check: equivalence, throughput and plan fidelity, one script, < 8 min.
 
-On a CUDA machine: link bandwidths and the bf16 matmul rate, then a Qwen2.5-3B-geometry
-model (random init, bf16 compute, seq 1024) trained with the LazyTrain MIP plan,
-`megatrain` and `checkpoint_all` under GPU caps of 24 and 80 GiB, 2 warm-up + 5 timed
-steps each at the same batch, plus each strategy's largest admitted batch under 24 GiB.
-Writes `gpu_check.json` and `gpu_check.txt` into the output folder.
+On a CUDA machine: (1) the engine equivalence suite on CUDA (`bench/gpu_equivalence.py`:
+9 families x 5 plan kinds, bf16 against stock on the same GPU); (2) link bandwidths and
+the bf16 matmul rate; (3) a Qwen2.5-3B-geometry model (random init, bf16, seq 1024)
+trained through the Accelerate plugin (`Accelerator(plugin=LazyTrainPlugin(...))`, the
+overlapped hybrid 8-bit step) with the LazyTrain MIP plan, `megatrain` and
+`checkpoint_all` under GPU caps of 24 and 80 GiB, 2 warm-up + 5 timed steps each, plus
+each strategy's largest admitted batch under 24 GiB. Each run reports the measured step
+(start to start, so the overlapped update counts where it is exposed) beside the
+simulator's prediction with the optimizer (`simulate(include_optimizer=True)`), and the
+measured optimizer exposure (`StepStats.optimizer_wait_s`) beside the predicted one.
+Writes `gpu_check.json` (after every phase, so a timeout keeps what ran) and
+`gpu_check.txt` into the output folder.
 
-`--dry-run` runs the same code path on the CPU with a tiny model (a test runs it).
+`--dry-run` runs the same code path on the CPU with tiny models (a test runs it).
 
     python bench/gpu_check.py OUT_DIR [--dry-run]
 """
@@ -17,7 +24,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,19 +31,26 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import itertools
+
+import gpu_equivalence
+
+from lazytrain_accel import Accelerator, LazyTrainPlugin
 from lazytrain_accel.demo.budget import demo_gpu_budget_gb
-from lazytrain_accel.engine import attach
-from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning import (
     Budgets,
     PlanInfeasibleError,
-    make_plan,
     max_batch_size,
     simulate,
 )
 from lazytrain_accel.profiling.hardware import HardwareProfile, load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
-from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
+from lazytrain_accel.profiling.models import (
+    geometry_from_config,
+    load_model_config,
+    profile_model,
+)
 
 _GIB = 1024**3
 STRATEGIES = ("lazytrain", "megatrain", "checkpoint_all")
@@ -53,12 +66,15 @@ class Setting:
     timed_steps: int
     device: torch.device
     compute_dtype: torch.dtype | None
+    equivalence_archs: list[str] | None  # None: every family of the suite
+    equivalence_kinds: list[str] | None  # None: every plan kind
 
 
 def real_setting() -> Setting:
     return Setting(model_config=load_model_config("qwen2.5-3b"), seq_len=1024, batch_size=8,
                    caps_gib=(24.0, 80.0), warmup_steps=2, timed_steps=5,
-                   device=torch.device("cuda"), compute_dtype=torch.bfloat16)
+                   device=torch.device("cuda"), compute_dtype=torch.bfloat16,
+                   equivalence_archs=None, equivalence_kinds=None)
 
 
 def dry_setting() -> Setting:
@@ -68,7 +84,8 @@ def dry_setting() -> Setting:
     # Caps set in main() from the tiny model's MegaTrain footprint, so plans differ.
     return Setting(model_config=config, seq_len=32, batch_size=2, caps_gib=(),
                    warmup_steps=1, timed_steps=2, device=torch.device("cpu"),
-                   compute_dtype=None)
+                   compute_dtype=None, equivalence_archs=["llama", "gpt2"],
+                   equivalence_kinds=["mixed"])
 
 
 @dataclass(kw_only=True)
@@ -82,8 +99,11 @@ class RunResult:
     peak_device_bytes: int
     measured_stall_s: float
     predicted_exposed_s: float
-    predicted_step_s: float
-    optimizer_s: float
+    predicted_step_s: float  # with the host optimizer (simulate(include_optimizer=True))
+    step_ratio: float  # measured / predicted
+    measured_optimizer_exposed_s: float  # the training thread waiting for the update
+    predicted_optimizer_exposed_s: float
+    optimizer_update_s: float  # the update's own time on its thread
     homes: dict
 
 
@@ -123,41 +143,55 @@ def build_model(config: dict) -> Qwen2ForCausalLM:
     return model
 
 
-def train_steps(model: Qwen2ForCausalLM, plan, setting: Setting, batch_size: int
-                ) -> tuple[list[float], float, int, float]:
-    """Step seconds of each timed step, stall seconds, peak device bytes, optimizer s."""
-    nvme_dir = tempfile.mkdtemp(prefix="lazytrain_gpu_check_")
-    engine = attach(model, plan, device=setting.device, compute_dtype=setting.compute_dtype,
-                    nvme_dir=nvme_dir)
-    optimizer = HybridAdamW8bit(model.parameters(), lr=1e-5, weight_decay=0.01,
-                                max_grad_norm=1.0)
-    vocab = model.config.vocab_size
-    ids = torch.randint(0, vocab, (batch_size, setting.seq_len), device=setting.device)
-    times, stalls, opt_s = [], [], []
+@dataclass(kw_only=True)
+class Measured:
+    step_s: list[float]  # start of step k to start of step k+1: overlap counted as exposed
+    stall_s: float
+    optimizer_wait_s: float
+    optimizer_update_s: float
+    peak_device_bytes: int
+
+
+def train_steps(model: Qwen2ForCausalLM, plugin: LazyTrainPlugin, setting: Setting,
+                batch_size: int) -> tuple[Measured, Accelerator]:
+    """The user's Accelerate loop through the plugin: clip, overlapped step, zero_grad."""
+    ids = torch.randint(0, model.config.vocab_size,
+                        (batch_size * (setting.warmup_steps + setting.timed_steps + 1),
+                         setting.seq_len), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids),
+                                         batch_size=batch_size)
+    acc = Accelerator(cpu=setting.device.type == "cpu", plugin=plugin,
+                      mixed_precision="no" if setting.compute_dtype is None else "bf16")
+    model, optimizer, loader = acc.prepare(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01), loader)
+    engine = acc.lazytrain_engine
+    starts, stalls, waits, updates = [], [], [], []
     if setting.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    try:
-        for step in range(setting.warmup_steps + setting.timed_steps):
-            engine.reset_stats()
-            t0 = time.perf_counter()
-            with torch.autocast(setting.device.type, dtype=torch.bfloat16,
-                                enabled=setting.compute_dtype is not None):
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            t_opt = time.perf_counter()
-            engine.step_layerwise(optimizer)
-            engine.synchronize()
-            optimizer.zero_grad(set_to_none=True)
-            t1 = time.perf_counter()
-            if step >= setting.warmup_steps:
-                times.append(t1 - t0)
-                opt_s.append(t1 - t_opt)
-                stalls.append(engine.stats().stall_s)
-        peak = (torch.cuda.max_memory_allocated() if setting.device.type == "cuda"
-                else engine.stats().peak_bytes.get("device", 0))
-    finally:
-        engine.detach()
-    return times, statistics.median(stalls), int(peak), statistics.median(opt_s)
+    for step, (batch,) in enumerate(loader):
+        if setting.device.type == "cuda":
+            torch.cuda.synchronize()
+        starts.append(time.perf_counter())
+        if step > setting.warmup_steps:  # the stats of the step that just ended
+            stats = engine.stats()
+            stalls.append(stats.stall_s)
+            waits.append(stats.optimizer_wait_s)
+            updates.append(stats.optimizer_update_s)
+        if step == setting.warmup_steps + setting.timed_steps:
+            break
+        engine.reset_stats()
+        acc.backward(model(input_ids=batch, labels=batch).loss)
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()  # returns while the update runs on its thread
+        optimizer.zero_grad(set_to_none=True)
+    acc.wait_for_everyone()
+    peak = (torch.cuda.max_memory_allocated() if setting.device.type == "cuda"
+            else engine.stats().peak_bytes.get("device", 0))
+    times = [b - a for a, b in itertools.pairwise(starts)][setting.warmup_steps:]
+    return Measured(step_s=times, stall_s=statistics.median(stalls),
+                    optimizer_wait_s=statistics.median(waits),
+                    optimizer_update_s=statistics.median(updates),
+                    peak_device_bytes=int(peak)), acc
 
 
 def _profile(setting: Setting, batch_size: int) -> ModelProfile:
@@ -168,25 +202,31 @@ def _profile(setting: Setting, batch_size: int) -> ModelProfile:
 
 
 def run_one(strategy: str, cap_gib: float, batch_size: int, setting: Setting,
-            hardware: HardwareProfile, model: Qwen2ForCausalLM) -> RunResult:
-    profile = _profile(setting, batch_size)
-    geometry = profile.geometry
-    budgets = Budgets.from_hardware(hardware, gpu_memory_limit_gb=cap_gib)
-    plan = make_plan(profile, hardware, strategy=strategy, budgets=budgets, time_limit_s=30)
-    predicted = simulate(plan, profile, hardware)
+            model: Qwen2ForCausalLM) -> RunResult:
     if setting.device.type == "cuda":
         torch.cuda.set_per_process_memory_fraction(
             min(1.0, cap_gib * _GIB / torch.cuda.get_device_properties(0).total_memory))
-    times, stall_s, peak, opt_s = train_steps(model, plan, setting, batch_size)
-    step_s = statistics.median(times)
+    plugin = LazyTrainPlugin(plan="auto" if strategy == "lazytrain" else strategy,
+                             hardware="auto", gpu_memory_limit_gb=cap_gib,
+                             solver_time_limit_s=30)
+    measured, acc = train_steps(model, plugin, setting, batch_size)
+    run = acc.lazytrain_run
+    predicted = simulate(run.plan, run.model_profile, run.hardware, include_optimizer=True)
+    acc.end_training()
+    step_s = statistics.median(measured.step_s)
     tokens = batch_size * setting.seq_len
     return RunResult(strategy=strategy, cap_gib=cap_gib, batch_size=batch_size, step_s=step_s,
                      tokens_per_s=tokens / step_s,
-                     tflops=6 * geometry.total_param_count * tokens / step_s / 1e12,
-                     peak_device_bytes=peak, measured_stall_s=stall_s,
+                     tflops=6 * run.model_profile.geometry.total_param_count * tokens
+                     / step_s / 1e12,
+                     peak_device_bytes=measured.peak_device_bytes,
+                     measured_stall_s=measured.stall_s,
                      predicted_exposed_s=predicted.exposed_s,
-                     predicted_step_s=predicted.step_s, optimizer_s=opt_s,
-                     homes=plan.count_homes())
+                     predicted_step_s=predicted.step_s, step_ratio=step_s / predicted.step_s,
+                     measured_optimizer_exposed_s=measured.optimizer_wait_s,
+                     predicted_optimizer_exposed_s=predicted.optimizer_exposed_s,
+                     optimizer_update_s=measured.optimizer_update_s,
+                     homes=run.plan.count_homes())
 
 
 def admitted_batches(setting: Setting, hardware: HardwareProfile, cap_gib: float
@@ -203,22 +243,48 @@ def admitted_batches(setting: Setting, hardware: HardwareProfile, cap_gib: float
 
 
 def format_table(results: list[RunResult]) -> str:
-    head = (f"{'strategy':<15}{'cap GiB':>9}{'batch':>7}{'step s':>9}{'tok/s':>10}"
-            f"{'TFLOPS':>9}{'peak GiB':>10}{'stall s':>9}{'pred exp s':>11}{'opt s':>8}")
+    head = (f"{'strategy':<15}{'cap GiB':>9}{'batch':>7}{'step s':>9}{'pred s':>9}"
+            f"{'ratio':>7}{'tok/s':>10}{'TFLOPS':>8}{'peak GiB':>10}{'stall s':>9}"
+            f"{'opt exp s':>10}{'pred opt':>10}{'upd s':>8}")
     rows = [head]
     for r in results:
         rows.append(f"{r.strategy:<15}{r.cap_gib:>9.4g}{r.batch_size:>7}{r.step_s:>9.3f}"
-                    f"{r.tokens_per_s:>10.0f}{r.tflops:>9.2f}{r.peak_device_bytes / _GIB:>10.2f}"
-                    f"{r.measured_stall_s:>9.3f}{r.predicted_exposed_s:>11.3f}"
-                    f"{r.optimizer_s:>8.3f}")
+                    f"{r.predicted_step_s:>9.3f}{r.step_ratio:>7.2f}{r.tokens_per_s:>10.0f}"
+                    f"{r.tflops:>8.2f}{r.peak_device_bytes / _GIB:>10.2f}"
+                    f"{r.measured_stall_s:>9.3f}{r.measured_optimizer_exposed_s:>10.3f}"
+                    f"{r.predicted_optimizer_exposed_s:>10.3f}{r.optimizer_update_s:>8.3f}")
     return "\n".join(rows)
+
+
+def _write(out_dir: Path, report: dict) -> None:
+    (out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1))
+
+
+def _train_runs(setting: Setting, hardware: HardwareProfile, report: dict,
+                out_dir: Path) -> list[RunResult]:
+    model = build_model(setting.model_config)
+    runs = [(s, cap, setting.batch_size) for cap in setting.caps_gib for s in STRATEGIES]
+    admitted = admitted_batches(setting, hardware, setting.caps_gib[0])
+    report["admitted_batch_at_smallest_cap"] = admitted
+    runs += [(s, setting.caps_gib[0], b) for s, b in admitted.items()
+             if 0 < b != setting.batch_size]
+    results = []
+    for strategy, cap, batch in runs:
+        try:
+            results.append(run_one(strategy, cap, batch, setting, model))
+            report["runs"].append(asdict(results[-1]))
+        except PlanInfeasibleError as err:  # a strategy that does not fit is a result too
+            report["refused"].append({"strategy": strategy, "cap_gib": cap,
+                                      "batch_size": batch, "error": str(err)})
+        _write(out_dir, report)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--dry-run", action="store_true",
-                        help="tiny model on the CPU: proves the path works without a GPU")
+                        help="tiny models on the CPU: proves the path works without a GPU")
     args = parser.parse_args(argv)
     setting = dry_setting() if args.dry_run else real_setting()
     if setting.device.type == "cuda" and not torch.cuda.is_available():
@@ -226,36 +292,33 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    links = measure_links(setting.device, 256 * 2**20 if not args.dry_run else 2**20)
+    report: dict = {"dry_run": args.dry_run, "runs": [], "refused": []}
+    equivalence = gpu_equivalence.check_all(setting.device, setting.equivalence_archs,
+                                            setting.equivalence_kinds)
+    report["equivalence"] = gpu_equivalence.as_dicts(equivalence)
+    print(gpu_equivalence.format_table(equivalence), flush=True)
+    report["links"] = measure_links(setting.device,
+                                    256 * 2**20 if not args.dry_run else 2**20)
     hardware = load_hardware("auto")
+    report["hardware"] = hardware.to_dict()
+    _write(args.out_dir, report)
     if not setting.caps_gib:  # dry run: the tiny model's MegaTrain footprint, and twice it
         tight_gib = demo_gpu_budget_gb(_profile(setting, setting.batch_size), hardware)
         setting.caps_gib = (tight_gib, 2 * tight_gib)
-    model = build_model(setting.model_config)
-    runs = [(s, cap, setting.batch_size) for cap in setting.caps_gib for s in STRATEGIES]
-    admitted = admitted_batches(setting, hardware, setting.caps_gib[0])
-    runs += [(s, setting.caps_gib[0], b) for s, b in admitted.items()
-             if 0 < b != setting.batch_size]
-    results, refused = [], []
-    for strategy, cap, batch in runs:
-        try:
-            results.append(run_one(strategy, cap, batch, setting, hardware, model))
-        except PlanInfeasibleError as err:  # a strategy that does not fit is a result too
-            refused.append({"strategy": strategy, "cap_gib": cap, "batch_size": batch,
-                            "error": str(err)})
-    report = {"links": links, "hardware": hardware.to_dict(),
-              "admitted_batch_at_smallest_cap": admitted,
-              "runs": [asdict(r) for r in results], "refused": refused,
-              "wall_s": time.perf_counter() - t_start, "dry_run": args.dry_run}
-    (args.out_dir / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    results = _train_runs(setting, hardware, report, args.out_dir)
+    report["wall_s"] = time.perf_counter() - t_start
+    _write(args.out_dir, report)
     table = format_table(results)
-    (args.out_dir / "gpu_check.txt").write_text(json.dumps(links) + "\n" + table + "\n")
-    print(json.dumps(links))
+    (args.out_dir / "gpu_check.txt").write_text(
+        gpu_equivalence.format_table(equivalence) + "\n" + json.dumps(report["links"])
+        + "\n" + table + "\n")
+    print(json.dumps(report["links"]))
     print(table)
-    print(f"admitted batch under {setting.caps_gib[0]:.4g} GiB: {admitted}")
-    for r in refused:
+    print(f"admitted batch under {setting.caps_gib[0]:.4g} GiB: "
+          f"{report['admitted_batch_at_smallest_cap']}")
+    for r in report["refused"]:
         print(f"refused: {r['strategy']} at {r['cap_gib']:.4g} GiB, batch {r['batch_size']}")
-    return 0
+    return 0 if all(e.passed for e in equivalence) else 1
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ _DEFAULTS: dict[str, Any] = {
     "emulate_seed": 0,
     "emulate_links": "off",
     "threads": 0,
+    "overlap_step": True,
 }
 
 #: Link throttling modes of the emulated async device.
@@ -119,6 +120,9 @@ class LazyTrainConfig:
             H2D, D2H and NVMe rates; "off" leaves them unthrottled.
         threads: torch intra-op threads (also the update kernel's); 0 sizes them by the
             rule of `lazytrain_accel/threads.py` at `prepare`, N > 0 uses N.
+        overlap_step: with optimizer="hybrid8bit", `optimizer.step()` starts the update
+            layer by layer on a CPU thread and returns; the next forward of layer j waits
+            only for layer j (docs/engine.md "Step overlap"). False runs it serially.
     """
 
     plan: str | None = None
@@ -139,6 +143,7 @@ class LazyTrainConfig:
     emulate_seed: int | None = None
     emulate_links: str | None = None
     threads: int | None = None
+    overlap_step: bool | str | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _from_env: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
@@ -250,7 +255,7 @@ _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
 _INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens",
                "batch_size", "seq_len", "emulate_seed", "threads")
 _AUTO_FIELDS = ("loss_chunk_tokens",)  # also accept "auto"
-_BOOL_FIELDS = ("emulate_async",)
+_BOOL_FIELDS = ("emulate_async", "overlap_step")
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                "0": False, "false": False, "no": False, "off": False}
 

@@ -41,11 +41,14 @@ class HostMemoryEstimate:
     pinned_staging_bytes: int  # weight and gradient staging, NVMe bounce buffers
     cpu_activation_bytes: int  # boundaries the plan homes in host DRAM
     present_bytes: int  # of the above, already allocated before prepare (model weights)
+    # compute-dtype copies of the streamed layers, written by the overlapped update
+    compute_copy_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return (self.master_bytes + self.grad_bytes + self.optimizer_state_bytes
-                + self.pinned_staging_bytes + self.cpu_activation_bytes)
+                + self.pinned_staging_bytes + self.cpu_activation_bytes
+                + self.compute_copy_bytes)
 
     @property
     def new_bytes(self) -> int:
@@ -55,7 +58,8 @@ class HostMemoryEstimate:
 
 def estimate_host_bytes(*, param_count: int, trainable_param_count: int, present_bytes: int,
                         optimizer: str, plan: Plan, layer_param_bytes: int,
-                        layer_grad_bytes: int) -> HostMemoryEstimate:
+                        layer_grad_bytes: int, compute_copy_bytes: int = 0
+                        ) -> HostMemoryEstimate:
     """The host bytes of a run of `plan` (see `HostMemoryEstimate`'s fields)."""
     if optimizer not in OPTIMIZER_STATE_BYTES_PER_PARAM:
         raise ValueError(f"optimizer={optimizer!r}: expected one of "
@@ -71,6 +75,7 @@ def estimate_host_bytes(*, param_count: int, trainable_param_count: int, present
         pinned_staging_bytes=2 * layer_param_bytes + 2 * layer_grad_bytes + bounce,
         cpu_activation_bytes=counts[Home.CPU.value] * plan.boundary_bytes,
         present_bytes=present_bytes,
+        compute_copy_bytes=compute_copy_bytes,
     )
 
 
@@ -202,8 +207,8 @@ def _probe_writable(path: Path, how: str) -> None:
 
 
 def check_run(*, model: object, plan: Plan, layer_param_bytes: int, layer_grad_bytes: int,
-              optimizer: str, nvme_dir: str, available_bytes: int | None = None
-              ) -> HostMemoryEstimate:
+              optimizer: str, nvme_dir: str, available_bytes: int | None = None,
+              compute_copy_bytes: int = 0) -> HostMemoryEstimate:
     """Both checks for `model` (a torch module) about to run `plan`; returns the host
     estimate. Called by `prepare` after planning and before the engine allocates."""
     params = list(model.parameters())  # type: ignore[attr-defined]
@@ -213,7 +218,7 @@ def check_run(*, model: object, plan: Plan, layer_param_bytes: int, layer_grad_b
         present_bytes=sum(p.numel() * p.element_size() for p in params
                           if p.device.type == "cpu"),
         optimizer=optimizer, plan=plan, layer_param_bytes=layer_param_bytes,
-        layer_grad_bytes=layer_grad_bytes)
+        layer_grad_bytes=layer_grad_bytes, compute_copy_bytes=compute_copy_bytes)
     check_host_memory(estimate, available_bytes)
     check_nvme_dir(nvme_dir, nvme_need_bytes(plan))
     return estimate

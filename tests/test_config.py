@@ -61,6 +61,7 @@ ENV_VALUES = {
     "emulate_seed": ("7", 7),
     "emulate_links": ("Profile", "profile"),
     "threads": ("4", 4),
+    "overlap_step": ("off", False),
 }
 
 
@@ -106,6 +107,7 @@ ARGUMENTS = {
     "emulate_seed": (3, 3),
     "emulate_links": ("off", "off"),
     "threads": (2, 2),
+    "overlap_step": (True, True),
 }
 
 
@@ -165,6 +167,7 @@ BAD = [
     ("loss_chunk_tokens", 1.5, ["loss_chunk_tokens=1.5", "integer"]),
     ("seq_len", -2, ["seq_len=-2", ">= 0"]),
     ("batch_size", 0.5, ["batch_size=0.5", "integer"]),
+    ("overlap_step", "sometimes", ["overlap_step='sometimes'", "boolean"]),
 ]
 
 

@@ -79,9 +79,6 @@ class ActivationStore:
         rec = self._records.get(index)
         return rec is not None and rec.home != Home.RECOMPUTE
 
-    def home(self, index: int) -> Home:
-        return self._records[index].home
-
     def where(self, index: int) -> set[str]:
         """Tiers holding boundary `index` right now (for tests and reports)."""
         rec = self._records.get(index)

@@ -2,14 +2,35 @@
 
 The model's own forward, masks, rotary embeddings, loss and `loss.backward()` stay
 untouched: only each decoder layer's `forward` is replaced (on the instance) by a call
-through the layer Function, and two hooks bracket each model pass.
+through the layer Function, and hooks bracket each model pass (`patching.py`).
+
+The life of one training step, top-down (file:function):
+
+1. `model(...)`: `engine.py:StreamingEngine._before_model` waits for the residents' update
+   (group 0 of a running layer-wise update) and swaps their device copies in; the decoder
+   stack's pre-hook `_new_pass` starts a fresh pass.
+2. Each decoder layer call: `patching.py:_streamed_forward` -> `_call_layer` ->
+   `binding.py:bind_call` / `drop_cache` -> `layer_call.py:ForwardState.call` ->
+   `_LayerFunction.forward` -> `runtime.py:Runtime.run_layer` ->
+   `weights.py:WeightPool.acquire` (waits for layer j's update only, streams its
+   compute copy) and `prefetch(j + 1)`.
+3. `loss.backward()`: `_LayerFunction.backward` -> `ForwardState.run_backward` ->
+   `_begin_backward` (waits for the whole update) -> `Runtime.rerun_with_grad` ->
+   `grads.py:GradSink.put` (host `.grad`, squared norms recorded); the autograd callback
+   `_finish_backward` drains the sink, closes the pass and folds the residents' grads.
+4. `optimizer.step()`: `integrations/step_guard.py:StepGuard.step` (non-finite guard) ->
+   `HybridAdamW8bit.step` -> its `step_runner` -> `step_layerwise` ->
+   `overlap.py:LayerwiseUpdate._run` on a thread: residents, layer 1..L in forward order,
+   each layer's compute copy written in the same pass; `step()` returns at once.
+5. `optimizer.zero_grad()` / `model.zero_grad()`: deferred per group by the update
+   (`LayerwiseUpdate._deferred_zero_grad`); the next step's forward starts at 1. while
+   the update still runs.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -18,13 +39,15 @@ import torch
 from torch import nn
 
 from lazytrain_accel.engine import hf_checkpointing
-from lazytrain_accel.engine.discovery import UnsupportedModelError, find_decoder_layers
+from lazytrain_accel.engine.binding import bind_call, drop_cache
+from lazytrain_accel.engine.discovery import find_decoder_layers
 from lazytrain_accel.engine.emulation import EmulationSettings
 from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.layer_call import ForwardState
 from lazytrain_accel.engine.loss_patch import FusedLoss, apply_fused_loss
 from lazytrain_accel.engine.nvme import NvmeSpill
-from lazytrain_accel.engine.overlap import LayerwiseUpdate
+from lazytrain_accel.engine.overlap import LayerwiseOptimizer, LayerwiseUpdate
+from lazytrain_accel.engine.patching import ModelPatch, move_buffers, restore_buffers
 from lazytrain_accel.engine.residents import ResidentParams
 from lazytrain_accel.engine.runtime import Runtime
 from lazytrain_accel.engine.stats import Accounting, StepStats
@@ -32,50 +55,7 @@ from lazytrain_accel.engine.streams import make_streams
 from lazytrain_accel.engine.weights import WeightPool
 from lazytrain_accel.planning.plan import Home, Plan
 
-#: Keyword names under which HF layers receive a KV cache, and the flag that fills it.
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
-
-_LINK = "_lazytrain_engine_link"
-
 logger = logging.getLogger("lazytrain_accel")
-
-
-def _none() -> None:
-    return None
-
-
-class _Link:
-    """Attribute tying a layer (or hooked module) to its engine.
-
-    The model owns its engine through these links (an ordinary, collectable cycle). A deep
-    copy or a pickle of the model gets None instead, so the copy's layers run their own
-    forward and its hooks do nothing: the copy is a plain, self-contained model.
-    """
-
-    def __init__(self, engine: StreamingEngine, index: int = 0) -> None:
-        self.engine, self.index = engine, index
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> None:
-        return None
-
-    def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return _none, ()
-
-
-def _on(method: str) -> Any:
-    """A hook calling `engine.<method>()` for the engine linked to its module."""
-    def hook(module: nn.Module, *_: Any) -> None:
-        link = module.__dict__.get(_LINK)
-        if link is not None:
-            getattr(link.engine, method)()
-    return hook
-
-
-def _streamed_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    link = layer.__dict__.get(_LINK)
-    if link is None:
-        return type(layer).forward(layer, *args, **kwargs)
-    return link.engine._call_layer(link.index, args, kwargs)
 
 
 class StreamingEngine:
@@ -100,13 +80,13 @@ class StreamingEngine:
         self._layer_params = [list(layer.parameters()) for layer in self._layers]
         in_layers = {id(p) for ps in self._layer_params for p in ps}
         resident = [p for p in model.parameters() if id(p) not in in_layers]
-        self._buffer_devices = _move_buffers(model, self.device)
+        self._buffer_devices = move_buffers(model, self.device)
         for p in model.parameters():  # fp32 host masters
             if p.device.type != "cpu" or (p.is_floating_point() and p.dtype != torch.float32):
                 p.data = p.data.to("cpu", torch.float32 if p.is_floating_point() else p.dtype)
         self.streams = make_streams(self.device, emulation)
         self._build_parts(nvme_dir, resident)
-        self._patch(model, parent)
+        self._model_patch = ModelPatch(self, model, parent, self._layers, self.residents.params)
         self.fused_loss: FusedLoss | None = (
             apply_fused_loss(model, chunk_tokens=loss_chunk_tokens) if loss_chunk_tokens else None)
 
@@ -143,35 +123,11 @@ class StreamingEngine:
         self._open: weakref.WeakSet[ForwardState] = weakref.WeakSet()
         self._latest: weakref.ref[ForwardState] | None = None
         self._backwarded: list[ForwardState] = []
-        self._finalizer_queued = False
+        self._finalizer_task: int | None = None  # backward (graph task) with our callback
         self._update: LayerwiseUpdate | None = None
         self._shape_warned = False
         #: `replan(batch, seq) -> Plan | None`, asked before a batch beyond the plan runs
         self.replan: Callable[[int, int], Plan | None] | None = None
-
-    def _patch(self, model: nn.Module, parent: nn.Module) -> None:
-        self._saved_forwards = [layer.__dict__.get("forward") for layer in self._layers]
-        for index, layer in enumerate(self._layers, start=1):
-            layer.forward = types.MethodType(_streamed_forward, layer)
-            layer.__dict__[_LINK] = _Link(self, index)
-        model.__dict__[_LINK] = parent.__dict__[_LINK] = _Link(self)
-        self._linked = [model, parent]
-        self._handles = [
-            model.register_forward_pre_hook(_on("_before_model")),
-            model.register_forward_hook(_on("_after_model")),
-            parent.register_forward_pre_hook(_on("_new_pass")),
-            parent.register_forward_hook(_on("_end_pass")),
-        ]
-        engine_ref = weakref.ref(self)
-        resident_ids = {id(p) for p in self.residents.params}
-
-        def on_resident_grad(p: torch.Tensor) -> None:
-            engine = engine_ref()
-            if engine is not None and id(p) in resident_ids:  # not a deep copy's parameter
-                engine._queue_finalizer()
-
-        self._handles += [p.register_post_accumulate_grad_hook(on_resident_grad)
-                          for p in self.residents.params if p.requires_grad]
 
     # ---- model pass bracketing -------------------------------------------------------
     def _before_model(self) -> None:
@@ -202,16 +158,12 @@ class StreamingEngine:
             raise ValueError(f"gradient_checkpointing was set by hand on streamed layer {index}; "
                              "the engine re-runs layers itself: set it back to False (or use "
                              "model.gradient_checkpointing_enable(), which LazyTrain absorbs)")
-        hidden, call_kwargs = self._bind(index, args, kwargs)
+        hidden, call_kwargs = bind_call(self._signatures[index - 1], index, args, kwargs)
         trainable = any(p.requires_grad for p in self._layer_params[index - 1])
         if not torch.is_grad_enabled() or not (trainable or hidden.requires_grad):
             return self.runtime.run_layer(index, hidden, call_kwargs, next_layer=index + 1,
                                           counter="layer_forwards")
-        for name in _CACHE_KWARGS:  # re-runs must not write the KV cache a second time
-            if call_kwargs.get(name) is not None:
-                call_kwargs[name] = None
-        if call_kwargs.get("use_cache"):
-            call_kwargs["use_cache"] = False
+        drop_cache(call_kwargs)
         if index == 1:
             self._check_planned_tokens(hidden)
         if self._state is None:
@@ -219,7 +171,15 @@ class StreamingEngine:
             self._open.add(self._state)
             self._latest = weakref.ref(self._state)
             weakref.finalize(self._state, self._state.store.close)
-        return self._state.call(index, hidden, call_kwargs)
+        state = self._state
+        try:
+            return state.call(index, hidden, call_kwargs)
+        except BaseException:  # the state closed itself; it awaits no backward any more
+            self._open.discard(state)
+            self._state = None
+            if not self._open:
+                self.residents.swap_out()  # masters back in place (`_after_model` won't run)
+            raise
 
     def _check_planned_tokens(self, hidden: torch.Tensor) -> None:
         """A training batch with more tokens than the plan was sized for outgrows its
@@ -252,49 +212,26 @@ class StreamingEngine:
                              f"{self.plan.num_layers} decoder layers; plan for this model")
         self.plan = self.runtime.plan = plan
 
-    def _bind(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
-              ) -> tuple[torch.Tensor, dict[str, Any]]:
-        """(hidden, keyword arguments) of a layer call, whatever mix of positions it used."""
-        sig = self._signatures[index - 1]
-        bound = sig.bind(*args, **kwargs)
-        arguments = dict(bound.arguments)
-        hidden = arguments.pop(next(iter(sig.parameters)))
-        call_kwargs: dict[str, Any] = {}
-        for name, value in arguments.items():
-            kind = sig.parameters[name].kind
-            if kind == inspect.Parameter.VAR_KEYWORD:
-                call_kwargs.update(value)
-            elif kind == inspect.Parameter.VAR_POSITIONAL:
-                if value:
-                    raise UnsupportedModelError(
-                        f"decoder layer {index} was called with extra positional arguments "
-                        f"({len(value)}) its signature {sig} cannot name; pass them by keyword")
-            else:
-                call_kwargs[name] = value
-        if not isinstance(hidden, torch.Tensor):
-            raise UnsupportedModelError(f"decoder layer {index}'s first argument is "
-                                        f"{type(hidden).__name__}, not the hidden-state tensor")
-        return hidden, call_kwargs
-
     # ---- backward bookkeeping --------------------------------------------------------
     def _begin_backward(self, state: ForwardState) -> None:
         if not state.backwarded:
             state.backwarded = True
             self._open.discard(state)
             self._backwarded.append(state)
-        if self._update is not None:
-            self._update.wait()  # gradients of this pass must not meet a running update
-            self._update = None
+        self._wait_update()  # gradients of this pass must not meet a running update
         self._queue_finalizer()
 
     def _queue_finalizer(self) -> None:
-        if not self._finalizer_queued:
-            self._finalizer_queued = True
+        # Keyed by graph task: a backward that raised never ran its callback, and the
+        # next backward must queue its own.
+        task = torch._C._current_graph_task_id()
+        if self._finalizer_task != task:
+            self._finalizer_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
         """End of a backward pass: land gradients, close its states, free the residents."""
-        self._finalizer_queued = False
+        self._finalizer_task = None
         self.sink.drain()
         for state in self._backwarded:
             state.close()
@@ -310,26 +247,35 @@ class StreamingEngine:
         if self._update is not None:
             self._update.wait(layer)
 
-    def step_layerwise(self, optimizer: Any) -> None:
+    def step_layerwise(self, optimizer: LayerwiseOptimizer, *,
+                       use_engine_norms: bool = True) -> None:
         """Update parameters layer by layer in forward order on a CPU thread.
 
-        `optimizer` implements `begin_step() -> bool`, `step_params(params)` and
-        `end_step()` (HybridAdamW8bit does). The next forward of layer j waits only for
-        layer j's update; the next backward waits for the whole update.
+        `optimizer` implements `LayerwiseOptimizer` (HybridAdamW8bit does). The next
+        forward of layer j waits only for layer j's update; the next backward, a
+        `state_dict()`, `load_state_dict()` and `synchronize()` wait for the whole update.
+        `use_engine_norms`: clip with the norms recorded as gradients landed (False when
+        something rewrote the gradients since, e.g. a data-parallel all-reduce).
         """
-        if self._update is not None:
-            self._update.wait()
-            self._update = None
+        self._wait_update()
         if self._open or self.residents.active:
             raise RuntimeError("step_layerwise() called while a forward still awaits its "
                                "backward; call it after loss.backward()")
         self.sink.drain()
-        if hasattr(optimizer, "set_grad_sq_norms"):
+        if use_engine_norms:
             optimizer.set_grad_sq_norms(self.grad_sq_norms())
         if not optimizer.begin_step():
             return  # non-finite gradients: the optimizer skipped (and counted) this step
-        groups = [self.resident_params(), *self._layer_params]
-        self._update = LayerwiseUpdate(optimizer, self.model, groups, self.acct)
+        owned = {p for group in optimizer.param_groups for p in group["params"]}
+        groups = [[p for p in ps if p in owned]
+                  for ps in (self.resident_params(), *self._layer_params)]
+        self._update = LayerwiseUpdate(optimizer, self.model, groups, self.acct,
+                                       copies=self.pool)
+
+    def _wait_update(self) -> None:
+        if self._update is not None:
+            update, self._update = self._update, None
+            update.wait()
 
     # ---- public queries --------------------------------------------------------------
     def layer_params(self, j: int) -> list[nn.Parameter]:
@@ -373,9 +319,7 @@ class StreamingEngine:
 
     def synchronize(self) -> None:
         """Wait for background I/O and a running layer-wise update."""
-        if self._update is not None:
-            self._update.wait()
-            self._update = None
+        self._wait_update()
         if self._state is not None:
             self._state.store.sync()
         for state in list(self._open):
@@ -388,34 +332,13 @@ class StreamingEngine:
         self.residents.swap_out()
         if self.fused_loss is not None:
             self.fused_loss.remove()
-        for handle in self._handles:
-            handle.remove()
+        self._model_patch.restore()
         hf_checkpointing.restore(self._checkpointing_patched)
-        for layer, saved in zip(self._layers, self._saved_forwards, strict=True):
-            layer.__dict__.pop(_LINK, None)
-            if saved is None:
-                del layer.forward
-            else:
-                layer.forward = saved
-        for module in self._linked:
-            module.__dict__.pop(_LINK, None)
-        for module, device in self._buffer_devices.items():
-            for name, buf in module.named_buffers(recurse=False):
-                setattr(module, name, buf.to(device))
+        restore_buffers(self._buffer_devices)
         self.pool.close()
         self.sink.close()
         self.spill.close()
         self.streams.close()
-
-
-def _move_buffers(model: nn.Module, device: torch.device) -> dict[nn.Module, torch.device]:
-    """Move every buffer to `device` (dtype kept); return each module's original device."""
-    moved = {}
-    for module in model.modules():
-        for name, buf in module.named_buffers(recurse=False):
-            moved.setdefault(module, buf.device)
-            setattr(module, name, buf.to(device))
-    return moved
 
 
 def attach(model: nn.Module, plan: Plan, *, device: torch.device,

@@ -108,9 +108,6 @@ class NvmeSpill:
         """Wait for every queued write, read and removal."""
         self._io.submit(lambda: None).result()
 
-    def files(self) -> list[Path]:
-        return sorted(self.directory.glob("*")) if self.directory.exists() else []
-
     def close(self) -> None:
         self._closed = True
         self._io.shutdown(wait=True)

@@ -1,45 +1,84 @@
 """Optimizer/forward overlap: a layer-by-layer update on a CPU thread.
 
 Groups are updated in forward order (group 0 = resident parameters, group j = layer j);
-the next forward of layer j waits only for group j. `optimizer.zero_grad()` and
-`model.zero_grad()` called while the update runs are deferred per group: a group's
-gradients are cleared right after its update, never before, so a prompt `zero_grad()`
-cannot erase gradients still unread. (Both are patched on the instance for the duration
-of the update; a `zero_grad` bound before `step_layerwise` bypasses the deferral.)
+the next forward of layer j waits only for group j. Where the compute dtype is not fp32
+the update also writes each layer's compute-dtype copy in the same pass (`CopyTarget`,
+the weight pool), so the next stream of that layer needs no cast on the training thread.
+
+`optimizer.zero_grad()` and `model.zero_grad()` called while the update runs are
+deferred per group: a group's gradients are cleared right after its update, never
+before, so a prompt `zero_grad()` cannot erase gradients still unread.
+`model.parameters()` and `model.named_parameters()` wait for the whole update, so a loop
+that reads the weights right after `optimizer.step()` reads updated ones. (All are patched
+on the instance for the duration of the update; a method bound before `step_layerwise`
+bypasses them.)
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from lazytrain_accel.engine.stats import Accounting
 
+#: Model methods that read the masters: while the update runs they wait for it first.
+_WAITING_READS = ("parameters", "named_parameters")
+
+
+class LayerwiseOptimizer(Protocol):
+    """What `StreamingEngine.step_layerwise` needs of an optimizer (HybridAdamW8bit)."""
+
+    param_groups: list[dict[str, Any]]
+
+    def set_grad_sq_norms(self, sq_norms: Mapping[nn.Parameter, float]) -> None: ...
+
+    def begin_step(self) -> bool: ...
+
+    def step_params(self, params: Sequence[nn.Parameter], *,
+                    out_bf16: Sequence[torch.Tensor | None] | None = None) -> None: ...
+
+    def end_step(self) -> None: ...
+
+
+class CopyTarget(Protocol):
+    """Where the update writes each layer's compute-dtype copy (the weight pool)."""
+
+    def compute_copy(self, layer: int) -> list[torch.Tensor] | None: ...
+
+    def compute_copy_written(self, layer: int) -> None: ...
+
 
 class LayerwiseUpdate:
-    def __init__(self, optimizer: Any, model: nn.Module, groups: list[list[nn.Parameter]],
-                 accounting: Accounting) -> None:
+    def __init__(self, optimizer: LayerwiseOptimizer, model: nn.Module,
+                 groups: list[list[nn.Parameter]], accounting: Accounting,
+                 copies: CopyTarget | None = None) -> None:
         self._opt = optimizer
         self._patched = (optimizer, model)
         self._groups = groups
         self._acct = accounting
+        self._copies = copies
         self._done = [threading.Event() for _ in groups]
         self._lock = threading.Lock()
         self._zero: bool | None = None  # set_to_none of a deferred zero_grad, if any
         self._error: BaseException | None = None
         for owner in self._patched:  # instance patches, removed when the update ends
             owner.__dict__["zero_grad"] = self._deferred_zero_grad
+        for name in _WAITING_READS:
+            model.__dict__[name] = functools.partial(self._read_after_update, model, name)
         self._thread = threading.Thread(target=self._run, name="lazytrain-step", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        start = time.perf_counter()
         try:
-            for group, done in zip(self._groups, self._done, strict=True):
-                if group:
-                    self._opt.step_params(group)
+            for index, (group, done) in enumerate(zip(self._groups, self._done, strict=True)):
+                self._update_group(index, group)
                 with self._lock:
                     if self._zero is not None:
                         _zero(group, self._zero)
@@ -51,8 +90,19 @@ class LayerwiseUpdate:
             with self._lock:
                 for owner in self._patched:
                     owner.__dict__.pop("zero_grad", None)
+                for name in _WAITING_READS:
+                    self._patched[1].__dict__.pop(name, None)
                 for done in self._done:
                     done.set()
+            self._acct.add("optimizer_update_s", time.perf_counter() - start)
+
+    def _update_group(self, index: int, group: list[nn.Parameter]) -> None:
+        copy = self._copies.compute_copy(index) if self._copies is not None and index else None
+        if copy is not None:
+            self._opt.step_params(group, out_bf16=copy)
+            self._copies.compute_copy_written(index)
+        elif group:
+            self._opt.step_params(group)
 
     def _deferred_zero_grad(self, set_to_none: bool = True) -> None:
         with self._lock:
@@ -60,6 +110,11 @@ class LayerwiseUpdate:
             for group, done in zip(self._groups, self._done, strict=True):
                 if done.is_set():
                     _zero(group, set_to_none)
+
+    def _read_after_update(self, model: nn.Module, name: str, *args: Any, **kwargs: Any
+                           ) -> Any:
+        self.wait()
+        return getattr(type(model), name)(model, *args, **kwargs)
 
     def is_ready(self, group: int) -> bool:
         return self._done[group].is_set()
@@ -71,7 +126,9 @@ class LayerwiseUpdate:
             self._thread.join()
         else:
             self._done[group].wait()
-        self._acct.add("stall_s", time.perf_counter() - start)
+        waited_s = time.perf_counter() - start
+        self._acct.add("stall_s", waited_s)
+        self._acct.add("optimizer_wait_s", waited_s)
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError("the layer-wise optimizer update failed") from err

@@ -26,6 +26,8 @@ class StepStats:
     compute_s: float = 0.0  # layer forwards and backwards (their re-run included)
     recompute_s: float = 0.0  # regenerating boundaries of recompute blocks
     stall_s: float = 0.0  # main thread waiting on a transfer or an optimizer update
+    optimizer_wait_s: float = 0.0  # of stall_s, waiting on the layer-wise update (exposure)
+    optimizer_update_s: float = 0.0  # the layer-wise update's own run time, on its thread
     transfer_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TRANSFER_KINDS, 0.0))
     transfer_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRANSFER_KINDS, 0))
     peak_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
@@ -52,6 +54,7 @@ class Accounting:
             s = self._stats
             return StepStats(
                 compute_s=s.compute_s, recompute_s=s.recompute_s, stall_s=s.stall_s,
+                optimizer_wait_s=s.optimizer_wait_s, optimizer_update_s=s.optimizer_update_s,
                 transfer_s=dict(s.transfer_s), transfer_bytes=dict(s.transfer_bytes),
                 peak_bytes=dict(s.peak_bytes), current_bytes=dict(s.current_bytes),
                 layer_forwards=s.layer_forwards, layer_backwards=s.layer_backwards,

@@ -6,6 +6,13 @@ copy, and swapped back afterwards. Two slots: the running layer and the prefetch
 With an async backend (CUDA, or its CPU emulation) a master goes master -> pinned staging
 (dtype cast on the host) -> slot on the H2D side stream, so only two layers' worth of pinned
 memory exist, never a pinned model copy.
+
+Compute copies: when the compute dtype is not fp32, the layer-wise optimizer update writes
+each layer's compute-dtype copy (host, pageable) in the same pass that updates its master
+(`compute_copy` / `compute_copy_written`), and loads stream from it: no dtype cast on the
+training thread. A copy is used only while its masters are the tensors it was written
+from, at the same parameter version (an in-place edit under `no_grad`, `load_state_dict`
+or `p.data = ...` makes the load cast from the master again).
 """
 
 from __future__ import annotations
@@ -50,6 +57,8 @@ class WeightPool:
         if self._staging:
             accounting.allocate("host_pinned", NUM_SLOTS * slot_bytes)
         self._slot_bytes = slot_bytes
+        self._copies: list[torch.Tensor | None] = [None] * len(layer_params)
+        self._copy_keys: list[tuple[tuple[int, int], ...] | None] = [None] * len(layer_params)
 
     def invalidate(self) -> None:
         """Forget loaded copies: the masters may have been updated by an optimizer step."""
@@ -65,8 +74,8 @@ class WeightPool:
     def acquire(self, layer: int) -> None:
         """Point `layer`'s parameters at their device copy (loading it now if needed)."""
         if layer not in self._slot_layer:
+            self._wait_ready(layer)  # an optimizer wait is accounted by the update itself
             start = time.perf_counter()
-            self._wait_ready(layer)
             self._load(layer)
             self._acct.add("stall_s", time.perf_counter() - start)
         slot = self._slot_layer.index(layer)
@@ -87,11 +96,7 @@ class WeightPool:
         self._slot_done[slot] = self._streams.record()
 
     def _views(self, slot: int, params: list[nn.Parameter]) -> list[torch.Tensor]:
-        views, offset = [], 0
-        for p in params:
-            views.append(self._slots[slot][offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        return views
+        return _split(self._slots[slot], params)
 
     def _pick_slot(self) -> int:
         busy = {slot for slot, _ in self._acquired.values()}
@@ -106,8 +111,11 @@ class WeightPool:
         params = self._params[layer - 1]
         nbytes = sum(p.numel() for p in params) * self._slots[slot].element_size()
         with self._acct.timed_transfer("weights_h2d", nbytes):
+            copy = self._fresh_copy(layer)
             if self._streams.is_async:
-                self._load_async(slot, params)
+                self._load_async(slot, params, copy)
+            elif copy is not None:
+                self._slots[slot][:copy.numel()].copy_(copy)
             else:
                 for p, view in zip(params, self._views(slot, params), strict=True):
                     view.copy_(p.data)
@@ -115,11 +123,15 @@ class WeightPool:
         self._clock += 1
         self._last_used[slot] = self._clock
 
-    def _load_async(self, slot: int, params: list[nn.Parameter]) -> None:
+    def _load_async(self, slot: int, params: list[nn.Parameter],
+                    copy: torch.Tensor | None) -> None:
         streams, staging, offset = self._streams, self._staging[slot], 0
         streams.host_waits(self._staging_free[slot])  # previous H2D from this staging done
         streams.claim(staging)
-        for p in params:
+        if copy is not None:  # the update's compute copy: a plain memcpy, no cast
+            offset = copy.numel()
+            staging[:offset].copy_(copy)
+        for p in params if copy is None else ():
             staging[offset:offset + p.numel()].view(p.shape).copy_(p.data)
             offset += p.numel()
         with streams.copy_stream("h2d"):
@@ -129,8 +141,57 @@ class WeightPool:
         self._slot_loaded[slot] = event
         self._staging_free[slot] = event
 
+    # ---- compute copies written by the optimizer update -------------------------------
+    def compute_copy(self, layer: int) -> list[torch.Tensor] | None:
+        """Views (one per parameter of `layer`) for the update to write the compute-dtype
+        copy into; None when there is nothing to cast (fp32 compute). Called on the update
+        thread before `layer` is updated: a stale copy is first refreshed from the masters,
+        so parameters the update skips (no gradient) are right too."""
+        if self._dtype == torch.float32 or not 1 <= layer <= len(self._params):
+            return None
+        params = self._params[layer - 1]
+        valid = self._fresh_copy(layer) is not None
+        self._copy_keys[layer - 1] = None  # being rewritten: not to be streamed
+        if self._copies[layer - 1] is None:
+            numel = sum(p.numel() for p in params)
+            self._copies[layer - 1] = torch.empty(numel, dtype=self._dtype)
+            self._acct.allocate("host_pageable", numel * self._copies[layer - 1].element_size())
+        views = _split(self._copies[layer - 1], params)
+        if not valid:
+            for p, view in zip(params, views, strict=True):
+                view.copy_(p.data)
+        return views
+
+    def compute_copy_written(self, layer: int) -> None:
+        """The update has written `layer`'s copy from its new masters: stream from it."""
+        if self._copies[layer - 1] is not None:
+            self._copy_keys[layer - 1] = _master_key(self._params[layer - 1])
+
+    def _fresh_copy(self, layer: int) -> torch.Tensor | None:
+        key = self._copy_keys[layer - 1]
+        if key is None or key != _master_key(self._params[layer - 1]):
+            return None
+        return self._copies[layer - 1]
+
     def close(self) -> None:
+        for copy in self._copies:
+            if copy is not None:
+                self._acct.free("host_pageable", copy.numel() * copy.element_size())
+        self._copies = [None] * len(self._params)
         self._acct.free("device", NUM_SLOTS * self._slot_bytes)
         if self._staging:
             self._acct.free("host_pinned", NUM_SLOTS * self._slot_bytes)
         self._slots, self._staging = [], []
+
+
+def _master_key(params: list[nn.Parameter]) -> tuple[tuple[int, int], ...]:
+    """Which tensors, at which version, the masters of a layer are now."""
+    return tuple((p.data.data_ptr(), p._version) for p in params)
+
+
+def _split(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    return views

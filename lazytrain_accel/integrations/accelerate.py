@@ -12,18 +12,22 @@ import logging
 import os
 from pathlib import Path
 from types import MethodType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import accelerate
 import torch
 from torch import nn
 
 from lazytrain_accel import preflight, threads
-from lazytrain_accel.config import LazyTrainConfig
+from lazytrain_accel.config import LazyTrainConfig, OptimizerChoice
 from lazytrain_accel.integrations import batch_shape, setup
 from lazytrain_accel.integrations.checkpoint import atomic_directory, recover
 from lazytrain_accel.integrations.data_parallel import GradientAllReducer
 from lazytrain_accel.integrations.step_guard import StepGuard
+
+if TYPE_CHECKING:
+    from lazytrain_accel.engine import StreamingEngine
+    from lazytrain_accel.profiling.model import ModelProfile
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -44,7 +48,7 @@ class Accelerator(accelerate.Accelerator):
         super().__init__(*args, **kwargs)
         self.lazytrain_plugin = plugin
         self.lazytrain_run: setup.PreparedRun | None = None
-        self.lazytrain_engine = None
+        self.lazytrain_engine: StreamingEngine | None = None
         self.lazytrain_guard: StepGuard | None = None
         self._lazytrain_optimizer: torch.optim.Optimizer | None = None
         self._lazytrain_reducer: GradientAllReducer | None = None
@@ -97,10 +101,33 @@ class Accelerator(accelerate.Accelerator):
         self._lazytrain_optimizer = setup.build_optimizer(self.lazytrain_plugin, optimizer,
                                                           self._lazytrain_model)
         self.lazytrain_guard.install(self._lazytrain_optimizer)
+        self._lazytrain_overlap(self._lazytrain_optimizer)
         prepared = super().prepare_optimizer(self._lazytrain_optimizer, device_placement=False)
         # `step_was_skipped` is what accelerate's schedulers and the Trainer consult.
         self.lazytrain_guard.on_step = lambda skipped: setattr(prepared, "_is_overflow", skipped)
         return prepared
+
+    def _lazytrain_overlap(self, optimizer: torch.optim.Optimizer) -> None:
+        """With the hybrid operator (and `overlap_step`), `optimizer.step()` starts the
+        engine's layer-wise update on its thread and returns; reading or loading the
+        optimizer's state first waits for that update to end."""
+        from lazytrain_accel.optim import HybridAdamW8bit
+
+        engine = self.lazytrain_engine
+        optimizer.register_state_dict_pre_hook(lambda _: self._lazytrain_synchronize())
+        optimizer.register_load_state_dict_pre_hook(lambda *_: self._lazytrain_synchronize())
+        if not isinstance(optimizer, HybridAdamW8bit) or not self.lazytrain_plugin.overlap_step:
+            return  # optimizer="keep" (any torch optimizer) steps serially, inline
+
+        def overlapped_step(opt: HybridAdamW8bit) -> None:
+            # After a data-parallel all-reduce the recorded norms are stale: measure.
+            engine.step_layerwise(opt, use_engine_norms=self._lazytrain_reducer is None)
+
+        optimizer.step_runner = overlapped_step
+
+    def _lazytrain_synchronize(self) -> None:
+        if self.lazytrain_engine is not None:
+            self.lazytrain_engine.synchronize()
 
     def _lazytrain_prepare_model(self, model: nn.Module, loader: Any) -> None:
         from lazytrain_accel.engine import attach
@@ -121,7 +148,9 @@ class Accelerator(accelerate.Accelerator):
         preflight.check_run(model=model, plan=plan, optimizer=plugin.optimizer.value,
                             layer_param_bytes=model_profile.layer_param_bytes,
                             layer_grad_bytes=model_profile.layer_grad_bytes,
-                            nvme_dir=plugin.nvme_dir)
+                            nvme_dir=plugin.nvme_dir,
+                            compute_copy_bytes=_compute_copy_bytes(plugin, model_profile,
+                                                                   compute_dtype))
         self.lazytrain_engine = attach(model, plan, device=self.device,
                                        compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir,
                                        loss_chunk_tokens=setup.engine_loss_chunk_tokens(
@@ -191,11 +220,19 @@ class Accelerator(accelerate.Accelerator):
             return optimizer.grad_norm()
         return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
+    def wait_for_everyone(self) -> None:
+        """Stock barrier; with LazyTrain it also waits for a running layer-wise update, so
+        parameters read right after it (the usual end of a loop) are the updated ones."""
+        self._lazytrain_synchronize()
+        super().wait_for_everyone()
+
     # ---- state ----------------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **kwargs: Any) -> str:
         """Stock `save_state` plus the plan. With LazyTrain, one process and an explicit
-        `output_dir`, the save is atomic: a kill mid-save leaves the previous checkpoint."""
+        `output_dir`, the save is atomic: a kill mid-save leaves the previous checkpoint.
+        A layer-wise update still running is waited for: the checkpoint holds its result."""
+        self._lazytrain_synchronize()
         if (self.lazytrain_plugin is None or output_dir is None or self.num_processes > 1
                 or self.project_configuration.automatic_checkpoint_naming):
             location = super().save_state(output_dir, safe_serialization=safe_serialization,
@@ -214,6 +251,7 @@ class Accelerator(accelerate.Accelerator):
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
         if self.lazytrain_plugin is not None and input_dir is not None:
             recover(input_dir)  # a save killed between its renames left the old one aside
+        self._lazytrain_synchronize()  # no update may write the masters being loaded
         super().load_state(input_dir, **kwargs)
         if self.lazytrain_run is None or input_dir is None:
             return
@@ -245,9 +283,22 @@ class Accelerator(accelerate.Accelerator):
         if self.lazytrain_guard is not None:
             self.lazytrain_guard.restore_sigint()
         if self.lazytrain_engine is not None:
-            self.lazytrain_engine.detach()
+            self.lazytrain_engine.detach()  # waits for a running update first
             self.lazytrain_engine = None
+        from lazytrain_accel.optim import HybridAdamW8bit
+
+        if isinstance(self._lazytrain_optimizer, HybridAdamW8bit):
+            self._lazytrain_optimizer.step_runner = None  # no engine left: step inline
         super().end_training()
+
+
+def _compute_copy_bytes(plugin: LazyTrainConfig, model_profile: ModelProfile,
+                        compute_dtype: torch.dtype | None) -> int:
+    """Host bytes of the layers' compute-dtype copies the overlapped update writes."""
+    overlapped = plugin.optimizer == OptimizerChoice.HYBRID8BIT and plugin.overlap_step
+    if not overlapped or compute_dtype in (None, torch.float32):
+        return 0
+    return model_profile.num_layers * model_profile.layer_param_bytes
 
 
 def _refuse_foreign_plugins(kwargs: dict[str, Any]) -> None:

@@ -12,15 +12,26 @@ under gloo and device copies under NCCL.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 
+class GradReadyHooks(Protocol):
+    """What the reducer needs of the engine (`StreamingEngine`)."""
+
+    def register_grad_ready_hook(self, hook: Callable[[list[nn.Parameter]], None]
+                                 ) -> None: ...
+
+
 class GradientAllReducer:
     """Overlapped per-layer gradient averaging across the default process group."""
 
-    def __init__(self, engine: object, model: nn.Module, *, should_reduce: object = None) -> None:
+    def __init__(self, engine: GradReadyHooks, model: nn.Module, *,
+                 should_reduce: Callable[[], bool] | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("data-parallel LazyTrain needs torch.distributed initialized; "
                                "start the script with `accelerate launch --num_processes N`")

@@ -16,10 +16,12 @@ import signal
 import threading
 from collections.abc import Callable
 from types import MethodType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from lazytrain_accel.optim import HybridAdamW8bit
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -32,8 +34,17 @@ class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped training at a step boundary (the last step was applied whole)."""
 
 
+class GuardedEngine(Protocol):
+    """What the guard needs of the engine (`StreamingEngine`)."""
+
+    def grad_sq_norms(self) -> dict[nn.Parameter, float]: ...
+
+    def synchronize(self) -> None: ...
+
+
 class StepGuard:
-    def __init__(self, *, model: nn.Module, engine: Any, max_nonfinite_skips: int,
+    def __init__(self, *, model: nn.Module, engine: GuardedEngine | None,
+                 max_nonfinite_skips: int,
                  raise_on_interrupt: bool) -> None:
         self._named = list(model.named_parameters())
         self._layer_of = _decoder_layer_names(model)
@@ -107,7 +118,7 @@ class StepGuard:
     def _skip(self, optimizer: torch.optim.Optimizer, bad: str) -> None:
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        if hasattr(optimizer, "skipped_steps"):  # HybridAdamW8bit's own counter stays true
+        if isinstance(optimizer, HybridAdamW8bit):  # its own counter stays true
             optimizer.skipped_steps += 1
         if self._first_bad is None:
             self._first_bad = (self.steps, bad)

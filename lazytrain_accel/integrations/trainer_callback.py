@@ -88,6 +88,9 @@ class LazyTrainCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:
+        _, engine = self._run_and_engine()
+        if engine is not None:
+            engine.synchronize()  # train() returns with the last layer-wise update applied
         guard = getattr(self._trainer.accelerator, "lazytrain_guard", None)
         if guard is not None:
             guard.restore_sigint()

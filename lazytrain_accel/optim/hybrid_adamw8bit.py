@@ -7,9 +7,13 @@ about 2.03 bytes per parameter at block 256. Smaller tensors (norms, biases) kee
 
 A step is `begin_step()` (global norm, clip coefficient, finite check: once), then
 `step_params(...)` over any partition of the parameters (the engine calls it layer by
-layer on a worker thread, in forward order), then `end_step()`. `step()` does all three.
-Each update is one fused pass per tensor (`native.py` kernel, or the bit-identical torch
-path of `reference.py`) with the clip scale applied inside it.
+layer on a worker thread, in forward order), then `end_step()`. `step()` does all three,
+inline, or through `step_runner` when one is set (the LazyTrain Accelerator sets the
+engine's overlapped, layer-by-layer runner). `begin_step()` freezes each group's
+hyperparameters for the step, so an LR scheduler stepped while the layer-wise update
+still runs changes the next step, not the rest of this one. Each update is one fused
+pass per tensor (`native.py` kernel, or the bit-identical torch path of `reference.py`)
+with the clip scale applied inside it.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ class _StepContext:
 
     apply: bool
     clip_coef: float
-    group_of: dict[torch.nn.Parameter, dict[str, Any]]
+    group_of: dict[torch.nn.Parameter, dict[str, Any]]  # hyperparameters, frozen at begin
     updated: set[torch.nn.Parameter] = field(default_factory=set)
 
 
@@ -85,6 +89,9 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         self._grad_norm_cache: torch.Tensor | None = None
         self._precomputed_sq_norms: dict[torch.nn.Parameter, float] = {}
         self._context: _StepContext | None = None
+        #: Who runs `step()`'s begin_step / step_params / end_step: None runs them here;
+        #: the LazyTrain Accelerator sets the engine's overlapped layer-wise update.
+        self.step_runner: Callable[[HybridAdamW8bit], None] | None = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -131,11 +138,18 @@ class HybridAdamW8bit(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One AdamW step over every parameter with a gradient (skipped if non-finite)."""
+        """One AdamW step over every parameter with a gradient (skipped if non-finite).
+
+        With a `step_runner`, the runner does the step (it may return before the update
+        is finished, as the engine's does: see docs/engine.md "Step overlap").
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.step_runner is not None:
+            self.step_runner(self)
+            return loss
         if self.begin_step():
             self.step_params([p for group in self.param_groups for p in group["params"]])
         self.end_step()
@@ -150,7 +164,10 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         if self._context is not None and self._context.apply:
             raise RuntimeError("begin_step() called again before end_step(); finish the "
                                "step in progress with end_step() first")
-        group_of = {p: group for group in self.param_groups for p in group["params"]}
+        group_of = {}
+        for group in self.param_groups:
+            frozen = {k: v for k, v in group.items() if k != "params"}
+            group_of.update(dict.fromkeys(group["params"], frozen))
         self.last_grad_norm = None
         clip_coef = 1.0
         if self.max_grad_norm is not None or self._precomputed_sq_norms:

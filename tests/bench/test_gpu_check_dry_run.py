@@ -1,5 +1,6 @@
-"""bench/gpu_check.sh --dry-run: the GPU check's code path, on the CPU with a tiny model,
-so the script is known to work before it meets a GPU."""
+"""bench/gpu_check.sh --dry-run: the GPU check's code path, on the CPU with tiny models,
+so the script is known to work before it meets a GPU: the equivalence suite (a subset),
+then training through the Accelerate plugin with measured vs predicted figures."""
 
 from __future__ import annotations
 
@@ -17,10 +18,14 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: Path) -> None:
     env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep
            + os.environ.get("PATH", ""), "LAZYTRAIN_CACHE_DIR": str(tmp_path / "cache")}
     done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), str(out), "--dry-run"],
-                          env=env, capture_output=True, text=True, timeout=240)
+                          env=env, capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["dry_run"] is True
+    equivalence = report["equivalence"]
+    assert {(e["arch"], e["kind"]) for e in equivalence} == {
+        (a, "mixed") for a in ("llama", "gpt2")}
+    assert all(e["passed"] for e in equivalence), equivalence
     assert {"h2d_bytes_per_s", "d2h_bytes_per_s", "matmul_flops_per_s"} <= set(report["links"])
     runs = report["runs"]
     # Every strategy either ran at both caps or was refused by the planner, loudly.
@@ -31,7 +36,11 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: Path) -> None:
     for r in runs:
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_device_bytes"] > 0
         assert r["predicted_step_s"] > 0 and r["measured_stall_s"] >= 0
+        assert r["step_ratio"] == r["step_s"] / r["predicted_step_s"]
+        assert r["measured_optimizer_exposed_s"] >= 0 and r["optimizer_update_s"] > 0
+        assert r["predicted_optimizer_exposed_s"] >= 0
     assert set(report["admitted_batch_at_smallest_cap"]) == {"lazytrain", "megatrain",
                                                               "checkpoint_all"}
     table = (out / "gpu_check.txt").read_text()
-    assert "lazytrain" in table and "TFLOPS" in table
+    assert "lazytrain" in table and "TFLOPS" in table and "opt exp s" in table
+    assert "max rel loss diff" in table

@@ -7,6 +7,7 @@ import threading
 import torch
 from engine_helpers import batches, build_model, make_plan, twin
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lazytrain_accel.engine import attach
 
@@ -31,7 +32,7 @@ class LayeredSGD(torch.optim.Optimizer):
         return self.allow
 
     @torch.no_grad()
-    def step_params(self, params) -> None:
+    def step_params(self, params, *, out_bf16=None) -> None:
         self.calls.append(list(params))
         self.threads.add(threading.current_thread().name)
         for p in params:
@@ -125,3 +126,45 @@ def test_grad_ready_hook_sees_each_layer_once_as_its_backward_ends(tmp_path):
     model(input_ids=ids, labels=ids).loss.backward()
     assert seen == [engine.layer_params(j) for j in (4, 3, 2, 1)]
     assert all(p.grad is not None for params in seen for p in params)
+
+
+class _MasterCasts(TorchDispatchMode):
+    """Counts fp32 -> compute-dtype copies read from decoder-layer masters (this thread)."""
+
+    def __init__(self, master_ptrs: set[int]) -> None:
+        super().__init__()
+        self.ptrs, self.casts = master_ptrs, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
+            src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            if src.dtype == torch.float32 and src.untyped_storage().data_ptr() in self.ptrs:
+                self.casts += 1
+        return func(*args, **kwargs)
+
+
+def test_bf16_copies_come_out_of_the_update_and_go_stale_on_an_edit(tmp_path):
+    from lazytrain_accel.optim import HybridAdamW8bit
+
+    model = build_model("llama", 4)
+    engine = attach(model, make_plan("megatrain", 4), device=CPU,
+                    compute_dtype=torch.bfloat16, nvme_dir=str(tmp_path))
+    opt = HybridAdamW8bit(model.parameters(), lr=LR)
+    ids = batches(1)[0]
+    masters = {p.untyped_storage().data_ptr() for j in range(1, 5)
+               for p in engine.layer_params(j)}
+    with _MasterCasts(masters) as first:  # no copies yet: layers cast from their masters
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert first.casts > 0
+    engine.step_layerwise(opt)
+    engine.synchronize()
+    for j in range(1, 5):
+        expected = torch.cat([p.detach().reshape(-1) for p in engine.layer_params(j)])
+        assert torch.equal(engine.pool._fresh_copy(j), expected.to(torch.bfloat16))
+    with _MasterCasts(masters) as second:  # forward, recompute, backward: all from copies
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert second.casts == 0
+    with torch.no_grad():
+        engine.layer_params(2)[0].mul_(0.5)  # an edit the copy does not have
+    assert engine.pool._fresh_copy(2) is None and engine.pool._fresh_copy(3) is not None

@@ -25,7 +25,9 @@ class _InfInBackward(torch.autograd.Function):
         return grad * float("inf")
 
 
-def _snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[list, dict]:
+def _snapshot(acc: Accelerator, model: torch.nn.Module, opt: torch.optim.Optimizer
+              ) -> tuple[list, dict]:
+    acc.wait_for_everyone()  # optimizer state read directly: let the layer-wise update end
     state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
              for i, s in enumerate(opt.state.values())}
     return [p.detach().clone() for p in model.parameters()], state
@@ -63,12 +65,12 @@ def test_bad_steps_are_skipped_counted_and_three_in_a_row_stop(tmp_path, optimiz
         opt.zero_grad()
 
     step(bad=False)
-    after_good = _snapshot(model, opt.optimizer)
+    after_good = _snapshot(acc, model, opt.optimizer)
     step(bad=True)
     step(bad=True)
-    assert _same(_snapshot(model, opt.optimizer), after_good)  # nothing applied
+    assert _same(_snapshot(acc, model, opt.optimizer), after_good)  # nothing applied
     step(bad=False)  # a good step resets the streak
-    after_second_good = _snapshot(model, opt.optimizer)
+    after_second_good = _snapshot(acc, model, opt.optimizer)
     assert not _same(after_second_good, after_good)
     step(bad=True)
     step(bad=True)
@@ -80,7 +82,7 @@ def test_bad_steps_are_skipped_counted_and_three_in_a_row_stop(tmp_path, optimiz
     assert "first bad gradient was in decoder layer 2 (model.layers.1), parameter " \
            "model.layers.1." in text, text
     assert "3 consecutive" in text and "steps 5..7" in text and "after step 4" in text
-    assert _same(_snapshot(model, opt.optimizer), after_second_good)
+    assert _same(_snapshot(acc, model, opt.optimizer), after_second_good)
     guard = acc.lazytrain_guard
     assert (guard.steps, guard.skipped_steps, guard.consecutive_skips) == (7, 5, 3)
     if optimizer == "hybrid8bit":

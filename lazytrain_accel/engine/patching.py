@@ -1,0 +1,123 @@
+"""Patching a model for its engine, and restoring it: instance forwards, links and hooks.
+
+Each decoder layer's `forward` is replaced on the instance by `_streamed_forward`, which
+finds its engine through a `_Link` attribute; hooks on the model and on the decoder stack
+bracket each pass (`StreamingEngine._before_model` / `_after_model` / `_new_pass` /
+`_end_pass`), and `state_dict()` / `load_state_dict()` first wait for a running update.
+`ModelPatch.restore()` undoes all of it (`StreamingEngine.detach`).
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from lazytrain_accel.engine.engine import StreamingEngine
+
+_LINK = "_lazytrain_engine_link"
+
+
+def _none() -> None:
+    return None
+
+
+class _Link:
+    """Attribute tying a layer (or hooked module) to its engine.
+
+    The model owns its engine through these links (an ordinary, collectable cycle). A deep
+    copy or a pickle of the model gets None instead, so the copy's layers run their own
+    forward and its hooks do nothing: the copy is a plain, self-contained model.
+    """
+
+    def __init__(self, engine: StreamingEngine, index: int = 0) -> None:
+        self.engine, self.index = engine, index
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        return None
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _none, ()
+
+
+def _on(method: str) -> Any:
+    """A hook calling `engine.<method>()` for the engine linked to its module."""
+    def hook(module: nn.Module, *_: Any) -> None:
+        link = module.__dict__.get(_LINK)
+        if link is not None:
+            getattr(link.engine, method)()
+    return hook
+
+
+def _streamed_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    link = layer.__dict__.get(_LINK)
+    if link is None:
+        return type(layer).forward(layer, *args, **kwargs)
+    return link.engine._call_layer(link.index, args, kwargs)
+
+
+class ModelPatch:
+    """The instance patches of one engine on its model, undone by `restore()`."""
+
+    def __init__(self, engine: StreamingEngine, model: nn.Module, parent: nn.Module,
+                 layers: list[nn.Module], residents: list[nn.Parameter]) -> None:
+        self._layers = layers
+        self._saved_forwards = [layer.__dict__.get("forward") for layer in layers]
+        for index, layer in enumerate(layers, start=1):
+            layer.forward = types.MethodType(_streamed_forward, layer)
+            layer.__dict__[_LINK] = _Link(engine, index)
+        model.__dict__[_LINK] = parent.__dict__[_LINK] = _Link(engine)
+        self._linked = [model, parent]
+        self._handles = [
+            model.register_forward_pre_hook(_on("_before_model")),
+            model.register_forward_hook(_on("_after_model")),
+            parent.register_forward_pre_hook(_on("_new_pass")),
+            parent.register_forward_hook(_on("_end_pass")),
+            # masters must not be read or written while the layer-wise update runs
+            model.register_state_dict_pre_hook(_on("synchronize")),
+            model.register_load_state_dict_pre_hook(_on("synchronize")),
+        ]
+        engine_ref = weakref.ref(engine)
+        resident_ids = {id(p) for p in residents}
+
+        def on_resident_grad(p: torch.Tensor) -> None:
+            engine = engine_ref()
+            if engine is not None and id(p) in resident_ids:  # not a deep copy's parameter
+                engine._queue_finalizer()
+
+        self._handles += [p.register_post_accumulate_grad_hook(on_resident_grad)
+                          for p in residents if p.requires_grad]
+
+    def restore(self) -> None:
+        """Own forwards back, links and hooks gone."""
+        for handle in self._handles:
+            handle.remove()
+        for layer, saved in zip(self._layers, self._saved_forwards, strict=True):
+            layer.__dict__.pop(_LINK, None)
+            if saved is None:
+                del layer.forward
+            else:
+                layer.forward = saved
+        for module in self._linked:
+            module.__dict__.pop(_LINK, None)
+
+
+def move_buffers(model: nn.Module, device: torch.device) -> dict[nn.Module, torch.device]:
+    """Move every buffer to `device` (dtype kept); return each module's original device."""
+    moved = {}
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            moved.setdefault(module, buf.device)
+            setattr(module, name, buf.to(device))
+    return moved
+
+
+def restore_buffers(devices: dict[nn.Module, torch.device]) -> None:
+    """Undo `move_buffers`."""
+    for module, device in devices.items():
+        for name, buf in module.named_buffers(recurse=False):
+            setattr(module, name, buf.to(device))
