@@ -72,3 +72,13 @@ def test_adapter_config_file_gives_rank_and_targets(capsys, tmp_path) -> None:
     from_file = json.loads(capsys.readouterr().out)
     assert main([*base, "--lora-rank", "16", "--lora-targets", "q_proj", "v_proj"]) == 0
     assert json.loads(capsys.readouterr().out)["peak_cpu_bytes"] == from_file["peak_cpu_bytes"]
+
+
+def test_profile_shows_trainable_and_frozen(capsys) -> None:
+    assert main(["profile", "--model", "llama3-70b", "--hardware", "rtx4090", "--lora-rank",
+                 "16", "--frozen-format", "nf4", "--json"]) == 0
+    model = json.loads(capsys.readouterr().out)["model"]
+    weights = model["weights"]
+    assert weights["frozen_format"] == "nf4" and weights["layer_frozen_scale_bytes"] > 0
+    assert weights["layer_trainable_param_count"] < weights["layer_frozen_param_count"] / 100
+    assert model["layer_grad_bytes"] == 2 * weights["layer_trainable_param_count"]
