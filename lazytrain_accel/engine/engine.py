@@ -100,11 +100,12 @@ class StreamingEngine:
         in_layers = {id(p) for ps in self._layer_params for p in ps}
         resident = [p for p in model.parameters() if id(p) not in in_layers]
         self._buffer_devices = _move_buffers(model, self.device)
-        for p in model.parameters():  # fp32 host masters; packed weights stay as stored
+        for p in model.parameters():  # fp32 host masters; frozen weights stay as stored
             if quantized.is_packed(p):
                 quantized.packed_to_host(p)
-            elif p.device.type != "cpu" or (p.is_floating_point() and p.dtype != torch.float32):
-                p.data = p.data.to("cpu", torch.float32 if p.is_floating_point() else p.dtype)
+            elif p.device.type != "cpu" or (p.requires_grad and p.dtype != torch.float32):
+                master = torch.float32 if p.requires_grad and p.is_floating_point() else p.dtype
+                p.data = p.data.to("cpu", master)
         self.streams = make_streams(self.device, emulation)
         self._build_parts(nvme_dir, resident)
         self._patch(model, parent)

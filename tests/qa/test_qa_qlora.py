@@ -121,3 +121,76 @@ def test_the_plan_prices_the_packed_base(tmp_path: Path) -> None:
                                          + 4 * w.layer_trainable_param_count)
     # packed: half a byte per weight + scales (+ 64 B of code per tensor at this tiny size)
     assert w.layer_packed_bytes < 0.4 * 4 * w.layer_packed_param_count
+
+
+def test_lora_on_a_bf16_base_keeps_the_frozen_weights_bf16_on_the_host(tmp_path: Path) -> None:
+    """Frozen float weights stay as stored (2 bytes each, not an fp32 master): what the
+    planner charges for them. Adapters keep fp32 masters and train as in a stock run."""
+    from lazytrain_accel import Accelerator
+
+    def lora_bf16() -> torch.nn.Module:
+        return peft.get_peft_model(build("llama").to(torch.bfloat16), peft.LoraConfig(
+            r=4, target_modules=TARGETS, lora_dropout=0.0))  # adapters in fp32 (PEFT)
+
+    runs = {}
+    for name, extra in (("stock", {}), ("ours", {"plugin": plugin(tmp_path, "megatrain",
+                                                                   optimizer="keep")})):
+        model = lora_bf16()
+        acc = Accelerator(cpu=True, mixed_precision="bf16", **extra)
+        model, opt, loader = acc.prepare(
+            model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                     lr=1e-2),
+            torch.utils.data.DataLoader(padded_samples(), batch_size=2))
+        losses = []
+        for batch in loader:
+            loss = model(**batch).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        params = {n: p.detach().clone() for n, p in acc.unwrap_model(model).named_parameters()}
+        runs[name] = losses, params
+        acc.end_training()
+    (ours, ours_params), (stock, stock_params) = runs["ours"], runs["stock"]
+    assert ours == pytest.approx(stock, rel=2e-2)  # bf16 compute: within bf16 tolerance
+    initial = dict(lora_bf16().named_parameters())
+    for name, value in ours_params.items():
+        assert value.dtype == stock_params[name].dtype, name
+        if "lora_" not in name:
+            assert value.dtype == torch.bfloat16 and torch.equal(value, initial[name]), name
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in padded_samples()[i].items()}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_qlora_through_the_trainer_matches_the_stock_trainer(tmp_path: Path) -> None:
+    from lazytrain_accel.integrations.transformers import LazyTrainTrainer
+
+    def args(name: str) -> transformers.TrainingArguments:
+        return transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), use_cpu=True, report_to="none", max_steps=3,
+            save_strategy="no", logging_steps=1, disable_tqdm=True, learning_rate=1e-2,
+            per_device_train_batch_size=2, seed=0, data_seed=0)
+
+    stock = transformers.Trainer(model=qlora(), args=args("stock"), train_dataset=_Rows())
+    stock.train()
+    ours = LazyTrainTrainer(model=qlora(), args=args("ours"), train_dataset=_Rows(),
+                            lazytrain_config={"plan": "megatrain", "hardware": "h800",
+                                              "optimizer": "keep",
+                                              "cache_dir": str(tmp_path / "cache")})
+    ours.train()
+
+    def losses(trainer: transformers.Trainer) -> list[float]:
+        return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    assert losses(ours) == losses(stock) and len(losses(stock)) == 3
+    trained = dict(stock.model.named_parameters())
+    for name, value in ours.model.named_parameters():
+        torch.testing.assert_close(value.detach(), trained[name].detach(), rtol=0, atol=0,
+                                   msg=name)
