@@ -35,7 +35,7 @@ class PreflightError(ValueError):
 class HostMemoryEstimate:
     """Host bytes a run holds at its peak, by what holds them."""
 
-    master_bytes: int  # fp32 master weights
+    master_bytes: int  # fp32 master weights (+ frozen weights as stored)
     grad_bytes: int  # fp32 gradient accumulators of trainable parameters
     optimizer_state_bytes: int
     pinned_staging_bytes: int  # weight and gradient staging, NVMe bounce buffers
@@ -58,16 +58,17 @@ class HostMemoryEstimate:
 
 def estimate_host_bytes(*, param_count: int, trainable_param_count: int, present_bytes: int,
                         optimizer: str, plan: Plan, layer_param_bytes: int,
-                        layer_grad_bytes: int, compute_copy_bytes: int = 0
-                        ) -> HostMemoryEstimate:
-    """The host bytes of a run of `plan` (see `HostMemoryEstimate`'s fields)."""
+                        layer_grad_bytes: int, compute_copy_bytes: int = 0,
+                        frozen_bytes: int = 0) -> HostMemoryEstimate:
+    """The host bytes of a run of `plan` (see `HostMemoryEstimate`'s fields): fp32 masters
+    of `param_count` parameters, and `frozen_bytes` of frozen weights kept as stored."""
     if optimizer not in OPTIMIZER_STATE_BYTES_PER_PARAM:
         raise ValueError(f"optimizer={optimizer!r}: expected one of "
                          f"{sorted(OPTIMIZER_STATE_BYTES_PER_PARAM)}")
     counts = plan.count_homes()
     bounce = 2 * plan.boundary_bytes if counts[Home.NVME.value] else 0
     return HostMemoryEstimate(
-        master_bytes=4 * param_count,
+        master_bytes=4 * param_count + frozen_bytes,
         grad_bytes=4 * trainable_param_count,
         optimizer_state_bytes=int(OPTIMIZER_STATE_BYTES_PER_PARAM[optimizer]
                                   * trainable_param_count),
@@ -212,8 +213,11 @@ def check_run(*, model: object, plan: Plan, layer_param_bytes: int, layer_grad_b
     """Both checks for `model` (a torch module) about to run `plan`; returns the host
     estimate. Called by `prepare` after planning and before the engine allocates."""
     params = list(model.parameters())  # type: ignore[attr-defined]
+    # Trainable parameters get fp32 masters; frozen ones stay as stored (packed or a dtype).
+    frozen_bytes = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
     estimate = estimate_host_bytes(
-        param_count=sum(p.numel() for p in params),
+        param_count=sum(p.numel() for p in params if p.requires_grad),
+        frozen_bytes=frozen_bytes,
         trainable_param_count=sum(p.numel() for p in params if p.requires_grad),
         present_bytes=sum(p.numel() * p.element_size() for p in params
                           if p.device.type == "cpu"),

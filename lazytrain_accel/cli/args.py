@@ -50,3 +50,21 @@ def add_loss_chunk_arg(p: argparse.ArgumentParser, *, default: int | None = 0,
                    help="the fused chunked loss with N tokens of logits at a time "
                    "(LazyTrainConfig.loss_chunk_tokens); 0 = the model's own loss, full "
                    f"tokens x vocab logits{shown}")
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """`--lora-rank`, `--lora-targets`, `--frozen-format`, `--adapter-config`: plan a LoRA or
+    QLoRA run (adapters trainable, base frozen and maybe packed) from a config alone."""
+    p.add_argument("--lora-rank", type=positive_int, metavar="R",
+                   help="plan LoRA adapters of rank R (PEFT's r) on a frozen base: only the "
+                   "adapters get gradients, optimizer state and host updates")
+    p.add_argument("--lora-targets", nargs="+", metavar="NAME", default=None,
+                   help="linears the adapters wrap (q_proj k_proj v_proj o_proj gate_proj "
+                   "up_proj down_proj, or all-linear: the default)")
+    p.add_argument("--frozen-format", choices=("nf4", "fp4", "int8", "bf16", "fp16", "fp32"),
+                   default=None, help="how the frozen base's linears are stored (bitsandbytes "
+                   "nf4/fp4 4-bit or LLM.int8, or a dtype); with --lora-rank only (default: "
+                   "the --dtype)")
+    p.add_argument("--adapter-config", metavar="adapter_config.json",
+                   help="a PEFT LoraConfig JSON giving r and target_modules (instead of "
+                   "--lora-rank and --lora-targets)")

@@ -10,7 +10,8 @@ import json
 from typing import Any
 
 from lazytrain_accel.cli import CliError, help_of
-from lazytrain_accel.cli.args import add_loss_chunk_arg, positive_int
+from lazytrain_accel.cli.args import add_lora_args, add_loss_chunk_arg, positive_int
+from lazytrain_accel.cli.lora import lora_weights
 from lazytrain_accel.planning import (
     STRATEGIES,
     Budgets,
@@ -59,6 +60,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
     p.add_argument("--max-recompute-block", type=positive_int, default=8,
                    help="K, the longest recompute block (default 8)")
     add_loss_chunk_arg(p, default=None, allow_auto=True)
+    add_lora_args(p)
     for flag, what in (("--gpu-memory-gb", "GPU"), ("--cpu-memory-gb", "host DRAM"),
                        ("--nvme-gb", "NVMe")):
         p.add_argument(flag, type=float, default=0.0,
@@ -99,9 +101,10 @@ def _load(args: argparse.Namespace) -> tuple[dict, HardwareProfile, Budgets]:
 
 def _profile(config: dict, args: argparse.Namespace, batch_size: int,
              seq_len: int) -> ModelProfile:
-    return profile_model(geometry_from_config(config, name=args.model), batch_size=batch_size,
-                         seq_len=seq_len, compute_bytes_per_elem=COMPUTE_DTYPE_BYTES[args.dtype],
-                         loss_chunk_tokens=args.loss_chunk_tokens)
+    geometry, weights = lora_weights(geometry_from_config(config, name=args.model), args)
+    return profile_model(geometry, batch_size=batch_size, seq_len=seq_len,
+                         compute_bytes_per_elem=COMPUTE_DTYPE_BYTES[args.dtype],
+                         loss_chunk_tokens=args.loss_chunk_tokens, weights=weights)
 
 
 def _summary(plan: Plan, numbers: Any) -> dict[str, Any]:

@@ -7,7 +7,8 @@ import json
 from typing import Any
 
 from lazytrain_accel.cli import CliError, help_of
-from lazytrain_accel.cli.args import add_loss_chunk_arg, positive_int
+from lazytrain_accel.cli.args import add_lora_args, add_loss_chunk_arg, positive_int
+from lazytrain_accel.cli.lora import lora_weights
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import (
@@ -38,6 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--dtype", choices=sorted(COMPUTE_DTYPE_BYTES), default="bf16",
                    help="compute dtype of activations and streamed weights (default bf16)")
     add_loss_chunk_arg(p)
+    add_lora_args(p)
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--save-hardware", metavar="PATH",
                    help="also write the hardware profile as JSON to PATH")
@@ -84,6 +86,22 @@ def _model_rows(model: ModelProfile) -> list[tuple[str, str]]:
         ("resident params (emb/norm/head)", f"{model.resident_param_bytes / _GIB:.3f} GiB"),
         ("layer forward / backward", f"{model.layer_fwd_flops / 1e12:.2f} / "
                                      f"{model.layer_bwd_flops / 1e12:.2f} TFLOP"),
+        *_split_rows(model),
+    ]
+
+
+def _split_rows(model: ModelProfile) -> list[tuple[str, str]]:
+    """Trainable vs frozen rows of a LoRA / QLoRA profile (none for a full fine-tune)."""
+    w = model.weights
+    if w is None:
+        return []
+    return [
+        ("layer trainable / frozen params", f"{w.layer_trainable_param_count / 1e6:.2f} M / "
+                                            f"{w.layer_frozen_param_count / 1e6:.1f} M"),
+        ("layer frozen stored", f"{w.layer_frozen_host_bytes / _GIB:.3f} GiB {w.frozen_format}"
+                                f" (scales {w.layer_frozen_scale_bytes / 2**20:.2f} MiB)"),
+        ("trainable params (all)", f"{model.trainable_param_count / 1e6:.1f} M"),
+        ("frozen weights on the host", f"{model.frozen_host_bytes / _GIB:.2f} GiB"),
     ]
 
 
@@ -139,10 +157,11 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--model is required (a preset, a HF model directory or a config "
                        "JSON); see `lazytrain profile --list-models`", exit_code=2)
     try:
-        geometry = geometry_from_config(load_model_config(args.model), name=args.model)
+        geometry, weights = lora_weights(
+            geometry_from_config(load_model_config(args.model), name=args.model), args)
         model = profile_model(geometry, batch_size=args.batch_size, seq_len=args.seq_len,
                               compute_bytes_per_elem=COMPUTE_DTYPE_BYTES[args.dtype],
-                              loss_chunk_tokens=args.loss_chunk_tokens)
+                              loss_chunk_tokens=args.loss_chunk_tokens, weights=weights)
         hardware = load_hardware(args.hardware, refresh=args.refresh)
     except ValueError as err:
         raise CliError(str(err), exit_code=2) from None

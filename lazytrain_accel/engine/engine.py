@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lazytrain_accel.engine import hf_checkpointing
+from lazytrain_accel.engine import hf_checkpointing, quantized
 from lazytrain_accel.engine.binding import bind_call, drop_cache
 from lazytrain_accel.engine.discovery import find_decoder_layers
 from lazytrain_accel.engine.emulation import EmulationSettings
@@ -52,7 +52,6 @@ from lazytrain_accel.engine.residents import ResidentParams
 from lazytrain_accel.engine.runtime import Runtime
 from lazytrain_accel.engine.stats import Accounting, StepStats
 from lazytrain_accel.engine.streams import make_streams
-from lazytrain_accel.engine.weights import WeightPool
 from lazytrain_accel.planning.plan import Home, Plan
 
 logger = logging.getLogger("lazytrain_accel")
@@ -81,9 +80,12 @@ class StreamingEngine:
         in_layers = {id(p) for ps in self._layer_params for p in ps}
         resident = [p for p in model.parameters() if id(p) not in in_layers]
         self._buffer_devices = move_buffers(model, self.device)
-        for p in model.parameters():  # fp32 host masters
-            if p.device.type != "cpu" or (p.is_floating_point() and p.dtype != torch.float32):
-                p.data = p.data.to("cpu", torch.float32 if p.is_floating_point() else p.dtype)
+        for p in model.parameters():  # fp32 host masters; frozen weights stay as stored
+            if quantized.is_packed(p):
+                quantized.packed_to_host(p)
+            elif p.device.type != "cpu" or (p.requires_grad and p.dtype != torch.float32):
+                master = torch.float32 if p.requires_grad and p.is_floating_point() else p.dtype
+                p.data = p.data.to("cpu", master)
         self.streams = make_streams(self.device, emulation)
         self._build_parts(nvme_dir, resident)
         self._model_patch = ModelPatch(self, model, parent, self._layers, self.residents.params)
@@ -107,9 +109,10 @@ class StreamingEngine:
         max_numel = max((sum(p.numel() for p in ps) for ps in trainable), default=1)
         self.sink = GradSink(streams=self.streams, accounting=self.acct,
                              max_numel=max(max_numel, 1), grad_dtype=self.compute_dtype)
-        self.pool = WeightPool(self._layer_params, streams=self.streams,
-                               compute_dtype=self.compute_dtype, accounting=self.acct,
-                               is_ready=self._is_updated, wait_ready=self._wait_updated)
+        self.pool = quantized.weight_pool(self._layer_params, streams=self.streams,
+                                          compute_dtype=self.compute_dtype,
+                                          accounting=self.acct, is_ready=self._is_updated,
+                                          wait_ready=self._wait_updated)
         self.residents = ResidentParams(resident, device=self.device,
                                         compute_dtype=self.compute_dtype, sink=self.sink,
                                         accounting=self.acct)

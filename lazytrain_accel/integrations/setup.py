@@ -18,7 +18,7 @@ from lazytrain_accel.engine.emulation import EmulationSettings
 from lazytrain_accel.planning import Budgets, Plan
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.live import geometry_from_model
+from lazytrain_accel.profiling.live import geometry_from_model, weight_split_from_model
 from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
 from lazytrain_accel.profiling.models import FAMILIES, geometry_from_config, profile_model
 
@@ -56,11 +56,14 @@ def profile_for_run(model: nn.Module, *, batch_size: int, seq_len: int,
     """The model's profile at the run's shape; `loss_chunk_tokens` (the config's) sizes
     the head's working bytes: full logits at 0, one chunk of them with the fused loss,
     the planner's choice at "auto"."""
+    from lazytrain_accel.engine.discovery import find_decoder_layers
+
     elem_bytes = 4 if compute_dtype is None else torch.empty((), dtype=compute_dtype).element_size()
+    weights = weight_split_from_model(model, list(find_decoder_layers(model)[2]))
     return profile_model(geometry_for_run(model), batch_size=batch_size, seq_len=seq_len,
                          compute_bytes_per_elem=elem_bytes,
                          loss_chunk_tokens=None if loss_chunk_tokens == "auto"
-                         else loss_chunk_tokens)
+                         else loss_chunk_tokens, weights=weights)
 
 
 def geometry_for_run(model: nn.Module) -> ModelGeometry:
@@ -152,7 +155,8 @@ def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
             return profile_model(model_profile.geometry, batch_size=batch_size,
                                  seq_len=model_profile.seq_len,
                                  compute_bytes_per_elem=model_profile.compute_bytes_per_elem,
-                                 loss_chunk_tokens=model_profile.loss_chunk_tokens)
+                                 loss_chunk_tokens=model_profile.loss_chunk_tokens,
+                                 weights=model_profile.weights)
 
         raise with_largest_batch(err, profile_at, hardware, batch_size=model_profile.batch_size,
                                  seq_len=model_profile.seq_len, **kwargs) from None

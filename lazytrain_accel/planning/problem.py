@@ -37,6 +37,10 @@ LINKS: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write")
 #: Adam moments (2); the per-block fp32 absmax adds < 2% and is covered by the reserve.
 HOST_BYTES_PER_PARAM = 10
 
+#: Names of the host base's terms (`Problem.cpu_base_terms`), which refusals look up.
+TRAINABLE_HOST_TERM = "the trainable parameters' fp32 masters, gradients and 8-bit Adam state"
+FROZEN_HOST_TERM = "the frozen weights as stored"
+
 #: Device memory set aside for the CUDA context, cuBLAS workspaces and allocator
 #: fragmentation: the plan never fills the GPU budget to the last byte.
 GPU_RESERVE_FRACTION = 0.04
@@ -105,6 +109,8 @@ class Problem:
     # static_gpu_bytes term by term, largest first, as refusals name them.
     gpu_base_terms: tuple[tuple[str, int], ...] = ()
     static_cpu_bytes: int  # host bytes that are not boundary activations
+    # static_cpu_bytes term by term, largest first, as refusals name them.
+    cpu_base_terms: tuple[tuple[str, int], ...] = ()
     tail_d2h_bytes: int  # gradients that leave after the last backward window
     budgets: Budgets
     # Offloaded boundaries on the device while their copy runs; `make_plan` raises it when
@@ -115,6 +121,10 @@ class Problem:
     host_staging_boundaries: int = STAGING_BOUNDARIES
     param_count: int
     tokens_per_step: int
+    # Parameters the host optimizer updates: per layer and resident (trainable only; a
+    # LoRA run updates its adapters, not the frozen base).
+    layer_update_param_count: int = 0
+    resident_update_param_count: int = 0
 
     # ---- windows -------------------------------------------------------------------
     @property
@@ -304,8 +314,10 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
                      weight_buffers * model.layer_param_bytes),
                     ("2 gradient buffers", 2 * model.layer_grad_bytes),
                     ("resident embeddings/head and their gradients",
-                     2 * model.resident_param_bytes)], key=lambda t: -t[1])
+                     model.resident_param_bytes + model.resident_grad_bytes)],
+                   key=lambda t: -t[1])
     params = model.geometry.total_param_count
+    host_terms = host_base_terms(model)
     return Problem(
         num_layers=model.num_layers, max_block=K, boundary_bytes=model.boundary_bytes,
         layer_param_bytes=model.layer_param_bytes, layer_grad_bytes=model.layer_grad_bytes,
@@ -315,8 +327,21 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         nvme_read_bytes_per_s=hardware.nvme_read_bytes_per_s,
         nvme_write_bytes_per_s=hardware.nvme_write_bytes_per_s,
         static_gpu_bytes=sum(b for _, b in terms), gpu_base_terms=tuple(terms),
-        # Pinned staging: two layers of weights (NVMe staging is `cpu_fixed_bytes`).
-        static_cpu_bytes=params * HOST_BYTES_PER_PARAM + 2 * model.layer_param_bytes,
-        tail_d2h_bytes=model.layer_grad_bytes + model.resident_param_bytes,
+        static_cpu_bytes=sum(b for _, b in host_terms), cpu_base_terms=host_terms,
+        tail_d2h_bytes=model.layer_grad_bytes + model.resident_grad_bytes,
         budgets=budgets, param_count=params, tokens_per_step=model.tokens_per_step,
+        layer_update_param_count=model.layer_trainable_param_count,
+        resident_update_param_count=model.resident_trainable_param_count,
     )
+
+
+def host_base_terms(model: ModelProfile) -> tuple[tuple[str, int], ...]:
+    """Host bytes that are not boundary activations, term by term, largest first:
+    trainable parameters at `HOST_BYTES_PER_PARAM`, frozen ones as stored, and pinned
+    staging for two layers of weights (NVMe staging is `cpu_fixed_bytes`)."""
+    w = model.weights
+    terms = [(TRAINABLE_HOST_TERM, model.trainable_param_count * HOST_BYTES_PER_PARAM),
+             ("pinned staging for 2 layers of weights", 2 * model.layer_param_bytes)]
+    if w is not None:
+        terms.append((f"{FROZEN_HOST_TERM} ({w.frozen_format})", model.frozen_host_bytes))
+    return tuple(sorted(terms, key=lambda t: -t[1]))

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from lazytrain_accel.planning.problem import GIB, PlanInfeasibleError, Problem
+from lazytrain_accel.planning.problem import (
+    FROZEN_HOST_TERM,
+    GIB,
+    TRAINABLE_HOST_TERM,
+    PlanInfeasibleError,
+    Problem,
+)
 
 _BUDGET_FLAG = {"gpu": "--gpu-memory-gb (gpu_memory_limit_gb)",
                 "cpu": "--cpu-memory-gb (cpu_memory_limit_gb)",
@@ -40,10 +46,21 @@ def _largest_term(p: Problem, tier: str) -> str:
         name, nbytes = p.gpu_base_terms[0]
         remedy = _TERM_REMEDY.get(name, "it does not depend on the plan")
         return f"; its largest term is {name} ({readable_bytes(nbytes)}): {remedy}"
-    if tier == "cpu":
-        return (f"; its largest term is the host masters, gradients and 8-bit Adam state "
-                f"({readable_bytes(p.static_cpu_bytes)})")
+    if tier == "cpu" and p.cpu_base_terms:
+        name, nbytes = p.cpu_base_terms[0]
+        return f"; its largest term is {name} ({readable_bytes(nbytes)}): {_host_remedy(name)}"
     return ""
+
+
+def _host_remedy(name: str) -> str:
+    """What shrinks a term of the host base (`Problem.cpu_base_terms`)."""
+    if name.startswith(FROZEN_HOST_TERM):
+        return ("a packed base shrinks it: --frozen-format nf4 (about 0.56 bytes per weight) "
+                "or int8 (about 1), i.e. a bitsandbytes 4-bit/8-bit base (QLoRA)")
+    if name == TRAINABLE_HOST_TERM:
+        return ("training fewer parameters shrinks it: LoRA adapters on a frozen base "
+                "(--lora-rank R) keep state for the adapters only")
+    return "it does not depend on the plan"
 
 
 def infeasible_error(p: Problem, strategy: str,

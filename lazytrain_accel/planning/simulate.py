@@ -189,11 +189,10 @@ class _StepBuilder:
         """The update of layers 1..L in forward order, each once its gradients are home,
         then the resident parameters' (ops on the "host_optimizer" resource)."""
         rate, end = hardware.cpu_optimizer_params_per_s, self.p.num_windows
-        g = model.geometry
-        ops = [self.q.add(f"U{j}", HOST_OPTIMIZER, g.layer_param_count / rate,
+        ops = [self.q.add(f"U{j}", HOST_OPTIMIZER, self.p.layer_update_param_count / rate,
                           after_end=[self.grad[j]], window=end)
                for j in range(1, self.L + 1)]
-        resident = g.total_param_count - self.L * g.layer_param_count
+        resident = self.p.resident_update_param_count
         ops.append(self.q.add("U_resident", HOST_OPTIMIZER, resident / rate,
                               after_end=[self.resident], window=end))
         return ops

@@ -26,4 +26,6 @@ def run_fingerprint(model: ModelProfile, hardware: HardwareProfile) -> str:
         "hardware": [hardware.gpu_name, hardware.gpu_memory_bytes, hardware.cpu_memory_bytes,
                      hardware.nvme_bytes],
     }
+    if model.weights is not None:  # LoRA / QLoRA: what trains and how the rest is stored
+        key["weights"] = model.weights.to_dict()
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()

@@ -11,12 +11,14 @@ stays for presets and `config.json` paths, where no model exists.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
-from lazytrain_accel.profiling.model import ModelGeometry
+from lazytrain_accel.profiling.model import QUANTIZED_FORMATS, ModelGeometry, WeightSplit
 
 #: Config keys naming the same shape across HF families, most common first.
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
@@ -28,6 +30,37 @@ _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_
 _EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 #: Parameter-name parts that only gated MLPs (SwiGLU/GeGLU: gate, up, down) have.
 _GATED_NAMES = ("gate_proj", "gate_up_proj", "up_proj", "w3")
+
+
+#: torch dtype -> the storage format name of a frozen float weight.
+_FLOAT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _quant_state_bytes(state: Any) -> int:
+    """Bytes of a bitsandbytes 4-bit `QuantState`: absmax and code, and the nested
+    state's when the absmax itself is quantized (double quantization)."""
+    nbytes = sum(t.nbytes for t in (state.absmax, state.code, getattr(state, "offset", None))
+                 if isinstance(t, torch.Tensor))
+    nested = getattr(state, "state2", None)
+    return nbytes + (_quant_state_bytes(nested) if nested is not None else 0)
+
+
+def stored_param(p: torch.Tensor) -> tuple[int, int, int, str]:
+    """(logical element count, stored bytes, of which scale bytes, format) of one
+    parameter; bitsandbytes `Params4bit` / `Int8Params` are recognised by type name, so
+    bitsandbytes is never imported here. A 4-bit weight not yet quantized (still on the
+    meta device or in floats) counts as what it is now."""
+    kind, nbytes = type(p).__name__, p.numel() * p.element_size()
+    state = getattr(p, "quant_state", None)
+    if kind == "Params4bit" and state is not None:
+        scales = _quant_state_bytes(state)
+        return int(torch.Size(state.shape).numel()), nbytes + scales, scales, \
+            str(state.quant_type)
+    scb = getattr(p, "SCB", None)
+    if kind == "Int8Params" and p.dtype == torch.int8:
+        scales = scb.nbytes if isinstance(scb, torch.Tensor) else 0
+        return p.numel(), nbytes + scales, scales, "int8"
+    return p.numel(), nbytes, 0, _FLOAT_FORMATS.get(p.dtype, "fp32")
 
 
 def _first(config: Any, keys: Sequence[str]) -> Any:
@@ -50,10 +83,11 @@ def _layer_counts(layer: nn.Module, fraction: float) -> tuple[int, float, bool]:
     """(parameters, active parameters, gated MLP) of one decoder layer."""
     total, experts, gated = 0, 0, False
     for name, p in layer.named_parameters():
-        total += p.numel()
+        numel = stored_param(p)[0]
+        total += numel
         parts = name.split(".")
         if "experts" in parts:
-            experts += p.numel()
+            experts += numel
         gated = gated or any(g in parts for g in _GATED_NAMES)
     return total, total - experts + experts * fraction, gated
 
@@ -71,7 +105,7 @@ def _resident_split(model: nn.Module, layer_ids: set[int]) -> tuple[int, int, in
         for p in module.parameters() if module is not None else ():
             if id(p) not in seen:
                 seen.add(id(p))
-                n += p.numel()
+                n += stored_param(p)[0]
         return n
 
     embedding, head_count = count(emb), count(head)
@@ -79,7 +113,7 @@ def _resident_split(model: nn.Module, layer_ids: set[int]) -> tuple[int, int, in
     for p in model.parameters():  # positions, final norm, projections: resident too
         if id(p) not in seen:
             seen.add(id(p))
-            rest += p.numel()
+            rest += stored_param(p)[0]
     return embedding, head_count, rest, tied
 
 
@@ -129,3 +163,59 @@ def geometry_from_model(model: nn.Module, layers: Sequence[nn.Module]) -> ModelG
         final_norm_param_count=rest,
         gated_mlp=any(c[2] for c in counts),
     )
+
+
+@dataclass
+class _Tally:
+    """Running sums over parameters for a `WeightSplit` (elements and bytes)."""
+
+    trainable: int = 0
+    frozen: int = 0
+    stored_bytes: int = 0
+    packed: int = 0
+    packed_bytes: int = 0
+    scale_bytes: int = 0
+    widest_packed: int = 0
+
+    def add(self, p: torch.Tensor, formats: dict[str, int]) -> None:
+        numel, nbytes, scale_bytes, fmt = stored_param(p)
+        if p.requires_grad:
+            self.trainable += numel
+            return
+        formats[fmt] = formats.get(fmt, 0) + numel
+        self.frozen, self.stored_bytes = self.frozen + numel, self.stored_bytes + nbytes
+        if fmt in QUANTIZED_FORMATS:
+            self.packed, self.packed_bytes = self.packed + numel, self.packed_bytes + nbytes
+            self.scale_bytes += scale_bytes
+            self.widest_packed = max(self.widest_packed, numel)
+
+
+def _tally(params: Iterable[torch.Tensor], formats: dict[str, int]) -> _Tally:
+    tally = _Tally()
+    for p in params:
+        tally.add(p, formats)
+    return tally
+
+
+def weight_split_from_model(model: nn.Module, layers: Sequence[nn.Module]
+                            ) -> WeightSplit | None:
+    """Trainable vs frozen parameters of `model` (decoder layers `layers`) and how the
+    frozen ones are stored; None when every parameter trains (a full fine-tune, priced
+    as before). The largest layer stands for all of them, as in `geometry_from_model`."""
+    formats: dict[str, int] = {}
+    per_layer = [_tally(layer.parameters(), formats) for layer in layers]
+    layer_ids = {id(p) for layer in layers for p in layer.parameters()}
+    resident = _tally((p for p in {id(p): p for p in model.parameters()}.values()
+                       if id(p) not in layer_ids), formats)
+    if not formats:
+        return None
+    big = max(per_layer, key=lambda t: t.trainable + t.frozen, default=_Tally())
+    return WeightSplit(
+        layer_trainable_param_count=big.trainable, layer_frozen_param_count=big.frozen,
+        layer_frozen_host_bytes=big.stored_bytes, layer_packed_param_count=big.packed,
+        layer_packed_bytes=big.packed_bytes, layer_frozen_scale_bytes=big.scale_bytes,
+        layer_dequant_elems=big.widest_packed,
+        resident_trainable_param_count=resident.trainable,
+        resident_frozen_param_count=resident.frozen,
+        resident_frozen_host_bytes=resident.stored_bytes,
+        frozen_format=max(formats, key=formats.__getitem__))

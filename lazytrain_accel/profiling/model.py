@@ -52,6 +52,63 @@ class ModelGeometry:
         return out
 
 
+#: Storage formats of frozen weights: plain dtypes, and bitsandbytes' LLM.int8 and 4-bit.
+FROZEN_FORMATS: tuple[str, ...] = ("bf16", "fp16", "fp32", "int8", "nf4", "fp4")
+#: Of those, the packed ones: they stream as stored and compute through bitsandbytes.
+QUANTIZED_FORMATS: tuple[str, ...] = ("int8", "nf4", "fp4")
+
+
+@dataclass(kw_only=True, frozen=True)
+class WeightSplit:
+    """Trainable vs frozen parameters (LoRA, QLoRA, frozen embeddings), per decoder layer
+    and for the resident modules, and how the frozen ones are stored.
+
+    Trainable parameters cost what a full fine-tune costs per parameter (fp32 master,
+    gradient and optimizer state on the host; compute-dtype copy and gradient on the
+    link). Frozen ones cost their stored bytes on the host, and cross H2D either as
+    stored (packed bitsandbytes weights and their scales) or cast to the compute dtype.
+    """
+
+    layer_trainable_param_count: int
+    layer_frozen_param_count: int
+    layer_frozen_host_bytes: int  # frozen weights of one layer as stored on the host
+    # Of the frozen ones, bitsandbytes-packed (int8/nf4/fp4): they stream as stored, data
+    # and scales; the other frozen ones stream cast to the compute dtype.
+    layer_packed_param_count: int = 0
+    layer_packed_bytes: int = 0  # packed data + quantization scales
+    layer_frozen_scale_bytes: int = 0  # the scales (absmax, SCB) alone
+    # Elements of the largest packed matrix: its compute-dtype copy exists while its
+    # bitsandbytes linear runs (dequantized per call), beside the layer's working set.
+    layer_dequant_elems: int = 0
+    resident_trainable_param_count: int = 0
+    resident_frozen_param_count: int = 0
+    resident_frozen_host_bytes: int = 0
+    frozen_format: str = "bf16"  # the format holding most frozen parameters (FROZEN_FORMATS)
+
+    def __post_init__(self) -> None:
+        if self.frozen_format not in FROZEN_FORMATS:
+            raise ValueError(f"WeightSplit.frozen_format={self.frozen_format!r}: expected "
+                             f"one of {list(FROZEN_FORMATS)}")
+        if self.layer_packed_param_count > self.layer_frozen_param_count:
+            raise ValueError(f"WeightSplit.layer_packed_param_count="
+                             f"{self.layer_packed_param_count} exceeds layer_frozen_param_"
+                             f"count={self.layer_frozen_param_count}: packed weights are frozen")
+        for name in ("layer_trainable_param_count", "layer_frozen_param_count",
+                     "layer_frozen_host_bytes", "layer_packed_bytes",
+                     "resident_trainable_param_count", "resident_frozen_param_count",
+                     "resident_frozen_host_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"WeightSplit.{name}={getattr(self, name)} is negative")
+
+    def layer_frozen_h2d_bytes(self, compute_bytes_per_elem: int) -> int:
+        """One layer's frozen weights as they cross H2D: packed as stored, the rest cast."""
+        floats = self.layer_frozen_param_count - self.layer_packed_param_count
+        return self.layer_packed_bytes + floats * compute_bytes_per_elem
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelProfile:
     """A model at one (batch, seq, dtype): the planner's per-layer inputs.
@@ -78,10 +135,43 @@ class ModelProfile:
     # the fused chunked loss at N tokens per chunk, None = "auto", for the planner to
     # decide (head_working_bytes is then the full logits').
     loss_chunk_tokens: int | None = 0
+    # Which parameters train and how frozen ones are stored; None = a full fine-tune
+    # (every parameter trainable, kept as an fp32 master).
+    weights: WeightSplit | None = None
 
     @property
     def num_layers(self) -> int:
         return self.geometry.num_layers
+
+    @property
+    def layer_trainable_param_count(self) -> int:
+        """Parameters of one layer that get gradients and a host update."""
+        w = self.weights
+        return self.geometry.layer_param_count if w is None else w.layer_trainable_param_count
+
+    @property
+    def resident_trainable_param_count(self) -> int:
+        g, w = self.geometry, self.weights
+        resident = g.total_param_count - g.num_layers * g.layer_param_count
+        return resident if w is None else w.resident_trainable_param_count
+
+    @property
+    def trainable_param_count(self) -> int:
+        """Parameters with an fp32 master, a gradient and optimizer state on the host."""
+        return (self.num_layers * self.layer_trainable_param_count
+                + self.resident_trainable_param_count)
+
+    @property
+    def frozen_host_bytes(self) -> int:
+        """Host bytes of every frozen weight as stored (0 for a full fine-tune)."""
+        w = self.weights
+        return 0 if w is None else (self.num_layers * w.layer_frozen_host_bytes
+                                    + w.resident_frozen_host_bytes)
+
+    @property
+    def resident_grad_bytes(self) -> int:
+        """Device gradients of the trainable resident parameters (compute dtype)."""
+        return self.resident_trainable_param_count * self.compute_bytes_per_elem
 
     @property
     def tokens_per_step(self) -> int:

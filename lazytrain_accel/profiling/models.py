@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lazytrain_accel.profiling.families import FAMILIES, geometry_from_config
-from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
+from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile, WeightSplit
 from lazytrain_accel.suggest import did_you_mean, hub_id_hint
 
 __all__ = ["COMPUTE_DTYPE_BYTES", "FAMILIES", "MODEL_PRESETS", "geometry_from_config",
@@ -93,16 +93,37 @@ def _saved_elems_per_token(g: ModelGeometry) -> int:
     return 4 * g.hidden_size + q_dim + 2 * kv_dim + q_dim + mlp
 
 
-def _layer_working_bytes(g: ModelGeometry, tokens: int, bytes_per_elem: int) -> int:
+def _layer_working_bytes(g: ModelGeometry, tokens: int, bytes_per_elem: int,
+                         weights: WeightSplit | None) -> int:
     """Peak extra device bytes while one layer re-runs its forward and runs its backward.
 
     Saved intermediates + the output gradient arriving and the input gradient leaving +
     the widest transient gradient (one MLP-intermediate-wide tensor, twice while it is
-    being combined) + the layer's weight gradients before they stream to the host.
+    being combined) + the layer's weight gradients (trainable ones) before they stream
+    to the host + the dequantized copy of the largest packed matrix (bitsandbytes).
     """
     widest = max(g.intermediate_size, g.num_attention_heads * g.head_dim)
     activation_elems = tokens * (_saved_elems_per_token(g) + 2 * g.hidden_size + 2 * widest)
-    return activation_elems * bytes_per_elem + g.layer_param_count * bytes_per_elem
+    grad_elems = g.layer_param_count if weights is None else (
+        weights.layer_trainable_param_count + weights.layer_dequant_elems)
+    return (activation_elems + grad_elems) * bytes_per_elem
+
+
+def _layer_costs(g: ModelGeometry, batch_size: int, seq_len: int, bytes_per_elem: int,
+                 weights: WeightSplit | None) -> tuple[int, int, float, float]:
+    """(weight bytes streamed H2D, gradient bytes streamed D2H, forward FLOPs, backward
+    FLOPs) of one layer; see `profile_model`."""
+    tokens = batch_size * seq_len
+    matmul_flops = 2.0 * tokens * g.layer_flops_param_count
+    attention_flops = 4.0 * batch_size * seq_len * seq_len * g.num_attention_heads * g.head_dim
+    fwd_flops = matmul_flops + attention_flops
+    if weights is None:
+        nbytes = g.layer_param_count * bytes_per_elem
+        return nbytes, nbytes, fwd_flops, 2.0 * fwd_flops
+    trainable_share = weights.layer_trainable_param_count / max(g.layer_param_count, 1)
+    grad_bytes = weights.layer_trainable_param_count * bytes_per_elem
+    return (grad_bytes + weights.layer_frozen_h2d_bytes(bytes_per_elem), grad_bytes, fwd_flops,
+            2.0 * attention_flops + matmul_flops * (1.0 + trainable_share))
 
 
 def profile_model(
@@ -112,6 +133,7 @@ def profile_model(
     seq_len: int,
     compute_bytes_per_elem: int = 2,
     loss_chunk_tokens: int | None = 0,
+    weights: WeightSplit | None = None,
 ) -> ModelProfile:
     """Per-layer bytes and FLOPs of `geometry` at one micro-batch shape.
 
@@ -125,6 +147,11 @@ def profile_model(
     only) plus attention's QK^T and AV over the full
     seq x seq square (4 * batch * seq^2 * q_dim); its backward proper is twice its forward
     (input and weight gradients), excluding the forward re-run the engine does first.
+
+    `weights` (LoRA, QLoRA, frozen parts) prices what is stored: a layer streams its
+    trainable parameters in the compute dtype and its frozen ones as `weights` says;
+    only trainable parameters have gradients, and a frozen matrix's backward computes
+    the input gradient only (half of a trainable one's matmul work).
     """
     for field_name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if not isinstance(value, int) or value < 1:
@@ -134,9 +161,8 @@ def profile_model(
                          "(bf16/fp16) or 4 (fp32)")
     tokens = batch_size * seq_len
     g = geometry
-    q_dim = g.num_attention_heads * g.head_dim
-    layer_fwd_flops = (2.0 * tokens * g.layer_flops_param_count
-                       + 4.0 * batch_size * seq_len * seq_len * q_dim)
+    param_bytes, grad_bytes, layer_fwd_flops, layer_bwd_flops = _layer_costs(
+        g, batch_size, seq_len, compute_bytes_per_elem, weights)
     head_fwd_flops = 2.0 * tokens * g.hidden_size * g.vocab_size + 5.0 * tokens * g.vocab_size
     resident = g.embedding_param_count + g.head_param_count + g.final_norm_param_count
     return ModelProfile(
@@ -145,16 +171,17 @@ def profile_model(
         seq_len=seq_len,
         compute_bytes_per_elem=compute_bytes_per_elem,
         boundary_bytes=tokens * g.hidden_size * compute_bytes_per_elem,
-        layer_param_bytes=g.layer_param_count * compute_bytes_per_elem,
-        layer_grad_bytes=g.layer_param_count * compute_bytes_per_elem,
-        layer_working_bytes=_layer_working_bytes(g, tokens, compute_bytes_per_elem),
+        layer_param_bytes=param_bytes,
+        layer_grad_bytes=grad_bytes,
+        layer_working_bytes=_layer_working_bytes(g, tokens, compute_bytes_per_elem, weights),
         layer_fwd_flops=layer_fwd_flops,
-        layer_bwd_flops=2.0 * layer_fwd_flops,
+        layer_bwd_flops=layer_bwd_flops,
         head_fwd_flops=head_fwd_flops,
         resident_param_bytes=resident * compute_bytes_per_elem,
         head_working_bytes=head_working_bytes(g, tokens, compute_bytes_per_elem,
                                               loss_chunk_tokens or 0),
         loss_chunk_tokens=loss_chunk_tokens,
+        weights=weights,
     )
 
 
