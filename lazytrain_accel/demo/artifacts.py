@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from lazytrain_accel.integrations.setup import PreparedRun
 from lazytrain_accel.planning import simulate
-from lazytrain_accel.planning.timeline import draw_timeline, save_chrome_trace
+from lazytrain_accel.planning.timeline import RESOURCES, draw_timeline, save_chrome_trace
 
 #: File names inside the output directory; tests and docs refer to these.
 CHECKPOINT_DIR = "checkpoint"
@@ -25,6 +26,9 @@ def write_artifacts(out: Path, *, model: Any, tokenizer: Any, run: PreparedRun) 
     tokenizer.save_pretrained(checkpoint)
     run.plan.save(out / PLAN_FILE)
     simulated = simulate(run.plan, run.model_profile, run.hardware)
+    # Only the lanes the timeline draws (the host optimizer's once it has one).
+    simulated = dataclasses.replace(simulated, ops=[op for op in simulated.ops
+                                                    if op.resource in RESOURCES])
     draw_timeline(simulated, out / TIMELINE_FILE)
     save_chrome_trace(simulated, out / PREDICTED_TRACE_FILE)
     return {"checkpoint": str(checkpoint), "plan": str(out / PLAN_FILE),
