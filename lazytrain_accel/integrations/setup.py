@@ -265,7 +265,11 @@ def format_plan_summary(plan: Plan) -> str:
         f"recomputed {homes['recompute']}",
         f"  recompute blocks: {', '.join(blocks) if blocks else 'none'}",
         f"  predicted step {pred.step_s:.3f} s (compute {pred.compute_s:.3f}, recompute "
-        f"{pred.recompute_s:.3f}, exposed {pred.exposed_s:.3f}), {pred.tokens_per_s:,.0f} tok/s",
+        f"{pred.recompute_s:.3f}, exposed {pred.exposed_s:.3f}, of it host optimizer "
+        f"{pred.optimizer_exposed_s:.3f}), {pred.tokens_per_s:,.0f} tok/s",
+        "  loss head: " + (f"fused chunked loss, {plan.loss_chunk_tokens} tokens per chunk "
+                           "(training outputs carry logits=None)" if plan.loss_chunk_tokens
+                           else "the model's own loss"),
         f"  predicted peaks: gpu {pred.peak_gpu_bytes / gib:.2f} GiB, cpu "
         f"{pred.peak_cpu_bytes / gib:.2f} GiB, nvme {pred.peak_nvme_bytes / gib:.2f} GiB",
         f"  solver: {solver.status}, {solver.solve_s:.2f} s, gap {solver.gap:.2%}"

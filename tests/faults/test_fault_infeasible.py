@@ -14,8 +14,9 @@ from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan, ma
 from lazytrain_accel.planning.infeasible import BatchInfeasibleError
 from lazytrain_accel.profiling.hardware import load_hardware
 
+# The model's own loss (full logits): "auto" would turn the fused loss on and fit.
 RUN = ["--model", "qwen2.5-3b", "--hardware", "h800", "--seq-len", "1024",
-       "--strategy", "checkpoint_all"]
+       "--strategy", "checkpoint_all", "--loss-chunk-tokens", "0"]
 
 
 def test_cli_names_the_tier_its_budget_and_the_largest_batch(capsys) -> None:
