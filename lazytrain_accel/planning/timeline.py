@@ -86,6 +86,15 @@ def window_starts_s(ops: list[SimOp]) -> list[float]:
     return [starts[w] for w in sorted(starts)]
 
 
+def _seconds(value_s: float) -> str:
+    """3.42 s, 12.5 ms, 18 us: a duration in the unit it reads in."""
+    if value_s == 0 or value_s >= 1:
+        return f"{value_s:.2f} s"
+    if value_s >= 1e-3:
+        return f"{value_s * 1e3:.3g} ms"
+    return f"{value_s * 1e6:.3g} us"
+
+
 def _amount(value: float) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
 
@@ -143,11 +152,11 @@ def _draw_lanes(ax: Any, result: SimulationResult, lanes: list[str]) -> None:
         ax.axvline(start_s, color="black", alpha=0.15, linewidth=0.6, zorder=0)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_ylim(len(lanes) - 0.5, -0.5)
-    title = (f"predicted step {result.step_s:.4g} s: compute {result.compute_s:.4g} s, "
-             f"recompute {result.recompute_s:.4g} s, exposed transfers "
-             f"{result.exposed_s - result.optimizer_exposed_s:.4g} s")
+    title = (f"predicted step {_seconds(result.step_s)}: compute "
+             f"{_seconds(result.compute_s)}, recompute {_seconds(result.recompute_s)}, "
+             f"exposed transfers {_seconds(result.exposed_s - result.optimizer_exposed_s)}")
     if result.optimizer_exposed_s > 0:
-        title += f", exposed host optimizer {result.optimizer_exposed_s:.4g} s"
+        title += f", exposed host optimizer {_seconds(result.optimizer_exposed_s)}"
     ax.set_title(title + "  (faint lines: layer windows)", fontsize=10, loc="left")
     handles = [_patch(CATEGORIES[k]) for k in CATEGORIES if k in used]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
