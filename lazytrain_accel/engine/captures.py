@@ -12,6 +12,7 @@ the backward re-run records the same tensors again, now with grad, to differenti
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,10 +20,15 @@ from typing import Any
 
 import torch
 
-try:  # transformers >= 5: the collector behind `output_router_logits` and friends
-    from transformers.utils.output_capturing import _active_collector
-except ImportError:  # older transformers returned those tensors as layer outputs
-    _active_collector = None
+#: transformers >= 5's module holding the collector behind `output_router_logits` and
+#: friends. Looked up, never imported: if transformers has not loaded it, no collector can
+#: be active (and importing the engine stays free of transformers).
+_CAPTURING_MODULE = "transformers.utils.output_capturing"
+
+
+def _collector_var() -> Any:
+    module = sys.modules.get(_CAPTURING_MODULE)
+    return getattr(module, "_active_collector", None)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -44,7 +50,8 @@ class Capture:
 
 
 def _collector() -> dict[str, Any] | None:
-    return None if _active_collector is None else _active_collector.get()
+    var = _collector_var()
+    return None if var is None else var.get()
 
 
 @contextmanager
@@ -79,15 +86,17 @@ def recording(captured: Captured | None) -> Iterator[dict[str, list[Any]]]:
     """A fresh collector shaped as the forward's was (same keys, same prior lengths), so a
     re-run's hooks record the same tensors in the same slots; yields it."""
     fresh: dict[str, Any] = {}
-    if captured is not None and captured.slots and _active_collector is not None:
-        live = {k: [None] * n for k, n in captured.prior.items()}
-        fresh.update(live)
-    token = _active_collector.set(fresh or None) if _active_collector is not None else None
+    var = _collector_var()
+    if var is None:
+        yield fresh
+        return
+    if captured is not None and captured.slots:
+        fresh.update({k: [None] * n for k, n in captured.prior.items()})
+    token = var.set(fresh or None)
     try:
         yield fresh
     finally:
-        if _active_collector is not None:
-            _active_collector.reset(token)
+        var.reset(token)
 
 
 def recorded(fresh: dict[str, list[Any]], captured: Captured | None) -> list[torch.Tensor]:

@@ -195,6 +195,9 @@ class Accelerator(accelerate.Accelerator):
             logger.warning("lazytrain: a batch of %d x %d tokens needs a new plan, and none "
                            "fits: %s", batch_size, seq_len, err)
             return None
+        # the larger plan may home more on NVMe: fail with a sentence, not an ENOSPC
+        preflight.check_nvme_dir(self.lazytrain_plugin.nvme_dir,
+                                 preflight.nvme_need_bytes(run.plan))
         self.lazytrain_sizing, self.lazytrain_run = sizing, run
         return run.plan
 

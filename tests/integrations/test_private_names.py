@@ -45,6 +45,9 @@ def test_patched_names_exist(owner, name, where):
 def test_read_and_written_private_state_still_exists():
     from transformers.utils import output_capturing
 
+    from lazytrain_accel.engine import captures
+
+    assert output_capturing.__name__ == captures._CAPTURING_MODULE
     assert hasattr(output_capturing, "_active_collector"), (
         "transformers.utils.output_capturing._active_collector is gone: engine/captures.py "
         "routes router logits (the MoE aux loss) through it; without it their gradient is lost")
