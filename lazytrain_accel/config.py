@@ -76,7 +76,11 @@ _DEFAULTS: dict[str, Any] = {
     "emulate_seed": 0,
     "emulate_links": "off",
     "threads": 0,
+    "frozen_weights": "keep",
 }
+
+#: `frozen_weights` values: keep frozen weights as loaded, or quantize them at `prepare`.
+FROZEN_WEIGHTS: tuple[str, ...] = ("keep", "nf4", "fp4", "int8")
 
 #: Link throttling modes of the emulated async device.
 EMULATE_LINKS: tuple[str, ...] = ("profile", "off")
@@ -115,6 +119,9 @@ class LazyTrainConfig:
             H2D, D2H and NVMe rates; "off" leaves them unthrottled.
         threads: torch intra-op threads (also the update kernel's); 0 sizes them by the
             rule of `lazytrain_accel/threads.py` at `prepare`, N > 0 uses N.
+        frozen_weights: "keep" streams frozen weights as loaded (a bitsandbytes base stays
+            packed); "nf4" / "fp4" / "int8" quantize the frozen linears of the decoder
+            layers with bitsandbytes at `prepare` (QLoRA from a bf16 base).
     """
 
     plan: str | None = None
@@ -135,6 +142,7 @@ class LazyTrainConfig:
     emulate_seed: int | None = None
     emulate_links: str | None = None
     threads: int | None = None
+    frozen_weights: str | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _from_env: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
@@ -214,6 +222,9 @@ class LazyTrainConfig:
         if self.emulate_links not in EMULATE_LINKS:
             raise ValueError(f"emulate_links={self.emulate_links!r} is not valid: use one of "
                              f"{list(EMULATE_LINKS)}")
+        if self.frozen_weights not in FROZEN_WEIGHTS:
+            raise ValueError(f"frozen_weights={self.frozen_weights!r} is not valid: use one "
+                             f"of {list(FROZEN_WEIGHTS)}")
 
     def is_explicit(self, name: str) -> bool:
         """True when `name` was passed as an argument (not from env or default)."""
@@ -302,6 +313,6 @@ def _coerce(name: str, value: Any) -> Any:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{name}={value!r} must be a non-empty string")
     value = value.strip()
-    if name in ("plan", "hardware", "emulate_links") and not _is_json_path(value):
+    if name in ("plan", "hardware", "emulate_links", "frozen_weights") and not _is_json_path(value):
         return value.lower()  # names ("auto", strategies, presets) are case-insensitive
     return os.path.expanduser(value) if name in ("nvme_dir", "cache_dir") else value

@@ -61,6 +61,7 @@ ENV_VALUES = {
     "emulate_seed": ("7", 7),
     "emulate_links": ("Profile", "profile"),
     "threads": ("4", 4),
+    "frozen_weights": ("NF4", "nf4"),
 }
 
 
@@ -106,6 +107,7 @@ ARGUMENTS = {
     "emulate_seed": (3, 3),
     "emulate_links": ("off", "off"),
     "threads": (2, 2),
+    "frozen_weights": ("int8", "int8"),
 }
 
 
@@ -165,6 +167,7 @@ BAD = [
     ("loss_chunk_tokens", 1.5, ["loss_chunk_tokens=1.5", "integer"]),
     ("seq_len", -2, ["seq_len=-2", ">= 0"]),
     ("batch_size", 0.5, ["batch_size=0.5", "integer"]),
+    ("frozen_weights", "nf3", ["frozen_weights='nf3'", "keep", "nf4", "int8"]),
 ]
 
 

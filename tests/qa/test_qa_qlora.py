@@ -194,3 +194,30 @@ def test_qlora_through_the_trainer_matches_the_stock_trainer(tmp_path: Path) -> 
     for name, value in ours.model.named_parameters():
         torch.testing.assert_close(value.detach(), trained[name].detach(), rtol=0, atol=0,
                                    msg=name)
+
+
+def test_frozen_weights_nf4_quantizes_a_full_precision_base_at_prepare(tmp_path: Path) -> None:
+    """`frozen_weights="nf4"` on a full-precision LoRA model packs its frozen linears as
+    bitsandbytes does (the bytes of a by-hand quantization) and trains exactly like stock
+    Accelerate on the same quantized model."""
+    from lazytrain_accel.engine.quantize_base import quantize_frozen_linears
+
+    def full_precision() -> torch.nn.Module:
+        return peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules=TARGETS,
+                                                                   lora_dropout=0.0))
+
+    reference = full_precision()
+    assert quantize_frozen_linears(reference, "nf4") == 4 * 7
+    stock = train(reference, None)
+    ours = train(full_precision(), plugin(tmp_path, "megatrain", optimizer="keep",
+                                          frozen_weights="nf4"))
+    assert ours.losses == stock.losses
+    assert ours.params.keys() == stock.params.keys()
+    for name, value in stock.params.items():
+        torch.testing.assert_close(ours.params[name], value, rtol=0, atol=0, msg=name)
+    packed = _packed(ours.params)
+    linear = build("llama").model.layers[0].mlp.up_proj
+    by_hand = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4",
+                                compress_statistics=False).to("cpu")
+    name = next(n for n in packed if "layers.0.mlp.up_proj" in n)
+    assert torch.equal(packed[name], by_hand.data)
