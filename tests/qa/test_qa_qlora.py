@@ -196,10 +196,12 @@ def test_qlora_through_the_trainer_matches_the_stock_trainer(tmp_path: Path) -> 
                                    msg=name)
 
 
-def test_frozen_weights_nf4_quantizes_a_full_precision_base_at_prepare(tmp_path: Path) -> None:
-    """`frozen_weights="nf4"` on a full-precision LoRA model packs its frozen linears as
-    bitsandbytes does (the bytes of a by-hand quantization) and trains exactly like stock
-    Accelerate on the same quantized model."""
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_frozen_weights_quantizes_a_full_precision_base_at_prepare(tmp_path: Path,
+                                                                   fmt: str) -> None:
+    """`frozen_weights="nf4"` / `"int8"` on a full-precision LoRA model packs its frozen
+    linears as bitsandbytes does (the bytes of a by-hand quantization) and trains exactly
+    like stock Accelerate on the same quantized model."""
     from lazytrain_accel.engine.quantize_base import quantize_frozen_linears
 
     def full_precision() -> torch.nn.Module:
@@ -207,17 +209,20 @@ def test_frozen_weights_nf4_quantizes_a_full_precision_base_at_prepare(tmp_path:
                                                                    lora_dropout=0.0))
 
     reference = full_precision()
-    assert quantize_frozen_linears(reference, "nf4") == 4 * 7
+    assert quantize_frozen_linears(reference, fmt) == 4 * 7
     stock = train(reference, None)
     ours = train(full_precision(), plugin(tmp_path, "megatrain", optimizer="keep",
-                                          frozen_weights="nf4"))
+                                          frozen_weights=fmt))
     assert ours.losses == stock.losses
     assert ours.params.keys() == stock.params.keys()
     for name, value in stock.params.items():
         torch.testing.assert_close(ours.params[name], value, rtol=0, atol=0, msg=name)
-    packed = _packed(ours.params)
-    linear = build("llama").model.layers[0].mlp.up_proj
-    by_hand = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4",
-                                compress_statistics=False).to("cpu")
+    packed = {n: p for n, p in ours.params.items() if p.dtype in (torch.uint8, torch.int8)}
+    assert len(packed) == 4 * 7
+    weight = build("llama").model.layers[0].mlp.up_proj.weight.data
+    by_hand = (bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+               if fmt == "int8" else bnb.nn.Params4bit(weight, requires_grad=False,
+                                                        quant_type=fmt,
+                                                        compress_statistics=False)).to("cpu")
     name = next(n for n in packed if "layers.0.mlp.up_proj" in n)
     assert torch.equal(packed[name], by_hand.data)
