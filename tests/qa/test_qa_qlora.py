@@ -226,3 +226,46 @@ def test_frozen_weights_quantizes_a_full_precision_base_at_prepare(tmp_path: Pat
                                                         compress_statistics=False)).to("cpu")
     name = next(n for n in packed if "layers.0.mlp.up_proj" in n)
     assert torch.equal(packed[name], by_hand.data)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_trl_sft_trainer_with_peft_config_matches_stock(tmp_path: Path) -> None:
+    """TRL's `SFTTrainer(peft_config=...)` on the nf4 base, made a LazyTrain run with
+    `apply_lazytrain_to_trainer` (what the launcher's `--lazytrain` does to every Trainer):
+    the same losses and adapters as the stock SFTTrainer (fp32: SFTConfig's bf16 off)."""
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    from lazytrain_accel.data.tokenizer import build_demo_tokenizer
+    from lazytrain_accel.integrations.transformers import apply_lazytrain_to_trainer
+
+    texts = [f"{a} plus {b} is {a + b}" for a in range(8) for b in range(2)]
+    tokenizer = build_demo_tokenizer(texts)
+
+    def model() -> torch.nn.Module:
+        base = quantized_base()
+        torch.manual_seed(0)  # the new embedding rows: the same in both runs
+        base.resize_token_embeddings(len(tokenizer))
+        return base
+
+    def run(name: str, lazytrain: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        args = trl.SFTConfig(output_dir=str(tmp_path / name), use_cpu=True, report_to="none",
+                             max_steps=3, save_strategy="no", logging_steps=1,
+                             disable_tqdm=True, learning_rate=1e-2, bf16=False,
+                             per_device_train_batch_size=2, seed=0, data_seed=0,
+                             max_length=16)
+        trainer = trl.SFTTrainer(
+            model=model(), args=args, processing_class=tokenizer,
+            train_dataset=datasets.Dataset.from_dict({"text": texts}),
+            peft_config=peft.LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.0))
+        if lazytrain:
+            apply_lazytrain_to_trainer(trainer, {
+                "plan": "megatrain", "hardware": "h800", "optimizer": "keep",
+                "cache_dir": str(tmp_path / "cache")})
+        trainer.train()
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        return losses, {n: p.detach() for n, p in trainer.model.named_parameters()}
+
+    (stock, stock_params), (ours, ours_params) = run("stock", False), run("ours", True)
+    assert ours == stock and len(stock) == 3
+    for name, value in stock_params.items():
+        torch.testing.assert_close(ours_params[name], value, rtol=0, atol=0, msg=name)
