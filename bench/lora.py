@@ -26,7 +26,12 @@ from lazytrain_accel.planning import (
 from lazytrain_accel.planning.problem import GIB
 from lazytrain_accel.profiling.adapters import lora_profile_inputs
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
-from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
+from lazytrain_accel.profiling.models import (
+    geometry_from_config,
+    load_model_config,
+    profile_model,
+    with_loss_chunk,
+)
 
 MODELS = ("llama3-8b", "llama3-70b")
 #: (label, hardware preset, host GiB; 0 = the preset's own)
@@ -85,8 +90,6 @@ def row(preset: str, machine: tuple[str, str, int], mode: tuple[str, str | None]
 
 def plan_profile(plan, profile):
     """The profile the plan was made for (the planner may have chosen a loss chunk)."""
-    from lazytrain_accel.profiling.models import with_loss_chunk
-
     return with_loss_chunk(profile, plan.loss_chunk_tokens or 0)
 
 

@@ -77,7 +77,11 @@ _DEFAULTS: dict[str, Any] = {
     "emulate_links": "off",
     "threads": 0,
     "overlap_step": True,
+    "frozen_weights": "keep",
 }
+
+#: `frozen_weights` values: keep frozen weights as loaded, or quantize them at `prepare`.
+FROZEN_WEIGHTS: tuple[str, ...] = ("keep", "nf4", "fp4", "int8")
 
 #: Link throttling modes of the emulated async device.
 EMULATE_LINKS: tuple[str, ...] = ("profile", "off")
@@ -123,6 +127,9 @@ class LazyTrainConfig:
         overlap_step: with optimizer="hybrid8bit", `optimizer.step()` starts the update
             layer by layer on a CPU thread and returns; the next forward of layer j waits
             only for layer j (docs/engine.md "Step overlap"). False runs it serially.
+        frozen_weights: "keep" streams frozen weights as loaded (a bitsandbytes base stays
+            packed); "nf4" / "fp4" / "int8" quantize the frozen linears of the decoder
+            layers with bitsandbytes at `prepare` (QLoRA from a bf16 base).
     """
 
     plan: str | None = None
@@ -144,6 +151,7 @@ class LazyTrainConfig:
     emulate_links: str | None = None
     threads: int | None = None
     overlap_step: bool | str | None = None
+    frozen_weights: str | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _from_env: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
@@ -223,6 +231,9 @@ class LazyTrainConfig:
         if self.emulate_links not in EMULATE_LINKS:
             raise ValueError(f"emulate_links={self.emulate_links!r} is not valid: use one of "
                              f"{list(EMULATE_LINKS)}")
+        if self.frozen_weights not in FROZEN_WEIGHTS:
+            raise ValueError(f"frozen_weights={self.frozen_weights!r} is not valid: use one "
+                             f"of {list(FROZEN_WEIGHTS)}")
 
     def is_explicit(self, name: str) -> bool:
         """True when `name` was passed as an argument (not from env or default)."""
@@ -314,6 +325,6 @@ def _coerce(name: str, value: Any) -> Any:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{name}={value!r} must be a non-empty string")
     value = value.strip()
-    if name in ("plan", "hardware", "emulate_links") and not _is_json_path(value):
+    if name in ("plan", "hardware", "emulate_links", "frozen_weights") and not _is_json_path(value):
         return value.lower()  # names ("auto", strategies, presets) are case-insensitive
     return os.path.expanduser(value) if name in ("nvme_dir", "cache_dir") else value

@@ -82,3 +82,13 @@ def test_profile_shows_trainable_and_frozen(capsys) -> None:
     assert weights["frozen_format"] == "nf4" and weights["layer_frozen_scale_bytes"] > 0
     assert weights["layer_trainable_param_count"] < weights["layer_frozen_param_count"] / 100
     assert model["layer_grad_bytes"] == 2 * weights["layer_trainable_param_count"]
+
+
+def test_qlora_70b_admits_at_least_4_x_1024_on_a_4090_and_simulates(capsys) -> None:
+    run = [a for a in RUN if a not in ("--batch-size", "4")]
+    assert main(["max-batch", *run, "--frozen-format", "nf4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_batch_size"] >= 4  # the goal
+    assert main(["simulate", *RUN, "--frozen-format", "nf4", "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert simulated["step_s"] == pytest.approx(simulated["predicted_step_s"])
+    assert simulated["peak_cpu_bytes"] < 64 * 2**30

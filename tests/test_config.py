@@ -62,6 +62,7 @@ ENV_VALUES = {
     "emulate_links": ("Profile", "profile"),
     "threads": ("4", 4),
     "overlap_step": ("off", False),
+    "frozen_weights": ("NF4", "nf4"),
 }
 
 
@@ -108,6 +109,7 @@ ARGUMENTS = {
     "emulate_links": ("off", "off"),
     "threads": (2, 2),
     "overlap_step": (True, True),
+    "frozen_weights": ("int8", "int8"),
 }
 
 
@@ -168,6 +170,7 @@ BAD = [
     ("seq_len", -2, ["seq_len=-2", ">= 0"]),
     ("batch_size", 0.5, ["batch_size=0.5", "integer"]),
     ("overlap_step", "sometimes", ["overlap_step='sometimes'", "boolean"]),
+    ("frozen_weights", "nf3", ["frozen_weights='nf3'", "keep", "nf4", "int8"]),
 ]
 
 

@@ -138,6 +138,10 @@ class Accelerator(accelerate.Accelerator):
         # config.use_cache stays as the user set it: the engine strips KV caches from
         # training calls itself, and the config is what save_pretrained writes.
         compute_dtype = setup.compute_dtype_for(self.mixed_precision)
+        if plugin.frozen_weights != "keep":  # before profiling: plan the packed base
+            from lazytrain_accel.engine.quantize_base import quantize_frozen_linears
+
+            quantize_frozen_linears(model, plugin.frozen_weights, compute_dtype or torch.float32)
         self.lazytrain_sizing = batch_shape.size_run(loader, model, plugin,
                                                       seq_bound=self.lazytrain_seq_bound)
         hardware = load_hardware(plugin.hardware, cache_dir=plugin.cache_dir,

@@ -194,3 +194,78 @@ def test_qlora_through_the_trainer_matches_the_stock_trainer(tmp_path: Path) -> 
     for name, value in ours.model.named_parameters():
         torch.testing.assert_close(value.detach(), trained[name].detach(), rtol=0, atol=0,
                                    msg=name)
+
+
+@pytest.mark.parametrize("fmt", ["nf4", "int8"])
+def test_frozen_weights_quantizes_a_full_precision_base_at_prepare(tmp_path: Path,
+                                                                   fmt: str) -> None:
+    """`frozen_weights="nf4"` / `"int8"` on a full-precision LoRA model packs its frozen
+    linears as bitsandbytes does (the bytes of a by-hand quantization) and trains exactly
+    like stock Accelerate on the same quantized model."""
+    from lazytrain_accel.engine.quantize_base import quantize_frozen_linears
+
+    def full_precision() -> torch.nn.Module:
+        return peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules=TARGETS,
+                                                                   lora_dropout=0.0))
+
+    reference = full_precision()
+    assert quantize_frozen_linears(reference, fmt) == 4 * 7
+    stock = train(reference, None)
+    ours = train(full_precision(), plugin(tmp_path, "megatrain", optimizer="keep",
+                                          frozen_weights=fmt))
+    assert ours.losses == stock.losses
+    assert ours.params.keys() == stock.params.keys()
+    for name, value in stock.params.items():
+        torch.testing.assert_close(ours.params[name], value, rtol=0, atol=0, msg=name)
+    packed = {n: p for n, p in ours.params.items() if p.dtype in (torch.uint8, torch.int8)}
+    assert len(packed) == 4 * 7
+    weight = build("llama").model.layers[0].mlp.up_proj.weight.data
+    by_hand = (bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+               if fmt == "int8" else bnb.nn.Params4bit(weight, requires_grad=False,
+                                                        quant_type=fmt,
+                                                        compress_statistics=False)).to("cpu")
+    name = next(n for n in packed if "layers.0.mlp.up_proj" in n)
+    assert torch.equal(packed[name], by_hand.data)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_trl_sft_trainer_with_peft_config_matches_stock(tmp_path: Path) -> None:
+    """TRL's `SFTTrainer(peft_config=...)` on the nf4 base, made a LazyTrain run with
+    `apply_lazytrain_to_trainer` (what the launcher's `--lazytrain` does to every Trainer):
+    the same losses and adapters as the stock SFTTrainer (fp32: SFTConfig's bf16 off)."""
+    datasets = pytest.importorskip("datasets")
+    trl = pytest.importorskip("trl")
+    from lazytrain_accel.data.tokenizer import build_demo_tokenizer
+    from lazytrain_accel.integrations.transformers import apply_lazytrain_to_trainer
+
+    texts = [f"{a} plus {b} is {a + b}" for a in range(8) for b in range(2)]
+    tokenizer = build_demo_tokenizer(texts)
+
+    def model() -> torch.nn.Module:
+        base = quantized_base()
+        torch.manual_seed(0)  # the new embedding rows: the same in both runs
+        base.resize_token_embeddings(len(tokenizer))
+        return base
+
+    def run(name: str, lazytrain: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        args = trl.SFTConfig(output_dir=str(tmp_path / name), use_cpu=True, report_to="none",
+                             max_steps=3, save_strategy="no", logging_steps=1,
+                             disable_tqdm=True, learning_rate=1e-2, bf16=False,
+                             per_device_train_batch_size=2, seed=0, data_seed=0,
+                             max_length=16)
+        trainer = trl.SFTTrainer(
+            model=model(), args=args, processing_class=tokenizer,
+            train_dataset=datasets.Dataset.from_dict({"text": texts}),
+            peft_config=peft.LoraConfig(r=4, target_modules=TARGETS, lora_dropout=0.0))
+        if lazytrain:
+            apply_lazytrain_to_trainer(trainer, {
+                "plan": "megatrain", "hardware": "h800", "optimizer": "keep",
+                "cache_dir": str(tmp_path / "cache")})
+        trainer.train()
+        losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+        return losses, {n: p.detach() for n, p in trainer.model.named_parameters()}
+
+    (stock, stock_params), (ours, ours_params) = run("stock", False), run("ours", True)
+    assert ours == stock and len(stock) == 3
+    for name, value in stock_params.items():
+        torch.testing.assert_close(ours_params[name], value, rtol=0, atol=0, msg=name)
