@@ -42,8 +42,8 @@ from lazytrain_accel.engine import attach
 from lazytrain_accel.engine.emulation import EmulationSettings
 from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning import Budgets, build_problem, make_plan, simulate
-from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.planning.problem import GPU_RESERVE_FRACTION
+from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import geometry_from_config, profile_model
