@@ -187,7 +187,7 @@ def plans(profile: ModelProfile, hw: HardwareProfile) -> dict[str, object]:
     A = profile.boundary_bytes
     gpu = int((p.static_gpu_bytes + (p.staging_boundaries + 3) * A)
               / (1 - GPU_RESERVE_FRACTION)) + 1
-    budgets = Budgets(gpu_bytes=gpu, cpu_bytes=p.static_cpu_bytes + 2 * A, nvme_bytes=64 * GIB)
+    budgets = Budgets(gpu_bytes=gpu, cpu_bytes=p.cpu_fixed_bytes + 2 * A, nvme_bytes=64 * GIB)
     out["auto+nvme"] = make_plan(profile, hw, strategy="lazytrain", budgets=budgets,
                                  max_recompute_block=1, time_limit_s=20.0)
     return out
