@@ -75,3 +75,25 @@ def test_an_unreadable_dataset_is_an_input_error(tmp_path: Path, capsys) -> None
     assert err.startswith(f"lazytrain demo: cannot read the dataset '{tmp_path}/nope.jsonl' "
                           "(No such file or directory); pass a MetaMathQA-form JSONL")
     assert "Errno" not in err
+
+
+_PLAN_3B = ["plan", "--model", "qwen2.5-3b", "--batch-size", "8", "--seq-len", "1024"]
+
+
+def test_planning_flags_left_out_take_the_environment(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("LAZYTRAIN_HARDWARE", "no-such-gpu")
+    assert main(_PLAN_3B) == 2  # the variable was read: no silent `auto`
+    assert "no-such-gpu" in capsys.readouterr().err
+    monkeypatch.setenv("LAZYTRAIN_HARDWARE", "h800")
+    monkeypatch.setenv("LAZYTRAIN_GPU_MEMORY_LIMIT_GB", "1")
+    assert main(_PLAN_3B) == 2
+    assert "GPU short by" in capsys.readouterr().err
+
+
+def test_a_given_flag_beats_the_environment(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("LAZYTRAIN_HARDWARE", "no-such-gpu")
+    monkeypatch.setenv("LAZYTRAIN_GPU_MEMORY_LIMIT_GB", "1")
+    assert main([*_PLAN_3B, "--hardware", "h800", "--gpu-memory-gb", "80", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["profile", "--model", "qwen2.5-3b", "--batch-size", "1", "--seq-len", "128",
+                 "--hardware", "h800", "--json"]) == 0

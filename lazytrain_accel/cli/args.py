@@ -6,6 +6,14 @@ Light on purpose (argparse only): every subcommand's parser imports it.
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+#: Flags of the planning commands (dest) and the `LazyTrainConfig` field whose
+#: `LAZYTRAIN_*` variable fills them when the flag is left out.
+ENV_FILLED = {"hardware": "hardware", "time_limit_s": "solver_time_limit_s",
+              "max_recompute_block": "max_recompute_block",
+              "gpu_memory_gb": "gpu_memory_limit_gb", "cpu_memory_gb": "cpu_memory_limit_gb",
+              "nvme_gb": "nvme_limit_gb", "loss_chunk_tokens": "loss_chunk_tokens"}
 
 
 def _int_at_least(text: str, minimum: int) -> int:
@@ -68,3 +76,15 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter-config", metavar="adapter_config.json",
                    help="a PEFT LoraConfig JSON giving r and target_modules (instead of "
                    "--lora-rank and --lora-targets)")
+
+
+def fill_from_environment(args: argparse.Namespace) -> None:
+    """Flags left out (None) take their `LAZYTRAIN_*` variable, else the config's default:
+    a flag the user did not give never overrides the environment."""
+    from lazytrain_accel.config import env_setting
+
+    for dest, field in ENV_FILLED.items():
+        if hasattr(args, dest) and getattr(args, dest) is None:
+            value: Any = env_setting(field)
+            setattr(args, dest, None if value == "auto" and dest == "loss_chunk_tokens"
+                    else value)

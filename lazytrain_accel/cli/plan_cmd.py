@@ -10,7 +10,12 @@ import json
 from typing import Any
 
 from lazytrain_accel.cli import CliError, help_of
-from lazytrain_accel.cli.args import add_lora_args, add_loss_chunk_arg, positive_int
+from lazytrain_accel.cli.args import (
+    add_lora_args,
+    add_loss_chunk_arg,
+    fill_from_environment,
+    positive_int,
+)
 from lazytrain_accel.cli.lora import lora_weights
 from lazytrain_accel.planning import (
     STRATEGIES,
@@ -41,8 +46,9 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
     """`batch`: "required", "optional" (simulate: a plan file brings it) or "none"."""
     p.add_argument("--model", required=True, help=f"preset ({', '.join(MODEL_PRESETS)}), "
                    "HF model directory or config .json")
-    p.add_argument("--hardware", default="auto", help="preset (" + ", ".join(HARDWARE_PRESETS)
-                   + "), hardware JSON, or 'auto' to measure this machine (default)")
+    p.add_argument("--hardware", help="preset (" + ", ".join(HARDWARE_PRESETS)
+                   + "), hardware JSON, or 'auto' to measure this machine (default: "
+                   "LAZYTRAIN_HARDWARE, else auto)")
     with_plan = " (required unless --plan gives it)" if batch == "optional" else ""
     if batch != "none":
         p.add_argument("--batch-size", type=positive_int, required=batch == "required",
@@ -55,16 +61,20 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
                    "...), fp32 = no mixed precision (default bf16)")
     p.add_argument("--strategy", choices=STRATEGIES, default="lazytrain",
                    help="the MIP (default), its GPU-only variant, or a baseline")
-    p.add_argument("--time-limit-s", type=float, default=60.0,
-                   help="MIP wall-clock limit; the incumbent is used on timeout (default 60)")
-    p.add_argument("--max-recompute-block", type=positive_int, default=8,
-                   help="K, the longest recompute block (default 8)")
+    p.add_argument("--time-limit-s", type=float,
+                   help="MIP wall-clock limit; the incumbent is used on timeout (default: "
+                   "LAZYTRAIN_SOLVER_TIME_LIMIT_S, else 60)")
+    p.add_argument("--max-recompute-block", type=positive_int,
+                   help="K, the longest recompute block (default: "
+                   "LAZYTRAIN_MAX_RECOMPUTE_BLOCK, else 8)")
     add_loss_chunk_arg(p, default=None, allow_auto=True)
     add_lora_args(p)
-    for flag, what in (("--gpu-memory-gb", "GPU"), ("--cpu-memory-gb", "host DRAM"),
-                       ("--nvme-gb", "NVMe")):
-        p.add_argument(flag, type=float, default=0.0,
-                       help=f"{what} budget in GiB (default 0 = the hardware profile's)")
+    for flag, what, env in (("--gpu-memory-gb", "GPU", "GPU_MEMORY_LIMIT_GB"),
+                            ("--cpu-memory-gb", "host DRAM", "CPU_MEMORY_LIMIT_GB"),
+                            ("--nvme-gb", "NVMe", "NVME_LIMIT_GB")):
+        p.add_argument(flag, type=float,
+                       help=f"{what} budget in GiB (default: LAZYTRAIN_{env}, else 0 = the "
+                       "hardware profile's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -238,6 +248,7 @@ def _run_max_batch(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     runner = {"plan": _run_plan, "simulate": _run_simulate, "max-batch": _run_max_batch}
     try:
+        fill_from_environment(args)  # LAZYTRAIN_* for flags left out
         return runner[args.command](args)
     except ValueError as err:  # infeasible budgets, bad plan files, bad values: inputs
         raise CliError(str(err), exit_code=2) from None

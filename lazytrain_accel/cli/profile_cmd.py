@@ -9,6 +9,7 @@ from typing import Any
 from lazytrain_accel.cli import CliError, help_of
 from lazytrain_accel.cli.args import add_lora_args, add_loss_chunk_arg, positive_int
 from lazytrain_accel.cli.lora import lora_weights
+from lazytrain_accel.config import env_setting
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import (
@@ -30,8 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
         "with per-layer compute and transfer seconds on a hardware profile.")
     p.add_argument("--model", help=f"preset ({', '.join(MODEL_PRESETS)}), HF model "
                    "directory or config .json")
-    p.add_argument("--hardware", default="auto", help="preset (" + ", ".join(HARDWARE_PRESETS)
-                   + "), hardware JSON, or 'auto' to measure this machine (default)")
+    p.add_argument("--hardware", help="preset (" + ", ".join(HARDWARE_PRESETS)
+                   + "), hardware JSON, or 'auto' to measure this machine (default: "
+                   "LAZYTRAIN_HARDWARE, else auto)")
     p.add_argument("--batch-size", type=positive_int, default=1,
                    help="micro-batch size (default 1)")
     p.add_argument("--seq-len", type=positive_int, default=1024,
@@ -162,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         model = profile_model(geometry, batch_size=args.batch_size, seq_len=args.seq_len,
                               compute_bytes_per_elem=COMPUTE_DTYPE_BYTES[args.dtype],
                               loss_chunk_tokens=args.loss_chunk_tokens, weights=weights)
-        hardware = load_hardware(args.hardware, refresh=args.refresh)
+        hardware = load_hardware(args.hardware or env_setting("hardware"), refresh=args.refresh)
     except ValueError as err:
         raise CliError(str(err), exit_code=2) from None
     if args.save_hardware:
