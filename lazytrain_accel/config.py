@@ -86,6 +86,15 @@ FROZEN_WEIGHTS: tuple[str, ...] = ("keep", "nf4", "fp4", "int8")
 #: Link throttling modes of the emulated async device.
 EMULATE_LINKS: tuple[str, ...] = ("profile", "off")
 
+#: Fields that take one of a fixed set of strings.
+_CHOICES: dict[str, tuple[str, ...]] = {"emulate_links": EMULATE_LINKS,
+                                        "frozen_weights": FROZEN_WEIGHTS}
+
+
+def _check_choice(name: str, value: str) -> None:
+    if value not in _CHOICES[name]:
+        raise ValueError(f"{name}={value!r} is not valid: use one of {list(_CHOICES[name])}")
+
 
 @dataclass(kw_only=True)
 class LazyTrainConfig:
@@ -228,12 +237,8 @@ class LazyTrainConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = size the "
                                  "plan from the data)")
-        if self.emulate_links not in EMULATE_LINKS:
-            raise ValueError(f"emulate_links={self.emulate_links!r} is not valid: use one of "
-                             f"{list(EMULATE_LINKS)}")
-        if self.frozen_weights not in FROZEN_WEIGHTS:
-            raise ValueError(f"frozen_weights={self.frozen_weights!r} is not valid: use one "
-                             f"of {list(FROZEN_WEIGHTS)}")
+        for name in _CHOICES:
+            _check_choice(name, getattr(self, name))
 
     def is_explicit(self, name: str) -> bool:
         """True when `name` was passed as an argument (not from env or default)."""
@@ -280,9 +285,8 @@ def env_setting(name: str) -> Any:
         return default() if callable(default) else default
     try:
         coerced = _coerce(name, value)
-        if name == "emulate_links" and coerced not in EMULATE_LINKS:
-            raise ValueError(f"emulate_links={coerced!r} is not valid: use one of "
-                             f"{list(EMULATE_LINKS)}")
+        if name in _CHOICES:
+            _check_choice(name, coerced)
     except ValueError as err:
         raise ValueError(f"{err} (value from the environment variable "
                          f"{ENV_PREFIX}{name.upper()})") from None
