@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -92,6 +93,20 @@ def test_two_processes_match_one_process_on_global_batch(tmp_path: Path) -> None
     # (Adam amplifies the 1e-7 differences of averaged gradients to ~2e-4 in 4 steps).
     assert two[0] == pytest.approx(one[0], rel=1e-6)
     assert two == pytest.approx(one, rel=1e-3)
+
+
+@pytest.mark.parametrize("optimizer", ["keep", "hybrid8bit"])
+def test_an_overflow_on_one_rank_is_skipped_on_every_rank(tmp_path: Path, optimizer: str
+                                                          ) -> None:
+    # Rank 1's gradients overflow at step 1; after the all-reduce every rank holds them,
+    # so every rank must skip that step: same weights, same schedule, no NaN.
+    _launch(tmp_path, "two", "--steps", "3", "--batch-size", "4", "--lazytrain",
+            "--plan", "offload_all", "--optimizer", optimizer, "--poison-rank", "1",
+            "--poison-step", "1", "--state-out", str(tmp_path / "rank"), num_processes=2)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    assert ranks[0]["skipped"] == 1
+    assert math.isfinite(ranks[0]["weights_sum"])
 
 
 def test_save_load_state_resumes_identically(tmp_path: Path) -> None:

@@ -2,7 +2,9 @@
 
 Tiny Qwen2 from a config, synthetic token data, AdamW, a linear LR schedule, gradient
 accumulation, clipping. Writes the per-step losses to --losses (JSON) so tests can compare
-runs launched in different ways.
+runs launched in different ways. `--poison-rank R --poison-step S` makes rank R's loss
+infinite at step S (a local overflow); `--state-out` writes each rank's final weights
+checksum, learning rate and skipped-step count.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def main() -> None:
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--losses", required=True)
     p.add_argument("--cpu", action="store_true")
+    p.add_argument("--poison-rank", type=int, default=None)
+    p.add_argument("--poison-step", type=int, default=None)
+    p.add_argument("--state-out", default=None, help="per-rank JSON file prefix")
     args = p.parse_args()
 
     set_seed(0)
@@ -76,7 +81,9 @@ def main() -> None:
         for (ids,) in epoch_loader:
             with accelerator.accumulate(model):
                 out = model(input_ids=ids, labels=ids)
-                accelerator.backward(out.loss)
+                poisoned = (accelerator.process_index == args.poison_rank
+                            and step == args.poison_step)
+                accelerator.backward(out.loss * (float("inf") if poisoned else 1.0))
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
@@ -97,6 +104,14 @@ def main() -> None:
     if accelerator.is_main_process:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
+    if args.state_out:
+        accelerator.wait_for_everyone()  # a running layer-wise update has ended
+        with open(f"{args.state_out}{accelerator.process_index}.json", "w") as f:
+            json.dump({"weights_sum": sum(float(p.detach().double().sum())
+                                       for p in model.parameters()),
+                       "lr": scheduler.get_last_lr()[0],
+                       "skipped": accelerator.lazytrain_guard.skipped_steps
+                       if args.lazytrain else None}, f)
     # All ranks reach the process-group teardown together: a rank still tearing down
     # after rank 0 (which hosts the rendezvous store) has exited can wait forever.
     accelerator.wait_for_everyone()

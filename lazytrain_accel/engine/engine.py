@@ -250,23 +250,21 @@ class StreamingEngine:
         if self._update is not None:
             self._update.wait(layer)
 
-    def step_layerwise(self, optimizer: LayerwiseOptimizer, *,
-                       use_engine_norms: bool = True) -> None:
+    def step_layerwise(self, optimizer: LayerwiseOptimizer) -> None:
         """Update parameters layer by layer in forward order on a CPU thread.
 
         `optimizer` implements `LayerwiseOptimizer` (HybridAdamW8bit does). The next
         forward of layer j waits only for layer j's update; the next backward, a
         `state_dict()`, `load_state_dict()` and `synchronize()` wait for the whole update.
-        `use_engine_norms`: clip with the norms recorded as gradients landed (False when
-        something rewrote the gradients since, e.g. a data-parallel all-reduce).
+        It clips with the norms recorded as gradients landed (re-measured after a
+        data-parallel all-reduce: `refresh_grad_sq_norms`).
         """
         self._wait_update()
         if self._open or self.residents.active:
             raise RuntimeError("step_layerwise() called while a forward still awaits its "
                                "backward; call it after loss.backward()")
         self.sink.drain()
-        if use_engine_norms:
-            optimizer.set_grad_sq_norms(self.grad_sq_norms())
+        optimizer.set_grad_sq_norms(self.grad_sq_norms())
         if not optimizer.begin_step():
             return  # non-finite gradients: the optimizer skipped (and counted) this step
         owned = {p for group in optimizer.param_groups for p in group["params"]}
@@ -295,6 +293,14 @@ class StreamingEngine:
         """Squared L2 norm of each parameter's accumulated `.grad`, kept as grads landed."""
         self.sink.drain()
         return {p: sq for p, sq in self.sink.sq_norms.items() if p.grad is not None}
+
+    def refresh_grad_sq_norms(self, params: list[nn.Parameter]) -> None:
+        """Re-measure the recorded norms of `params` whose `.grad` was rewritten outside
+        the engine (a data-parallel all-reduce), so clipping and the non-finite guard see
+        the gradients the optimizer will apply."""
+        self.sink.drain()
+        self.sink.record_norms([p for p in params
+                                if p in self.sink.sq_norms and p.grad is not None])
 
     def register_grad_ready_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> None:
         """Call `hook(params)` each time a streamed layer's gradients have been folded

@@ -119,11 +119,7 @@ class Accelerator(accelerate.Accelerator):
         if not isinstance(optimizer, HybridAdamW8bit) or not self.lazytrain_plugin.overlap_step:
             return  # optimizer="keep" (any torch optimizer) steps serially, inline
 
-        def overlapped_step(opt: HybridAdamW8bit) -> None:
-            # After a data-parallel all-reduce the recorded norms are stale: measure.
-            engine.step_layerwise(opt, use_engine_norms=self._lazytrain_reducer is None)
-
-        optimizer.step_runner = overlapped_step
+        optimizer.step_runner = engine.step_layerwise
 
     def _lazytrain_synchronize(self) -> None:
         if self.lazytrain_engine is not None:
@@ -222,7 +218,7 @@ class Accelerator(accelerate.Accelerator):
                 raise ValueError(f"norm_type={norm_type}: the hybrid 8-bit operator clips by "
                                  "the L2 norm only; use norm_type=2 or optimizer='keep'")
             optimizer.max_grad_norm = float(max_norm)
-            if self.lazytrain_engine is not None and self._lazytrain_reducer is None:
+            if self.lazytrain_engine is not None:
                 optimizer.set_grad_sq_norms(self.lazytrain_engine.grad_sq_norms())
             return optimizer.grad_norm()
         return super().clip_grad_norm_(parameters, max_norm, norm_type)

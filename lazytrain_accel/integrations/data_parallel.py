@@ -26,6 +26,8 @@ class GradReadyHooks(Protocol):
     def register_grad_ready_hook(self, hook: Callable[[list[nn.Parameter]], None]
                                  ) -> None: ...
 
+    def refresh_grad_sq_norms(self, params: list[nn.Parameter]) -> None: ...
+
 
 class GradientAllReducer:
     """Overlapped per-layer gradient averaging across the default process group."""
@@ -40,6 +42,7 @@ class GradientAllReducer:
         self._pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = []
         self._reduced: set[int] = set()
         self._model = model
+        self._engine = engine
         self._backend_device = (torch.device("cuda", torch.cuda.current_device())
                                 if dist.get_backend() == "nccl" else torch.device("cpu"))
         engine.register_grad_ready_hook(self._on_layer_grads)
@@ -59,7 +62,9 @@ class GradientAllReducer:
         self._reduced.update(id(p) for p in params)
 
     def finish(self) -> None:
-        """Reduce what the hooks did not cover (resident modules), wait, average."""
+        """Reduce what the hooks did not cover (resident modules), wait, average; then
+        the engine re-measures its recorded norms, so every rank clips by the global
+        norm and skips a non-finite step together."""
         rest = [p for p in self._model.parameters()
                 if p.grad is not None and id(p) not in self._reduced]
         self._launch(rest)
@@ -71,5 +76,6 @@ class GradientAllReducer:
                 n = p.grad.numel()
                 p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
                 offset += n
+            self._engine.refresh_grad_sq_norms(params)
         self._pending.clear()
         self._reduced.clear()
