@@ -302,6 +302,14 @@ class StreamingEngine:
         self.sink.record_norms([p for p in params
                                 if p in self.sink.sq_norms and p.grad is not None])
 
+    def scale_grad_sq_norms(self, factor: float) -> None:
+        """Multiply the recorded squared norms by `factor` after every `.grad` was scaled
+        by its square root (fp16 loss scaling undone: factor = 1 / scale**2, exact for a
+        power-of-two scale)."""
+        self.sink.drain()
+        for p in self.sink.sq_norms:
+            self.sink.sq_norms[p] *= factor
+
     def register_grad_ready_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> None:
         """Call `hook(params)` each time a streamed layer's gradients have been folded
         into the host `.grad` of `params` (once per layer per backward pass)."""

@@ -209,7 +209,9 @@ class Accelerator(accelerate.Accelerator):
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
         """Global gradient norm; with the hybrid operator, clipping happens inside its
-        fused update (the gradients are not touched here, so nothing is clipped twice)."""
+        fused update (the gradients are not touched here, so nothing is clipped twice).
+        fp16 loss scaling is undone first, as stock does, and the norms the engine
+        recorded as the scaled gradients landed are rescaled with it."""
         from lazytrain_accel.optim import HybridAdamW8bit
 
         optimizer = self._lazytrain_optimizer
@@ -218,6 +220,10 @@ class Accelerator(accelerate.Accelerator):
                 raise ValueError(f"norm_type={norm_type}: the hybrid 8-bit operator clips by "
                                  "the L2 norm only; use norm_type=2 or optimizer='keep'")
             optimizer.max_grad_norm = float(max_norm)
+            if self.scaler is not None and self.native_amp:
+                self.unscale_gradients()
+                if self.lazytrain_engine is not None:
+                    self.lazytrain_engine.scale_grad_sq_norms(self.scaler.get_scale() ** -2)
             if self.lazytrain_engine is not None:
                 optimizer.set_grad_sq_norms(self.lazytrain_engine.grad_sq_norms())
             return optimizer.grad_norm()

@@ -128,3 +128,30 @@ def test_bf16_mixed_precision_stays_within_bf16_tolerance(plugin: LazyTrainPlugi
             assert all(p.dtype == torch.float32 for p in model.parameters())
         acc.end_training()
     assert losses["ours"] == pytest.approx(losses["stock"], rel=2e-2)
+
+
+def test_fp16_loss_scaling_is_undone_before_the_clip_norm(plugin: LazyTrainPlugin) -> None:
+    # A CUDA fp16 run scales the loss; on a CPU, Accelerate makes no scaler, so one is put
+    # in by hand. The engine records the norms of the *scaled* gradients as they land:
+    # clipping must use the unscaled norm, as stock does (it was `scale` times too large).
+    runs = {}
+    for name, kwargs in (("stock", {}), ("ours", {"plugin": plugin})):
+        acc = Accelerator(cpu=True, mixed_precision="fp16", **kwargs)
+        acc.scaler, acc.native_amp = torch.amp.GradScaler("cpu", init_scale=1024.0), True
+        model = _model()
+        model, opt, loader = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=3e-3),
+                                         _loader())
+        runs[name] = []
+        for _ in range(2):
+            for (ids,) in loader:
+                loss = model(input_ids=ids, labels=ids).loss
+                acc.backward(loss)
+                norm = acc.clip_grad_norm_(model.parameters(), 0.05)
+                opt.step()
+                opt.zero_grad()
+                runs[name].append((float(loss.detach()), float(norm)))
+        acc.end_training()
+    (stock_losses, stock_norms), (losses, norms) = (zip(*runs[k], strict=True)
+                                                    for k in ("stock", "ours"))
+    assert norms == pytest.approx(stock_norms, rel=2e-2)
+    assert losses == pytest.approx(stock_losses, rel=2e-3)
