@@ -136,8 +136,8 @@ class PackedWeightPool(WeightPool):
         # Frozen: the host tensors (and their byte layout) are fixed from here on.
         self._host = [[_host_tensors(p) for p in ps] for ps in self._packed]
         self._states = [[getattr(p, "quant_state", None) for p in ps] for ps in self._packed]
-        nbytes = max((sum(_aligned(t.numel() * t.element_size()) for ts in layer for t in
-                          ts.values()) for layer in self._host), default=0)
+        self._offsets, self._layer_slot_bytes = _layout(self._host)
+        nbytes = max(self._layer_slot_bytes, default=0)
         self._packed_slots = [torch.empty(nbytes, dtype=torch.uint8, device=self._streams.device)
                               for _ in range(len(self._slots))]
         self._packed_staging = [self._streams.empty_host(torch.Size([nbytes]), torch.uint8)
@@ -154,19 +154,18 @@ class PackedWeightPool(WeightPool):
 
     def _load_packed(self, layer: int, slot: int) -> None:
         streams, staging = self._streams, self._packed_staging[slot]
-        host = self._host[layer - 1]
-        offset = 0
+        host, offsets = self._host[layer - 1], self._offsets[layer - 1]
+        end = self._layer_slot_bytes[layer - 1]
         with self._acct.timed_transfer("weights_h2d", _layer_bytes(host)):
             streams.host_waits(self._packed_staging_free[slot])  # its last H2D done
             streams.claim(staging)
-            for tensors in host:
-                for t in tensors.values():
-                    n = t.numel() * t.element_size()
-                    staging[offset:offset + n].view(t.dtype).view(t.shape).copy_(t)
-                    offset += _aligned(n)
+            for tensors, starts in zip(host, offsets, strict=True):
+                for view, t in zip(_views(staging, tensors, starts), tensors.values(),
+                                   strict=True):
+                    view.copy_(t)
             with streams.copy_stream("h2d"):
                 streams.compute_waits(self._slot_done[slot])  # slot's last reader done
-                streams.copy_(self._packed_slots[slot][:offset], staging[:offset])
+                streams.copy_(self._packed_slots[slot][:end], staging[:end])
                 event = streams.record()
         # Same side stream, after the float copy: this event covers the whole slot.
         self._slot_loaded[slot] = event
@@ -176,15 +175,11 @@ class PackedWeightPool(WeightPool):
         super().acquire(layer)
         if self._in_place:
             return
-        flat, offset = self._packed_slots[self._acquired[layer][0]], 0
-        for p, host, state in zip(self._packed[layer - 1], self._host[layer - 1],
-                                  self._states[layer - 1], strict=True):
-            views = {}
-            for name, t in host.items():
-                n = t.numel() * t.element_size()
-                views[name] = flat[offset:offset + n].view(t.dtype).view(t.shape)
-                offset += _aligned(n)
-            _point_at(p, host, views, state)
+        flat = self._packed_slots[self._acquired[layer][0]]
+        for p, host, starts, state in zip(self._packed[layer - 1], self._host[layer - 1],
+                                          self._offsets[layer - 1], self._states[layer - 1],
+                                          strict=True):
+            _point_at(p, host, dict(zip(host, _views(flat, host, starts), strict=True)), state)
 
     def release(self, layer: int) -> None:
         if not self._in_place:
@@ -204,6 +199,31 @@ class PackedWeightPool(WeightPool):
             self._acct.free("host_pinned", n)
             self._packed_slots, self._packed_staging = [], []
         super().close()
+
+
+def _layout(host: list[list[dict[str, torch.Tensor]]]
+            ) -> tuple[list[list[list[tuple[int, int]]]], list[int]]:
+    """Per layer, per packed parameter, each tensor's (start, end) byte offsets in a slot
+    (starts aligned to `ALIGN_BYTES`); and per layer the bytes of slot it fills."""
+    layout, sizes = [], []
+    for layer in host:
+        offset, per_param = 0, []
+        for tensors in layer:
+            spans = []
+            for t in tensors.values():
+                spans.append((offset, offset + t.numel() * t.element_size()))
+                offset = _aligned(spans[-1][1])
+            per_param.append(spans)
+        layout.append(per_param)
+        sizes.append(offset)
+    return layout, sizes
+
+
+def _views(flat: torch.Tensor, tensors: dict[str, torch.Tensor],
+           spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views of byte buffer `flat` shaped and typed like `tensors`, at `spans`."""
+    return [flat[start:end].view(t.dtype).view(t.shape)
+            for t, (start, end) in zip(tensors.values(), spans, strict=True)]
 
 
 def _layer_bytes(host: list[dict[str, torch.Tensor]]) -> int:
