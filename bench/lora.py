@@ -8,8 +8,11 @@ Columns: host bytes = the plan's simulated host peak at micro-batch 1 x 1024 (ma
 gradients, optimizer state, frozen weights as stored, staging); PCIe bytes per step =
 H2D + D2H of that step (weights, gradients, activations); tokens/s = the simulated step
 at the largest micro-batch that plans at 1024 tokens (searched up to --batch-limit);
-max micro-batch at 1024 and 4096 tokens. The loss head is "auto" (the planner may pick
-the fused chunked loss). Ratios are against the full fine-tune of the same row.
+max micro-batch at 1024 and 4096 tokens; dequant = the share of the step (at micro-batch
+1 / at the largest) the device spends dequantizing packed weights (bitsandbytes, once
+per forward, forward re-run, recompute and backward of each layer, at the preset's
+`dequant_bytes_per_s`). The loss head is "auto" (the planner may pick the fused
+chunked loss). Ratios are against the full fine-tune of the same row.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from lazytrain_accel.planning import (
     max_batch_size,
     simulate,
 )
+from lazytrain_accel.planning.plan import Home
 from lazytrain_accel.planning.problem import GIB
 from lazytrain_accel.profiling.adapters import lora_profile_inputs
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
@@ -73,10 +77,12 @@ def row(preset: str, machine: tuple[str, str, int], mode: tuple[str, str | None]
         plan = make_plan(one, hw, **kwargs)
         sim = simulate(plan, plan_profile(plan, one), hw)
         out.update(host_bytes=sim.peak_cpu_bytes, pcie_bytes=pcie_bytes(sim, hw),
-                   tokens_per_s_1=sim.tokens_per_s)
+                   tokens_per_s_1=sim.tokens_per_s,
+                   dequant_share_1=dequant_s(plan, one, hw) / sim.step_s)
         best = max_batch_size(at_1k, hw, limit=args.batch_limit, **kwargs)
         big = make_plan(at_1k(best), hw, **kwargs)
-        out.update(batch_1k=best, tokens_per_s=big.prediction.tokens_per_s)
+        out.update(batch_1k=best, tokens_per_s=big.prediction.tokens_per_s,
+                   dequant_share=dequant_s(big, at_1k(best), hw) / big.prediction.step_s)
         try:
             out["batch_4k"] = max_batch_size(profile_at(preset, mode[1], args.rank, 4096), hw,
                                              limit=args.batch_limit, **kwargs)
@@ -88,6 +94,16 @@ def row(preset: str, machine: tuple[str, str, int], mode: tuple[str, str | None]
     return out
 
 
+def dequant_s(plan, profile, hw) -> float:
+    """Device seconds of one step spent dequantizing packed weights: per layer a forward,
+    a forward re-run and a backward, plus one forward per recomputed layer."""
+    w = profile.weights
+    if w is None:
+        return 0.0
+    passes = 3 * plan.num_layers + sum(h == Home.RECOMPUTE for h in plan.homes)
+    return passes * w.layer_dequant_bytes(profile.compute_bytes_per_elem) / hw.dequant_bytes_per_s
+
+
 def plan_profile(plan, profile):
     """The profile the plan was made for (the planner may have chosen a loss chunk)."""
     return with_loss_chunk(profile, plan.loss_chunk_tokens or 0)
@@ -95,8 +111,8 @@ def plan_profile(plan, profile):
 
 def print_table(rows: list[dict], batch_limit: int) -> None:
     print("| model | machine | run | host GiB | PCIe GB/step (b=1) | tokens/s at b=1 | "
-          "tokens/s at max b | max b @1024 | max b @4096 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "tokens/s at max b | dequant (b=1 / max b) | max b @1024 | max b @4096 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     full: dict[tuple[str, str], dict] = {}
     for r in rows:
         key = (r["model"], r["machine"])
@@ -104,12 +120,13 @@ def print_table(rows: list[dict], batch_limit: int) -> None:
             full[key] = r
         head = f"| {r['model']} | {r['machine']} | {r['mode']} |"
         if "refused" in r:
-            print(f"{head} does not fit ({r['refused']}) | | | | | |")
+            print(f"{head} does not fit ({r['refused']}) | | | | | | |")
             continue
         base = full.get(key)
         base = base if base is not None and "refused" not in base and r is not base else None
         print(f"{head} {r['host_bytes'] / GIB:.1f} | {r['pcie_bytes'] / 1e9:.1f} | "
               f"{_speed(r, base, 'tokens_per_s_1')} | {_speed(r, base, 'tokens_per_s')} | "
+              f"{100 * r['dequant_share_1']:.1f}% / {100 * r['dequant_share']:.1f}% | "
               f"{_cap(r['batch_1k'], batch_limit)} | {_cap(r['batch_4k'], batch_limit)} |")
 
 

@@ -16,15 +16,18 @@ WORDS = ["the", "cat", "dog", "sat", "ran", "on", "a", "mat", "log", "red", "big
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
 
 
-def make_model_dir(path: Path, *, num_layers: int = 3, seed: int = 0) -> Path:
-    """A 3-layer Llama (hidden 32) with its tokenizer, saved with `save_pretrained`."""
+def make_model_dir(path: Path, *, num_layers: int = 3, seed: int = 0,
+                   hidden_size: int = 32) -> Path:
+    """A 3-layer Llama (hidden 32, MLP twice that) with its tokenizer, saved with
+    `save_pretrained`."""
     vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>",
                                         unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                                         model_max_length=256)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=hidden_size,
+                         intermediate_size=2 * hidden_size,
                          num_hidden_layers=num_layers, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=256,
                          pad_token_id=0, bos_token_id=2, eos_token_id=3)

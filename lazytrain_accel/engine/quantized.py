@@ -5,13 +5,15 @@ A QLoRA base keeps its linear weights packed (4-bit: two weights per uint8, plus
 cast to a float master nor copied into the compute-dtype slot of `weights.WeightPool`
 (that cast would turn packed bytes into numbers): `PackedWeightPool` streams the float
 parameters through the pool as before, and for the packed ones moves the stored bytes and
-their scales to the device while the layer runs, so bitsandbytes' own modules compute
-with them there. Nothing is dequantized here.
+their scales to the device while the layer runs (staged and ordered like the float
+copy: `PackedWeightPool`), so bitsandbytes' own modules compute with them there. Nothing
+is dequantized here.
 
-On a CPU device the packed host tensors already are the device copy: they are used in
-place. That also keeps bitsandbytes' CPU repacking (`_convert_weight_packed_for_cpu`, an
-eval-mode forward rewrites `param.data` and flags its `QuantState`) on the real parameter,
-as in a stock run, instead of on a temporary copy the engine would then throw away.
+On a synchronous CPU device the packed host tensors already are the device copy: they
+are used in place. That also keeps bitsandbytes' CPU repacking
+(`_convert_weight_packed_for_cpu`: an eval-mode forward rewrites `param.data` and flags
+its `QuantState`) on the real parameter, as in a stock run. Under the emulated async
+device it happens on the slot's copy and is thrown away at release (redone each call).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lazytrain_accel.engine.streams import Event
 from lazytrain_accel.engine.weights import WeightPool
 
 #: Parameter classes whose data is packed (bitsandbytes), recognised by name so that
@@ -46,56 +49,185 @@ def _state_to(state: Any, device: torch.device) -> Any:
     return moved
 
 
-def packed_to(p: nn.Parameter, device: torch.device) -> dict[str, Any]:
-    """Point packed `p` (data, `quant_state`, `SCB`) at copies on `device`; returns what
-    `restore` needs to point it back."""
-    saved = {"data": p.data}
-    p.data = p.data.to(device, non_blocking=True)
+def _packed_to(p: nn.Parameter, device: torch.device) -> None:
+    """Move packed `p` (data, `quant_state`, `SCB`) to `device`."""
+    p.data = p.data.to(device)
     for name in ("quant_state", "SCB"):
         value = getattr(p, name, None)
-        if value is None:
-            continue
-        saved[name] = value
-        setattr(p, name, value.to(device, non_blocking=True) if isinstance(value, torch.Tensor)
-                else _state_to(value, device))
-    return saved
-
-
-def restore(p: nn.Parameter, saved: dict[str, Any]) -> None:
-    p.data = saved.pop("data")
-    for name, value in saved.items():
-        setattr(p, name, value)
+        if value is not None:
+            setattr(p, name, value.to(device) if isinstance(value, torch.Tensor)
+                    else _state_to(value, device))
+    if getattr(p, "CB", None) is not None:  # Int8Params: CB is its data
+        p.CB = p.data
 
 
 def packed_to_host(p: nn.Parameter) -> None:
     """Move a packed parameter loaded on an accelerator to the host, scales included."""
     if p.device.type != "cpu":
-        packed_to(p, torch.device("cpu"))
+        _packed_to(p, torch.device("cpu"))
+
+
+#: Byte alignment of each tensor in a packed slot (a float32 view needs 4; CUDA kernels
+#: like 128-byte aligned rows, and the allocator gives 512-byte aligned blocks).
+ALIGN_BYTES = 256
+
+
+def _host_tensors(p: nn.Parameter) -> dict[str, torch.Tensor]:
+    """What a packed `p` computes with, by name: its data and its scales (4-bit: the
+    `QuantState`'s absmax, code and nested state; LLM.int8: the per-row `SCB`)."""
+    tensors = {"data": p.data}
+    state = getattr(p, "quant_state", None)
+    for prefix, st in (("", state), ("state2.", getattr(state, "state2", None))):
+        for name in ("absmax", "code", "offset"):
+            value = getattr(st, name, None) if st is not None else None
+            if isinstance(value, torch.Tensor):
+                tensors[prefix + name] = value
+    if type(p).__name__ == "Int8Params":
+        if p.SCB is None:
+            raise ValueError("an Int8Params weight has no SCB scales on the parameter: its "
+                             "Linear8bitLt ran a forward before prepare and moved them into "
+                             "the module's state; prepare the model before running it")
+        tensors["SCB"] = p.SCB
+    return tensors
+
+
+def _point_at(p: nn.Parameter, host: dict[str, torch.Tensor], views: dict[str, torch.Tensor],
+              state: Any) -> None:
+    """Point `p` (and a shallow copy of its `QuantState`) at `views`, tensors like `host`'s.
+    An Int8Params gets its `CB`/`SCB` too: bitsandbytes' `Linear8bitLt` re-reads them into
+    its module state at each forward (`init_8bit_state`) while `weight.CB` is set."""
+    p.data = views["data"]
+    if state is not None:
+        moved = copy.copy(state)
+        for name in ("absmax", "code", "offset"):
+            if name in views:
+                setattr(moved, name, views[name])
+        if state.state2 is not None:
+            moved.state2 = copy.copy(state.state2)
+            for name in ("absmax", "code", "offset"):
+                if "state2." + name in views:
+                    setattr(moved.state2, name, views["state2." + name])
+        p.quant_state = moved
+    if "SCB" in host:
+        p.CB, p.SCB = views["data"], views["SCB"]
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 class PackedWeightPool(WeightPool):
-    """`WeightPool` for the float parameters, plus packed ones streamed as stored."""
+    """`WeightPool` for the float parameters, plus packed ones streamed as stored.
+
+    On an async device (CUDA, or its CPU emulation) each slot of the float pool has a byte
+    slot beside it: a layer's packed tensors go host -> pinned staging -> byte slot on the
+    same H2D side stream as its float parameters, right after them, so the slot's load
+    event covers both; staging is claimed and waited for, the slot's last reader waited
+    for, exactly as the float copy does. The prefetch of layer j+1 loads its packed bytes.
+    On a synchronous CPU device they are used in place (see the module docstring)."""
 
     def __init__(self, layer_params: list[list[nn.Parameter]], **kwargs: Any) -> None:
         self._packed = [[p for p in ps if is_packed(p)] for ps in layer_params]
         super().__init__([[p for p in ps if not is_packed(p)] for ps in layer_params],
                          **kwargs)
-        self._in_place = self._streams.device.type == "cpu"
-        self._saved: dict[int, list[dict[str, Any]]] = {}
+        self._in_place = not self._streams.is_async
+        if self._in_place:
+            return
+        # Frozen: the host tensors (and their byte layout) are fixed from here on.
+        self._host = [[_host_tensors(p) for p in ps] for ps in self._packed]
+        self._states = [[getattr(p, "quant_state", None) for p in ps] for ps in self._packed]
+        self._offsets, self._layer_slot_bytes = _layout(self._host)
+        nbytes = max(self._layer_slot_bytes, default=0)
+        self._packed_slots = [torch.empty(nbytes, dtype=torch.uint8, device=self._streams.device)
+                              for _ in range(len(self._slots))]
+        self._packed_staging = [self._streams.empty_host(torch.Size([nbytes]), torch.uint8)
+                                for _ in self._slots]
+        self._packed_staging_free: list[Event | None] = [None] * len(self._slots)
+        self._packed_slot_bytes = nbytes
+        self._acct.allocate("device", len(self._slots) * nbytes)
+        self._acct.allocate("host_pinned", len(self._slots) * nbytes)
+
+    def _load(self, layer: int) -> None:
+        super()._load(layer)
+        if not self._in_place:
+            self._load_packed(layer, self._slot_layer.index(layer))
+
+    def _load_packed(self, layer: int, slot: int) -> None:
+        streams, staging = self._streams, self._packed_staging[slot]
+        host, offsets = self._host[layer - 1], self._offsets[layer - 1]
+        end = self._layer_slot_bytes[layer - 1]
+        with self._acct.timed_transfer("weights_h2d", _layer_bytes(host)):
+            streams.host_waits(self._packed_staging_free[slot])  # its last H2D done
+            streams.claim(staging)
+            for tensors, starts in zip(host, offsets, strict=True):
+                for view, t in zip(_views(staging, tensors, starts), tensors.values(),
+                                   strict=True):
+                    view.copy_(t)
+            with streams.copy_stream("h2d"):
+                streams.compute_waits(self._slot_done[slot])  # slot's last reader done
+                streams.copy_(self._packed_slots[slot][:end], staging[:end])
+                event = streams.record()
+        # Same side stream, after the float copy: this event covers the whole slot.
+        self._slot_loaded[slot] = event
+        self._packed_staging_free[slot] = event
 
     def acquire(self, layer: int) -> None:
         super().acquire(layer)
         if self._in_place:
             return
-        packed = self._packed[layer - 1]
-        nbytes = sum(p.numel() * p.element_size() for p in packed)
-        with self._acct.timed_transfer("weights_h2d", nbytes):
-            self._saved[layer] = [packed_to(p, self._streams.device) for p in packed]
+        flat = self._packed_slots[self._acquired[layer][0]]
+        for p, host, starts, state in zip(self._packed[layer - 1], self._host[layer - 1],
+                                          self._offsets[layer - 1], self._states[layer - 1],
+                                          strict=True):
+            _point_at(p, host, dict(zip(host, _views(flat, host, starts), strict=True)), state)
 
     def release(self, layer: int) -> None:
-        for p, saved in zip(self._packed[layer - 1], self._saved.pop(layer, []), strict=False):
-            restore(p, saved)
+        if not self._in_place:
+            for p, host, state in zip(self._packed[layer - 1], self._host[layer - 1],
+                                      self._states[layer - 1], strict=True):
+                p.data = host["data"]
+                if state is not None:
+                    p.quant_state = state
+                if "SCB" in host:
+                    p.CB, p.SCB = host["data"], host["SCB"]
         super().release(layer)
+
+    def close(self) -> None:
+        if not self._in_place:
+            n = len(self._packed_slots) * self._packed_slot_bytes
+            self._acct.free("device", n)
+            self._acct.free("host_pinned", n)
+            self._packed_slots, self._packed_staging = [], []
+        super().close()
+
+
+def _layout(host: list[list[dict[str, torch.Tensor]]]
+            ) -> tuple[list[list[list[tuple[int, int]]]], list[int]]:
+    """Per layer, per packed parameter, each tensor's (start, end) byte offsets in a slot
+    (starts aligned to `ALIGN_BYTES`); and per layer the bytes of slot it fills."""
+    layout, sizes = [], []
+    for layer in host:
+        offset, per_param = 0, []
+        for tensors in layer:
+            spans = []
+            for t in tensors.values():
+                spans.append((offset, offset + t.numel() * t.element_size()))
+                offset = _aligned(spans[-1][1])
+            per_param.append(spans)
+        layout.append(per_param)
+        sizes.append(offset)
+    return layout, sizes
+
+
+def _views(flat: torch.Tensor, tensors: dict[str, torch.Tensor],
+           spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Views of byte buffer `flat` shaped and typed like `tensors`, at `spans`."""
+    return [flat[start:end].view(t.dtype).view(t.shape)
+            for t, (start, end) in zip(tensors.values(), spans, strict=True)]
+
+
+def _layer_bytes(host: list[dict[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for ts in host for t in ts.values())
 
 
 def weight_pool(layer_params: list[list[nn.Parameter]], **kwargs: Any) -> WeightPool:

@@ -98,7 +98,7 @@ class Problem:
     boundary_bytes: int  # A
     layer_param_bytes: int  # P, one layer's weights as streamed H2D
     layer_grad_bytes: int  # G, one layer's weight gradients streamed D2H
-    fwd_s: float  # one layer forward
+    fwd_s: float  # one layer forward (with the dequantization of packed weights, if any)
     bwd_s: float  # one layer backward proper (its forward re-run is added separately)
     head_s: float  # final norm + head + loss, forward and backward
     h2d_bytes_per_s: float
@@ -318,10 +318,15 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
                    key=lambda t: -t[1])
     params = model.geometry.total_param_count
     host_terms = host_base_terms(model)
+    # A packed (QLoRA) layer dequantizes its linears on the device once per pass: in its
+    # forward (so also in each re-run) and in its backward proper.
+    dequant_s = (0.0 if model.weights is None else model.weights.layer_dequant_bytes(
+        model.compute_bytes_per_elem) / hardware.dequant_bytes_per_s)
     return Problem(
         num_layers=model.num_layers, max_block=K, boundary_bytes=model.boundary_bytes,
         layer_param_bytes=model.layer_param_bytes, layer_grad_bytes=model.layer_grad_bytes,
-        fwd_s=model.layer_fwd_flops / flops_per_s, bwd_s=model.layer_bwd_flops / flops_per_s,
+        fwd_s=model.layer_fwd_flops / flops_per_s + dequant_s,
+        bwd_s=model.layer_bwd_flops / flops_per_s + dequant_s,
         head_s=3.0 * model.head_fwd_flops / flops_per_s,  # backward ~ 2x forward
         h2d_bytes_per_s=hardware.h2d_bytes_per_s, d2h_bytes_per_s=hardware.d2h_bytes_per_s,
         nvme_read_bytes_per_s=hardware.nvme_read_bytes_per_s,

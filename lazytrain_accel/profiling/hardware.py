@@ -15,6 +15,12 @@ from typing import Any
 
 from lazytrain_accel.suggest import did_you_mean
 
+#: bitsandbytes' dequantize kernels stream (read packed, write bf16): bandwidth-bound, at
+#: about this fraction of the memory bandwidth (a streaming kernel's usual share).
+DEQUANT_EFFICIENCY = 0.7
+#: The slowest preset's memory bandwidth (RTX 3090, 936 GB/s): the dequantization default.
+_DEFAULT_MEMORY_BYTES_PER_S = 936e9
+
 
 @dataclass(kw_only=True, frozen=True)
 class HardwareProfile:
@@ -31,6 +37,10 @@ class HardwareProfile:
     nvme_write_bytes_per_s: float
     cpu_optimizer_params_per_s: float  # hybrid 8-bit update rate of the host
     source: str  # where the numbers come from
+    # bitsandbytes dequantization on the device, in bytes moved: packed weights and scales
+    # read + their compute-dtype copy written (a packed linear dequantizes per call). The
+    # default, for profiles written without it, is the slowest preset's (rtx3090).
+    dequant_bytes_per_s: float = DEQUANT_EFFICIENCY * _DEFAULT_MEMORY_BYTES_PER_S
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -56,7 +66,9 @@ class HardwareProfile:
             raise ValueError(f"a hardware profile must be a JSON object, got "
                              f"{type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        missing = sorted(names - data.keys())
+        optional = {f.name for f in dataclasses.fields(cls)
+                    if f.default is not dataclasses.MISSING}
+        missing = sorted(names - optional - data.keys())
         unknown = sorted(data.keys() - names)
         if missing or unknown:
             raise ValueError(f"hardware profile has missing keys {missing} and unknown keys "
@@ -99,12 +111,15 @@ _HOPPER_ACHIEVED = ("achieved rate 0.32 x peak: back-derived from the paper's H8
 _AMPERE_ACHIEVED = ("achieved rate 0.45 x peak: estimate of an end-to-end transformer layer "
                     "(GEMMs + attention + elementwise) on Ampere/Ada, not the GEMM peak")
 _OPTIMIZER = "host optimizer {rate:.0e} params/s: estimate of a memory-bound fused 8-bit AdamW"
+_DEQUANT = ("dequantization {rate:.0f} GB/s moved: {eff} x the {bw:.0f} GB/s memory "
+            "bandwidth of the same vendor sheet (a bandwidth-bound estimate of bitsandbytes' "
+            "dequantize kernel: packed read + bf16 write)")
 
 
 def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb: float,
             peak_tflops: float, efficiency: float, h2d_gbps: float, d2h_gbps: float,
             nvme_read_gbps: float, nvme_write_gbps: float, optimizer_params_per_s: float,
-            source: list[str]) -> HardwareProfile:
+            memory_gbps: float, source: list[str]) -> HardwareProfile:
     """A preset in the units vendor sheets use (GiB, TB, TFLOPS, GB/s)."""
     return HardwareProfile(
         name=name, gpu_name=gpu_name, gpu_memory_bytes=int(gpu_gib * _GIB),
@@ -114,7 +129,10 @@ def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb
         h2d_bytes_per_s=h2d_gbps * 1e9, d2h_bytes_per_s=d2h_gbps * 1e9,
         nvme_read_bytes_per_s=nvme_read_gbps * 1e9, nvme_write_bytes_per_s=nvme_write_gbps * 1e9,
         cpu_optimizer_params_per_s=optimizer_params_per_s,
-        source="; ".join([*source, _OPTIMIZER.format(rate=optimizer_params_per_s)]))
+        dequant_bytes_per_s=DEQUANT_EFFICIENCY * memory_gbps * 1e9,
+        source="; ".join([*source, _OPTIMIZER.format(rate=optimizer_params_per_s),
+                          _DEQUANT.format(rate=DEQUANT_EFFICIENCY * memory_gbps,
+                                          eff=DEQUANT_EFFICIENCY, bw=memory_gbps)]))
 
 
 #: Known machines; GPU memory is what `torch.cuda.get_device_properties().total_memory`
@@ -123,28 +141,33 @@ HARDWARE_PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (
     _preset(name="h800", gpu_name="NVIDIA H800 80GB", gpu_gib=79.1, cpu_gib=1024, nvme_tb=3.84,
             peak_tflops=989.4, efficiency=0.32, h2d_gbps=12.0, d2h_gbps=12.0,
             nvme_read_gbps=2.83, nvme_write_gbps=3.35, optimizer_params_per_s=2e9,
+            memory_gbps=3350,
             source=["peak 989.4 dense bf16 TFLOPS: NVIDIA H100/H800 SXM5 datasheet",
                     _HOPPER_ACHIEVED, f"PCIe Gen5 12 GB/s each way: {_PAPER}", _NVME_PAPER,
                     "host 1 TiB: assumed (8-GPU server class)"]),
     _preset(name="h200", gpu_name="NVIDIA H200 141GB", gpu_gib=139.8, cpu_gib=1024,
             nvme_tb=3.84, peak_tflops=989.4, efficiency=0.32, h2d_gbps=50.0, d2h_gbps=50.0,
             nvme_read_gbps=6.8, nvme_write_gbps=4.0, optimizer_params_per_s=2e9,
+            memory_gbps=4800,
             source=["peak 989.4 dense bf16 TFLOPS: NVIDIA H200 SXM datasheet",
                     _HOPPER_ACHIEVED, "PCIe 5.0 x16 50 GB/s each way: typical pinned result "
                     "(~80% of the 63 GB/s link)", _NVME_DC, "host 1 TiB: assumed"]),
     _preset(name="a100-80g", gpu_name="NVIDIA A100 80GB", gpu_gib=79.2, cpu_gib=1024,
             nvme_tb=3.84, peak_tflops=312.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
             nvme_read_gbps=6.8, nvme_write_gbps=4.0, optimizer_params_per_s=2e9,
+            memory_gbps=2039,
             source=["peak 312 dense bf16 TFLOPS: NVIDIA A100 datasheet", _AMPERE_ACHIEVED,
                     _PCIE4, _NVME_DC, "host 1 TiB: assumed"]),
     _preset(name="a100-40g", gpu_name="NVIDIA A100 40GB", gpu_gib=39.4, cpu_gib=512,
             nvme_tb=3.84, peak_tflops=312.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
             nvme_read_gbps=6.8, nvme_write_gbps=4.0, optimizer_params_per_s=2e9,
+            memory_gbps=1555,
             source=["peak 312 dense bf16 TFLOPS: NVIDIA A100 datasheet", _AMPERE_ACHIEVED,
                     _PCIE4, _NVME_DC, "host 512 GiB: assumed"]),
     _preset(name="rtx3090", gpu_name="NVIDIA GeForce RTX 3090", gpu_gib=23.7, cpu_gib=512,
             nvme_tb=2.0, peak_tflops=71.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
             nvme_read_gbps=2.83, nvme_write_gbps=3.35, optimizer_params_per_s=1e9,
+            memory_gbps=936,
             source=["peak 71 dense bf16 TFLOPS (fp32 accumulate): NVIDIA Ampere GA102 "
                     "whitepaper", _AMPERE_ACHIEVED, _PCIE4,
                     f"{_NVME_PAPER} (the paper's second testbed)",
@@ -152,6 +175,7 @@ HARDWARE_PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (
     _preset(name="rtx4090", gpu_name="NVIDIA GeForce RTX 4090", gpu_gib=23.6, cpu_gib=256,
             nvme_tb=2.0, peak_tflops=165.2, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
             nvme_read_gbps=7.45, nvme_write_gbps=6.9, optimizer_params_per_s=1e9,
+            memory_gbps=1008,
             source=["peak 165.2 dense bf16 TFLOPS (fp32 accumulate): NVIDIA Ada AD102 "
                     "whitepaper", _AMPERE_ACHIEVED, _PCIE4,
                     "NVMe 7.45 / 6.9 GB/s: vendor sheet of a PCIe 4.0 consumer SSD (Samsung "

@@ -106,6 +106,26 @@ def _measure_optimizer(num_params: int = 10_000_000) -> float:
     return num_params / _best_time_s(optimizer.step, torch.device("cpu"))
 
 
+def _measure_dequant(device: torch.device, side: int = 2048) -> tuple[float, str]:
+    """Bytes/s an nf4 dequantization moves on `device` (packed data and absmax read, the
+    compute-dtype matrix written), with bitsandbytes' own kernel; without bitsandbytes a
+    uint8 -> compute-dtype cast copy of as many elements stands in. Returns how, too."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    weight = torch.randn(side, side, device=device, dtype=dtype)
+    out_bytes = weight.numel() * weight.element_size()
+    try:
+        import bitsandbytes.functional as bnb_functional
+    except ImportError:
+        src = torch.ones(side * side, dtype=torch.uint8, device=device)
+        seconds = _best_time_s(lambda: weight.view(-1).copy_(src), device)
+        return (src.numel() + out_bytes) / seconds, (
+            f"a uint8 -> {dtype} cast copy of {side}x{side} (bitsandbytes not installed)")
+    packed, state = bnb_functional.quantize_4bit(weight, quant_type="nf4")
+    seconds = _best_time_s(lambda: bnb_functional.dequantize_4bit(packed, state), device)
+    moved = packed.numel() * packed.element_size() + state.absmax.numel() * 4 + out_bytes
+    return moved / seconds, f"bitsandbytes dequantize_4bit of a {side}x{side} nf4 matrix"
+
+
 def _gpu_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -144,6 +164,7 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
     nvme_dir.mkdir(parents=True, exist_ok=True)
     nvme_read, nvme_write = _measure_nvme(nvme_dir, probe_bytes)
     matmul = _measure_matmul(device)
+    dequant, dequant_how = _measure_dequant(device)
     gpu_name = _gpu_name(device)
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return HardwareProfile(
@@ -153,11 +174,12 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
         peak_bf16_flops_per_s=_vendor_peak_flops_per_s(gpu_name, matmul),
         achieved_flops_per_s=matmul, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
         nvme_read_bytes_per_s=nvme_read, nvme_write_bytes_per_s=nvme_write,
-        cpu_optimizer_params_per_s=_measure_optimizer(),
+        cpu_optimizer_params_per_s=_measure_optimizer(), dequant_bytes_per_s=dequant,
         source=(f"measured by lazytrain_accel on {platform.node()} at {when} with torch "
                 f"{torch.__version__}: {link_bytes // _MIB} MiB host<->device copies, a "
                 f"{probe_bytes // _MIB} MiB file in {nvme_dir}, a square matmul "
-                f"({'bf16' if device.type == 'cuda' else 'fp32'}), fused AdamW on 10M params"),
+                f"({'bf16' if device.type == 'cuda' else 'fp32'}), fused AdamW on 10M params, "
+                f"{dequant_how}"),
     )
 
 

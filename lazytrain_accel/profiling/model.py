@@ -105,6 +105,14 @@ class WeightSplit:
         floats = self.layer_frozen_param_count - self.layer_packed_param_count
         return self.layer_packed_bytes + floats * compute_bytes_per_elem
 
+    def layer_dequant_bytes(self, compute_bytes_per_elem: int) -> int:
+        """Device bytes one pass over a layer's packed linears moves to dequantize them
+        (bitsandbytes, once per call: forward, forward re-run, backward): the packed data
+        and scales read, their compute-dtype copy written. 0 without packed weights."""
+        if not self.layer_packed_param_count:
+            return 0
+        return self.layer_packed_bytes + self.layer_packed_param_count * compute_bytes_per_elem
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -1,7 +1,8 @@
-"""engine/quantized.py: packed bitsandbytes weights move as stored (data and scales) while
-a layer runs and point back at the untouched host tensors afterwards; the per-layer swap
-(what a CUDA device takes) trains exactly like the in-place path (what a CPU device takes).
-On this CPU the swap's `.to("cpu")` copies no byte: a real H2D copy needs a GPU run."""
+"""engine/quantized.py: packed bitsandbytes weights stream as stored. On the emulated async
+device (the CUDA code path: staging, H2D side stream, events) a layer's packed bytes and
+scales go through the same staging, waits and slot events as its float parameters, and a
+QLoRA run equals the synchronous one exactly; a packed copy the compute does not wait for
+reads poisoned bytes. The host tensors are never written. A real H2D copy needs a GPU."""
 
 from __future__ import annotations
 
@@ -10,50 +11,106 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_helpers import batches, make_plan
 
-from lazytrain_accel.engine import quantized
+from lazytrain_accel.engine import attach, quantized
+from lazytrain_accel.engine.emulation import EmulatedStreams, EmulationSettings
 
 bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 sys.path.insert(0, str(Path(__file__).parents[1] / "qa"))
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
+from test_qa_qlora import qlora  # noqa: E402
 
-def _packed_linear() -> torch.nn.Module:
-    torch.manual_seed(0)
-    linear = bnb.nn.Linear4bit(64, 32, bias=False, compute_dtype=torch.float32)
-    linear.weight = bnb.nn.Params4bit(torch.randn(32, 64), requires_grad=False)
-    return linear.to("cpu")
+CPU = torch.device("cpu")
 
 
-def test_packed_to_and_restore_leave_the_host_tensors_untouched() -> None:
-    linear = _packed_linear()
-    p = linear.weight
-    data_ptr, state, absmax = p.data_ptr(), p.quant_state, p.quant_state.absmax
-    assert quantized.is_packed(p) and not quantized.is_packed(torch.nn.Parameter(
-        torch.zeros(2)))
-    x = torch.randn(3, 64)
-    expected = linear(x)
-    saved = quantized.packed_to(p, torch.device("cpu"))  # same device: no byte copied
-    assert p.quant_state is not state and p.quant_state.state2 is not state.state2
-    assert torch.equal(linear(x), expected)  # bitsandbytes computes with the moved state
-    quantized.restore(p, saved)
-    assert p.data_ptr() == data_ptr and p.quant_state is state and state.absmax is absmax
+def _packed_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if quantized.is_packed(p)}
 
 
-def test_copying_path_trains_like_stock(tmp_path: Path, monkeypatch) -> None:
-    from qa_helpers import plugin, train
-    from test_qa_qlora import qlora
+def _train(model: torch.nn.Module, tmp_path: Path, emulation: EmulationSettings | bool,
+           steps: int = 2) -> tuple[list[float], object]:
+    engine = attach(model, make_plan("megatrain", 4), device=CPU, nvme_dir=str(tmp_path),
+                    emulation=emulation)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for ids in batches(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, engine
 
-    init = quantized.PackedWeightPool.__init__
 
-    def copying(self, *args, **kwargs) -> None:
-        init(self, *args, **kwargs)
-        self._in_place = False  # move packed weights per layer, as on a CUDA device
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_qlora_on_the_emulated_async_device_equals_the_synchronous_run(tmp_path: Path,
+                                                                       quant_type: str) -> None:
+    sync_model = qlora(quant_type)
+    host = {n: p.data.clone() for n, p in _packed_params(sync_model).items()}
+    sync_losses, sync_engine = _train(sync_model, tmp_path / "sync", False)
+    assert not sync_engine.streams.is_async
+    for seed in (0, 1):
+        model = qlora(quant_type)
+        packed = {n: (p.data_ptr(), p.quant_state.absmax)
+                  for n, p in _packed_params(model).items()}
+        losses, engine = _train(model, tmp_path / f"emulated{seed}",
+                                EmulationSettings(seed=seed))
+        assert isinstance(engine.streams, EmulatedStreams)
+        assert isinstance(engine.pool, quantized.PackedWeightPool)
+        assert losses == sync_losses, seed
+        for (name, p), q in zip(model.named_parameters(), sync_model.parameters(),
+                                strict=True):
+            assert torch.equal(p, q), (seed, name)
+        for name, p in _packed_params(model).items():  # pointed back at the untouched host
+            data_ptr, absmax = packed[name]
+            assert p.data_ptr() == data_ptr and p.quant_state.absmax is absmax, name
+            assert torch.equal(p.data, host[name]), name
+        engine.detach()
 
-    monkeypatch.setattr(quantized.PackedWeightPool, "__init__", copying)
-    stock = train(qlora(), None)
-    ours = train(qlora(), plugin(tmp_path, "offload_all", optimizer="keep"))
-    assert ours.losses == stock.losses
-    for name, value in stock.params.items():
-        torch.testing.assert_close(ours.params[name], value, rtol=0, atol=0, msg=name)
+
+def test_int8_on_the_emulated_async_device_equals_the_synchronous_run(tmp_path: Path) -> None:
+    """LLM.int8: `Linear8bitLt` moves the weight's CB/SCB into its module state at each
+    forward; the pool hands it the slot's copies every time and the host ones back."""
+    import peft
+    from test_qa_qlora import TARGETS, build
+
+    from lazytrain_accel.engine.quantize_base import quantize_frozen_linears
+
+    def int8_lora() -> torch.nn.Module:
+        model = peft.get_peft_model(build("llama"), peft.LoraConfig(
+            r=4, target_modules=TARGETS, lora_dropout=0.0))
+        quantize_frozen_linears(model, "int8")
+        return model
+
+    sync_losses, _ = _train(int8_lora(), tmp_path / "sync", False)
+    model = int8_lora()
+    scales = {n: p.SCB for n, p in _packed_params(model).items()}
+    losses, engine = _train(model, tmp_path / "emulated", EmulationSettings(seed=2))
+    assert isinstance(engine.streams, EmulatedStreams) and losses == sync_losses
+    for name, p in _packed_params(model).items():
+        assert p.SCB is scales[name] and p.CB.data_ptr() == p.data_ptr(), name
+
+
+def test_a_packed_copy_the_compute_does_not_wait_for_reads_poison(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """The slot's load event must cover the packed copy: with the float copy's event kept
+    instead, compute reads packed bytes still in flight (long worker delays before each
+    copy: poisoned, 0xA5 bytes and NaN scales)."""
+    load = quantized.PackedWeightPool._load_packed
+
+    def unchained(self, layer: int, slot: int) -> None:
+        float_event = self._slot_loaded[slot]
+        load(self, layer, slot)
+        self._slot_loaded[slot] = float_event
+
+    monkeypatch.setattr(quantized.PackedWeightPool, "_load_packed", unchained)
+    model = qlora()
+    reference = qlora()
+    ids = batches(1)[0]
+    expected = reference(input_ids=ids, labels=ids).loss
+    attach(model, make_plan("megatrain", 4), device=CPU, nvme_dir=str(tmp_path),
+           emulation=EmulationSettings(seed=3, jitter_s=0.05))
+    assert model(input_ids=ids, labels=ids).loss != expected
