@@ -83,3 +83,18 @@ def test_console_script_lists_the_subcommand() -> None:
     version = subprocess.run([str(script), "--version"], capture_output=True, text=True,
                              check=True)
     assert version.stdout.startswith("lazytrain ")
+
+
+def test_a_qlora_layer_pays_its_dequantization(capsys) -> None:
+    base = ["profile", "--model", "llama3-8b", "--hardware", "rtx4090", "--batch-size", "1",
+            "--seq-len", "1024", "--lora-rank", "16", "--json"]
+    seconds = {}
+    for fmt in ("bf16", "nf4"):
+        assert main([*base, "--frozen-format", fmt]) == 0
+        seconds[fmt] = json.loads(capsys.readouterr().out)["seconds"]
+    # the planner's per-layer seconds: the same FLOPs, plus the packed weights' dequant
+    hardware = HARDWARE_PRESETS["rtx4090"]
+    extra_s = seconds["nf4"]["layer_fwd_s"] - seconds["bf16"]["layer_fwd_s"]
+    assert extra_s > 0
+    assert seconds["nf4"]["layer_bwd_s"] - seconds["bf16"]["layer_bwd_s"] == pytest.approx(extra_s)
+    assert extra_s * hardware.dequant_bytes_per_s > 8 * 4096**2  # > one hidden^2 matrix moved

@@ -53,18 +53,19 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
 
 
 def layer_seconds(model: ModelProfile, hardware: HardwareProfile) -> dict[str, float]:
-    """Per-layer seconds of compute and of each transfer a layer can cost."""
-    rate = hardware.achieved_flops_per_s
+    """Per-layer seconds of compute and of each transfer a layer can cost, as the planner
+    prices them (`Problem`: a QLoRA layer's compute includes its dequantization)."""
+    from lazytrain_accel.planning.problem import build_problem
+
+    p = build_problem(model, hardware)
     return {
-        "layer_fwd_s": model.layer_fwd_flops / rate,
-        "layer_bwd_s": model.layer_bwd_flops / rate,
-        "head_fwd_s": model.head_fwd_flops / rate,
-        "layer_weights_h2d_s": model.layer_param_bytes / hardware.h2d_bytes_per_s,
-        "layer_grads_d2h_s": model.layer_grad_bytes / hardware.d2h_bytes_per_s,
-        "boundary_d2h_s": model.boundary_bytes / hardware.d2h_bytes_per_s,
-        "boundary_h2d_s": model.boundary_bytes / hardware.h2d_bytes_per_s,
-        "boundary_nvme_write_s": model.boundary_bytes / hardware.nvme_write_bytes_per_s,
-        "boundary_nvme_read_s": model.boundary_bytes / hardware.nvme_read_bytes_per_s,
+        "layer_fwd_s": p.fwd_s,
+        "layer_bwd_s": p.bwd_s,
+        "head_fwd_bwd_s": p.head_s,
+        "layer_weights_h2d_s": p.layer_param_bytes / p.rate_bytes_per_s("h2d"),
+        "layer_grads_d2h_s": p.layer_grad_bytes / p.rate_bytes_per_s("d2h"),
+        **{f"boundary_{link}_s": p.boundary_bytes / p.rate_bytes_per_s(link)
+           for link in ("d2h", "h2d", "nvme_write", "nvme_read")},
     }
 
 
