@@ -2,7 +2,10 @@
 
 On a CUDA machine: (1) the engine equivalence suite on CUDA (`bench/gpu_equivalence.py`:
 9 families x 5 plan kinds, bf16 against stock on the same GPU); (2) link bandwidths and
-the bf16 matmul rate; (3) a Qwen2.5-3B-geometry model (random init, bf16, seq 1024)
+the bf16 matmul rate; (3) QLoRA (`bench/gpu_qlora.py`: a bf16 Llama base loaded nf4 and
+int8 with `BitsAndBytesConfig`, PEFT LoRA, trained through the plugin against stock
+Accelerate on the same GPU; the measured nf4 dequantization rate beside the preset's);
+(4) a Qwen2.5-3B-geometry model (random init, bf16, seq 1024)
 trained through the Accelerate plugin (`Accelerator(plugin=LazyTrainPlugin(...))`, the
 overlapped hybrid 8-bit step) with the LazyTrain MIP plan, `megatrain` and
 `checkpoint_all` under GPU caps of 24 and 80 GiB, 2 warm-up + 5 timed steps each, plus
@@ -10,8 +13,11 @@ each strategy's largest admitted batch under 24 GiB. Each run reports the measur
 (start to start, so the overlapped update counts where it is exposed) beside the
 simulator's prediction with the optimizer (`simulate(include_optimizer=True)`), and the
 measured optimizer exposure (`StepStats.optimizer_wait_s`) beside the predicted one.
-Writes `gpu_check.json` (after every phase, so a timeout keeps what ran) and
-`gpu_check.txt` into the output folder.
+Writes `gpu_check.json` (after every phase and run, so a timeout keeps what ran; the
+seconds of each phase in `phase_s`) and `gpu_check.txt` into the output folder. No 3B
+run starts once the elapsed time plus the longest run so far would pass `BUDGET_S`
+(they are listed as skipped), so the check ends by itself inside `gpu_check.sh`'s
+`timeout 470`.
 
 `--dry-run` runs the same code path on the CPU with tiny models (a test runs it).
 
@@ -35,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import itertools
 
 import gpu_equivalence
+import gpu_qlora
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
 from lazytrain_accel.demo.budget import demo_gpu_budget_gb
@@ -54,6 +61,8 @@ from lazytrain_accel.profiling.models import (
 
 _GIB = 1024**3
 STRATEGIES = ("lazytrain", "megatrain", "checkpoint_all")
+#: Seconds after which no new training run starts (`gpu_check.sh` kills at 470).
+BUDGET_S = 430.0
 
 
 @dataclass(kw_only=True)
@@ -68,13 +77,15 @@ class Setting:
     compute_dtype: torch.dtype | None
     equivalence_archs: list[str] | None  # None: every family of the suite
     equivalence_kinds: list[str] | None  # None: every plan kind
+    qlora: gpu_qlora.QloraSetting
 
 
 def real_setting() -> Setting:
     return Setting(model_config=load_model_config("qwen2.5-3b"), seq_len=1024, batch_size=8,
                    caps_gib=(24.0, 80.0), warmup_steps=2, timed_steps=5,
                    device=torch.device("cuda"), compute_dtype=torch.bfloat16,
-                   equivalence_archs=None, equivalence_kinds=None)
+                   equivalence_archs=None, equivalence_kinds=None,
+                   qlora=gpu_qlora.real_setting())
 
 
 def dry_setting() -> Setting:
@@ -85,7 +96,7 @@ def dry_setting() -> Setting:
     return Setting(model_config=config, seq_len=32, batch_size=2, caps_gib=(),
                    warmup_steps=1, timed_steps=2, device=torch.device("cpu"),
                    compute_dtype=None, equivalence_archs=["llama", "gpt2"],
-                   equivalence_kinds=["mixed"])
+                   equivalence_kinds=["mixed"], qlora=gpu_qlora.dry_setting())
 
 
 @dataclass(kw_only=True)
@@ -261,23 +272,70 @@ def _write(out_dir: Path, report: dict) -> None:
 
 
 def _train_runs(setting: Setting, hardware: HardwareProfile, report: dict,
-                out_dir: Path) -> list[RunResult]:
+                out_dir: Path, t_start: float) -> list[RunResult]:
     model = build_model(setting.model_config)
     runs = [(s, cap, setting.batch_size) for cap in setting.caps_gib for s in STRATEGIES]
     admitted = admitted_batches(setting, hardware, setting.caps_gib[0])
     report["admitted_batch_at_smallest_cap"] = admitted
     runs += [(s, setting.caps_gib[0], b) for s, b in admitted.items()
              if 0 < b != setting.batch_size]
-    results = []
+    results, longest_s = [], 0.0
     for strategy, cap, batch in runs:
+        started = time.perf_counter()
+        if started - t_start + longest_s > BUDGET_S:  # would not end before the timeout
+            report["skipped"].append({"strategy": strategy, "cap_gib": cap,
+                                      "batch_size": batch})
+            continue
         try:
             results.append(run_one(strategy, cap, batch, setting, model))
             report["runs"].append(asdict(results[-1]))
         except PlanInfeasibleError as err:  # a strategy that does not fit is a result too
             report["refused"].append({"strategy": strategy, "cap_gib": cap,
                                       "batch_size": batch, "error": str(err)})
+        longest_s = max(longest_s, time.perf_counter() - started)
         _write(out_dir, report)
     return results
+
+
+def _first_phases(setting: Setting, report: dict, out_dir: Path) -> tuple[
+        list[gpu_equivalence.EquivalenceResult], HardwareProfile]:
+    """Equivalence, links, QLoRA: each written to the report as it ends, timed."""
+    start = time.perf_counter()
+    equivalence = gpu_equivalence.check_all(setting.device, setting.equivalence_archs,
+                                            setting.equivalence_kinds)
+    report["equivalence"] = gpu_equivalence.as_dicts(equivalence)
+    print(gpu_equivalence.format_table(equivalence), flush=True)
+    report["phase_s"]["equivalence"], start = time.perf_counter() - start, time.perf_counter()
+    report["links"] = measure_links(setting.device,
+                                    256 * 2**20 if setting.device.type == "cuda" else 2**20)
+    hardware = load_hardware("auto")
+    report["hardware"] = hardware.to_dict()
+    report["phase_s"]["links"], start = time.perf_counter() - start, time.perf_counter()
+    _write(out_dir, report)
+    report["qlora"] = gpu_qlora.run_phase(setting.qlora, hardware)
+    print(gpu_qlora.format_table(report["qlora"]), flush=True)
+    report["phase_s"]["qlora"] = time.perf_counter() - start
+    _write(out_dir, report)
+    return equivalence, hardware
+
+
+def _summarize(setting: Setting, report: dict, results: list[RunResult],
+               equivalence: list[gpu_equivalence.EquivalenceResult], out_dir: Path) -> None:
+    """`gpu_check.txt`, and the tables on stdout."""
+    table = format_table(results)
+    (out_dir / "gpu_check.txt").write_text(
+        gpu_equivalence.format_table(equivalence) + "\n" + json.dumps(report["links"])
+        + "\n" + gpu_qlora.format_table(report["qlora"]) + "\n" + table + "\n")
+    print(json.dumps(report["links"]))
+    print(table)
+    print(f"admitted batch under {setting.caps_gib[0]:.4g} GiB: "
+          f"{report['admitted_batch_at_smallest_cap']}")
+    for r in report["refused"]:
+        print(f"refused: {r['strategy']} at {r['cap_gib']:.4g} GiB, batch {r['batch_size']}")
+    for r in report["skipped"]:
+        print(f"skipped (time budget): {r['strategy']} at {r['cap_gib']:.4g} GiB, "
+              f"batch {r['batch_size']}")
+    print(f"phase seconds: {json.dumps(report['phase_s'])}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,33 +350,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    report: dict = {"dry_run": args.dry_run, "runs": [], "refused": []}
-    equivalence = gpu_equivalence.check_all(setting.device, setting.equivalence_archs,
-                                            setting.equivalence_kinds)
-    report["equivalence"] = gpu_equivalence.as_dicts(equivalence)
-    print(gpu_equivalence.format_table(equivalence), flush=True)
-    report["links"] = measure_links(setting.device,
-                                    256 * 2**20 if not args.dry_run else 2**20)
-    hardware = load_hardware("auto")
-    report["hardware"] = hardware.to_dict()
-    _write(args.out_dir, report)
+    report: dict = {"dry_run": args.dry_run, "runs": [], "refused": [], "skipped": [],
+                    "phase_s": {}}
+    equivalence, hardware = _first_phases(setting, report, args.out_dir)
     if not setting.caps_gib:  # dry run: the tiny model's MegaTrain footprint, and twice it
         tight_gib = demo_gpu_budget_gb(_profile(setting, setting.batch_size), hardware)
         setting.caps_gib = (tight_gib, 2 * tight_gib)
-    results = _train_runs(setting, hardware, report, args.out_dir)
+    start = time.perf_counter()
+    results = _train_runs(setting, hardware, report, args.out_dir, t_start)
+    report["phase_s"]["training"] = time.perf_counter() - start
     report["wall_s"] = time.perf_counter() - t_start
     _write(args.out_dir, report)
-    table = format_table(results)
-    (args.out_dir / "gpu_check.txt").write_text(
-        gpu_equivalence.format_table(equivalence) + "\n" + json.dumps(report["links"])
-        + "\n" + table + "\n")
-    print(json.dumps(report["links"]))
-    print(table)
-    print(f"admitted batch under {setting.caps_gib[0]:.4g} GiB: "
-          f"{report['admitted_batch_at_smallest_cap']}")
-    for r in report["refused"]:
-        print(f"refused: {r['strategy']} at {r['cap_gib']:.4g} GiB, batch {r['batch_size']}")
-    return 0 if all(e.passed for e in equivalence) else 1
+    _summarize(setting, report, results, equivalence, args.out_dir)
+    ok = all(e.passed for e in equivalence) and gpu_qlora.passed(report["qlora"])
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

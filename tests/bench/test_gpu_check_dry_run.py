@@ -1,6 +1,8 @@
 """bench/gpu_check.sh --dry-run: the GPU check's code path, on the CPU with tiny models,
 so the script is known to work before it meets a GPU: the equivalence suite (a subset),
-then training through the Accelerate plugin with measured vs predicted figures."""
+the QLoRA phase (nf4 and int8 bases loaded with BitsAndBytesConfig, on the emulated async
+device: the packed pool's staging path), then training through the Accelerate plugin
+with measured vs predicted figures."""
 
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: Path) -> None:
         (a, "mixed") for a in ("llama", "gpt2")}
     assert all(e["passed"] for e in equivalence), equivalence
     assert {"h2d_bytes_per_s", "d2h_bytes_per_s", "matmul_flops_per_s"} <= set(report["links"])
+    _check_qlora(report["qlora"])
+    assert set(report["phase_s"]) == {"equivalence", "links", "qlora", "training"}
+    assert report["skipped"] == []  # the dry run is far inside the time budget
     runs = report["runs"]
     # Every strategy either ran at both caps or was refused by the planner, loudly.
     seen = {(r["strategy"], round(r["cap_gib"], 9)) for r in runs}
@@ -44,3 +49,20 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: Path) -> None:
     table = (out / "gpu_check.txt").read_text()
     assert "lazytrain" in table and "TFLOPS" in table and "opt exp s" in table
     assert "max rel loss diff" in table
+    assert "dequant nf4" in table and "\nnf4 " in table and "\nint8 " in table
+
+
+def _check_qlora(qlora: dict) -> None:
+    assert qlora["errors"] == []
+    assert [r["fmt"] for r in qlora["results"]] == ["nf4", "int8"]
+    for r in qlora["results"]:
+        assert r["passed"] and r["packed_unchanged"] and r["loads_identical"], r
+        assert r["max_rel_loss_diff"] <= 2e-2 and len(r["losses"]) == len(r["stock_losses"])
+        assert r["packed_tensors"] == 3 * 7 and r["packed_bytes"] > 0  # 3 layers x 7 linears
+        # the CUDA code path of the packed pool ran: staging, side stream, events
+        assert r["pool"] == "PackedWeightPool" and r["streams"] == "EmulatedStreams"
+        assert r["step_s"] > 0 and r["step_ratio"] == r["step_s"] / r["predicted_step_s"]
+    dequant = qlora["dequant"]
+    assert dequant["preset"] == "h200" and dequant["preset_bytes_per_s"] > 0
+    assert [m["side"] for m in dequant["measured"]] == [256, 512]
+    assert all(m["bytes_per_s"] > 0 for m in dequant["measured"])
