@@ -15,8 +15,8 @@ simulator's prediction with the optimizer (`simulate(include_optimizer=True)`), 
 measured optimizer exposure (`StepStats.optimizer_wait_s`) beside the predicted one.
 Writes `gpu_check.json` (after every phase and run, so a timeout keeps what ran; the
 seconds of each phase in `phase_s`) and `gpu_check.txt` into the output folder. No 3B
-run starts once the elapsed time plus the longest run so far would pass `BUDGET_S`
-(they are listed as skipped), so the check ends by itself inside `gpu_check.sh`'s
+run starts once the elapsed time plus the longest run so far (scaled up to its batch)
+would pass `BUDGET_S` (it is listed as skipped), so the check ends by itself inside `gpu_check.sh`'s
 `timeout 470`.
 
 `--dry-run` runs the same code path on the CPU with tiny models (a test runs it).
@@ -279,10 +279,11 @@ def _train_runs(setting: Setting, hardware: HardwareProfile, report: dict,
     report["admitted_batch_at_smallest_cap"] = admitted
     runs += [(s, setting.caps_gib[0], b) for s, b in admitted.items()
              if 0 < b != setting.batch_size]
-    results, longest_s = [], 0.0
+    results, longest_s = [], 0.0  # the longest run so far, per batch of `setting`'s
     for strategy, cap, batch in runs:
         started = time.perf_counter()
-        if started - t_start + longest_s > BUDGET_S:  # would not end before the timeout
+        expected_s = longest_s * max(1.0, batch / setting.batch_size)
+        if started - t_start + expected_s > BUDGET_S:  # would not end before the timeout
             report["skipped"].append({"strategy": strategy, "cap_gib": cap,
                                       "batch_size": batch})
             continue
@@ -292,7 +293,8 @@ def _train_runs(setting: Setting, hardware: HardwareProfile, report: dict,
         except PlanInfeasibleError as err:  # a strategy that does not fit is a result too
             report["refused"].append({"strategy": strategy, "cap_gib": cap,
                                       "batch_size": batch, "error": str(err)})
-        longest_s = max(longest_s, time.perf_counter() - started)
+        longest_s = max(longest_s, (time.perf_counter() - started)
+                        / max(1.0, batch / setting.batch_size))
         _write(out_dir, report)
     return results
 

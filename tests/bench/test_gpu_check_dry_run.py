@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,3 +67,19 @@ def _check_qlora(qlora: dict) -> None:
     assert dequant["preset"] == "h200" and dequant["preset_bytes_per_s"] > 0
     assert [m["side"] for m in dequant["measured"]] == [256, 512]
     assert all(m["bytes_per_s"] > 0 for m in dequant["measured"])
+
+
+def test_no_training_run_starts_past_the_time_budget(tmp_path: Path) -> None:
+    """A run that would end after `BUDGET_S` is skipped and listed, not started (the
+    timeout in gpu_check.sh would kill it and the summary with it)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_check
+
+    setting = gpu_check.dry_setting()
+    setting.caps_gib = (1.0,)
+    report: dict = {"runs": [], "refused": [], "skipped": []}
+    hardware = gpu_check.load_hardware("h800")
+    late = time.perf_counter() - gpu_check.BUDGET_S - 1.0
+    assert gpu_check._train_runs(setting, hardware, report, tmp_path, late) == []
+    assert report["runs"] == report["refused"] == []
+    assert {r["strategy"] for r in report["skipped"]} == set(gpu_check.STRATEGIES)
