@@ -5,19 +5,18 @@ On a CUDA machine: (1) the engine equivalence suite on CUDA (`bench/gpu_equivale
 the bf16 matmul rate; (3) QLoRA (`bench/gpu_qlora.py`: a bf16 Llama base loaded nf4 and
 int8 with `BitsAndBytesConfig`, PEFT LoRA, trained through the plugin against stock
 Accelerate on the same GPU; the measured nf4 dequantization rate beside the preset's);
-(4) a Qwen2.5-3B-geometry model (random init, bf16, seq 1024)
-trained through the Accelerate plugin (`Accelerator(plugin=LazyTrainPlugin(...))`, the
-overlapped hybrid 8-bit step) with the LazyTrain MIP plan, `megatrain` and
-`checkpoint_all` under GPU caps of 24 and 80 GiB, 2 warm-up + 5 timed steps each, plus
-each strategy's largest admitted batch under 24 GiB. Each run reports the measured step
-(start to start, so the overlapped update counts where it is exposed) beside the
-simulator's prediction with the optimizer (`simulate(include_optimizer=True)`), and the
-measured optimizer exposure (`StepStats.optimizer_wait_s`) beside the predicted one.
-Writes `gpu_check.json` (after every phase and run, so a timeout keeps what ran; the
-seconds of each phase in `phase_s`) and `gpu_check.txt` into the output folder. No 3B
-run starts once the elapsed time plus the longest run so far (scaled up to its batch)
-would pass `BUDGET_S` (it is listed as skipped), so the check ends by itself inside `gpu_check.sh`'s
-`timeout 470`.
+(4) a Qwen2.5-3B-geometry model (random init, bf16, seq 1024) trained through the
+Accelerate plugin (`Accelerator(plugin=LazyTrainPlugin(...))`, the overlapped hybrid
+8-bit step) with the LazyTrain MIP plan, `megatrain` and `checkpoint_all` under GPU caps
+of 24 and 80 GiB, 2 warm-up + 5 timed steps each, plus each strategy's largest admitted
+batch under 24 GiB. Each run reports the measured step (start to start, so the
+overlapped update counts where it is exposed) beside the simulator's prediction with the
+optimizer (`simulate(include_optimizer=True)`), and the measured optimizer exposure
+(`StepStats.optimizer_wait_s`) beside the predicted one. Writes `gpu_check.json` (after
+every phase and run, so a timeout keeps what ran; the seconds of each phase in
+`phase_s`) and `gpu_check.txt` into the output folder. No 3B run starts once the elapsed
+time plus the longest run so far (scaled up to its batch) would pass `BUDGET_S` (it is
+listed as skipped), so the check ends by itself inside `gpu_check.sh`'s `timeout 470`.
 
 `--dry-run` runs the same code path on the CPU with tiny models (a test runs it).
 
