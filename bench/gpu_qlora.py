@@ -3,15 +3,17 @@
 A Llama geometry (random init) is saved in bf16 to a local folder and loaded back the way
 QLoRA users load a base: `from_pretrained(..., quantization_config=BitsAndBytesConfig(
 load_in_4bit=True, bnb_4bit_quant_type="nf4"))` and `load_in_8bit=True` (LLM.int8),
-on the GPU. PEFT LoRA adapters on every projection. Each format is trained twice on the
-same device with the user's Accelerate loop (AdamW on the adapters, clip): stock
+on the GPU; and loaded bf16 for the plugin's `frozen_weights="nf4"` ("prepare:nf4": the
+plugin quantizes at `prepare`, the stock run with the same function by hand). PEFT LoRA
+adapters on every projection. Each format is trained twice on the same device with the
+user's Accelerate loop (AdamW on the adapters, clip), each on a fresh load: stock
 Accelerate (the base on the device), and through `LazyTrainPlugin(optimizer="keep")`
 (the packed base moved to the host and streamed as stored: `engine/quantized.py`
 `PackedWeightPool`, pinned staging, the H2D side stream, Int8 `CB`/`SCB`). Reported per
 format: the losses of both runs (a relative difference above the bf16 tolerance of
-`gpu_equivalence` fails), whether the packed weights (data and scales) are bit-identical
-after training to the freshly loaded ones, the measured step of both runs and the
-simulator's predicted step for the QLoRA plan. Beside them: the measured nf4
+`gpu_equivalence` fails), whether the plugin's packed weights (data and scales) after
+`prepare` equal the stock run's and are bit-identical after training, the measured step
+of both runs and the simulator's predicted step for the QLoRA plan. Beside them: the measured nf4
 dequantization rate (`profiling.measure._measure_dequant`) against the hardware preset's
 `dequant_bytes_per_s` (an estimate: 0.7 x the vendor's memory bandwidth).
 
@@ -26,6 +28,7 @@ import itertools
 import statistics
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -33,6 +36,7 @@ import torch
 from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
+from lazytrain_accel.engine.quantize_base import quantize_frozen_linears
 from lazytrain_accel.engine.quantized import is_packed
 from lazytrain_accel.planning import simulate
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
@@ -41,7 +45,10 @@ from lazytrain_accel.profiling.measure import _measure_dequant
 #: Relative loss difference tolerated (the bf16 tolerance of the equivalence suite).
 BF16_REL_TOL = 2e-2
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-FORMATS = ("nf4", "int8")
+#: Loaded packed with `BitsAndBytesConfig`; "prepare:nf4": loaded bf16, quantized by the
+#: plugin at `prepare` (`frozen_weights="nf4"`; the stock run quantizes it the same way).
+FORMATS = ("nf4", "int8", "prepare:nf4")
+PREPARE = "prepare:"
 
 
 @dataclass(kw_only=True)
@@ -92,7 +99,7 @@ class QloraResult:
     stock_losses: list[float]
     losses: list[float]
     max_rel_loss_diff: float
-    loads_identical: bool  # the two loads quantized to the same bytes
+    prepared_identical: bool  # the plugin's packed weights at prepare == the stock run's
     packed_unchanged: bool  # after training: bit-identical to the fresh load
     stock_step_s: float
     step_s: float
@@ -126,13 +133,16 @@ def _quantization(fmt: str, setting: QloraSetting) -> BitsAndBytesConfig:
 
 
 def load_qlora(directory: Path, fmt: str, setting: QloraSetting) -> torch.nn.Module:
-    """The base as QLoRA users load it (packed on the device), LoRA adapters on top."""
+    """The base as QLoRA users load it (packed on the device; a "prepare:" format in the
+    compute dtype), LoRA adapters on top."""
     import peft
 
     where = (setting.device.index or 0) if setting.device.type == "cuda" else "cpu"
+    quantization = ({} if fmt.startswith(PREPARE)
+                    else {"quantization_config": _quantization(fmt, setting)})
     model = LlamaForCausalLM.from_pretrained(directory, dtype=_dtype(setting),
-                                             quantization_config=_quantization(fmt, setting),
-                                             device_map={"": where})  # as the PEFT docs
+                                             device_map={"": where},  # as the PEFT docs
+                                             **quantization)
     model.config.use_cache = False
     return peft.get_peft_model(model, peft.LoraConfig(
         r=setting.lora_rank, lora_alpha=2 * setting.lora_rank, target_modules=TARGETS,
@@ -160,11 +170,12 @@ def _identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def train(model: torch.nn.Module, plugin: LazyTrainPlugin | None, setting: QloraSetting
-          ) -> tuple[list[float], list[float], Accelerator]:
-    """The user's loop: AdamW on the adapters, clip, step, zero_grad. Returns the losses,
-    the timed steps' seconds (start of one to the start of the next) and the accelerator
-    (training not ended)."""
+Prepared = tuple[Accelerator, torch.nn.Module, torch.optim.Optimizer, Iterable]
+
+
+def prepare(model: torch.nn.Module, plugin: LazyTrainPlugin | None, setting: QloraSetting
+            ) -> Prepared:
+    """The user's setup: AdamW on the adapters, random token batches, `acc.prepare`."""
     steps = setting.warmup_steps + setting.timed_steps
     ids = torch.randint(0, setting.model_config["vocab_size"],
                         (setting.batch_size * steps, setting.seq_len),
@@ -175,7 +186,13 @@ def train(model: torch.nn.Module, plugin: LazyTrainPlugin | None, setting: Qlora
     acc = Accelerator(cpu=setting.device.type == "cpu",
                       mixed_precision="no" if setting.compute_dtype is None else "bf16", **extra)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    model, optimizer, loader = acc.prepare(model, optimizer, loader)
+    return acc, *acc.prepare(model, optimizer, loader)
+
+
+def run_steps(prepared: Prepared, setting: QloraSetting) -> tuple[list[float], list[float]]:
+    """The user's loop (clip, step, zero_grad); the losses, and the timed steps' seconds
+    (start of one step to the start of the next)."""
+    acc, model, optimizer, loader = prepared
     losses, starts = [], []
     for (batch,) in loader:
         _sync(setting.device)
@@ -188,8 +205,9 @@ def train(model: torch.nn.Module, plugin: LazyTrainPlugin | None, setting: Qlora
         losses.append(loss.item())
     _sync(setting.device)
     starts.append(time.perf_counter())
+    acc.wait_for_everyone()
     times = [b - a for a, b in itertools.pairwise(starts)]
-    return losses, times[setting.warmup_steps:], acc
+    return losses, times[setting.warmup_steps:]
 
 
 def _sync(device: torch.device) -> None:
@@ -197,29 +215,40 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _plugin(setting: QloraSetting, work: Path) -> LazyTrainPlugin:
+def _plugin(setting: QloraSetting, work: Path, fmt: str) -> LazyTrainPlugin:
+    frozen = fmt.removeprefix(PREPARE) if fmt.startswith(PREPARE) else "keep"
     return LazyTrainPlugin(plan="auto", hardware="auto", optimizer="keep",
                            gpu_memory_limit_gb=setting.gpu_memory_limit_gb,
                            solver_time_limit_s=10, nvme_dir=str(work / "nvme"),
-                           emulate_async=setting.emulate_async or None)
+                           emulate_async=setting.emulate_async or None, frozen_weights=frozen)
+
+
+def _stock_run(fmt: str, setting: QloraSetting, base: Path
+               ) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    """Stock Accelerate on a fresh load: the packed weights it trains, losses, times."""
+    model = load_qlora(base, fmt, setting)
+    if fmt.startswith(PREPARE):  # what the plugin's frozen_weights does, done by hand
+        quantize_frozen_linears(model, fmt.removeprefix(PREPARE), _dtype(setting))
+    loaded = packed_snapshot(model)
+    prepared = prepare(model, None, setting)
+    losses, times = run_steps(prepared, setting)
+    prepared[0].end_training()
+    del model, prepared
+    if setting.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return loaded, losses, times
 
 
 def check_format(fmt: str, setting: QloraSetting, base: Path) -> QloraResult:
-    """Stock Accelerate, then the plugin, on the same fresh load of `base` in `fmt`."""
+    """Stock Accelerate, then the plugin, each on a fresh load of `base` in `fmt`."""
     start = time.perf_counter()
-    model = load_qlora(base, fmt, setting)
-    loaded = packed_snapshot(model)
-    stock_losses, stock_times, acc = train(model, None, setting)
-    acc.end_training()
-    del model, acc
-    if setting.device.type == "cuda":
-        torch.cuda.empty_cache()
-    model = load_qlora(base, fmt, setting)
-    fresh = packed_snapshot(model)
-    losses, times, acc = train(model, _plugin(setting, base), setting)
+    loaded, stock_losses, stock_times = _stock_run(fmt, setting, base)
+    prepared = prepare(load_qlora(base, fmt, setting), _plugin(setting, base, fmt), setting)
+    acc, model = prepared[0], prepared[1]
+    fresh = packed_snapshot(model)  # on the host now (or quantized by the plugin)
+    losses, times = run_steps(prepared, setting)
     run, engine = acc.lazytrain_run, acc.lazytrain_engine
     predicted = simulate(run.plan, run.model_profile, run.hardware, include_optimizer=True)
-    acc.wait_for_everyone()
     unchanged = _identical(packed_snapshot(model), fresh)
     acc.end_training()
     worst = max(abs(a - b) / max(abs(b), 1e-6)
@@ -230,7 +259,7 @@ def check_format(fmt: str, setting: QloraSetting, base: Path) -> QloraResult:
         fmt=fmt, packed_tensors=len(fresh) // 2,
         packed_bytes=sum(t.numel() * t.element_size() for t in fresh.values()),
         stock_losses=stock_losses, losses=losses, max_rel_loss_diff=worst,
-        loads_identical=identical, packed_unchanged=unchanged,
+        prepared_identical=identical, packed_unchanged=unchanged,
         stock_step_s=statistics.median(stock_times), step_s=step_s,
         predicted_step_s=predicted.step_s, step_ratio=step_s / predicted.step_s,
         homes=run.plan.count_homes(), streams=type(engine.streams).__name__,
@@ -282,13 +311,13 @@ def format_table(report: dict) -> str:
             f"(estimate), profile: {d['profile_bytes_per_s'] / 1e9:.1f} GB/s"]
     rows += [f"  measured {m['side']}x{m['side']}: {m['bytes_per_s'] / 1e9:.1f} GB/s "
              f"({m['over_preset']:.2f} x preset; {m['how']})" for m in d["measured"]]
-    rows.append(f"{'format':<8}{'packed MB':>10}{'max rel loss diff':>19}{'unchanged':>10}"
+    rows.append(f"{'format':<12}{'packed MB':>10}{'max rel loss diff':>19}{'unchanged':>10}"
                 f"{'stock s':>9}{'step s':>9}{'pred s':>9}{'ratio':>7}{'ok':>5}")
     for r in report["results"]:
-        rows.append(f"{r['fmt']:<8}{r['packed_bytes'] / 1e6:>10.1f}"
+        rows.append(f"{r['fmt']:<12}{r['packed_bytes'] / 1e6:>10.1f}"
                     f"{r['max_rel_loss_diff']:>19.2e}"
                     f"{'yes' if r['packed_unchanged'] else 'NO':>10}"
                     f"{r['stock_step_s']:>9.3f}{r['step_s']:>9.3f}{r['predicted_step_s']:>9.3f}"
                     f"{r['step_ratio']:>7.2f}{'yes' if r['passed'] else 'NO':>5}")
-    rows += [f"{e['fmt']:<8}ERROR {e['error']}" for e in report["errors"]]
+    rows += [f"{e['fmt']:<12}ERROR {e['error']}" for e in report["errors"]]
     return "\n".join(rows)

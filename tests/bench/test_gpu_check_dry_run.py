@@ -1,8 +1,8 @@
 """bench/gpu_check.sh --dry-run: the GPU check's code path, on the CPU with tiny models,
 so the script is known to work before it meets a GPU: the equivalence suite (a subset),
-the QLoRA phase (nf4 and int8 bases loaded with BitsAndBytesConfig, on the emulated async
-device: the packed pool's staging path), then training through the Accelerate plugin
-with measured vs predicted figures."""
+the QLoRA phase (nf4 and int8 bases loaded with BitsAndBytesConfig, and a bf16 base the
+plugin quantizes at prepare, on the emulated async device: the packed pool's staging
+path), then training through the Accelerate plugin with measured vs predicted figures."""
 
 from __future__ import annotations
 
@@ -51,13 +51,14 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: Path) -> None:
     assert "lazytrain" in table and "TFLOPS" in table and "opt exp s" in table
     assert "max rel loss diff" in table
     assert "dequant nf4" in table and "\nnf4 " in table and "\nint8 " in table
+    assert "\nprepare:nf4 " in table
 
 
 def _check_qlora(qlora: dict) -> None:
     assert qlora["errors"] == []
-    assert [r["fmt"] for r in qlora["results"]] == ["nf4", "int8"]
+    assert [r["fmt"] for r in qlora["results"]] == ["nf4", "int8", "prepare:nf4"]
     for r in qlora["results"]:
-        assert r["passed"] and r["packed_unchanged"] and r["loads_identical"], r
+        assert r["passed"] and r["packed_unchanged"] and r["prepared_identical"], r
         assert r["max_rel_loss_diff"] <= 2e-2 and len(r["losses"]) == len(r["stock_losses"])
         assert r["packed_tensors"] == 3 * 7 and r["packed_bytes"] > 0  # 3 layers x 7 linears
         # the CUDA code path of the packed pool ran: staging, side stream, events
