@@ -28,11 +28,12 @@ import itertools
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from gpu_equivalence import BF16_REL_TOL  # the relative loss tolerance in bf16
 from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
@@ -42,8 +43,6 @@ from lazytrain_accel.planning import simulate
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
 from lazytrain_accel.profiling.measure import _measure_dequant
 
-#: Relative loss difference tolerated (the bf16 tolerance of the equivalence suite).
-BF16_REL_TOL = 2e-2
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 #: Loaded packed with `BitsAndBytesConfig`; "prepare:nf4": loaded bf16, quantized by the
 #: plugin at `prepare` (`frozen_weights="nf4"`; the stock run quantizes it the same way).
@@ -100,7 +99,7 @@ class QloraResult:
     losses: list[float]
     max_rel_loss_diff: float
     prepared_identical: bool  # the plugin's packed weights at prepare == the stock run's
-    packed_unchanged: bool  # after training: bit-identical to the fresh load
+    packed_unchanged: bool  # after training: bit-identical to those after prepare
     stock_step_s: float
     step_s: float
     predicted_step_s: float  # simulate(include_optimizer=True) of the QLoRA plan
@@ -292,13 +291,21 @@ def run_phase(setting: QloraSetting, hardware: HardwareProfile,
                     "errors": []}
     with tempfile.TemporaryDirectory(prefix="lazytrain_qlora_") as work:
         base = Path(work) / "base"
-        save_base(setting, base)
-        for fmt in formats:
-            try:
-                report["results"].append(asdict(check_format(fmt, setting, base)))
-            except Exception as err:  # the report names it; the check fails
-                report["errors"].append({"fmt": fmt, "error": f"{type(err).__name__}: {err}"})
+        if _attempt(report, "base", lambda: save_base(setting, base)):
+            for fmt in formats:
+                _attempt(report, fmt, lambda fmt=fmt: report["results"].append(
+                    asdict(check_format(fmt, setting, base))))
     return report
+
+
+def _attempt(report: dict, name: str, fn: Callable[[], object]) -> bool:
+    """Run `fn`; an exception is listed in `report["errors"]` (the check then fails)."""
+    try:
+        fn()
+    except Exception as err:
+        report["errors"].append({"fmt": name, "error": f"{type(err).__name__}: {err}"})
+        return False
+    return True
 
 
 def passed(report: dict) -> bool:

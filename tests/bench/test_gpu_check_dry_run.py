@@ -84,3 +84,16 @@ def test_no_training_run_starts_past_the_time_budget(tmp_path: Path) -> None:
     assert gpu_check._train_runs(setting, hardware, report, tmp_path, late) == []
     assert report["runs"] == report["refused"] == []
     assert {r["strategy"] for r in report["skipped"]} == set(gpu_check.STRATEGIES)
+
+
+def test_a_qlora_format_that_fails_is_reported_and_fails_the_phase() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    import gpu_qlora
+
+    from lazytrain_accel.profiling.hardware import load_hardware
+
+    report = gpu_qlora.run_phase(gpu_qlora.dry_setting(), load_hardware("h800"),
+                                 formats=("nf5",))
+    assert report["results"] == [] and [e["fmt"] for e in report["errors"]] == ["nf5"]
+    assert not gpu_qlora.passed(report)
+    assert "nf5" in gpu_qlora.format_table(report)
