@@ -24,6 +24,7 @@ stream, events), so the phase is known to work before it meets a GPU.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import statistics
 import tempfile
@@ -233,9 +234,18 @@ def _stock_run(fmt: str, setting: QloraSetting, base: Path
     losses, times = run_steps(prepared, setting)
     prepared[0].end_training()
     del model, prepared
-    if setting.device.type == "cuda":
-        torch.cuda.empty_cache()
+    _free_device(setting.device)
     return loaded, losses, times
+
+
+def _free_device(device: torch.device) -> int:
+    """Collect the runs' cycles (accelerator <-> engine) and return cached device blocks,
+    so the next run (and the 3B phase's caps and peaks) start clean; bytes still held."""
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
 
 
 def check_format(fmt: str, setting: QloraSetting, base: Path) -> QloraResult:
@@ -295,6 +305,7 @@ def run_phase(setting: QloraSetting, hardware: HardwareProfile,
             for fmt in formats:
                 _attempt(report, fmt, lambda fmt=fmt: report["results"].append(
                     asdict(check_format(fmt, setting, base))))
+                report["device_bytes_left"] = _free_device(setting.device)
     return report
 
 

@@ -64,6 +64,7 @@ def _check_qlora(qlora: dict) -> None:
         # the CUDA code path of the packed pool ran: staging, side stream, events
         assert r["pool"] == "PackedWeightPool" and r["streams"] == "EmulatedStreams"
         assert r["step_s"] > 0 and r["step_ratio"] == r["step_s"] / r["predicted_step_s"]
+    assert qlora["device_bytes_left"] == 0  # CPU: nothing to account
     dequant = qlora["dequant"]
     assert dequant["preset"] == "h200" and dequant["preset_bytes_per_s"] > 0
     assert [m["side"] for m in dequant["measured"]] == [256, 512]
