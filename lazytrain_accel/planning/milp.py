@@ -74,10 +74,11 @@ def _add_path(m: Model, p: Problem, v: _Vars) -> None:
         if i < L:
             m.addCons(quicksum(out) == _home_sum(v, i), name=f"flow_out_{i}")
         # A block's start is read at B_e (recompute) and again at B_{s+1}: keep it on the
-        # device for the whole block rather than reloading it twice.
+        # device for the whole block rather than reloading it twice. (`<= g_i`, not
+        # `+ offloaded_i <= 1`: the LP must not start a block at a fraction of a CPU home.)
         long_out = [v.x[s, e] for (s, e) in v.x if s == i and e - s >= 2]
         if long_out and (i in v.cpu or i in v.nvme):
-            m.addCons(quicksum(long_out) + _offloaded(v, i) <= 1, name=f"block_start_gpu_{i}")
+            m.addCons(quicksum(long_out) <= v.gpu[i], name=f"block_start_gpu_{i}")
 
 
 def _add_capacity(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
@@ -151,6 +152,54 @@ def _add_links(m: Model, p: Problem, v: _Vars) -> None:
             for i in v.nvme:
                 w, _ = p.transfer_windows(link, i, Home.NVME)
                 m.addCons(demand_s * v.nvme[i] <= free[link][w], name=f"hop_{link}_{i}")
+    _add_hop_floors(m, p, v)
+
+
+def _free_deltas_s(p: Problem, edges: list[tuple[int, int]]
+                   ) -> dict[tuple[str, int], list[tuple[tuple[int, int], float]]]:
+    """(link, window) -> [(edge, seconds that edge alone adds to the window's free time
+    on the link)], from `Problem`'s cost methods: a block's recompute lengthens `B_e`, its
+    weight re-stream takes H2D time there and one window earlier."""
+    base_dur, base_bytes = p.window_durations_s({}), p.mandatory_bytes({})
+    deltas: dict[tuple[str, int], list[tuple[tuple[int, int], float]]] = {}
+    for edge in edges:
+        if edge[1] - edge[0] < 2:
+            continue
+        dur, nbytes = p.window_durations_s({edge: 1}), p.mandatory_bytes({edge: 1})
+        for link in LINKS:
+            rate = p.rate_bytes_per_s(link)
+            for w in range(p.num_windows):
+                d = dur[w] - base_dur[w] - (nbytes[link][w] - base_bytes[link][w]) / rate
+                if d:
+                    deltas.setdefault((link, w), []).append((edge, d))
+    return deltas
+
+
+def _add_hop_floors(m: Model, p: Problem, v: _Vars) -> None:
+    """Exposure an NVMe boundary's hop forces, whatever the LP does with the blocks.
+
+    With n_i = 1 no edge jumps over i and no block starts at i, so the only blocks that
+    could lengthen the hop window (those ending at its layer) are off: the window's free
+    time is at most its base free time plus the best block compatible with n_i = 1 (at
+    most one edge enters a boundary, and every other edge only takes time away). Where a
+    boundary does not fit that, `e_w >= (A / rate - free_max) n_i` is valid, and much
+    stronger than the hop row, whose LP lengthens the window by a fraction of a block that
+    cannot coexist with the hop (issue 15: the 60 s stops of tight 64-layer chains)."""
+    if not v.nvme:
+        return
+    base_dur, base_bytes = p.window_durations_s({}), p.mandatory_bytes({})
+    deltas = _free_deltas_s(p, list(v.x))
+    for link in ("d2h", "h2d"):
+        rate = p.rate_bytes_per_s(link)
+        demand_s = p.boundary_bytes / rate
+        for i in v.nvme:
+            w, _ = p.transfer_windows(link, i, Home.NVME)
+            boost = max((d for (s, e), d in deltas.get((link, w), [])
+                         if not s < i < e and s != i), default=0.0)
+            free_max = base_dur[w] - base_bytes[link][w] / rate + max(boost, 0.0)
+            if demand_s > free_max:
+                m.addCons(v.exposed[w] >= (demand_s - free_max) * v.nvme[i],
+                          name=f"hop_floor_{link}_{i}")
 
 
 def _add_objective(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
@@ -234,10 +283,11 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
                allow_cpu: bool = True, allow_nvme: bool = True,
                fixed_homes: list[Home] | None = None, elastic: bool = False,
                start_homes: list[Home] | tuple[Home, ...] | None = None,
-               first_feasible: bool = False) -> Solution:
+               first_feasible: bool = False, node_limit: int | None = None) -> Solution:
     """Solve `p`; `start_homes`, a feasible point, seeds the search (warm start);
     `first_feasible` stops at the first incumbent SCIP's own search finds (no warm
-    start then; a deterministic stand-in for a time limit in tests)."""
+    start then), and `node_limit` after that many branch-and-bound nodes (status
+    "nodelimit"): deterministic stand-ins for a time limit in tests."""
     m, v = build_milp(p, allow_cpu=allow_cpu, allow_nvme=allow_nvme,
                       fixed_homes=fixed_homes, elastic=elastic)
     m.setParam("limits/time", max(time_limit_s, 0.01))
@@ -250,6 +300,8 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
         _add_start(m, v, start_homes)
     if first_feasible:
         m.setParam("limits/solutions", 1)
+    if node_limit is not None:
+        m.setParam("limits/nodes", node_limit)
     start = time.perf_counter()
     m.optimize()
     solve_s = time.perf_counter() - start
