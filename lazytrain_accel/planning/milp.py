@@ -95,8 +95,7 @@ def _add_capacity(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
         cache.append(y)
     if elastic:
         v.slack = {k: m.addVar(f"shortfall_gib_{k}", lb=0.0) for k in ("gpu", "cpu", "nvme")}
-    else:
-        _add_block_counts(m, p, v, cache)
+    _add_block_counts(m, p, v, cache)
     need = p.tier_need_bytes(gpu=quicksum(v.gpu.values()), cache=quicksum(cache),
                              cpu=quicksum(v.cpu.values()), nvme=quicksum(v.nvme.values()))
     for tier, nbytes in need.items():  # rows in GiB: byte-sized coefficients hurt the LP
@@ -112,16 +111,32 @@ def _add_block_counts(m: Model, p: Problem, v: _Vars, cache: list) -> None:
     other than L, and each recomputes at most c: recomputed <= c (GPU homes - 1). The
     product is linearized by the binary choice of c (`longest_block_{c}`) and the GPU
     homes split by it (`gpu_homes_at_{c}`). Without these rows the relaxation cannot see
-    that a tight GPU caps the recompute, and SCIP searched minutes (issue 15)."""
-    slots = (p.budgets.gpu_bytes - p.gpu_fixed_bytes) // p.boundary_bytes
+    that a tight GPU caps the recompute, and SCIP searched minutes (issue 15).
+
+    In the elastic model the slots grow by the GPU shortfall `sigma` (in boundaries), split
+    by c like the homes (`gpu_slack_at_{c}`, at most what c could use): the same rows, so
+    a refusal's shortfall is found about as fast as a plan."""
+    free_slots = (p.budgets.gpu_bytes - p.gpu_fixed_bytes) / p.boundary_bytes
+    slots = free_slots // 1
     longest = [m.addVar(f"longest_block_{c + 1}", vtype="B") for c in range(len(cache) + 1)]
     split = [m.addVar(f"gpu_homes_at_{c + 1}", lb=0.0) for c in range(len(longest))]
     m.addCons(quicksum(longest) == 1, name="one_longest_block")
     for length, y in enumerate(cache, start=2):  # y_l = [some block has length >= l]
         m.addCons(y == quicksum(longest[length - 1:]), name=f"cache_is_longest_{length}")
     m.addCons(quicksum(split) == quicksum(v.gpu.values()), name="gpu_homes_split")
-    for c, (w, g) in enumerate(zip(longest, split, strict=True)):
-        m.addCons(g <= max(slots - c, 0) * w, name=f"gpu_homes_cap_{c + 1}")
+    if "gpu" in v.slack:  # the shortfall is continuous: the slots are no longer rounded
+        most = p.num_layers + 1  # GPU homes
+        sigma = [m.addVar(f"gpu_slack_at_{c + 1}", lb=0.0,
+                          ub=max(most + c - free_slots, 0.0)) for c in range(len(longest))]
+        m.addCons(quicksum(sigma) <= v.slack["gpu"] * (GIB / p.boundary_bytes),
+                  name="gpu_slack_split")
+        for c, (w, g, extra) in enumerate(zip(longest, split, sigma, strict=True)):
+            m.addCons(extra <= max(most + c - free_slots, 0.0) * w,
+                      name=f"gpu_slack_cap_{c + 1}")
+            m.addCons(g <= (free_slots - c) * w + extra, name=f"gpu_homes_cap_{c + 1}")
+    else:
+        for c, (w, g) in enumerate(zip(longest, split, strict=True)):
+            m.addCons(g <= max(slots - c, 0) * w, name=f"gpu_homes_cap_{c + 1}")
     recomputed = quicksum((e - s - 1) * xv for (s, e), xv in v.x.items())
     m.addCons(recomputed <= quicksum(c * (g - w) for c, (w, g)
                                      in enumerate(zip(longest, split, strict=True))),

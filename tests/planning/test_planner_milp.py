@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from planner_chains import budgets_in_slots, chain, instances, tight_chains
 from pyscipopt import Model, quicksum
 
@@ -177,6 +179,44 @@ def test_tight_deep_chains_close_the_gap_at_the_root() -> None:
         got = solve_milp(chains[k], time_limit_s=HANG_GUARD_S, gap=0.001, node_limit=20)
         assert got.status in ("optimal", "gaplimit"), (k, got.status, got.gap)
         assert got.gap <= 0.001
+
+
+def _structural(p: Problem, homes: list[Home]) -> bool:
+    """`_admissible` without the capacities: what the elastic model may choose."""
+    blocks = blocks_of(homes)
+    return (all(e - s <= p.max_block for s, e in blocks)
+            and all(homes[s] == Home.GPU for s, e in blocks if e - s >= 2)
+            and all(p.can_offload(i, nvme=h == Home.NVME) for i, h in enumerate(homes)
+                    if h in (Home.CPU, Home.NVME)))
+
+
+def brute_force_shortfall_gib(p: Problem) -> float:
+    """The least total GiB the three tiers lack over every assignment of homes."""
+    best = float("inf")
+    for inner in itertools.product(list(Home), repeat=p.num_layers - 1):
+        homes = [Home.GPU, *inner, Home.GPU]
+        if not _structural(p, homes):
+            continue
+        count = {h: homes.count(h) for h in Home}
+        longest = max(e - s for s, e in blocks_of(homes))
+        need = p.tier_need_bytes(gpu=count[Home.GPU], cache=longest - 1,
+                                 cpu=count[Home.CPU], nvme=count[Home.NVME])
+        best = min(best, sum(max(need[k] - p.budget_bytes(k), 0) for k in need) / GIB)
+    return best
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(max_layers=6), st.floats(0.0, 3.0))
+def test_elastic_shortfall_equals_brute_force(instance: tuple, cut_slots: float) -> None:
+    """The refusal's re-solve (slots grown by the GPU shortfall, split by the longest
+    block: `gpu_slack_at_c`) finds the least shortfall, at fractional slot counts too."""
+    model, hardware, budgets, K = instance
+    smaller = dataclasses.replace(
+        budgets, gpu_bytes=budgets.gpu_bytes - int(cut_slots * model.boundary_bytes))
+    p = build_problem(model, hardware, budgets=smaller, max_recompute_block=K)
+    got = solve_milp(p, time_limit_s=HANG_GUARD_S, gap=0.0, elastic=True)
+    assert got.status == "optimal"
+    assert got.objective_s == pytest.approx(brute_force_shortfall_gib(p), abs=1e-6)
 
 
 def test_gpu_only_mip_keeps_everything_on_the_gpu() -> None:
