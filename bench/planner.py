@@ -2,6 +2,7 @@
 in simulation, and max batch on an RTX 3090. Prints ratios; never collected by pytest.
 
     python bench/planner.py [--skip-solve] [--skip-tables] [--time-limit-s 60] [--verbose]
+        [--chains 12] [--seed 15]
 """
 
 from __future__ import annotations
@@ -43,14 +44,14 @@ def tight_budgets(model, hardware) -> Budgets:
     return Budgets(gpu_bytes=gpu, cpu_bytes=p.cpu_fixed_bytes + int(8e9), nvme_bytes=int(8e9))
 
 
-def classes() -> dict[str, list[Problem]]:
+def classes(chains: int = 12, seed: int = 15) -> dict[str, list[Problem]]:
     h800 = HARDWARE_PRESETS["h800"]
     request = profile("qwen3.6-27b", 40, loss_chunk_tokens=8192)
     issue = [build_problem(request, h800, budgets=Budgets.from_hardware(h800, 30, cpu, 8))
              for cpu in (258, 262)]
     deep = [build_problem(m, h800, budgets=tight_budgets(m, h800))
             for m in (profile("llama3-70b", b, 4096) for b in (8, 16, 32))]
-    return {"tight 64-layer chains (property test class)": tight_chains(12),
+    return {"tight 64-layer chains (property test class)": tight_chains(chains, seed),
             "27B request of issue 15, host 258 / 262 GiB": issue,
             "llama3-70b (80 layers), tight GPU/host/NVMe": deep}
 
@@ -73,7 +74,8 @@ def _solve_one(p: Problem, time_limit_s: float) -> tuple[float, float, str, floa
     return time.perf_counter() - wall, time.process_time() - cpu, outcome, gap
 
 
-def solve_times(time_limit_s: float, verbose: bool = False) -> None:
+def solve_times(time_limit_s: float, verbose: bool = False, chains: int = 12,
+                seed: int = 15) -> None:
     """Wall and CPU seconds (this process's, so load from other processes does not count)
     of every solve, per class; the load average beside them says how loaded the wall
     figures are."""
@@ -83,7 +85,7 @@ def solve_times(time_limit_s: float, verbose: bool = False) -> None:
     print("| class | n | wall median / p90 / max s | CPU median / p90 / max s | max gap "
           "| outcomes |")
     print("|---|---|---|---|---|---|")
-    for name, problems in classes().items():
+    for name, problems in classes(chains, seed).items():
         runs = [_solve_one(p, time_limit_s) for p in problems]
         if verbose:
             for k, (wall, cpu, outcome, gap) in enumerate(runs):
@@ -152,9 +154,13 @@ def main() -> None:
     parser.add_argument("--skip-tables", action="store_true")
     parser.add_argument("--verbose", action="store_true",
                         help="one line per solve (wall, CPU, outcome, gap)")
+    parser.add_argument("--chains", type=int, default=12,
+                        help="how many tight 64-layer chains (seeded, see --seed)")
+    parser.add_argument("--seed", type=int, default=15)
     args = parser.parse_args()
     if not args.skip_solve:
-        solve_times(args.time_limit_s, verbose=args.verbose)
+        solve_times(args.time_limit_s, verbose=args.verbose, chains=args.chains,
+                    seed=args.seed)
     if not args.skip_tables:
         paper_table(args.time_limit_s)
         max_batches(args.time_limit_s)

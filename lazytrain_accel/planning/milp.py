@@ -8,7 +8,9 @@ them, `Problem.transfer_windows`), so Hall's condition on the sets, one row per 
 is exactly the feasibility of a byte-to-window assignment (decoded later by
 earliest-deadline-first, `schedule.py`). And the block cache is `sum_l y_l`, with
 covering rows instead of a big-M row per edge; `_add_block_counts` adds the valid rows
-that let the LP count blocks against the GPU's slots.
+that let the LP count blocks against the GPU's slots, and `_add_hop_floors` the exposure
+an NVMe boundary's one-window hop forces (together they close tight 64-layer chains at
+the root node).
 """
 
 from __future__ import annotations
