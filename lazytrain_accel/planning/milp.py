@@ -197,8 +197,8 @@ def _add_hop_floors(m: Model, p: Problem, v: _Vars) -> None:
 
     With n_i = 1 no edge jumps over i and no block starts at i, so the only blocks that
     could lengthen the hop window (those ending at its layer) are off: the window's free
-    time is at most its base free time plus the best block compatible with n_i = 1 (at
-    most one edge enters a boundary, and every other edge only takes time away). Where a
+    time is at most its base free time plus, per end boundary, the best gain of a block
+    compatible with n_i = 1 into it (at most one edge enters a boundary). Where a
     boundary does not fit that, `e_w >= (A / rate - free_max) n_i` is valid, and much
     stronger than the hop row, whose LP lengthens the window by a fraction of a block that
     cannot coexist with the hop (issue 15: the 60 s stops of tight 64-layer chains)."""
@@ -211,9 +211,11 @@ def _add_hop_floors(m: Model, p: Problem, v: _Vars) -> None:
         demand_s = p.boundary_bytes / rate
         for i in v.nvme:
             w, _ = p.transfer_windows(link, i, Home.NVME)
-            boost = max((d for (s, e), d in deltas.get((link, w), [])
-                         if not s < i < e and s != i), default=0.0)
-            free_max = base_dur[w] - base_bytes[link][w] / rate + max(boost, 0.0)
+            best_into: dict[int, float] = {}  # per end boundary: edges into it exclude
+            for (s, e), d in deltas.get((link, w), []):  # each other, so take the best
+                if not s < i < e and s != i:
+                    best_into[e] = max(best_into.get(e, 0.0), d)
+            free_max = base_dur[w] - base_bytes[link][w] / rate + sum(best_into.values())
             if demand_s > free_max:
                 m.addCons(v.exposed[w] >= (demand_s - free_max) * v.nvme[i],
                           name=f"hop_floor_{link}_{i}")
