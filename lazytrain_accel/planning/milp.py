@@ -172,20 +172,22 @@ def _add_links(m: Model, p: Problem, v: _Vars) -> None:
     _add_hop_floors(m, p, v)
 
 
-def _free_deltas_s(p: Problem, edges: list[tuple[int, int]]
+def _free_deltas_s(p: Problem, edges: list[tuple[int, int]],
+                   windows: dict[str, set[int]]
                    ) -> dict[tuple[str, int], list[tuple[tuple[int, int], float]]]:
     """(link, window) -> [(edge, seconds that edge alone adds to the window's free time
-    on the link)], from `Problem`'s cost methods: a block's recompute lengthens `B_e`, its
-    weight re-stream takes H2D time there and one window earlier."""
+    on the link)] for the given windows of each link, from `Problem`'s cost methods: a
+    block's recompute lengthens `B_e`, its weight re-stream takes H2D time there and one
+    window earlier."""
     base_dur, base_bytes = p.window_durations_s({}), p.mandatory_bytes({})
     deltas: dict[tuple[str, int], list[tuple[tuple[int, int], float]]] = {}
     for edge in edges:
         if edge[1] - edge[0] < 2:
             continue
         dur, nbytes = p.window_durations_s({edge: 1}), p.mandatory_bytes({edge: 1})
-        for link in LINKS:
+        for link, wanted in windows.items():
             rate = p.rate_bytes_per_s(link)
-            for w in range(p.num_windows):
+            for w in wanted:
                 d = dur[w] - base_dur[w] - (nbytes[link][w] - base_bytes[link][w]) / rate
                 if d:
                     deltas.setdefault((link, w), []).append((edge, d))
@@ -204,13 +206,14 @@ def _add_hop_floors(m: Model, p: Problem, v: _Vars) -> None:
     cannot coexist with the hop (issue 15: the 60 s stops of tight 64-layer chains)."""
     if not v.nvme:
         return
+    hop = {link: {i: p.transfer_windows(link, i, Home.NVME)[0] for i in v.nvme}
+           for link in ("d2h", "h2d")}
     base_dur, base_bytes = p.window_durations_s({}), p.mandatory_bytes({})
-    deltas = _free_deltas_s(p, list(v.x))
-    for link in ("d2h", "h2d"):
+    deltas = _free_deltas_s(p, list(v.x), {k: set(ws.values()) for k, ws in hop.items()})
+    for link, windows in hop.items():
         rate = p.rate_bytes_per_s(link)
         demand_s = p.boundary_bytes / rate
-        for i in v.nvme:
-            w, _ = p.transfer_windows(link, i, Home.NVME)
+        for i, w in windows.items():
             best_into: dict[int, float] = {}  # per end boundary: edges into it exclude
             for (s, e), d in deltas.get((link, w), []):  # each other, so take the best
                 if not s < i < e and s != i:
