@@ -1,13 +1,14 @@
 """Planner benchmarks: MIP solve time and gap per instance class, the paper's H800 table
 in simulation, and max batch on an RTX 3090. Prints ratios; never collected by pytest.
 
-    python bench/planner.py [--skip-solve] [--skip-tables] [--time-limit-s 60]
+    python bench/planner.py [--skip-solve] [--skip-tables] [--time-limit-s 60] [--verbose]
+        [--chains 12] [--seed 15]
 """
 
 from __future__ import annotations
 
 import argparse
-import random
+import os
 import statistics
 import sys
 import time
@@ -20,7 +21,7 @@ from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "planning"))
-from planner_chains import budgets_in_slots, chain  # the property test's chains
+from planner_chains import tight_chains  # the property test's tight class
 
 PAPER = (("qwen2.5-3b", 192, 142.80, 176.42), ("qwen2.5-7b", 144, 161.35, 199.84),
          ("qwen2.5-14b", 96, 171.92, 212.34), ("qwen3.6-27b", 72, 176.90, 219.95))
@@ -43,60 +44,62 @@ def tight_budgets(model, hardware) -> Budgets:
     return Budgets(gpu_bytes=gpu, cpu_bytes=p.cpu_fixed_bytes + int(8e9), nvme_bytes=int(8e9))
 
 
-def tight_chains(count: int, seed: int = 15) -> list[Problem]:
-    """64-layer chains of the property test's tight class: few GPU slots, random rates."""
-    rng, problems = random.Random(seed), []
-    for _ in range(count):
-        model, hw = chain(num_layers=64, boundary_gib=rng.choice([0.25, 1.0]),
-                          layer_param_gib=rng.choice([0.1, 0.5, 1.5]),
-                          fwd_s=rng.choice([0.02, 0.05, 0.2]),
-                          bwd_s=rng.choice([0.04, 0.1, 0.4]),
-                          h2d_gbps=rng.choice([4.0, 12.0, 40.0]),
-                          d2h_gbps=rng.choice([4.0, 12.0, 40.0]),
-                          nvme_read_gbps=rng.choice([1.0, 3.0]),
-                          nvme_write_gbps=rng.choice([1.0, 3.0]))
-        budgets = budgets_in_slots(model, hw, gpu_slots=rng.randint(4, 14),
-                                   cpu_slots=rng.randint(16, 48),
-                                   nvme_slots=rng.randint(0, 24))
-        problems.append(build_problem(model, hw, budgets=budgets))
-    return problems
-
-
-def classes() -> dict[str, list[Problem]]:
+def classes(chains: int = 12, seed: int = 15) -> dict[str, list[Problem]]:
     h800 = HARDWARE_PRESETS["h800"]
     request = profile("qwen3.6-27b", 40, loss_chunk_tokens=8192)
     issue = [build_problem(request, h800, budgets=Budgets.from_hardware(h800, 30, cpu, 8))
              for cpu in (258, 262)]
     deep = [build_problem(m, h800, budgets=tight_budgets(m, h800))
             for m in (profile("llama3-70b", b, 4096) for b in (8, 16, 32))]
-    return {"tight 64-layer chains (property test class)": tight_chains(12),
+    return {"tight 64-layer chains (property test class)": tight_chains(chains, seed),
             "27B request of issue 15, host 258 / 262 GiB": issue,
             "llama3-70b (80 layers), tight GPU/host/NVMe": deep}
 
 
-def solve_times(time_limit_s: float) -> None:
+def _quantiles(values: list[float]) -> tuple[float, float, float]:
+    """(median, p90, max) of `values`."""
+    ordered = sorted(values)
+    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+    return statistics.median(ordered), p90, ordered[-1]
+
+
+def _solve_one(p: Problem, time_limit_s: float) -> tuple[float, float, str, float]:
+    """(wall s, CPU s, outcome, gap) of one `lazytrain` solve as `make_plan` runs it."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    try:
+        solution = solve_problem(p, strategy="lazytrain", time_limit_s=time_limit_s, gap=GAP)
+        outcome, gap = solution.status, solution.gap
+    except PlanInfeasibleError:
+        outcome, gap = "refused (proven infeasible)", 0.0
+    return time.perf_counter() - wall, time.process_time() - cpu, outcome, gap
+
+
+def solve_times(time_limit_s: float, verbose: bool = False, chains: int = 12,
+                seed: int = 15) -> None:
+    """Wall and CPU seconds (this process's, so load from other processes does not count)
+    of every solve, per class; the load average beside them says how loaded the wall
+    figures are."""
     print(f"## MIP solve time per class (lazytrain strategy, gap {GAP:.1%}, warm start, "
-          f"time limit {time_limit_s:.0f} s)")
-    print("| class | n | median s | p90 s | max s | max gap | outcomes |")
-    print("|---|---|---|---|---|---|---|")
-    for name, problems in classes().items():
-        seconds, gaps, outcomes = [], [], {}
-        for p in problems:
-            start = time.perf_counter()
-            try:
-                solution = solve_problem(p, strategy="lazytrain", time_limit_s=time_limit_s,
-                                         gap=GAP)
-                outcome, gap = solution.status, solution.gap
-            except PlanInfeasibleError:
-                outcome, gap = "refused (proven infeasible)", 0.0
-            seconds.append(time.perf_counter() - start)
-            gaps.append(gap)
-            outcomes[outcome] = outcomes.get(outcome, 0) + 1
-        seconds.sort()
-        p90 = seconds[min(len(seconds) - 1, round(0.9 * (len(seconds) - 1)))]
+          f"time limit {time_limit_s:.0f} s; load average at start "
+          f"{os.getloadavg()[0]:.2f})")
+    print("| class | n | wall median / p90 / max s | CPU median / p90 / max s | max gap "
+          "| outcomes |")
+    print("|---|---|---|---|---|---|")
+    for name, problems in classes(chains, seed).items():
+        runs = [_solve_one(p, time_limit_s) for p in problems]
+        if verbose:
+            for k, (wall, cpu, outcome, gap) in enumerate(runs):
+                print(f"<!-- {name} #{k}: wall {wall:.2f} s, CPU {cpu:.2f} s, {outcome}, "
+                      f"gap {gap:.3%} -->")
+        outcomes: dict[str, int] = {}
+        for run in runs:
+            outcomes[run[2]] = outcomes.get(run[2], 0) + 1
+        wall = "{:.2f} / {:.2f} / {:.2f}".format(*_quantiles([r[0] for r in runs]))
+        cpu = "{:.2f} / {:.2f} / {:.2f}".format(*_quantiles([r[1] for r in runs]))
         summary = ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items()))
-        print(f"| {name} | {len(problems)} | {statistics.median(seconds):.2f} | {p90:.2f} | "
-              f"{seconds[-1]:.2f} | {max(gaps):.2%} | {summary} |")
+        print(f"| {name} | {len(problems)} | {wall} | {cpu} | {max(r[3] for r in runs):.2%} "
+              f"| {summary} |")
+    print(f"<!-- load average at end {os.getloadavg()[0]:.2f} -->")
 
 
 def paper_table(time_limit_s: float) -> None:
@@ -149,9 +152,15 @@ def main() -> None:
     parser.add_argument("--time-limit-s", type=float, default=60.0)
     parser.add_argument("--skip-solve", action="store_true")
     parser.add_argument("--skip-tables", action="store_true")
+    parser.add_argument("--verbose", action="store_true",
+                        help="one line per solve (wall, CPU, outcome, gap)")
+    parser.add_argument("--chains", type=int, default=12,
+                        help="how many tight 64-layer chains (seeded, see --seed)")
+    parser.add_argument("--seed", type=int, default=15)
     args = parser.parse_args()
     if not args.skip_solve:
-        solve_times(args.time_limit_s)
+        solve_times(args.time_limit_s, verbose=args.verbose, chains=args.chains,
+                    seed=args.seed)
     if not args.skip_tables:
         paper_table(args.time_limit_s)
         max_batches(args.time_limit_s)

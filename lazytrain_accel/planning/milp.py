@@ -8,7 +8,9 @@ them, `Problem.transfer_windows`), so Hall's condition on the sets, one row per 
 is exactly the feasibility of a byte-to-window assignment (decoded later by
 earliest-deadline-first, `schedule.py`). And the block cache is `sum_l y_l`, with
 covering rows instead of a big-M row per edge; `_add_block_counts` adds the valid rows
-that let the LP count blocks against the GPU's slots.
+that let the LP count blocks against the GPU's slots, and `_add_hop_floors` the exposure
+an NVMe boundary's one-window hop forces (together they close tight 64-layer chains at
+the root node).
 """
 
 from __future__ import annotations
@@ -74,10 +76,11 @@ def _add_path(m: Model, p: Problem, v: _Vars) -> None:
         if i < L:
             m.addCons(quicksum(out) == _home_sum(v, i), name=f"flow_out_{i}")
         # A block's start is read at B_e (recompute) and again at B_{s+1}: keep it on the
-        # device for the whole block rather than reloading it twice.
+        # device for the whole block rather than reloading it twice. (`<= g_i`, not
+        # `+ offloaded_i <= 1`: the LP must not start a block at a fraction of a CPU home.)
         long_out = [v.x[s, e] for (s, e) in v.x if s == i and e - s >= 2]
         if long_out and (i in v.cpu or i in v.nvme):
-            m.addCons(quicksum(long_out) + _offloaded(v, i) <= 1, name=f"block_start_gpu_{i}")
+            m.addCons(quicksum(long_out) <= v.gpu[i], name=f"block_start_gpu_{i}")
 
 
 def _add_capacity(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
@@ -94,8 +97,7 @@ def _add_capacity(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
         cache.append(y)
     if elastic:
         v.slack = {k: m.addVar(f"shortfall_gib_{k}", lb=0.0) for k in ("gpu", "cpu", "nvme")}
-    else:
-        _add_block_counts(m, p, v, cache)
+    _add_block_counts(m, p, v, cache)
     need = p.tier_need_bytes(gpu=quicksum(v.gpu.values()), cache=quicksum(cache),
                              cpu=quicksum(v.cpu.values()), nvme=quicksum(v.nvme.values()))
     for tier, nbytes in need.items():  # rows in GiB: byte-sized coefficients hurt the LP
@@ -111,16 +113,32 @@ def _add_block_counts(m: Model, p: Problem, v: _Vars, cache: list) -> None:
     other than L, and each recomputes at most c: recomputed <= c (GPU homes - 1). The
     product is linearized by the binary choice of c (`longest_block_{c}`) and the GPU
     homes split by it (`gpu_homes_at_{c}`). Without these rows the relaxation cannot see
-    that a tight GPU caps the recompute, and SCIP searched minutes (issue 15)."""
-    slots = (p.budgets.gpu_bytes - p.gpu_fixed_bytes) // p.boundary_bytes
+    that a tight GPU caps the recompute, and SCIP searched minutes (issue 15).
+
+    In the elastic model the slots grow by the GPU shortfall `sigma` (in boundaries), split
+    by c like the homes (`gpu_slack_at_{c}`, at most what c could use): the same rows, so
+    a refusal's shortfall is found about as fast as a plan."""
+    free_slots = (p.budgets.gpu_bytes - p.gpu_fixed_bytes) / p.boundary_bytes
+    slots = free_slots // 1
     longest = [m.addVar(f"longest_block_{c + 1}", vtype="B") for c in range(len(cache) + 1)]
     split = [m.addVar(f"gpu_homes_at_{c + 1}", lb=0.0) for c in range(len(longest))]
     m.addCons(quicksum(longest) == 1, name="one_longest_block")
     for length, y in enumerate(cache, start=2):  # y_l = [some block has length >= l]
         m.addCons(y == quicksum(longest[length - 1:]), name=f"cache_is_longest_{length}")
     m.addCons(quicksum(split) == quicksum(v.gpu.values()), name="gpu_homes_split")
-    for c, (w, g) in enumerate(zip(longest, split, strict=True)):
-        m.addCons(g <= max(slots - c, 0) * w, name=f"gpu_homes_cap_{c + 1}")
+    if "gpu" in v.slack:  # the shortfall is continuous: the slots are no longer rounded
+        most = p.num_layers + 1  # GPU homes
+        sigma = [m.addVar(f"gpu_slack_at_{c + 1}", lb=0.0,
+                          ub=max(most + c - free_slots, 0.0)) for c in range(len(longest))]
+        m.addCons(quicksum(sigma) <= v.slack["gpu"] * (GIB / p.boundary_bytes),
+                  name="gpu_slack_split")
+        for c, (w, g, extra) in enumerate(zip(longest, split, sigma, strict=True)):
+            m.addCons(extra <= max(most + c - free_slots, 0.0) * w,
+                      name=f"gpu_slack_cap_{c + 1}")
+            m.addCons(g <= (free_slots - c) * w + extra, name=f"gpu_homes_cap_{c + 1}")
+    else:
+        for c, (w, g) in enumerate(zip(longest, split, strict=True)):
+            m.addCons(g <= max(slots - c, 0) * w, name=f"gpu_homes_cap_{c + 1}")
     recomputed = quicksum((e - s - 1) * xv for (s, e), xv in v.x.items())
     m.addCons(recomputed <= quicksum(c * (g - w) for c, (w, g)
                                      in enumerate(zip(longest, split, strict=True))),
@@ -151,6 +169,59 @@ def _add_links(m: Model, p: Problem, v: _Vars) -> None:
             for i in v.nvme:
                 w, _ = p.transfer_windows(link, i, Home.NVME)
                 m.addCons(demand_s * v.nvme[i] <= free[link][w], name=f"hop_{link}_{i}")
+    _add_hop_floors(m, p, v)
+
+
+def _free_deltas_s(p: Problem, edges: list[tuple[int, int]],
+                   windows: dict[str, set[int]]
+                   ) -> dict[tuple[str, int], list[tuple[tuple[int, int], float]]]:
+    """(link, window) -> [(edge, seconds that edge alone adds to the window's free time
+    on the link)] for the given windows of each link, from `Problem`'s cost methods: a
+    block's recompute lengthens `B_e`, its weight re-stream takes H2D time there and one
+    window earlier."""
+    base_dur, base_bytes = p.window_durations_s({}), p.mandatory_bytes({})
+    deltas: dict[tuple[str, int], list[tuple[tuple[int, int], float]]] = {}
+    for edge in edges:
+        if edge[1] - edge[0] < 2:
+            continue
+        dur, nbytes = p.window_durations_s({edge: 1}), p.mandatory_bytes({edge: 1})
+        for link, wanted in windows.items():
+            rate = p.rate_bytes_per_s(link)
+            for w in wanted:
+                d = dur[w] - base_dur[w] - (nbytes[link][w] - base_bytes[link][w]) / rate
+                if d:
+                    deltas.setdefault((link, w), []).append((edge, d))
+    return deltas
+
+
+def _add_hop_floors(m: Model, p: Problem, v: _Vars) -> None:
+    """Exposure an NVMe boundary's hop forces, whatever the LP does with the blocks.
+
+    With n_i = 1 no edge jumps over i and no block starts at i, so the only blocks that
+    could lengthen the hop window (those ending at its layer) are off: the window's free
+    time is at most its base free time plus, per end boundary, the best gain of a block
+    compatible with n_i = 1 into it (at most one edge enters a boundary). Where a
+    boundary does not fit that, `e_w >= (A / rate - free_max) n_i` is valid, and much
+    stronger than the hop row, whose LP lengthens the window by a fraction of a block that
+    cannot coexist with the hop (issue 15: the 60 s stops of tight 64-layer chains)."""
+    if not v.nvme:
+        return
+    hop = {link: {i: p.transfer_windows(link, i, Home.NVME)[0] for i in v.nvme}
+           for link in ("d2h", "h2d")}
+    base_dur, base_bytes = p.window_durations_s({}), p.mandatory_bytes({})
+    deltas = _free_deltas_s(p, list(v.x), {k: set(ws.values()) for k, ws in hop.items()})
+    for link, windows in hop.items():
+        rate = p.rate_bytes_per_s(link)
+        demand_s = p.boundary_bytes / rate
+        for i, w in windows.items():
+            best_into: dict[int, float] = {}  # per end boundary: edges into it exclude
+            for (s, e), d in deltas.get((link, w), []):  # each other, so take the best
+                if not s < i < e and s != i:
+                    best_into[e] = max(best_into.get(e, 0.0), d)
+            free_max = base_dur[w] - base_bytes[link][w] / rate + sum(best_into.values())
+            if demand_s > free_max:
+                m.addCons(v.exposed[w] >= (demand_s - free_max) * v.nvme[i],
+                          name=f"hop_floor_{link}_{i}")
 
 
 def _add_objective(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
@@ -234,10 +305,11 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
                allow_cpu: bool = True, allow_nvme: bool = True,
                fixed_homes: list[Home] | None = None, elastic: bool = False,
                start_homes: list[Home] | tuple[Home, ...] | None = None,
-               first_feasible: bool = False) -> Solution:
+               first_feasible: bool = False, node_limit: int | None = None) -> Solution:
     """Solve `p`; `start_homes`, a feasible point, seeds the search (warm start);
     `first_feasible` stops at the first incumbent SCIP's own search finds (no warm
-    start then; a deterministic stand-in for a time limit in tests)."""
+    start then), and `node_limit` after that many branch-and-bound nodes (status
+    "nodelimit"): deterministic stand-ins for a time limit in tests."""
     m, v = build_milp(p, allow_cpu=allow_cpu, allow_nvme=allow_nvme,
                       fixed_homes=fixed_homes, elastic=elastic)
     m.setParam("limits/time", max(time_limit_s, 0.01))
@@ -250,6 +322,8 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
         _add_start(m, v, start_homes)
     if first_feasible:
         m.setParam("limits/solutions", 1)
+    if node_limit is not None:
+        m.setParam("limits/nodes", node_limit)
     start = time.perf_counter()
     m.optimize()
     solve_s = time.perf_counter() - start

@@ -1,12 +1,21 @@
-"""Synthetic layer chains for the planner tests: profiles built directly, no torch."""
+"""Synthetic layer chains for the planner tests: profiles built directly, no torch.
+
+`random_chain` draws the rates and sizes every random chain of the tests and of
+`bench/planner.py` uses, from hypothesis (`instances`, the property test) or from a
+seeded `random.Random` (`tight_chains`, the bench's and the solve-speed test's class).
+"""
 
 from __future__ import annotations
 
 import math
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hypothesis import strategies as st
 
 from lazytrain_accel.planning import Budgets, build_problem
+from lazytrain_accel.planning.problem import Problem
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
 
@@ -57,20 +66,65 @@ def budgets_in_slots(model: ModelProfile, hardware: HardwareProfile, *, gpu_slot
                    nvme_bytes=A * nvme_slots)
 
 
+#: What a random chain draws each of `chain`'s knobs from.
+CHAIN_CHOICES: dict[str, tuple[float, ...]] = {
+    "boundary_gib": (0.25, 1.0), "layer_param_gib": (0.1, 0.5, 1.5),
+    "fwd_s": (0.02, 0.05, 0.2), "bwd_s": (0.04, 0.1, 0.4),
+    "h2d_gbps": (4.0, 12.0, 40.0), "d2h_gbps": (4.0, 12.0, 40.0),
+    "nvme_read_gbps": (1.0, 3.0), "nvme_write_gbps": (1.0, 3.0)}
+
+
+def random_chain(pick: Callable[[Sequence[Any]], Any], *, num_layers: int,
+                 boundary_gib: float | None = None) -> tuple[ModelProfile, HardwareProfile]:
+    """A chain whose knobs `pick` chooses from `CHAIN_CHOICES` (a hypothesis draw or a
+    seeded `random.Random().choice`); `boundary_gib`, when given, is not drawn."""
+    knobs = {k: pick(v) for k, v in CHAIN_CHOICES.items()
+             if not (k == "boundary_gib" and boundary_gib is not None)}
+    if boundary_gib is not None:
+        knobs["boundary_gib"] = boundary_gib
+    return chain(num_layers=num_layers, **knobs)
+
+
+def _draw_from(draw: st.DrawFn) -> Callable[[Sequence[Any]], Any]:
+    return lambda options: draw(st.sampled_from(options))
+
+
 @st.composite
 def instances(draw: st.DrawFn, *, max_layers: int = 6) -> tuple:
     """(model, hardware, budgets, K): random small chains, from roomy to tight."""
     L = draw(st.integers(2, max_layers))
     K = draw(st.integers(1, 4))
-    model, hardware = chain(
-        num_layers=L, layer_param_gib=draw(st.sampled_from([0.1, 0.5, 1.5])),
-        fwd_s=draw(st.sampled_from([0.02, 0.05, 0.2])),
-        bwd_s=draw(st.sampled_from([0.04, 0.1, 0.4])),
-        h2d_gbps=draw(st.sampled_from([4.0, 12.0, 40.0])),
-        d2h_gbps=draw(st.sampled_from([4.0, 12.0, 40.0])),
-        nvme_read_gbps=draw(st.sampled_from([1.0, 3.0])),
-        nvme_write_gbps=draw(st.sampled_from([1.0, 3.0])))
+    model, hardware = random_chain(_draw_from(draw), num_layers=L, boundary_gib=1.0)
     budgets = budgets_in_slots(model, hardware, gpu_slots=draw(st.integers(3, L + 2)),
                                cpu_slots=draw(st.integers(0, L)),
                                nvme_slots=draw(st.integers(0, 2)), max_recompute_block=K)
     return model, hardware, budgets, K
+
+
+@st.composite
+def property_chains(draw: st.DrawFn, deep_layers: tuple[int, ...] = (48, 64, 96)) -> tuple:
+    """(model, hardware, budgets, K) of the property test: mostly 4-14 layers, about one
+    in 40 deep; budgets from generous to just-feasible, NVMe on or off."""
+    deep = draw(st.integers(0, 39)) == 0
+    L = draw(st.sampled_from(deep_layers)) if deep else draw(st.integers(4, 14))
+    K = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    model, hardware = random_chain(_draw_from(draw), num_layers=L)
+    nvme = draw(st.booleans())
+    budgets = budgets_in_slots(
+        model, hardware, gpu_slots=draw(st.integers(2, L + 2)),
+        cpu_slots=draw(st.integers(0, L)),
+        nvme_slots=draw(st.integers(1, L)) if nvme else 0, max_recompute_block=K)
+    return model, hardware, budgets, K
+
+
+def tight_chains(count: int, seed: int = 15, num_layers: int = 64) -> list[Problem]:
+    """Deep chains of the property test's tight class, seeded: few GPU slots (4-14), a
+    host and NVMe that hold part of the rest, random rates (K = 8)."""
+    rng, problems = random.Random(seed), []
+    for _ in range(count):
+        model, hw = random_chain(rng.choice, num_layers=num_layers)
+        budgets = budgets_in_slots(model, hw, gpu_slots=rng.randint(4, 14),
+                                   cpu_slots=rng.randint(16, 48),
+                                   nvme_slots=rng.randint(0, 24))
+        problems.append(build_problem(model, hw, budgets=budgets))
+    return problems

@@ -10,36 +10,11 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from planner_chains import budgets_in_slots, chain
+from planner_chains import property_chains
 
 from lazytrain_accel.planning import PlanInfeasibleError, build_problem, make_plan, simulate
 from lazytrain_accel.planning.baselines import BASELINES
 from lazytrain_accel.planning.no_solver import evaluate_fixed
-
-DEEP_LAYERS = (48, 64, 96)
-
-
-@st.composite
-def chains(draw: st.DrawFn) -> tuple:
-    deep = draw(st.integers(0, 39)) == 0  # ~1 in 40 instances is 48-96 layers deep
-    L = draw(st.sampled_from(DEEP_LAYERS)) if deep else draw(st.integers(4, 14))
-    K = draw(st.sampled_from([1, 2, 3, 4, 8]))
-    model, hardware = chain(
-        num_layers=L, boundary_gib=draw(st.sampled_from([0.25, 1.0])),
-        layer_param_gib=draw(st.sampled_from([0.1, 0.5, 1.5])),
-        fwd_s=draw(st.sampled_from([0.02, 0.05, 0.2])),
-        bwd_s=draw(st.sampled_from([0.04, 0.1, 0.4])),
-        h2d_gbps=draw(st.sampled_from([4.0, 12.0, 40.0])),
-        d2h_gbps=draw(st.sampled_from([4.0, 12.0, 40.0])),
-        nvme_read_gbps=draw(st.sampled_from([1.0, 3.0])),
-        nvme_write_gbps=draw(st.sampled_from([1.0, 3.0])))
-    nvme = draw(st.booleans())
-    budgets = budgets_in_slots(
-        model, hardware, gpu_slots=draw(st.integers(2, L + 2)),
-        cpu_slots=draw(st.integers(0, L)),
-        nvme_slots=draw(st.integers(1, L)) if nvme else 0, max_recompute_block=K)
-    return model, hardware, budgets, K
 
 
 def _plan(instance: tuple, strategy: str):
@@ -53,7 +28,7 @@ def _plan(instance: tuple, strategy: str):
 
 @settings(max_examples=200, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(chains())
+@given(property_chains())
 def test_every_plan_executes_as_solved(instance: tuple) -> None:
     model, hardware, budgets, K = instance
     plan = _plan(instance, "lazytrain")
