@@ -7,10 +7,10 @@ three when the plan recomputes (`weight_slots`): the backward before a recompute
 (s, e) prefetches both the block's first re-run layer s+1 and layer e, and layer e stays
 loaded while s+1..e-1 re-run, as `planning/simulate.py` schedules it (and mirrors: its
 `_WeightSlots`). A layer prefetched (or asked for again while loaded) and not run since is
-never evicted by a prefetch. With an async backend (CUDA, or its
-CPU emulation) a master goes master -> pinned staging (dtype cast on the host) -> slot on
-the H2D side stream; two staging buffers take turns, so only two layers' worth of pinned
-memory exist, never a pinned model copy.
+never evicted by a prefetch. With an async backend (CUDA, or its CPU emulation) a master
+goes master -> pinned staging (dtype cast on the host) -> slot on the H2D side stream; two
+staging buffers take turns, so only two layers' worth of pinned memory exist, never a
+pinned model copy.
 
 Compute copies: when the compute dtype is not fp32, the layer-wise optimizer update writes
 each layer's compute-dtype copy (host, pageable) in the same pass that updates its master
