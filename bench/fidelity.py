@@ -14,15 +14,19 @@ boundaries on NVMe):
    in `H2D_FORWARDS` layer forwards, ...); the hardware profile holds them, the plans are
    made for it and the emulation throttles each link to exactly that rate (no jitter).
 3. Each plan runs on the emulated device in rounds; a round times, back to back, the
-   compute (step 1 again), the plan on throttled links, and the same with
-   HybridAdamW8bit overlapped by `step_layerwise`. The prediction of a round simulates the
-   plan on that round's compute, so a change of machine load between rounds moves both
-   sides; the row shown is the round with the median ratio. A step's measured compute is
+   compute (step 1 again), one serial HybridAdamW8bit update of the model (the round's
+   host optimizer rate), the plan on throttled links, and the same with HybridAdamW8bit
+   overlapped by `step_layerwise`. The prediction of a round simulates the plan on that
+   round's compute and update rate, so a change of machine load between rounds moves both
+   sides; the row shown is the round with the median step ratio (the spread of both
+   ratios over the rounds follows it). "update" is the host update's seconds: simulated,
+   and as its thread ran inside the step (beside the compute on the same CPU cores,
+   which a GPU run does not share). A step's measured compute is
    its layers' compute as the engine timed it inside that step plus the round's
    calibrated rest; exposed = step - compute; optimizer exposure = the exposed time the
    optimizer adds (with minus without).
 
-    python bench/fidelity.py [--models demo,large] [--rounds 3]
+    python bench/fidelity.py [--models demo,large] [--plans auto,megatrain,...] [--rounds 5]
 
 Compute and the emulation's worker threads share the CPU: run it on a quiet machine.
 """
@@ -43,6 +47,7 @@ from lazytrain_accel.engine.emulation import EmulationSettings
 from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning import Budgets, build_problem, make_plan, simulate
 from lazytrain_accel.planning.problem import GPU_RESERVE_FRACTION
+from lazytrain_accel.planning.simulate import HOST_OPTIMIZER
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
@@ -89,16 +94,16 @@ class _Case:
         else:
             self.model.zero_grad(set_to_none=True)
 
-    def steady_step(self, ids: torch.Tensor) -> tuple[float, float]:
-        """(seconds, layer compute seconds in it) of a step that follows a step (so it
-        waits for that step's update)."""
+    def steady_step(self, ids: torch.Tensor) -> tuple[float, float, float]:
+        """(seconds, layer compute seconds in it, seconds the previous step's update ran
+        on its thread) of a step that follows a step (so it waits for that update)."""
         self._step(ids)
         self.engine.reset_stats()
         start = time.perf_counter()
         self._step(ids)
         elapsed, stats = time.perf_counter() - start, self.engine.stats()
         self.engine.synchronize()  # no update left running into another case's step
-        return elapsed, stats.compute_s + stats.recompute_s
+        return elapsed, stats.compute_s + stats.recompute_s, stats.optimizer_update_s
 
 
 class _Calibration:
@@ -156,16 +161,26 @@ def _hardware(h2d: float, d2h: float, nvme: float, optimizer_params_per_s: float
         source="bench/fidelity.py: compute measured on this CPU, links chosen against it")
 
 
+class _OptimizerCalibration:
+    """One serial HybridAdamW8bit update of the whole model on this CPU: its params/s."""
+
+    def __init__(self, config: dict) -> None:
+        model = _model(config)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 1e-3)
+        self.params = sum(p.numel() for p in model.parameters())
+        self.optimizer = HybridAdamW8bit(model.parameters(), lr=1e-4)
+        self.optimizer.step()  # allocates the 8-bit states
+
+    def rate(self) -> float:
+        start = time.perf_counter()
+        self.optimizer.step()
+        return self.params / (time.perf_counter() - start)
+
+
 def optimizer_rate(config: dict) -> float:
     """Params/s of one serial HybridAdamW8bit update of the whole model on this CPU."""
-    model = _model(config)
-    for p in model.parameters():
-        p.grad = torch.full_like(p, 1e-3)
-    optimizer = HybridAdamW8bit(model.parameters(), lr=1e-4)
-    optimizer.step()  # allocates the 8-bit states
-    start = time.perf_counter()
-    optimizer.step()
-    return sum(p.numel() for p in model.parameters()) / (time.perf_counter() - start)
+    return _OptimizerCalibration(config).rate()
 
 
 def link_hardware(profile: ModelProfile, compute: dict[str, float],
@@ -201,17 +216,17 @@ def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, roun
     rates = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,
              "nvme_read": hw.nvme_read_bytes_per_s, "nvme_write": hw.nvme_write_bytes_per_s}
     ids = torch.randint(0, config["vocab_size"], (batch, seq))
-    calibration = _Calibration(config, batch, seq)
+    calibration, optimizer = _Calibration(config, batch, seq), _OptimizerCalibration(config)
     cases = {"step": _Case(config, plan, rates, with_optimizer=False, nvme_dir=tmp),
              "step_opt": _Case(config, plan, rates, with_optimizer=True, nvme_dir=tmp)}
     out = []
     for _ in range(rounds + 1):  # the first round warms up
         calibration.measure(ids)
-        row: dict = {"compute": calibration.measure(ids)}
+        row: dict = {"compute": calibration.measure(ids), "optimizer_rate": optimizer.rate()}
         for name, case in cases.items():
-            row[name], layers_s = case.steady_step(ids)
+            row[name], row[f"{name}_layers"], row[f"{name}_update"] = case.steady_step(ids)
             # the step's compute: its layers as timed in it, the rest as calibrated
-            row[f"{name}_compute"] = layers_s + row["compute"]["rest_s"]
+            row[f"{name}_compute"] = row[f"{name}_layers"] + row["compute"]["rest_s"]
         out.append(row)
     for engine in [calibration.engine, *(case.engine for case in cases.values())]:
         engine.detach()
@@ -219,24 +234,56 @@ def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, roun
 
 
 def predict(plan, config: dict, batch: int, seq: int, compute: dict[str, float],
-            hw: HardwareProfile):
-    """`plan`'s simulated step (without, with the optimizer) on `compute`'s profile.
+            hw: HardwareProfile, *, optimizer_params_per_s: float | None = None):
+    """`plan`'s simulated step on `compute`'s profile, with the host update at
+    `optimizer_params_per_s` (None: without it).
 
     The plan was made for the first calibration; its decisions are re-simulated on a
     round's compute, so its fingerprint is renewed for that profile (same model, batch
     and links; only the measured seconds differ)."""
     profile = measured_profile(config, batch, seq, compute)
+    if optimizer_params_per_s is not None:
+        hw = dataclasses.replace(hw, cpu_optimizer_params_per_s=optimizer_params_per_s)
     plan = dataclasses.replace(plan, fingerprint=run_fingerprint(profile, hw))
-    return simulate(plan, profile, hw), simulate(plan, profile, hw, include_optimizer=True)
+    return simulate(plan, profile, hw, include_optimizer=optimizer_params_per_s is not None)
+
+
+def in_step(plan, compute: dict[str, float], layers_s: float) -> dict[str, float]:
+    """`compute` with its layer seconds scaled to those the engine timed inside a step
+    (`layers_s`: forwards, backwards and re-runs), i.e. to the CPU's load at that moment;
+    the rest of the step as calibrated."""
+    reruns = sum(max(e - s - 1, 0) for s, e in plan.blocks)
+    L = plan.num_layers
+    k = layers_s / ((2 * L + reruns) * compute["fwd_s"] + L * compute["bwd_s"])
+    return {**compute, "fwd_s": compute["fwd_s"] * k, "bwd_s": compute["bwd_s"] * k}
+
+
+def predictions(plan, config: dict, batch: int, seq: int, meas: dict, hw: HardwareProfile,
+                params: int) -> dict:
+    """A round's predictions: on its calibrated compute and serial update rate, and on
+    the durations timed inside its steps (layer compute; the update's own run time)."""
+    update_s = meas["step_opt_update"]
+    return {
+        "step": predict(plan, config, batch, seq, meas["compute"], hw),
+        "opt": predict(plan, config, batch, seq, meas["compute"], hw,
+                       optimizer_params_per_s=meas["optimizer_rate"]),
+        "step_in": predict(plan, config, batch, seq,
+                           in_step(plan, meas["compute"], meas["step_layers"]), hw),
+        "opt_in": predict(plan, config, batch, seq,
+                          in_step(plan, meas["compute"], meas["step_opt_layers"]), hw,
+                          optimizer_params_per_s=(params / update_s if update_s > 0
+                                                  else meas["optimizer_rate"])),
+    }
 
 
 HEADER = (f"{'model':>5} {'plan':>11} {'homes g/c/n/r':>13} | {'step pred':>9} {'meas':>6} "
           f"{'ratio':>5} | {'compute pred':>12} {'meas':>6} | {'exposed pred':>12} {'meas':>6} "
           f"| {'+optim pred':>11} {'meas':>6} {'ratio':>5} | {'opt exposed pred':>16} "
-          f"{'meas':>6}")
+          f"{'meas':>6} | {'update pred':>11} {'meas':>6} | in-step ratios: step +optim")
 
 
-def _row(model: str, name: str, plan, pred, pred_opt, meas: dict) -> str:
+def _row(model: str, name: str, plan, preds: dict, meas: dict) -> str:
+    pred, pred_opt = preds["step"], preds["opt"]
     homes = "/".join(str(n) for n in plan.count_homes().values())
     exposed = meas["step"] - meas["step_compute"]  # time the step's compute waited
     optimizer = meas["step_opt"] - meas["step_opt_compute"] - exposed
@@ -245,7 +292,14 @@ def _row(model: str, name: str, plan, pred, pred_opt, meas: dict) -> str:
             f"{meas['step_compute']:6.3f} | {pred.exposed_s:12.3f} {exposed:6.3f} "
             f"| {pred_opt.step_s:11.3f} {meas['step_opt']:6.3f} "
             f"{meas['step_opt'] / pred_opt.step_s:5.2f} | {pred_opt.optimizer_exposed_s:16.3f} "
-            f"{optimizer:6.3f}")
+            f"{optimizer:6.3f} | {_update_s(pred_opt):11.3f} {meas['step_opt_update']:6.3f} "
+            f"| {meas['step'] / preds['step_in'].step_s:19.2f} "
+            f"{meas['step_opt'] / preds['opt_in'].step_s:6.2f}")
+
+
+def _update_s(result) -> float:
+    """Seconds of the simulated host update (its ops on the host optimizer's lane)."""
+    return sum(op.duration_s for op in result.ops if op.resource == HOST_OPTIMIZER)
 
 
 def report_plan(name: str, plan_name: str, plan, config: dict, batch: int, seq: int,
@@ -253,20 +307,24 @@ def report_plan(name: str, plan_name: str, plan, config: dict, batch: int, seq: 
     """The row of the round with the median step ratio, and the ratios' spread."""
     with tempfile.TemporaryDirectory() as tmp:
         measured = run_plan(config, plan, hw, batch, seq, rounds, tmp)
+    params = measured_profile(config, batch, seq, measured[0]["compute"]).trainable_param_count
     rows = []
     for meas in measured:
-        pred, pred_opt = predict(plan, config, batch, seq, meas["compute"], hw)
-        rows.append((meas["step"] / pred.step_s, pred, pred_opt, meas))
+        preds = predictions(plan, config, batch, seq, meas, hw, params)
+        rows.append((meas["step"] / preds["step"].step_s, preds, meas))
     rows.sort(key=lambda r: r[0])
-    _, pred, pred_opt, meas = rows[len(rows) // 2]
-    return (_row(name, plan_name, plan, pred, pred_opt, meas)
-            + f"  (rounds {rows[0][0]:.2f}-{rows[-1][0]:.2f})")
+    _, preds, meas = rows[len(rows) // 2]
+    optim = sorted(r[2]["step_opt"] / r[1]["opt"].step_s for r in rows)
+    return (_row(name, plan_name, plan, preds, meas)
+            + f"  (rounds: step {rows[0][0]:.2f}-{rows[-1][0]:.2f}, +optim "
+              f"{optim[0]:.2f}-{optim[-1]:.2f})")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="demo,large")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--plans", default="auto,megatrain,offload_all,auto+nvme")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core computes; the emulated links and updates use another
     print(HEADER)
@@ -282,6 +340,8 @@ def main() -> None:
               f"D2H {hw.d2h_bytes_per_s / 1e6:.0f}, NVMe {hw.nvme_read_bytes_per_s / 1e6:.1f} "
               f"MB/s; optimizer {hw.cpu_optimizer_params_per_s / 1e6:.0f}M params/s", flush=True)
         for plan_name, plan in plans(profile, hw).items():
+            if plan_name not in args.plans.split(","):
+                continue
             print(report_plan(name, plan_name, plan, config, batch, seq, hw, args.rounds),
                   flush=True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from lazytrain_accel.cli import CliError, help_of
-from lazytrain_accel.cli.args import add_loss_chunk_arg, positive_int
+from lazytrain_accel.cli.args import non_negative_int, positive_int
 
 _SETTINGS = ("model", "dataset", "steps", "batch_size", "seq_len", "lr", "output_dir", "plan",
              "hardware", "nvme_dir", "gpu_memory_gb", "eval_count", "seed", "loss_chunk_tokens")
@@ -42,7 +42,18 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
     p.add_argument("--eval-count", type=positive_int,
                    help="held-out problems for exact match (default 200)")
     p.add_argument("--seed", type=int, help="seed of weights and data order")
-    add_loss_chunk_arg(p, default=None)  # unset: LAZYTRAIN_LOSS_CHUNK_TOKENS, else 0
+    p.add_argument("--loss-chunk-tokens", type=_loss_chunk, metavar="auto|N",
+                   help="the loss head (LazyTrainConfig.loss_chunk_tokens): 'auto' lets the "
+                   "planner turn the fused chunked loss on where the full logits would cost "
+                   "memory or speed; N = the fused loss with N tokens of logits at a time; "
+                   "0 = the model's own loss (default: LAZYTRAIN_LOSS_CHUNK_TOKENS, else "
+                   "'auto')")
+
+
+def _loss_chunk(text: str) -> int | str:
+    """argparse type of the demo's `--loss-chunk-tokens`: 'auto' (kept: it beats the
+    environment like any given flag) or N >= 0."""
+    return "auto" if text.strip().lower() == "auto" else non_negative_int(text)
 
 
 def run(args: argparse.Namespace) -> int:

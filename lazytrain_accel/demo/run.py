@@ -60,7 +60,7 @@ class DemoSettings:
     max_new_tokens: int = 32
     seed: int = 0
     max_grad_norm: float = 1.0
-    loss_chunk_tokens: int | None = None  # > 0: the fused chunked loss
+    loss_chunk_tokens: int | str | None = None  # > 0: the fused chunked loss; "auto": the plan's
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_count", "max_new_tokens"):

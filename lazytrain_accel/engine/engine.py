@@ -6,8 +6,9 @@ through the layer Function, and hooks bracket each model pass (`patching.py`).
 
 The life of one training step, top-down (file:function):
 
-1. `model(...)`: `engine.py:StreamingEngine._before_model` waits for the residents' update
-   (group 0 of a running layer-wise update) and swaps their device copies in; the decoder
+1. `model(...)`: `engine.py:StreamingEngine._before_model` waits for the input-side
+   residents' update (group 0 of a running layer-wise update) and swaps their device
+   copies in; the decoder
    stack's pre-hook `_new_pass` starts a fresh pass.
 2. Each decoder layer call: `patching.py:_streamed_forward` -> `_call_layer` ->
    `binding.py:bind_call` / `drop_cache` -> `layer_call.py:ForwardState.call` ->
@@ -20,8 +21,10 @@ The life of one training step, top-down (file:function):
    `_finish_backward` drains the sink, closes the pass and folds the residents' grads.
 4. `optimizer.step()`: `integrations/step_guard.py:StepGuard.step` (non-finite guard) ->
    `HybridAdamW8bit.step` -> its `step_runner` -> `step_layerwise` ->
-   `overlap.py:LayerwiseUpdate._run` on a thread: residents, layer 1..L in forward order,
-   each layer's compute copy written in the same pass; `step()` returns at once.
+   `overlap.py:LayerwiseUpdate._run` on a thread: input-side residents, layer 1..L,
+   output-side residents, each layer's compute copy written in the same pass; `step()`
+   returns at once. The next forward's final norm and head wait for the last group
+   (`_before_head`, a pre-hook on their modules).
 5. `optimizer.zero_grad()` / `model.zero_grad()`: deferred per group by the update
    (`LayerwiseUpdate._deferred_zero_grad`); the next step's forward starts at 1. while
    the update still runs.
@@ -48,10 +51,11 @@ from lazytrain_accel.engine.loss_patch import FusedLoss, apply_fused_loss
 from lazytrain_accel.engine.nvme import NvmeSpill
 from lazytrain_accel.engine.overlap import LayerwiseOptimizer, LayerwiseUpdate
 from lazytrain_accel.engine.patching import ModelPatch, move_buffers, restore_buffers
-from lazytrain_accel.engine.residents import ResidentParams
+from lazytrain_accel.engine.residents import ResidentParams, output_side, owners
 from lazytrain_accel.engine.runtime import Runtime
 from lazytrain_accel.engine.stats import Accounting, StepStats
 from lazytrain_accel.engine.streams import make_streams
+from lazytrain_accel.engine.weights import weight_slots
 from lazytrain_accel.planning.plan import Home, Plan
 
 logger = logging.getLogger("lazytrain_accel")
@@ -60,12 +64,13 @@ logger = logging.getLogger("lazytrain_accel")
 class StreamingEngine:
     def __init__(self, model: nn.Module, plan: Plan, *, device: torch.device,
                  compute_dtype: torch.dtype | None, nvme_dir: str | None,
-                 loss_chunk_tokens: int = 0, emulation: EmulationSettings | bool | None = None
-                 ) -> None:
-        if loss_chunk_tokens < 0:
-            raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 0 (0 = the "
-                             "model's own loss)")
-        parent, _, layers = find_decoder_layers(model)
+                 loss_chunk_tokens: int | str = 0,
+                 emulation: EmulationSettings | bool | None = None) -> None:
+        if loss_chunk_tokens != "auto" and (not isinstance(loss_chunk_tokens, int)
+                                            or loss_chunk_tokens < 0):
+            raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens!r} must be an integer >= 0 "
+                             "(0 = the model's own loss) or 'auto' (the plan's)")
+        parent, layers_attr, layers = find_decoder_layers(model)
         if plan.num_layers != len(layers):
             raise ValueError(f"plan.num_layers={plan.num_layers} but the model has "
                              f"{len(layers)} decoder layers; plan for this model")
@@ -87,10 +92,24 @@ class StreamingEngine:
                 master = torch.float32 if p.requires_grad and p.is_floating_point() else p.dtype
                 p.data = p.data.to("cpu", master)
         self.streams = make_streams(self.device, emulation)
-        self._build_parts(nvme_dir, resident)
-        self._model_patch = ModelPatch(self, model, parent, self._layers, self.residents.params)
-        self.fused_loss: FusedLoss | None = (
-            apply_fused_loss(model, chunk_tokens=loss_chunk_tokens) if loss_chunk_tokens else None)
+        self._build_parts(nvme_dir, resident, output_side(model, parent, layers_attr, resident))
+        self._model_patch = ModelPatch(self, model, parent, self._layers, self.residents.params,
+                                       head_modules=owners(model, self.residents.late))
+        self.fused_loss: FusedLoss | None = None
+        self._loss_chunk_from_plan = loss_chunk_tokens == "auto"
+        self._set_loss_chunk(plan.loss_chunk_tokens if self._loss_chunk_from_plan
+                             else int(loss_chunk_tokens))
+
+    def _set_loss_chunk(self, chunk_tokens: int) -> None:
+        """The training loss: fused with `chunk_tokens` tokens per chunk, or (0) the
+        model's own. A change applies from the next head call."""
+        if self.fused_loss is not None and chunk_tokens:
+            self.fused_loss.chunk_tokens = chunk_tokens
+        elif self.fused_loss is not None:
+            self.fused_loss.remove()
+            self.fused_loss = None
+        elif chunk_tokens:
+            self.fused_loss = apply_fused_loss(self.model, chunk_tokens=chunk_tokens)
 
     def _absorb_checkpointing(self) -> None:
         """HF checkpointing was requested: keep it off; say once who decides recompute."""
@@ -102,7 +121,8 @@ class StreamingEngine:
                         "the plan decides recompute (%d of %d layer inputs recomputed, the "
                         "rest stored)", recomputed, self.plan.num_layers)
 
-    def _build_parts(self, nvme_dir: str | None, resident: list[nn.Parameter]) -> None:
+    def _build_parts(self, nvme_dir: str | None, resident: list[nn.Parameter],
+                     late: list[nn.Parameter]) -> None:
         self.acct = Accounting()
         self.spill = NvmeSpill(nvme_dir, self.acct, streams=self.streams)
         trainable = [[p for p in ps if p.requires_grad] for ps in self._layer_params]
@@ -112,8 +132,9 @@ class StreamingEngine:
         self.pool = quantized.weight_pool(self._layer_params, streams=self.streams,
                                           compute_dtype=self.compute_dtype,
                                           accounting=self.acct, is_ready=self._is_updated,
-                                          wait_ready=self._wait_updated)
-        self.residents = ResidentParams(resident, device=self.device,
+                                          wait_ready=self._wait_updated,
+                                          num_slots=weight_slots(self.plan))
+        self.residents = ResidentParams(resident, late=late, device=self.device,
                                         compute_dtype=self.compute_dtype, sink=self.sink,
                                         accounting=self.acct)
         self._originals = [layer.forward for layer in self._layers]
@@ -135,10 +156,17 @@ class StreamingEngine:
     # ---- model pass bracketing -------------------------------------------------------
     def _before_model(self) -> None:
         if self._update is not None:
-            self._update.wait(0)  # resident parameters are updated first
+            self._update.wait(0)  # the input side's residents are updated first
         if self.residents.active and not self._open:
             self.residents.swap_out()  # a previous pass never ran (or failed) its backward
         self.residents.swap_in()
+
+    def _before_head(self) -> None:
+        """A module of the output side (final norm, head) is about to run: its update
+        (the last group) is done and its device copies are in."""
+        if self._update is not None:
+            self._update.wait(len(self._layers) + 1)
+        self.residents.swap_in_late()
 
     def _after_model(self) -> None:
         if not self._open:
@@ -164,7 +192,7 @@ class StreamingEngine:
         hidden, call_kwargs = bind_call(self._signatures[index - 1], index, args, kwargs)
         trainable = any(p.requires_grad for p in self._layer_params[index - 1])
         if not torch.is_grad_enabled() or not (trainable or hidden.requires_grad):
-            return self.runtime.run_layer(index, hidden, call_kwargs, next_layer=index + 1,
+            return self.runtime.run_layer(index, hidden, call_kwargs, prefetch=(index + 1,),
                                           counter="layer_forwards")
         drop_cache(call_kwargs)
         if index == 1:
@@ -209,11 +237,16 @@ class StreamingEngine:
 
     def set_plan(self, plan: Plan) -> None:
         """Run the next forward passes with `plan` (same model; e.g. sized for longer
-        batches). Passes already awaiting their backward keep the plan they ran with."""
+        batches), its loss head too where the engine's follows the plan (attached with
+        loss_chunk_tokens="auto"). Passes already awaiting their backward keep the plan
+        they ran with."""
         if plan.num_layers != self.plan.num_layers:
             raise ValueError(f"plan.num_layers={plan.num_layers} but the model has "
                              f"{self.plan.num_layers} decoder layers; plan for this model")
         self.plan = self.runtime.plan = plan
+        self.pool.grow(weight_slots(plan))
+        if self._loss_chunk_from_plan:
+            self._set_loss_chunk(plan.loss_chunk_tokens)
 
     # ---- backward bookkeeping --------------------------------------------------------
     def _begin_backward(self, state: ForwardState) -> None:
@@ -251,10 +284,12 @@ class StreamingEngine:
             self._update.wait(layer)
 
     def step_layerwise(self, optimizer: LayerwiseOptimizer) -> None:
-        """Update parameters layer by layer in forward order on a CPU thread.
+        """Update parameters in forward order on a CPU thread: the input side's resident
+        parameters (embeddings), layers 1..L, the output side's (final norm, untied head).
 
         `optimizer` implements `LayerwiseOptimizer` (HybridAdamW8bit does). The next
-        forward of layer j waits only for layer j's update; the next backward, a
+        forward of layer j waits only for layer j's update, its head only for the output
+        side's; the next backward, a
         `state_dict()`, `load_state_dict()` and `synchronize()` wait for the whole update.
         It clips with the norms recorded as gradients landed (re-measured after a
         data-parallel all-reduce: `refresh_grad_sq_norms`).
@@ -268,8 +303,8 @@ class StreamingEngine:
         if not optimizer.begin_step():
             return  # non-finite gradients: the optimizer skipped (and counted) this step
         owned = {p for group in optimizer.param_groups for p in group["params"]}
-        groups = [[p for p in ps if p in owned]
-                  for ps in (self.resident_params(), *self._layer_params)]
+        groups = [[p for p in ps if p in owned] for ps in
+                  (self.residents.early, *self._layer_params, self.residents.late)]
         self._update = LayerwiseUpdate(optimizer, self.model, groups, self.acct,
                                        copies=self.pool)
 
@@ -360,7 +395,7 @@ class StreamingEngine:
 
 def attach(model: nn.Module, plan: Plan, *, device: torch.device,
            compute_dtype: torch.dtype | None = None,
-           nvme_dir: str | None = None, loss_chunk_tokens: int = 0,
+           nvme_dir: str | None = None, loss_chunk_tokens: int | str = 0,
            emulation: EmulationSettings | bool | None = None) -> StreamingEngine:
     """Stream `model`'s decoder layers per `plan` on `device`; see `StreamingEngine`.
 
@@ -368,7 +403,8 @@ def attach(model: nn.Module, plan: Plan, *, device: torch.device,
     dtype of the device copies; masters stay fp32 on the host. Boundaries homed on NVMe
     go to a private directory under `nvme_dir` (default: the system temp directory).
     `loss_chunk_tokens` > 0 computes the training loss with the fused chunked
-    cross-entropy (`apply_fused_loss`; docs/engine.md "Fused loss"). On a CPU,
+    cross-entropy (`apply_fused_loss`; docs/engine.md "Fused loss"); "auto" takes the
+    plan's (`Plan.loss_chunk_tokens`), and a new plan's on `set_plan`. On a CPU,
     `emulation` selects the emulated async device (`engine/emulation.py`; None: from
     `LAZYTRAIN_EMULATE_ASYNC`, False: synchronous).
     """

@@ -90,8 +90,11 @@ class ForwardState:
         self.store.put(index - 1, hidden, home=home)
         self.store.run_window(index - 1)
         kwargs = pytree.tree_unflatten(pos.leaves, pos.spec)
+        if index == self.rt.plan.num_layers:
+            self.rt.pool.forget_all_but(pos.layer)
         with capturing(hidden) as captured:
-            outputs = self.rt.run_layer(pos.layer, hidden, kwargs, next_layer=pos.layer + 1,
+            outputs = self.rt.run_layer(pos.layer, hidden, kwargs,
+                                        prefetch=self._forward_prefetch(index),
                                         counter="layer_forwards")
         pos.captured = captured.record
         out_leaves, pos.out_spec = pytree.tree_flatten(outputs)
@@ -118,19 +121,28 @@ class ForwardState:
             nxt = self.positions[k].layer if k < len(self.positions) else pos.layer
             with replaying(pos.replay), recording(None):  # regenerating records nothing
                 x = self.rt.run_layer(pos.layer, x, pytree.tree_unflatten(pos.leaves, pos.spec),
-                                      next_layer=nxt, counter="layer_recomputes")
+                                      prefetch=(nxt,), counter="layer_recomputes")
             x = pytree.tree_leaves(x)[0]
             self.cache[k] = x
             self.rt.acct.allocate("device", x.numel() * x.element_size())
         return self.input_for_backward(boundary)
 
-    def first_layer_for_backward(self, index: int) -> int:
-        """Layer that computes first when the backward of position `index` starts."""
-        boundary = index - 1
+    def layers_for_backward(self, index: int) -> tuple[int, ...]:
+        """Layers the backward of position `index` computes first, to prefetch in order:
+        its own, or the first re-run layer of its recompute block and then its own (which
+        stays loaded through the re-runs)."""
+        boundary, own = index - 1, self.positions[index - 1].layer
         if boundary in self.cache or self.store.has(boundary):
-            return self.positions[index - 1].layer
+            return (own,)
         start = max(i for i in range(boundary) if self.store.has(i))
-        return self.positions[start].layer
+        return (self.positions[start].layer, own)
+
+    def _forward_prefetch(self, index: int) -> tuple[int, ...]:
+        """The next layer; after the last one, what the first backward needs (its layer
+        is loaded already)."""
+        if index < self.rt.plan.num_layers:
+            return (self.positions[index - 1].layer + 1,)
+        return self.layers_for_backward(index)
 
     def run_backward(self, index: int, grad_outs: tuple[torch.Tensor | None, ...]
                      ) -> tuple[torch.Tensor | None, ...]:
@@ -138,8 +150,8 @@ class ForwardState:
         self.rt.begin_backward(self)
         self.store.run_window(2 * self.rt.plan.num_layers - index)
         hidden = self.input_for_backward(index - 1)
-        nxt = self.first_layer_for_backward(index - 1) if index > 1 else None
-        grads = self.rt.rerun_with_grad(pos.layer, hidden, pos, grad_outs, next_layer=nxt)
+        nxt = self.layers_for_backward(index - 1) if index > 1 else ()
+        grads = self.rt.rerun_with_grad(pos.layer, hidden, pos, grad_outs, prefetch=nxt)
         self.store.release(index - 1)
         return grads
 

@@ -51,6 +51,12 @@ class FusedLoss:
     def chunk_tokens(self) -> int:
         return self._state.chunk_tokens
 
+    @chunk_tokens.setter
+    def chunk_tokens(self, chunk_tokens: int) -> None:
+        """A new chunk for the next head call (e.g. a new plan's)."""
+        _check_chunk(chunk_tokens)
+        self._state.chunk_tokens = chunk_tokens
+
     def remove(self) -> None:
         """Restore both forwards; if something wrapped ours meanwhile (e.g. Accelerate's
         autocast wrapper), leave the wrapper in place and make ours a pass-through."""
@@ -68,9 +74,7 @@ class FusedLoss:
 def apply_fused_loss(model: nn.Module, *, chunk_tokens: int) -> FusedLoss:
     """Compute `model`'s training loss with the fused chunked cross-entropy (see module
     doc); `chunk_tokens` tokens' logits exist at a time. Returns a handle to undo it."""
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens={chunk_tokens!r} must be a positive integer (tokens "
-                         "whose logits exist at once; 1024-8192 is typical)")
+    _check_chunk(chunk_tokens)
     if _STATE in model.__dict__:
         raise ValueError(f"{type(model).__name__} already has the fused loss applied; call "
                          "remove() on its handle first")
@@ -93,6 +97,12 @@ def apply_fused_loss(model: nn.Module, *, chunk_tokens: int) -> FusedLoss:
     model.forward = types.MethodType(_fused_model_forward, model)
     head.forward = types.MethodType(_fused_head_forward, head)
     return handle
+
+
+def _check_chunk(chunk_tokens: int) -> None:
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens!r} must be a positive integer (tokens "
+                         "whose logits exist at once; 1024-8192 is typical)")
 
 
 def _fused_model_forward(model: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -1,7 +1,9 @@
 """Optimizer/forward overlap: a layer-by-layer update on a CPU thread.
 
-Groups are updated in forward order (group 0 = resident parameters, group j = layer j);
-the next forward of layer j waits only for group j. Where the compute dtype is not fp32
+Groups are updated in forward order: group 0 = the input side's resident parameters
+(embeddings; a head tied to them included), group j = layer j, group L+1 = the output
+side's (final norm, untied head). The next forward of layer j waits only for group j, its
+head only for group L+1. Where the compute dtype is not fp32
 the update also writes each layer's compute-dtype copy in the same pass (`CopyTarget`,
 the weight pool), so the next stream of that layer needs no cast on the training thread.
 
@@ -97,7 +99,8 @@ class LayerwiseUpdate:
             self._acct.add("optimizer_update_s", time.perf_counter() - start)
 
     def _update_group(self, index: int, group: list[nn.Parameter]) -> None:
-        copy = self._copies.compute_copy(index) if self._copies is not None and index else None
+        layer = 0 < index < len(self._groups) - 1  # a decoder layer (not a resident group)
+        copy = self._copies.compute_copy(index) if self._copies is not None and layer else None
         if copy is not None:
             self._opt.step_params(group, out_bf16=copy)
             self._copies.compute_copy_written(index)

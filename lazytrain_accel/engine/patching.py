@@ -64,14 +64,16 @@ class ModelPatch:
     """The instance patches of one engine on its model, undone by `restore()`."""
 
     def __init__(self, engine: StreamingEngine, model: nn.Module, parent: nn.Module,
-                 layers: list[nn.Module], residents: list[nn.Parameter]) -> None:
+                 layers: list[nn.Module], residents: list[nn.Parameter], *,
+                 head_modules: list[nn.Module]) -> None:
         self._layers = layers
         self._saved_forwards = [layer.__dict__.get("forward") for layer in layers]
         for index, layer in enumerate(layers, start=1):
             layer.forward = types.MethodType(_streamed_forward, layer)
             layer.__dict__[_LINK] = _Link(engine, index)
-        model.__dict__[_LINK] = parent.__dict__[_LINK] = _Link(engine)
-        self._linked = [model, parent]
+        self._linked = [model, parent, *head_modules]
+        for module in self._linked:
+            module.__dict__[_LINK] = _Link(engine)
         self._handles = [
             model.register_forward_pre_hook(_on("_before_model")),
             model.register_forward_hook(_on("_after_model")),
@@ -80,6 +82,8 @@ class ModelPatch:
             # masters must not be read or written while the layer-wise update runs
             model.register_state_dict_pre_hook(_on("synchronize")),
             model.register_load_state_dict_pre_hook(_on("synchronize")),
+            # the output side's update may still run while the layers do
+            *(m.register_forward_pre_hook(_on("_before_head")) for m in head_modules),
         ]
         engine_ref = weakref.ref(engine)
         resident_ids = {id(p) for p in residents}

@@ -4,6 +4,10 @@ Their masters stay on the host like every other parameter. While a pass uses the
 `param.data` is a compute-dtype device copy and `.grad` accumulates on the device;
 when no forward awaits its backward any more, the device gradient is folded into the
 host `.grad` (stashed while the copy was in) and `param.data` returns to the master.
+Two sides (`output_side`): the input side (embeddings) is swapped in when the model's
+forward starts, the output side (final norm, untied head) only when its first module
+runs (`swap_in_late`), after the last decoder layer, so the layer-wise update may still
+be writing its masters while the layers run.
 When the device copy would be the master itself (device = CPU, compute dtype = fp32) the
 parameters are used in place and autograd accumulates `.grad` directly; only the norms
 are recorded at the end of the backward (copying 100 MB embeddings to an identical buffer
@@ -20,35 +24,48 @@ from lazytrain_accel.engine.stats import Accounting
 
 
 class ResidentParams:
-    def __init__(self, params: list[nn.Parameter], *, device: torch.device,
-                 compute_dtype: torch.dtype, sink: GradSink, accounting: Accounting) -> None:
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], *, late: list[nn.Parameter],
+                 device: torch.device, compute_dtype: torch.dtype, sink: GradSink,
+                 accounting: Accounting) -> None:
+        late_ids = {id(p) for p in late}
+        self.early = [p for p in params if id(p) not in late_ids]  # input side
+        self.late = [p for p in params if id(p) in late_ids]  # output side
+        self.params = self.early + self.late
         self._device = device
         self._dtype = compute_dtype
         self._sink = sink
         self._acct = accounting
-        self._masters: list[torch.Tensor] = []
-        self._stash: list[torch.Tensor | None] = []
+        self._swapped: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]] = []
+        self._nbytes = 0
         self._in_place = device.type == "cpu" and compute_dtype == torch.float32
         self.active = False
+        self._late_in = False
 
     def swap_in(self) -> None:
-        """Point every resident parameter at a fresh device copy of its master."""
+        """Point the input side's parameters at fresh device copies of their masters."""
         if self.active:
             return
-        self.active = True
+        self.active, self._late_in = True, False
+        self._swap(self.early)
+
+    def swap_in_late(self) -> None:
+        """Likewise for the output side, once per pass (its first module is about to run)."""
+        if self.active and not self._late_in:
+            self._late_in = True
+            self._swap(self.late)
+
+    def _swap(self, params: list[nn.Parameter]) -> None:
         if self._in_place:
             return
-        self._masters = [p.data for p in self.params]
-        self._stash = [p.grad for p in self.params]
         nbytes = 0
-        for p in self.params:
+        for p in params:
+            self._swapped.append((p, p.data, p.grad))
             p.grad = None
             dtype = self._dtype if p.is_floating_point() else p.dtype
             p.data = p.data.to(device=self._device, dtype=dtype, copy=True)
             nbytes += p.numel() * p.element_size()
         self._acct.allocate("device", nbytes)
-        self._nbytes = nbytes
+        self._nbytes += nbytes
 
     def swap_out(self) -> None:
         """Fold device gradients into the host `.grad` and point back at the masters."""
@@ -59,7 +76,7 @@ class ResidentParams:
             self._sink.record_norms([p for p in self.params if p.grad is not None])
             return
         folded, grads = [], []
-        for p, master, stash in zip(self.params, self._masters, self._stash, strict=True):
+        for p, master, stash in self._swapped:
             grad = p.grad
             p.grad = None
             p.data = master
@@ -69,4 +86,31 @@ class ResidentParams:
                 grads.append(grad)
         self._sink.fold(folded, grads, owned=False)
         self._acct.free("device", self._nbytes)
-        self._masters, self._stash = [], []
+        self._swapped, self._nbytes = [], 0
+
+
+def output_side(model: nn.Module, stack: nn.Module, layers_attr: str,
+                params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """Of the resident `params`, those the forward reads only after the decoder layers:
+    the untied output head and the decoder stack's modules registered after its layers
+    (the final norm). A weight tied to the input embeddings is input side. (A module
+    misjudged here is still safe: the engine waits for the output side's update when
+    any of its modules is called.)"""
+    names = list(stack._modules)
+    modules = [m for name in names[names.index(layers_attr) + 1:]
+               if (m := stack._modules[name]) is not None]
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if isinstance(head, nn.Module):
+        modules.append(head)
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    inputs = {id(p) for p in embeddings.parameters()} if isinstance(embeddings,
+                                                                     nn.Module) else set()
+    late = {id(p) for m in modules for p in m.parameters()} - inputs
+    return [p for p in params if id(p) in late]
+
+
+def owners(model: nn.Module, params: list[nn.Parameter]) -> list[nn.Module]:
+    """The modules that hold any of `params` directly."""
+    ids = {id(p) for p in params}
+    return [m for m in model.modules()
+            if any(id(p) in ids for p in m.parameters(recurse=False))]

@@ -6,7 +6,7 @@ Function only sees what it uses.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -49,11 +49,12 @@ class Runtime:
         return self._anchors[layer - 1]
 
     def run_layer(self, layer: int, hidden: torch.Tensor, kwargs: dict[str, Any], *,
-                  next_layer: int | None, counter: str) -> Any:
-        """Run layer `layer`'s own forward on its device weights (no autograd graph)."""
+                  prefetch: Sequence[int], counter: str) -> Any:
+        """Run layer `layer`'s own forward on its device weights (no autograd graph);
+        the layers in `prefetch` start loading, in order, while it computes."""
         self.pool.acquire(layer)
-        if next_layer is not None:
-            self.pool.prefetch(next_layer)  # loads while this layer computes (CUDA)
+        for nxt in prefetch:
+            self.pool.prefetch(nxt)
         timer = "recompute_s" if counter == "layer_recomputes" else "compute_s"
         try:
             with self.acct.timed(timer), torch.no_grad():
@@ -65,12 +66,12 @@ class Runtime:
 
     def rerun_with_grad(self, layer: int, hidden: torch.Tensor, pos: _Position,
                         grad_outs: tuple[torch.Tensor | None, ...], *,
-                        next_layer: int | None) -> tuple[torch.Tensor | None, ...]:
+                        prefetch: Sequence[int]) -> tuple[torch.Tensor | None, ...]:
         """Re-run `layer` with grad; return grads of (hidden, *extras); stream weight grads."""
         params = self._trainable[layer - 1]
         self.pool.acquire(layer)
-        if next_layer is not None:
-            self.pool.prefetch(next_layer)
+        for nxt in prefetch:
+            self.pool.prefetch(nxt)
         try:
             with self.acct.timed("compute_s"), replaying(pos.replay), torch.enable_grad(), \
                     recording(pos.captured) as fresh:

@@ -2,10 +2,15 @@
 
 Masters stay where `param.data` points when a layer is idle (host, fp32). To run layer j
 its parameters' `.data` are swapped to views of a device slot holding the compute-dtype
-copy, and swapped back afterwards. Two slots: the running layer and the prefetched next.
-With an async backend (CUDA, or its CPU emulation) a master goes master -> pinned staging
-(dtype cast on the host) -> slot on the H2D side stream, so only two layers' worth of pinned
-memory exist, never a pinned model copy.
+copy, and swapped back afterwards. Two slots (the running layer and the prefetched next),
+three when the plan recomputes (`weight_slots`): the backward before a recompute block
+(s, e) prefetches both the block's first re-run layer s+1 and layer e, and layer e stays
+loaded while s+1..e-1 re-run, as `planning/simulate.py` schedules it (and mirrors: its
+`_WeightSlots`). A layer prefetched (or asked for again while loaded) and not run since is
+never evicted by a prefetch. With an async backend (CUDA, or its CPU emulation) a master
+goes master -> pinned staging (dtype cast on the host) -> slot on the H2D side stream; two
+staging buffers take turns, so only two layers' worth of pinned memory exist, never a
+pinned model copy.
 
 Compute copies: when the compute dtype is not fp32, the layer-wise optimizer update writes
 each layer's compute-dtype copy (host, pageable) in the same pass that updates its master
@@ -25,60 +30,98 @@ from torch import nn
 
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.engine.streams import Event, Streams
+from lazytrain_accel.planning.plan import Plan
+from lazytrain_accel.planning.problem import weight_buffer_count
 
-NUM_SLOTS = 2
+NUM_STAGING = 2  # pinned staging buffers, used in turn
+
+
+def weight_slots(plan: Plan) -> int:
+    """Device weight slots the engine uses for `plan`: 3 when it re-runs layers, else 2
+    (what `planning.problem.build_problem` charges for it)."""
+    return weight_buffer_count(max(e - s for s, e in plan.blocks))
 
 
 class WeightPool:
     def __init__(self, layer_params: list[list[nn.Parameter]], *, streams: Streams,
                  compute_dtype: torch.dtype, accounting: Accounting,
-                 is_ready: Callable[[int], bool], wait_ready: Callable[[int], None]) -> None:
+                 is_ready: Callable[[int], bool], wait_ready: Callable[[int], None],
+                 num_slots: int = 2) -> None:
         self._params = layer_params  # index 0 = layer 1
         self._dtype = compute_dtype
         self._streams = streams
         self._acct = accounting
         self._is_ready = is_ready
         self._wait_ready = wait_ready
-        numel = max((sum(p.numel() for p in ps) for ps in layer_params), default=0)
-        device = streams.device
-        self._slots = [torch.empty(numel, dtype=compute_dtype, device=device)
-                       for _ in range(NUM_SLOTS)]
-        self._staging = [streams.empty_host(torch.Size([numel]), compute_dtype)
-                         for _ in range(NUM_SLOTS)] if streams.is_async else []
-        self._staging_free: list[Event | None] = [None] * NUM_SLOTS
-        self._slot_layer: list[int | None] = [None] * NUM_SLOTS
-        self._slot_loaded: list[Event | None] = [None] * NUM_SLOTS
-        self._slot_done: list[Event | None] = [None] * NUM_SLOTS
-        self._last_used = [0] * NUM_SLOTS
+        self._numel = max((sum(p.numel() for p in ps) for ps in layer_params), default=0)
+        self._slot_bytes = self._numel * torch.empty((), dtype=compute_dtype).element_size()
+        self._slots: list[torch.Tensor] = []
+        self._slot_layer: list[int | None] = []
+        self._slot_loaded: list[Event | None] = []
+        self._slot_done: list[Event | None] = []
+        self._slot_fresh: list[bool] = []  # prefetched, not acquired since: keep it
+        self._last_used: list[int] = []
+        self.grow(num_slots)
+        self._staging = [streams.empty_host(torch.Size([self._numel]), compute_dtype)
+                         for _ in range(NUM_STAGING)] if streams.is_async else []
+        self._staging_free: list[Event | None] = [None] * NUM_STAGING
+        self._next_staging = 0
         self._clock = 0
         self._acquired: dict[int, tuple[int, list[torch.Tensor]]] = {}
-        slot_bytes = numel * self._slots[0].element_size()
-        accounting.allocate("device", NUM_SLOTS * slot_bytes)
         if self._staging:
-            accounting.allocate("host_pinned", NUM_SLOTS * slot_bytes)
-        self._slot_bytes = slot_bytes
+            accounting.allocate("host_pinned", NUM_STAGING * self._slot_bytes)
         self._copies: list[torch.Tensor | None] = [None] * len(layer_params)
         self._copy_keys: list[tuple[tuple[int, int], ...] | None] = [None] * len(layer_params)
 
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    def grow(self, num_slots: int) -> None:
+        """Have at least `num_slots` device slots (a new plan may recompute)."""
+        while len(self._slots) < num_slots:
+            self._slots.append(torch.empty(self._numel, dtype=self._dtype,
+                                           device=self._streams.device))
+            self._slot_layer.append(None)
+            self._slot_loaded.append(None)
+            self._slot_done.append(None)
+            self._slot_fresh.append(False)
+            self._last_used.append(0)
+            self._acct.allocate("device", self._slot_bytes)
+
+    def forget_all_but(self, layer: int) -> None:
+        """Forget the loaded layers other than `layer` (the last forward layer): the
+        backward loads its layers anew, in its own order, as the planner counts them."""
+        for slot, held in enumerate(self._slot_layer):
+            if held != layer:
+                self._slot_layer[slot], self._slot_fresh[slot] = None, False
+
     def invalidate(self) -> None:
         """Forget loaded copies: the masters may have been updated by an optimizer step."""
-        self._slot_layer = [None] * NUM_SLOTS
+        self._slot_layer = [None] * len(self._slots)
+        self._slot_fresh = [False] * len(self._slots)
 
     def prefetch(self, layer: int) -> None:
-        """Start loading `layer` (1-based) if its master is final; never blocks the host."""
-        if layer in self._slot_layer or not 1 <= layer <= len(self._params):
+        """Start loading `layer` (1-based) if its master is final and a slot holds nothing
+        still to be used; never blocks the host. A layer loaded already is kept until it
+        runs again."""
+        if layer in self._slot_layer:
+            self._slot_fresh[self._slot_layer.index(layer)] = True
             return
-        if self._is_ready(layer):
-            self._load(layer)
+        if not 1 <= layer <= len(self._params):
+            return
+        if self._is_ready(layer) and self._pick_slot(for_prefetch=True) is not None:
+            self._load(layer, fresh=True)
 
     def acquire(self, layer: int) -> None:
         """Point `layer`'s parameters at their device copy (loading it now if needed)."""
         if layer not in self._slot_layer:
             self._wait_ready(layer)  # an optimizer wait is accounted by the update itself
             start = time.perf_counter()
-            self._load(layer)
+            self._load(layer, fresh=False)
             self._acct.add("stall_s", time.perf_counter() - start)
         slot = self._slot_layer.index(layer)
+        self._slot_fresh[slot] = False
         self._streams.compute_waits(self._slot_loaded[slot])
         params = self._params[layer - 1]
         masters = [p.data for p in params]
@@ -98,16 +141,24 @@ class WeightPool:
     def _views(self, slot: int, params: list[nn.Parameter]) -> list[torch.Tensor]:
         return _split(self._slots[slot], params)
 
-    def _pick_slot(self) -> int:
+    def _pick_slot(self, *, for_prefetch: bool) -> int | None:
+        """The least recently used slot not in use, preferring one whose layer was used
+        since it was loaded; for a prefetch only such a slot (else None)."""
         busy = {slot for slot, _ in self._acquired.values()}
-        free = [s for s in range(NUM_SLOTS) if s not in busy]
+        free = [s for s in range(len(self._slots)) if s not in busy]
+        spent = [s for s in free if not self._slot_fresh[s]]
+        if spent or for_prefetch:
+            free = spent
         if not free:
+            if for_prefetch:
+                return None
             raise RuntimeError("all weight slots are in use: the engine runs one layer at a "
                                "time; a layer was acquired twice without release")
         return min(free, key=lambda s: self._last_used[s])
 
-    def _load(self, layer: int) -> None:
-        slot = self._pick_slot()
+    def _load(self, layer: int, *, fresh: bool) -> None:
+        slot = self._pick_slot(for_prefetch=False)
+        assert slot is not None
         params = self._params[layer - 1]
         nbytes = sum(p.numel() for p in params) * self._slots[slot].element_size()
         with self._acct.timed_transfer("weights_h2d", nbytes):
@@ -120,13 +171,16 @@ class WeightPool:
                 for p, view in zip(params, self._views(slot, params), strict=True):
                     view.copy_(p.data)
         self._slot_layer[slot] = layer
+        self._slot_fresh[slot] = fresh
         self._clock += 1
         self._last_used[slot] = self._clock
 
     def _load_async(self, slot: int, params: list[nn.Parameter],
                     copy: torch.Tensor | None) -> None:
-        streams, staging, offset = self._streams, self._staging[slot], 0
-        streams.host_waits(self._staging_free[slot])  # previous H2D from this staging done
+        k = self._next_staging
+        self._next_staging = (k + 1) % NUM_STAGING
+        streams, staging, offset = self._streams, self._staging[k], 0
+        streams.host_waits(self._staging_free[k])  # previous H2D from this staging done
         streams.claim(staging)
         if copy is not None:  # the update's compute copy: a plain memcpy, no cast
             offset = copy.numel()
@@ -139,7 +193,7 @@ class WeightPool:
             streams.copy_(self._slots[slot][:offset], staging[:offset])
             event = streams.record()
         self._slot_loaded[slot] = event
-        self._staging_free[slot] = event
+        self._staging_free[k] = event
 
     # ---- compute copies written by the optimizer update -------------------------------
     def compute_copy(self, layer: int) -> list[torch.Tensor] | None:
@@ -178,9 +232,9 @@ class WeightPool:
             if copy is not None:
                 self._acct.free("host_pageable", copy.numel() * copy.element_size())
         self._copies = [None] * len(self._params)
-        self._acct.free("device", NUM_SLOTS * self._slot_bytes)
+        self._acct.free("device", len(self._slots) * self._slot_bytes)
         if self._staging:
-            self._acct.free("host_pinned", NUM_SLOTS * self._slot_bytes)
+            self._acct.free("host_pinned", NUM_STAGING * self._slot_bytes)
         self._slots, self._staging = [], []
 
 

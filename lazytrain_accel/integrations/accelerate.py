@@ -153,8 +153,7 @@ class Accelerator(accelerate.Accelerator):
                                                                    compute_dtype))
         self.lazytrain_engine = attach(model, plan, device=self.device,
                                        compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir,
-                                       loss_chunk_tokens=setup.engine_loss_chunk_tokens(
-                                           plugin, plan),
+                                       loss_chunk_tokens=setup.engine_loss_chunk_tokens(plugin),
                                        emulation=setup.emulation_for(plugin, hardware))
         if not setup.is_plan_file(plugin):  # a plan file is the user's: never re-planned
             self.lazytrain_engine.replan = lambda b, s: self._lazytrain_replan(model, b, s)

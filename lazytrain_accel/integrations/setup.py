@@ -98,10 +98,11 @@ def is_plan_file(config: LazyTrainConfig) -> bool:
     return config.plan not in ("auto", *STRATEGIES)
 
 
-def engine_loss_chunk_tokens(config: LazyTrainConfig, plan: Plan) -> int:
-    """The fused loss's chunk the engine uses: the config's, or the plan's at "auto"."""
+def engine_loss_chunk_tokens(config: LazyTrainConfig) -> int | str:
+    """The fused loss's chunk the engine uses: the config's, or at "auto" the plan's
+    ("auto": the engine also follows a new plan's on a re-plan)."""
     chunk = config.loss_chunk_tokens
-    return plan.loss_chunk_tokens if chunk == "auto" else int(chunk)
+    return "auto" if chunk == "auto" else int(chunk)
 
 
 def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,

@@ -125,6 +125,8 @@ class Problem:
     # LoRA run updates its adapters, not the frozen base).
     layer_update_param_count: int = 0
     resident_update_param_count: int = 0
+    # Of those, the output side's (final norm, untied head), updated after the layers.
+    head_update_param_count: int = 0
 
     # ---- windows -------------------------------------------------------------------
     @property
@@ -163,13 +165,16 @@ class Problem:
         return self.layer_grad_bytes if window > backward_window(self.num_layers,
                                                                  self.num_layers) else 0
 
-    def restream_windows(self, s: int, e: int) -> tuple[tuple[int, int], tuple[int, int]]:
-        """((window, bytes), (window, bytes)) of the weight re-stream block (s,e) costs:
-        the first recomputed layer is prefetched in the window before B_e, the others
-        stream during B_e's recompute."""
-        n, w = e - s, backward_window(e, self.num_layers)
-        return ((w - 1, self.layer_param_bytes if n >= 2 else 0),
-                (w, max(n - 2, 0) * self.layer_param_bytes))
+    def restream_windows(self, s: int, e: int) -> tuple[tuple[int, int], ...]:
+        """(window, bytes) of the weight re-stream block (s,e) costs: the first recomputed
+        layer is prefetched in the window before B_e, the others stream during B_e's
+        recompute; the last two re-run layers are still in their buffers when their
+        backward comes (B_{e-1}, B_{e-2}), so the windows B_e and B_{e-1} load them no
+        more (negative bytes against `weight_h2d_bytes`)."""
+        n, w, P = e - s, backward_window(e, self.num_layers), self.layer_param_bytes
+        if n < 2:
+            return ()
+        return ((w - 1, P), (w, (n - 3) * P), (w + 1, -P if n >= 3 else 0))
 
     def window_durations_s(self, edges: Mapping[tuple[int, int], Any]) -> list[Any]:
         """Per window, compute seconds; `edges` maps chosen blocks to their weight (1 for a
@@ -285,6 +290,13 @@ class Problem:
         return self.compute_s + self.prologue_s + self.tail_s
 
 
+def weight_buffer_count(max_block: int) -> int:
+    """Device weight buffers for recompute blocks of up to `max_block` layers (the engine's
+    `WeightPool` slots): the running layer and the next one, plus, when a block re-runs
+    layers, the first re-run layer prefetched beside the block's last layer."""
+    return 3 if max_block >= 2 else 2
+
+
 def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
                   budgets: Budgets | None = None, max_recompute_block: int = 8) -> Problem:
     """The instance for `model` at its batch shape on `hardware` under `budgets`."""
@@ -301,9 +313,7 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
     budgets = budgets or Budgets.from_hardware(hardware)
     flops_per_s = hardware.achieved_flops_per_s
     K = max_recompute_block
-    # Three weight buffers when recompute is possible: the running layer, the next one,
-    # and the first recomputed layer prefetched beside the block's last layer.
-    weight_buffers = 3 if K >= 2 else 2
+    weight_buffers = weight_buffer_count(K)
     # The head + loss runs between the last forward and the first backward, so its
     # working set and one layer's backward working set are never live together.
     working = max(model.layer_working_bytes, model.head_working_bytes)
@@ -337,7 +347,17 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         budgets=budgets, param_count=params, tokens_per_step=model.tokens_per_step,
         layer_update_param_count=model.layer_trainable_param_count,
         resident_update_param_count=model.resident_trainable_param_count,
+        head_update_param_count=head_update_param_count(model),
     )
+
+
+def head_update_param_count(model: ModelProfile) -> int:
+    """The output side's share (final norm, untied head) of the trainable resident
+    parameters; by parameter count where only some residents train."""
+    g = model.geometry
+    head = g.head_param_count + g.final_norm_param_count
+    resident = head + g.embedding_param_count
+    return model.resident_trainable_param_count * head // resident if resident else 0
 
 
 def host_base_terms(model: ModelProfile) -> tuple[tuple[str, int], ...]:

@@ -6,8 +6,10 @@ the engine's streams; a window starts when the previous window's compute and tra
 are done (the engine's barrier), and every dependency points to an op of the same or an
 earlier window, issued before it on its queue, so no plan can deadlock (`_check_order`):
 
-* weights of the next window's layer are issued when a window starts (two device buffers,
-  plus one for the first recomputed layer, prefetched one window before its block);
+* weights of the next window's layer are issued when a window starts, into the engine's
+  device buffers (`_WeightSlots`, as `engine/weights.py` picks them: two, plus one for the
+  first recomputed layer, prefetched one window before its block); a layer still held
+  (re-run in its block's recompute) is not loaded again;
 * a window's activation transfers are issued when it starts; an NVMe write waits for its
   boundary's D2H, an NVMe read for its write, an H2D for its read;
 * B_e of block (s, e) first re-runs layers s+1..e-1 forward, each waiting for its
@@ -15,8 +17,10 @@ earlier window, issued before it on its queue, so no plan can deadlock (`_check_
 * a backward waits for its input boundary's reload and for a free gradient buffer (two);
 * NVMe boundaries hold host memory from their D2H until their write ends (and from their
   read until their H2D ends), counted in the host peak rather than throttled;
-* the host optimizer updates layer j once its gradients are home, in forward order; the
-  next step's forward of layer j waits only for update j (`optimizer_exposed_s`).
+* the host optimizer updates in the engine's order (engine/overlap.py), each group once its
+  gradients are home: the input side's residents (U_embed), layers 1..L (U1..UL), the
+  output side's (U_head: final norm, untied head); the next step starts after U_embed, its
+  forward of layer j waits only for Uj and its head for U_head (`optimizer_exposed_s`).
 """
 
 from __future__ import annotations
@@ -32,7 +36,12 @@ from lazytrain_accel.planning.plan import (
     backward_window,
     forward_window,
 )
-from lazytrain_accel.planning.problem import LINKS, Problem, build_problem
+from lazytrain_accel.planning.problem import (
+    LINKS,
+    Problem,
+    build_problem,
+    weight_buffer_count,
+)
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
@@ -68,12 +77,56 @@ class SimulationResult:
             tflops=self.tflops, optimizer_exposed_s=self.optimizer_exposed_s)
 
 
+class _WeightSlots:
+    """The engine's device weight slots (`engine/weights.py`), mirrored: a load goes to
+    the least recently used slot not running, preferring one whose layer ran since it was
+    loaded (a prefetched layer is kept until it runs)."""
+
+    def __init__(self, count: int) -> None:
+        self.layer: list[int | None] = [None] * count
+        self.op = [-1] * count  # the load that filled the slot
+        self.fresh = [False] * count
+        self.used = [0] * count
+        self.clock = 0
+        self.running: int | None = None  # the slot of the layer computing now
+
+    def held(self, layer: int) -> int | None:
+        """The load op of `layer` if a slot holds it (kept until it runs again)."""
+        if layer not in self.layer:
+            return None
+        slot = self.layer.index(layer)
+        self.fresh[slot] = True
+        return self.op[slot]
+
+    def load(self, layer: int, op: int) -> None:
+        free = [k for k in range(len(self.layer)) if k != self.running]
+        slot = min([k for k in free if not self.fresh[k]] or free, key=lambda k: self.used[k])
+        self.layer[slot], self.op[slot], self.fresh[slot] = layer, op, True
+        self.clock += 1
+        self.used[slot] = self.clock
+
+    def forget_all_but(self, layer: int) -> None:
+        """The engine at its last forward layer: the backward loads its layers anew."""
+        self.fresh = [f and held == layer for f, held in zip(self.fresh, self.layer, strict=True)]
+        self.layer = [held if held == layer else None for held in self.layer]
+
+    def run(self, layer: int) -> None:
+        if layer not in self.layer:
+            raise AssertionError(f"simulator: layer {layer} runs but no weight buffer holds it "
+                                 "(evicted before use): a schedule bug")
+        slot = self.layer.index(layer)
+        self.running, self.fresh[slot] = slot, False
+        self.clock += 1
+        self.used[slot] = self.clock
+
+
 class _StepBuilder:
     """Issues the ops of one step in program order."""
 
     def __init__(self, p: Problem, plan: Plan) -> None:
         self.p, self.plan, self.q = p, plan, EventQueue()
         self.L = p.num_layers
+        self.slots = _WeightSlots(weight_buffer_count(max(e - s for s, e in plan.blocks)))
         self.weights: dict[tuple[str, int], int] = {}  # ("layer"|"recompute", j) -> op
         self.window_start: dict[int, int] = {}
         self.fwd: dict[int, int] = {}
@@ -84,20 +137,28 @@ class _StepBuilder:
         self.moves: dict[tuple[int, TransferKind], list[int]] = {}
 
     def weight(self, key: tuple[str, int], after_start: list[int], window: int) -> None:
-        name = f"W{key[1]}" if key[0] == "layer" else f"RW{key[1]}"
-        self.weights[key] = self.q.add(name, "h2d", self.p.layer_param_bytes
-                                       / self.p.h2d_bytes_per_s, after_start=after_start,
-                                       window=window)
+        op = self.slots.held(key[1])
+        if op is None:
+            name = f"W{key[1]}" if key[0] == "layer" else f"RW{key[1]}"
+            op = self.q.add(name, "h2d", self.p.layer_param_bytes / self.p.h2d_bytes_per_s,
+                            after_start=after_start, window=window)
+            self.slots.load(key[1], op)
+        self.weights[key] = op
 
-    def compute(self, name: str, seconds: float, window: int, after_end: list[int]) -> int:
+    def compute(self, name: str, seconds: float, window: int, after_end: list[int],
+                layer: int | None = None) -> int:
         op = self.q.add(name, "compute", seconds, after_end=after_end, window=window)
         self.window_start.setdefault(window, op)
+        if layer is not None:
+            self.slots.run(layer)
         return op
 
     def forward(self, j: int) -> None:
         w = forward_window(j, self.L)
-        self.fwd[j] = self.compute(f"F{j}", self.p.fwd_s, w, [self.weights["layer", j]])
-        self.issue(w, next_layer=j + 1 if j < self.L else None)
+        self.fwd[j] = self.compute(f"F{j}", self.p.fwd_s, w, [self.weights["layer", j]], j)
+        if j == self.L:
+            self.slots.forget_all_but(j)
+        self.issue(w, next_layer=j + 1 if j < self.L else j)  # B_L runs on F_L's buffer
 
     def backward(self, j: int) -> None:
         p, w = self.p, backward_window(j, self.L)
@@ -107,13 +168,13 @@ class _StepBuilder:
         if e == j and e - s >= 2:
             for k in range(s + 1, e):
                 self.recompute[k] = self.compute(f"R{k}", p.fwd_s, w,
-                                                 [self.weights["recompute", k]])
+                                                 [self.weights["recompute", k]], k)
                 if k + 1 < e:
                     self.weight(("recompute", k + 1), [self.recompute[k]], w)
         deps = [self.weights["layer", j], *self.moves.get((j - 1, TransferKind.H2D), [])]
         if j + 2 in self.grad:
             deps.append(self.grad[j + 2])  # two gradient buffers
-        self.bwd[j] = self.compute(f"B{j}", p.fwd_s + p.bwd_s, w, deps)
+        self.bwd[j] = self.compute(f"B{j}", p.fwd_s + p.bwd_s, w, deps, j)
         if j < self.L:  # the previous layer's gradients leave while this window computes
             self.gradients(j + 1, [self.window_start[w]], w)
         self.issue(w, next_layer=j - 1 if j > 1 else None)
@@ -132,7 +193,7 @@ class _StepBuilder:
         for s, e in self.plan.blocks:  # first recomputed layer of the block after next
             if e - s >= 2 and backward_window(e, self.L) - 1 == w:
                 self.weight(("recompute", s + 1), start, w)
-        if next_layer is not None:  # F_L prefetches nothing: B_L reuses layer L's buffer
+        if next_layer is not None:
             self.weight(("layer", next_layer), start, w)
         for t in self.plan.transfers_in(w):
             op = self.q.add(f"{t.kind.value}:{t.boundary}", t.kind.value,
@@ -185,16 +246,19 @@ class _StepBuilder:
         self.window_barriers()
         return self.q
 
-    def host_optimizer(self, hardware: HardwareProfile, model: ModelProfile) -> list[int]:
-        """The update of layers 1..L in forward order, each once its gradients are home,
-        then the resident parameters' (ops on the "host_optimizer" resource)."""
-        rate, end = hardware.cpu_optimizer_params_per_s, self.p.num_windows
-        ops = [self.q.add(f"U{j}", HOST_OPTIMIZER, self.p.layer_update_param_count / rate,
-                          after_end=[self.grad[j]], window=end)
-               for j in range(1, self.L + 1)]
-        resident = self.p.resident_update_param_count
-        ops.append(self.q.add("U_resident", HOST_OPTIMIZER, resident / rate,
-                              after_end=[self.resident], window=end))
+    def host_optimizer(self, hardware: HardwareProfile) -> list[int]:
+        """The update in the engine's order, one group after the other on the
+        "host_optimizer" resource: U_embed, U1..UL, U_head; each once its gradients are
+        home (the residents' leave last, `G_resident`)."""
+        p, rate, end = self.p, hardware.cpu_optimizer_params_per_s, self.p.num_windows
+        head = p.head_update_param_count
+        ops = [self.q.add("U_embed", HOST_OPTIMIZER, (p.resident_update_param_count - head)
+                          / rate, after_end=[self.resident], window=end)]
+        ops += [self.q.add(f"U{j}", HOST_OPTIMIZER, p.layer_update_param_count / rate,
+                           after_end=[self.grad[j]], window=end)
+                for j in range(1, self.L + 1)]
+        ops.append(self.q.add("U_head", HOST_OPTIMIZER, head / rate, after_end=[self.resident],
+                              window=end))
         return ops
 
 
@@ -268,13 +332,15 @@ def _exposure(q: EventQueue, step_ops: list[SimOp]) -> dict[str, float]:
 
 
 def _optimizer_exposed_s(b: _StepBuilder, updates: list[int], step_s: float) -> float:
-    """How long the next step waits for the host optimizer. Its forward of layer j would
-    start at step_s + prologue + (j-1) f; layer j's weights stream to the device (P/h2d,
-    the prologue's length) only once update j has ended. Its head needs the resident
-    parameters' update."""
+    """How long the next step waits for the host optimizer (`updates`: U_embed, U1..UL,
+    U_head). It starts once U_embed has ended; its forward of layer j would start at
+    step_s + prologue + (j-1) f, and layer j's weights stream to the device (P/h2d, the
+    prologue's length) only once Uj has ended; its head, at step_s + prologue + L f,
+    needs U_head."""
     ops, p = b.q.ops, b.p
-    late_s = [ops[u].end_s + p.prologue_s - (step_s + p.prologue_s + j * p.fwd_s)
-              for j, u in enumerate(updates)]
+    embed, *layers, head = (ops[u].end_s - step_s for u in updates)
+    late_s = [embed, head - p.prologue_s - b.L * p.fwd_s]
+    late_s += [end_s - j * p.fwd_s for j, end_s in enumerate(layers)]
     return max([0.0, *late_s])
 
 
@@ -290,7 +356,7 @@ def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,
     p = build_problem(model, hardware, max_recompute_block=longest)
     b = _StepBuilder(p, plan)
     q = b.build()
-    updates = b.host_optimizer(hardware, model) if include_optimizer else []
+    updates = b.host_optimizer(hardware) if include_optimizer else []
     _check_order(q)
     q.run()
     step_ops = [op for op in q.ops if op.resource != HOST_OPTIMIZER]

@@ -45,7 +45,14 @@ def test_rates_plans_and_one_round(tmp_path):
     assert plans["offload_all"].count_homes()["cpu"] > 0
     assert plans["auto+nvme"].count_homes()["nvme"] > 0
     (measured,) = fidelity.run_plan(TINY, plans["auto+nvme"], hw, 2, 16, 1, str(tmp_path))
-    assert {"step", "step_compute", "step_opt", "step_opt_compute"} <= set(measured)
-    assert measured["step"] > 0
-    pred, pred_opt = fidelity.predict(plans["auto+nvme"], TINY, 2, 16, measured["compute"], hw)
+    assert {"step", "step_compute", "step_opt", "step_opt_compute", "step_layers",
+            "step_opt_update", "optimizer_rate"} <= set(measured)
+    assert measured["step"] > 0 and measured["step_opt_update"] > 0
+    preds = fidelity.predictions(plans["auto+nvme"], TINY, 2, 16, measured, hw,
+                                 profile.trainable_param_count)
+    pred, pred_opt = preds["step"], preds["opt"]
     assert pred_opt.step_s >= pred.step_s > pred.exposed_s > 0
+    assert not any(op.resource == "host_optimizer" for op in pred.ops)
+    assert preds["opt_in"].step_s >= preds["step_in"].step_s > 0
+    row = fidelity._row("tiny", "auto+nvme", plans["auto+nvme"], preds, measured)
+    assert row.count("|") == 7

@@ -37,3 +37,22 @@ def test_demo_trains_with_the_fused_loss(tmp_path: Path, hardware_json: Path,
 def test_negative_chunk_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--loss-chunk-tokens", "-1"]) == 2
     assert "argument --loss-chunk-tokens: -1 must be >= 0" in capsys.readouterr().err
+
+
+def test_auto_reaches_the_plugin_and_beats_the_environment(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    from lazytrain_accel import LazyTrainPlugin
+    from lazytrain_accel.demo import run as demo_run
+
+    seen = []
+
+    def fake_run_demo(settings, *_):
+        seen.append(settings.loss_chunk_tokens)
+        raise ValueError("stop here")  # the CLI turns it into exit code 2
+
+    monkeypatch.setattr(demo_run, "run_demo", fake_run_demo)
+    monkeypatch.setenv("LAZYTRAIN_LOSS_CHUNK_TOKENS", "4096")
+    main(["demo", "--loss-chunk-tokens", "AUTO"])
+    main(["demo", "--loss-chunk-tokens", "64"])
+    assert seen == ["auto", 64]
+    assert LazyTrainPlugin(loss_chunk_tokens="auto").loss_chunk_tokens == "auto"

@@ -48,3 +48,31 @@ def test_without_a_new_plan_the_cpu_warning_names_no_gpu(tmp_path, caplog):
             model(input_ids=long, labels=long).loss.backward()
     (record,) = [r for r in caplog.records if r.name.startswith("lazytrain_accel")]
     assert "2 x 40" in record.getMessage() and "GPU" not in record.getMessage()
+
+
+def test_a_new_plan_brings_its_loss_head_where_the_engine_follows_the_plan(tmp_path):
+    model = build_model("qwen2", 4)
+    plan = dataclasses.replace(make_plan("megatrain", 4), loss_chunk_tokens=8)
+    engine = attach(model, plan, device=CPU, nvme_dir=str(tmp_path), loss_chunk_tokens="auto")
+    assert engine.fused_loss is not None and engine.fused_loss.chunk_tokens == 8
+    engine.replan = lambda batch, seq: dataclasses.replace(plan, seq_len=64, loss_chunk_tokens=4)
+    long = batches(1, seq=40)[0]
+    out = model(input_ids=long, labels=long)  # re-planned at its first layer
+    out.loss.backward()
+    assert engine.fused_loss.chunk_tokens == 4 and out.logits is None  # fused: no logits
+    engine.set_plan(dataclasses.replace(plan, loss_chunk_tokens=0))
+    assert engine.fused_loss is None
+    assert model(input_ids=long, labels=long).logits is not None  # the model's own loss
+    engine.set_plan(plan)
+    assert engine.fused_loss.chunk_tokens == 8
+
+
+def test_a_fixed_loss_chunk_stays_through_a_new_plan(tmp_path):
+    model = build_model("qwen2", 4)
+    engine = attach(model, make_plan("megatrain", 4), device=CPU, nvme_dir=str(tmp_path),
+                    loss_chunk_tokens=8)
+    engine.set_plan(dataclasses.replace(make_plan("offload_all", 4), loss_chunk_tokens=4))
+    assert engine.fused_loss.chunk_tokens == 8
+    with pytest.raises(ValueError, match="'auto'"):
+        attach(build_model("qwen2", 4), make_plan("megatrain", 4), device=CPU,
+               loss_chunk_tokens="fused")

@@ -65,9 +65,10 @@ def test_layerwise_update_matches_a_plain_step_in_forward_order(tmp_path):
     for p_ref, p in zip(ref.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-6)
         assert p.grad is None  # the deferred zero_grad cleared every group after its update
-    groups = opt.calls[:11]
-    assert groups[0] == engine.resident_params()
-    assert groups[1:] == [engine.layer_params(j) for j in range(1, 11)]
+    groups = opt.calls[:12]  # embeddings, layers 1..10, final norm and untied head
+    assert groups[0] == [model.model.embed_tokens.weight]
+    assert groups[1:11] == [engine.layer_params(j) for j in range(1, 11)]
+    assert groups[11] == [model.model.norm.weight, model.lm_head.weight]
     assert opt.threads == {"lazytrain-step"}
     assert set(opt.sq_norms) == set(model.parameters())
 
@@ -168,3 +169,38 @@ def test_bf16_copies_come_out_of_the_update_and_go_stale_on_an_edit(tmp_path):
     with torch.no_grad():
         engine.layer_params(2)[0].mul_(0.5)  # an edit the copy does not have
     assert engine.pool._fresh_copy(2) is None and engine.pool._fresh_copy(3) is not None
+
+
+class _HeadGate(LayeredSGD):
+    """Holds the update of the output side (`head`) until layer 1 of the next forward ran."""
+
+    def __init__(self, params, head: list[nn.Parameter]) -> None:
+        super().__init__(params)
+        self.head = head
+        self.layer1_ran = threading.Event()
+        self.timed_out = False
+
+    def step_params(self, params, *, out_bf16=None) -> None:
+        if list(params) == self.head:
+            self.timed_out = not self.layer1_ran.wait(timeout=10.0)
+        super().step_params(params, out_bf16=out_bf16)
+
+
+def test_the_head_is_updated_last_and_the_next_forward_does_not_wait_for_it(tmp_path):
+    model = build_model("qwen2", 4)
+    engine = attach(model, make_plan("megatrain", 4), device=CPU, nvme_dir=str(tmp_path))
+    head = [model.model.norm.weight, model.lm_head.weight]
+    opt = _HeadGate(model.parameters(), head)
+    updates_before_head: list[int] = []
+    model.model.layers[0].register_forward_hook(lambda *_: opt.layer1_ran.set())
+    model.lm_head.register_forward_pre_hook(lambda *_: updates_before_head.append(len(opt.calls)))
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.layer1_ran.clear()
+    engine.step_layerwise(opt)
+    model(input_ids=ids, labels=ids).loss.backward()
+    engine.synchronize()
+    assert not opt.timed_out  # layer 1 ran while the head's update was held back
+    assert opt.calls == [[model.model.embed_tokens.weight],
+                         *(engine.layer_params(j) for j in range(1, 5)), head]
+    assert updates_before_head == [0, 6]  # the second forward's head ran after its update

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from lazytrain_accel.planning import (
     Plan,
     PlanError,
     PlanInfeasibleError,
+    build_problem,
     make_plan,
     simulate,
 )
@@ -100,12 +103,12 @@ def test_plan_json_round_trip_and_foreign_fingerprint(tmp_path: Path) -> None:
 def test_timeline_png_and_chrome_trace(tmp_path: Path) -> None:
     model, hardware = chain(num_layers=6)
     budgets = budgets_in_slots(model, hardware, gpu_slots=4, cpu_slots=2, nvme_slots=1)
-    # The host optimizer's lane is drawn once timeline.py has one (another change).
-    result = simulate(make_plan(model, hardware, budgets=budgets), model, hardware,
-                      include_optimizer=False)
+    result = simulate(make_plan(model, hardware, budgets=budgets), model, hardware)
     trace = chrome_trace(result)
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
-    assert {"F1", "B1", "W2"} <= names
+    assert {"F1", "B1", "W2", "U_embed", "U1", "U6", "U_head"} <= names
+    lanes = [e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"]
+    assert lanes[-1] == "host_optimizer"
     assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
     png = tmp_path / "timeline.png"
     draw_timeline(result, png)
@@ -133,3 +136,29 @@ def test_the_plan_ir_is_a_standard_library_leaf() -> None:
     modules |= {node.module.split(".")[0] for node in ast.walk(tree)
                 if isinstance(node, ast.ImportFrom) and node.module}
     assert modules <= set(sys.stdlib_module_names) | {"__future__"}, modules
+
+
+def test_host_optimizer_order_embeddings_layers_head() -> None:
+    """The engine's order (engine/overlap.py): U_embed, U1..UL, U_head; the next forward
+    waits for U_embed and Uj, only its head for U_head (here the slow one: a big untied
+    head on a slow host optimizer)."""
+    model, hardware = chain(num_layers=6)
+    g = model.geometry
+    model = dataclasses.replace(model, geometry=dataclasses.replace(
+        g, tied_embeddings=False, head_param_count=40 * g.layer_param_count))
+    hardware = dataclasses.replace(hardware, cpu_optimizer_params_per_s=2e10)
+    plan = make_plan(model, hardware, strategy="checkpoint_all")
+    without = simulate(plan, model, hardware, include_optimizer=False)
+    result = simulate(plan, model, hardware)
+    ops = [op for op in result.ops if op.resource == "host_optimizer"]
+    assert [op.name for op in ops] == ["U_embed", *(f"U{j}" for j in range(1, 7)), "U_head"]
+    assert all(a.end_s <= b.start_s for a, b in itertools.pairwise(ops))
+    rate = hardware.cpu_optimizer_params_per_s
+    assert ops[0].duration_s == pytest.approx(g.embedding_param_count / rate)
+    assert ops[-1].duration_s == pytest.approx(
+        (40 * g.layer_param_count + g.final_norm_param_count) / rate)
+    p = build_problem(model, hardware, max_recompute_block=1)
+    head_late_s = ops[-1].end_s - without.step_s - p.prologue_s - 6 * p.fwd_s
+    assert head_late_s > 0.0 and ops[1].end_s - without.step_s < 0.5 * head_late_s
+    assert result.optimizer_exposed_s == pytest.approx(head_late_s)
+    assert result.step_s == pytest.approx(without.step_s + head_late_s)
