@@ -97,6 +97,16 @@ def test_worker_errors_surface_on_the_host_with_the_seed():
     assert isinstance(info.value.__cause__, ZeroDivisionError)
 
 
+def test_close_runs_the_queued_copies_and_ends_the_worker_threads():
+    streams = _slow(h2d=40_000.0)  # 4 KB take 0.1 s
+    src, dst = torch.ones(1024), torch.empty(1024)
+    with streams.copy_stream("h2d"):
+        streams.copy_(dst, src)
+    threads = [worker._thread for worker in streams._workers.values()]
+    streams.close()
+    assert torch.equal(dst, src) and not any(thread.is_alive() for thread in threads)
+
+
 def test_backend_choice(monkeypatch):
     monkeypatch.delenv("LAZYTRAIN_EMULATE_ASYNC", raising=False)
     assert isinstance(make_streams(CPU), SyncStreams)
