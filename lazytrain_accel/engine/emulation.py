@@ -79,9 +79,9 @@ class _Worker:
     The thread is a daemon, so a forgotten engine never keeps the interpreter alive; it
     must therefore never be inside torch when the interpreter finalizes (a daemon thread
     taking the GIL back then is ended by `pthread_exit` from inside a C++ destructor:
-    "terminate called without an active exception", exit status -6). `stop()` joins it,
-    and `EmulatedStreams` stops its workers when closed, collected, or at interpreter exit
-    (`weakref.finalize`, which runs before daemon threads are abandoned).
+    "terminate called without an active exception", exit status -6). `EmulatedStreams`
+    stops and joins its workers when closed, collected, or at interpreter exit (a
+    `weakref.finalize`, which runs before daemon threads are abandoned).
     """
 
     def __init__(self, name: str, rng: random.Random, jitter_s: float) -> None:
@@ -129,9 +129,10 @@ class _Worker:
             return  # collected on its own thread: it ends after this op
         self._thread.join(STOP_TIMEOUT_S)
         if self._thread.is_alive():
-            logger.warning("lazytrain: the emulated %s stream still runs after %.0f s: an "
-                           "op waits for an event that never completes", self.name,
-                           STOP_TIMEOUT_S)
+            logger.warning("lazytrain: the emulated %s stream still runs %.0f s after it was "
+                           "stopped: one of its ops waits for an event that never completes "
+                           "(an engine bug: report it with the seed); it is left behind",
+                           self.name, STOP_TIMEOUT_S)
 
 
 class EmulatedEvent:
