@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
+from lazytrain_accel.engine import emulation
 from lazytrain_accel.engine.emulation import (
     INT_SENTINEL,
     BufferReuseError,
@@ -105,6 +107,17 @@ def test_close_runs_the_queued_copies_and_ends_the_worker_threads():
     threads = [worker._thread for worker in streams._workers.values()]
     streams.close()
     assert torch.equal(dst, src) and not any(thread.is_alive() for thread in threads)
+
+
+def test_a_worker_stuck_past_the_stop_timeout_is_left_behind_with_a_warning(monkeypatch,
+                                                                             caplog):
+    monkeypatch.setattr(emulation, "STOP_TIMEOUT_S", 0.05)
+    streams, gate = _slow(), threading.Event()
+    streams._workers["h2d"].submit(gate.wait)  # an op waiting for what never comes
+    with caplog.at_level("WARNING"):
+        streams.close()
+    gate.set()
+    assert "emulated h2d stream still runs" in caplog.text
 
 
 def test_backend_choice(monkeypatch):
