@@ -10,6 +10,7 @@ checksum, learning rate and skipped-step count.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 
 import torch
@@ -17,6 +18,10 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
+
+#: A run takes ~10 s: past this a rank is hung; it prints every thread's stack and exits
+#: 1, so the launching test fails with where it hung instead of at its own timeout.
+HANG_DUMP_S = 240
 
 
 def build_data(num_samples: int, seq_len: int, vocab: int) -> torch.utils.data.TensorDataset:
@@ -44,6 +49,7 @@ def main() -> None:
     p.add_argument("--poison-step", type=int, default=None)
     p.add_argument("--state-out", default=None, help="per-rank JSON file prefix")
     args = p.parse_args()
+    faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True)
 
     set_seed(0)
     config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,

@@ -21,6 +21,7 @@ allocator's reuse that `record_stream` guards against, pinned-memory DMA).
 
 from __future__ import annotations
 
+import logging
 import queue
 import random
 import threading
@@ -38,6 +39,10 @@ from lazytrain_accel.engine.streams import IoLink, Link
 INT_SENTINEL = -0x5A5A5A5A
 #: Upper bound of one jitter sleep, seconds.
 DEFAULT_JITTER_S = 3e-4
+#: How long stopping a worker waits for its queued ops before giving up on it, seconds.
+STOP_TIMEOUT_S = 60.0
+
+logger = logging.getLogger(__name__)
 
 
 class BufferReuseError(RuntimeError):
@@ -69,7 +74,15 @@ class EmulationSettings:
 
 
 class _Worker:
-    """One emulated stream: a thread running queued ops in order."""
+    """One emulated stream: a thread running queued ops in order.
+
+    The thread is a daemon, so a forgotten engine never keeps the interpreter alive; it
+    must therefore never be inside torch when the interpreter finalizes (a daemon thread
+    taking the GIL back then is ended by `pthread_exit` from inside a C++ destructor:
+    "terminate called without an active exception", exit status -6). `EmulatedStreams`
+    stops and joins its workers when closed, collected, or at interpreter exit (a
+    `weakref.finalize`, which runs before daemon threads are abandoned).
+    """
 
     def __init__(self, name: str, rng: random.Random, jitter_s: float) -> None:
         self.name = name
@@ -79,8 +92,9 @@ class _Worker:
         self.completed = 0
         self.error: BaseException | None = None
         self._rng, self._jitter_s = rng, jitter_s
-        threading.Thread(target=self._run, name=f"lazytrain-emulated-{name}",
-                         daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name=f"lazytrain-emulated-{name}",
+                                        daemon=True)
+        self._thread.start()
 
     def submit(self, op: Callable[[], None]) -> int:
         self.enqueued += 1
@@ -107,7 +121,18 @@ class _Worker:
             raise RuntimeError(f"an emulated {self.name} copy failed") from self.error
 
     def stop(self) -> None:
+        """Let the queued ops run, then end the thread (`join` waits for that)."""
         self._queue.put(None)
+
+    def join(self) -> None:
+        if self._thread is threading.current_thread():
+            return  # collected on its own thread: it ends after this op
+        self._thread.join(STOP_TIMEOUT_S)
+        if self._thread.is_alive():
+            logger.warning("lazytrain: the emulated %s stream still runs %.0f s after it was "
+                           "stopped: one of its ops waits for an event that never completes "
+                           "(an engine bug: report it with the seed); it is left behind",
+                           self.name, STOP_TIMEOUT_S)
 
 
 class EmulatedEvent:
@@ -263,9 +288,11 @@ class EmulatedStreams:
             _throttled(lambda: nbytes / rate, start)
 
     def close(self) -> None:
-        self._stop()  # queued ops run first; runs once (also on garbage collection)
+        self._stop()  # queued ops run first; runs once (also on collection and at exit)
 
 
 def _stop_all(workers: list[_Worker]) -> None:
-    for worker in workers:
+    for worker in workers:  # all first: an op may wait for another worker's event
         worker.stop()
+    for worker in workers:
+        worker.join()

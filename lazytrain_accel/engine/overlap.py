@@ -73,7 +73,9 @@ class LayerwiseUpdate:
             owner.__dict__["zero_grad"] = self._deferred_zero_grad
         for name in _WAITING_READS:
             model.__dict__[name] = functools.partial(self._read_after_update, model, name)
-        self._thread = threading.Thread(target=self._run, name="lazytrain-step", daemon=True)
+        # Not a daemon: the interpreter's exit joins it, so a script that ends right after
+        # `optimizer.step()` never leaves it inside torch while finalizing (abort, -6).
+        self._thread = threading.Thread(target=self._run, name="lazytrain-step")
         self._thread.start()
 
     def _run(self) -> None:

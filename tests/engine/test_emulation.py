@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 import torch
 
+from lazytrain_accel.engine import emulation
 from lazytrain_accel.engine.emulation import (
     INT_SENTINEL,
     BufferReuseError,
@@ -95,6 +97,27 @@ def test_worker_errors_surface_on_the_host_with_the_seed():
     with pytest.raises(RuntimeError, match="LAZYTRAIN_EMULATE_SEED=9") as info:
         streams.host_waits(event)
     assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_close_runs_the_queued_copies_and_ends_the_worker_threads():
+    streams = _slow(h2d=40_000.0)  # 4 KB take 0.1 s
+    src, dst = torch.ones(1024), torch.empty(1024)
+    with streams.copy_stream("h2d"):
+        streams.copy_(dst, src)
+    threads = [worker._thread for worker in streams._workers.values()]
+    streams.close()
+    assert torch.equal(dst, src) and not any(thread.is_alive() for thread in threads)
+
+
+def test_a_worker_stuck_past_the_stop_timeout_is_left_behind_with_a_warning(monkeypatch,
+                                                                             caplog):
+    monkeypatch.setattr(emulation, "STOP_TIMEOUT_S", 0.05)
+    streams, gate = _slow(), threading.Event()
+    streams._workers["h2d"].submit(gate.wait)  # an op waiting for what never comes
+    with caplog.at_level("WARNING"):
+        streams.close()
+    gate.set()
+    assert "emulated h2d stream still runs" in caplog.text
 
 
 def test_backend_choice(monkeypatch):

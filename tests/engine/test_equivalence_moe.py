@@ -7,15 +7,19 @@ loss's gradient never reaches the layers (the loss matches at step 1 and drifts 
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
-from engine_helpers import PLAN_KINDS, batches, build_model, make_plan, twin
+from engine_helpers import (
+    PLAN_KINDS,
+    assert_states_die_by_refcount,
+    batches,
+    build_model,
+    make_plan,
+    twin,
+)
 from test_equivalence import train_pair
 
 from lazytrain_accel.engine import attach
-from lazytrain_accel.engine.layer_call import ForwardState
 
 MOE = ("mixtral", "qwen3_moe")
 
@@ -75,13 +79,4 @@ def test_captured_attention_weights_carry_gradients(tmp_path):
 def test_captured_tensors_keep_no_forward_state_alive(tmp_path):
     model = build_model("mixtral", 4)
     attach(model, make_plan("megatrain", 4), device=torch.device("cpu"), nvme_dir=str(tmp_path))
-    gc.collect()
-    gc.disable()  # states must die by reference counting alone: no cycles through graphs
-    try:
-        ids = batches(1)[0]
-        model(input_ids=ids, labels=ids).loss.backward()
-        loss = model(input_ids=ids, labels=ids).loss
-        del loss
-        assert not [o for o in gc.get_objects() if isinstance(o, ForwardState)]
-    finally:
-        gc.enable()
+    assert_states_die_by_refcount(model)

@@ -6,7 +6,7 @@ import gc
 
 import pytest
 import torch
-from engine_helpers import batches, build_model, make_plan, twin
+from engine_helpers import assert_states_die_by_refcount, batches, build_model, make_plan, twin
 from torch import nn
 
 from lazytrain_accel.engine import (
@@ -15,7 +15,6 @@ from lazytrain_accel.engine import (
     attach,
     find_decoder_layers,
 )
-from lazytrain_accel.engine.layer_call import ForwardState
 
 CPU = torch.device("cpu")
 
@@ -114,16 +113,7 @@ def test_opt_layerdrop_indexes_state_by_executed_position(kind, tmp_path):
 def test_store_keeps_no_graph_alive(tmp_path):
     model = build_model("qwen2", 10)
     attach(model, make_plan("mixed", 10), device=CPU, nvme_dir=str(tmp_path))
-    gc.collect()
-    gc.disable()  # states must die by reference counting alone: no cycles through graphs
-    try:
-        ids = batches(1)[0]
-        model(input_ids=ids, labels=ids).loss.backward()
-        loss = model(input_ids=ids, labels=ids).loss
-        del loss
-        assert not [o for o in gc.get_objects() if isinstance(o, ForwardState)]
-    finally:
-        gc.enable()
+    assert_states_die_by_refcount(model)
 
 
 def test_deepcopy_of_a_streamed_model_is_plain_and_self_contained(tmp_path):

@@ -4,6 +4,7 @@ operator: accumulation, clipping, decay groups, an LR schedule, padding and drop
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,42 +13,23 @@ from typing import Any
 import accelerate
 import pytest
 import torch
-import transformers
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from engine_helpers import build_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
 from lazytrain_accel.optim import HybridAdamW8bit
 
-VOCAB = 96
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64)
-#: The families of the engine's equivalence suite (tests/engine/engine_helpers.py).
-FAMILIES = {
-    "llama": lambda n: transformers.LlamaConfig(num_hidden_layers=n, **_COMMON),
-    "qwen2": lambda n: transformers.Qwen2Config(num_hidden_layers=n, **_COMMON),
-    "qwen3": lambda n: transformers.Qwen3Config(num_hidden_layers=n, head_dim=8, **_COMMON),
-    "mistral": lambda n: transformers.MistralConfig(num_hidden_layers=n, **_COMMON),
-    "gemma": lambda n: transformers.GemmaConfig(num_hidden_layers=n, head_dim=8, **_COMMON),
-    "phi3": lambda n: transformers.Phi3Config(num_hidden_layers=n, pad_token_id=0,
-                                              resid_pdrop=0.1, **_COMMON),
-    "gpt_neox": lambda n: transformers.GPTNeoXConfig(
-        num_hidden_layers=n, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-        num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.1),
-    "opt": lambda n: transformers.OPTConfig(
-        num_hidden_layers=n, vocab_size=VOCAB, hidden_size=32, ffn_dim=64,
-        num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
-        dropout=0.1),
-    "gpt2": lambda n: transformers.GPT2Config(n_layer=n, vocab_size=VOCAB, n_embd=32,
-                                              n_head=4, n_positions=64),
-}
+VOCAB = 96  # engine_helpers' vocabulary
+#: The families of the engine's equivalence suite, with dropout on where their configs
+#: have a knob for it (the others drop out by default or not at all).
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "gpt_neox", "opt", "gpt2")
+_OVERRIDES: dict[str, dict[str, Any]] = {"phi3": {"resid_pdrop": 0.1}}
 
 
 def _build(arch: str, num_layers: int = 4) -> nn.Module:
-    config = FAMILIES[arch](num_layers)
-    config._attn_implementation = "eager"
-    config.use_cache = False
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config).train()
+    return build_model(arch, num_layers, use_cache=False, **_OVERRIDES.get(arch, {}))
 
 
 def _loader(num: int = 8, seq: int = 12) -> torch.utils.data.DataLoader:

@@ -3,46 +3,32 @@ through either the stock `accelerate.Accelerator` or LazyTrain's plugin."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from engine_helpers import build_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
 
-VOCAB = 96
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=64)
-
-CONFIGS = {
-    "llama": lambda n: transformers.LlamaConfig(num_hidden_layers=n, **_COMMON),
-    "gemma": lambda n: transformers.GemmaConfig(num_hidden_layers=n, head_dim=8, **_COMMON),
-    "phi3": lambda n: transformers.Phi3Config(num_hidden_layers=n, pad_token_id=0,
-                                              resid_pdrop=0.1, **_COMMON),
-    "gpt_neox": lambda n: transformers.GPTNeoXConfig(
-        num_hidden_layers=n, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-        num_attention_heads=4, max_position_embeddings=64, hidden_dropout=0.1),
-    "opt": lambda n: transformers.OPTConfig(
-        num_hidden_layers=n, vocab_size=VOCAB, hidden_size=32, ffn_dim=64,
-        num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
-        dropout=0.1),
-    "gpt2": lambda n: transformers.GPT2Config(  # tied embeddings, dropout 0.1 everywhere
-        n_layer=n, vocab_size=VOCAB, n_embd=32, n_head=4, n_positions=64,
-        bos_token_id=1, eos_token_id=2),
+VOCAB = 96  # engine_helpers' vocabulary
+#: The families QA drives, over engine_helpers' configs: dropout on where the config has a
+#: knob for it; GPT-2 with tied embeddings and dropout 0.1 everywhere.
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "llama": {}, "gemma": {}, "phi3": {"resid_pdrop": 0.1}, "gpt_neox": {}, "opt": {},
+    "gpt2": {"bos_token_id": 1, "eos_token_id": 2},
 }
 
 
 def build(arch: str, num_layers: int = 4, seed: int = 0) -> nn.Module:
-    config = CONFIGS[arch](num_layers)
-    config._attn_implementation = "eager"
     # The plugin turns the KV cache off for training; a stock run with it on differs in the
     # last bits (GPT-2's cache concatenation changes the attention matmuls' memory layout).
-    config.use_cache = False
-    torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config).train()
+    return build_model(arch, num_layers, seed, use_cache=False, **OVERRIDES[arch])
 
 
 def padded_samples(num: int = 8, seq: int = 12, seed: int = 1) -> list[dict[str, torch.Tensor]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from qa_helpers import CONFIGS, build, padded_samples, plugin, train
+from qa_helpers import OVERRIDES, build, padded_samples, plugin, train
 
 from lazytrain_accel import Accelerator
 from lazytrain_accel.planning import Plan
@@ -39,7 +39,7 @@ def nvme_plan_file(tmp_path: Path, arch: str) -> str:
 
 
 @pytest.mark.parametrize("kind", ["megatrain", "nvme"])
-@pytest.mark.parametrize("arch", sorted(CONFIGS))
+@pytest.mark.parametrize("arch", sorted(OVERRIDES))
 def test_plugin_matches_stock_accelerate(tmp_path: Path, arch: str, kind: str) -> None:
     plan = nvme_plan_file(tmp_path, arch) if kind == "nvme" else kind
     stock = train(build(arch), None)
