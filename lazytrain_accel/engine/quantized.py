@@ -128,27 +128,40 @@ class PackedWeightPool(WeightPool):
 
     def __init__(self, layer_params: list[list[nn.Parameter]], **kwargs: Any) -> None:
         self._packed = [[p for p in ps if is_packed(p)] for ps in layer_params]
+        self._packed_slots: list[torch.Tensor] = []
+        self._packed_staging: list[torch.Tensor] = []
+        self._packed_staging_free: list[Event | None] = []
+        self._in_place = True  # until the byte slots exist (the base __init__ grows)
         super().__init__([[p for p in ps if not is_packed(p)] for ps in layer_params],
                          **kwargs)
-        self._in_place = not self._streams.is_async
-        if self._in_place:
+        if not self._streams.is_async:
             return
         # Frozen: the host tensors (and their byte layout) are fixed from here on.
         self._host = [[_host_tensors(p) for p in ps] for ps in self._packed]
         self._states = [[getattr(p, "quant_state", None) for p in ps] for ps in self._packed]
         self._offsets, self._layer_slot_bytes = _layout(self._host)
-        nbytes = max(self._layer_slot_bytes, default=0)
-        self._packed_slots = [torch.empty(nbytes, dtype=torch.uint8, device=self._streams.device)
-                              for _ in range(len(self._slots))]
-        self._packed_staging = [self._streams.empty_host(torch.Size([nbytes]), torch.uint8)
-                                for _ in self._slots]
-        self._packed_staging_free: list[Event | None] = [None] * len(self._slots)
-        self._packed_slot_bytes = nbytes
-        self._acct.allocate("device", len(self._slots) * nbytes)
-        self._acct.allocate("host_pinned", len(self._slots) * nbytes)
+        self._packed_slot_bytes = max(self._layer_slot_bytes, default=0)
+        self._in_place = False
+        self._grow_packed()
 
-    def _load(self, layer: int) -> None:
-        super()._load(layer)
+    def grow(self, num_slots: int) -> None:
+        super().grow(num_slots)
+        if not self._in_place:
+            self._grow_packed()
+
+    def _grow_packed(self) -> None:
+        """A byte slot and its pinned staging beside each float slot."""
+        nbytes, streams = self._packed_slot_bytes, self._streams
+        while len(self._packed_slots) < len(self._slots):
+            self._packed_slots.append(torch.empty(nbytes, dtype=torch.uint8,
+                                                  device=streams.device))
+            self._packed_staging.append(streams.empty_host(torch.Size([nbytes]), torch.uint8))
+            self._packed_staging_free.append(None)
+            self._acct.allocate("device", nbytes)
+            self._acct.allocate("host_pinned", nbytes)
+
+    def _load(self, layer: int, *, fresh: bool) -> None:
+        super()._load(layer, fresh=fresh)
         if not self._in_place:
             self._load_packed(layer, self._slot_layer.index(layer))
 

@@ -71,6 +71,32 @@ def test_qlora_on_the_emulated_async_device_equals_the_synchronous_run(tmp_path:
         engine.detach()
 
 
+def test_a_replan_that_adds_a_weight_slot_gives_it_a_byte_slot(tmp_path: Path) -> None:
+    # offload_all runs with two weight slots, megatrain (recompute) with three: the packed
+    # pool grows a byte slot and its staging with each float slot.
+    runs = {}
+    for name, emulation in (("sync", False), ("emulated", EmulationSettings(seed=4))):
+        model = qlora("nf4")
+        engine = attach(model, make_plan("offload_all", 4), device=CPU,
+                        nvme_dir=str(tmp_path / name), emulation=emulation)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+        for step, ids in enumerate(batches(3)):
+            if step == 1:
+                engine.set_plan(make_plan("megatrain", 4))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[name] = losses
+        assert engine.pool.num_slots == 3
+        if emulation:
+            assert len(engine.pool._packed_slots) == len(engine.pool._packed_staging) == 3
+        engine.detach()
+    assert runs["emulated"] == runs["sync"]
+
+
 def test_int8_on_the_emulated_async_device_equals_the_synchronous_run(tmp_path: Path) -> None:
     """LLM.int8: `Linear8bitLt` moves the weight's CB/SCB into its module state at each
     forward; the pool hands it the slot's copies every time and the host ones back."""
