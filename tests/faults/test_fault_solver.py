@@ -108,8 +108,10 @@ def test_a_stopped_solve_keeps_its_incumbent_and_logs_the_gap(caplog, monkeypatc
     assert plan.solver.message in caplog.text
     monkeypatch.setattr(solve, "solve_milp", real)
     optimal = make_plan(model, hw, budgets=budgets)
-    # this incumbent is a feasible plan, worse than the optimum by a gap that was reported
+    # this incumbent is a feasible plan, never better than the optimum; its gap is the
+    # distance to the bound proven when it stopped (the tight formulation's first
+    # incumbent may already be optimal, unproven)
     assert plan.solver.gap > 0
     # (the prediction is the simulated step, which may execute the incumbent as fast)
-    assert plan.solver.objective_s > optimal.solver.objective_s
+    assert plan.solver.objective_s >= optimal.solver.objective_s * (1 - 1e-9)
     assert plan.prediction.step_s >= optimal.prediction.step_s
