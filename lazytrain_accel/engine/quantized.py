@@ -176,12 +176,8 @@ class PackedWeightPool(WeightPool):
                 for view, t in zip(_views(staging, tensors, starts), tensors.values(),
                                    strict=True):
                     view.copy_(t)
-            with streams.copy_stream("h2d"):
-                streams.compute_waits(self._slot_done[slot])  # slot's last reader done
-                streams.copy_(self._packed_slots[slot][:end], staging[:end])
-                event = streams.record()
-        # Same side stream, after the float copy: this event covers the whole slot.
-        self._slot_loaded[slot] = event
+            # Same side stream, after the float copy: its event covers the whole slot.
+            event = self._copy_to_slot(slot, self._packed_slots[slot][:end], staging[:end])
         self._packed_staging_free[slot] = event
 
     def acquire(self, layer: int) -> None:

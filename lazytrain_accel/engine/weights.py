@@ -188,12 +188,20 @@ class WeightPool:
         for p in params if copy is None else ():
             staging[offset:offset + p.numel()].view(p.shape).copy_(p.data)
             offset += p.numel()
+        event = self._copy_to_slot(slot, self._slots[slot][:offset], staging[:offset])
+        self._staging_free[k] = event
+
+    def _copy_to_slot(self, slot: int, dst: torch.Tensor, staging: torch.Tensor) -> Event:
+        """Copy `staging` into `dst` (part of `slot`) on the H2D side stream once the slot's
+        last reader is done; the slot's load event (returned) covers this copy and every
+        earlier one on that stream."""
+        streams = self._streams
         with streams.copy_stream("h2d"):
             streams.compute_waits(self._slot_done[slot])  # slot's last reader done
-            streams.copy_(self._slots[slot][:offset], staging[:offset])
+            streams.copy_(dst, staging)
             event = streams.record()
         self._slot_loaded[slot] = event
-        self._staging_free[k] = event
+        return event
 
     # ---- compute copies written by the optimizer update -------------------------------
     def compute_copy(self, layer: int) -> list[torch.Tensor] | None:

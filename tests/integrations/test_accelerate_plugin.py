@@ -24,6 +24,22 @@ def _loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
 
 
+def _two_epochs(acc: Accelerator, model, opt, loader, clip_norm: float | None = None
+                ) -> list[tuple[float, float | None]]:
+    """(loss, clip norm or None) of each step of two epochs."""
+    out = []
+    for _ in range(2):
+        for (ids,) in loader:
+            loss = model(input_ids=ids, labels=ids).loss
+            acc.backward(loss)
+            norm = None if clip_norm is None else float(acc.clip_grad_norm_(
+                model.parameters(), clip_norm))
+            opt.step()
+            opt.zero_grad()
+            out.append((float(loss.detach()), norm))
+    return out
+
+
 @pytest.fixture
 def plugin(tmp_path) -> LazyTrainPlugin:
     return LazyTrainPlugin(plan="checkpoint_all", hardware="h800",
@@ -114,14 +130,7 @@ def test_bf16_mixed_precision_stays_within_bf16_tolerance(plugin: LazyTrainPlugi
         acc = Accelerator(cpu=True, mixed_precision="bf16", **kwargs)
         model, opt, loader = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
                                          _loader())
-        losses[name] = []
-        for _ in range(2):
-            for (ids,) in loader:
-                loss = model(input_ids=ids, labels=ids).loss
-                acc.backward(loss)
-                opt.step()
-                opt.zero_grad()
-                losses[name].append(float(loss.detach()))
+        losses[name] = [loss for loss, _ in _two_epochs(acc, model, opt, loader)]
         if acc.lazytrain_engine is not None:
             # the streamed layer copies computed in bf16; the masters stayed fp32
             assert acc.lazytrain_engine.compute_dtype == torch.bfloat16
@@ -141,15 +150,7 @@ def test_fp16_loss_scaling_is_undone_before_the_clip_norm(plugin: LazyTrainPlugi
         model = _model()
         model, opt, loader = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=3e-3),
                                          _loader())
-        runs[name] = []
-        for _ in range(2):
-            for (ids,) in loader:
-                loss = model(input_ids=ids, labels=ids).loss
-                acc.backward(loss)
-                norm = acc.clip_grad_norm_(model.parameters(), 0.05)
-                opt.step()
-                opt.zero_grad()
-                runs[name].append((float(loss.detach()), float(norm)))
+        runs[name] = _two_epochs(acc, model, opt, loader, clip_norm=0.05)
         acc.end_training()
     (stock_losses, stock_norms), (losses, norms) = (zip(*runs[k], strict=True)
                                                     for k in ("stock", "ours"))

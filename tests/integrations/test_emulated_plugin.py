@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from test_accelerate_plugin import _loader, _model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
 from lazytrain_accel.engine.emulation import EmulatedStreams
@@ -16,12 +16,7 @@ def test_env_turns_the_emulation_on_with_profile_rates(tmp_path, monkeypatch) ->
     monkeypatch.setenv("LAZYTRAIN_EMULATE_LINKS", "profile")
     plugin = LazyTrainPlugin(plan="offload_all", hardware="h800", optimizer="keep",
                              cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"))
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
-    ids = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(1))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+    model, loader = _model(), _loader()
     acc = Accelerator(cpu=True, plugin=plugin)
     model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
     streams = acc.lazytrain_engine.streams
