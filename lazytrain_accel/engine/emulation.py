@@ -12,7 +12,8 @@ CUDA code paths (staging buffers, events, waits, staging reuse) on a CPU:
   independent of timing);
 * each worker sleeps a seeded random time before each op (jitter), so orderings vary
   with the seed and a failure replays with it (errors name it);
-* optionally each link is throttled to a byte rate, so overlap is measured, not assumed.
+* optionally each link is throttled to a byte rate, so overlap is measured, not assumed;
+  a throttled copy lands in pieces at the link's pace, the last piece at its end.
 
 Compute runs synchronously on the host thread, so "compute waits for an event" blocks
 the host. What this cannot show: the CUDA calls themselves (stream semantics, the caching
@@ -39,6 +40,9 @@ from lazytrain_accel.engine.streams import IoLink, Link
 INT_SENTINEL = -0x5A5A5A5A
 #: Upper bound of one jitter sleep, seconds.
 DEFAULT_JITTER_S = 3e-4
+#: A throttled copy lands in this many pieces, each at its share of the link time (the
+#: last at the end), so a read before the copy's event sees poison however fast memcpy is.
+THROTTLED_PIECES = 4
 #: How long stopping a worker waits for its queued ops before giving up on it, seconds.
 STOP_TIMEOUT_S = 60.0
 
@@ -161,10 +165,19 @@ def poison_(tensor: torch.Tensor) -> None:
         tensor.fill_(max(INT_SENTINEL, torch.iinfo(tensor.dtype).min))
 
 
-def _throttled(seconds_for: Callable[[], float], start_s: float) -> None:
-    remaining = seconds_for() - (time.perf_counter() - start_s)
+def _sleep_until(deadline_s: float) -> None:
+    remaining = deadline_s - time.perf_counter()
     if remaining > 0:
         time.sleep(remaining)
+
+
+def _pieces(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`dst` and `src` in THROTTLED_PIECES flat pieces (one pair when they do not split)."""
+    if (dst.numel() != src.numel() or dst.numel() < THROTTLED_PIECES
+            or not (dst.is_contiguous() and src.is_contiguous())):
+        return [(dst, src)]
+    return list(zip(dst.view(-1).chunk(THROTTLED_PIECES), src.view(-1).chunk(THROTTLED_PIECES),
+                    strict=True))
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -220,10 +233,13 @@ class EmulatedStreams:
         nbytes = src.numel() * src.element_size()
 
         def op() -> None:
-            start = time.perf_counter()
-            target.copy_(src)
-            if rate:
-                _throttled(lambda: nbytes / rate, start)
+            if not rate:
+                target.copy_(src)
+                return
+            start, pieces = time.perf_counter(), _pieces(target, src)
+            for i, (dst_piece, src_piece) in enumerate(pieces, 1):  # lands as a DMA would:
+                _sleep_until(start + nbytes / rate * i / len(pieces))  # at its time, not first
+                dst_piece.copy_(src_piece)
 
         seq = worker.submit(op)
         self._last_use[_storage_key(dst)] = self._last_use[_storage_key(src)] = (worker.name, seq)
@@ -285,7 +301,7 @@ class EmulatedStreams:
         yield
         rate = self.settings.link_bytes_per_s.get(link)
         if rate:
-            _throttled(lambda: nbytes / rate, start)
+            _sleep_until(start + nbytes / rate)
 
     def close(self) -> None:
         self._stop()  # queued ops run first; runs once (also on collection and at exit)
