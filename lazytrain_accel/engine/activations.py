@@ -55,6 +55,7 @@ class ActivationStore:
         self._acct = accounting
         self._tag = f"f{next(_FORWARD_IDS)}"
         self._records: dict[int, _Boundary] = {}
+        self._unchecked_writes: list[Future[None]] = []  # of boundaries already released
         self._done_windows: set[int] = set()
         self._by_window: dict[int, list[tuple[int, TransferKind]]] = {}
         scheduled: set[tuple[int, TransferKind]] = set()
@@ -198,6 +199,8 @@ class ActivationStore:
             return
         if rec.write is not None or rec.on_nvme:
             self._spill.remove(self._name(rec))
+        if rec.write is not None and not rec.on_nvme:  # consumed from its host copy
+            self._unchecked_writes.append(rec.write)
         if rec.device is not None:
             self._acct.free("device", rec.nbytes)
         if rec.host is not None:
@@ -207,6 +210,14 @@ class ActivationStore:
         """Release everything (end of the backward, an exception, or garbage collection)."""
         for index in list(self._records):
             self.release(index)
+
+    def check_writes(self) -> None:
+        """Raise the I/O error of a write whose boundary the backward took from its host
+        copy before the write was seen to finish: a failed write fails the step (before
+        its update) however the boundary came back. Waits for such writes to finish."""
+        unchecked, self._unchecked_writes = self._unchecked_writes, []
+        for write in unchecked:
+            self._stall_on(write.result)
 
     def sync(self) -> None:
         """Wait for background writes and free the host copies they made redundant."""

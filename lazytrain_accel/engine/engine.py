@@ -269,11 +269,13 @@ class StreamingEngine:
         """End of a backward pass: land gradients, close its states, free the residents."""
         self._finalizer_task = None
         self.sink.drain()
-        for state in self._backwarded:
+        states, self._backwarded = self._backwarded, []
+        for state in states:
             state.close()
-        self._backwarded.clear()
         if not self._open:
             self.residents.swap_out()
+        for state in states:
+            state.store.check_writes()
 
     # ---- optimizer overlap -----------------------------------------------------------
     def _is_updated(self, layer: int) -> bool:

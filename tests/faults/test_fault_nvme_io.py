@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import builtins
 import errno
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from fault_helpers import loader, plan_json, tiny_model
+from fault_helpers import NUM_LAYERS, loader, plan_json, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
 from lazytrain_accel.engine import nvme
@@ -105,6 +106,44 @@ def test_failed_io_mid_step_applies_nothing_and_leaves_no_file(
     assert _equal(_state(model, opt.optimizer), saved)
     step(batches[1])
     assert not _equal(_state(model, opt.optimizer), saved)
+    acc.lazytrain_engine.synchronize()
+    assert not list((tmp_path / "nvme").rglob("*.bin"))
+    acc.end_training()
+
+
+def test_a_write_still_running_when_the_backward_takes_its_boundary_fails_the_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward takes the last boundary from its host copy while its write is still
+    running; that write then fails. The error must still end the step before the update
+    (it was lost: the step went on as if the disk were fine)."""
+    model = tiny_model()
+    plugin = LazyTrainPlugin(plan=plan_json(tmp_path, model, Home.NVME), hardware="h800",
+                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"))
+    acc = Accelerator(cpu=True, plugin=plugin)
+    model, opt, data = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                   loader())
+    batch = next(iter(data))[0]
+    saved = _state(model, opt.optimizer)
+    slow_write_s, calls = 0.5, {"n": 0}
+
+    class _SlowFailingFile(_FailingFile):
+        def write(self, data: memoryview) -> int:
+            time.sleep(slow_write_s)  # still running when the backward reaches it
+            return super().write(data)
+
+    def faulty_open(path: object, how: str = "r", *args: object, **kwargs: object) -> object:
+        if how == "wb":
+            calls["n"] += 1
+            if calls["n"] == NUM_LAYERS - 1:  # the last boundary's write
+                return _SlowFailingFile(builtins.open(path, how, *args, **kwargs))
+        return builtins.open(path, how, *args, **kwargs)
+
+    monkeypatch.setattr(nvme, "open", faulty_open, raising=False)
+    loss = model(input_ids=batch, labels=batch).loss
+    with pytest.raises(NvmeIOError, match="No space left"):
+        acc.backward(loss)
+    assert calls["n"] == NUM_LAYERS - 1
+    assert _equal(_state(model, opt.optimizer), saved)
     acc.lazytrain_engine.synchronize()
     assert not list((tmp_path / "nvme").rglob("*.bin"))
     acc.end_training()
