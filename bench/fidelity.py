@@ -14,9 +14,10 @@ boundaries on NVMe):
    in `H2D_FORWARDS` layer forwards, ...); the hardware profile holds them, the plans are
    made for it and the emulation throttles each link to exactly that rate (no jitter).
 3. Each plan runs on the emulated device in rounds; a round times, back to back, the
-   compute (step 1 again), one serial HybridAdamW8bit update of the model (the round's
+   compute (step 1 again), the serial HybridAdamW8bit update of the model (the round's
    host optimizer rate), the plan on throttled links, and the same with HybridAdamW8bit
-   overlapped by `step_layerwise`. The prediction of a round simulates the plan on that
+   overlapped by `step_layerwise`, each as the median of `--steps` runs (one run moves by
+   10-15% on this 2-core machine). The prediction of a round simulates the plan on that
    round's compute and update rate, so a change of machine load between rounds moves both
    sides; the row shown is the round with the median step ratio (the spread of both
    ratios over the rounds follows it). "update" is the host update's seconds: simulated,
@@ -26,7 +27,8 @@ boundaries on NVMe):
    calibrated rest; exposed = step - compute; optimizer exposure = the exposed time the
    optimizer adds (with minus without).
 
-    python bench/fidelity.py [--models demo,large] [--plans auto,megatrain,...] [--rounds 5]
+    python bench/fidelity.py [--models demo,large] [--plans auto,megatrain,...] [--rounds 3]
+                              [--steps 3]
 
 Compute and the emulation's worker threads share the CPU: run it on a quiet machine.
 """
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import tempfile
 import time
 
@@ -94,16 +97,20 @@ class _Case:
         else:
             self.model.zero_grad(set_to_none=True)
 
-    def steady_step(self, ids: torch.Tensor) -> tuple[float, float, float]:
-        """(seconds, layer compute seconds in it, seconds the previous step's update ran
-        on its thread) of a step that follows a step (so it waits for that update)."""
+    def steady_steps(self, ids: torch.Tensor, steps: int) -> tuple[float, float, float]:
+        """Medians over `steps` steps, each following a step (so it waits for that step's
+        update), of (seconds, layer compute seconds in it, seconds the previous step's
+        update ran on its thread)."""
         self._step(ids)
-        self.engine.reset_stats()
-        start = time.perf_counter()
-        self._step(ids)
-        elapsed, stats = time.perf_counter() - start, self.engine.stats()
+        runs = []
+        for _ in range(steps):
+            self.engine.reset_stats()
+            start = time.perf_counter()
+            self._step(ids)
+            elapsed, stats = time.perf_counter() - start, self.engine.stats()
+            runs.append((elapsed, stats.compute_s + stats.recompute_s, stats.optimizer_update_s))
         self.engine.synchronize()  # no update left running into another case's step
-        return elapsed, stats.compute_s + stats.recompute_s, stats.optimizer_update_s
+        return tuple(statistics.median(run[k] for run in runs) for k in range(3))
 
 
 class _Calibration:
@@ -130,13 +137,20 @@ class _Calibration:
                 "bwd_s": (total_s - 2 * forward_s) / self.layers, "rest_s": wall_s - total_s}
 
 
+    def median(self, ids: torch.Tensor, steps: int) -> dict[str, float]:
+        """The median of `steps` measurements, per term."""
+        runs = [self.measure(ids) for _ in range(steps)]
+        return {term: statistics.median(run[term] for run in runs) for term in runs[0]}
+
+
 def measure_compute(config: dict, batch: int, seq: int, steps: int) -> dict[str, float]:
-    """The fastest of `steps` calibration steps, per term (after one warm-up)."""
+    """The median of `steps` calibration steps, per term (after one warm-up)."""
     calibration = _Calibration(config, batch, seq)
     ids = torch.randint(0, config["vocab_size"], (batch, seq))
-    runs = [calibration.measure(ids) for _ in range(steps + 1)][1:]
+    calibration.measure(ids)
+    compute = calibration.median(ids, steps)
     calibration.engine.detach()
-    return {term: min(run[term] for run in runs) for term in runs[0]}
+    return compute
 
 
 def measured_profile(config: dict, batch: int, seq: int, compute: dict[str, float]
@@ -172,15 +186,20 @@ class _OptimizerCalibration:
         self.optimizer = HybridAdamW8bit(model.parameters(), lr=1e-4)
         self.optimizer.step()  # allocates the 8-bit states
 
-    def rate(self) -> float:
-        start = time.perf_counter()
-        self.optimizer.step()
-        return self.params / (time.perf_counter() - start)
+    def rate(self, steps: int) -> float:
+        """Params/s of the median of `steps` updates."""
+        seconds = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            self.optimizer.step()
+            seconds.append(time.perf_counter() - start)
+        return self.params / statistics.median(seconds)
 
 
-def optimizer_rate(config: dict) -> float:
-    """Params/s of one serial HybridAdamW8bit update of the whole model on this CPU."""
-    return _OptimizerCalibration(config).rate()
+def optimizer_rate(config: dict, steps: int) -> float:
+    """Params/s of a serial HybridAdamW8bit update of the whole model on this CPU (the
+    median of `steps`)."""
+    return _OptimizerCalibration(config).rate(steps)
 
 
 def link_hardware(profile: ModelProfile, compute: dict[str, float],
@@ -209,10 +228,11 @@ def plans(profile: ModelProfile, hw: HardwareProfile) -> dict[str, object]:
 
 
 def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, rounds: int,
-             tmp: str) -> list[dict]:
-    """Per round: this CPU's compute, then the steady step on throttled links without and
-    with the optimizer, each with the layer compute timed inside it; the engines take
-    turns, so load changes hit them alike."""
+             steps: int, tmp: str) -> list[dict]:
+    """Per round (medians of `steps` each): this CPU's compute, the serial update's rate,
+    then the steady step on throttled links without and with the optimizer, each with
+    the layer compute timed inside it; the engines take turns, so load changes hit them
+    alike."""
     rates = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,
              "nvme_read": hw.nvme_read_bytes_per_s, "nvme_write": hw.nvme_write_bytes_per_s}
     ids = torch.randint(0, config["vocab_size"], (batch, seq))
@@ -222,9 +242,11 @@ def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, roun
     out = []
     for _ in range(rounds + 1):  # the first round warms up
         calibration.measure(ids)
-        row: dict = {"compute": calibration.measure(ids), "optimizer_rate": optimizer.rate()}
+        row: dict = {"compute": calibration.median(ids, steps),
+                     "optimizer_rate": optimizer.rate(steps)}
         for name, case in cases.items():
-            row[name], row[f"{name}_layers"], row[f"{name}_update"] = case.steady_step(ids)
+            row[name], row[f"{name}_layers"], row[f"{name}_update"] = case.steady_steps(
+                ids, steps)
             # the step's compute: its layers as timed in it, the rest as calibrated
             row[f"{name}_compute"] = row[f"{name}_layers"] + row["compute"]["rest_s"]
         out.append(row)
@@ -303,10 +325,10 @@ def _update_s(result) -> float:
 
 
 def report_plan(name: str, plan_name: str, plan, config: dict, batch: int, seq: int,
-                hw: HardwareProfile, rounds: int) -> str:
+                hw: HardwareProfile, rounds: int, steps: int) -> str:
     """The row of the round with the median step ratio, and the ratios' spread."""
     with tempfile.TemporaryDirectory() as tmp:
-        measured = run_plan(config, plan, hw, batch, seq, rounds, tmp)
+        measured = run_plan(config, plan, hw, batch, seq, rounds, steps, tmp)
     params = measured_profile(config, batch, seq, measured[0]["compute"]).trainable_param_count
     rows = []
     for meas in measured:
@@ -323,16 +345,18 @@ def report_plan(name: str, plan_name: str, plan, config: dict, batch: int, seq: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="demo,large")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3,
+                        help="steps per measurement in a round (their median is taken)")
     parser.add_argument("--plans", default="auto,megatrain,offload_all,auto+nvme")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core computes; the emulated links and updates use another
     print(HEADER)
     for name in args.models.split(","):
         config, batch, seq = MODELS[name]
-        compute = measure_compute(config, batch, seq, args.rounds)
+        compute = measure_compute(config, batch, seq, args.steps)
         profile = measured_profile(config, batch, seq, compute)
-        hw = link_hardware(profile, compute, optimizer_rate(config))
+        hw = link_hardware(profile, compute, optimizer_rate(config, args.steps))
         print(f"# {name}: {profile.geometry.total_param_count / 1e6:.0f}M parameters, "
               f"{profile.num_layers} layers, batch {batch} x {seq}; measured layer fwd "
               f"{compute['fwd_s'] * 1e3:.1f} ms, bwd {compute['bwd_s'] * 1e3:.1f} ms, rest "
@@ -342,8 +366,8 @@ def main() -> None:
         for plan_name, plan in plans(profile, hw).items():
             if plan_name not in args.plans.split(","):
                 continue
-            print(report_plan(name, plan_name, plan, config, batch, seq, hw, args.rounds),
-                  flush=True)
+            print(report_plan(name, plan_name, plan, config, batch, seq, hw, args.rounds,
+                              args.steps), flush=True)
 
 
 if __name__ == "__main__":

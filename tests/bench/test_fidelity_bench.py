@@ -44,7 +44,8 @@ def test_rates_plans_and_one_round(tmp_path):
     assert plans["megatrain"].count_homes()["recompute"] > 0
     assert plans["offload_all"].count_homes()["cpu"] > 0
     assert plans["auto+nvme"].count_homes()["nvme"] > 0
-    (measured,) = fidelity.run_plan(TINY, plans["auto+nvme"], hw, 2, 16, 1, str(tmp_path))
+    (measured,) = fidelity.run_plan(TINY, plans["auto+nvme"], hw, 2, 16, 1, 2,
+                                     str(tmp_path))
     assert {"step", "step_compute", "step_opt", "step_opt_compute", "step_layers",
             "step_opt_update", "optimizer_rate"} <= set(measured)
     assert measured["step"] > 0 and measured["step_opt_update"] > 0
