@@ -65,16 +65,21 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize(("mode", "words"), [("wb", "NVMe write of activation file"),
-                                             ("rb", "NVMe read of activation file")])
-def test_failed_io_mid_step_applies_nothing_and_leaves_no_file(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, words: str) -> None:
+def _prepared(tmp_path: Path) -> tuple[Accelerator, torch.nn.Module, torch.optim.Optimizer,
+                                       torch.utils.data.DataLoader]:
+    """The tiny model prepared with every inner boundary on NVMe under `tmp_path`."""
     model = tiny_model()
     plugin = LazyTrainPlugin(plan=plan_json(tmp_path, model, Home.NVME), hardware="h800",
                              cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"))
     acc = Accelerator(cpu=True, plugin=plugin)
-    model, opt, data = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                   loader())
+    return acc, *acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), loader())
+
+
+@pytest.mark.parametrize(("mode", "words"), [("wb", "NVMe write of activation file"),
+                                             ("rb", "NVMe read of activation file")])
+def test_failed_io_mid_step_applies_nothing_and_leaves_no_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str, words: str) -> None:
+    acc, model, opt, data = _prepared(tmp_path)
     batches = [b for (b,) in data]
 
     def step(batch: torch.Tensor) -> None:
@@ -116,12 +121,7 @@ def test_a_write_still_running_when_the_backward_takes_its_boundary_fails_the_st
     """The backward takes the last boundary from its host copy while its write is still
     running; that write then fails. The error must still end the step before the update
     (it was lost: the step went on as if the disk were fine)."""
-    model = tiny_model()
-    plugin = LazyTrainPlugin(plan=plan_json(tmp_path, model, Home.NVME), hardware="h800",
-                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"))
-    acc = Accelerator(cpu=True, plugin=plugin)
-    model, opt, data = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                   loader())
+    acc, model, opt, data = _prepared(tmp_path)
     batch = next(iter(data))[0]
     saved = _state(model, opt.optimizer)
     slow_write_s, calls = 0.5, {"n": 0}
