@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from lazytrain_accel.profiling import measure
 from lazytrain_accel.profiling.hardware import HardwareProfile, load_hardware
@@ -75,3 +76,18 @@ def test_known_gpu_names_get_the_vendor_peak() -> None:
     assert measure._vendor_peak_flops_per_s("NVIDIA H100 80GB HBM3", 1.0) == 989.4e12
     assert measure._vendor_peak_flops_per_s("NVIDIA GeForce RTX 4090", 1.0) == 165.2e12
     assert measure._vendor_peak_flops_per_s("NVIDIA L4", 7.0) == 7.0
+
+
+def test_the_optimizer_rate_times_the_update_the_engine_runs(monkeypatch) -> None:
+    from lazytrain_accel.optim import HybridAdamW8bit
+
+    calls = []
+    original = HybridAdamW8bit.step_params
+
+    def counted(self, params, *, out_bf16=None):
+        calls.append(params[0].grad is not None)
+        return original(self, params, out_bf16=out_bf16)
+
+    monkeypatch.setattr(HybridAdamW8bit, "step_params", counted)
+    assert measure._measure_optimizer(torch.device("cpu"), num_params=4096) > 0
+    assert calls == [True] * 4  # one warm-up and three timed steps, each with a gradient
