@@ -1,22 +1,25 @@
 """The prepared GPU check: equivalence, throughput and plan fidelity, one script, < 8 min.
 
-On a CUDA machine: (1) the engine equivalence suite on CUDA (`bench/gpu_equivalence.py`:
-9 families x 5 plan kinds, bf16 against stock on the same GPU); (2) link bandwidths and
-the bf16 matmul rate; (3) QLoRA (`bench/gpu_qlora.py`: a bf16 Llama base loaded nf4 and
-int8 with `BitsAndBytesConfig`, PEFT LoRA, trained through the plugin against stock
-Accelerate on the same GPU; the measured nf4 dequantization rate beside the preset's);
-(4) a Qwen2.5-3B-geometry model (random init, bf16, seq 1024) trained through the
-Accelerate plugin (`Accelerator(plugin=LazyTrainPlugin(...))`, the overlapped hybrid
-8-bit step) with the LazyTrain MIP plan, `megatrain` and `checkpoint_all` under GPU caps
-of 24 and 80 GiB, 2 warm-up + 5 timed steps each, plus each strategy's largest admitted
-batch under 24 GiB. Each run reports the measured step (start to start, so the
-overlapped update counts where it is exposed) beside the simulator's prediction with the
-optimizer (`simulate(include_optimizer=True)`), and the measured optimizer exposure
+On a CUDA machine: (1) the engine equivalence suite on CUDA (`bench/gpu_equivalence.py`: 9
+families x 5 plan kinds, bf16 against stock on the same GPU); (2) link bandwidths and the
+bf16 matmul rate, and the paper's 27B workload (`h800` preset) planned again with this
+host's measured 8-bit update rate in place of the preset's estimate (LazyTrain / MegaTrain
+TFLOPS: the 27B ratio depends on that rate, docs/benchmarks.md); (3) QLoRA
+(`bench/gpu_qlora.py`: a bf16 Llama base loaded nf4 and int8 with `BitsAndBytesConfig`,
+PEFT LoRA, trained through the plugin against stock Accelerate on the same GPU; the
+measured nf4 dequantization rate beside the preset's); (4) a Qwen2.5-3B-geometry model
+(random init, bf16, seq 1024) trained through the Accelerate plugin
+(`Accelerator(plugin=LazyTrainPlugin(...))`, the overlapped hybrid 8-bit step) with the
+LazyTrain MIP plan, `megatrain` and `checkpoint_all` under GPU caps of 24 and 80 GiB, 2
+warm-up + 5 timed steps each, plus each strategy's largest admitted batch under 24 GiB.
+Each run reports the measured step (start to start, so the overlapped update counts where
+it is exposed) beside the simulator's prediction with the optimizer
+(`simulate(include_optimizer=True)`), and the measured optimizer exposure
 (`StepStats.optimizer_wait_s`) beside the predicted one. Writes `gpu_check.json` (after
-every phase and run, so a timeout keeps what ran; the seconds of each phase in
-`phase_s`) and `gpu_check.txt` into the output folder. No 3B run starts once the elapsed
-time plus the longest run so far (scaled up to its batch) would pass `BUDGET_S` (it is
-listed as skipped), so the check ends by itself inside `gpu_check.sh`'s `timeout 470`.
+every phase and run, so a timeout keeps what ran; the seconds of each phase in `phase_s`)
+and `gpu_check.txt` into the output folder. No 3B run starts once the elapsed time plus
+the longest run so far (scaled up to its batch) would pass `BUDGET_S` (it is listed as
+skipped), so the check ends by itself inside `gpu_check.sh`'s `timeout 470`.
 
 `--dry-run` runs the same code path on the CPU with tiny models (a test runs it).
 
@@ -26,6 +29,7 @@ listed as skipped), so the check ends by itself inside `gpu_check.sh`'s `timeout
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -47,6 +51,7 @@ from lazytrain_accel.demo.budget import demo_gpu_budget_gb
 from lazytrain_accel.planning import (
     Budgets,
     PlanInfeasibleError,
+    make_plan,
     max_batch_size,
     simulate,
 )
@@ -144,6 +149,21 @@ def measure_links(device: torch.device, nbytes: int) -> dict[str, float]:
     torch.cuda.synchronize()
     out["matmul_flops_per_s"] = 20 * 2 * 8192**3 / (time.perf_counter() - t0)
     return out
+
+
+def paper_ratio_at(host_update_params_per_s: float) -> dict[str, float]:
+    """The paper's workload (qwen3.6-27b, h800, batch 72 x 1024, as `lazytrain plan` runs
+    it) with the `h800` preset's host update rate replaced by `host_update_params_per_s`
+    (this machine's, measured): LazyTrain and MegaTrain TFLOPS and their ratio. The
+    preset's rate is an estimate, and at 27B the ratio depends on it (docs/benchmarks.md)."""
+    hardware = dataclasses.replace(load_hardware("h800"),
+                                   cpu_optimizer_params_per_s=host_update_params_per_s)
+    model = profile_model(geometry_from_config(load_model_config("qwen3.6-27b")),
+                          batch_size=72, seq_len=1024, loss_chunk_tokens=None)
+    ours, mega = (make_plan(model, hardware, strategy=s).prediction.tflops
+                  for s in ("lazytrain", "megatrain"))
+    return {"host_update_params_per_s": host_update_params_per_s, "lazytrain_tflops": ours,
+            "megatrain_tflops": mega, "ratio": ours / mega}
 
 
 def build_model(config: dict) -> Qwen2ForCausalLM:
@@ -311,6 +331,7 @@ def _first_phases(setting: Setting, report: dict, out_dir: Path) -> tuple[
                                     256 * 2**20 if setting.device.type == "cuda" else 2**20)
     hardware = load_hardware("auto")
     report["hardware"] = hardware.to_dict()
+    report["paper_27b"] = paper_ratio_at(hardware.cpu_optimizer_params_per_s)
     report["phase_s"]["links"], start = time.perf_counter() - start, time.perf_counter()
     _write(out_dir, report)
     report["qlora"] = gpu_qlora.run_phase(setting.qlora, hardware)
@@ -326,8 +347,11 @@ def _summarize(setting: Setting, report: dict, results: list[RunResult],
     table = format_table(results)
     (out_dir / "gpu_check.txt").write_text(
         gpu_equivalence.format_table(equivalence) + "\n" + json.dumps(report["links"])
-        + "\n" + gpu_qlora.format_table(report["qlora"]) + "\n" + table + "\n")
+        + "\n" + json.dumps(report["paper_27b"]) + "\n" + gpu_qlora.format_table(
+            report["qlora"]) + "\n" + table + "\n")
     print(json.dumps(report["links"]))
+    print(f"paper workload (27B, h800 preset) at this host's update rate: "
+          f"{json.dumps(report['paper_27b'])}")
     print(table)
     print(f"admitted batch under {setting.caps_gib[0]:.4g} GiB: "
           f"{report['admitted_batch_at_smallest_cap']}")

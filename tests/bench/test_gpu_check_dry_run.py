@@ -30,6 +30,9 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: Path) -> None:
         (a, "mixed") for a in ("llama", "gpt2")}
     assert all(e["passed"] for e in equivalence), equivalence
     assert {"h2d_bytes_per_s", "d2h_bytes_per_s", "matmul_flops_per_s"} <= set(report["links"])
+    paper = report["paper_27b"]  # the paper's workload at this host's measured update rate
+    assert paper["host_update_params_per_s"] == report["hardware"]["cpu_optimizer_params_per_s"]
+    assert paper["ratio"] == paper["lazytrain_tflops"] / paper["megatrain_tflops"] > 1.0
     _check_qlora(report["qlora"])
     assert set(report["phase_s"]) == {"equivalence", "links", "qlora", "training"}
     assert report["skipped"] == []  # the dry run is far inside the time budget
