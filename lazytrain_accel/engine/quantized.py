@@ -72,13 +72,17 @@ def packed_to_host(p: nn.Parameter) -> None:
 ALIGN_BYTES = 256
 
 
+#: The tensors of a bitsandbytes `QuantState` (and of its nested `state2`) a kernel reads.
+_STATE_TENSORS = ("absmax", "code", "offset")
+
+
 def _host_tensors(p: nn.Parameter) -> dict[str, torch.Tensor]:
     """What a packed `p` computes with, by name: its data and its scales (4-bit: the
     `QuantState`'s absmax, code and nested state; LLM.int8: the per-row `SCB`)."""
     tensors = {"data": p.data}
     state = getattr(p, "quant_state", None)
     for prefix, st in (("", state), ("state2.", getattr(state, "state2", None))):
-        for name in ("absmax", "code", "offset"):
+        for name in _STATE_TENSORS:
             value = getattr(st, name, None) if st is not None else None
             if isinstance(value, torch.Tensor):
                 tensors[prefix + name] = value
@@ -99,12 +103,12 @@ def _point_at(p: nn.Parameter, host: dict[str, torch.Tensor], views: dict[str, t
     p.data = views["data"]
     if state is not None:
         moved = copy.copy(state)
-        for name in ("absmax", "code", "offset"):
+        for name in _STATE_TENSORS:
             if name in views:
                 setattr(moved, name, views[name])
         if state.state2 is not None:
             moved.state2 = copy.copy(state.state2)
-            for name in ("absmax", "code", "offset"):
+            for name in _STATE_TENSORS:
                 if "state2." + name in views:
                     setattr(moved.state2, name, views["state2." + name])
         p.quant_state = moved

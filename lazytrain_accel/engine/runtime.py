@@ -48,13 +48,17 @@ class Runtime:
     def anchor(self, layer: int) -> torch.Tensor:
         return self._anchors[layer - 1]
 
+    def _acquire(self, layer: int, prefetch: Sequence[int]) -> None:
+        """Put `layer` on its device weights, then start loading `prefetch`, in order."""
+        self.pool.acquire(layer)
+        for nxt in prefetch:
+            self.pool.prefetch(nxt)
+
     def run_layer(self, layer: int, hidden: torch.Tensor, kwargs: dict[str, Any], *,
                   prefetch: Sequence[int], counter: str) -> Any:
         """Run layer `layer`'s own forward on its device weights (no autograd graph);
         the layers in `prefetch` start loading, in order, while it computes."""
-        self.pool.acquire(layer)
-        for nxt in prefetch:
-            self.pool.prefetch(nxt)
+        self._acquire(layer, prefetch)
         timer = "recompute_s" if counter == "layer_recomputes" else "compute_s"
         try:
             with self.acct.timed(timer), torch.no_grad():
@@ -69,9 +73,7 @@ class Runtime:
                         prefetch: Sequence[int]) -> tuple[torch.Tensor | None, ...]:
         """Re-run `layer` with grad; return grads of (hidden, *extras); stream weight grads."""
         params = self._trainable[layer - 1]
-        self.pool.acquire(layer)
-        for nxt in prefetch:
-            self.pool.prefetch(nxt)
+        self._acquire(layer, prefetch)
         try:
             with self.acct.timed("compute_s"), replaying(pos.replay), torch.enable_grad(), \
                     recording(pos.captured) as fresh:

@@ -172,14 +172,13 @@ def _add_links(m: Model, p: Problem, v: _Vars) -> None:
     _add_hop_floors(m, p, v)
 
 
-def _free_deltas_s(p: Problem, edges: list[tuple[int, int]],
-                   windows: dict[str, set[int]]
+def _free_deltas_s(p: Problem, edges: list[tuple[int, int]], windows: dict[str, set[int]],
+                   base_dur: list[float], base_bytes: dict[str, list[float]]
                    ) -> dict[tuple[str, int], list[tuple[tuple[int, int], float]]]:
     """(link, window) -> [(edge, seconds that edge alone adds to the window's free time
-    on the link)] for the given windows of each link, from `Problem`'s cost methods: a
+    on the link)] for the given windows of each link, from `Problem`'s cost methods (a
     block's recompute lengthens `B_e`, its weight re-stream takes H2D time there and one
-    window earlier."""
-    base_dur, base_bytes = p.window_durations_s({}), p.mandatory_bytes({})
+    window earlier), against the windows without blocks (`base_dur`, `base_bytes`)."""
     deltas: dict[tuple[str, int], list[tuple[tuple[int, int], float]]] = {}
     for edge in edges:
         if edge[1] - edge[0] < 2:
@@ -209,7 +208,8 @@ def _add_hop_floors(m: Model, p: Problem, v: _Vars) -> None:
     hop = {link: {i: p.transfer_windows(link, i, Home.NVME)[0] for i in v.nvme}
            for link in ("d2h", "h2d")}
     base_dur, base_bytes = p.window_durations_s({}), p.mandatory_bytes({})
-    deltas = _free_deltas_s(p, list(v.x), {k: set(ws.values()) for k, ws in hop.items()})
+    deltas = _free_deltas_s(p, list(v.x), {k: set(ws.values()) for k, ws in hop.items()},
+                            base_dur, base_bytes)
     for link, windows in hop.items():
         rate = p.rate_bytes_per_s(link)
         demand_s = p.boundary_bytes / rate

@@ -197,8 +197,7 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
                 f"{torch.__version__}: {link_bytes // _MIB} MiB host<->device copies, a "
                 f"{probe_bytes // _MIB} MiB file in {nvme_dir}, a square matmul "
                 f"({'bf16' if device.type == 'cuda' else 'fp32'}), a HybridAdamW8bit step of 10M "
-                f"params, "
-                f"{dequant_how}"),
+                f"params, {dequant_how}"),
     )
 
 
