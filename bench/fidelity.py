@@ -50,7 +50,7 @@ from lazytrain_accel.engine.emulation import EmulationSettings
 from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning import Budgets, build_problem, make_plan, simulate
 from lazytrain_accel.planning.problem import GPU_RESERVE_FRACTION
-from lazytrain_accel.planning.simulate import HOST_OPTIMIZER
+from lazytrain_accel.planning.simulate import OPTIMIZER_LANES
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
@@ -108,7 +108,8 @@ class _Case:
             start = time.perf_counter()
             self._step(ids)
             elapsed, stats = time.perf_counter() - start, self.engine.stats()
-            runs.append((elapsed, stats.compute_s + stats.recompute_s, stats.optimizer_update_s))
+            runs.append((elapsed, stats.compute_s + stats.recompute_s,
+                         stats.optimizer_update_s + stats.device_update_s))
         self.engine.synchronize()  # no update left running into another case's step
         return tuple(statistics.median(run[k] for run in runs) for k in range(3))
 
@@ -172,6 +173,8 @@ def _hardware(h2d: float, d2h: float, nvme: float, optimizer_params_per_s: float
         peak_bf16_flops_per_s=NOMINAL_FLOPS_PER_S, achieved_flops_per_s=NOMINAL_FLOPS_PER_S,
         h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, nvme_read_bytes_per_s=nvme,
         nvme_write_bytes_per_s=nvme, cpu_optimizer_params_per_s=optimizer_params_per_s,
+        # the device is this CPU: residents updated "on the device" take the host kernel
+        gpu_optimizer_params_per_s=optimizer_params_per_s,
         source="bench/fidelity.py: compute measured on this CPU, links chosen against it")
 
 
@@ -265,7 +268,8 @@ def predict(plan, config: dict, batch: int, seq: int, compute: dict[str, float],
     and links; only the measured seconds differ)."""
     profile = measured_profile(config, batch, seq, compute)
     if optimizer_params_per_s is not None:
-        hw = dataclasses.replace(hw, cpu_optimizer_params_per_s=optimizer_params_per_s)
+        hw = dataclasses.replace(hw, cpu_optimizer_params_per_s=optimizer_params_per_s,
+                                 gpu_optimizer_params_per_s=optimizer_params_per_s)
     plan = dataclasses.replace(plan, fingerprint=run_fingerprint(profile, hw))
     return simulate(plan, profile, hw, include_optimizer=optimizer_params_per_s is not None)
 
@@ -320,8 +324,8 @@ def _row(model: str, name: str, plan, preds: dict, meas: dict) -> str:
 
 
 def _update_s(result) -> float:
-    """Seconds of the simulated host update (its ops on the host optimizer's lane)."""
-    return sum(op.duration_s for op in result.ops if op.resource == HOST_OPTIMIZER)
+    """Seconds of the simulated update (its ops on the host and device optimizer lanes)."""
+    return sum(op.duration_s for op in result.ops if op.resource in OPTIMIZER_LANES)
 
 
 def report_plan(name: str, plan_name: str, plan, config: dict, batch: int, seq: int,

@@ -55,7 +55,7 @@ from lazytrain_accel.planning import (
     max_batch_size,
     simulate,
 )
-from lazytrain_accel.profiling.hardware import HardwareProfile, load_hardware
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import (
     geometry_from_config,
@@ -119,6 +119,9 @@ class RunResult:
     measured_optimizer_exposed_s: float  # the training thread waiting for the update
     predicted_optimizer_exposed_s: float
     optimizer_update_s: float  # the update's own time on its thread
+    # the residents' update on the device (the training thread queueing it; 0 on the host)
+    device_update_s: float
+    resident_update: str  # where the plan put the residents' update
     homes: dict
 
 
@@ -151,19 +154,42 @@ def measure_links(device: torch.device, nbytes: int) -> dict[str, float]:
     return out
 
 
-def paper_ratio_at(host_update_params_per_s: float) -> dict[str, float]:
+def paper_ratio_at(host_update_params_per_s: float,
+                   device_update_scale: float = 1.0) -> dict[str, float]:
     """The paper's workload (qwen3.6-27b, h800, batch 72 x 1024, as `lazytrain plan` runs
     it) with the `h800` preset's host update rate replaced by `host_update_params_per_s`
-    (this machine's, measured): LazyTrain and MegaTrain TFLOPS and their ratio. The
-    preset's rate is an estimate, and at 27B the ratio depends on it (docs/benchmarks.md)."""
-    hardware = dataclasses.replace(load_hardware("h800"),
-                                   cpu_optimizer_params_per_s=host_update_params_per_s)
+    (this machine's, measured) and its GPU update rate scaled by `device_update_scale`
+    (this GPU's measured rate over its preset's estimate): LazyTrain and MegaTrain TFLOPS
+    and their ratio. The preset's rates are estimates, and at 27B the ratio depends on
+    them (docs/benchmarks.md)."""
+    h800 = load_hardware("h800")
+    hardware = dataclasses.replace(
+        h800, cpu_optimizer_params_per_s=host_update_params_per_s,
+        gpu_optimizer_params_per_s=h800.gpu_optimizer_params_per_s * device_update_scale)
     model = profile_model(geometry_from_config(load_model_config("qwen3.6-27b")),
                           batch_size=72, seq_len=1024, loss_chunk_tokens=None)
-    ours, mega = (make_plan(model, hardware, strategy=s).prediction.tflops
-                  for s in ("lazytrain", "megatrain"))
-    return {"host_update_params_per_s": host_update_params_per_s, "lazytrain_tflops": ours,
-            "megatrain_tflops": mega, "ratio": ours / mega}
+    ours = make_plan(model, hardware)
+    mega = make_plan(model, hardware, strategy="megatrain")
+    return {"host_update_params_per_s": host_update_params_per_s,
+            "device_update_params_per_s": hardware.gpu_optimizer_params_per_s,
+            "resident_update": ours.resident_update,
+            "lazytrain_tflops": ours.prediction.tflops,
+            "megatrain_tflops": mega.prediction.tflops,
+            "ratio": ours.prediction.tflops / mega.prediction.tflops}
+
+
+def device_update_against_preset(hardware: HardwareProfile) -> dict[str, float | str | None]:
+    """This GPU's measured residents' update rate beside the estimate of the preset for
+    the same GPU model (None when no preset matches): how good the estimate is."""
+    compact = hardware.gpu_name.lower().replace(" ", "")
+    preset = next((p for p in HARDWARE_PRESETS.values()
+                   if p.name.split("-")[0] in compact), None)
+    estimate = None if preset is None else preset.gpu_optimizer_params_per_s
+    return {"measured_params_per_s": hardware.gpu_optimizer_params_per_s,
+            "preset": None if preset is None else preset.name,
+            "preset_params_per_s": estimate,
+            "measured_over_preset": None if estimate is None
+            else hardware.gpu_optimizer_params_per_s / estimate}
 
 
 def build_model(config: dict) -> Qwen2ForCausalLM:
@@ -179,6 +205,7 @@ class Measured:
     stall_s: float
     optimizer_wait_s: float
     optimizer_update_s: float
+    device_update_s: float
     peak_device_bytes: int
 
 
@@ -195,7 +222,7 @@ def train_steps(model: Qwen2ForCausalLM, plugin: LazyTrainPlugin, setting: Setti
     model, optimizer, loader = acc.prepare(
         model, torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01), loader)
     engine = acc.lazytrain_engine
-    starts, stalls, waits, updates = [], [], [], []
+    starts, stalls, waits, updates, device_updates = [], [], [], [], []
     if setting.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for step, (batch,) in enumerate(loader):
@@ -207,6 +234,7 @@ def train_steps(model: Qwen2ForCausalLM, plugin: LazyTrainPlugin, setting: Setti
             stalls.append(stats.stall_s)
             waits.append(stats.optimizer_wait_s)
             updates.append(stats.optimizer_update_s)
+            device_updates.append(stats.device_update_s)
         if step == setting.warmup_steps + setting.timed_steps:
             break
         engine.reset_stats()
@@ -221,6 +249,7 @@ def train_steps(model: Qwen2ForCausalLM, plugin: LazyTrainPlugin, setting: Setti
     return Measured(step_s=times, stall_s=statistics.median(stalls),
                     optimizer_wait_s=statistics.median(waits),
                     optimizer_update_s=statistics.median(updates),
+                    device_update_s=statistics.median(device_updates),
                     peak_device_bytes=int(peak)), acc
 
 
@@ -256,6 +285,8 @@ def run_one(strategy: str, cap_gib: float, batch_size: int, setting: Setting,
                      measured_optimizer_exposed_s=measured.optimizer_wait_s,
                      predicted_optimizer_exposed_s=predicted.optimizer_exposed_s,
                      optimizer_update_s=measured.optimizer_update_s,
+                     device_update_s=measured.device_update_s,
+                     resident_update=run.plan.resident_update,
                      homes=run.plan.count_homes())
 
 
@@ -331,7 +362,10 @@ def _first_phases(setting: Setting, report: dict, out_dir: Path) -> tuple[
                                     256 * 2**20 if setting.device.type == "cuda" else 2**20)
     hardware = load_hardware("auto")
     report["hardware"] = hardware.to_dict()
-    report["paper_27b"] = paper_ratio_at(hardware.cpu_optimizer_params_per_s)
+    report["device_update"] = device_update_against_preset(hardware)
+    report["paper_27b"] = paper_ratio_at(
+        hardware.cpu_optimizer_params_per_s,
+        report["device_update"]["measured_over_preset"] or 1.0)
     report["phase_s"]["links"], start = time.perf_counter() - start, time.perf_counter()
     _write(out_dir, report)
     report["qlora"] = gpu_qlora.run_phase(setting.qlora, hardware)
@@ -350,6 +384,8 @@ def _summarize(setting: Setting, report: dict, results: list[RunResult],
         + "\n" + json.dumps(report["paper_27b"]) + "\n" + gpu_qlora.format_table(
             report["qlora"]) + "\n" + table + "\n")
     print(json.dumps(report["links"]))
+    print(f"the residents' GPU update, measured vs the preset's estimate: "
+          f"{json.dumps(report['device_update'])}")
     print(f"paper workload (27B, h800 preset) at this host's update rate: "
           f"{json.dumps(report['paper_27b'])}")
     print(table)

@@ -78,6 +78,7 @@ _DEFAULTS: dict[str, Any] = {
     "threads": 0,
     "overlap_step": True,
     "frozen_weights": "keep",
+    "resident_update": "auto",
 }
 
 #: `frozen_weights` values: keep frozen weights as loaded, or quantize them at `prepare`.
@@ -86,9 +87,14 @@ FROZEN_WEIGHTS: tuple[str, ...] = ("keep", "nf4", "fp4", "int8")
 #: Link throttling modes of the emulated async device.
 EMULATE_LINKS: tuple[str, ...] = ("profile", "off")
 
+#: `resident_update` values: where the embeddings', final norm's and head's update runs
+#: (planning/solve.py `make_plan`): the planner's choice, the host, or the GPU.
+RESIDENT_UPDATE_CHOICES: tuple[str, ...] = ("auto", "host", "device")
+
 #: Fields that take one of a fixed set of strings.
 _CHOICES: dict[str, tuple[str, ...]] = {"emulate_links": EMULATE_LINKS,
-                                        "frozen_weights": FROZEN_WEIGHTS}
+                                        "frozen_weights": FROZEN_WEIGHTS,
+                                        "resident_update": RESIDENT_UPDATE_CHOICES}
 
 
 def _check_choice(name: str, value: str) -> None:
@@ -139,6 +145,11 @@ class LazyTrainConfig:
         frozen_weights: "keep" streams frozen weights as loaded (a bitsandbytes base stays
             packed); "nf4" / "fp4" / "int8" quantize the frozen linears of the decoder
             layers with bitsandbytes at `prepare` (QLoRA from a bf16 base).
+        resident_update: where the embeddings', final norm's and head's masters, 8-bit
+            state and update live: "auto" (default) lets the planner put them on the GPU
+            where the plan leaves room and the step gets faster (`Plan.resident_update`
+            says what it chose); "host" keeps them with the layers'; "device" puts them on
+            the GPU, charged to its budget. Needs optimizer="hybrid8bit".
     """
 
     plan: str | None = None
@@ -161,6 +172,7 @@ class LazyTrainConfig:
     threads: int | None = None
     overlap_step: bool | str | None = None
     frozen_weights: str | None = None
+    resident_update: str | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _from_env: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
@@ -329,6 +341,7 @@ def _coerce(name: str, value: Any) -> Any:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{name}={value!r} must be a non-empty string")
     value = value.strip()
-    if name in ("plan", "hardware", "emulate_links", "frozen_weights") and not _is_json_path(value):
+    if name in ("plan", "hardware", "emulate_links", "frozen_weights",
+                "resident_update") and not _is_json_path(value):
         return value.lower()  # names ("auto", strategies, presets) are case-insensitive
     return os.path.expanduser(value) if name in ("nvme_dir", "cache_dir") else value

@@ -63,6 +63,7 @@ ENV_VALUES = {
     "threads": ("4", 4),
     "overlap_step": ("off", False),
     "frozen_weights": ("NF4", "nf4"),
+    "resident_update": ("Device", "device"),
 }
 
 
@@ -110,6 +111,7 @@ ARGUMENTS = {
     "threads": (2, 2),
     "overlap_step": (True, True),
     "frozen_weights": ("int8", "int8"),
+    "resident_update": ("host", "host"),
 }
 
 
@@ -171,6 +173,7 @@ BAD = [
     ("batch_size", 0.5, ["batch_size=0.5", "integer"]),
     ("overlap_step", "sometimes", ["overlap_step='sometimes'", "boolean"]),
     ("frozen_weights", "nf3", ["frozen_weights='nf3'", "keep", "nf4", "int8"]),
+    ("resident_update", "gpu", ["resident_update='gpu'", "auto", "host", "device"]),
 ]
 
 

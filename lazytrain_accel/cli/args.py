@@ -13,7 +13,8 @@ from typing import Any
 ENV_FILLED = {"hardware": "hardware", "time_limit_s": "solver_time_limit_s",
               "max_recompute_block": "max_recompute_block",
               "gpu_memory_gb": "gpu_memory_limit_gb", "cpu_memory_gb": "cpu_memory_limit_gb",
-              "nvme_gb": "nvme_limit_gb", "loss_chunk_tokens": "loss_chunk_tokens"}
+              "nvme_gb": "nvme_limit_gb", "loss_chunk_tokens": "loss_chunk_tokens",
+              "resident_update": "resident_update"}
 
 
 def _int_at_least(text: str, minimum: int) -> int:

@@ -136,7 +136,8 @@ class StreamingEngine:
                                           num_slots=weight_slots(self.plan))
         self.residents = ResidentParams(resident, late=late, device=self.device,
                                         compute_dtype=self.compute_dtype, sink=self.sink,
-                                        accounting=self.acct)
+                                        accounting=self.acct,
+                                        device_masters=self.plan.resident_update == "device")
         self._originals = [layer.forward for layer in self._layers]
         self._signatures = [inspect.signature(f) for f in self._originals]
         self.runtime = Runtime(plan=self.plan, originals=self._originals, trainable=trainable,
@@ -243,6 +244,11 @@ class StreamingEngine:
         if plan.num_layers != self.plan.num_layers:
             raise ValueError(f"plan.num_layers={plan.num_layers} but the model has "
                              f"{self.plan.num_layers} decoder layers; plan for this model")
+        if plan.resident_update != self.plan.resident_update:
+            raise ValueError(f"the new plan updates the residents on the {plan.resident_update}"
+                             f", this engine on the {self.plan.resident_update} (fixed at "
+                             f"attach); plan with resident_update="
+                             f"{self.plan.resident_update!r}")
         self.plan = self.runtime.plan = plan
         self.pool.grow(weight_slots(plan))
         if self._loss_chunk_from_plan:
@@ -288,6 +294,9 @@ class StreamingEngine:
     def step_layerwise(self, optimizer: LayerwiseOptimizer) -> None:
         """Update parameters in forward order on a CPU thread: the input side's resident
         parameters (embeddings), layers 1..L, the output side's (final norm, untied head).
+        With `Plan.resident_update="device"` the residents are updated first, here, on
+        the device (their masters live there; on a GPU the kernels queue ahead of the next
+        forward on the compute stream), and the thread updates the layers.
 
         `optimizer` implements `LayerwiseOptimizer` (HybridAdamW8bit does). The next
         forward of layer j waits only for layer j's update, its head only for the output
@@ -307,8 +316,12 @@ class StreamingEngine:
         owned = {p for group in optimizer.param_groups for p in group["params"]}
         groups = [[p for p in ps if p in owned] for ps in
                   (self.residents.early, *self._layer_params, self.residents.late)]
+        done_here = (0, len(groups) - 1) if self.residents.on_device else ()
+        if done_here:
+            with self.acct.timed("device_update_s"):
+                optimizer.step_params(groups[0] + groups[-1])
         self._update = LayerwiseUpdate(optimizer, self.model, groups, self.acct,
-                                       copies=self.pool)
+                                       copies=self.pool, done_groups=done_here)
 
     def _wait_update(self) -> None:
         if self._update is not None:
@@ -384,6 +397,7 @@ class StreamingEngine:
         """Restore the model: own forwards, masters in place, buffers where they were."""
         self.synchronize()
         self.residents.swap_out()
+        self.residents.masters_to_host()
         if self.fused_loss is not None:
             self.fused_loss.remove()
         self._model_patch.restore()

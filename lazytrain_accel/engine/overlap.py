@@ -59,8 +59,10 @@ class CopyTarget(Protocol):
 class LayerwiseUpdate:
     def __init__(self, optimizer: LayerwiseOptimizer, model: nn.Module,
                  groups: list[list[nn.Parameter]], accounting: Accounting,
-                 copies: CopyTarget | None = None) -> None:
+                 copies: CopyTarget | None = None,
+                 done_groups: Sequence[int] = ()) -> None:
         self._opt = optimizer
+        self._done_groups = frozenset(done_groups)  # updated already (the device residents)
         self._patched = (optimizer, model)
         self._groups = groups
         self._acct = accounting
@@ -82,7 +84,8 @@ class LayerwiseUpdate:
         start = time.perf_counter()
         try:
             for index, (group, done) in enumerate(zip(self._groups, self._done, strict=True)):
-                self._update_group(index, group)
+                if index not in self._done_groups:
+                    self._update_group(index, group)
                 with self._lock:
                     if self._zero is not None:
                         _zero(group, self._zero)

@@ -8,10 +8,14 @@ Two sides (`output_side`): the input side (embeddings) is swapped in when the mo
 forward starts, the output side (final norm, untied head) only when its first module
 runs (`swap_in_late`), after the last decoder layer, so the layer-wise update may still
 be writing its masters while the layers run.
-When the device copy would be the master itself (device = CPU, compute dtype = fp32) the
-parameters are used in place and autograd accumulates `.grad` directly; only the norms
-are recorded at the end of the backward (copying 100 MB embeddings to an identical buffer
-and back costs ~5% of a CPU step for nothing).
+When the device copy would be the master itself (a master on the device in the compute
+dtype: device = CPU with fp32 compute, or a GPU master in fp32) the parameter is used in
+place and autograd accumulates `.grad` directly; only its norm is recorded at the end of
+the backward (copying 100 MB embeddings to an identical buffer and back costs ~5% of a
+CPU step for nothing).
+With `Plan.resident_update="device"` the trainable residents' fp32 masters live on the
+device (`device_masters`): the pass casts them there, their gradients fold into a device
+`.grad`, and the engine updates them there (`StreamingEngine.step_layerwise`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from lazytrain_accel.engine.stats import Accounting
 class ResidentParams:
     def __init__(self, params: list[nn.Parameter], *, late: list[nn.Parameter],
                  device: torch.device, compute_dtype: torch.dtype, sink: GradSink,
-                 accounting: Accounting) -> None:
+                 accounting: Accounting, device_masters: bool = False) -> None:
         late_ids = {id(p) for p in late}
         self.early = [p for p in params if id(p) not in late_ids]  # input side
         self.late = [p for p in params if id(p) in late_ids]  # output side
@@ -36,10 +40,26 @@ class ResidentParams:
         self._sink = sink
         self._acct = accounting
         self._swapped: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor | None]] = []
+        self._direct: list[nn.Parameter] = []  # used in place this pass
         self._nbytes = 0
-        self._in_place = device.type == "cpu" and compute_dtype == torch.float32
         self.active = False
         self._late_in = False
+        #: Trainable residents whose fp32 masters live on the device (resident_update
+        #: "device"); the others' masters stay on the host.
+        self.on_device = [p for p in self.params if device_masters and p.requires_grad
+                          and p.is_floating_point()]
+        self._master_bytes = 0
+        if device.type != "cpu":
+            for p in self.on_device:
+                p.data = p.data.to(device)
+                self._master_bytes += p.numel() * p.element_size()
+            accounting.allocate("device", self._master_bytes)
+
+    def _in_place(self, p: nn.Parameter) -> bool:
+        """Whether the master already is the device copy a pass needs."""
+        if self._device.type == "cpu":
+            return self._dtype == torch.float32
+        return any(p is q for q in self.on_device) and p.dtype == self._dtype
 
     def swap_in(self) -> None:
         """Point the input side's parameters at fresh device copies of their masters."""
@@ -55,10 +75,11 @@ class ResidentParams:
             self._swap(self.late)
 
     def _swap(self, params: list[nn.Parameter]) -> None:
-        if self._in_place:
-            return
         nbytes = 0
         for p in params:
+            if self._in_place(p):
+                self._direct.append(p)
+                continue
             self._swapped.append((p, p.data, p.grad))
             p.grad = None
             dtype = self._dtype if p.is_floating_point() else p.dtype
@@ -72,9 +93,8 @@ class ResidentParams:
         if not self.active:
             return
         self.active = False
-        if self._in_place:
-            self._sink.record_norms([p for p in self.params if p.grad is not None])
-            return
+        direct, self._direct = self._direct, []
+        self._sink.record_norms([p for p in direct if p.grad is not None])
         folded, grads = [], []
         for p, master, stash in self._swapped:
             grad = p.grad
@@ -87,6 +107,15 @@ class ResidentParams:
         self._sink.fold(folded, grads, owned=False)
         self._acct.free("device", self._nbytes)
         self._swapped, self._nbytes = [], 0
+
+    def masters_to_host(self) -> None:
+        """Move device masters (and their gradients) back to the host (detach)."""
+        for p in self.on_device:
+            p.data = p.data.to("cpu")
+            if p.grad is not None:
+                p.grad = p.grad.to("cpu")
+        self._acct.free("device", self._master_bytes)
+        self.on_device, self._master_bytes = [], 0
 
 
 def output_side(model: nn.Module, stack: nn.Module, layers_attr: str,

@@ -28,6 +28,9 @@ class StepStats:
     stall_s: float = 0.0  # main thread waiting on a transfer or an optimizer update
     optimizer_wait_s: float = 0.0  # of stall_s, waiting on the layer-wise update (exposure)
     optimizer_update_s: float = 0.0  # the layer-wise update's own run time, on its thread
+    # the residents' update on the device (resident_update "device"), on the training
+    # thread before the layer-wise update starts (on a GPU: the time to queue it)
+    device_update_s: float = 0.0
     transfer_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TRANSFER_KINDS, 0.0))
     transfer_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRANSFER_KINDS, 0))
     peak_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
@@ -55,7 +58,8 @@ class Accounting:
             return StepStats(
                 compute_s=s.compute_s, recompute_s=s.recompute_s, stall_s=s.stall_s,
                 optimizer_wait_s=s.optimizer_wait_s, optimizer_update_s=s.optimizer_update_s,
-                transfer_s=dict(s.transfer_s), transfer_bytes=dict(s.transfer_bytes),
+                device_update_s=s.device_update_s, transfer_s=dict(s.transfer_s),
+                transfer_bytes=dict(s.transfer_bytes),
                 peak_bytes=dict(s.peak_bytes), current_bytes=dict(s.current_bytes),
                 layer_forwards=s.layer_forwards, layer_backwards=s.layer_backwards,
                 layer_recomputes=s.layer_recomputes,

@@ -171,14 +171,16 @@ class Accelerator(accelerate.Accelerator):
         self._models.append(model)
 
     def _lazytrain_plan_for(self, model: nn.Module, sizing: batch_shape.Sizing,
-                            hardware: Any) -> setup.PreparedRun:
-        """Profile and plan for `sizing`; summarize the plan unless it is provisional."""
+                            hardware: Any, *, replan: bool = False) -> setup.PreparedRun:
+        """Profile and plan for `sizing`; summarize the plan unless it is provisional. A
+        `replan` keeps the attached engine's residents where they are (`resident_update`)."""
         plugin = self.lazytrain_plugin
         model_profile = setup.profile_for_run(
             model, batch_size=sizing.batch_size, seq_len=sizing.seq_len,
             compute_dtype=setup.compute_dtype_for(self.mixed_precision),
             loss_chunk_tokens=plugin.loss_chunk_tokens)
-        plan = setup.resolve_plan(plugin, model_profile, hardware)
+        plan = setup.resolve_plan(plugin, model_profile, hardware, resident_update=(
+            self.lazytrain_engine.plan.resident_update if replan else None))
         if self.is_main_process and not sizing.provisional:
             logger.info("%s (sized from %s)", setup.format_plan_summary(plan), sizing.source)
         return setup.PreparedRun(model_profile=model_profile, hardware=hardware, plan=plan)
@@ -189,7 +191,8 @@ class Accelerator(accelerate.Accelerator):
 
         sizing = batch_shape.grown(self.lazytrain_sizing, batch_size, seq_len)
         try:
-            run = self._lazytrain_plan_for(model, sizing, self.lazytrain_run.hardware)
+            run = self._lazytrain_plan_for(model, sizing, self.lazytrain_run.hardware,
+                                           replan=True)
         except PlanInfeasibleError as err:
             logger.warning("lazytrain: a batch of %d x %d tokens needs a new plan, and none "
                            "fits: %s", batch_size, seq_len, err)
@@ -283,7 +286,7 @@ class Accelerator(accelerate.Accelerator):
                                     source="the checkpoint's plan",
                                     seq_cap=self.lazytrain_sizing.seq_cap)
         self.lazytrain_run = self._lazytrain_plan_for(self._lazytrain_model, sizing,
-                                                      self.lazytrain_run.hardware)
+                                                      self.lazytrain_run.hardware, replan=True)
         self.lazytrain_sizing = sizing
         self.lazytrain_engine.set_plan(self.lazytrain_run.plan)
 

@@ -106,20 +106,23 @@ def engine_loss_chunk_tokens(config: LazyTrainConfig) -> int | str:
 
 
 def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
-                 hardware: HardwareProfile) -> Plan:
-    """The plan named by `config.plan`, solved or loaded from the cache, fingerprint-checked."""
+                 hardware: HardwareProfile, *, resident_update: str | None = None) -> Plan:
+    """The plan named by `config.plan`, solved or loaded from the cache, fingerprint-checked;
+    `resident_update` overrides the config's (a re-plan passes its engine's)."""
     fingerprint = run_fingerprint(model_profile, hardware)
     if is_plan_file(config):
         plan = Plan.load(config.plan)
         plan.check_fingerprint(fingerprint)
         return plan
     strategy = "lazytrain" if config.plan == "auto" else config.plan
+    resident_update = resident_update or config.resident_update
     budgets = Budgets.from_hardware(hardware, gpu_memory_limit_gb=config.gpu_memory_limit_gb,
                                     cpu_memory_limit_gb=config.cpu_memory_limit_gb,
                                     nvme_limit_gb=config.nvme_limit_gb)
     key = json.dumps([fingerprint, strategy, budgets.gpu_bytes, budgets.cpu_bytes,
                       budgets.nvme_bytes, config.max_recompute_block,
-                      config.loss_chunk_tokens, config.optimizer.value], sort_keys=True)
+                      config.loss_chunk_tokens, config.optimizer.value, resident_update],
+                     sort_keys=True)
     cache_path = Path(config.cache_dir) / "plans" / f"{_short_hash(key)}.json"
     if cache_path.is_file():
         try:
@@ -130,7 +133,7 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
         except ValueError as err:  # stale or damaged cache entry: plan again
             logger.warning("lazytrain: ignoring cached plan %s (%s)", cache_path, err)
     plan = _make_or_explain(config, model_profile, hardware, strategy=strategy,
-                            budgets=budgets)
+                            budgets=budgets, resident_update=resident_update)
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         plan.save(cache_path)
@@ -140,14 +143,15 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
 
 
 def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
-                     hardware: HardwareProfile, *, strategy: str, budgets: Budgets) -> Plan:
+                     hardware: HardwareProfile, *, strategy: str, budgets: Budgets,
+                     resident_update: str) -> Plan:
     """`make_plan`, or a `BatchInfeasibleError` that also names the largest batch that fits."""
     from lazytrain_accel.planning import PlanInfeasibleError, make_plan
     from lazytrain_accel.planning.infeasible import with_largest_batch
 
     kwargs = dict(strategy=strategy, budgets=budgets,
                   max_recompute_block=config.max_recompute_block,
-                  time_limit_s=config.solver_time_limit_s)
+                  time_limit_s=config.solver_time_limit_s, resident_update=resident_update)
     try:  # the prediction includes the host update where the hybrid 8-bit one runs it
         return make_plan(model_profile, hardware, **kwargs,
                          include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT)

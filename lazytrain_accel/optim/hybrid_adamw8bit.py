@@ -31,6 +31,11 @@ from lazytrain_accel.optim.state_io import check_loaded_state, load_state_keepin
 
 BACKENDS = ("auto", "native", "torch")
 _MAX_BLOCK_SIZE = 4096
+#: Elements per pass of the torch path on a device master (the residents' update on the
+#: GPU): whole blocks at a time, so its fp32 temporaries stay ~0.7 GB however large the
+#: tensor (an untied 152k x 5120 head would need ~19 GB in one pass). The update is
+#: elementwise within a block, so the chunks compute the same bits as one pass.
+DEVICE_CHUNK_ELEMENTS = 2**24
 
 
 @dataclass(kw_only=True)
@@ -233,6 +238,7 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         state = self.state[param]
         if not state:
             _init_state(state, param, group["block_size"], self.min_8bit_numel)
+        _follow_master(state, param.data.device)
         state["step"] += 1
         beta1, beta2 = group["betas"]
         scalars = reference.AdamStepScalars(
@@ -258,9 +264,12 @@ class HybridAdamW8bit(torch.optim.Optimizer):
                 scalars.inv_bias_correction2_sqrt, scalars.clip_coef, block_size)
             if out is not None and fused_out is None:
                 out.copy_(master.view_as(out))
-        else:
+        elif master.device.type == "cpu":
             reference.adamw8bit_update_(master, grad, state, scalars, block_size=block_size,
                                         out_bf16=out)
+        else:
+            _update_in_chunks(master, grad, state, scalars, block_size, out,
+                              chunk_elements=DEVICE_CHUNK_ELEMENTS)
 
     # --- state ----------------------------------------------------------------------------
 
@@ -294,6 +303,31 @@ def _init_state(state: dict[str, Any], param: torch.Tensor, block_size: int,
     for name in ("exp_avg", "exp_avg_sq"):
         state[f"{name}_codes"] = torch.zeros(param.numel(), dtype=torch.uint8, device=param.device)
         state[f"{name}_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=param.device)
+
+
+def _follow_master(state: dict[str, Any], device: torch.device) -> None:
+    """Keep a parameter's moments on its master's device: the engine may move a master
+    between the host and the GPU (`Plan.resident_update`), a checkpoint may load on either."""
+    for name, value in state.items():
+        if name != "step" and isinstance(value, torch.Tensor) and value.device != device:
+            state[name] = value.to(device)
+
+
+def _update_in_chunks(master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
+                      scalars: reference.AdamStepScalars, block_size: int,
+                      out: torch.Tensor | None, *, chunk_elements: int) -> None:
+    """`reference.adamw8bit_update_` over whole-block slices of at most `chunk_elements`."""
+    step = max(chunk_elements // block_size, 1) * block_size
+    flat_out = None if out is None else out.view(-1)
+    for lo in range(0, master.numel(), step):
+        hi = min(lo + step, master.numel())
+        blocks = slice(lo // block_size, num_blocks(hi, block_size))
+        part = {f"{name}_{kind}": state[f"{name}_{kind}"][lo:hi] if kind == "codes"
+                else state[f"{name}_{kind}"][blocks]
+                for name in ("exp_avg", "exp_avg_sq") for kind in ("codes", "absmax")}
+        reference.adamw8bit_update_(
+            master.view(-1)[lo:hi], grad.view(-1)[lo:hi], part, scalars,
+            block_size=block_size, out_bf16=None if flat_out is None else flat_out[lo:hi])
 
 
 def _writable_in_kernel(out: torch.Tensor | None, param: torch.Tensor) -> bool:

@@ -49,7 +49,8 @@ def plan_loss_head(model: ModelProfile, hardware: HardwareProfile,
         return plan_for(full)
     plan = plan_for(with_loss_chunk(model, chunk))
     p_full = build_problem(full, hardware, budgets=budgets,
-                           max_recompute_block=max_recompute_block)
+                           max_recompute_block=max_recompute_block,
+                           resident_update=plan.resident_update)
     if not evaluate_fixed(p_full, plan.homes).feasible:
         return plan
     kept = dataclasses.replace(plan, loss_chunk_tokens=0)

@@ -25,6 +25,11 @@ from typing import Any
 
 PLAN_FORMAT_VERSION = 1
 
+#: Where the residents' (embeddings, final norm, head) masters and 8-bit moments live and
+#: their update runs (`Plan.resident_update`): with every other parameter on the host, or
+#: on the GPU, updated there before the next forward while the host updates the layers.
+RESIDENT_UPDATES: tuple[str, ...] = ("host", "device")
+
 
 class Home(str, enum.Enum):
     GPU = "gpu"
@@ -119,6 +124,8 @@ class Plan:
     # Tokens per chunk of the fused chunked loss the plan was made for (0: the model's
     # own loss, full logits); with loss_chunk_tokens="auto" the engine follows it.
     loss_chunk_tokens: int = 0
+    # Where the residents' update runs (`RESIDENT_UPDATES`); a plan file without it: host.
+    resident_update: str = "host"
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -131,6 +138,9 @@ class Plan:
         self._check_consistent()
 
     def _check_consistent(self) -> None:
+        if self.resident_update not in RESIDENT_UPDATES:
+            raise PlanError(f"plan resident_update={self.resident_update!r} is not one of "
+                            f"{RESIDENT_UPDATES}")
         L = self.num_layers
         if len(self.homes) != L + 1:
             raise PlanError(f"plan has {len(self.homes)} homes for {L} layers; expected {L + 1}")

@@ -24,7 +24,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from lazytrain_accel.planning.plan import Home, backward_window, forward_window
+from lazytrain_accel.planning.plan import (
+    RESIDENT_UPDATES,
+    Home,
+    backward_window,
+    forward_window,
+)
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
 
@@ -37,9 +42,21 @@ LINKS: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write")
 #: Adam moments (2); the per-block fp32 absmax adds < 2% and is covered by the reserve.
 HOST_BYTES_PER_PARAM = 10
 
+#: Device bytes per resident parameter updated on the GPU: the host's per-parameter bytes
+#: (fp32 master, fp32 gradient accumulator, 8-bit moments) moved to the device.
+DEVICE_RESIDENT_BYTES_PER_PARAM = HOST_BYTES_PER_PARAM
+#: The GPU update's temporaries: 64 bytes per element of one chunk, the largest resident
+#: tensor or `optim.hybrid_adamw8bit.DEVICE_CHUNK_ELEMENTS` elements, whichever is smaller
+#: (its torch path peaked at 33 bytes an element on the CPU, measured by peak RSS; the rest
+#: is room for the caching allocator). Kept torch-free here; a test checks the two agree.
+DEVICE_UPDATE_BYTES_PER_ELEMENT = 64
+DEVICE_UPDATE_CHUNK_ELEMENTS = 2**24
+
 #: Names of the host base's terms (`Problem.cpu_base_terms`), which refusals look up.
 TRAINABLE_HOST_TERM = "the trainable parameters' fp32 masters, gradients and 8-bit Adam state"
 FROZEN_HOST_TERM = "the frozen weights as stored"
+DEVICE_RESIDENT_TERM = ("the residents' fp32 masters, gradients and 8-bit Adam state (updated "
+                        "on the GPU)")
 
 #: Device memory set aside for the CUDA context, cuBLAS workspaces and allocator
 #: fragmentation: the plan never fills the GPU budget to the last byte.
@@ -127,6 +144,10 @@ class Problem:
     resident_update_param_count: int = 0
     # Of those, the output side's (final norm, untied head), updated after the layers.
     head_update_param_count: int = 0
+    # "device": the residents' masters and moments live on the GPU and their update runs
+    # there (`device_update_s`) before the next forward, their gradients never leave it.
+    resident_update: str = "host"
+    device_update_s: float = 0.0
 
     # ---- windows -------------------------------------------------------------------
     @property
@@ -298,8 +319,13 @@ def weight_buffer_count(max_block: int) -> int:
 
 
 def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
-                  budgets: Budgets | None = None, max_recompute_block: int = 8) -> Problem:
-    """The instance for `model` at its batch shape on `hardware` under `budgets`."""
+                  budgets: Budgets | None = None, max_recompute_block: int = 8,
+                  resident_update: str = "host") -> Problem:
+    """The instance for `model` at its batch shape on `hardware` under `budgets`, with the
+    residents' update on the host or the GPU (`resident_update`, `RESIDENT_UPDATES`)."""
+    if resident_update not in RESIDENT_UPDATES:
+        raise ValueError(f"resident_update={resident_update!r} is not one of "
+                         f"{RESIDENT_UPDATES}")
     if max_recompute_block < 1:
         raise ValueError(f"max_recompute_block={max_recompute_block} must be >= 1 (1 = never "
                          "recompute)")
@@ -326,8 +352,17 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
                     ("resident embeddings/head and their gradients",
                      model.resident_param_bytes + model.resident_grad_bytes)],
                    key=lambda t: -t[1])
+    on_device = resident_update == "device"
+    resident_trainable = model.resident_trainable_param_count if on_device else 0
+    if on_device:
+        terms = sorted([*terms, (DEVICE_RESIDENT_TERM, resident_trainable
+                                 * DEVICE_RESIDENT_BYTES_PER_PARAM),
+                        ("the GPU update's chunk buffers", device_update_workspace_bytes(
+                            model))],
+                       key=lambda t: -t[1])
     params = model.geometry.total_param_count
-    host_terms = host_base_terms(model)
+    host_terms = host_base_terms(model, host_trainable=model.trainable_param_count
+                                 - resident_trainable)
     # A packed (QLoRA) layer dequantizes its linears on the device once per pass: in its
     # forward (so also in each re-run) and in its backward proper.
     dequant_s = (0.0 if model.weights is None else model.weights.layer_dequant_bytes(
@@ -343,12 +378,22 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         nvme_write_bytes_per_s=hardware.nvme_write_bytes_per_s,
         static_gpu_bytes=sum(b for _, b in terms), gpu_base_terms=tuple(terms),
         static_cpu_bytes=sum(b for _, b in host_terms), cpu_base_terms=host_terms,
-        tail_d2h_bytes=model.layer_grad_bytes + model.resident_grad_bytes,
+        tail_d2h_bytes=model.layer_grad_bytes + (0 if on_device else model.resident_grad_bytes),
         budgets=budgets, param_count=params, tokens_per_step=model.tokens_per_step,
         layer_update_param_count=model.layer_trainable_param_count,
         resident_update_param_count=model.resident_trainable_param_count,
         head_update_param_count=head_update_param_count(model),
+        resident_update=resident_update,
+        device_update_s=resident_trainable / hardware.gpu_optimizer_params_per_s,
     )
+
+
+def device_update_workspace_bytes(model: ModelProfile) -> int:
+    """Temporaries of the residents' update on the GPU: one chunk of the largest resident
+    tensor (embeddings or head) at `DEVICE_UPDATE_BYTES_PER_ELEMENT`."""
+    g = model.geometry
+    largest = max(g.embedding_param_count, g.head_param_count, g.final_norm_param_count)
+    return DEVICE_UPDATE_BYTES_PER_ELEMENT * min(largest, DEVICE_UPDATE_CHUNK_ELEMENTS)
 
 
 def head_update_param_count(model: ModelProfile) -> int:
@@ -360,12 +405,16 @@ def head_update_param_count(model: ModelProfile) -> int:
     return model.resident_trainable_param_count * head // resident if resident else 0
 
 
-def host_base_terms(model: ModelProfile) -> tuple[tuple[str, int], ...]:
-    """Host bytes that are not boundary activations, term by term, largest first:
-    trainable parameters at `HOST_BYTES_PER_PARAM`, frozen ones as stored, and pinned
-    staging for two layers of weights (NVMe staging is `cpu_fixed_bytes`)."""
+def host_base_terms(model: ModelProfile, *, host_trainable: int | None = None
+                    ) -> tuple[tuple[str, int], ...]:
+    """Host bytes that are not boundary activations, term by term, largest first: the
+    `host_trainable` parameters (default: every trainable one) at `HOST_BYTES_PER_PARAM`,
+    frozen ones as stored, and pinned staging for two layers of weights (NVMe staging is
+    `cpu_fixed_bytes`)."""
     w = model.weights
-    terms = [(TRAINABLE_HOST_TERM, model.trainable_param_count * HOST_BYTES_PER_PARAM),
+    if host_trainable is None:
+        host_trainable = model.trainable_param_count
+    terms = [(TRAINABLE_HOST_TERM, host_trainable * HOST_BYTES_PER_PARAM),
              ("pinned staging for 2 layers of weights", 2 * model.layer_param_bytes)]
     if w is not None:
         terms.append((f"{FROZEN_HOST_TERM} ({w.frozen_format})", model.frozen_host_bytes))

@@ -20,7 +20,11 @@ earlier window, issued before it on its queue, so no plan can deadlock (`_check_
 * the host optimizer updates in the engine's order (engine/overlap.py), each group once its
   gradients are home: the input side's residents (U_embed), layers 1..L (U1..UL), the
   output side's (U_head: final norm, untied head); the next step starts after U_embed, its
-  forward of layer j waits only for Uj and its head for U_head (`optimizer_exposed_s`).
+  forward of layer j waits only for Uj and its head for U_head (`optimizer_exposed_s`);
+* with `Plan.resident_update="device"` the residents' gradients stay on the device and
+  their update runs there (U_device, on the "device_optimizer" lane) once the clip
+  coefficient is known (the last layer's gradients home); the host then updates
+  U1..UL, and the next step starts after U_device.
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ from lazytrain_accel.profiling.models import with_loss_chunk
 
 #: The resource name of the host optimizer's ops (a lane of its own in the timeline).
 HOST_OPTIMIZER = "host_optimizer"
+#: The residents' update on the GPU (`Plan.resident_update="device"`): before the next
+#: step's compute on the same stream, so a lane of its own in this step's timeline.
+DEVICE_OPTIMIZER = "device_optimizer"
+#: The lanes of the update, which the step's own end and exposure leave out.
+OPTIMIZER_LANES = (HOST_OPTIMIZER, DEVICE_OPTIMIZER)
 
 
 @dataclass(kw_only=True)
@@ -249,16 +258,25 @@ class _StepBuilder:
     def host_optimizer(self, hardware: HardwareProfile) -> list[int]:
         """The update in the engine's order, one group after the other on the
         "host_optimizer" resource: U_embed, U1..UL, U_head; each once its gradients are
-        home (the residents' leave last, `G_resident`)."""
+        home (the residents' leave last, `G_resident`). With the residents updated on the
+        device: U_device (once every layer's gradients are home: the clip coefficient),
+        then U1..UL on the host."""
         p, rate, end = self.p, hardware.cpu_optimizer_params_per_s, self.p.num_windows
         head = p.head_update_param_count
-        ops = [self.q.add("U_embed", HOST_OPTIMIZER, (p.resident_update_param_count - head)
-                          / rate, after_end=[self.resident], window=end)]
+        if p.resident_update == "device":
+            first = self.q.add("U_device", DEVICE_OPTIMIZER, p.device_update_s,
+                               after_end=[self.resident, self.grad[1]], window=end)
+        else:
+            first = self.q.add("U_embed", HOST_OPTIMIZER, (p.resident_update_param_count
+                                                           - head) / rate,
+                               after_end=[self.resident], window=end)
+        ops = [first]
         ops += [self.q.add(f"U{j}", HOST_OPTIMIZER, p.layer_update_param_count / rate,
-                           after_end=[self.grad[j]], window=end)
+                           after_end=[self.grad[j], first], window=end)
                 for j in range(1, self.L + 1)]
-        ops.append(self.q.add("U_head", HOST_OPTIMIZER, head / rate, after_end=[self.resident],
-                              window=end))
+        if p.resident_update == "host":
+            ops.append(self.q.add("U_head", HOST_OPTIMIZER, head / rate,
+                                  after_end=[self.resident], window=end))
         return ops
 
 
@@ -332,15 +350,17 @@ def _exposure(q: EventQueue, step_ops: list[SimOp]) -> dict[str, float]:
 
 
 def _optimizer_exposed_s(b: _StepBuilder, updates: list[int], step_s: float) -> float:
-    """How long the next step waits for the host optimizer (`updates`: U_embed, U1..UL,
-    U_head). It starts once U_embed has ended; its forward of layer j would start at
-    step_s + prologue + (j-1) f, and layer j's weights stream to the device (P/h2d, the
-    prologue's length) only once Uj has ended; its head, at step_s + prologue + L f,
-    needs U_head."""
+    """How long the next step waits for the optimizer (`updates`: U_embed or U_device,
+    U1..UL, then U_head on the host). It starts once the first has ended; its forward of
+    layer j would start at step_s + prologue + (j-1) f, and layer j's weights stream to
+    the device (P/h2d, the prologue's length) only once Uj has ended; its head, at
+    step_s + prologue + L f, needs U_head."""
     ops, p = b.q.ops, b.p
-    embed, *layers, head = (ops[u].end_s - step_s for u in updates)
-    late_s = [embed, head - p.prologue_s - b.L * p.fwd_s]
-    late_s += [end_s - j * p.fwd_s for j, end_s in enumerate(layers)]
+    first, *rest = (ops[u].end_s - step_s for u in updates)
+    layers = rest[:b.L]
+    late_s = [first] + [end_s - j * p.fwd_s for j, end_s in enumerate(layers)]
+    if len(rest) > b.L:  # U_head
+        late_s.append(rest[b.L] - p.prologue_s - b.L * p.fwd_s)
     return max([0.0, *late_s])
 
 
@@ -353,13 +373,14 @@ def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,
     if model.loss_chunk_tokens is None:
         model = with_loss_chunk(model, plan.loss_chunk_tokens)
     longest = max(e - s for s, e in plan.blocks)
-    p = build_problem(model, hardware, max_recompute_block=longest)
+    p = build_problem(model, hardware, max_recompute_block=longest,
+                      resident_update=plan.resident_update)
     b = _StepBuilder(p, plan)
     q = b.build()
     updates = b.host_optimizer(hardware) if include_optimizer else []
     _check_order(q)
     q.run()
-    step_ops = [op for op in q.ops if op.resource != HOST_OPTIMIZER]
+    step_ops = [op for op in q.ops if op.resource not in OPTIMIZER_LANES]
     step_s = max(op.end_s for op in step_ops)
     by_link = _exposure(q, step_ops)
     optimizer_s = _optimizer_exposed_s(b, updates, step_s) if updates else 0.0

@@ -10,12 +10,13 @@ import dataclasses
 import logging
 import warnings
 
-from lazytrain_accel.config import STRATEGIES
+from lazytrain_accel.config import RESIDENT_UPDATE_CHOICES, STRATEGIES
 from lazytrain_accel.planning.baselines import BASELINES, GPU_ONLY_BASELINES
 from lazytrain_accel.planning.loss_head import plan_loss_head
 from lazytrain_accel.planning.no_solver import admissible, evaluate_fixed
 from lazytrain_accel.planning.plan import Plan, Prediction, SolverReport
 from lazytrain_accel.planning.problem import (
+    GPU_RESERVE_FRACTION,
     Budgets,
     PlanInfeasibleError,
     Problem,
@@ -159,7 +160,8 @@ def plan_from_solution(p: Problem, solution: Solution, *, strategy: str,
                  prediction=Prediction(step_s=0.0, compute_s=0.0, recompute_s=0.0,
                                        exposed_s=0.0),
                  solver=report, fingerprint=run_fingerprint(model, hardware),
-                 loss_chunk_tokens=model.loss_chunk_tokens or 0)
+                 loss_chunk_tokens=model.loss_chunk_tokens or 0,
+                 resident_update=p.resident_update)
     result = simulate(draft, model, hardware, include_optimizer=include_optimizer)
     return dataclasses.replace(draft, prediction=result.prediction())
 
@@ -200,11 +202,29 @@ def plan_problem(p: Problem, model: ModelProfile, hardware: HardwareProfile, *,
                         "cpu": max(pred.peak_cpu_bytes - p.budgets.cpu_bytes, 0)})
 
 
+def with_device_residents(plan: Plan, model: ModelProfile, hardware: HardwareProfile,
+                          budgets: Budgets) -> Plan | None:
+    """`plan` with the residents' masters, moments and update on the GPU, when its
+    simulated peaks still fit `budgets` (the GPU's reserve kept) and its step is faster;
+    else None. The homes stay: the device bytes come out of the plan's headroom."""
+    if model.resident_trainable_param_count == 0 or plan.resident_update == "device":
+        return None
+    moved = dataclasses.replace(plan, resident_update="device")
+    prediction = simulate(moved, model, hardware).prediction()
+    reserve = int(GPU_RESERVE_FRACTION * budgets.gpu_bytes)
+    if (prediction.peak_gpu_bytes + reserve > budgets.gpu_bytes
+            or prediction.peak_cpu_bytes > budgets.cpu_bytes
+            or prediction.step_s >= plan.prediction.step_s):
+        return None
+    return dataclasses.replace(moved, prediction=prediction)
+
+
 def make_plan(model: ModelProfile, hardware: HardwareProfile, *, strategy: str = "lazytrain",
               budgets: Budgets | None = None, max_recompute_block: int = 8,
               time_limit_s: float = 60.0, gap: float = 0.001,
               include_optimizer: bool = True,
-              diagnose_s: float = DIAGNOSE_TIME_LIMIT_S) -> Plan:
+              diagnose_s: float = DIAGNOSE_TIME_LIMIT_S,
+              resident_update: str = "auto") -> Plan:
     """The plan of `strategy` for `model` on `hardware` within `budgets` (default: the
     hardware's capacities). Raises `PlanInfeasibleError` naming the binding tiers. The
     prediction is one simulated step, with the hybrid 8-bit host optimizer's overlapped
@@ -213,13 +233,30 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile, *, strategy: str =
 
     `model.loss_chunk_tokens=None` ("auto") lets the planner turn the fused chunked loss
     on where the full logits' working set would cost a budget or speed (`loss_head.py`).
+
+    `resident_update` says where the residents' (embeddings, final norm, head) update
+    runs: "host", "device" (their masters and 8-bit moments on the GPU, charged to its
+    budget), or "auto": on the GPU where the plan's homes leave room for them and the step
+    gets faster (`with_device_residents`). The megatrain baseline keeps every update on
+    the host, as MegaTrain does; so does a run without the hybrid 8-bit update
+    (`include_optimizer=False`).
     """
+    if resident_update not in RESIDENT_UPDATE_CHOICES:
+        raise ValueError(f"resident_update={resident_update!r} is not one of "
+                         f"{RESIDENT_UPDATE_CHOICES}")
+    host_only = strategy == "megatrain" or not include_optimizer
+    forced = "host" if host_only or resident_update == "auto" else resident_update
+    budgets = budgets or Budgets.from_hardware(hardware)
+
     def plan_for(profile: ModelProfile) -> Plan:
         p = build_problem(profile, hardware, budgets=budgets,
-                          max_recompute_block=max_recompute_block)
-        return plan_problem(p, profile, hardware, strategy=strategy,
+                          max_recompute_block=max_recompute_block, resident_update=forced)
+        plan = plan_problem(p, profile, hardware, strategy=strategy,
                             time_limit_s=time_limit_s, gap=gap,
                             include_optimizer=include_optimizer, diagnose_s=diagnose_s)
+        if resident_update == "auto" and not host_only:
+            plan = with_device_residents(plan, profile, hardware, budgets) or plan
+        return plan
 
     if model.loss_chunk_tokens is None:
         return plan_loss_head(model, hardware, plan_for, budgets=budgets,

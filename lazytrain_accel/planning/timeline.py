@@ -17,7 +17,8 @@ from lazytrain_accel.planning.problem import Budgets
 from lazytrain_accel.planning.simulate import SimulationResult
 
 #: Lanes in drawing order; resources outside this list get lanes after these.
-RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "host_optimizer")
+RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "device_optimizer",
+             "host_optimizer")
 #: Colour and legend label of each kind of op, in legend order.
 CATEGORIES: dict[str, tuple[str, str]] = {
     "forward": ("tab:blue", "forward"),
@@ -66,7 +67,7 @@ def lanes_of(ops: list[SimOp]) -> list[str]:
 def category(op: SimOp) -> str:
     """What an op does, from the simulator's names (F3, B3, R3, head, W3, RW3, G3,
     G_resident, "d2h:3" for boundary 3) and its resource."""
-    if op.resource == "host_optimizer":
+    if op.resource in ("host_optimizer", "device_optimizer"):
         return "optimizer"
     if ":" in op.name:
         return "activations"

@@ -20,6 +20,15 @@ from lazytrain_accel.suggest import did_you_mean
 DEQUANT_EFFICIENCY = 0.7
 #: The slowest preset's memory bandwidth (RTX 3090, 936 GB/s): the dequantization default.
 _DEFAULT_MEMORY_BYTES_PER_S = 936e9
+#: Bytes the 8-bit update's torch path (the one a GPU master takes, `optim/reference.py`)
+#: reads and writes per parameter: its 76 elementwise and per-block ops counted tensor by
+#: tensor (bf16 gradient, clipped; tests/optim/test_device_update.py counts them again).
+DEVICE_UPDATE_BYTES_PER_PARAM = 507
+
+
+def device_update_params_per_s(memory_bytes_per_s: float) -> float:
+    """The residents' update on the GPU, bandwidth-bound at the streaming share."""
+    return DEQUANT_EFFICIENCY * memory_bytes_per_s / DEVICE_UPDATE_BYTES_PER_PARAM
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -41,6 +50,9 @@ class HardwareProfile:
     # read + their compute-dtype copy written (a packed linear dequantizes per call). The
     # default, for profiles written without it, is the slowest preset's (rtx3090).
     dequant_bytes_per_s: float = DEQUANT_EFFICIENCY * _DEFAULT_MEMORY_BYTES_PER_S
+    # The residents' (embeddings, head) 8-bit update on the GPU when the plan keeps their
+    # masters and moments there (`Plan.resident_update`); same default rule.
+    gpu_optimizer_params_per_s: float = device_update_params_per_s(_DEFAULT_MEMORY_BYTES_PER_S)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -111,6 +123,9 @@ _HOPPER_ACHIEVED = ("achieved rate 0.32 x peak: back-derived from the paper's H8
 _AMPERE_ACHIEVED = ("achieved rate 0.45 x peak: estimate of an end-to-end transformer layer "
                     "(GEMMs + attention + elementwise) on Ampere/Ada, not the GEMM peak")
 _OPTIMIZER = "host optimizer {rate:.0e} params/s: estimate of a memory-bound fused 8-bit AdamW"
+_DEVICE_UPDATE = ("GPU update of the residents {rate:.1e} params/s: {eff} x the memory "
+                  "bandwidth over the " + str(DEVICE_UPDATE_BYTES_PER_PARAM) + " bytes a "
+                  "parameter the 8-bit update's torch path moves (an estimate)")
 _DEQUANT = ("dequantization {rate:.0f} GB/s moved: {eff} x the {bw:.0f} GB/s memory "
             "bandwidth of the same vendor sheet (a bandwidth-bound estimate of bitsandbytes' "
             "dequantize kernel: packed read + bf16 write)")
@@ -130,7 +145,11 @@ def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb
         nvme_read_bytes_per_s=nvme_read_gbps * 1e9, nvme_write_bytes_per_s=nvme_write_gbps * 1e9,
         cpu_optimizer_params_per_s=optimizer_params_per_s,
         dequant_bytes_per_s=DEQUANT_EFFICIENCY * memory_gbps * 1e9,
+        gpu_optimizer_params_per_s=device_update_params_per_s(memory_gbps * 1e9),
         source="; ".join([*source, _OPTIMIZER.format(rate=optimizer_params_per_s),
+                          _DEVICE_UPDATE.format(
+                              rate=device_update_params_per_s(memory_gbps * 1e9),
+                              eff=DEQUANT_EFFICIENCY),
                           _DEQUANT.format(rate=DEQUANT_EFFICIENCY * memory_gbps,
                                           eff=DEQUANT_EFFICIENCY, bw=memory_gbps)]))
 

@@ -106,8 +106,27 @@ def _measure_optimizer(device: torch.device, num_params: int = 10_000_000) -> fl
     weight stream)."""
     param = torch.nn.Parameter(torch.randn(num_params))
     param.grad = torch.full_like(param, 1e-3)
-    optimizer = HybridAdamW8bit([param], lr=1e-3, max_grad_norm=1.0)
     out = [torch.empty(num_params, dtype=torch.bfloat16)] if device.type == "cuda" else None
+
+    return num_params / _best_time_s(_clipped_step(param, out), torch.device("cpu"))
+
+
+def _measure_device_optimizer(device: torch.device, host_rate: float,
+                              num_params: int = 16_777_216) -> float:
+    """Params/s of the residents' update on the GPU (`Plan.resident_update="device"`): one
+    HybridAdamW8bit step of a device master, the torch path in whole-block chunks. On a
+    CPU the device masters are host tensors updated by the host kernel: `host_rate`."""
+    if device.type != "cuda":
+        return host_rate
+    param = torch.nn.Parameter(torch.randn(num_params, device=device))
+    param.grad = torch.full_like(param, 1e-3, dtype=torch.bfloat16)
+    return num_params / _best_time_s(_clipped_step(param, None), device)
+
+
+def _clipped_step(param: torch.nn.Parameter, out: list[torch.Tensor] | None
+                  ) -> Callable[[], None]:
+    """One clipped HybridAdamW8bit step of `param`, with norms given (the engine's)."""
+    optimizer = HybridAdamW8bit([param], lr=1e-3, max_grad_norm=1.0)
 
     def step() -> None:
         optimizer.set_grad_sq_norms({param: 1.0})  # the engine's norms: no norm pass
@@ -115,7 +134,7 @@ def _measure_optimizer(device: torch.device, num_params: int = 10_000_000) -> fl
         optimizer.step_params([param], out_bf16=out)
         optimizer.end_step()
 
-    return num_params / _best_time_s(step, torch.device("cpu"))
+    return step
 
 
 def _measure_dequant(device: torch.device, side: int = 2048) -> tuple[float, str]:
@@ -158,7 +177,7 @@ def _vendor_peak_flops_per_s(gpu_name: str, measured: float) -> float:
 
 #: What `_measure_optimizer` times; in the cache key, so a cache made with another probe
 #: (torch's fused AdamW, before) is measured again.
-_OPTIMIZER_PROBE = "hybrid_adamw8bit"
+_OPTIMIZER_PROBE = "hybrid_adamw8bit+device_residents"
 
 
 def _machine_key(device: torch.device, nvme_dir: Path) -> str:
@@ -183,6 +202,7 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
     nvme_read, nvme_write = _measure_nvme(nvme_dir, probe_bytes)
     matmul = _measure_matmul(device)
     dequant, dequant_how = _measure_dequant(device)
+    host_update = _measure_optimizer(device)
     gpu_name = _gpu_name(device)
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return HardwareProfile(
@@ -192,12 +212,14 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
         peak_bf16_flops_per_s=_vendor_peak_flops_per_s(gpu_name, matmul),
         achieved_flops_per_s=matmul, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
         nvme_read_bytes_per_s=nvme_read, nvme_write_bytes_per_s=nvme_write,
-        cpu_optimizer_params_per_s=_measure_optimizer(device), dequant_bytes_per_s=dequant,
+        cpu_optimizer_params_per_s=host_update,
+        gpu_optimizer_params_per_s=_measure_device_optimizer(device, host_update),
+        dequant_bytes_per_s=dequant,
         source=(f"measured by lazytrain_accel on {platform.node()} at {when} with torch "
                 f"{torch.__version__}: {link_bytes // _MIB} MiB host<->device copies, a "
                 f"{probe_bytes // _MIB} MiB file in {nvme_dir}, a square matmul "
                 f"({'bf16' if device.type == 'cuda' else 'fp32'}), a HybridAdamW8bit step of 10M "
-                f"params, {dequant_how}"),
+                f"params (and of 16M on the device), {dequant_how}"),
     )
 
 

@@ -33,6 +33,10 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: Path) -> None:
     paper = report["paper_27b"]  # the paper's workload at this host's measured update rate
     assert paper["host_update_params_per_s"] == report["hardware"]["cpu_optimizer_params_per_s"]
     assert paper["ratio"] == paper["lazytrain_tflops"] / paper["megatrain_tflops"] > 1.0
+    assert paper["resident_update"] in ("host", "device")
+    device = report["device_update"]  # a CPU's "GPU" update is its host kernel
+    assert device["measured_params_per_s"] == report["hardware"]["gpu_optimizer_params_per_s"]
+    assert device["preset"] is None and device["measured_over_preset"] is None
     _check_qlora(report["qlora"])
     assert set(report["phase_s"]) == {"equivalence", "links", "qlora", "training"}
     assert report["skipped"] == []  # the dry run is far inside the time budget
@@ -48,6 +52,7 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: Path) -> None:
         assert r["step_ratio"] == r["step_s"] / r["predicted_step_s"]
         assert r["measured_optimizer_exposed_s"] >= 0 and r["optimizer_update_s"] > 0
         assert r["predicted_optimizer_exposed_s"] >= 0
+        assert r["resident_update"] in ("host", "device") and r["device_update_s"] >= 0
     assert set(report["admitted_batch_at_smallest_cap"]) == {"lazytrain", "megatrain",
                                                               "checkpoint_all"}
     table = (out / "gpu_check.txt").read_text()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from engine_helpers import batches, build_model, make_plan, twin
 from torch import nn
@@ -204,3 +205,56 @@ def test_the_head_is_updated_last_and_the_next_forward_does_not_wait_for_it(tmp_
     assert opt.calls == [[model.model.embed_tokens.weight],
                          *(engine.layer_params(j) for j in range(1, 5)), head]
     assert updates_before_head == [0, 6]  # the second forward's head ran after its update
+
+
+def _with_device_residents(plan):
+    import dataclasses
+
+    return dataclasses.replace(plan, resident_update="device")
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+def test_residents_updated_on_the_device_train_like_the_host_update(tmp_path, compute_dtype):
+    """resident_update="device": the residents' update runs on the training thread before
+    the layer-wise one starts (on a GPU: queued ahead of the next forward), the layers on
+    the thread; same bits as the host-only update, gradients cleared after each step."""
+    from lazytrain_accel.optim import HybridAdamW8bit
+
+    ref = build_model("qwen2", 4)
+    model = twin(ref)
+    ref_engine = attach(ref, make_plan("offload_all", 4), device=CPU,
+                        compute_dtype=compute_dtype, nvme_dir=str(tmp_path))
+    engine = attach(model, _with_device_residents(make_plan("offload_all", 4)), device=CPU,
+                    compute_dtype=compute_dtype, nvme_dir=str(tmp_path))
+    opt_ref = HybridAdamW8bit(ref.parameters(), lr=LR, max_grad_norm=1.0)
+    opt = HybridAdamW8bit(model.parameters(), lr=LR, max_grad_norm=1.0)
+    stepped_on: dict[str, set[int]] = {}
+    step_params = opt.step_params
+
+    def recording(params, **kwargs):
+        where = stepped_on.setdefault(threading.current_thread().name, set())
+        where.update(id(p) for p in params if p.grad is not None)
+        step_params(params, **kwargs)
+
+    opt.step_params = recording
+    _train(ref, lambda: ref_engine.step_layerwise(opt_ref), lambda: opt_ref.zero_grad())
+    _train(model, lambda: engine.step_layerwise(opt), lambda: opt.zero_grad())
+    engine.synchronize()
+    ref_engine.synchronize()
+    for p_ref, p in zip(ref.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, p_ref)
+        assert p.grad is None  # the deferred zero_grad reached the residents too
+    residents = {id(p) for p in engine.resident_params()}
+    assert stepped_on[threading.current_thread().name] == residents
+    assert stepped_on["lazytrain-step"] == {id(p) for j in range(1, 5)
+                                            for p in engine.layer_params(j)}
+    assert engine.stats().device_update_s > 0
+    engine.detach()
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_a_replan_cannot_move_the_residents_update(tmp_path):
+    model = build_model("qwen2", 4)
+    engine = attach(model, make_plan("offload_all", 4), device=CPU, nvme_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="resident_update='host'"):
+        engine.set_plan(_with_device_residents(make_plan("offload_all", 4)))

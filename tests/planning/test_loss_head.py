@@ -23,7 +23,8 @@ def test_the_papers_27b_run_plans_with_the_fused_loss_and_beats_megatrain() -> N
     plan = make_plan(_profile("qwen3.6-27b", 72, None), H800, time_limit_s=30)
     assert plan.loss_chunk_tokens == auto_chunk_tokens(_profile("qwen3.6-27b", 72, None)) > 0
     mega = make_plan(_profile("qwen3.6-27b", 72, None), H800, strategy="megatrain")
-    assert plan.prediction.tflops > 1.17 * mega.prediction.tflops
+    assert plan.prediction.tflops >= 1.18 * mega.prediction.tflops  # issue 15
+    assert plan.resident_update == "device" and mega.resident_update == "host"
 
 
 def test_the_full_loss_refusal_names_the_loss_head_and_the_option() -> None:
@@ -42,11 +43,11 @@ def test_auto_keeps_the_full_loss_where_it_costs_nothing() -> None:
 
 def test_auto_chunks_where_the_full_logits_would_not_fit() -> None:
     model = _profile("qwen2.5-3b", 8, None)
-    full = make_plan(_profile("qwen2.5-3b", 8, 0), H800)
+    full = make_plan(_profile("qwen2.5-3b", 8, 0), H800, resident_update="host")
     tight = Budgets(gpu_bytes=full.prediction.peak_gpu_bytes - 2**30,
                     cpu_bytes=H800.cpu_memory_bytes, nvme_bytes=0)
     with pytest.raises(PlanInfeasibleError):
-        make_plan(_profile("qwen2.5-3b", 8, 0), H800, budgets=tight)
+        make_plan(_profile("qwen2.5-3b", 8, 0), H800, budgets=tight, resident_update="host")
     plan = make_plan(model, H800, budgets=tight)
     assert plan.loss_chunk_tokens > 0
     assert plan.prediction.peak_gpu_bytes <= tight.gpu_bytes

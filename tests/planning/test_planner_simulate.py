@@ -103,7 +103,8 @@ def test_plan_json_round_trip_and_foreign_fingerprint(tmp_path: Path) -> None:
 def test_timeline_png_and_chrome_trace(tmp_path: Path) -> None:
     model, hardware = chain(num_layers=6)
     budgets = budgets_in_slots(model, hardware, gpu_slots=4, cpu_slots=2, nvme_slots=1)
-    result = simulate(make_plan(model, hardware, budgets=budgets), model, hardware)
+    plan = make_plan(model, hardware, budgets=budgets, resident_update="host")
+    result = simulate(plan, model, hardware)
     trace = chrome_trace(result)
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"F1", "B1", "W2", "U_embed", "U1", "U6", "U_head"} <= names

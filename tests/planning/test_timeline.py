@@ -48,7 +48,7 @@ def test_a_lane_per_resource_present_in_the_known_order(step) -> None:
     ops = [*_with_host_optimizer(result).ops,
            SimOp(name="x", resource="pcie_peer", duration_s=0.0)]
     assert lanes_of(ops) == ["compute", "h2d", "d2h", "nvme_read", "nvme_write",
-                             "host_optimizer", "pcie_peer"]
+                             "device_optimizer", "host_optimizer", "pcie_peer"]
     assert lanes_of([op for op in result.ops if op.resource != "nvme_read"])[2:4] == [
         "d2h", "nvme_write"]
     trace = chrome_trace(_with_host_optimizer(result))

@@ -32,7 +32,8 @@ def _run(tmp_path: Path, lengths: list[int], *, with_loader: bool = True,
                                          collate_fn=_pad_to_longest)
     model = build("llama")
     acc = Accelerator(cpu=True, plugin=plugin(tmp_path, settings.pop("plan", "offload_all"),
-                                              optimizer="keep", **settings))
+                                              optimizer=settings.pop("optimizer", "keep"),
+                                              **settings))
     opt = torch.optim.AdamW(model.parameters())
     if with_loader:
         model, opt, loader = acc.prepare(model, opt, loader)
@@ -124,3 +125,30 @@ def test_resuming_a_checkpoint_planned_for_longer_batches_adopts_its_shape(
     resumed.load_state(str(tmp_path / "ckpt"))  # the checkpoint's plan is 2 x 32: no error
     assert resumed.lazytrain_engine.plan.seq_len == 32
     resumed.end_training()
+
+
+@pytest.mark.parametrize("resident_update", ["device", "host"])
+def test_a_replan_keeps_the_engines_residents_where_they_are(
+        tmp_path: Path, resident_update: str) -> None:
+    """The re-planned run keeps the first plan's resident_update (the engine cannot move
+    masters mid-run) and trains like stock with the hybrid 8-bit update either way."""
+    lengths = [6, 5, 20, 9]
+    losses, acc = _run(tmp_path, lengths, plan="auto", optimizer="hybrid8bit",
+                       resident_update=resident_update)
+    assert acc.lazytrain_engine.plan.seq_len == 32
+    assert acc.lazytrain_engine.plan.resident_update == resident_update
+    assert all(isinstance(loss, float) for loss in losses)
+    acc.end_training()
+
+
+def test_a_replan_request_overrides_the_configs_resident_update(tmp_path: Path) -> None:
+    from lazytrain_accel.integrations import setup
+    from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+
+    config = plugin(tmp_path, "auto", resident_update="device")
+    profile = setup.profile_for_run(build("llama"), batch_size=2, seq_len=8,
+                                    compute_dtype=None, loss_chunk_tokens=0)
+    h800 = HARDWARE_PRESETS["h800"]
+    assert setup.resolve_plan(config, profile, h800).resident_update == "device"
+    assert setup.resolve_plan(config, profile, h800,
+                              resident_update="host").resident_update == "host"

@@ -51,7 +51,7 @@ def test_simulate_and_max_batch_take_the_dtype(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     build("gpt2").save_pretrained(tmp_path / "model")
     run = ["--model", str(tmp_path / "model"), "--hardware", "rtx3090", "--seq-len", "4",
-           "--strategy", "offload_all", "--json"]
+           "--strategy", "offload_all", "--json", "--resident-update", "host"]
     peaks = {}
     for dtype in ("fp32", "bf16"):
         assert main(["simulate", *run, "--batch-size", "1", "--dtype", dtype]) == 0

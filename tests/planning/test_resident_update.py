@@ -1,0 +1,82 @@
+"""Where the residents' update runs (`Plan.resident_update`): the planner moves the
+embeddings' and head's masters, moments and update to the GPU where the plan's homes leave
+room and the step gets faster; megatrain and tight budgets keep them on the host."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lazytrain_accel.planning import Budgets, make_plan
+from lazytrain_accel.planning.problem import (
+    DEVICE_RESIDENT_TERM,
+    HOST_BYTES_PER_PARAM,
+    build_problem,
+    device_update_workspace_bytes,
+)
+from lazytrain_accel.planning.simulate import simulate
+from lazytrain_accel.profiling.adapters import lora_profile_inputs
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
+
+H800 = HARDWARE_PRESETS["h800"]
+
+
+def _profile(preset: str, batch_size: int):
+    geometry = geometry_from_config(load_model_config(preset), name=preset)
+    return profile_model(geometry, batch_size=batch_size, seq_len=1024, loss_chunk_tokens=None)
+
+
+def test_device_residents_move_their_bytes_and_their_gradients_stay_on_the_gpu() -> None:
+    model = _profile("qwen2.5-7b", 8)
+    host = build_problem(model, H800)
+    device = build_problem(model, H800, resident_update="device")
+    moved = model.resident_trainable_param_count * HOST_BYTES_PER_PARAM
+    workspace = device_update_workspace_bytes(model)
+    assert workspace == 64 * 2**24  # a 152k x 3584 embedding: one full chunk
+    assert device.static_gpu_bytes == host.static_gpu_bytes + moved + workspace
+    assert device.static_cpu_bytes == host.static_cpu_bytes - moved
+    assert dict(device.gpu_base_terms)[DEVICE_RESIDENT_TERM] == moved
+    assert device.tail_d2h_bytes == model.layer_grad_bytes < host.tail_d2h_bytes
+    assert device.device_update_s == pytest.approx(
+        model.resident_trainable_param_count / H800.gpu_optimizer_params_per_s)
+    with pytest.raises(ValueError, match="resident_update='gpu' is not one of"):
+        build_problem(model, H800, resident_update="gpu")
+
+
+def test_the_planner_updates_the_residents_on_a_roomy_gpu_and_the_step_gets_faster() -> None:
+    model = _profile("qwen2.5-7b", 8)
+    plan = make_plan(model, H800)
+    host = make_plan(model, H800, resident_update="host")
+    assert plan.resident_update == "device" and host.resident_update == "host"
+    assert plan.homes == host.homes
+    assert plan.prediction.step_s < host.prediction.step_s
+    again = simulate(plan, model, H800)  # `simulate --plan` reads the choice from the plan
+    assert again.step_s == plan.prediction.step_s
+    names = {op.name for op in again.ops}
+    assert "U_device" in names and not {"U_embed", "U_head"} & names
+    mega = make_plan(model, H800, strategy="megatrain")
+    assert mega.resident_update == "host"  # MegaTrain keeps every update on the host
+
+
+def test_a_gpu_without_room_for_them_keeps_the_residents_on_the_host() -> None:
+    model = _profile("qwen2.5-7b", 8)
+    host = make_plan(model, H800, resident_update="host")
+    tight = Budgets(gpu_bytes=int(host.prediction.peak_gpu_bytes / 0.95),
+                    cpu_bytes=H800.cpu_memory_bytes, nvme_bytes=0)
+    plan = make_plan(model, H800, budgets=tight)
+    assert plan.resident_update == "host"
+    forced = make_plan(model, H800, resident_update="device",
+                       budgets=dataclasses.replace(tight, gpu_bytes=2 * tight.gpu_bytes))
+    assert forced.resident_update == "device"
+    assert forced.prediction.peak_gpu_bytes <= 2 * tight.gpu_bytes
+
+
+def test_a_lora_run_with_frozen_residents_keeps_them_on_the_host() -> None:
+    geometry = geometry_from_config(load_model_config("qwen2.5-7b"), name="qwen2.5-7b")
+    adapted, split = lora_profile_inputs(geometry, rank=16,
+                                         frozen_format="bf16")
+    model = profile_model(adapted, batch_size=8, seq_len=1024, weights=split)
+    assert model.resident_trainable_param_count == 0
+    assert make_plan(model, H800).resident_update == "host"  # nothing to move
