@@ -48,6 +48,7 @@ class ResidentParams:
         #: "device"); the others' masters stay on the host.
         self.on_device = [p for p in self.params if device_masters and p.requires_grad
                           and p.is_floating_point()]
+        self._on_device_ids = {id(p) for p in self.on_device}
         self._master_bytes = 0
         if device.type != "cpu":
             for p in self.on_device:
@@ -59,7 +60,7 @@ class ResidentParams:
         """Whether the master already is the device copy a pass needs."""
         if self._device.type == "cpu":
             return self._dtype == torch.float32
-        return any(p is q for q in self.on_device) and p.dtype == self._dtype
+        return id(p) in self._on_device_ids and p.dtype == self._dtype
 
     def swap_in(self) -> None:
         """Point the input side's parameters at fresh device copies of their masters."""
@@ -115,7 +116,7 @@ class ResidentParams:
             if p.grad is not None:
                 p.grad = p.grad.to("cpu")
         self._acct.free("device", self._master_bytes)
-        self.on_device, self._master_bytes = [], 0
+        self.on_device, self._on_device_ids, self._master_bytes = [], set(), 0
 
 
 def output_side(model: nn.Module, stack: nn.Module, layers_attr: str,

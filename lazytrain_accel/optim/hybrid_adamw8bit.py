@@ -32,7 +32,7 @@ from lazytrain_accel.optim.state_io import check_loaded_state, load_state_keepin
 BACKENDS = ("auto", "native", "torch")
 _MAX_BLOCK_SIZE = 4096
 #: Elements per pass of the torch path on a device master (the residents' update on the
-#: GPU): whole blocks at a time, so its fp32 temporaries stay ~0.7 GB however large the
+#: GPU): whole blocks at a time, so its fp32 temporaries stay ~0.6 GB however large the
 #: tensor (an untied 152k x 5120 head would need ~19 GB in one pass). The update is
 #: elementwise within a block, so the chunks compute the same bits as one pass.
 DEVICE_CHUNK_ELEMENTS = 2**24
