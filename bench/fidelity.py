@@ -302,7 +302,8 @@ def predictions(plan, config: dict, batch: int, seq: int, meas: dict, hw: Hardwa
     }
 
 
-HEADER = (f"{'model':>5} {'plan':>11} {'homes g/c/n/r':>13} | {'step pred':>9} {'meas':>6} "
+HEADER = (f"{'model':>5} {'plan':>11} {'homes g/c/n/r residents':>24} | {'step pred':>9} "
+          f"{'meas':>6} "
           f"{'ratio':>5} | {'compute pred':>12} {'meas':>6} | {'exposed pred':>12} {'meas':>6} "
           f"| {'+optim pred':>11} {'meas':>6} {'ratio':>5} | {'opt exposed pred':>16} "
           f"{'meas':>6} | {'update pred':>11} {'meas':>6} | in-step ratios: step +optim")
@@ -310,10 +311,11 @@ HEADER = (f"{'model':>5} {'plan':>11} {'homes g/c/n/r':>13} | {'step pred':>9} {
 
 def _row(model: str, name: str, plan, preds: dict, meas: dict) -> str:
     pred, pred_opt = preds["step"], preds["opt"]
-    homes = "/".join(str(n) for n in plan.count_homes().values())
+    homes = "/".join(str(n) for n in plan.count_homes().values()) + (
+        " gpu" if plan.resident_update == "device" else " host")
     exposed = meas["step"] - meas["step_compute"]  # time the step's compute waited
     optimizer = meas["step_opt"] - meas["step_opt_compute"] - exposed
-    return (f"{model:>5} {name:>11} {homes:>13} | {pred.step_s:9.3f} {meas['step']:6.3f} "
+    return (f"{model:>5} {name:>11} {homes:>24} | {pred.step_s:9.3f} {meas['step']:6.3f} "
             f"{meas['step'] / pred.step_s:5.2f} | {pred.step_s - pred.exposed_s:12.3f} "
             f"{meas['step_compute']:6.3f} | {pred.exposed_s:12.3f} {exposed:6.3f} "
             f"| {pred_opt.step_s:11.3f} {meas['step_opt']:6.3f} "

@@ -111,7 +111,7 @@ def plan_table(columns: list[PlanColumn]) -> Table:
         ("boundaries gpu / cpu / nvme", []), ("recomputed boundaries", []),
         ("recompute blocks", []), ("step (s)", []), ("compute / recompute (s)", []),
         ("exposed transfers (s)", []), ("tokens/s", []), ("peak device (MiB)", []),
-        ("solver", []),
+        ("residents' update", []), ("solver", []),
     ]
     for column in columns:
         values = _column_values(column)
@@ -132,7 +132,7 @@ def _speedup_caption(columns: list[PlanColumn]) -> str | None:
 
 def _column_values(column: PlanColumn) -> list[str]:
     if column.plan is None or column.simulated is None:
-        return ["infeasible", "-", column.infeasible_reason, *["-"] * 6]
+        return ["infeasible", "-", column.infeasible_reason, *["-"] * 7]
     plan, sim = column.plan, column.simulated
     homes = plan.count_homes()
     blocks = [f"{s}-{e}" for s, e in plan.blocks if e - s > 1]
@@ -145,5 +145,6 @@ def _column_values(column: PlanColumn) -> list[str]:
         f"{sim.exposed_s:.4f}",
         f"{sim.tokens_per_s:,.0f}",
         f"{sim.peak_gpu_bytes / _MIB:.1f}",
+        "GPU" if plan.resident_update == "device" else "host",
         f"{plan.solver.status} ({plan.solver.solve_s:.2f} s)",
     ]

@@ -80,3 +80,17 @@ def test_a_lora_run_with_frozen_residents_keeps_them_on_the_host() -> None:
     model = profile_model(adapted, batch_size=8, seq_len=1024, weights=split)
     assert model.resident_trainable_param_count == 0
     assert make_plan(model, H800).resident_update == "host"  # nothing to move
+
+
+def test_the_choice_travels_in_the_plan_file_and_an_old_file_means_host(tmp_path) -> None:
+    from lazytrain_accel.planning.plan import Plan, PlanError
+
+    plan = make_plan(_profile("qwen2.5-7b", 8), H800)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path).resident_update == "device"
+    data = plan.to_dict()
+    del data["resident_update"]  # a plan written before the field existed
+    assert Plan.from_dict(data).resident_update == "host"
+    with pytest.raises(PlanError, match="resident_update='gpu' is not one of"):
+        Plan.from_dict({**data, "resident_update": "gpu"})
