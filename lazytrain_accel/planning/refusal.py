@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from lazytrain_accel.planning.problem import (
+    DEVICE_RESIDENT_TERM,
     FROZEN_HOST_TERM,
     GIB,
     TRAINABLE_HOST_TERM,
@@ -30,6 +31,8 @@ _TERM_REMEDY = {
     "one layer's backward working set": "it grows with batch x sequence: a shorter "
     "--seq-len or a smaller micro-batch shrinks it",
     "3 layer weight buffers": "--max-recompute-block 1 (max_recompute_block=1) keeps 2",
+    DEVICE_RESIDENT_TERM: "--resident-update host (resident_update='host') keeps them on "
+    "the host with the layers'",
 }
 
 

@@ -94,3 +94,17 @@ def test_the_choice_travels_in_the_plan_file_and_an_old_file_means_host(tmp_path
     assert Plan.from_dict(data).resident_update == "host"
     with pytest.raises(PlanError, match="resident_update='gpu' is not one of"):
         Plan.from_dict({**data, "resident_update": "gpu"})
+
+
+def test_a_forced_gpu_update_that_does_not_fit_names_the_term_and_the_option() -> None:
+    from lazytrain_accel.planning import PlanInfeasibleError
+
+    rtx3090 = HARDWARE_PRESETS["rtx3090"]
+    model = profile_model(geometry_from_config(load_model_config("qwen3.6-27b")),
+                          batch_size=1, seq_len=1024, loss_chunk_tokens=None)
+    assert make_plan(model, rtx3090).resident_update == "host"  # auto: no room for them
+    with pytest.raises(PlanInfeasibleError) as err:
+        make_plan(model, rtx3090, resident_update="device", diagnose_s=0.0)
+    text = str(err.value)
+    assert f"its largest term is {DEVICE_RESIDENT_TERM}" in text
+    assert "--resident-update host (resident_update='host')" in text
