@@ -28,7 +28,7 @@ CATEGORIES: dict[str, tuple[str, str]] = {
     "weights": ("tab:gray", "layer weights H2D"),
     "grads": ("tab:brown", "gradients D2H"),
     "activations": ("tab:cyan", "activation offload / reload"),
-    "optimizer": ("tab:green", "host optimizer update"),
+    "optimizer": ("tab:green", "optimizer update"),
     "other": ("black", "other"),
 }
 #: A bar is drawn at least this fraction of the step wide, so short copies stay visible.
@@ -157,7 +157,7 @@ def _draw_lanes(ax: Any, result: SimulationResult, lanes: list[str]) -> None:
              f"{_seconds(result.compute_s)}, recompute {_seconds(result.recompute_s)}, "
              f"exposed transfers {_seconds(result.exposed_s - result.optimizer_exposed_s)}")
     if result.optimizer_exposed_s > 0:
-        title += f", exposed host optimizer {_seconds(result.optimizer_exposed_s)}"
+        title += f", exposed optimizer {_seconds(result.optimizer_exposed_s)}"
     ax.set_title(title + "  (faint lines: layer windows)", fontsize=10, loc="left")
     handles = [_patch(CATEGORIES[k]) for k in CATEGORIES if k in used]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,

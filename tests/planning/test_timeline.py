@@ -64,7 +64,7 @@ def test_every_colour_drawn_has_a_legend_entry(step) -> None:
     used = {category(op) for op in _with_host_optimizer(result).ops}
     assert labels == [CATEGORIES[k][1] for k in CATEGORIES if k in used]
     assert {"forward", "backward", "layer weights H2D", "activation offload / reload",
-            "host optimizer update"} <= set(labels)
+            "optimizer update"} <= set(labels)
     assert [t.get_text() for t in lanes_ax.get_yticklabels()][-1] == "host_optimizer"
     plt.close(fig)
 
