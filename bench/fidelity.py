@@ -174,7 +174,7 @@ def _hardware(h2d: float, d2h: float, nvme: float, optimizer_params_per_s: float
         h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, nvme_read_bytes_per_s=nvme,
         nvme_write_bytes_per_s=nvme, cpu_optimizer_params_per_s=optimizer_params_per_s,
         # the device is this CPU: residents updated "on the device" take the host kernel
-        gpu_optimizer_params_per_s=optimizer_params_per_s,
+        gpu_optimizer_params_per_s=optimizer_params_per_s, device_runs_async=False,
         source="bench/fidelity.py: compute measured on this CPU, links chosen against it")
 
 

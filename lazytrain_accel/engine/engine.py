@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -150,6 +151,9 @@ class StreamingEngine:
         self._backwarded: list[ForwardState] = []
         self._finalizer_task: int | None = None  # backward (graph task) with our callback
         self._update: LayerwiseUpdate | None = None
+        #: Queue the device residents' update after the layers' thread has started (a GPU
+        #: runs it beside the host's); on a CPU it runs before (`step_layerwise`).
+        self.residents_beside_layers = self.device.type == "cuda"
         self._shape_warned = False
         #: `replan(batch, seq) -> Plan | None`, asked before a batch beyond the plan runs
         self.replan: Callable[[int, int], Plan | None] | None = None
@@ -294,9 +298,10 @@ class StreamingEngine:
     def step_layerwise(self, optimizer: LayerwiseOptimizer) -> None:
         """Update parameters in forward order on a CPU thread: the input side's resident
         parameters (embeddings), layers 1..L, the output side's (final norm, untied head).
-        With `Plan.resident_update="device"` the residents are updated first, here, on
-        the device (their masters live there; on a GPU the kernels queue ahead of the next
-        forward on the compute stream), and the thread updates the layers.
+        With `Plan.resident_update="device"` the residents are updated here, on the device
+        (their masters live there): on a GPU the kernels queue on the compute stream ahead
+        of the next forward while the thread already updates the layers; on a CPU device
+        before the thread starts.
 
         `optimizer` implements `LayerwiseOptimizer` (HybridAdamW8bit does). The next
         forward of layer j waits only for layer j's update, its head only for the output
@@ -316,12 +321,29 @@ class StreamingEngine:
         owned = {p for group in optimizer.param_groups for p in group["params"]}
         groups = [[p for p in ps if p in owned] for ps in
                   (self.residents.early, *self._layer_params, self.residents.late)]
-        done_here = (0, len(groups) - 1) if self.residents.on_device else ()
-        if done_here:
-            with self.acct.timed("device_update_s"):
-                optimizer.step_params(groups[0] + groups[-1])
+        if not self.residents.on_device:
+            self._update = LayerwiseUpdate(optimizer, self.model, groups, self.acct,
+                                           copies=self.pool)
+            return
+        # The residents here, the layers on the thread. A GPU runs the queued update while
+        # the thread starts on the layers; on a CPU it runs first, as the plan models it.
+        beside = self.residents_beside_layers
+        queued = threading.Event()
+        if not beside:
+            self._update_residents(optimizer, groups[0] + groups[-1], queued)
         self._update = LayerwiseUpdate(optimizer, self.model, groups, self.acct,
-                                       copies=self.pool, done_groups=done_here)
+                                       copies=self.pool, done_groups=(0, len(groups) - 1),
+                                       others_done=queued)
+        if beside:
+            self._update_residents(optimizer, groups[0] + groups[-1], queued)
+
+    def _update_residents(self, optimizer: LayerwiseOptimizer, params: list[nn.Parameter],
+                          queued: threading.Event) -> None:
+        try:
+            with self.acct.timed("device_update_s"):
+                optimizer.step_params(params)
+        finally:
+            queued.set()  # the thread may end the step (an error here still surfaces)
 
     def _wait_update(self) -> None:
         if self._update is not None:

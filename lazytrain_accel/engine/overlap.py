@@ -60,9 +60,13 @@ class LayerwiseUpdate:
     def __init__(self, optimizer: LayerwiseOptimizer, model: nn.Module,
                  groups: list[list[nn.Parameter]], accounting: Accounting,
                  copies: CopyTarget | None = None,
-                 done_groups: Sequence[int] = ()) -> None:
+                 done_groups: Sequence[int] = (),
+                 others_done: threading.Event | None = None) -> None:
         self._opt = optimizer
-        self._done_groups = frozenset(done_groups)  # updated already (the device residents)
+        # Groups another thread updates (the device residents: the training thread queues
+        # their update); `others_done` is set once it has, and the step ends after that.
+        self._done_groups = frozenset(done_groups)
+        self._others_done = others_done
         self._patched = (optimizer, model)
         self._groups = groups
         self._acct = accounting
@@ -90,6 +94,8 @@ class LayerwiseUpdate:
                     if self._zero is not None:
                         _zero(group, self._zero)
                     done.set()
+            if self._others_done is not None:
+                self._others_done.wait()
             self._opt.end_step()
         except BaseException as err:  # surfaced on the training thread by wait()
             self._error = err

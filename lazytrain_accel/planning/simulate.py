@@ -23,8 +23,9 @@ earlier window, issued before it on its queue, so no plan can deadlock (`_check_
   forward of layer j waits only for Uj and its head for U_head (`optimizer_exposed_s`);
 * with `Plan.resident_update="device"` the residents' gradients stay on the device and
   their update runs there (U_device, on the "device_optimizer" lane) once the clip
-  coefficient is known (the last layer's gradients home); the host then updates
-  U1..UL, and the next step starts after U_device.
+  coefficient is known (the last layer's gradients home); the host updates U1..UL beside
+  it on a GPU (`HardwareProfile.device_runs_async`), after it on a CPU device, and the
+  next step starts after U_device.
 """
 
 from __future__ import annotations
@@ -260,7 +261,7 @@ class _StepBuilder:
         "host_optimizer" resource: U_embed, U1..UL, U_head; each once its gradients are
         home (the residents' leave last, `G_resident`). With the residents updated on the
         device: U_device (once every layer's gradients are home: the clip coefficient),
-        then U1..UL on the host."""
+        and U1..UL on the host, beside it on an async device, else after it."""
         p, rate, end = self.p, hardware.cpu_optimizer_params_per_s, self.p.num_windows
         head = p.head_update_param_count
         if p.resident_update == "device":
@@ -270,9 +271,13 @@ class _StepBuilder:
             first = self.q.add("U_embed", HOST_OPTIMIZER, (p.resident_update_param_count
                                                            - head) / rate,
                                after_end=[self.resident], window=end)
+        # The host's layers start with a GPU's queued residents' update (they run side by
+        # side), after a CPU device's (it runs on the training thread first) or U_embed.
+        beside = p.resident_update == "device" and hardware.device_runs_async
         ops = [first]
         ops += [self.q.add(f"U{j}", HOST_OPTIMIZER, p.layer_update_param_count / rate,
-                           after_end=[self.grad[j], first], window=end)
+                           after_end=[self.grad[j]] + ([] if beside else [first]),
+                           after_start=[first] if beside else [], window=end)
                 for j in range(1, self.L + 1)]
         if p.resident_update == "host":
             ops.append(self.q.add("U_head", HOST_OPTIMIZER, head / rate,

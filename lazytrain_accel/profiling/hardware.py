@@ -53,6 +53,10 @@ class HardwareProfile:
     # The residents' (embeddings, head) 8-bit update on the GPU when the plan keeps their
     # masters and moments there (`Plan.resident_update`); same default rule.
     gpu_optimizer_params_per_s: float = device_update_params_per_s(_DEFAULT_MEMORY_BYTES_PER_S)
+    # Work queued on the device runs while the host goes on (a GPU). False where the
+    # "device" is this CPU: its work, the residents' update included, runs on the training
+    # thread, so the host's layer update starts only after it.
+    device_runs_async: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -61,6 +65,11 @@ class HardwareProfile:
                 if not isinstance(value, str):
                     raise ValueError(f"hardware profile field {f.name}={value!r} must be a "
                                      "string")
+                continue
+            if f.type == "bool":
+                if not isinstance(value, bool):
+                    raise ValueError(f"hardware profile field {f.name}={value!r} must be "
+                                     "true or false")
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"hardware profile field {f.name}={value!r} must be a number")

@@ -214,6 +214,7 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
         nvme_read_bytes_per_s=nvme_read, nvme_write_bytes_per_s=nvme_write,
         cpu_optimizer_params_per_s=host_update,
         gpu_optimizer_params_per_s=_measure_device_optimizer(device, host_update),
+        device_runs_async=device.type == "cuda",
         dequant_bytes_per_s=dequant,
         source=(f"measured by lazytrain_accel on {platform.node()} at {when} with torch "
                 f"{torch.__version__}: {link_bytes // _MIB} MiB host<->device copies, a "

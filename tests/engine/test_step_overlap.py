@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -213,11 +214,15 @@ def _with_device_residents(plan):
     return dataclasses.replace(plan, resident_update="device")
 
 
-@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
-def test_residents_updated_on_the_device_train_like_the_host_update(tmp_path, compute_dtype):
-    """resident_update="device": the residents' update runs on the training thread before
-    the layer-wise one starts (on a GPU: queued ahead of the next forward), the layers on
-    the thread; same bits as the host-only update, gradients cleared after each step."""
+@pytest.mark.parametrize(("compute_dtype", "beside"), [(torch.float32, False),
+                                                     (torch.bfloat16, False),
+                                                     (torch.bfloat16, True)])
+def test_residents_updated_on_the_device_train_like_the_host_update(tmp_path, compute_dtype,
+                                                                     beside):
+    """resident_update="device": the residents' update runs on the training thread (on a
+    CPU before the layer-wise thread starts; `beside`, as on a GPU, once it has started),
+    the layers on the thread; same bits as the host-only update, gradients cleared after
+    each step."""
     from lazytrain_accel.optim import HybridAdamW8bit
 
     ref = build_model("qwen2", 4)
@@ -226,6 +231,7 @@ def test_residents_updated_on_the_device_train_like_the_host_update(tmp_path, co
                         compute_dtype=compute_dtype, nvme_dir=str(tmp_path))
     engine = attach(model, _with_device_residents(make_plan("offload_all", 4)), device=CPU,
                     compute_dtype=compute_dtype, nvme_dir=str(tmp_path))
+    engine.residents_beside_layers = beside
     opt_ref = HybridAdamW8bit(ref.parameters(), lr=LR, max_grad_norm=1.0)
     opt = HybridAdamW8bit(model.parameters(), lr=LR, max_grad_norm=1.0)
     stepped_on: dict[str, set[int]] = {}
@@ -234,6 +240,8 @@ def test_residents_updated_on_the_device_train_like_the_host_update(tmp_path, co
     def recording(params, **kwargs):
         where = stepped_on.setdefault(threading.current_thread().name, set())
         where.update(id(p) for p in params if p.grad is not None)
+        if beside and threading.current_thread() is threading.main_thread():
+            time.sleep(0.2)  # the thread finishes the layers first: it must not end the step
         step_params(params, **kwargs)
 
     opt.step_params = recording

@@ -17,6 +17,7 @@ from lazytrain_accel.planning.problem import (
 )
 from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.adapters import lora_profile_inputs
+from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
 
@@ -108,3 +109,18 @@ def test_a_forced_gpu_update_that_does_not_fit_names_the_term_and_the_option() -
     text = str(err.value)
     assert f"its largest term is {DEVICE_RESIDENT_TERM}" in text
     assert "--resident-update host (resident_update='host')" in text
+
+
+def test_a_gpu_runs_the_residents_update_beside_the_hosts_a_cpu_device_before_it() -> None:
+    model = _profile("qwen2.5-7b", 8)
+    plan = make_plan(model, H800)
+    ops = {op.name: op for op in simulate(plan, model, H800).ops}
+    assert ops["U1"].start_s == ops["U_device"].start_s  # queued: the host goes on
+    cpu_device = dataclasses.replace(H800, device_runs_async=False)
+    serial = simulate(dataclasses.replace(plan, fingerprint=run_fingerprint(model, cpu_device)),
+                      model, cpu_device)
+    ops = {op.name: op for op in serial.ops}
+    assert ops["U1"].start_s == ops["U_device"].end_s  # the training thread runs it first
+    assert serial.step_s > plan.prediction.step_s
+    with pytest.raises(ValueError, match="device_runs_async='yes' must be true or false"):
+        dataclasses.replace(H800, device_runs_async="yes")
