@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -50,7 +49,11 @@ from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.layer_call import ForwardState
 from lazytrain_accel.engine.loss_patch import FusedLoss, apply_fused_loss
 from lazytrain_accel.engine.nvme import NvmeSpill
-from lazytrain_accel.engine.overlap import LayerwiseOptimizer, LayerwiseUpdate
+from lazytrain_accel.engine.overlap import (
+    LayerwiseOptimizer,
+    LayerwiseUpdate,
+    start_layerwise_update,
+)
 from lazytrain_accel.engine.patching import ModelPatch, move_buffers, restore_buffers
 from lazytrain_accel.engine.residents import ResidentParams, output_side, owners
 from lazytrain_accel.engine.runtime import Runtime
@@ -321,29 +324,10 @@ class StreamingEngine:
         owned = {p for group in optimizer.param_groups for p in group["params"]}
         groups = [[p for p in ps if p in owned] for ps in
                   (self.residents.early, *self._layer_params, self.residents.late)]
-        if not self.residents.on_device:
-            self._update = LayerwiseUpdate(optimizer, self.model, groups, self.acct,
-                                           copies=self.pool)
-            return
-        # The residents here, the layers on the thread. A GPU runs the queued update while
-        # the thread starts on the layers; on a CPU it runs first, as the plan models it.
-        beside = self.residents_beside_layers
-        queued = threading.Event()
-        if not beside:
-            self._update_residents(optimizer, groups[0] + groups[-1], queued)
-        self._update = LayerwiseUpdate(optimizer, self.model, groups, self.acct,
-                                       copies=self.pool, done_groups=(0, len(groups) - 1),
-                                       others_done=queued)
-        if beside:
-            self._update_residents(optimizer, groups[0] + groups[-1], queued)
-
-    def _update_residents(self, optimizer: LayerwiseOptimizer, params: list[nn.Parameter],
-                          queued: threading.Event) -> None:
-        try:
-            with self.acct.timed("device_update_s"):
-                optimizer.step_params(params)
-        finally:
-            queued.set()  # the thread may end the step (an error here still surfaces)
+        here = (0, len(groups) - 1) if self.residents.on_device else ()
+        self._update = start_layerwise_update(optimizer, self.model, groups, self.acct,
+                                              copies=self.pool, groups_here=here,
+                                              here_beside=self.residents_beside_layers)
 
     def _wait_update(self) -> None:
         if self._update is not None:

@@ -148,6 +148,40 @@ class LayerwiseUpdate:
             raise RuntimeError("the layer-wise optimizer update failed") from err
 
 
+def start_layerwise_update(optimizer: LayerwiseOptimizer, model: nn.Module,
+                           groups: list[list[nn.Parameter]], accounting: Accounting, *,
+                           copies: CopyTarget | None = None, groups_here: Sequence[int] = (),
+                           here_beside: bool = False) -> LayerwiseUpdate:
+    """The update of `groups` in forward order on a thread, except `groups_here` (the
+    residents whose masters live on the device), which the calling thread updates: before
+    the thread starts, or with `here_beside` (a GPU, which runs the queued kernels while
+    the host updates the layers) once it has started; the thread ends the step only after
+    they are done (`others_done`). `StepStats.device_update_s` is their time here."""
+    if not groups_here:
+        return LayerwiseUpdate(optimizer, model, groups, accounting, copies=copies)
+    params = [p for g in groups_here for p in groups[g]]
+    here = threading.Event()
+
+    def update_here() -> None:
+        try:
+            with accounting.timed("device_update_s"):
+                optimizer.step_params(params)
+        finally:
+            here.set()  # the thread may end the step
+
+    if not here_beside:
+        update_here()
+    update = LayerwiseUpdate(optimizer, model, groups, accounting, copies=copies,
+                             done_groups=groups_here, others_done=here)
+    if here_beside:
+        try:
+            update_here()
+        except BaseException:
+            update.wait()  # no thread left running untracked; then the error
+            raise
+    return update
+
+
 def _zero(params: list[nn.Parameter], set_to_none: bool) -> None:
     for p in params:
         if p.grad is None:
