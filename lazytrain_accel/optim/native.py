@@ -19,6 +19,7 @@ import os
 import platform
 import sys
 import sysconfig
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -52,6 +53,29 @@ def _build_directory(name: str) -> Path:
     return Path(root) / name
 
 
+#: A build takes 30-50 s (a few minutes on a loaded machine): torch's build lock older
+#: than this was left by a build that was killed (Ctrl-C, OOM), and torch would wait on it
+#: forever, silently.
+STALE_BUILD_LOCK_S = 900.0
+
+
+def clear_stale_build_lock(directory: Path, *, now_s: float | None = None) -> bool:
+    """Remove `directory`'s build lock when it is older than `STALE_BUILD_LOCK_S` (said
+    in a warning); True if it did. A younger lock is another process's build: wait."""
+    lock = directory / "lock"
+    try:
+        age_s = (time.time() if now_s is None else now_s) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age_s < STALE_BUILD_LOCK_S:
+        return False
+    logger.warning("lazytrain: removing the 8-bit kernel's build lock %s, left %.0f s ago by "
+                   "a build that did not finish (interrupted or killed); building again",
+                   lock, age_s)
+    lock.unlink(missing_ok=True)
+    return True
+
+
 def _expected_constants() -> tuple[int, ...]:
     return (
         EXP_AVG_CODE.shift,
@@ -76,6 +100,7 @@ def load_kernel() -> ModuleType | None:
             logger.warning("lazytrain: building the 8-bit optimizer kernel (first use with this "
                            "source, torch and Python only, ~30 s) in %s", directory)
         directory.mkdir(parents=True, exist_ok=True)
+        clear_stale_build_lock(directory)
         module = load(
             name=name,
             build_directory=str(directory),

@@ -51,3 +51,19 @@ def test_a_missing_build_says_one_line_while_it_builds(source, tmp_path, monkeyp
     said = [r.getMessage() for r in caplog.records if "building" in r.getMessage()]
     assert len(said) == 1 and "first use" in said[0]  # the second load found the build
     assert calls[0] == calls[1] == str(tmp_path / "ext" / native._build_name())
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_a_fresh_one_kept(tmp_path, caplog):
+    """torch waits forever on a build lock whose builder died (Ctrl-C during the first
+    build): a lock older than any build is removed, with a warning; a fresh one is another
+    process building, which torch waits for."""
+    lock = tmp_path / "lock"
+    lock.touch()
+    now = lock.stat().st_mtime
+    assert not native.clear_stale_build_lock(tmp_path, now_s=now + 60)
+    assert lock.exists()
+    with caplog.at_level(logging.WARNING, logger=native.logger.name):
+        assert native.clear_stale_build_lock(tmp_path, now_s=now + native.STALE_BUILD_LOCK_S)
+    assert not lock.exists()
+    assert "did not finish" in caplog.text
+    assert not native.clear_stale_build_lock(tmp_path)  # no lock: nothing to do
