@@ -55,7 +55,7 @@ from lazytrain_accel.planning import (
     max_batch_size,
     simulate,
 )
-from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
+from lazytrain_accel.profiling.hardware import HardwareProfile, load_hardware, preset_for_gpu
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import (
     geometry_from_config,
@@ -181,9 +181,7 @@ def paper_ratio_at(host_update_params_per_s: float,
 def device_update_against_preset(hardware: HardwareProfile) -> dict[str, float | str | None]:
     """This GPU's measured residents' update rate beside the estimate of the preset for
     the same GPU model (None when no preset matches): how good the estimate is."""
-    compact = hardware.gpu_name.lower().replace(" ", "")
-    preset = next((p for p in HARDWARE_PRESETS.values()
-                   if p.name.split("-")[0] in compact), None)
+    preset = preset_for_gpu(hardware.gpu_name)
     estimate = None if preset is None else preset.gpu_optimizer_params_per_s
     return {"measured_params_per_s": hardware.gpu_optimizer_params_per_s,
             "preset": None if preset is None else preset.name,

@@ -105,6 +105,11 @@ class Budgets:
                    cpu_bytes=pick(cpu_memory_limit_gb, hw.cpu_memory_bytes, "cpu_memory_gb"),
                    nvme_bytes=pick(nvme_limit_gb, hw.nvme_bytes, "nvme_gb"))
 
+    @property
+    def gpu_reserve_bytes(self) -> int:
+        """Device bytes no plan fills (`GPU_RESERVE_FRACTION` of the GPU budget)."""
+        return int(GPU_RESERVE_FRACTION * self.gpu_bytes)
+
 
 @dataclass(kw_only=True, frozen=True)
 class Problem:
@@ -277,7 +282,7 @@ class Problem:
 
     @property
     def gpu_reserve_bytes(self) -> int:
-        return int(GPU_RESERVE_FRACTION * self.budgets.gpu_bytes)
+        return self.budgets.gpu_reserve_bytes
 
     @property
     def gpu_fixed_bytes(self) -> int:

@@ -16,7 +16,6 @@ from lazytrain_accel.planning.loss_head import plan_loss_head
 from lazytrain_accel.planning.no_solver import admissible, evaluate_fixed
 from lazytrain_accel.planning.plan import Plan, Prediction, SolverReport
 from lazytrain_accel.planning.problem import (
-    GPU_RESERVE_FRACTION,
     Budgets,
     PlanInfeasibleError,
     Problem,
@@ -211,8 +210,7 @@ def with_device_residents(plan: Plan, model: ModelProfile, hardware: HardwarePro
         return None
     moved = dataclasses.replace(plan, resident_update="device")
     prediction = simulate(moved, model, hardware).prediction()
-    reserve = int(GPU_RESERVE_FRACTION * budgets.gpu_bytes)
-    if (prediction.peak_gpu_bytes + reserve > budgets.gpu_bytes
+    if (prediction.peak_gpu_bytes + budgets.gpu_reserve_bytes > budgets.gpu_bytes
             or prediction.peak_cpu_bytes > budgets.cpu_bytes
             or prediction.step_s >= plan.prediction.step_s):
         return None

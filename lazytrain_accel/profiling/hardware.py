@@ -145,6 +145,7 @@ def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb
             nvme_read_gbps: float, nvme_write_gbps: float, optimizer_params_per_s: float,
             memory_gbps: float, source: list[str]) -> HardwareProfile:
     """A preset in the units vendor sheets use (GiB, TB, TFLOPS, GB/s)."""
+    device_update = device_update_params_per_s(memory_gbps * 1e9)
     return HardwareProfile(
         name=name, gpu_name=gpu_name, gpu_memory_bytes=int(gpu_gib * _GIB),
         cpu_memory_bytes=int(cpu_gib * _GIB), nvme_bytes=int(nvme_tb * 1e12),
@@ -154,11 +155,9 @@ def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb
         nvme_read_bytes_per_s=nvme_read_gbps * 1e9, nvme_write_bytes_per_s=nvme_write_gbps * 1e9,
         cpu_optimizer_params_per_s=optimizer_params_per_s,
         dequant_bytes_per_s=DEQUANT_EFFICIENCY * memory_gbps * 1e9,
-        gpu_optimizer_params_per_s=device_update_params_per_s(memory_gbps * 1e9),
+        gpu_optimizer_params_per_s=device_update,
         source="; ".join([*source, _OPTIMIZER.format(rate=optimizer_params_per_s),
-                          _DEVICE_UPDATE.format(
-                              rate=device_update_params_per_s(memory_gbps * 1e9),
-                              eff=DEQUANT_EFFICIENCY),
+                          _DEVICE_UPDATE.format(rate=device_update, eff=DEQUANT_EFFICIENCY),
                           _DEQUANT.format(rate=DEQUANT_EFFICIENCY * memory_gbps,
                                           eff=DEQUANT_EFFICIENCY, bw=memory_gbps)]))
 
@@ -209,6 +208,16 @@ HARDWARE_PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (
                     "NVMe 7.45 / 6.9 GB/s: vendor sheet of a PCIe 4.0 consumer SSD (Samsung "
                     "990 Pro 2 TB)", "host 256 GiB: assumed (workstation)"]),
 )}
+
+
+def preset_for_gpu(gpu_name: str) -> HardwareProfile | None:
+    """The preset of the GPU model `gpu_name` names (as CUDA reports it: "NVIDIA H200",
+    "NVIDIA GeForce RTX 4090"; an H100 takes the H800's, the same silicon), else None."""
+    compact = gpu_name.lower().replace(" ", "")
+    for preset in HARDWARE_PRESETS.values():
+        if preset.name.split("-")[0] in compact:  # "a100-80g" -> "a100"
+            return preset
+    return HARDWARE_PRESETS["h800"] if "h100" in compact else None
 
 
 def load_hardware(spec: str, *, cache_dir: str | None = None, nvme_dir: str | None = None,

@@ -25,7 +25,7 @@ import torch
 
 from lazytrain_accel.config import default_cache_dir, default_nvme_dir
 from lazytrain_accel.optim import HybridAdamW8bit
-from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
+from lazytrain_accel.profiling.hardware import HardwareProfile, preset_for_gpu
 
 _MIB = 1024**2
 
@@ -107,7 +107,6 @@ def _measure_optimizer(device: torch.device, num_params: int = 10_000_000) -> fl
     param = torch.nn.Parameter(torch.randn(num_params))
     param.grad = torch.full_like(param, 1e-3)
     out = [torch.empty(num_params, dtype=torch.bfloat16)] if device.type == "cuda" else None
-
     return num_params / _best_time_s(_clipped_step(param, out), torch.device("cpu"))
 
 
@@ -165,14 +164,8 @@ def _gpu_name(device: torch.device) -> str:
 
 def _vendor_peak_flops_per_s(gpu_name: str, measured: float) -> float:
     """The dense bf16 peak of a known GPU (from the presets), else the measured rate."""
-    compact = gpu_name.lower().replace(" ", "")
-    for preset in HARDWARE_PRESETS.values():
-        model = preset.name.split("-")[0]  # "a100-80g" -> "a100"
-        if model in compact:
-            return preset.peak_bf16_flops_per_s
-    if "h100" in compact:
-        return HARDWARE_PRESETS["h800"].peak_bf16_flops_per_s
-    return measured
+    preset = preset_for_gpu(gpu_name)
+    return measured if preset is None else preset.peak_bf16_flops_per_s
 
 
 #: What `_measure_optimizer` times; in the cache key, so a cache made with another probe
