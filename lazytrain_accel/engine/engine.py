@@ -19,12 +19,16 @@ The life of one training step, top-down (file:function):
    `_begin_backward` (waits for the whole update) -> `Runtime.rerun_with_grad` ->
    `grads.py:GradSink.put` (host `.grad`, squared norms recorded); the autograd callback
    `_finish_backward` drains the sink, closes the pass and folds the residents' grads.
-4. `optimizer.step()`: `integrations/step_guard.py:StepGuard.step` (non-finite guard) ->
-   `HybridAdamW8bit.step` -> its `step_runner` -> `step_layerwise` ->
-   `overlap.py:LayerwiseUpdate._run` on a thread: input-side residents, layer 1..L,
-   output-side residents, each layer's compute copy written in the same pass; `step()`
-   returns at once. The next forward's final norm and head wait for the last group
-   (`_before_head`, a pre-hook on their modules).
+4. `optimizer.step()`: `integrations/step_guard.py:StepGuard.step` (skips a non-finite
+   step, stops at a Ctrl-C) -> `HybridAdamW8bit.step` -> its `step_runner`, the
+   engine's `step_layerwise` -> `step.py:StepCoordinator.step`, the step top-down: wait
+   for the previous update, norms of the landed gradients, `begin_step` (clip
+   coefficient, finite check), then `overlap.py:LayerwiseUpdate` on a thread: input-side
+   residents, layer 1..L, output-side residents, each layer's compute copy written in
+   the same pass (residents whose masters live on the device are updated by the
+   training thread, beside the thread where the device is async); `step()` returns at
+   once. The next forward's final norm and head wait for the last group (`_before_head`,
+   a pre-hook on their modules).
 5. `optimizer.zero_grad()` / `model.zero_grad()`: deferred per group by the update
    (`LayerwiseUpdate._deferred_zero_grad`); the next step's forward starts at 1. while
    the update still runs.
@@ -49,15 +53,12 @@ from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.layer_call import ForwardState
 from lazytrain_accel.engine.loss_patch import FusedLoss, apply_fused_loss
 from lazytrain_accel.engine.nvme import NvmeSpill
-from lazytrain_accel.engine.overlap import (
-    LayerwiseOptimizer,
-    LayerwiseUpdate,
-    start_layerwise_update,
-)
+from lazytrain_accel.engine.overlap import LayerwiseOptimizer
 from lazytrain_accel.engine.patching import ModelPatch, move_buffers, restore_buffers
 from lazytrain_accel.engine.residents import ResidentParams, output_side, owners
 from lazytrain_accel.engine.runtime import Runtime
 from lazytrain_accel.engine.stats import Accounting, StepStats
+from lazytrain_accel.engine.step import StepCoordinator
 from lazytrain_accel.engine.streams import make_streams
 from lazytrain_accel.engine.weights import weight_slots
 from lazytrain_accel.planning.plan import Home, Plan
@@ -127,7 +128,7 @@ class StreamingEngine:
 
     def _build_parts(self, nvme_dir: str | None, resident: list[nn.Parameter],
                      late: list[nn.Parameter]) -> None:
-        self.acct = Accounting()
+        self.acct = Accounting(clock=self.streams)  # device work timed where it runs
         self.spill = NvmeSpill(nvme_dir, self.acct, streams=self.streams)
         trainable = [[p for p in ps if p.requires_grad] for ps in self._layer_params]
         max_numel = max((sum(p.numel() for p in ps) for ps in trainable), default=1)
@@ -135,8 +136,9 @@ class StreamingEngine:
                              max_numel=max(max_numel, 1), grad_dtype=self.compute_dtype)
         self.pool = quantized.weight_pool(self._layer_params, streams=self.streams,
                                           compute_dtype=self.compute_dtype,
-                                          accounting=self.acct, is_ready=self._is_updated,
-                                          wait_ready=self._wait_updated,
+                                          accounting=self.acct,
+                                          is_ready=lambda j: self.steps.is_group_updated(j),
+                                          wait_ready=lambda j: self.steps.wait_for_group(j),
                                           num_slots=weight_slots(self.plan))
         self.residents = ResidentParams(resident, late=late, device=self.device,
                                         compute_dtype=self.compute_dtype, sink=self.sink,
@@ -153,18 +155,22 @@ class StreamingEngine:
         self._latest: weakref.ref[ForwardState] | None = None
         self._backwarded: list[ForwardState] = []
         self._finalizer_task: int | None = None  # backward (graph task) with our callback
-        self._update: LayerwiseUpdate | None = None
-        #: Queue the device residents' update after the layers' thread has started (a GPU
-        #: runs it beside the host's); on a CPU it runs before (`step_layerwise`).
-        self.residents_beside_layers = self.device.type == "cuda"
+        last = len(self._layers) + 1
+        #: Begin, wait and end of each optimizer step (`engine/step.py`).
+        self.steps = StepCoordinator(
+            model=self.model,
+            groups=[self.residents.early, *self._layer_params, self.residents.late],
+            device_groups=(0, last) if self.residents.on_device else (), copies=self.pool,
+            accounting=self.acct, device_update_beside_host=self.streams.is_async,
+            grad_sq_norms=self.grad_sq_norms,
+            awaiting_backward=lambda: bool(self._open) or self.residents.active)
         self._shape_warned = False
         #: `replan(batch, seq) -> Plan | None`, asked before a batch beyond the plan runs
         self.replan: Callable[[int, int], Plan | None] | None = None
 
     # ---- model pass bracketing -------------------------------------------------------
     def _before_model(self) -> None:
-        if self._update is not None:
-            self._update.wait(0)  # the input side's residents are updated first
+        self.steps.wait_for_group(0)  # the input side's residents are updated first
         if self.residents.active and not self._open:
             self.residents.swap_out()  # a previous pass never ran (or failed) its backward
         self.residents.swap_in()
@@ -172,8 +178,7 @@ class StreamingEngine:
     def _before_head(self) -> None:
         """A module of the output side (final norm, head) is about to run: its update
         (the last group) is done and its device copies are in."""
-        if self._update is not None:
-            self._update.wait(len(self._layers) + 1)
+        self.steps.wait_for_group(len(self._layers) + 1)
         self.residents.swap_in_late()
 
     def _after_model(self) -> None:
@@ -267,7 +272,7 @@ class StreamingEngine:
             state.backwarded = True
             self._open.discard(state)
             self._backwarded.append(state)
-        self._wait_update()  # gradients of this pass must not meet a running update
+        self.steps.wait()  # gradients of this pass must not meet a running update
         self._queue_finalizer()
 
     def _queue_finalizer(self) -> None:
@@ -290,49 +295,14 @@ class StreamingEngine:
         for state in states:
             state.store.check_writes()
 
-    # ---- optimizer overlap -----------------------------------------------------------
-    def _is_updated(self, layer: int) -> bool:
-        return self._update is None or self._update.is_ready(layer)
-
-    def _wait_updated(self, layer: int) -> None:
-        if self._update is not None:
-            self._update.wait(layer)
-
-    def step_layerwise(self, optimizer: LayerwiseOptimizer) -> None:
-        """Update parameters in forward order on a CPU thread: the input side's resident
-        parameters (embeddings), layers 1..L, the output side's (final norm, untied head).
-        With `Plan.resident_update="device"` the residents are updated here, on the device
-        (their masters live there): on a GPU the kernels queue on the compute stream ahead
-        of the next forward while the thread already updates the layers; on a CPU device
-        before the thread starts.
-
-        `optimizer` implements `LayerwiseOptimizer` (HybridAdamW8bit does). The next
-        forward of layer j waits only for layer j's update, its head only for the output
-        side's; the next backward, a
-        `state_dict()`, `load_state_dict()` and `synchronize()` wait for the whole update.
-        It clips with the norms recorded as gradients landed (re-measured after a
-        data-parallel all-reduce: `refresh_grad_sq_norms`).
-        """
-        self._wait_update()
-        if self._open or self.residents.active:
-            raise RuntimeError("step_layerwise() called while a forward still awaits its "
-                               "backward; call it after loss.backward()")
-        self.sink.drain()
-        optimizer.set_grad_sq_norms(self.grad_sq_norms())
-        if not optimizer.begin_step():
-            return  # non-finite gradients: the optimizer skipped (and counted) this step
-        owned = {p for group in optimizer.param_groups for p in group["params"]}
-        groups = [[p for p in ps if p in owned] for ps in
-                  (self.residents.early, *self._layer_params, self.residents.late)]
-        here = (0, len(groups) - 1) if self.residents.on_device else ()
-        self._update = start_layerwise_update(optimizer, self.model, groups, self.acct,
-                                              copies=self.pool, groups_here=here,
-                                              here_beside=self.residents_beside_layers)
-
-    def _wait_update(self) -> None:
-        if self._update is not None:
-            update, self._update = self._update, None
-            update.wait()
+    # ---- optimizer step --------------------------------------------------------------
+    def step_layerwise(self, optimizer: LayerwiseOptimizer) -> bool:
+        """`optimizer.step()` through the engine: the update starts layer by layer in
+        forward order and this returns (False: a non-finite step, skipped); see
+        `StepCoordinator.step`. `optimizer` implements `LayerwiseOptimizer`
+        (HybridAdamW8bit does). The next forward of layer j waits only for layer j's
+        update; the next backward, `synchronize()` and state reads wait for all of it."""
+        return self.steps.step(optimizer)
 
     # ---- public queries --------------------------------------------------------------
     def layer_params(self, j: int) -> list[nn.Parameter]:
@@ -392,7 +362,7 @@ class StreamingEngine:
 
     def synchronize(self) -> None:
         """Wait for background I/O and a running layer-wise update."""
-        self._wait_update()
+        self.steps.wait()
         if self._state is not None:
             self._state.store.sync()
         for state in list(self._open):

@@ -1,4 +1,5 @@
-"""Optimizer/forward overlap: a layer-by-layer update on a CPU thread.
+"""Optimizer/forward overlap: a layer-by-layer update on a CPU thread (`LayerwiseUpdate`,
+started and waited for by `engine/step.py:StepCoordinator`).
 
 Groups are updated in forward order: group 0 = the input side's resident parameters
 (embeddings; a head tied to them included), group j = layer j, group L+1 = the output
@@ -12,7 +13,7 @@ deferred per group: a group's gradients are cleared right after its update, neve
 before, so a prompt `zero_grad()` cannot erase gradients still unread.
 `model.parameters()` and `model.named_parameters()` wait for the whole update, so a loop
 that reads the weights right after `optimizer.step()` reads updated ones. (All are patched
-on the instance for the duration of the update; a method bound before `step_layerwise`
+on the instance for the duration of the update; a method bound before the step
 bypasses them.)
 """
 
@@ -34,7 +35,7 @@ _WAITING_READS = ("parameters", "named_parameters")
 
 
 class LayerwiseOptimizer(Protocol):
-    """What `StreamingEngine.step_layerwise` needs of an optimizer (HybridAdamW8bit)."""
+    """What `StepCoordinator.step` needs of an optimizer (HybridAdamW8bit)."""
 
     param_groups: list[dict[str, Any]]
 
@@ -57,16 +58,20 @@ class CopyTarget(Protocol):
 
 
 class LayerwiseUpdate:
+    """The host's update of `groups` in forward order, on its own thread (started here).
+
+    `device_groups` are updated by the training thread instead (`StepCoordinator`), which
+    sets `device_update_done` when it has; the thread ends the step (`end_step`) only then.
+    """
+
     def __init__(self, optimizer: LayerwiseOptimizer, model: nn.Module,
                  groups: list[list[nn.Parameter]], accounting: Accounting,
                  copies: CopyTarget | None = None,
-                 done_groups: Sequence[int] = (),
-                 others_done: threading.Event | None = None) -> None:
+                 device_groups: Sequence[int] = (),
+                 device_update_done: threading.Event | None = None) -> None:
         self._opt = optimizer
-        # Groups another thread updates (the device residents: the training thread queues
-        # their update); `others_done` is set once it has, and the step ends after that.
-        self._done_groups = frozenset(done_groups)
-        self._others_done = others_done
+        self._device_groups = frozenset(device_groups)
+        self._device_update_done = device_update_done
         self._patched = (optimizer, model)
         self._groups = groups
         self._acct = accounting
@@ -88,14 +93,14 @@ class LayerwiseUpdate:
         start = time.perf_counter()
         try:
             for index, (group, done) in enumerate(zip(self._groups, self._done, strict=True)):
-                if index not in self._done_groups:
+                if index not in self._device_groups:
                     self._update_group(index, group)
                 with self._lock:
                     if self._zero is not None:
                         _zero(group, self._zero)
                     done.set()
-            if self._others_done is not None:
-                self._others_done.wait()
+            if self._device_update_done is not None:
+                self._device_update_done.wait()
             self._opt.end_step()
         except BaseException as err:  # surfaced on the training thread by wait()
             self._error = err
@@ -146,40 +151,6 @@ class LayerwiseUpdate:
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError("the layer-wise optimizer update failed") from err
-
-
-def start_layerwise_update(optimizer: LayerwiseOptimizer, model: nn.Module,
-                           groups: list[list[nn.Parameter]], accounting: Accounting, *,
-                           copies: CopyTarget | None = None, groups_here: Sequence[int] = (),
-                           here_beside: bool = False) -> LayerwiseUpdate:
-    """The update of `groups` in forward order on a thread, except `groups_here` (the
-    residents whose masters live on the device), which the calling thread updates: before
-    the thread starts, or with `here_beside` (a GPU, which runs the queued kernels while
-    the host updates the layers) once it has started; the thread ends the step only after
-    they are done (`others_done`). `StepStats.device_update_s` is their time here."""
-    if not groups_here:
-        return LayerwiseUpdate(optimizer, model, groups, accounting, copies=copies)
-    params = [p for g in groups_here for p in groups[g]]
-    here = threading.Event()
-
-    def update_here() -> None:
-        try:
-            with accounting.timed("device_update_s"):
-                optimizer.step_params(params)
-        finally:
-            here.set()  # the thread may end the step
-
-    if not here_beside:
-        update_here()
-    update = LayerwiseUpdate(optimizer, model, groups, accounting, copies=copies,
-                             done_groups=groups_here, others_done=here)
-    if here_beside:
-        try:
-            update_here()
-        except BaseException:
-            update.wait()  # no thread left running untracked; then the error
-            raise
-    return update
 
 
 def _zero(params: list[nn.Parameter], set_to_none: bool) -> None:

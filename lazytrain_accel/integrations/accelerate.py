@@ -140,8 +140,8 @@ class Accelerator(accelerate.Accelerator):
             quantize_frozen_linears(model, plugin.frozen_weights, compute_dtype or torch.float32)
         self.lazytrain_sizing = batch_shape.size_run(loader, model, plugin,
                                                       seq_bound=self.lazytrain_seq_bound)
-        hardware = load_hardware(plugin.hardware, cache_dir=plugin.cache_dir,
-                                 nvme_dir=plugin.nvme_dir)
+        hardware = setup.hardware_for_backend(plugin, load_hardware(
+            plugin.hardware, cache_dir=plugin.cache_dir, nvme_dir=plugin.nvme_dir))
         self.lazytrain_run = self._lazytrain_plan_for(model, self.lazytrain_sizing, hardware)
         plan, model_profile = self.lazytrain_run.plan, self.lazytrain_run.model_profile
         # Before the engine allocates anything: fail with a sentence, not an OOM kill.

@@ -5,6 +5,7 @@ engine, and build the optimizer on the host masters.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -37,6 +38,17 @@ class PreparedRun:
 def compute_dtype_for(mixed_precision: str | None) -> torch.dtype | None:
     """The dtype the streamed weight copies take on the device (None = keep fp32)."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(mixed_precision or "no"))
+
+
+def hardware_for_backend(config: LazyTrainConfig, hardware: HardwareProfile
+                         ) -> HardwareProfile:
+    """`hardware` as the engine's backend will run: the emulated async device stands in
+    for a GPU, so the residents' device update runs beside the host's there too
+    (`StepCoordinator`), and the simulator must model it that way
+    (`device_runs_async`); a profile measured on this CPU says otherwise."""
+    if config.emulate_async and not hardware.device_runs_async:
+        return dataclasses.replace(hardware, device_runs_async=True)
+    return hardware
 
 
 def emulation_for(config: LazyTrainConfig, hardware: HardwareProfile) -> EmulationSettings | bool:

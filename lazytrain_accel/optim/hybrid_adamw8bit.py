@@ -18,6 +18,7 @@ with the clip scale applied inside it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,11 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         self._grad_norm_cache: torch.Tensor | None = None
         self._precomputed_sq_norms: dict[torch.nn.Parameter, float] = {}
         self._context: _StepContext | None = None
+        #: `step_params` may run on two threads at once (the engine's update thread and,
+        #: for residents whose masters live on the device, the training thread): this
+        #: guards what they share (the step's updated set, `self.state`'s entries). The
+        #: math itself needs no lock: each parameter is updated by one thread, once.
+        self._shared_lock = threading.Lock()
         #: Who runs `step()`'s begin_step / step_params / end_step: None runs them here;
         #: the LazyTrain Accelerator sets the engine's overlapped layer-wise update.
         self.step_runner: Callable[[HybridAdamW8bit], None] | None = None
@@ -213,6 +219,14 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         for i, param in enumerate(params):
             if param.grad is None:
                 continue
+            state = self._claim(context, param)
+            out = None if out_bf16 is None else out_bf16[i]
+            self._update(param, state, context.group_of[param], context.clip_coef, out)
+
+    def _claim(self, context: _StepContext, param: torch.nn.Parameter) -> dict[str, Any]:
+        """Mark `param` updated in this step and return its state (created on first use),
+        under the lock another thread's `step_params` takes too."""
+        with self._shared_lock:
             if param not in context.group_of:
                 raise ValueError(f"a parameter of shape {tuple(param.shape)} is not in this "
                                  "optimizer's param groups")
@@ -220,24 +234,24 @@ class HybridAdamW8bit(torch.optim.Optimizer):
                 raise RuntimeError(f"parameter of shape {tuple(param.shape)} was already "
                                    "updated in this step; pass each parameter once")
             context.updated.add(param)
-            out = None if out_bf16 is None else out_bf16[i]
-            self._update(param, context.group_of[param], context.clip_coef, out)
+            state = self.state[param]
+            if not state:
+                _init_state(state, param, context.group_of[param]["block_size"],
+                            self.min_8bit_numel)
+            return state
 
     def end_step(self) -> None:
         """Close the step: the cached norm and the engine's norms belong to it."""
         self._context = None
         self._forget_gradients()
 
-    def _update(self, param: torch.nn.Parameter, group: dict[str, Any], clip_coef: float,
-                out: torch.Tensor | None) -> None:
+    def _update(self, param: torch.nn.Parameter, state: dict[str, Any], group: dict[str, Any],
+                clip_coef: float, out: torch.Tensor | None) -> None:
         grad = param.grad
         if grad.is_sparse:
             raise RuntimeError("HybridAdamW8bit does not support sparse gradients")
         if grad.dtype not in (torch.float32, torch.bfloat16):
             grad = grad.float()
-        state = self.state[param]
-        if not state:
-            _init_state(state, param, group["block_size"], self.min_8bit_numel)
         _follow_master(state, param.data.device)
         state["step"] += 1
         beta1, beta2 = group["betas"]

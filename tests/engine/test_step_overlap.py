@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -214,44 +213,60 @@ def _with_device_residents(plan):
     return dataclasses.replace(plan, resident_update="device")
 
 
-@pytest.mark.parametrize(("compute_dtype", "beside"), [(torch.float32, False),
-                                                     (torch.bfloat16, False),
-                                                     (torch.bfloat16, True)])
+@pytest.mark.parametrize(("compute_dtype", "emulated"), [(torch.float32, False),
+                                                       (torch.bfloat16, False),
+                                                       (torch.bfloat16, True)])
 def test_residents_updated_on_the_device_train_like_the_host_update(tmp_path, compute_dtype,
-                                                                     beside):
-    """resident_update="device": the residents' update runs on the training thread (on a
-    CPU before the layer-wise thread starts; `beside`, as on a GPU, once it has started),
-    the layers on the thread; same bits as the host-only update, gradients cleared after
-    each step."""
+                                                                     emulated):
+    """resident_update="device": the residents' update runs on the training thread, the
+    layers on the update thread; on a synchronous CPU device before that thread starts, on
+    an async one (the emulated device, as a GPU) beside it: the two overlap. Same bits as
+    the host-only update, gradients cleared after each step."""
+    from lazytrain_accel.engine.emulation import EmulationSettings
     from lazytrain_accel.optim import HybridAdamW8bit
 
     ref = build_model("qwen2", 4)
     model = twin(ref)
     ref_engine = attach(ref, make_plan("offload_all", 4), device=CPU,
-                        compute_dtype=compute_dtype, nvme_dir=str(tmp_path))
+                        compute_dtype=compute_dtype, nvme_dir=str(tmp_path), emulation=False)
     engine = attach(model, _with_device_residents(make_plan("offload_all", 4)), device=CPU,
-                    compute_dtype=compute_dtype, nvme_dir=str(tmp_path))
-    engine.residents_beside_layers = beside
+                    compute_dtype=compute_dtype, nvme_dir=str(tmp_path),
+                    emulation=EmulationSettings(seed=3) if emulated else False)
+    assert engine.steps.device_update_beside_host == emulated  # the backend decides
     opt_ref = HybridAdamW8bit(ref.parameters(), lr=LR, max_grad_norm=1.0)
     opt = HybridAdamW8bit(model.parameters(), lr=LR, max_grad_norm=1.0)
     stepped_on: dict[str, set[int]] = {}
     step_params = opt.step_params
+    first_layer = engine.layer_params(1)[0]
+    rounds: list[tuple[threading.Event, threading.Event]] = []  # per step: who is inside
+    overlapped: list[bool] = []
 
     def recording(params, **kwargs):
         where = stepped_on.setdefault(threading.current_thread().name, set())
         where.update(id(p) for p in params if p.grad is not None)
-        if beside and threading.current_thread() is threading.main_thread():
-            time.sleep(0.2)  # the thread finishes the layers first: it must not end the step
+        residents_in, layer_in = rounds[-1]
+        if threading.current_thread() is threading.main_thread():
+            residents_in.set()
+            # beside: the thread is inside layer 1's update while this one is in progress
+            overlapped.append(layer_in.wait(timeout=10.0 if emulated else 0.3))
+        elif params and params[0] is first_layer:
+            residents_in.wait(timeout=10.0)
+            layer_in.set()
         step_params(params, **kwargs)
+
+    def step() -> None:
+        rounds.append((threading.Event(), threading.Event()))  # the last update is over
+        engine.step_layerwise(opt)
 
     opt.step_params = recording
     _train(ref, lambda: ref_engine.step_layerwise(opt_ref), lambda: opt_ref.zero_grad())
-    _train(model, lambda: engine.step_layerwise(opt), lambda: opt.zero_grad())
+    _train(model, step, lambda: opt.zero_grad())
     engine.synchronize()
     ref_engine.synchronize()
     for p_ref, p in zip(ref.parameters(), model.parameters(), strict=True):
         assert torch.equal(p, p_ref)
         assert p.grad is None  # the deferred zero_grad reached the residents too
+    assert overlapped == [emulated] * 3  # side by side on the async device only
     residents = {id(p) for p in engine.resident_params()}
     assert stepped_on[threading.current_thread().name] == residents
     assert stepped_on["lazytrain-step"] == {id(p) for j in range(1, 5)

@@ -177,5 +177,5 @@ def test_checkpoints_and_state_dicts_wait_for_a_running_update(tmp_path: Path) -
     acc.backward(model(**batch).loss)
     opt.step()
     acc.save_state(str(tmp_path / "ckpt"))  # a checkpoint holds the whole update
-    assert acc.lazytrain_engine._update is None
+    assert not acc.lazytrain_engine.steps.update_pending
     acc.end_training()

@@ -1,0 +1,123 @@
+"""`StepCoordinator`: one optimizer step of a streamed model, from begin to end.
+
+`StepCoordinator.step` is what `optimizer.step()` does on a LazyTrain run once the
+non-finite guard let it through (`integrations/step_guard.py`); it reads top-down like
+torchtitan's `train_step`. The coordinator also owns the rest of the step's life: the
+waits of the next forward for each group's update (`wait_for_group`, `is_group_updated`),
+the wait for the whole update (`wait`), and, through the running `LayerwiseUpdate`, the
+deferral of `zero_grad()` until each group has been updated.
+
+Groups are updated in forward order: group 0 = the input side's residents (embeddings),
+group j = decoder layer j, group L+1 = the output side's residents (final norm, untied
+head). The residents whose masters live on the device (`Plan.resident_update="device"`)
+are updated by the training thread, the rest by the update thread. Where the device runs
+queued work while the host goes on (`Streams.is_async`: a GPU, and the emulated device
+that stands in for one), the training thread queues the residents' update after the
+update thread has started, so both run side by side; on a synchronous CPU device it runs
+first. `HardwareProfile.device_runs_async` tells the simulator the same thing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+
+from torch import nn
+
+from lazytrain_accel.engine.overlap import CopyTarget, LayerwiseOptimizer, LayerwiseUpdate
+from lazytrain_accel.engine.stats import Accounting
+
+
+class StepCoordinator:
+    """Begin, wait and end of each optimizer step of one streamed model."""
+
+    def __init__(self, *, model: nn.Module, groups: Sequence[Sequence[nn.Parameter]],
+                 device_groups: Sequence[int], copies: CopyTarget,
+                 accounting: Accounting, device_update_beside_host: bool,
+                 grad_sq_norms: Callable[[], Mapping[nn.Parameter, float]],
+                 awaiting_backward: Callable[[], bool]) -> None:
+        self._model = model
+        self._groups = [list(g) for g in groups]  # forward order, every parameter
+        #: The groups whose masters live on the device (the residents with
+        #: `Plan.resident_update="device"`): the training thread updates them.
+        self._device_groups = list(device_groups)
+        self._copies = copies
+        self._acct = accounting
+        #: Whether the residents' device update runs beside the host's layer update.
+        self.device_update_beside_host = device_update_beside_host
+        self._grad_sq_norms = grad_sq_norms
+        self._awaiting_backward = awaiting_backward
+        self._update: LayerwiseUpdate | None = None
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self, optimizer: LayerwiseOptimizer) -> bool:
+        """One optimizer step; returns when the update is under way (False: skipped)."""
+        self.wait()  # the previous step's update, whole
+        self._check_backward_done()
+        optimizer.set_grad_sq_norms(self._grad_sq_norms())  # measured as gradients landed
+        if not optimizer.begin_step():  # global norm -> clip coefficient, once
+            return False  # non-finite: the optimizer skipped and counted the step
+        groups = self._owned_groups(optimizer)
+        device_groups = self._device_groups
+        device_done = threading.Event()
+        if not self.device_update_beside_host:
+            self._update_on_device(optimizer, groups, device_groups, device_done, fail=None)
+        self._update = LayerwiseUpdate(optimizer, self._model, groups, self._acct,
+                                       copies=self._copies, device_groups=device_groups,
+                                       device_update_done=device_done)
+        if self.device_update_beside_host:
+            self._update_on_device(optimizer, groups, device_groups, device_done,
+                                   fail=self._update)
+        return True
+
+    def _check_backward_done(self) -> None:
+        if self._awaiting_backward():
+            raise RuntimeError("optimizer.step() called while a forward still awaits its "
+                               "backward; call it after loss.backward()")
+
+    def _owned_groups(self, optimizer: LayerwiseOptimizer) -> list[list[nn.Parameter]]:
+        """Each group's parameters that `optimizer` updates (a LoRA optimizer owns few)."""
+        owned = {p for group in optimizer.param_groups for p in group["params"]}
+        return [[p for p in group if p in owned] for group in self._groups]
+
+    def _update_on_device(self, optimizer: LayerwiseOptimizer,
+                          groups: list[list[nn.Parameter]], device_groups: list[int],
+                          done: threading.Event, *, fail: LayerwiseUpdate | None) -> None:
+        """The device residents' update on this thread (on a GPU: queued on the compute
+        stream ahead of the next forward); `done` lets the update thread end the step.
+        On an error, `fail` (the update thread, if started) is waited for first, and a
+        step that never started its thread is closed, so the next one can begin."""
+        try:
+            if device_groups:
+                with self._acct.timed("device_update_s"):
+                    optimizer.step_params([p for j in device_groups for p in groups[j]])
+        except BaseException:
+            done.set()
+            if fail is not None:
+                fail.wait()  # no thread left running untracked; then the error
+            else:
+                optimizer.end_step()
+            raise
+        done.set()
+
+    # ---- waits of the next step ---------------------------------------------------------
+    @property
+    def update_pending(self) -> bool:
+        """Whether a started update has not been waited for whole yet."""
+        return self._update is not None
+
+    def is_group_updated(self, group: int) -> bool:
+        """Whether `group` (0: input residents, j: layer j, L+1: output residents) may be
+        read: no update runs, or it has reached past that group."""
+        return self._update is None or self._update.is_ready(group)
+
+    def wait_for_group(self, group: int) -> None:
+        """Block until `group` is updated (the next forward needs only that group)."""
+        if self._update is not None:
+            self._update.wait(group)
+
+    def wait(self) -> None:
+        """Block until the running update (if any) is whole; re-raise its error."""
+        if self._update is not None:
+            update, self._update = self._update, None
+            update.wait()
