@@ -120,8 +120,8 @@ class ActivationStore:
         if rec.host is not None or rec.on_nvme or rec.device is None:
             return
         self._check_version(rec)
-        with self._acct.timed_transfer("d2h", rec.nbytes), self._streams.copy_stream("d2h"):
-            rec.host = self._streams.empty_host(rec.shape, rec.dtype)
+        rec.host = self._streams.empty_host(rec.shape, rec.dtype)
+        with self._streams.copy_stream("d2h"), self._acct.timed_transfer("d2h", rec.nbytes):
             self._streams.copy_(rec.host, rec.device)
             self._streams.keep_alive(rec.device)
             rec.host_ready = self._streams.record()
@@ -157,7 +157,7 @@ class ActivationStore:
         self._stall_on(lambda: self._streams.host_waits(rec.host_ready))
         # allocated on the compute stream, which reads and frees it; written on the side one
         rec.device = torch.empty(rec.shape, dtype=rec.dtype, device=self._streams.device)
-        with self._acct.timed_transfer("h2d", rec.nbytes), self._streams.copy_stream("h2d"):
+        with self._streams.copy_stream("h2d"), self._acct.timed_transfer("h2d", rec.nbytes):
             self._streams.copy_(rec.device, rec.host)
             self._streams.keep_alive(rec.device)
             rec.device_ready = self._streams.record()

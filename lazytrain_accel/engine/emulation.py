@@ -13,7 +13,9 @@ CUDA code paths (staging buffers, events, waits, staging reuse) on a CPU:
 * each worker sleeps a seeded random time before each op (jitter), so orderings vary
   with the seed and a failure replays with it (errors name it);
 * optionally each link is throttled to a byte rate, so overlap is measured, not assumed;
-  a throttled copy lands in pieces at the link's pace, the last piece at its end.
+  a throttled copy lands in pieces at the link's pace, the last piece at its end;
+* intervals on a side stream are timed by its worker as it runs them (markers in its
+  queue, as CUDA events time a stream's execution), not by the host that issued them.
 
 Compute runs synchronously on the host thread, so "compute waits for an event" blocks
 the host. What this cannot show: the CUDA calls themselves (stream semantics, the caching
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lazytrain_accel.engine.stats import ElapsedInterval, Interval
 from lazytrain_accel.engine.streams import IoLink, Link
 
 #: Value written into integer destinations at enqueue (floats get NaN, bools True).
@@ -90,7 +93,9 @@ class _Worker:
 
     def __init__(self, name: str, rng: random.Random, jitter_s: float) -> None:
         self.name = name
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        # (op, whether it is jittered first); None stops the thread
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], bool] | None] = \
+            queue.SimpleQueue()
         self._done = threading.Condition()
         self.enqueued = 0  # ops enqueued so far (an event's seq is this count)
         self.completed = 0
@@ -100,14 +105,15 @@ class _Worker:
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, op: Callable[[], None]) -> int:
+    def submit(self, op: Callable[[], None], *, jitter: bool = True) -> int:
         self.enqueued += 1
-        self._queue.put(op)
+        self._queue.put((op, jitter))
         return self.enqueued
 
     def _run(self) -> None:
-        while (op := self._queue.get()) is not None:
-            if self._jitter_s:
+        while (item := self._queue.get()) is not None:
+            op, jitter = item
+            if jitter and self._jitter_s:
                 time.sleep(self._rng.random() * self._jitter_s)
             try:
                 if self.error is None:
@@ -303,8 +309,41 @@ class EmulatedStreams:
         if rate:
             _sleep_until(start + nbytes / rate)
 
+    def start_interval(self) -> Callable[[], Interval]:
+        """On a side stream: timestamps taken by its worker when it reaches each end
+        (unjittered markers); on the compute stream (the host thread): the wall clock."""
+        worker = self._current()
+        if worker is None:
+            start_s = time.perf_counter()
+            return lambda: ElapsedInterval(time.perf_counter() - start_s)
+        marks: list[float] = []
+        worker.submit(lambda: marks.append(time.perf_counter()), jitter=False)
+
+        def stop() -> Interval:
+            seq = worker.submit(lambda: marks.append(time.perf_counter()), jitter=False)
+            return _WorkerInterval(EmulatedEvent(worker, seq), marks)
+
+        return stop
+
     def close(self) -> None:
         self._stop()  # queued ops run first; runs once (also on collection and at exit)
+
+
+class _WorkerInterval:
+    """Two markers run by one emulated stream's worker: the time it spent between them."""
+
+    def __init__(self, end: EmulatedEvent, marks: list[float]) -> None:
+        self._end, self._marks = end, marks
+
+    def query(self) -> bool:
+        return self._end.query()
+
+    def seconds(self) -> float:
+        try:
+            self._end.synchronize()
+        except RuntimeError:
+            return 0.0  # the stream failed: the engine's own wait on it raises that
+        return self._marks[1] - self._marks[0]
 
 
 def _stop_all(workers: list[_Worker]) -> None:

@@ -48,7 +48,7 @@ class GradSink:
         self._drain(slot)  # the host has read this staging's previous contents
         streams, staging, offset = self._streams, self._staging[slot], 0
         streams.claim(staging)
-        with self._acct.timed_transfer("grads_d2h", nbytes), streams.copy_stream("d2h"):
+        with streams.copy_stream("d2h"), self._acct.timed_transfer("grads_d2h", nbytes):
             for g in grads:
                 streams.copy_(staging[offset:offset + g.numel()].view(g.shape), g)
                 streams.keep_alive(g)

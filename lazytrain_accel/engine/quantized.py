@@ -173,15 +173,15 @@ class PackedWeightPool(WeightPool):
         streams, staging = self._streams, self._packed_staging[slot]
         host, offsets = self._host[layer - 1], self._offsets[layer - 1]
         end = self._layer_slot_bytes[layer - 1]
-        with self._acct.timed_transfer("weights_h2d", _layer_bytes(host)):
-            streams.host_waits(self._packed_staging_free[slot])  # its last H2D done
-            streams.claim(staging)
-            for tensors, starts in zip(host, offsets, strict=True):
-                for view, t in zip(_views(staging, tensors, starts), tensors.values(),
-                                   strict=True):
-                    view.copy_(t)
-            # Same side stream, after the float copy: its event covers the whole slot.
-            event = self._copy_to_slot(slot, self._packed_slots[slot][:end], staging[:end])
+        streams.host_waits(self._packed_staging_free[slot])  # its last H2D done
+        streams.claim(staging)
+        for tensors, starts in zip(host, offsets, strict=True):
+            for view, t in zip(_views(staging, tensors, starts), tensors.values(),
+                               strict=True):
+                view.copy_(t)
+        # Same side stream, after the float copy: its event covers the whole slot.
+        event = self._copy_to_slot(slot, self._packed_slots[slot][:end], staging[:end],
+                                   nbytes=_layer_bytes(host))
         self._packed_staging_free[slot] = event
 
     def acquire(self, layer: int) -> None:

@@ -1,15 +1,23 @@
 """Per-step accounting: peak bytes per memory tier and measured seconds per activity.
 
 The measured counterpart of the simulator's `Prediction` (planning/simulate.py).
+
+Seconds of device work (a layer's compute, a copy on a link) are measured by the stream
+backend's `Clock`, where the work runs: CUDA events on a GPU (a host clock would see only
+the time to queue it), the side stream's worker thread on the emulated device, the wall
+clock on a synchronous CPU. Such an interval may still be running when its region ends on
+the host; it is added once it has completed, and `snapshot()` waits for those still
+pending. Waits that block the host (`stall_s`) stay on the host clock.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 #: Memory tiers the engine accounts for.
 TIERS: tuple[str, ...] = ("device", "host_pinned", "host_pageable", "nvme")
@@ -17,6 +25,48 @@ TIERS: tuple[str, ...] = ("device", "host_pinned", "host_pageable", "nvme")
 TRANSFER_KINDS: tuple[str, ...] = (
     "d2h", "nvme_write", "nvme_read", "h2d", "weights_h2d", "grads_d2h",
 )
+
+
+class Interval(Protocol):
+    """The time between two points of one stream's work, as that stream ran it."""
+
+    def query(self) -> bool:
+        """Whether both points have been reached (`seconds()` will not block)."""
+        ...
+
+    def seconds(self) -> float:
+        """Elapsed seconds; blocks until the work between the points has run."""
+        ...
+
+
+class Clock(Protocol):
+    """Times work on the stream in use (`Streams` implements it per backend)."""
+
+    def start_interval(self) -> Callable[[], Interval]:
+        """Mark a start on the stream in use now; the returned `stop()`, called later on
+        the same stream, marks the end and returns the interval between."""
+        ...
+
+
+@dataclass(frozen=True)
+class ElapsedInterval:
+    """An interval already over, measured on the host."""
+
+    elapsed_s: float
+
+    def query(self) -> bool:
+        return True
+
+    def seconds(self) -> float:
+        return self.elapsed_s
+
+
+class WallClock:
+    """The host's clock: right where the work runs on the host thread that issues it."""
+
+    def start_interval(self) -> Callable[[], Interval]:
+        start = time.perf_counter()
+        return lambda: ElapsedInterval(time.perf_counter() - start)
 
 
 @dataclass(kw_only=True)
@@ -41,18 +91,24 @@ class StepStats:
 
 
 class Accounting:
-    """Thread-safe counters behind `StepStats` (the NVMe worker reports from its thread)."""
+    """Thread-safe counters behind `StepStats` (the NVMe worker reports from its thread);
+    `timed` and `timed_transfer` measure with `clock` (default: the host's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Clock | None = None) -> None:
         self._lock = threading.Lock()
         self._stats = StepStats()
+        self._clock: Clock = clock if clock is not None else WallClock()
+        # (scalar field or transfer kind, is a transfer, interval) not yet completed
+        self._pending: list[tuple[str, bool, Interval]] = []
 
     def reset(self) -> None:
         with self._lock:
             current = dict(self._stats.current_bytes)
             self._stats = StepStats(current_bytes=current, peak_bytes=dict(current))
+            self._pending = []  # intervals of the period before: not this one's
 
     def snapshot(self) -> StepStats:
+        self._settle(block=True)
         with self._lock:
             s = self._stats
             return StepStats(
@@ -86,16 +142,42 @@ class Accounting:
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
+        """Add the seconds of the work the enclosed code runs or queues on the stream in
+        use to the scalar field `name`."""
+        stop = self._clock.start_interval()
         try:
             yield
         finally:
-            self.add(name, time.perf_counter() - start)
+            self._add_interval(name, False, stop())
 
     @contextmanager
     def timed_transfer(self, kind: str, nbytes: int) -> Iterator[None]:
-        start = time.perf_counter()
+        """Time a transfer of `nbytes` on link `kind`; inside the link's `copy_stream`, so
+        the clock times the link's own work."""
+        stop = self._clock.start_interval()
         try:
             yield
         finally:
-            self.add_transfer(kind, time.perf_counter() - start, nbytes)
+            self.add_transfer(kind, 0.0, nbytes)
+            self._add_interval(kind, True, stop())
+
+    def _add_interval(self, name: str, transfer: bool, interval: Interval) -> None:
+        with self._lock:
+            self._pending.append((name, transfer, interval))
+        self._settle(block=False)
+
+    def _settle(self, *, block: bool) -> None:
+        """Add the pending intervals that have completed (all of them when `block`)."""
+        with self._lock:
+            ready, waiting = [], []
+            for entry in self._pending:  # one query each: an interval may end meanwhile
+                (ready if block or entry[2].query() else waiting).append(entry)
+            self._pending = waiting
+        # resolved outside the lock: waiting on a stream must not hold up other threads
+        resolved = [(name, transfer, interval.seconds()) for name, transfer, interval in ready]
+        with self._lock:
+            for name, transfer, seconds in resolved:
+                if transfer:
+                    self._stats.transfer_s[name] += seconds
+                else:
+                    setattr(self._stats, name, getattr(self._stats, name) + seconds)

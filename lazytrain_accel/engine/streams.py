@@ -15,11 +15,14 @@ differ per backend:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
+
+from lazytrain_accel.engine.stats import ElapsedInterval, Interval
 
 if TYPE_CHECKING:
     from lazytrain_accel.engine.emulation import EmulationSettings
@@ -89,6 +92,11 @@ class Streams(Protocol):
         """Bracket one NVMe transfer of `nbytes` on the spill's I/O thread."""
         ...
 
+    def start_interval(self) -> Callable[[], Interval]:
+        """Time the work of the stream in use (a `Clock`: compute outside `copy_stream`,
+        the link inside it) where it runs; see `engine/stats.py`."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -130,6 +138,10 @@ class SyncStreams:
 
     def io_link(self, link: IoLink, nbytes: int) -> AbstractContextManager[None]:
         return nullcontext()
+
+    def start_interval(self) -> Callable[[], Interval]:
+        start = time.perf_counter()  # the work runs on this thread as it is issued
+        return lambda: ElapsedInterval(time.perf_counter() - start)
 
     def close(self) -> None:
         return None
@@ -174,6 +186,32 @@ class CudaStreams(SyncStreams):
     def keep_alive(self, tensor: torch.Tensor) -> None:
         if tensor.is_cuda:
             tensor.record_stream(torch.cuda.current_stream(self.device))
+
+    def start_interval(self) -> Callable[[], Interval]:
+        """CUDA events with timing on the stream in use: its execution, not issue, time."""
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(self.device))
+
+        def stop() -> Interval:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            return CudaInterval(start, end)
+
+        return stop
+
+
+class CudaInterval:
+    """Two timed CUDA events of one stream."""
+
+    def __init__(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        self._start, self._end = start, end
+
+    def query(self) -> bool:
+        return self._end.query()
+
+    def seconds(self) -> float:
+        self._end.synchronize()
+        return self._start.elapsed_time(self._end) / 1e3  # elapsed_time is in ms
 
 
 def make_streams(device: torch.device,

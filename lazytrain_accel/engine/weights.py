@@ -161,22 +161,23 @@ class WeightPool:
         assert slot is not None
         params = self._params[layer - 1]
         nbytes = sum(p.numel() for p in params) * self._slots[slot].element_size()
-        with self._acct.timed_transfer("weights_h2d", nbytes):
-            copy = self._fresh_copy(layer)
-            if self._streams.is_async:
-                self._load_async(slot, params, copy)
-            elif copy is not None:
-                self._slots[slot][:copy.numel()].copy_(copy)
-            else:
-                for p, view in zip(params, self._views(slot, params), strict=True):
-                    view.copy_(p.data)
+        copy = self._fresh_copy(layer)
+        if self._streams.is_async:  # timed on the H2D stream (`_copy_to_slot`)
+            self._load_async(slot, params, copy, nbytes)
+        else:
+            with self._acct.timed_transfer("weights_h2d", nbytes):
+                if copy is not None:
+                    self._slots[slot][:copy.numel()].copy_(copy)
+                else:
+                    for p, view in zip(params, self._views(slot, params), strict=True):
+                        view.copy_(p.data)
         self._slot_layer[slot] = layer
         self._slot_fresh[slot] = fresh
         self._clock += 1
         self._last_used[slot] = self._clock
 
     def _load_async(self, slot: int, params: list[nn.Parameter],
-                    copy: torch.Tensor | None) -> None:
+                    copy: torch.Tensor | None, nbytes: int) -> None:
         k = self._next_staging
         self._next_staging = (k + 1) % NUM_STAGING
         streams, staging, offset = self._streams, self._staging[k], 0
@@ -188,17 +189,20 @@ class WeightPool:
         for p in params if copy is None else ():
             staging[offset:offset + p.numel()].view(p.shape).copy_(p.data)
             offset += p.numel()
-        event = self._copy_to_slot(slot, self._slots[slot][:offset], staging[:offset])
+        event = self._copy_to_slot(slot, self._slots[slot][:offset], staging[:offset],
+                                   nbytes=nbytes)
         self._staging_free[k] = event
 
-    def _copy_to_slot(self, slot: int, dst: torch.Tensor, staging: torch.Tensor) -> Event:
+    def _copy_to_slot(self, slot: int, dst: torch.Tensor, staging: torch.Tensor, *,
+                      nbytes: int) -> Event:
         """Copy `staging` into `dst` (part of `slot`) on the H2D side stream once the slot's
-        last reader is done; the slot's load event (returned) covers this copy and every
-        earlier one on that stream."""
+        last reader is done, timed there as `nbytes` of weights; the slot's load event
+        (returned) covers this copy and every earlier one on that stream."""
         streams = self._streams
         with streams.copy_stream("h2d"):
             streams.compute_waits(self._slot_done[slot])  # slot's last reader done
-            streams.copy_(dst, staging)
+            with self._acct.timed_transfer("weights_h2d", nbytes):
+                streams.copy_(dst, staging)
             event = streams.record()
         self._slot_loaded[slot] = event
         return event
