@@ -293,12 +293,27 @@ def dequant_rates(setting: QloraSetting, hardware: HardwareProfile) -> dict:
             "profile_bytes_per_s": hardware.dequant_bytes_per_s, "measured": measured}
 
 
+def peft_missing() -> str | None:
+    """Why the formats cannot run (peft, a test-only dependency of the package, is not
+    importable), or None when they can."""
+    try:
+        import peft  # noqa: F401
+    except ImportError as err:
+        return (f"QLoRA formats skipped: peft is not importable ({err}); put its wheel in "
+                f".whl/ (the download command in bench/gpu_check.sh) or pip install peft")
+    return None
+
+
 def run_phase(setting: QloraSetting, hardware: HardwareProfile,
               formats: tuple[str, ...] = FORMATS) -> dict:
     """The phase's report: the dequant rates, then one result per format (a format that
-    raises is reported with its error; the others still run)."""
+    raises is reported with its error; the others still run). Without peft the formats
+    are skipped, and `report["skipped"]` says why."""
     report: dict = {"dequant": dequant_rates(setting, hardware), "results": [],
                     "errors": []}
+    report["skipped"] = peft_missing()
+    if report["skipped"] is not None:
+        return report
     with tempfile.TemporaryDirectory(prefix="lazytrain_qlora_") as work:
         base = Path(work) / "base"
         if _attempt(report, "base", lambda: save_base(setting, base)):
@@ -320,6 +335,8 @@ def _attempt(report: dict, name: str, fn: Callable[[], object]) -> bool:
 
 
 def passed(report: dict) -> bool:
+    """No format failed (formats skipped for want of peft fail nothing: the report and
+    the table say they were skipped)."""
     return not report["errors"] and all(r["passed"] for r in report["results"])
 
 
@@ -329,6 +346,8 @@ def format_table(report: dict) -> str:
             f"(estimate), profile: {d['profile_bytes_per_s'] / 1e9:.1f} GB/s"]
     rows += [f"  measured {m['side']}x{m['side']}: {m['bytes_per_s'] / 1e9:.1f} GB/s "
              f"({m['over_preset']:.2f} x preset; {m['how']})" for m in d["measured"]]
+    if report["skipped"] is not None:
+        return "\n".join([*rows, report["skipped"]])
     rows.append(f"{'format':<12}{'packed MB':>10}{'max rel loss diff':>19}{'unchanged':>10}"
                 f"{'stock s':>9}{'step s':>9}{'pred s':>9}{'ratio':>7}{'ok':>5}")
     for r in report["results"]:

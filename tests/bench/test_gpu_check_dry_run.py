@@ -13,16 +13,30 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_check_dry_run_writes_its_report(tmp_path: Path) -> None:
-    out = tmp_path / "out"
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One hardware profile for both dry runs (measuring it takes most of a run)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def dry_run(out: Path, cache_dir: Path, pythonpath: str = "") -> subprocess.CompletedProcess:
     env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep
-           + os.environ.get("PATH", ""), "LAZYTRAIN_CACHE_DIR": str(tmp_path / "cache")}
+           + os.environ.get("PATH", ""), "LAZYTRAIN_CACHE_DIR": str(cache_dir),
+           "PYTHONPATH": pythonpath}
     done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), str(out), "--dry-run"],
                           env=env, capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done
+
+
+def test_gpu_check_dry_run_writes_its_report(tmp_path: Path, cache_dir: Path) -> None:
+    out = tmp_path / "out"
+    dry_run(out, cache_dir)
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["dry_run"] is True
     equivalence = report["equivalence"]
@@ -62,8 +76,29 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: Path) -> None:
     assert "\nprepare:nf4 " in table
 
 
+def test_without_peft_the_qlora_formats_are_skipped_in_one_line(tmp_path: Path,
+                                                                 cache_dir: Path) -> None:
+    """An environment with only the package's dependencies has no peft (a test-only
+    dependency): the check still passes, says so once, and the JSON records the skip."""
+    shim = tmp_path / "shim"  # as if peft were not installed, wherever it is installed
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['peft'] = None\n")
+    out = tmp_path / "out"
+    done = dry_run(out, cache_dir, pythonpath=str(shim))
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if "peft" in line]
+    assert len(lines) == 1 and lines[0].startswith("QLoRA formats skipped: peft"), lines
+    assert "pip install peft" in lines[0] and ".whl/" in lines[0]
+    report = json.loads((out / "gpu_check.json").read_text())
+    qlora = report["qlora"]
+    assert qlora["skipped"] == lines[0]
+    assert qlora["results"] == qlora["errors"] == []
+    assert [m["side"] for m in qlora["dequant"]["measured"]] == [256, 512]  # still measured
+    assert all(e["passed"] for e in report["equivalence"]) and report["runs"]  # the rest ran
+    assert lines[0] in (out / "gpu_check.txt").read_text()
+
+
 def _check_qlora(qlora: dict) -> None:
-    assert qlora["errors"] == []
+    assert qlora["errors"] == [] and qlora["skipped"] is None
     assert [r["fmt"] for r in qlora["results"]] == ["nf4", "int8", "prepare:nf4"]
     for r in qlora["results"]:
         assert r["passed"] and r["packed_unchanged"] and r["prepared_identical"], r

@@ -53,12 +53,33 @@ def test_the_planner_updates_the_residents_on_a_roomy_gpu_and_the_step_gets_fast
     assert plan.resident_update == "device" and host.resident_update == "host"
     assert plan.homes == host.homes
     assert plan.prediction.step_s < host.prediction.step_s
+    assert host.prediction.step_s == pytest.approx(_closed_form_step_s(model, host), rel=1e-4)
     again = simulate(plan, model, H800)  # `simulate --plan` reads the choice from the plan
-    assert again.step_s == plan.prediction.step_s
-    names = {op.name for op in again.ops}
-    assert "U_device" in names and not {"U_embed", "U_head"} & names
+    assert again.step_s == pytest.approx(_closed_form_step_s(model, plan), rel=1e-4)
+    ops = {op.name: op for op in again.ops}
+    assert "U_device" in ops and not {"U_embed", "U_head"} & set(ops)
+    assert ops["U_device"].end_s - ops["U_device"].start_s == pytest.approx(
+        model.resident_trainable_param_count / H800.gpu_optimizer_params_per_s)
     mega = make_plan(model, H800, strategy="megatrain")
     assert mega.resident_update == "host"  # MegaTrain keeps every update on the host
+
+
+def _closed_form_step_s(model, plan) -> float:
+    """The step with the overlapped update, by hand, where the host's update of a layer
+    (u: its trainable parameters at the host rate) outlasts its forward (f): the MIP's step
+    (the floor plus its objective), then the update's exposure. Residents on the device:
+    the host updates layers 1..L back to back from the step's end, beside the GPU's
+    shorter update, and the next forward of layer j waits for Uj: L u - (L-1) f. On the
+    host: U_embed first, then the layers, then U_head, for which the next step's head
+    waits: residents / host rate + L u - prologue - L f."""
+    p = build_problem(model, H800, resident_update=plan.resident_update)
+    u = model.layer_trainable_param_count / H800.cpu_optimizer_params_per_s
+    assert u > p.fwd_s and p.device_update_s < p.num_layers * u  # where the form holds
+    L, base_s = p.num_layers, p.step_floor_s() + plan.solver.objective_s
+    if plan.resident_update == "device":
+        return base_s + L * u - (L - 1) * p.fwd_s
+    residents_s = model.resident_trainable_param_count / H800.cpu_optimizer_params_per_s
+    return base_s + residents_s + L * u - p.prologue_s - L * p.fwd_s
 
 
 def test_a_gpu_without_room_for_them_keeps_the_residents_on_the_host() -> None:
