@@ -14,6 +14,9 @@ are used in place. That also keeps bitsandbytes' CPU repacking
 (`_convert_weight_packed_for_cpu`: an eval-mode forward rewrites `param.data` and flags
 its `QuantState`) on the real parameter, as in a stock run. Under the emulated async
 device it happens on the slot's copy and is thrown away at release (redone each call).
+Which linears repack depends on the grad mode (`forward_follows_grad_mode`): layers that
+hold such linears run their no-graph forward with grad enabled, as stock does
+(`runtime.Runtime.run_layer`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,21 @@ def is_packed(p: torch.Tensor) -> bool:
     """Whether `p` holds packed integer weights (never a float master, never cast)."""
     return not p.is_floating_point() and (type(p).__name__ in PACKED_CLASSES
                                           or p.dtype in (torch.uint8, torch.int8))
+
+
+def forward_follows_grad_mode(layer: nn.Module, device: torch.device) -> bool:
+    """Whether `layer`'s forward may compute differently under no_grad than with grad on.
+
+    bitsandbytes' `Linear4bit.forward` (and its LinearNF4/LinearFP4 subclasses), on a CPU
+    with AVX512-BF16 and in eval mode, repacks its weight for the CPU inference kernel
+    (`_convert_weight_packed_for_cpu`: bf16 math) at a call whose input does not require
+    grad, and runs that kernel from then on. Stock, training an eval-mode model, takes it
+    only where no grad reaches the input (layer 1's projections when the embeddings are
+    frozen); under no_grad every input qualifies."""
+    return device.type == "cpu" and any(
+        not m.training and getattr(m, "support_avx512bf16_for_cpu", False)
+        and any(c.__name__ == "Linear4bit" for c in type(m).__mro__)
+        for m in layer.modules())
 
 
 def _state_to(state: Any, device: torch.device) -> Any:

@@ -269,3 +269,22 @@ def test_trl_sft_trainer_with_peft_config_matches_stock(tmp_path: Path) -> None:
     assert ours == stock and len(stock) == 3
     for name, value in stock_params.items():
         torch.testing.assert_close(ours_params[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_qlora_trained_in_eval_mode_runs_the_stock_cpu_kernels(tmp_path: Path) -> None:
+    """`from_pretrained` returns an eval-mode model, and short scripts train it so. In eval
+    mode bitsandbytes' `Linear4bit` on a CPU with AVX512-BF16 repacks its weight for the
+    inference kernel at a call whose input needs no grad (stock: layer 1's q/k/v, fed by
+    the frozen embeddings) and uses that kernel from then on. The streamed layers, which
+    run their forward without a graph, must take the same branch for the same linears:
+    losses, adapters and the (repacked) packed weights equal stock's."""
+    if not bnb.functional.has_avx512bf16():
+        pytest.skip("no AVX512-BF16 on this CPU: bitsandbytes has no CPU inference kernel")
+    stock = train(qlora(wide=True).eval(), None)
+    ours = train(qlora(wide=True).eval(), plugin(tmp_path, "megatrain", optimizer="keep"))
+    repacked = {n for n, v in _packed(stock.params).items() if v.shape[1] != 1}
+    assert 0 < len(repacked) < len(_packed(stock.params))  # the test sees both branches
+    assert ours.losses == stock.losses and ours.grad_norms == stock.grad_norms
+    assert ours.params.keys() == stock.params.keys()
+    for name, value in stock.params.items():
+        torch.testing.assert_close(ours.params[name], value, rtol=0, atol=0, msg=name)
