@@ -21,10 +21,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # bnb's CPU kern
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
-def _wide_llama() -> torch.nn.Module:
+def _wide_llama(hidden_size: int = 64) -> torch.nn.Module:
     """A Llama whose linears are at least one 4-bit block (64) wide: bitsandbytes' CPU
     eval kernel repacks weights per 64 input features and fails on narrower ones."""
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden_size,
+                                      intermediate_size=2 * hidden_size,
                                       num_attention_heads=4, num_key_value_heads=2,
                                       num_hidden_layers=2, max_position_embeddings=64,
                                       use_cache=False)
@@ -33,10 +34,11 @@ def _wide_llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).train()
 
 
-def quantized_base(quant_type: str = "nf4", wide: bool = False) -> torch.nn.Module:
+def quantized_base(quant_type: str = "nf4", wide: bool = False,
+                   hidden_size: int = 64) -> torch.nn.Module:
     """A tiny Llama with every decoder linear replaced by a bitsandbytes 4-bit one
     (what `from_pretrained(..., quantization_config=BitsAndBytesConfig(...))` loads)."""
-    model = _wide_llama() if wide else build("llama")
+    model = _wide_llama(hidden_size) if wide else build("llama")
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, linear in list(parent.named_children()):
@@ -51,8 +53,8 @@ def quantized_base(quant_type: str = "nf4", wide: bool = False) -> torch.nn.Modu
     return model
 
 
-def qlora(quant_type: str = "nf4", wide: bool = False) -> torch.nn.Module:
-    return peft.get_peft_model(quantized_base(quant_type, wide), peft.LoraConfig(
+def qlora(quant_type: str = "nf4", wide: bool = False, hidden_size: int = 64) -> torch.nn.Module:
+    return peft.get_peft_model(quantized_base(quant_type, wide, hidden_size), peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
 
 
