@@ -146,7 +146,8 @@ class StreamingEngine:
                                         device_masters=self.plan.resident_update == "device")
         self._originals = [layer.forward for layer in self._layers]
         self._signatures = [inspect.signature(f) for f in self._originals]
-        self.runtime = Runtime(plan=self.plan, originals=self._originals, trainable=trainable,
+        self.runtime = Runtime(plan=self.plan, layers=self._layers, originals=self._originals,
+                               trainable=trainable,
                                streams=self.streams, acct=self.acct, spill=self.spill,
                                pool=self.pool, sink=self.sink,
                                begin_backward=self._begin_backward)

@@ -95,7 +95,7 @@ class ForwardState:
         with capturing(hidden) as captured:
             outputs = self.rt.run_layer(pos.layer, hidden, kwargs,
                                         prefetch=self._forward_prefetch(index),
-                                        counter="layer_forwards")
+                                        counter="layer_forwards", pos=pos)
         pos.captured = captured.record
         out_leaves, pos.out_spec = pytree.tree_flatten(outputs)
         pos.tensor_ids = [k for k, v in enumerate(out_leaves) if isinstance(v, torch.Tensor)]
@@ -104,7 +104,8 @@ class ForwardState:
             raise TypeError(f"decoder layer {pos.layer} returned {type(outputs).__name__} whose "
                             "first element is not a tensor; the engine needs the hidden state "
                             "first")
-        return [out_leaves[k] for k in pos.tensor_ids] + captured.tensors
+        # detached: a run with grad on (`Runtime.run_layer`) records them with a graph
+        return [out_leaves[k] for k in pos.tensor_ids] + [t.detach() for t in captured.tensors]
 
     # ---- backward ------------------------------------------------------------------
     def input_for_backward(self, boundary: int) -> torch.Tensor:
@@ -121,7 +122,7 @@ class ForwardState:
             nxt = self.positions[k].layer if k < len(self.positions) else pos.layer
             with replaying(pos.replay), recording(None):  # regenerating records nothing
                 x = self.rt.run_layer(pos.layer, x, pytree.tree_unflatten(pos.leaves, pos.spec),
-                                      prefetch=(nxt,), counter="layer_recomputes")
+                                      prefetch=(nxt,), counter="layer_recomputes", pos=pos)
             x = pytree.tree_leaves(x)[0]
             self.cache[k] = x
             self.rt.acct.allocate("device", x.numel() * x.element_size())

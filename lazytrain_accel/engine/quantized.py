@@ -13,7 +13,12 @@ On a synchronous CPU device the packed host tensors already are the device copy:
 are used in place. That also keeps bitsandbytes' CPU repacking
 (`_convert_weight_packed_for_cpu`: an eval-mode forward rewrites `param.data` and flags
 its `QuantState`) on the real parameter, as in a stock run. Under the emulated async
-device it happens on the slot's copy and is thrown away at release (redone each call).
+device it happens on the slot's copy; at release the pool repacks the host master the same
+way (`PackedWeightPool._adopt_cpu_repack`: the same function on the same bytes, so the
+same result) and lays its slot bytes out anew, so the master ends as a stock run's does.
+Which linears repack depends on the grad mode (`forward_follows_grad_mode`): layers that
+hold such linears run their no-graph forward with grad enabled, as stock does
+(`runtime.Runtime.run_layer`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,21 @@ def is_packed(p: torch.Tensor) -> bool:
     """Whether `p` holds packed integer weights (never a float master, never cast)."""
     return not p.is_floating_point() and (type(p).__name__ in PACKED_CLASSES
                                           or p.dtype in (torch.uint8, torch.int8))
+
+
+def forward_follows_grad_mode(layer: nn.Module, device: torch.device) -> bool:
+    """Whether `layer`'s forward may compute differently under no_grad than with grad on.
+
+    bitsandbytes' `Linear4bit.forward` (and its LinearNF4/LinearFP4 subclasses), on a CPU
+    with AVX512-BF16 and in eval mode, repacks its weight for the CPU inference kernel
+    (`_convert_weight_packed_for_cpu`: bf16 math) at a call whose input does not require
+    grad, and runs that kernel from then on. Stock, training an eval-mode model, takes it
+    only where no grad reaches the input (layer 1's projections when the embeddings are
+    frozen); under no_grad every input qualifies."""
+    return device.type == "cpu" and any(
+        not m.training and getattr(m, "support_avx512bf16_for_cpu", False)
+        and any(c.__name__ == "Linear4bit" for c in type(m).__mro__)
+        for m in layer.modules())
 
 
 def _state_to(state: Any, device: torch.device) -> Any:
@@ -106,7 +126,7 @@ def _point_at(p: nn.Parameter, host: dict[str, torch.Tensor], views: dict[str, t
         for name in _STATE_TENSORS:
             if name in views:
                 setattr(moved, name, views[name])
-        if state.state2 is not None:
+        if getattr(state, "state2", None) is not None:  # bitsandbytes' CPU repack drops it
             moved.state2 = copy.copy(state.state2)
             for name in _STATE_TENSORS:
                 if "state2." + name in views:
@@ -114,6 +134,11 @@ def _point_at(p: nn.Parameter, host: dict[str, torch.Tensor], views: dict[str, t
         p.quant_state = moved
     if "SCB" in host:
         p.CB, p.SCB = views["data"], views["SCB"]
+
+
+def _cpu_packed(state: Any) -> bool:
+    """Whether bitsandbytes repacked this `QuantState`'s weight for its CPU kernel."""
+    return bool(getattr(state, "packing_format_for_cpu", False))
 
 
 def _aligned(nbytes: int) -> int:
@@ -140,7 +165,8 @@ class PackedWeightPool(WeightPool):
                          **kwargs)
         if not self._streams.is_async:
             return
-        # Frozen: the host tensors (and their byte layout) are fixed from here on.
+        # Frozen: the host tensors (and their byte layout) are fixed from here on, but for
+        # bitsandbytes' one-time CPU repack (`_adopt_cpu_repack`).
         self._host = [[_host_tensors(p) for p in ps] for ps in self._packed]
         self._states = [[getattr(p, "quant_state", None) for p in ps] for ps in self._packed]
         self._offsets, self._layer_slot_bytes = _layout(self._host)
@@ -195,22 +221,52 @@ class PackedWeightPool(WeightPool):
             _point_at(p, host, dict(zip(host, _views(flat, host, starts), strict=True)), state)
 
     def release(self, layer: int) -> None:
+        repacked = []
         if not self._in_place:
             for p, host, state in zip(self._packed[layer - 1], self._host[layer - 1],
                                       self._states[layer - 1], strict=True):
+                repacked.append(state is not None and _cpu_packed(p.quant_state)
+                                and not _cpu_packed(state))
                 p.data = host["data"]
                 if state is not None:
                     p.quant_state = state
                 if "SCB" in host:
                     p.CB, p.SCB = host["data"], host["SCB"]
         super().release(layer)
+        if any(repacked):
+            self._adopt_cpu_repack(layer, repacked)
+
+    def _adopt_cpu_repack(self, layer: int, repacked: list[bool]) -> None:
+        """bitsandbytes repacked the slot's copy of some of `layer`'s 4-bit weights for its
+        CPU inference kernel (eval mode, `forward_follows_grad_mode`): repack their host
+        masters as a stock run repacks its weights (then flagged, never again), and lay the
+        bytes out anew (data reshaped, absmax now bf16, nested state gone)."""
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+        for k, (p, state) in enumerate(zip(self._packed[layer - 1], self._states[layer - 1],
+                                           strict=True)):
+            if repacked[k]:
+                p.data, p.quant_state = _convert_weight_packed_for_cpu(p.data, state)
+                self._host[layer - 1][k] = _host_tensors(p)
+        self._offsets, self._layer_slot_bytes = _layout(self._host)
+        for slot, held in enumerate(self._slot_layer):
+            if held == layer:  # its bytes are laid out the old way
+                self._slot_layer[slot], self._slot_fresh[slot] = None, False
+        if max(self._layer_slot_bytes) > self._packed_slot_bytes:
+            self._free_packed()
+            self._packed_slot_bytes = max(self._layer_slot_bytes)
+            self._grow_packed()
+            self.invalidate()  # what the other slots held sits in the dropped buffers
+
+    def _free_packed(self) -> None:
+        n = len(self._packed_slots) * self._packed_slot_bytes
+        self._acct.free("device", n)
+        self._acct.free("host_pinned", n)
+        self._packed_slots, self._packed_staging, self._packed_staging_free = [], [], []
 
     def close(self) -> None:
         if not self._in_place:
-            n = len(self._packed_slots) * self._packed_slot_bytes
-            self._acct.free("device", n)
-            self._acct.free("host_pinned", n)
-            self._packed_slots, self._packed_staging = [], []
+            self._free_packed()
         super().close()
 
 

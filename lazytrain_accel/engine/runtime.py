@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from lazytrain_accel.engine.captures import recorded, recording
 from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.nvme import NvmeSpill
+from lazytrain_accel.engine.quantized import forward_follows_grad_mode
 from lazytrain_accel.engine.replay import replaying
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.engine.streams import Streams
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
 
 
 class Runtime:
-    def __init__(self, *, plan: Plan, originals: list[Callable[..., Any]],
+    def __init__(self, *, plan: Plan, layers: list[nn.Module],
+                 originals: list[Callable[..., Any]],
                  trainable: list[list[nn.Parameter]], streams: Streams, acct: Accounting,
                  spill: NvmeSpill, pool: WeightPool, sink: GradSink,
                  begin_backward: Callable[[ForwardState], None]) -> None:
@@ -38,6 +40,7 @@ class Runtime:
         self.pool = pool
         self.sink = sink
         self.begin_backward = begin_backward
+        self._layers = layers  # index 0 = layer 1
         self._originals = originals  # the layers' own forwards, index 0 = layer 1
         self._trainable = trainable
         # A grad-requiring scalar per trainable layer keeps its Function in the graph
@@ -55,17 +58,26 @@ class Runtime:
             self.pool.prefetch(nxt)
 
     def run_layer(self, layer: int, hidden: torch.Tensor, kwargs: dict[str, Any], *,
-                  prefetch: Sequence[int], counter: str) -> Any:
-        """Run layer `layer`'s own forward on its device weights (no autograd graph);
-        the layers in `prefetch` start loading, in order, while it computes."""
+                  prefetch: Sequence[int], counter: str, pos: _Position | None = None) -> Any:
+        """Run layer `layer`'s own forward on its device weights (no autograd graph kept);
+        the layers in `prefetch` start loading, in order, while it computes. For a
+        training call (`pos`: its record) whose math depends on the grad mode
+        (`quantized.forward_follows_grad_mode`) it runs with grad on, inputs requiring
+        grad as the call's did, as the stock forward does; the graph is dropped."""
+        stock_grad = pos is not None and forward_follows_grad_mode(self._layers[layer - 1],
+                                                                   self.streams.device)
         self._acquire(layer, prefetch)
         timer = "recompute_s" if counter == "layer_recomputes" else "compute_s"
         try:
-            with self.acct.timed(timer), torch.no_grad():
+            with self.acct.timed(timer), torch.set_grad_enabled(stock_grad):
+                if stock_grad:
+                    hidden, _, kwargs = _grad_inputs(hidden, pos)
                 out = self._originals[layer - 1](hidden, **kwargs)
         finally:
             self.pool.release(layer)
         self.acct.add(counter, 1)
+        if stock_grad:
+            out = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
         return out
 
     def rerun_with_grad(self, layer: int, hidden: torch.Tensor, pos: _Position,
@@ -77,12 +89,8 @@ class Runtime:
         try:
             with self.acct.timed("compute_s"), replaying(pos.replay), torch.enable_grad(), \
                     recording(pos.captured) as fresh:
-                h = hidden.detach().requires_grad_(pos.hidden_requires_grad)
-                leaves = list(pos.leaves)
-                extras = [leaves[k].detach().requires_grad_() for k in pos.extra_ids]
-                for k, extra in zip(pos.extra_ids, extras, strict=True):
-                    leaves[k] = extra
-                out = self._originals[layer - 1](h, **pytree.tree_unflatten(leaves, pos.spec))
+                h, extras, kwargs = _grad_inputs(hidden, pos)
+                out = self._originals[layer - 1](h, **kwargs)
                 outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
                 outs += recorded(fresh, pos.captured)  # the Function's extra outputs, in order
                 pairs = [(o, g) for o, g in zip(outs, grad_outs, strict=False)
@@ -101,3 +109,15 @@ class Runtime:
         grad_hidden = grads[0] if pos.hidden_requires_grad else None
         first_extra = 1 if pos.hidden_requires_grad else 0
         return (grad_hidden, *grads[first_extra:first_extra + len(extras)])
+
+
+def _grad_inputs(hidden: torch.Tensor, pos: _Position
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, Any]]:
+    """Detached inputs of the call `pos` requiring grad as its own did: the hidden state,
+    the extras (kwargs that required grad) and the kwargs holding them."""
+    h = hidden.detach().requires_grad_(pos.hidden_requires_grad)
+    leaves = list(pos.leaves)
+    extras = [leaves[k].detach().requires_grad_() for k in pos.extra_ids]
+    for k, extra in zip(pos.extra_ids, extras, strict=True):
+        leaves[k] = extra
+    return h, extras, pytree.tree_unflatten(leaves, pos.spec)

@@ -31,8 +31,8 @@ def _packed_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _train(model: torch.nn.Module, tmp_path: Path, emulation: EmulationSettings | bool,
-           steps: int = 2) -> tuple[list[float], object]:
-    engine = attach(model, make_plan("megatrain", 4), device=CPU, nvme_dir=str(tmp_path),
+           steps: int = 2, num_layers: int = 4) -> tuple[list[float], object]:
+    engine = attach(model, make_plan("megatrain", num_layers), device=CPU, nvme_dir=str(tmp_path),
                     emulation=emulation)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []
@@ -140,3 +140,36 @@ def test_a_packed_copy_the_compute_does_not_wait_for_reads_poison(tmp_path: Path
     attach(model, make_plan("megatrain", 4), device=CPU, nvme_dir=str(tmp_path),
            emulation=EmulationSettings(seed=3, jitter_s=0.05))
     assert model(input_ids=ids, labels=ids).loss != expected
+
+
+@pytest.mark.parametrize("hidden_size", [64, 512])
+def test_an_eval_mode_repack_reaches_the_host_master_on_the_emulated_device(
+        tmp_path: Path, hidden_size: int) -> None:
+    """Eval mode on a CPU with AVX512-BF16: bitsandbytes repacks the slot's copy of layer 1's
+    q/k/v for its inference kernel (their input needs no grad); the pool repacks their host
+    masters the same way and lays out their bytes anew (at 512 wide the bf16 absmax outgrows
+    the nested one: the byte slots grow), so the emulated run equals the synchronous one,
+    whose masters repack in place as a stock run's do."""
+    if not bnb.functional.has_avx512bf16():
+        pytest.skip("no AVX512-BF16 on this CPU: bitsandbytes has no CPU inference kernel")
+    runs = {}
+    for name, emulation in (("sync", False), ("emulated", EmulationSettings(seed=5))):
+        model = qlora(wide=True, hidden_size=hidden_size).eval()
+        losses, engine = _train(model, tmp_path / name, emulation, num_layers=2)
+        runs[name] = losses, model, engine
+    (losses, model, engine), (sync_losses, sync_model, _) = runs["emulated"], runs["sync"]
+    assert isinstance(engine.pool, quantized.PackedWeightPool) and losses == sync_losses
+    for (name, p), q in zip(model.named_parameters(), sync_model.parameters(), strict=True):
+        assert p.shape == q.shape and torch.equal(p, q), name
+    flags = {}
+    for name, p in _packed_params(model).items():
+        state, sync_state = p.quant_state, dict(_packed_params(sync_model))[name].quant_state
+        flags[name] = getattr(state, "packing_format_for_cpu", False)
+        assert flags[name] == getattr(sync_state, "packing_format_for_cpu", False), name
+        assert torch.equal(state.absmax, sync_state.absmax), name
+    assert sorted(n.split("layers.")[1].split(".")[:3:2] for n, f in flags.items() if f) == [
+        ["0", "k_proj"], ["0", "q_proj"], ["0", "v_proj"]]  # layer 1 (0 in HF's names)
+    first, second = engine.pool._layer_slot_bytes
+    assert (first > second) == (hidden_size == 512)
+    assert engine.pool._packed_slot_bytes == (first if hidden_size == 512 else second)
+    engine.detach()

@@ -21,10 +21,11 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # bnb's CPU kern
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
 
-def _wide_llama() -> torch.nn.Module:
+def _wide_llama(hidden_size: int = 64) -> torch.nn.Module:
     """A Llama whose linears are at least one 4-bit block (64) wide: bitsandbytes' CPU
     eval kernel repacks weights per 64 input features and fails on narrower ones."""
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden_size,
+                                      intermediate_size=2 * hidden_size,
                                       num_attention_heads=4, num_key_value_heads=2,
                                       num_hidden_layers=2, max_position_embeddings=64,
                                       use_cache=False)
@@ -33,10 +34,11 @@ def _wide_llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config).train()
 
 
-def quantized_base(quant_type: str = "nf4", wide: bool = False) -> torch.nn.Module:
+def quantized_base(quant_type: str = "nf4", wide: bool = False,
+                   hidden_size: int = 64) -> torch.nn.Module:
     """A tiny Llama with every decoder linear replaced by a bitsandbytes 4-bit one
     (what `from_pretrained(..., quantization_config=BitsAndBytesConfig(...))` loads)."""
-    model = _wide_llama() if wide else build("llama")
+    model = _wide_llama(hidden_size) if wide else build("llama")
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, linear in list(parent.named_children()):
@@ -51,8 +53,8 @@ def quantized_base(quant_type: str = "nf4", wide: bool = False) -> torch.nn.Modu
     return model
 
 
-def qlora(quant_type: str = "nf4", wide: bool = False) -> torch.nn.Module:
-    return peft.get_peft_model(quantized_base(quant_type, wide), peft.LoraConfig(
+def qlora(quant_type: str = "nf4", wide: bool = False, hidden_size: int = 64) -> torch.nn.Module:
+    return peft.get_peft_model(quantized_base(quant_type, wide, hidden_size), peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
 
 
@@ -269,3 +271,22 @@ def test_trl_sft_trainer_with_peft_config_matches_stock(tmp_path: Path) -> None:
     assert ours == stock and len(stock) == 3
     for name, value in stock_params.items():
         torch.testing.assert_close(ours_params[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_qlora_trained_in_eval_mode_runs_the_stock_cpu_kernels(tmp_path: Path) -> None:
+    """`from_pretrained` returns an eval-mode model, and short scripts train it so. In eval
+    mode bitsandbytes' `Linear4bit` on a CPU with AVX512-BF16 repacks its weight for the
+    inference kernel at a call whose input needs no grad (stock: layer 1's q/k/v, fed by
+    the frozen embeddings) and uses that kernel from then on. The streamed layers, which
+    run their forward without a graph, must take the same branch for the same linears:
+    losses, adapters and the (repacked) packed weights equal stock's."""
+    if not bnb.functional.has_avx512bf16():
+        pytest.skip("no AVX512-BF16 on this CPU: bitsandbytes has no CPU inference kernel")
+    stock = train(qlora(wide=True).eval(), None)
+    ours = train(qlora(wide=True).eval(), plugin(tmp_path, "megatrain", optimizer="keep"))
+    repacked = {n for n, v in _packed(stock.params).items() if v.shape[1] != 1}
+    assert 0 < len(repacked) < len(_packed(stock.params))  # the test sees both branches
+    assert ours.losses == stock.losses and ours.grad_norms == stock.grad_norms
+    assert ours.params.keys() == stock.params.keys()
+    for name, value in stock.params.items():
+        torch.testing.assert_close(ours.params[name], value, rtol=0, atol=0, msg=name)
