@@ -14,14 +14,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from lazytrain_accel.planning.host import (
+    activation_host_terms,
+    host_base_terms,
+    host_remedy,
+)
 from lazytrain_accel.planning.plan import Home, Plan
+from lazytrain_accel.planning.problem import STAGING_BOUNDARIES, weight_buffer_count
+from lazytrain_accel.profiling.model import ModelProfile
 
 GIB = 2**30
-
-#: Host bytes of optimizer state per trainable parameter. Hybrid 8-bit: two 1-byte moments
-#: plus one fp32 absmax per 256-value block of each. A kept optimizer is priced as AdamW
-#: (two fp32 moments), the most common choice and an upper bound for SGD-like ones.
-OPTIMIZER_STATE_BYTES_PER_PARAM = {"hybrid8bit": 2 + 2 * 4 / 256, "keep": 8.0}
 
 #: Bytes written by the NVMe writability probe (one page).
 _PROBE_BYTES = 4096
@@ -33,22 +35,15 @@ class PreflightError(ValueError):
 
 @dataclass(kw_only=True, frozen=True)
 class HostMemoryEstimate:
-    """Host bytes a run holds at its peak, by what holds them."""
+    """Host bytes a run holds at its peak, term by term (`planning/host.py`'s terms, the
+    ones the planner's CPU capacity row charges)."""
 
-    master_bytes: int  # fp32 master weights (+ frozen weights as stored)
-    grad_bytes: int  # fp32 gradient accumulators of trainable parameters
-    optimizer_state_bytes: int
-    pinned_staging_bytes: int  # weight and gradient staging, NVMe bounce buffers
-    cpu_activation_bytes: int  # boundaries the plan homes in host DRAM
-    present_bytes: int  # of the above, already allocated before prepare (model weights)
-    # compute-dtype copies of the streamed layers, written by the overlapped update
-    compute_copy_bytes: int = 0
+    terms: tuple[tuple[str, int], ...]
+    present_bytes: int  # of the total, already allocated before prepare (model weights)
 
     @property
     def total_bytes(self) -> int:
-        return (self.master_bytes + self.grad_bytes + self.optimizer_state_bytes
-                + self.pinned_staging_bytes + self.cpu_activation_bytes
-                + self.compute_copy_bytes)
+        return sum(nbytes for _, nbytes in self.terms)
 
     @property
     def new_bytes(self) -> int:
@@ -56,28 +51,21 @@ class HostMemoryEstimate:
         return max(self.total_bytes - self.present_bytes, 0)
 
 
-def estimate_host_bytes(*, param_count: int, trainable_param_count: int, present_bytes: int,
-                        optimizer: str, plan: Plan, layer_param_bytes: int,
-                        layer_grad_bytes: int, compute_copy_bytes: int = 0,
-                        frozen_bytes: int = 0) -> HostMemoryEstimate:
-    """The host bytes of a run of `plan` (see `HostMemoryEstimate`'s fields): fp32 masters
-    of `param_count` parameters, and `frozen_bytes` of frozen weights kept as stored."""
-    if optimizer not in OPTIMIZER_STATE_BYTES_PER_PARAM:
-        raise ValueError(f"optimizer={optimizer!r}: expected one of "
-                         f"{sorted(OPTIMIZER_STATE_BYTES_PER_PARAM)}")
+def estimate_host_bytes(*, model_profile: ModelProfile, plan: Plan, optimizer: str,
+                        present_bytes: int) -> HostMemoryEstimate:
+    """The host bytes of a run of `plan` for `model_profile` stepping `optimizer`: the
+    planner's host terms (`host_base_terms`, `activation_host_terms`) at the plan's homes,
+    with NVMe bounce buffers only when the plan homes anything on NVMe."""
     counts = plan.count_homes()
-    bounce = 2 * plan.boundary_bytes if counts[Home.NVME.value] else 0
-    return HostMemoryEstimate(
-        master_bytes=4 * param_count + frozen_bytes,
-        grad_bytes=4 * trainable_param_count,
-        optimizer_state_bytes=int(OPTIMIZER_STATE_BYTES_PER_PARAM[optimizer]
-                                  * trainable_param_count),
-        # Two layers of weights in flight H2D, two of gradients D2H (engine/weights, grads).
-        pinned_staging_bytes=2 * layer_param_bytes + 2 * layer_grad_bytes + bounce,
-        cpu_activation_bytes=counts[Home.CPU.value] * plan.boundary_bytes,
-        present_bytes=present_bytes,
-        compute_copy_bytes=compute_copy_bytes,
-    )
+    longest = max(e - s for s, e in plan.blocks)
+    base = host_base_terms(model_profile, optimizer=optimizer,
+                           resident_update=plan.resident_update,
+                           weight_slots=weight_buffer_count(longest))
+    homes = activation_host_terms(boundary_bytes=plan.boundary_bytes,
+                                  cpu_homes=counts[Home.CPU.value],
+                                  staging_boundaries=STAGING_BOUNDARIES,
+                                  nvme_staging=int(counts[Home.NVME.value] > 0))
+    return HostMemoryEstimate(terms=(*base, *homes), present_bytes=present_bytes)
 
 
 def available_host_bytes() -> int:
@@ -131,18 +119,15 @@ def check_host_memory(estimate: HostMemoryEstimate, available_bytes: int | None 
     available = available_host_bytes() if available_bytes is None else available_bytes
     if estimate.new_bytes <= available:
         return
-    parts = (("fp32 masters", estimate.master_bytes), ("gradients", estimate.grad_bytes),
-             ("optimizer state", estimate.optimizer_state_bytes),
-             ("pinned staging", estimate.pinned_staging_bytes),
-             ("CPU-home activations", estimate.cpu_activation_bytes))
-    detail = ", ".join(f"{name} {nbytes / GIB:.2f}" for name, nbytes in parts)
+    detail = "; ".join(f"{name} {nbytes / GIB:.2f} GiB ({host_remedy(name)})"
+                       for name, nbytes in sorted(estimate.terms, key=lambda t: -t[1])
+                       if nbytes)
     raise PreflightError(
         f"host memory: this run needs {estimate.new_bytes / GIB:.2f} GiB more than the "
         f"{estimate.present_bytes / GIB:.2f} GiB its weights already hold (total "
         f"{estimate.total_bytes / GIB:.2f} GiB: {detail}) but only {available / GIB:.2f} GiB "
-        "is available. Set cpu_memory_limit_gb below what is free so the plan keeps fewer "
-        "activations in DRAM (NVMe or recompute instead), lower the batch, use "
-        "optimizer='hybrid8bit', or free host memory.")
+        "is available. Set cpu_memory_limit_gb (--cpu-memory-gb) below what is free so "
+        "the plan keeps fewer activations in DRAM, lower the batch, or free host memory.")
 
 
 def nvme_need_bytes(plan: Plan) -> int:
@@ -207,22 +192,16 @@ def _probe_writable(path: Path, how: str) -> None:
         os.unlink(probe)
 
 
-def check_run(*, model: object, plan: Plan, layer_param_bytes: int, layer_grad_bytes: int,
-              optimizer: str, nvme_dir: str, available_bytes: int | None = None,
-              compute_copy_bytes: int = 0) -> HostMemoryEstimate:
-    """Both checks for `model` (a torch module) about to run `plan`; returns the host
-    estimate. Called by `prepare` after planning and before the engine allocates."""
-    params = list(model.parameters())  # type: ignore[attr-defined]
-    # Trainable parameters get fp32 masters; frozen ones stay as stored (packed or a dtype).
-    frozen_bytes = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
+def check_run(*, model: object, plan: Plan, model_profile: ModelProfile, optimizer: str,
+              nvme_dir: str, available_bytes: int | None = None) -> HostMemoryEstimate:
+    """Both checks for `model` (a torch module, profiled as `model_profile`) about to run
+    `plan` with `optimizer`; returns the host estimate. Called by `prepare` after planning
+    and before the engine allocates."""
+    params = model.parameters()  # type: ignore[attr-defined]
     estimate = estimate_host_bytes(
-        param_count=sum(p.numel() for p in params if p.requires_grad),
-        frozen_bytes=frozen_bytes,
-        trainable_param_count=sum(p.numel() for p in params if p.requires_grad),
+        model_profile=model_profile, plan=plan, optimizer=optimizer,
         present_bytes=sum(p.numel() * p.element_size() for p in params
-                          if p.device.type == "cpu"),
-        optimizer=optimizer, plan=plan, layer_param_bytes=layer_param_bytes,
-        layer_grad_bytes=layer_grad_bytes, compute_copy_bytes=compute_copy_bytes)
+                          if p.device.type == "cpu"))
     check_host_memory(estimate, available_bytes)
     check_nvme_dir(nvme_dir, nvme_need_bytes(plan))
     return estimate

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lazytrain_accel import preflight, threads
-from lazytrain_accel.config import LazyTrainConfig, OptimizerChoice
+from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.integrations import batch_shape, setup
 from lazytrain_accel.integrations.checkpoint import atomic_directory, recover
 from lazytrain_accel.integrations.data_parallel import GradientAllReducer
@@ -27,7 +27,6 @@ from lazytrain_accel.integrations.step_guard import StepGuard
 
 if TYPE_CHECKING:
     from lazytrain_accel.engine import StreamingEngine
-    from lazytrain_accel.profiling.model import ModelProfile
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -145,12 +144,8 @@ class Accelerator(accelerate.Accelerator):
         self.lazytrain_run = self._lazytrain_plan_for(model, self.lazytrain_sizing, hardware)
         plan, model_profile = self.lazytrain_run.plan, self.lazytrain_run.model_profile
         # Before the engine allocates anything: fail with a sentence, not an OOM kill.
-        preflight.check_run(model=model, plan=plan, optimizer=plugin.optimizer.value,
-                            layer_param_bytes=model_profile.layer_param_bytes,
-                            layer_grad_bytes=model_profile.layer_grad_bytes,
-                            nvme_dir=plugin.nvme_dir,
-                            compute_copy_bytes=_compute_copy_bytes(plugin, model_profile,
-                                                                   compute_dtype))
+        preflight.check_run(model=model, plan=plan, model_profile=model_profile,
+                            optimizer=plugin.optimizer.value, nvme_dir=plugin.nvme_dir)
         self.lazytrain_engine = attach(model, plan, device=self.device,
                                        compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir,
                                        loss_chunk_tokens=setup.engine_loss_chunk_tokens(plugin),
@@ -301,15 +296,6 @@ class Accelerator(accelerate.Accelerator):
         if isinstance(self._lazytrain_optimizer, HybridAdamW8bit):
             self._lazytrain_optimizer.step_runner = None  # no engine left: step inline
         super().end_training()
-
-
-def _compute_copy_bytes(plugin: LazyTrainConfig, model_profile: ModelProfile,
-                        compute_dtype: torch.dtype | None) -> int:
-    """Host bytes of the layers' compute-dtype copies the overlapped update writes."""
-    overlapped = plugin.optimizer == OptimizerChoice.HYBRID8BIT and plugin.overlap_step
-    if not overlapped or compute_dtype in (None, torch.float32):
-        return 0
-    return model_profile.num_layers * model_profile.layer_param_bytes
 
 
 def _refuse_foreign_plugins(kwargs: dict[str, Any]) -> None:

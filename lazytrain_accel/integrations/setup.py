@@ -163,10 +163,10 @@ def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
 
     kwargs = dict(strategy=strategy, budgets=budgets,
                   max_recompute_block=config.max_recompute_block,
-                  time_limit_s=config.solver_time_limit_s, resident_update=resident_update)
+                  time_limit_s=config.solver_time_limit_s, resident_update=resident_update,
+                  include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT)
     try:  # the prediction includes the host update where the hybrid 8-bit one runs it
-        return make_plan(model_profile, hardware, **kwargs,
-                         include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT)
+        return make_plan(model_profile, hardware, **kwargs)
     except PlanInfeasibleError as err:
         def profile_at(batch_size: int) -> ModelProfile:
             return profile_model(model_profile.geometry, batch_size=batch_size,

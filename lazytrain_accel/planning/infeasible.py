@@ -28,8 +28,8 @@ class BatchInfeasibleError(PlanInfeasibleError):
 def with_largest_batch(err: PlanInfeasibleError, profile_at: Callable[[int], ModelProfile],
                        hardware: HardwareProfile, *, batch_size: int, seq_len: int,
                        strategy: str, budgets: Budgets | None, max_recompute_block: int,
-                       time_limit_s: float, resident_update: str = "auto"
-                       ) -> BatchInfeasibleError:
+                       time_limit_s: float, resident_update: str = "auto",
+                       include_optimizer: bool = True) -> BatchInfeasibleError:
     """`err` with one more sentence: the largest batch < `batch_size` that plans."""
     largest = 0
     if batch_size > 1:
@@ -37,7 +37,8 @@ def with_largest_batch(err: PlanInfeasibleError, profile_at: Callable[[int], Mod
             largest = max_batch_size(profile_at, hardware, strategy=strategy, budgets=budgets,
                                      max_recompute_block=max_recompute_block,
                                      time_limit_s=time_limit_s, limit=batch_size - 1,
-                                     resident_update=resident_update)
+                                     resident_update=resident_update,
+                                     include_optimizer=include_optimizer)
         except PlanInfeasibleError:
             largest = 0
     if largest:

@@ -126,6 +126,9 @@ class Plan:
     loss_chunk_tokens: int = 0
     # Where the residents' update runs (`RESIDENT_UPDATES`); a plan file without it: host.
     resident_update: str = "host"
+    # The host optimizer whose state the plan's host bytes price ("hybrid8bit" or "keep",
+    # planning/host.py); a plan file without it: hybrid8bit.
+    optimizer: str = "hybrid8bit"
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:

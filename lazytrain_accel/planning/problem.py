@@ -24,6 +24,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lazytrain_accel.planning.host import (
+    GRAD_BYTES_PER_PARAM,
+    MASTER_BYTES_PER_PARAM,
+    OPTIMIZER_STATE_BYTES_PER_PARAM,
+    activation_host_terms,
+    check_optimizer,
+    host_base_terms,
+)
 from lazytrain_accel.planning.plan import (
     RESIDENT_UPDATES,
     Home,
@@ -38,13 +46,10 @@ GIB = 2**30
 #: The links activation and weight bytes cross, each a serial resource of the step.
 LINKS: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write")
 
-#: Host bytes per parameter: fp32 master (4) + fp32 gradient accumulator (4) + two 8-bit
-#: Adam moments (2); the per-block fp32 absmax adds < 2% and is covered by the reserve.
-HOST_BYTES_PER_PARAM = 10
-
-#: Device bytes per resident parameter updated on the GPU: the host's per-parameter bytes
-#: (fp32 master, fp32 gradient accumulator, 8-bit moments) moved to the device.
-DEVICE_RESIDENT_BYTES_PER_PARAM = HOST_BYTES_PER_PARAM
+#: Device bytes per resident parameter updated on the GPU: its host bytes (fp32 master,
+#: fp32 gradient accumulator, 8-bit moments; `host.py`) moved to the device.
+DEVICE_RESIDENT_BYTES_PER_PARAM = (MASTER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM
+                                   + round(OPTIMIZER_STATE_BYTES_PER_PARAM["hybrid8bit"]))
 #: The GPU update's temporaries: 64 bytes per element of one chunk, the largest resident
 #: tensor or `optim.hybrid_adamw8bit.DEVICE_CHUNK_ELEMENTS` elements, whichever is smaller
 #: (its torch path peaked at 33 bytes an element on the CPU, measured by peak RSS; the rest
@@ -52,9 +57,6 @@ DEVICE_RESIDENT_BYTES_PER_PARAM = HOST_BYTES_PER_PARAM
 DEVICE_UPDATE_BYTES_PER_ELEMENT = 64
 DEVICE_UPDATE_CHUNK_ELEMENTS = 2**24
 
-#: Names of the host base's terms (`Problem.cpu_base_terms`), which refusals look up.
-TRAINABLE_HOST_TERM = "the trainable parameters' fp32 masters, gradients and 8-bit Adam state"
-FROZEN_HOST_TERM = "the frozen weights as stored"
 DEVICE_RESIDENT_TERM = ("the residents' fp32 masters, gradients and 8-bit Adam state (updated "
                         "on the GPU)")
 
@@ -153,6 +155,8 @@ class Problem:
     # there (`device_update_s`) before the next forward, their gradients never leave it.
     resident_update: str = "host"
     device_update_s: float = 0.0
+    # The host optimizer `cpu_base_terms` prices (`host.OPTIMIZERS`).
+    optimizer: str = "hybrid8bit"
 
     # ---- windows -------------------------------------------------------------------
     @property
@@ -293,14 +297,21 @@ class Problem:
     @property
     def cpu_fixed_bytes(self) -> int:
         """Host bytes charged besides CPU homes: the static bytes and the NVMe staging."""
-        return self.static_cpu_bytes + self.host_staging_boundaries * self.boundary_bytes
+        return sum(b for _, b in self.host_terms(cpu=0))
+
+    def host_terms(self, *, cpu: Any, nvme_staging: Any = 1) -> tuple[tuple[str, Any], ...]:
+        """Every host term of a run with `cpu` boundaries homed in DRAM (a count or the
+        MIP's sum), NVMe bounce buffers times `nvme_staging` (the MIP charges them always)."""
+        return (*self.cpu_base_terms, *activation_host_terms(
+            boundary_bytes=self.boundary_bytes, cpu_homes=cpu,
+            staging_boundaries=self.host_staging_boundaries, nvme_staging=nvme_staging))
 
     def tier_need_bytes(self, *, gpu: Any, cache: Any, cpu: Any, nvme: Any) -> dict[str, Any]:
         """Bytes each tier needs for `gpu`/`cpu`/`nvme` homed boundaries and a block cache
         of `cache` boundaries (longest block - 1): counts or the MIP's sums of variables."""
         A = self.boundary_bytes
         return {"gpu": self.gpu_fixed_bytes + A * (gpu + cache),
-                "cpu": self.cpu_fixed_bytes + A * cpu, "nvme": A * nvme}
+                "cpu": sum(b for _, b in self.host_terms(cpu=cpu)), "nvme": A * nvme}
 
     def budget_bytes(self, tier: str) -> int:
         return {"gpu": self.budgets.gpu_bytes, "cpu": self.budgets.cpu_bytes,
@@ -325,9 +336,11 @@ def weight_buffer_count(max_block: int) -> int:
 
 def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
                   budgets: Budgets | None = None, max_recompute_block: int = 8,
-                  resident_update: str = "host") -> Problem:
+                  resident_update: str = "host", optimizer: str = "hybrid8bit") -> Problem:
     """The instance for `model` at its batch shape on `hardware` under `budgets`, with the
-    residents' update on the host or the GPU (`resident_update`, `RESIDENT_UPDATES`)."""
+    residents' update on the host or the GPU (`resident_update`, `RESIDENT_UPDATES`) and
+    the host state of `optimizer` (`host.OPTIMIZERS`)."""
+    check_optimizer(optimizer)
     if resident_update not in RESIDENT_UPDATES:
         raise ValueError(f"resident_update={resident_update!r} is not one of "
                          f"{RESIDENT_UPDATES}")
@@ -366,8 +379,8 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
                             model))],
                        key=lambda t: -t[1])
     params = model.geometry.total_param_count
-    host_terms = host_base_terms(model, host_trainable=model.trainable_param_count
-                                 - resident_trainable)
+    host_terms = host_base_terms(model, optimizer=optimizer, weight_slots=weight_buffers,
+                                 resident_update=resident_update)
     # A packed (QLoRA) layer dequantizes its linears on the device once per pass: in its
     # forward (so also in each re-run) and in its backward proper.
     dequant_s = (0.0 if model.weights is None else model.weights.layer_dequant_bytes(
@@ -390,6 +403,7 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         head_update_param_count=head_update_param_count(model),
         resident_update=resident_update,
         device_update_s=resident_trainable / hardware.gpu_optimizer_params_per_s,
+        optimizer=optimizer,
     )
 
 
@@ -408,19 +422,3 @@ def head_update_param_count(model: ModelProfile) -> int:
     head = g.head_param_count + g.final_norm_param_count
     resident = head + g.embedding_param_count
     return model.resident_trainable_param_count * head // resident if resident else 0
-
-
-def host_base_terms(model: ModelProfile, *, host_trainable: int | None = None
-                    ) -> tuple[tuple[str, int], ...]:
-    """Host bytes that are not boundary activations, term by term, largest first: the
-    `host_trainable` parameters (default: every trainable one) at `HOST_BYTES_PER_PARAM`,
-    frozen ones as stored, and pinned staging for two layers of weights (NVMe staging is
-    `cpu_fixed_bytes`)."""
-    w = model.weights
-    if host_trainable is None:
-        host_trainable = model.trainable_param_count
-    terms = [(TRAINABLE_HOST_TERM, host_trainable * HOST_BYTES_PER_PARAM),
-             ("pinned staging for 2 layers of weights", 2 * model.layer_param_bytes)]
-    if w is not None:
-        terms.append((f"{FROZEN_HOST_TERM} ({w.frozen_format})", model.frozen_host_bytes))
-    return tuple(sorted(terms, key=lambda t: -t[1]))

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from lazytrain_accel.planning.host import host_remedy
 from lazytrain_accel.planning.problem import (
     DEVICE_RESIDENT_TERM,
-    FROZEN_HOST_TERM,
     GIB,
-    TRAINABLE_HOST_TERM,
     PlanInfeasibleError,
     Problem,
 )
@@ -51,19 +50,8 @@ def _largest_term(p: Problem, tier: str) -> str:
         return f"; its largest term is {name} ({readable_bytes(nbytes)}): {remedy}"
     if tier == "cpu" and p.cpu_base_terms:
         name, nbytes = p.cpu_base_terms[0]
-        return f"; its largest term is {name} ({readable_bytes(nbytes)}): {_host_remedy(name)}"
+        return f"; its largest term is {name} ({readable_bytes(nbytes)}): {host_remedy(name)}"
     return ""
-
-
-def _host_remedy(name: str) -> str:
-    """What shrinks a term of the host base (`Problem.cpu_base_terms`)."""
-    if name.startswith(FROZEN_HOST_TERM):
-        return ("a packed base shrinks it: --frozen-format nf4 (about 0.56 bytes per weight) "
-                "or int8 (about 1), i.e. a bitsandbytes 4-bit/8-bit base (QLoRA)")
-    if name == TRAINABLE_HOST_TERM:
-        return ("training fewer parameters shrinks it: LoRA adapters on a frozen base "
-                "(--lora-rank R) keep state for the adapters only")
-    return "it does not depend on the plan"
 
 
 def infeasible_error(p: Problem, strategy: str,

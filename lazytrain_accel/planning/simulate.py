@@ -379,7 +379,7 @@ def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,
         model = with_loss_chunk(model, plan.loss_chunk_tokens)
     longest = max(e - s for s, e in plan.blocks)
     p = build_problem(model, hardware, max_recompute_block=longest,
-                      resident_update=plan.resident_update)
+                      resident_update=plan.resident_update, optimizer=plan.optimizer)
     b = _StepBuilder(p, plan)
     q = b.build()
     updates = b.host_optimizer(hardware) if include_optimizer else []

@@ -160,7 +160,7 @@ def plan_from_solution(p: Problem, solution: Solution, *, strategy: str,
                                        exposed_s=0.0),
                  solver=report, fingerprint=run_fingerprint(model, hardware),
                  loss_chunk_tokens=model.loss_chunk_tokens or 0,
-                 resident_update=p.resident_update)
+                 resident_update=p.resident_update, optimizer=p.optimizer)
     result = simulate(draft, model, hardware, include_optimizer=include_optimizer)
     return dataclasses.replace(draft, prediction=result.prediction())
 
@@ -237,7 +237,7 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile, *, strategy: str =
     budget), or "auto": on the GPU where the plan's homes leave room for them and the step
     gets faster (`with_device_residents`). The megatrain baseline keeps every update on
     the host, as MegaTrain does; so does a run without the hybrid 8-bit update
-    (`include_optimizer=False`).
+    (`include_optimizer=False`: a kept optimizer, its host state priced as AdamW's).
     """
     if resident_update not in RESIDENT_UPDATE_CHOICES:
         raise ValueError(f"resident_update={resident_update!r} is not one of "
@@ -245,10 +245,12 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile, *, strategy: str =
     host_only = strategy == "megatrain" or not include_optimizer
     forced = "host" if host_only or resident_update == "auto" else resident_update
     budgets = budgets or Budgets.from_hardware(hardware)
+    optimizer = "hybrid8bit" if include_optimizer else "keep"
 
     def plan_for(profile: ModelProfile) -> Plan:
         p = build_problem(profile, hardware, budgets=budgets,
-                          max_recompute_block=max_recompute_block, resident_update=forced)
+                          max_recompute_block=max_recompute_block, resident_update=forced,
+                          optimizer=optimizer)
         plan = plan_problem(p, profile, hardware, strategy=strategy,
                             time_limit_s=time_limit_s, gap=gap,
                             include_optimizer=include_optimizer, diagnose_s=diagnose_s)

@@ -32,23 +32,36 @@ def _assert_untouched(model: torch.nn.Module) -> None:
     assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
 
 
-def test_host_estimate_adds_up_each_holder(tmp_path) -> None:
-    plan_path = plan_json(tmp_path, tiny_model(), Home.CPU)
+def test_host_estimate_is_the_planners_terms_at_the_plans_homes(tmp_path) -> None:
+    from lazytrain_accel.integrations import setup
     from lazytrain_accel.planning import Plan
+    from lazytrain_accel.planning.host import CPU_HOME_TERM, NVME_STAGING_TERM, OPTIMIZER_TERM
+    from lazytrain_accel.planning.problem import build_problem
+    from lazytrain_accel.profiling.hardware import load_hardware
 
-    plan = Plan.load(plan_path)
-    est = preflight.estimate_host_bytes(param_count=1000, trainable_param_count=800,
-                                        present_bytes=4000, optimizer="keep", plan=plan,
-                                        layer_param_bytes=100, layer_grad_bytes=50)
-    assert est.master_bytes == 4000 and est.grad_bytes == 3200
-    assert est.optimizer_state_bytes == 6400  # AdamW: two fp32 moments
-    assert est.pinned_staging_bytes == 300  # no NVMe homes: no bounce buffers
-    assert est.cpu_activation_bytes == 3 * plan.boundary_bytes
+    model = tiny_model()
+    plan = Plan.load(plan_json(tmp_path, model, Home.CPU))
+    profile = setup.profile_for_run(model, batch_size=plan.batch_size, seq_len=plan.seq_len,
+                                    compute_dtype=None)
+    est = preflight.estimate_host_bytes(model_profile=profile, plan=plan, optimizer="keep",
+                                        present_bytes=4000)
+    terms = dict(est.terms)
+    # One model: the MIP's host row at these homes, less the NVMe bounce buffers it
+    # always charges (this plan homes nothing on NVMe).
+    p = build_problem(profile, load_hardware("h800"), optimizer="keep",
+                      max_recompute_block=max(e - s for s, e in plan.blocks))
+    assert terms[CPU_HOME_TERM] == 3 * plan.boundary_bytes and terms[NVME_STAGING_TERM] == 0
+    assert est.total_bytes == p.tier_need_bytes(gpu=0, cache=0, cpu=3, nvme=0)["cpu"] - (
+        p.host_staging_boundaries * plan.boundary_bytes)
+    n = profile.trainable_param_count
+    assert terms[f"{OPTIMIZER_TERM} (keep)"] == 8 * n  # AdamW: two fp32 moments
     assert est.new_bytes == est.total_bytes - 4000
-    hybrid = preflight.estimate_host_bytes(param_count=1000, trainable_param_count=800,
-                                           present_bytes=0, optimizer="hybrid8bit",
-                                           plan=plan, layer_param_bytes=0, layer_grad_bytes=0)
-    assert hybrid.optimizer_state_bytes == int(800 * (2 + 8 / 256))
+    hybrid = preflight.estimate_host_bytes(model_profile=profile, plan=plan,
+                                           optimizer="hybrid8bit", present_bytes=0)
+    assert dict(hybrid.terms)[f"{OPTIMIZER_TERM} (hybrid8bit)"] == int(n * (2 + 8 / 256))
+    with pytest.raises(ValueError, match="optimizer='sgd'"):
+        preflight.estimate_host_bytes(model_profile=profile, plan=plan, optimizer="sgd",
+                                      present_bytes=0)
 
 
 def test_available_host_bytes_is_within_physical_memory() -> None:
@@ -63,8 +76,9 @@ def test_too_little_host_memory_fails_in_prepare_before_attaching(tmp_path, monk
         _prepare(tmp_path, model, plan=plan_json(tmp_path, model, Home.CPU),
                  nvme_dir=str(tmp_path / "nvme"))
     text = str(info.value)
-    for words in ("host memory", "optimizer state", "CPU-home activations",
-                  "0.00 GiB is available", "cpu_memory_limit_gb"):
+    for words in ("host memory", "the optimizer state (hybrid8bit)",
+                  "boundaries homed in host DRAM", "the trainable parameters' fp32 masters",
+                  "--lora-rank", "0.00 GiB is available", "cpu_memory_limit_gb"):
         assert words in text, text
     _assert_untouched(model)
 

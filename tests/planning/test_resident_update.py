@@ -9,9 +9,10 @@ import dataclasses
 import pytest
 
 from lazytrain_accel.planning import Budgets, make_plan
+from lazytrain_accel.planning.host import OPTIMIZER_STATE_BYTES_PER_PARAM
 from lazytrain_accel.planning.problem import (
+    DEVICE_RESIDENT_BYTES_PER_PARAM,
     DEVICE_RESIDENT_TERM,
-    HOST_BYTES_PER_PARAM,
     build_problem,
     device_update_workspace_bytes,
 )
@@ -33,11 +34,15 @@ def test_device_residents_move_their_bytes_and_their_gradients_stay_on_the_gpu()
     model = _profile("qwen2.5-7b", 8)
     host = build_problem(model, H800)
     device = build_problem(model, H800, resident_update="device")
-    moved = model.resident_trainable_param_count * HOST_BYTES_PER_PARAM
+    resident, trainable = model.resident_trainable_param_count, model.trainable_param_count
+    moved = resident * DEVICE_RESIDENT_BYTES_PER_PARAM
+    state = OPTIMIZER_STATE_BYTES_PER_PARAM["hybrid8bit"]
+    # the host loses their masters, gradients and 8-bit state (with its fp32 absmax)
+    left_host = 8 * resident + int(state * trainable) - int(state * (trainable - resident))
     workspace = device_update_workspace_bytes(model)
     assert workspace == 64 * 2**24  # a 152k x 3584 embedding: one full chunk
     assert device.static_gpu_bytes == host.static_gpu_bytes + moved + workspace
-    assert device.static_cpu_bytes == host.static_cpu_bytes - moved
+    assert device.static_cpu_bytes == host.static_cpu_bytes - left_host
     assert dict(device.gpu_base_terms)[DEVICE_RESIDENT_TERM] == moved
     assert device.tail_d2h_bytes == model.layer_grad_bytes < host.tail_d2h_bytes
     assert device.device_update_s == pytest.approx(

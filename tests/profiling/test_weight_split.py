@@ -11,7 +11,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lazytrain_accel.planning import make_plan, simulate
-from lazytrain_accel.planning.problem import HOST_BYTES_PER_PARAM, build_problem
+from lazytrain_accel.planning.host import OPTIMIZER_STATE_BYTES_PER_PARAM
+from lazytrain_accel.planning.problem import build_problem
 from lazytrain_accel.profiling.adapters import lora_profile_inputs
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.live import geometry_from_model, weight_split_from_model
@@ -57,10 +58,20 @@ def test_problem_charges_host_memory_and_updates_for_trainable_only() -> None:
     _, full = _llama8b(None)
     _, qlora = _llama8b("nf4")
     p_full, p_q = build_problem(full, H800), build_problem(qlora, H800)
-    assert p_full.static_cpu_bytes == (full.trainable_param_count * HOST_BYTES_PER_PARAM
-                                       + 2 * full.layer_param_bytes)
-    assert p_q.static_cpu_bytes == (qlora.trainable_param_count * HOST_BYTES_PER_PARAM
-                                    + qlora.frozen_host_bytes + 2 * qlora.layer_param_bytes)
+    state = OPTIMIZER_STATE_BYTES_PER_PARAM["hybrid8bit"]
+    n, L = full.trainable_param_count, full.num_layers
+    # masters + gradients (fp32), 8-bit state, bf16 compute copies of every layer weight,
+    # pinned staging for 2 layers of weights and 2 of gradients
+    assert p_full.static_cpu_bytes == (8 * n + int(state * n)
+                                       + L * 2 * full.geometry.layer_param_count
+                                       + 2 * full.layer_param_bytes + 2 * full.layer_grad_bytes)
+    n, w = qlora.trainable_param_count, qlora.weights
+    floats = qlora.geometry.layer_param_count - w.layer_packed_param_count
+    # packed weights: no compute copy; their staging sits beside each of 3 weight slots
+    assert p_q.static_cpu_bytes == (8 * n + int(state * n) + qlora.frozen_host_bytes
+                                    + L * 2 * floats
+                                    + 2 * (qlora.layer_param_bytes - w.layer_packed_bytes)
+                                    + 3 * w.layer_packed_bytes + 2 * qlora.layer_grad_bytes)
     assert p_q.layer_update_param_count == qlora.layer_trainable_param_count
     assert p_q.resident_update_param_count == 0 and p_q.tail_d2h_bytes == p_q.layer_grad_bytes
     assert p_q.grad_d2h_bytes(p_q.num_layers + 1) == qlora.layer_grad_bytes

@@ -1,0 +1,130 @@
+"""The host-memory model: every byte a run holds in host DRAM, term by term.
+
+One list of terms serves the MIP's CPU capacity row (`Problem.host_terms`), the simulator's
+static host bytes, the refusals (`refusal.py`) and `preflight.py`'s check before the engine
+allocates. What the engine allocates, and where:
+
+* fp32 masters and fp32 gradient accumulators of every parameter the host updates
+  (`engine/engine.py`, `engine/grads.py` `GradSink.fold`);
+* the host optimizer's state: hybrid 8-bit moments with their fp32 absmax per block, or a
+  kept optimizer, priced as AdamW (two fp32 moments);
+* frozen weights as stored (LoRA / QLoRA bases);
+* the layers' compute-dtype copies written by the overlapped hybrid update when compute is
+  not fp32 (`engine/weights.py` `WeightPool.compute_copy`: every non-packed parameter of
+  every layer, pageable). Charged whenever the hybrid operator runs at a lower compute
+  dtype, so with `overlap_step=False` (no copies) this is an upper bound;
+* pinned staging: two layers of weights in the compute dtype (`WeightPool`), a packed
+  layer's bytes beside each device weight slot (`PackedWeightPool`), two layers of
+  gradients (`GradSink`);
+* per plan: NVMe bounce buffers for boundaries on their way to and from the file, and the
+  boundaries homed in host DRAM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lazytrain_accel.profiling.model import ModelProfile
+
+#: fp32 master and fp32 gradient accumulator of each host-updated parameter.
+MASTER_BYTES_PER_PARAM = 4
+GRAD_BYTES_PER_PARAM = 4
+
+#: Host bytes of optimizer state per trainable parameter. Hybrid 8-bit: two 1-byte moments
+#: plus one fp32 absmax per 256-value block of each. A kept optimizer is priced as AdamW
+#: (two fp32 moments), the most common choice and an upper bound for SGD-like ones.
+OPTIMIZER_STATE_BYTES_PER_PARAM: dict[str, float] = {"hybrid8bit": 2 + 2 * 4 / 256,
+                                                     "keep": 8.0}
+OPTIMIZERS: tuple[str, ...] = tuple(OPTIMIZER_STATE_BYTES_PER_PARAM)
+
+#: Pinned staging buffers used in turn for weights (H2D) and for gradients (D2H).
+NUM_HOST_STAGING = 2
+
+#: Term names (refusals and preflight look their remedies up by these).
+MASTER_TERM = "the trainable parameters' fp32 masters"
+GRAD_TERM = "the trainable parameters' fp32 gradients"
+OPTIMIZER_TERM = "the optimizer state"
+FROZEN_HOST_TERM = "the frozen weights as stored"
+COMPUTE_COPY_TERM = "the layers' compute-dtype copies (overlapped update)"
+WEIGHT_STAGING_TERM = "pinned staging for weights"
+GRAD_STAGING_TERM = "pinned staging for 2 layers of gradients"
+NVME_STAGING_TERM = "NVMe bounce buffers"
+CPU_HOME_TERM = "boundaries homed in host DRAM"
+
+#: What shrinks each term, as the CLI flag and the `LazyTrainConfig` field.
+HOST_TERM_REMEDY: dict[str, str] = {
+    MASTER_TERM: "training fewer parameters shrinks it: LoRA adapters on a frozen base "
+    "(--lora-rank R) keep masters for the adapters only",
+    GRAD_TERM: "training fewer parameters shrinks it: LoRA adapters (--lora-rank R)",
+    OPTIMIZER_TERM: "optimizer='hybrid8bit' (LAZYTRAIN_OPTIMIZER) keeps about 2 bytes per "
+    "parameter instead of a kept optimizer's 8 (priced as AdamW), or LoRA (--lora-rank R)",
+    FROZEN_HOST_TERM: "a packed base shrinks it: --frozen-format nf4 (about 0.56 bytes per "
+    "weight) or int8 (about 1), i.e. a bitsandbytes 4-bit/8-bit base (QLoRA)",
+    COMPUTE_COPY_TERM: "2 bytes per layer weight at bf16/fp16 compute; the Accelerator's "
+    "mixed_precision='no' (fp32 compute) writes none",
+    NVME_STAGING_TERM: "a plan with no NVMe homes needs none: --nvme-gb 0 (nvme_limit_gb=0)",
+    CPU_HOME_TERM: "--cpu-memory-gb (cpu_memory_limit_gb) lower makes the plan home fewer "
+    "boundaries in DRAM (NVMe or recompute instead)",
+}
+
+
+def check_optimizer(optimizer: str) -> None:
+    """Raise `ValueError` unless the host model prices `optimizer`."""
+    if optimizer not in OPTIMIZER_STATE_BYTES_PER_PARAM:
+        raise ValueError(f"optimizer={optimizer!r}: the host memory model prices one of "
+                         f"{list(OPTIMIZERS)} (pass optimizer='keep' for any torch optimizer)")
+
+
+def writes_compute_copies(model: ModelProfile, optimizer: str) -> bool:
+    """Whether the hybrid update writes the layers' compute-dtype copies on the host."""
+    return optimizer == "hybrid8bit" and model.compute_bytes_per_elem < 4
+
+
+def host_base_terms(model: ModelProfile, *, optimizer: str = "hybrid8bit",
+                    resident_update: str = "host", weight_slots: int = 2
+                    ) -> tuple[tuple[str, int], ...]:
+    """Host bytes that no home changes, term by term, largest first: the host-updated
+    trainable parameters' masters, gradients and `optimizer` state (without the residents'
+    when `resident_update="device"` moves them to the GPU), frozen weights as stored,
+    compute copies, and pinned weight and gradient staging (`weight_slots`: device weight
+    buffers, each with a packed layer's staging beside it)."""
+    check_optimizer(optimizer)
+    w = model.weights
+    host_trainable = model.trainable_param_count - (
+        model.resident_trainable_param_count if resident_update == "device" else 0)
+    packed_bytes = 0 if w is None else w.layer_packed_bytes
+    packed_count = 0 if w is None else w.layer_packed_param_count
+    float_layer_bytes = model.layer_param_bytes - packed_bytes
+    weight_staging = NUM_HOST_STAGING * float_layer_bytes + weight_slots * packed_bytes
+    terms = [
+        (MASTER_TERM, MASTER_BYTES_PER_PARAM * host_trainable),
+        (GRAD_TERM, GRAD_BYTES_PER_PARAM * host_trainable),
+        (f"{OPTIMIZER_TERM} ({optimizer})",
+         int(OPTIMIZER_STATE_BYTES_PER_PARAM[optimizer] * host_trainable)),
+        (WEIGHT_STAGING_TERM, weight_staging),
+        (GRAD_STAGING_TERM, NUM_HOST_STAGING * model.layer_grad_bytes),
+    ]
+    if w is not None:
+        terms.append((f"{FROZEN_HOST_TERM} ({w.frozen_format})", model.frozen_host_bytes))
+    if writes_compute_copies(model, optimizer):
+        floats = model.geometry.layer_param_count - packed_count
+        terms.append((COMPUTE_COPY_TERM,
+                       model.num_layers * floats * model.compute_bytes_per_elem))
+    return tuple(sorted(terms, key=lambda t: -t[1]))
+
+
+def activation_host_terms(*, boundary_bytes: int, cpu_homes: Any, staging_boundaries: int,
+                          nvme_staging: Any = 1) -> tuple[tuple[str, Any], ...]:
+    """The plan's host terms: `staging_boundaries` NVMe bounce buffers (times
+    `nvme_staging`: 1 when the plan homes anything on NVMe, 0 when not; the MIP always
+    charges them) and `cpu_homes` boundaries in DRAM. Counts or the MIP's expressions."""
+    return ((NVME_STAGING_TERM, staging_boundaries * boundary_bytes * nvme_staging),
+            (CPU_HOME_TERM, boundary_bytes * cpu_homes))
+
+
+def host_remedy(name: str) -> str:
+    """What shrinks the term `name` (a `host_base_terms` or `activation_host_terms` name)."""
+    for term, remedy in HOST_TERM_REMEDY.items():
+        if name.startswith(term):
+            return remedy
+    return "it does not depend on the plan"
