@@ -129,6 +129,10 @@ class Plan:
     # The host optimizer whose state the plan's host bytes price ("hybrid8bit" or "keep",
     # planning/host.py); a plan file without it: hybrid8bit.
     optimizer: str = "hybrid8bit"
+    # Tokens per sequence tile of each streamed layer's token-wise parts (MLP, norms,
+    # projections) in the forward and the backward re-run; 0: untiled (one tile). A plan
+    # file without it: untiled.
+    tile_tokens: int = 0
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -141,6 +145,9 @@ class Plan:
         self._check_consistent()
 
     def _check_consistent(self) -> None:
+        if not isinstance(self.tile_tokens, int) or self.tile_tokens < 0:
+            raise PlanError(f"plan tile_tokens={self.tile_tokens!r} must be an integer >= 0 "
+                            "(0: untiled)")
         if self.resident_update not in RESIDENT_UPDATES:
             raise PlanError(f"plan resident_update={self.resident_update!r} is not one of "
                             f"{RESIDENT_UPDATES}")
