@@ -17,7 +17,7 @@ from lazytrain_accel.cli.args import (
     positive_int,
 )
 from lazytrain_accel.cli.lora import lora_weights
-from lazytrain_accel.config import RESIDENT_UPDATE_CHOICES
+from lazytrain_accel.config import RESIDENT_UPDATE_CHOICES, env_setting
 from lazytrain_accel.planning import (
     STRATEGIES,
     Budgets,
@@ -30,7 +30,8 @@ from lazytrain_accel.planning import (
 )
 from lazytrain_accel.planning.infeasible import with_largest_batch
 from lazytrain_accel.planning.solve import with_device_residents
-from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import (
     COMPUTE_DTYPE_BYTES,
@@ -107,7 +108,8 @@ def _need(args: argparse.Namespace, *names: str) -> None:
 def _load(args: argparse.Namespace) -> tuple[dict, HardwareProfile, Budgets]:
     try:
         config = load_model_config(args.model)
-        hardware = load_hardware(args.hardware)
+        hardware = load_hardware(args.hardware, cache_dir=env_setting("cache_dir"),
+                                 nvme_dir=env_setting("nvme_dir"))
         budgets = Budgets.from_hardware(hardware, args.gpu_memory_gb, args.cpu_memory_gb,
                                         args.nvme_gb)
     except (ValueError, OSError) as err:  # unknown presets, unreadable files: inputs

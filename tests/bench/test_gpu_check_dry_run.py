@@ -99,7 +99,7 @@ def test_a_qlora_format_that_fails_is_reported_and_fails_the_phase() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_qlora
 
-    from lazytrain_accel.profiling.hardware import load_hardware
+    from lazytrain_accel.profiling.hardware_spec import load_hardware
 
     report = gpu_qlora.run_phase(gpu_qlora.dry_setting(), load_hardware("h800"),
                                  formats=("nf5",))

@@ -18,7 +18,7 @@ from lazytrain_accel.planning.plan import (
     TransferKind,
 )
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
-from lazytrain_accel.profiling.hardware import load_hardware
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 
 NUM_LAYERS, BATCH, SEQ, VOCAB = 4, 4, 12, 64
 

@@ -13,14 +13,14 @@ import warnings
 import pytest
 
 from lazytrain_accel.planning import Budgets, build_problem, make_plan
-from lazytrain_accel.profiling.hardware import load_hardware
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
 
 _WITHOUT_SCIP = textwrap.dedent("""
     import json, sys, warnings
     sys.modules["pyscipopt"] = None  # as on a machine where it is not installed
     from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan
-    from lazytrain_accel.profiling.hardware import load_hardware
+    from lazytrain_accel.profiling.hardware_spec import load_hardware
     from lazytrain_accel.profiling.models import (geometry_from_config, load_model_config,
                                                   profile_model)
     hw = load_hardware("rtx3090")
