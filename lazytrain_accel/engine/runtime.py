@@ -7,7 +7,7 @@ Function only sees what it uses.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,28 +16,24 @@ from torch.utils import _pytree as pytree
 from lazytrain_accel.engine.captures import recorded, recording
 from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.nvme import NvmeSpill
+from lazytrain_accel.engine.position import LayerPosition
 from lazytrain_accel.engine.replay import replaying
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.engine.streams import Streams
 from lazytrain_accel.engine.weights import WeightPool
 from lazytrain_accel.planning.plan import Plan
 
-if TYPE_CHECKING:
-    from lazytrain_accel.engine.layer_call import ForwardState, _Position
-
 
 class Runtime:
     def __init__(self, *, plan: Plan, originals: list[Callable[..., Any]],
                  trainable: list[list[nn.Parameter]], streams: Streams, acct: Accounting,
-                 spill: NvmeSpill, pool: WeightPool, sink: GradSink,
-                 begin_backward: Callable[[ForwardState], None]) -> None:
+                 spill: NvmeSpill, pool: WeightPool, sink: GradSink) -> None:
         self.plan = plan
         self.streams = streams
         self.acct = acct
         self.spill = spill
         self.pool = pool
         self.sink = sink
-        self.begin_backward = begin_backward
         self._originals = originals  # the layers' own forwards, index 0 = layer 1
         self._trainable = trainable
         # A grad-requiring scalar per trainable layer keeps its Function in the graph
@@ -68,7 +64,7 @@ class Runtime:
         self.acct.add(counter, 1)
         return out
 
-    def rerun_with_grad(self, layer: int, hidden: torch.Tensor, pos: _Position,
+    def rerun_with_grad(self, layer: int, hidden: torch.Tensor, pos: LayerPosition,
                         grad_outs: tuple[torch.Tensor | None, ...], *,
                         prefetch: Sequence[int]) -> tuple[torch.Tensor | None, ...]:
         """Re-run `layer` with grad; return grads of (hidden, *extras); stream weight grads."""
