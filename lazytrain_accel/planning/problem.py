@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lazytrain_accel.device_update import DEVICE_UPDATE_CHUNK_ELEMENTS
 from lazytrain_accel.planning.plan import (
     RESIDENT_UPDATES,
     Home,
@@ -46,11 +47,10 @@ HOST_BYTES_PER_PARAM = 10
 #: (fp32 master, fp32 gradient accumulator, 8-bit moments) moved to the device.
 DEVICE_RESIDENT_BYTES_PER_PARAM = HOST_BYTES_PER_PARAM
 #: The GPU update's temporaries: 64 bytes per element of one chunk, the largest resident
-#: tensor or `optim.hybrid_adamw8bit.DEVICE_CHUNK_ELEMENTS` elements, whichever is smaller
+#: tensor or `DEVICE_UPDATE_CHUNK_ELEMENTS` elements, whichever is smaller
 #: (its torch path peaked at 33 bytes an element on the CPU, measured by peak RSS; the rest
-#: is room for the caching allocator). Kept torch-free here; a test checks the two agree.
+#: is room for the caching allocator).
 DEVICE_UPDATE_BYTES_PER_ELEMENT = 64
-DEVICE_UPDATE_CHUNK_ELEMENTS = 2**24
 
 #: Names of the host base's terms (`Problem.cpu_base_terms`), which refusals look up.
 TRAINABLE_HOST_TERM = "the trainable parameters' fp32 masters, gradients and 8-bit Adam state"
