@@ -59,8 +59,8 @@ from lazytrain_accel.engine.patching import ModelPatch, move_buffers, restore_bu
 from lazytrain_accel.engine.residents import ResidentParams, output_side, owners
 from lazytrain_accel.engine.runtime import Runtime
 from lazytrain_accel.engine.stats import Accounting, StepStats
-from lazytrain_accel.engine.weights import weight_slots
 from lazytrain_accel.planning.plan import Home, Plan
+from lazytrain_accel.planning.slots import weight_slots
 
 logger = logging.getLogger("lazytrain_accel")
 
