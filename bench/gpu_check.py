@@ -56,6 +56,7 @@ from lazytrain_accel.planning import (
     max_batch_size,
     simulate,
 )
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HardwareProfile, preset_for_gpu
 from lazytrain_accel.profiling.hardware_spec import load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
@@ -172,7 +173,7 @@ def paper_ratio_at(host_update_params_per_s: float,
     model = profile_model(geometry_from_config(load_model_config("qwen3.6-27b")),
                           batch_size=72, seq_len=1024, loss_chunk_tokens=None)
     ours = make_plan(model, hardware)
-    mega = make_plan(model, hardware, strategy="megatrain")
+    mega = make_plan(model, hardware, PlanRequest(strategy="megatrain"))
     return {"host_update_params_per_s": host_update_params_per_s,
             "device_update_params_per_s": hardware.gpu_optimizer_params_per_s,
             "resident_update": ours.resident_update,
@@ -297,8 +298,9 @@ def admitted_batches(setting: Setting, hardware: HardwareProfile, cap_gib: float
     admitted = {}
     for s in STRATEGIES:
         try:
-            admitted[s] = max_batch_size(lambda b: _profile(setting, b), hardware, strategy=s,
-                                         budgets=budgets, time_limit_s=20, limit=64)
+            admitted[s] = max_batch_size(
+                lambda b: _profile(setting, b), hardware,
+                PlanRequest(strategy=s, budgets=budgets, time_limit_s=20), limit=64)
         except PlanInfeasibleError:
             admitted[s] = 0
     return admitted

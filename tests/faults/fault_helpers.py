@@ -13,7 +13,7 @@ from lazytrain_accel.planning.plan import (
     Home,
     Plan,
     Prediction,
-    SolverReport,
+    Solution,
     Transfer,
     TransferKind,
 )
@@ -63,7 +63,7 @@ def plan_json(tmp_path: Path, model: torch.nn.Module, home: Home, *,
                 blocks=list(itertools.pairwise(range(L + 1))), transfers=transfers,
                 prediction=Prediction(step_s=0.0, compute_s=0.0, recompute_s=0.0,
                                       exposed_s=0.0),
-                solver=SolverReport(status="baseline"),
+                solver=Solution(status="baseline", homes=tuple(homes)),
                 fingerprint=run_fingerprint(profile, load_hardware(hardware)))
     path = tmp_path / f"plan_{home.value}.json"
     plan.save(path)

@@ -15,13 +15,14 @@ from planner_chains import property_chains
 from lazytrain_accel.planning import PlanInfeasibleError, build_problem, make_plan, simulate
 from lazytrain_accel.planning.baselines import BASELINES
 from lazytrain_accel.planning.no_solver import evaluate_fixed
+from lazytrain_accel.planning.request import PlanRequest
 
 
 def _plan(instance: tuple, strategy: str):
     model, hardware, budgets, K = instance
     try:
-        return make_plan(model, hardware, strategy=strategy, budgets=budgets,
-                         max_recompute_block=K, time_limit_s=20)
+        return make_plan(model, hardware, PlanRequest(strategy=strategy, budgets=budgets,
+                                                      max_recompute_block=K, time_limit_s=20))
     except PlanInfeasibleError:
         return None
 
