@@ -20,6 +20,7 @@ import transformers
 
 from lazytrain_accel.engine import attach
 from lazytrain_accel.planning import make_plan
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.models import geometry_from_config, profile_model
 
@@ -83,7 +84,7 @@ def main() -> None:
     # The planner's checkpoint_all plan for this very batch shape (fp32 compute).
     profile = profile_model(geometry_from_config(hf.config.to_dict()), batch_size=args.batch,
                             seq_len=args.seq, compute_bytes_per_elem=4)
-    plan = make_plan(profile, HARDWARE_PRESETS["h800"], strategy="checkpoint_all")
+    plan = make_plan(profile, HARDWARE_PRESETS["h800"], PlanRequest(strategy="checkpoint_all"))
     engine = attach(streamed, plan, device=torch.device("cpu"), nvme_dir=nvme_dir)
     variants = {"hf_checkpointing": (hf, torch.optim.AdamW(hf.parameters(), lr=1e-4)),
                 "engine": (streamed, torch.optim.AdamW(streamed.parameters(), lr=1e-4))}

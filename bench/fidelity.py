@@ -50,6 +50,7 @@ from lazytrain_accel.engine.emulation import EmulationSettings
 from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning import Budgets, build_problem, make_plan, simulate
 from lazytrain_accel.planning.problem import GPU_RESERVE_FRACTION
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.simulate import OPTIMIZER_LANES
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
@@ -121,7 +122,8 @@ class _Calibration:
         self.model = _model(config)
         base = profile_model(geometry_from_config(self.model.config.to_dict()),
                              batch_size=batch, seq_len=seq, compute_bytes_per_elem=4)
-        plan = make_plan(base, _hardware(1e12, 1e12, 1e12, 1e9), strategy="checkpoint_all")
+        plan = make_plan(base, _hardware(1e12, 1e12, 1e12, 1e9),
+                         PlanRequest(strategy="checkpoint_all"))
         self.engine = attach(self.model, plan, device=torch.device("cpu"), emulation=False)
         self.layers = base.num_layers
 
@@ -215,7 +217,7 @@ def link_hardware(profile: ModelProfile, compute: dict[str, float],
 
 
 def plans(profile: ModelProfile, hw: HardwareProfile) -> dict[str, object]:
-    out = {name: make_plan(profile, hw, strategy=strategy, time_limit_s=20.0)
+    out = {name: make_plan(profile, hw, PlanRequest(strategy=strategy, time_limit_s=20.0))
            for name, strategy in (("auto", "lazytrain"), ("megatrain", "megatrain"),
                                   ("offload_all", "offload_all"))}
     # No recompute, room for three boundaries on the device and two on the host: the
@@ -225,8 +227,8 @@ def plans(profile: ModelProfile, hw: HardwareProfile) -> dict[str, object]:
     gpu = int((p.static_gpu_bytes + (p.staging_boundaries + 3) * A)
               / (1 - GPU_RESERVE_FRACTION)) + 1
     budgets = Budgets(gpu_bytes=gpu, cpu_bytes=p.cpu_fixed_bytes + 2 * A, nvme_bytes=64 * GIB)
-    out["auto+nvme"] = make_plan(profile, hw, strategy="lazytrain", budgets=budgets,
-                                 max_recompute_block=1, time_limit_s=20.0)
+    out["auto+nvme"] = make_plan(profile, hw, PlanRequest(strategy="lazytrain", budgets=budgets,
+                                                          max_recompute_block=1, time_limit_s=20.0))
     return out
 
 

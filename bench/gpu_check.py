@@ -47,6 +47,7 @@ import gpu_equivalence
 import gpu_qlora
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
+from lazytrain_accel.config import env_setting
 from lazytrain_accel.demo.budget import demo_gpu_budget_gb
 from lazytrain_accel.planning import (
     Budgets,
@@ -55,7 +56,9 @@ from lazytrain_accel.planning import (
     max_batch_size,
     simulate,
 )
-from lazytrain_accel.profiling.hardware import HardwareProfile, load_hardware, preset_for_gpu
+from lazytrain_accel.planning.request import PlanRequest
+from lazytrain_accel.profiling.hardware import HardwareProfile, preset_for_gpu
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import (
     geometry_from_config,
@@ -128,7 +131,8 @@ class RunResult:
 def measure_links(device: torch.device, nbytes: int) -> dict[str, float]:
     """Pinned H2D / D2H bytes per second and the matmul rate (bf16 on CUDA)."""
     if device.type != "cuda":
-        hw = load_hardware("auto")
+        hw = load_hardware("auto", cache_dir=env_setting("cache_dir"),
+                           nvme_dir=env_setting("nvme_dir"))
         return {"h2d_bytes_per_s": hw.h2d_bytes_per_s, "d2h_bytes_per_s": hw.d2h_bytes_per_s,
                 "matmul_flops_per_s": hw.achieved_flops_per_s}
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -169,7 +173,7 @@ def paper_ratio_at(host_update_params_per_s: float,
     model = profile_model(geometry_from_config(load_model_config("qwen3.6-27b")),
                           batch_size=72, seq_len=1024, loss_chunk_tokens=None)
     ours = make_plan(model, hardware)
-    mega = make_plan(model, hardware, strategy="megatrain")
+    mega = make_plan(model, hardware, PlanRequest(strategy="megatrain"))
     return {"host_update_params_per_s": host_update_params_per_s,
             "device_update_params_per_s": hardware.gpu_optimizer_params_per_s,
             "resident_update": ours.resident_update,
@@ -294,8 +298,9 @@ def admitted_batches(setting: Setting, hardware: HardwareProfile, cap_gib: float
     admitted = {}
     for s in STRATEGIES:
         try:
-            admitted[s] = max_batch_size(lambda b: _profile(setting, b), hardware, strategy=s,
-                                         budgets=budgets, time_limit_s=20, limit=64)
+            admitted[s] = max_batch_size(
+                lambda b: _profile(setting, b), hardware,
+                PlanRequest(strategy=s, budgets=budgets, time_limit_s=20), limit=64)
         except PlanInfeasibleError:
             admitted[s] = 0
     return admitted
@@ -358,7 +363,8 @@ def _first_phases(setting: Setting, report: dict, out_dir: Path) -> tuple[
     report["phase_s"]["equivalence"], start = time.perf_counter() - start, time.perf_counter()
     report["links"] = measure_links(setting.device,
                                     256 * 2**20 if setting.device.type == "cuda" else 2**20)
-    hardware = load_hardware("auto")
+    hardware = load_hardware("auto", cache_dir=env_setting("cache_dir"),
+                             nvme_dir=env_setting("nvme_dir"))
     report["hardware"] = hardware.to_dict()
     report["device_update"] = device_update_against_preset(hardware)
     report["paper_27b"] = paper_ratio_at(

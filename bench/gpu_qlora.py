@@ -100,7 +100,7 @@ class QloraResult:
     losses: list[float]
     max_rel_loss_diff: float
     prepared_identical: bool  # the plugin's packed weights at prepare == the stock run's
-    packed_unchanged: bool  # after training: bit-identical to those after prepare
+    packed_as_stock: bool  # after training: bit-identical to stock's packed weights then
     stock_step_s: float
     step_s: float
     predicted_step_s: float  # simulate(include_optimizer=True) of the QLoRA plan
@@ -224,18 +224,21 @@ def _plugin(setting: QloraSetting, work: Path, fmt: str) -> LazyTrainPlugin:
 
 
 def _stock_run(fmt: str, setting: QloraSetting, base: Path
-               ) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
-    """Stock Accelerate on a fresh load: the packed weights it trains, losses, times."""
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[float],
+                          list[float]]:
+    """Stock Accelerate on a fresh load: the packed weights it trains (as loaded and after
+    training: bitsandbytes repacks them for its CPU kernel in eval mode), losses, times."""
     model = load_qlora(base, fmt, setting)
     if fmt.startswith(PREPARE):  # what the plugin's frozen_weights does, done by hand
         quantize_frozen_linears(model, fmt.removeprefix(PREPARE), _dtype(setting))
     loaded = packed_snapshot(model)
     prepared = prepare(model, None, setting)
     losses, times = run_steps(prepared, setting)
+    trained = packed_snapshot(model)
     prepared[0].end_training()
     del model, prepared
     _free_device(setting.device)
-    return loaded, losses, times
+    return loaded, trained, losses, times
 
 
 def _free_device(device: torch.device) -> int:
@@ -251,14 +254,14 @@ def _free_device(device: torch.device) -> int:
 def check_format(fmt: str, setting: QloraSetting, base: Path) -> QloraResult:
     """Stock Accelerate, then the plugin, each on a fresh load of `base` in `fmt`."""
     start = time.perf_counter()
-    loaded, stock_losses, stock_times = _stock_run(fmt, setting, base)
+    loaded, stock_trained, stock_losses, stock_times = _stock_run(fmt, setting, base)
     prepared = prepare(load_qlora(base, fmt, setting), _plugin(setting, base, fmt), setting)
     acc, model = prepared[0], prepared[1]
     fresh = packed_snapshot(model)  # on the host now (or quantized by the plugin)
     losses, times = run_steps(prepared, setting)
     run, engine = acc.lazytrain_run, acc.lazytrain_engine
     predicted = simulate(run.plan, run.model_profile, run.hardware, include_optimizer=True)
-    unchanged = _identical(packed_snapshot(model), fresh)
+    as_stock = _identical(packed_snapshot(model), stock_trained)
     acc.end_training()
     worst = max(abs(a - b) / max(abs(b), 1e-6)
                 for a, b in zip(losses, stock_losses, strict=True))
@@ -268,12 +271,12 @@ def check_format(fmt: str, setting: QloraSetting, base: Path) -> QloraResult:
         fmt=fmt, packed_tensors=len(fresh) // 2,
         packed_bytes=sum(t.numel() * t.element_size() for t in fresh.values()),
         stock_losses=stock_losses, losses=losses, max_rel_loss_diff=worst,
-        prepared_identical=identical, packed_unchanged=unchanged,
+        prepared_identical=identical, packed_as_stock=as_stock,
         stock_step_s=statistics.median(stock_times), step_s=step_s,
         predicted_step_s=predicted.step_s, step_ratio=step_s / predicted.step_s,
         homes=run.plan.count_homes(), streams=type(engine.streams).__name__,
         pool=type(engine.pool).__name__,
-        passed=worst <= BF16_REL_TOL and unchanged and identical and len(fresh) > 0,
+        passed=worst <= BF16_REL_TOL and as_stock and identical and len(fresh) > 0,
         wall_s=time.perf_counter() - start)
 
 
@@ -348,12 +351,12 @@ def format_table(report: dict) -> str:
              f"({m['over_preset']:.2f} x preset; {m['how']})" for m in d["measured"]]
     if report["skipped"] is not None:
         return "\n".join([*rows, report["skipped"]])
-    rows.append(f"{'format':<12}{'packed MB':>10}{'max rel loss diff':>19}{'unchanged':>10}"
+    rows.append(f"{'format':<12}{'packed MB':>10}{'max rel loss diff':>19}{'as stock':>10}"
                 f"{'stock s':>9}{'step s':>9}{'pred s':>9}{'ratio':>7}{'ok':>5}")
     for r in report["results"]:
         rows.append(f"{r['fmt']:<12}{r['packed_bytes'] / 1e6:>10.1f}"
                     f"{r['max_rel_loss_diff']:>19.2e}"
-                    f"{'yes' if r['packed_unchanged'] else 'NO':>10}"
+                    f"{'yes' if r['packed_as_stock'] else 'NO':>10}"
                     f"{r['stock_step_s']:>9.3f}{r['step_s']:>9.3f}{r['predicted_step_s']:>9.3f}"
                     f"{r['step_ratio']:>7.2f}{'yes' if r['passed'] else 'NO':>5}")
     rows += [f"{e['fmt']:<12}ERROR {e['error']}" for e in report["errors"]]

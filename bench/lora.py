@@ -22,6 +22,7 @@ import argparse
 from lazytrain_accel.planning import (
     Budgets,
     PlanInfeasibleError,
+    PlanRequest,
     make_plan,
     max_batch_size,
     simulate,
@@ -69,23 +70,23 @@ def row(preset: str, machine: tuple[str, str, int], mode: tuple[str, str | None]
     label, hw_name, host_gib = machine
     hw = HARDWARE_PRESETS[hw_name]
     budgets = Budgets.from_hardware(hw, cpu_memory_limit_gb=host_gib)
-    kwargs = dict(budgets=budgets, time_limit_s=args.time_limit_s)
+    request = PlanRequest(budgets=budgets, time_limit_s=args.time_limit_s)
     out = {"model": preset, "machine": label, "mode": mode[0]}
     at_1k = profile_at(preset, mode[1], args.rank, 1024)
     try:
         one = at_1k(1)
-        plan = make_plan(one, hw, **kwargs)
+        plan = make_plan(one, hw, request)
         sim = simulate(plan, plan_profile(plan, one), hw)
         out.update(host_bytes=sim.peak_cpu_bytes, pcie_bytes=pcie_bytes(sim, hw),
                    tokens_per_s_1=sim.tokens_per_s,
                    dequant_share_1=dequant_s(plan, one, hw) / sim.step_s)
-        best = max_batch_size(at_1k, hw, limit=args.batch_limit, **kwargs)
-        big = make_plan(at_1k(best), hw, **kwargs)
+        best = max_batch_size(at_1k, hw, request, limit=args.batch_limit)
+        big = make_plan(at_1k(best), hw, request)
         out.update(batch_1k=best, tokens_per_s=big.prediction.tokens_per_s,
                    dequant_share=dequant_s(big, at_1k(best), hw) / big.prediction.step_s)
         try:
             out["batch_4k"] = max_batch_size(profile_at(preset, mode[1], args.rank, 4096), hw,
-                                             limit=args.batch_limit, **kwargs)
+                                             request, limit=args.batch_limit)
         except PlanInfeasibleError:
             out["batch_4k"] = 0
     except PlanInfeasibleError as err:

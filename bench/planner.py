@@ -16,6 +16,7 @@ from pathlib import Path
 
 from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan, max_batch_size
 from lazytrain_accel.planning.problem import Problem, build_problem
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.solve import solve_problem, with_device_residents
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
@@ -112,10 +113,11 @@ def paper_table(time_limit_s: float) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for preset, batch, paper_mega, paper_lazy in PAPER:
         model = profile(preset, batch)
-        plans = {s: make_plan(model, hw, strategy=s, time_limit_s=time_limit_s)
+        plans = {s: make_plan(model, hw, PlanRequest(strategy=s, time_limit_s=time_limit_s))
                  for s in ("megatrain", "lazytrain")}
-        bare = {s: make_plan(model, hw, strategy=s, time_limit_s=time_limit_s,
-                             include_optimizer=False).prediction.tflops for s in plans}
+        bare = {s: make_plan(model, hw, PlanRequest(strategy=s, time_limit_s=time_limit_s,
+                                                    include_optimizer=False)).prediction.tflops
+                for s in plans}
         mega, lazy = plans["megatrain"].prediction, plans["lazytrain"].prediction
         given = with_device_residents(plans["megatrain"], model, hw, Budgets.from_hardware(hw))
         like = lazy.tflops / (given or plans["megatrain"]).prediction.tflops
@@ -141,8 +143,8 @@ def max_batches(time_limit_s: float) -> None:
         sizes = {}
         for strategy in ("megatrain", "lazytrain"):
             try:
-                sizes[strategy] = max_batch_size(at, hw, strategy=strategy,
-                                                 time_limit_s=time_limit_s)
+                sizes[strategy] = max_batch_size(at, hw, PlanRequest(strategy=strategy,
+                                                                     time_limit_s=time_limit_s))
             except ValueError as err:
                 sizes[strategy] = 0
                 print(f"<!-- {preset} {strategy}: {err} -->")

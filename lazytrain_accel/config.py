@@ -16,6 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# One way only: config checks a hardware name against the presets; profiling never reads
+# config (its callers pass the directories it needs), so neither imports the other back.
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.suggest import did_you_mean
 
 ENV_PREFIX = "LAZYTRAIN_"
@@ -40,7 +43,8 @@ class OptimizerChoice(str, enum.Enum):
 def default_cache_dir() -> str:
     """`LAZYTRAIN_CACHE_DIR`, else `$XDG_CACHE_HOME/lazytrain_accel` (~/.cache by default).
 
-    For code that needs the cache without a full config (e.g. `load_hardware("auto")`).
+    For code that needs the cache without a full config (e.g. `load_hardware("auto")`, which
+    reads no environment itself).
     """
     explicit = os.environ.get(ENV_PREFIX + "CACHE_DIR", "").strip()
     if explicit:
@@ -220,15 +224,12 @@ class LazyTrainConfig:
         if self.hardware != "auto" and _is_json_path(self.hardware):
             if not Path(self.hardware).is_file():
                 raise ValueError(f"hardware={self.hardware!r}: no such hardware JSON file")
-        elif self.hardware != "auto":
-            from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
-
-            if self.hardware not in HARDWARE_PRESETS:
-                raise ValueError(
-                    f"hardware={self.hardware!r} is not valid: "
-                    f"{did_you_mean(self.hardware, HARDWARE_PRESETS)}use 'auto', one of "
-                    f"{sorted(HARDWARE_PRESETS)}, or the path of a hardware JSON file"
-                )
+        elif self.hardware != "auto" and self.hardware not in HARDWARE_PRESETS:
+            raise ValueError(
+                f"hardware={self.hardware!r} is not valid: "
+                f"{did_you_mean(self.hardware, HARDWARE_PRESETS)}use 'auto', one of "
+                f"{sorted(HARDWARE_PRESETS)}, or the path of a hardware JSON file"
+            )
         for name in ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = use the "

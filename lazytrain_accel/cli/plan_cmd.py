@@ -17,7 +17,7 @@ from lazytrain_accel.cli.args import (
     positive_int,
 )
 from lazytrain_accel.cli.lora import lora_weights
-from lazytrain_accel.config import RESIDENT_UPDATE_CHOICES
+from lazytrain_accel.config import RESIDENT_UPDATE_CHOICES, env_setting
 from lazytrain_accel.planning import (
     STRATEGIES,
     Budgets,
@@ -29,8 +29,10 @@ from lazytrain_accel.planning import (
     simulate,
 )
 from lazytrain_accel.planning.infeasible import with_largest_batch
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.solve import with_device_residents
-from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import (
     COMPUTE_DTYPE_BYTES,
@@ -107,7 +109,8 @@ def _need(args: argparse.Namespace, *names: str) -> None:
 def _load(args: argparse.Namespace) -> tuple[dict, HardwareProfile, Budgets]:
     try:
         config = load_model_config(args.model)
-        hardware = load_hardware(args.hardware)
+        hardware = load_hardware(args.hardware, cache_dir=env_setting("cache_dir"),
+                                 nvme_dir=env_setting("nvme_dir"))
         budgets = Budgets.from_hardware(hardware, args.gpu_memory_gb, args.cpu_memory_gb,
                                         args.nvme_gb)
     except (ValueError, OSError) as err:  # unknown presets, unreadable files: inputs
@@ -180,19 +183,24 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
                   f"{summary['tflops'] / given:.3f}x)")
 
 
+def _request(args: argparse.Namespace, budgets: Budgets) -> PlanRequest:
+    """The plan request the CLI flags make (--strategy, --max-recompute-block, ...)."""
+    return PlanRequest(strategy=args.strategy, budgets=budgets,
+                       max_recompute_block=args.max_recompute_block,
+                       time_limit_s=args.time_limit_s, resident_update=args.resident_update)
+
+
 def _make(args: argparse.Namespace, config: dict, hardware: HardwareProfile,
           budgets: Budgets) -> tuple[Plan, ModelProfile]:
     _need(args, "batch_size", "seq_len")
     model = _profile(config, args, args.batch_size, args.seq_len)
-    kwargs = dict(strategy=args.strategy, budgets=budgets,
-                  max_recompute_block=args.max_recompute_block, time_limit_s=args.time_limit_s,
-                  resident_update=args.resident_update)
+    request = _request(args, budgets)
     try:
-        plan = make_plan(model, hardware, **kwargs)
+        plan = make_plan(model, hardware, request)
     except PlanInfeasibleError as err:  # say what would fit, not only what does not
         raise with_largest_batch(err, lambda b: _profile(config, args, b, args.seq_len),
-                                 hardware, batch_size=args.batch_size, seq_len=args.seq_len,
-                                 **kwargs) from None
+                                 hardware, request, batch_size=args.batch_size,
+                                 seq_len=args.seq_len) from None
     return plan, model
 
 
@@ -200,9 +208,9 @@ def _baseline(args: argparse.Namespace, model: ModelProfile, hardware: HardwareP
               budgets: Budgets) -> Plan | None:
     """The MegaTrain baseline in the same budgets (None when it does not fit)."""
     try:
-        return make_plan(model, hardware, strategy="megatrain", budgets=budgets,
-                         max_recompute_block=args.max_recompute_block,
-                         time_limit_s=args.time_limit_s)
+        return make_plan(model, hardware, PlanRequest(strategy="megatrain", budgets=budgets,
+                                                      max_recompute_block=args.max_recompute_block,
+                                                      time_limit_s=args.time_limit_s))
     except PlanInfeasibleError:
         return None
 
@@ -250,10 +258,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
 def _run_max_batch(args: argparse.Namespace) -> int:
     config, hardware, budgets = _load(args)
     best = max_batch_size(lambda b: _profile(config, args, b, args.seq_len), hardware,
-                          strategy=args.strategy, budgets=budgets,
-                          max_recompute_block=args.max_recompute_block,
-                          time_limit_s=args.time_limit_s, limit=MAX_BATCH_SEARCH_LIMIT,
-                          resident_update=args.resident_update)
+                          _request(args, budgets), limit=MAX_BATCH_SEARCH_LIMIT)
     # The search stops at its limit: there, the budgets were never binding.
     at_limit = best >= MAX_BATCH_SEARCH_LIMIT
     if args.json:

@@ -10,7 +10,8 @@ from lazytrain_accel.cli import CliError, help_of
 from lazytrain_accel.cli.args import add_lora_args, add_loss_chunk_arg, positive_int
 from lazytrain_accel.cli.lora import lora_weights
 from lazytrain_accel.config import env_setting
-from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import (
     COMPUTE_DTYPE_BYTES,
@@ -165,7 +166,9 @@ def run(args: argparse.Namespace) -> int:
         model = profile_model(geometry, batch_size=args.batch_size, seq_len=args.seq_len,
                               compute_bytes_per_elem=COMPUTE_DTYPE_BYTES[args.dtype],
                               loss_chunk_tokens=args.loss_chunk_tokens, weights=weights)
-        hardware = load_hardware(args.hardware or env_setting("hardware"), refresh=args.refresh)
+        hardware = load_hardware(args.hardware or env_setting("hardware"), refresh=args.refresh,
+                                 cache_dir=env_setting("cache_dir"),
+                                 nvme_dir=env_setting("nvme_dir"))
     except ValueError as err:
         raise CliError(str(err), exit_code=2) from None
     if args.save_hardware:

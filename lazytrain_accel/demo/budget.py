@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan, simulate
 from lazytrain_accel.planning.problem import GPU_RESERVE_FRACTION
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
 
@@ -23,12 +24,12 @@ _MAX_TRIES = 4
 def demo_gpu_budget_gb(model: ModelProfile, hardware: HardwareProfile) -> float:
     """The smallest GiB budget (found from MegaTrain's simulated peak, raised by the
     shortfall the planner reports) within which the MegaTrain plan is feasible."""
-    baseline = make_plan(model, hardware, strategy="megatrain")
+    baseline = make_plan(model, hardware, PlanRequest(strategy="megatrain"))
     budget_bytes = simulate(baseline, model, hardware).peak_gpu_bytes / (1 - GPU_RESERVE_FRACTION)
     for _ in range(_MAX_TRIES):
         budgets = Budgets.from_hardware(hardware, gpu_memory_limit_gb=budget_bytes / GIB)
         try:
-            make_plan(model, hardware, strategy="megatrain", budgets=budgets)
+            make_plan(model, hardware, PlanRequest(strategy="megatrain", budgets=budgets))
             return budget_bytes / GIB
         except PlanInfeasibleError as err:
             shortfall = err.shortfall_bytes.get("gpu", 0)

@@ -18,6 +18,7 @@ from lazytrain_accel.planning import (
     make_plan,
     simulate,
 )
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.threads import usable_cores
@@ -51,8 +52,9 @@ def plan_columns(run: PreparedRun, config: LazyTrainConfig) -> list[PlanColumn]:
                                     cpu_memory_limit_gb=config.cpu_memory_limit_gb,
                                     nvme_limit_gb=config.nvme_limit_gb)
     try:
-        baseline = make_plan(run.model_profile, run.hardware, strategy=BASELINE,
-                             budgets=budgets, time_limit_s=config.solver_time_limit_s)
+        baseline = make_plan(run.model_profile, run.hardware,
+                             PlanRequest(strategy=BASELINE, budgets=budgets,
+                                         time_limit_s=config.solver_time_limit_s))
     except PlanInfeasibleError as err:
         short = ", ".join(f"{tier} short by {n / _MIB:.1f} MiB"
                           for tier, n in err.shortfall_bytes.items())

@@ -6,11 +6,11 @@ through the layer Function, and hooks bracket each model pass (`patching.py`).
 
 The life of one training step, top-down (file:function):
 
-1. `model(...)`: `engine.py:StreamingEngine._before_model` waits for the input-side
+1. `model(...)`: `engine.py:StreamingEngine.before_model` waits for the input-side
    residents' update (group 0 of a running layer-wise update) and swaps their device
    copies in; the decoder
-   stack's pre-hook `_new_pass` starts a fresh pass.
-2. Each decoder layer call: `patching.py:_streamed_forward` -> `_call_layer` ->
+   stack's pre-hook `new_pass` starts a fresh pass.
+2. Each decoder layer call: `patching.py:_streamed_forward` -> `call_layer` ->
    `binding.py:bind_call` / `drop_cache` -> `layer_call.py:ForwardState.call` ->
    `_LayerFunction.forward` -> `runtime.py:Runtime.run_layer` ->
    `weights.py:WeightPool.acquire` (waits for layer j's update only, streams its
@@ -27,7 +27,7 @@ The life of one training step, top-down (file:function):
    residents, layer 1..L, output-side residents, each layer's compute copy written in
    the same pass (residents whose masters live on the device are updated by the
    training thread, beside the thread where the device is async); `step()` returns at
-   once. The next forward's final norm and head wait for the last group (`_before_head`,
+   once. The next forward's final norm and head wait for the last group (`before_head`,
    a pre-hook on their modules).
 5. `optimizer.zero_grad()` / `model.zero_grad()`: deferred per group by the update
    (`LayerwiseUpdate._deferred_zero_grad`); the next step's forward starts at 1. while
@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from lazytrain_accel.engine import hf_checkpointing, quantized
+from lazytrain_accel.engine.backends import make_streams
 from lazytrain_accel.engine.binding import bind_call, drop_cache
 from lazytrain_accel.engine.discovery import find_decoder_layers
 from lazytrain_accel.engine.emulation import EmulationSettings
@@ -59,9 +60,8 @@ from lazytrain_accel.engine.residents import ResidentParams, output_side, owners
 from lazytrain_accel.engine.runtime import Runtime
 from lazytrain_accel.engine.stats import Accounting, StepStats
 from lazytrain_accel.engine.step import StepCoordinator
-from lazytrain_accel.engine.streams import make_streams
-from lazytrain_accel.engine.weights import weight_slots
 from lazytrain_accel.planning.plan import Home, Plan
+from lazytrain_accel.planning.slots import weight_slots
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -149,8 +149,7 @@ class StreamingEngine:
         self.runtime = Runtime(plan=self.plan, layers=self._layers, originals=self._originals,
                                trainable=trainable,
                                streams=self.streams, acct=self.acct, spill=self.spill,
-                               pool=self.pool, sink=self.sink,
-                               begin_backward=self._begin_backward)
+                               pool=self.pool, sink=self.sink)
         self._state: ForwardState | None = None
         self._open: weakref.WeakSet[ForwardState] = weakref.WeakSet()
         self._latest: weakref.ref[ForwardState] | None = None
@@ -170,34 +169,34 @@ class StreamingEngine:
         self.replan: Callable[[int, int], Plan | None] | None = None
 
     # ---- model pass bracketing -------------------------------------------------------
-    def _before_model(self) -> None:
+    def before_model(self) -> None:
         self.steps.wait_for_group(0)  # the input side's residents are updated first
         if self.residents.active and not self._open:
             self.residents.swap_out()  # a previous pass never ran (or failed) its backward
         self.residents.swap_in()
 
-    def _before_head(self) -> None:
+    def before_head(self) -> None:
         """A module of the output side (final norm, head) is about to run: its update
         (the last group) is done and its device copies are in."""
         self.steps.wait_for_group(len(self._layers) + 1)
         self.residents.swap_in_late()
 
-    def _after_model(self) -> None:
+    def after_model(self) -> None:
         if not self._open:
             self.residents.swap_out()
 
-    def _new_pass(self) -> None:
+    def new_pass(self) -> None:
         self.pool.invalidate()  # an optimizer may have updated the masters since
         for state in self._backwarded:  # left by a backward that raised
             state.close()
         self._backwarded.clear()
         self._state = None
 
-    def _end_pass(self) -> None:
+    def end_pass(self) -> None:
         self._state = None
 
     # ---- layer calls -----------------------------------------------------------------
-    def _call_layer(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call_layer(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         layer = self._layers[index - 1]
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
             raise ValueError(f"gradient_checkpointing was set by hand on streamed layer {index}; "
@@ -212,7 +211,7 @@ class StreamingEngine:
         if index == 1:
             self._check_planned_tokens(hidden)
         if self._state is None:
-            self._state = ForwardState(self.runtime)
+            self._state = ForwardState(self.runtime, begin_backward=self._begin_backward)
             self._open.add(self._state)
             self._latest = weakref.ref(self._state)
             weakref.finalize(self._state, self._state.store.close)
@@ -223,7 +222,7 @@ class StreamingEngine:
             self._open.discard(state)
             self._state = None
             if not self._open:
-                self.residents.swap_out()  # masters back in place (`_after_model` won't run)
+                self.residents.swap_out()  # masters back in place (`after_model` won't run)
             raise
 
     def _check_planned_tokens(self, hidden: torch.Tensor) -> None:
@@ -274,9 +273,9 @@ class StreamingEngine:
             self._open.discard(state)
             self._backwarded.append(state)
         self.steps.wait()  # gradients of this pass must not meet a running update
-        self._queue_finalizer()
+        self.queue_finalizer()
 
-    def _queue_finalizer(self) -> None:
+    def queue_finalizer(self) -> None:
         # Keyed by graph task: a backward that raised never ran its callback, and the
         # next backward must queue its own.
         task = torch._C._current_graph_task_id()

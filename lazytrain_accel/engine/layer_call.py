@@ -10,41 +10,30 @@ State is indexed by executed position, not layer index (OPT's layerdrop skips la
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from lazytrain_accel.engine.activations import ActivationStore
-from lazytrain_accel.engine.captures import Captured, capturing, recording, restore
-from lazytrain_accel.engine.replay import ReplayState, capture, replaying
+from lazytrain_accel.engine.captures import capturing, recording, restore
+from lazytrain_accel.engine.position import LayerPosition
+from lazytrain_accel.engine.replay import capture, replaying
 from lazytrain_accel.engine.runtime import Runtime
 from lazytrain_accel.planning.plan import Home
-
-
-@dataclass(kw_only=True)
-class _Position:
-    layer: int  # 1-based index of the decoder layer run at this position
-    leaves: list[Any]  # flattened call kwargs (tensors referenced, never copied)
-    spec: pytree.TreeSpec
-    extra_ids: list[int]  # kwargs leaves that require grad (they get gradients too)
-    hidden_requires_grad: bool
-    replay: ReplayState
-    out_spec: pytree.TreeSpec | None = None
-    out_leaves: list[Any] = field(default_factory=list)  # non-tensor outputs, by slot
-    tensor_ids: list[int] = field(default_factory=list)  # output leaves that are tensors
-    captured: Captured | None = None  # tensors the layer gave transformers' collector
 
 
 class ForwardState:
     """Everything one forward pass leaves for its backward."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, *,
+                 begin_backward: Callable[[ForwardState], None]) -> None:
         self.rt = runtime
+        self._begin_backward = begin_backward  # the engine's: wait for the update, etc.
         self.store = ActivationStore(runtime.plan, streams=runtime.streams,
                                      spill=runtime.spill, accounting=runtime.acct)
-        self.positions: list[_Position] = []
+        self.positions: list[LayerPosition] = []
         self.cache: dict[int, torch.Tensor] = {}  # boundaries regenerated for a block
         # weak: the output's grad_fn holds this state; a strong ref would be a cycle
         # through the C++ graph that Python's GC cannot see (the graph would leak)
@@ -62,7 +51,7 @@ class ForwardState:
         leaves, spec = pytree.tree_flatten(kwargs)
         extra_ids = [k for k, v in enumerate(leaves)
                      if isinstance(v, torch.Tensor) and v.requires_grad]
-        pos = _Position(layer=layer, leaves=leaves, spec=spec, extra_ids=extra_ids,
+        pos = LayerPosition(layer=layer, leaves=leaves, spec=spec, extra_ids=extra_ids,
                         hidden_requires_grad=hidden.requires_grad,
                         replay=capture(self.rt.streams.device))
         self.positions.append(pos)
@@ -148,7 +137,7 @@ class ForwardState:
     def run_backward(self, index: int, grad_outs: tuple[torch.Tensor | None, ...]
                      ) -> tuple[torch.Tensor | None, ...]:
         pos = self.positions[index - 1]
-        self.rt.begin_backward(self)
+        self._begin_backward(self)
         self.store.run_window(2 * self.rt.plan.num_layers - index)
         hidden = self.input_for_backward(index - 1)
         nxt = self.layers_for_backward(index - 1) if index > 1 else ()

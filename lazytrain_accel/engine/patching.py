@@ -2,8 +2,8 @@
 
 Each decoder layer's `forward` is replaced on the instance by `_streamed_forward`, which
 finds its engine through a `_Link` attribute; hooks on the model and on the decoder stack
-bracket each pass (`StreamingEngine._before_model` / `_after_model` / `_new_pass` /
-`_end_pass`), and `state_dict()` / `load_state_dict()` first wait for a running update.
+bracket each pass (`StreamingEngine.before_model` / `after_model` / `new_pass` /
+`end_pass`), and `state_dict()` / `load_state_dict()` first wait for a running update.
 `ModelPatch.restore()` undoes all of it (`StreamingEngine.detach`).
 """
 
@@ -11,15 +11,35 @@ from __future__ import annotations
 
 import types
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from lazytrain_accel.engine.engine import StreamingEngine
-
 _LINK = "_lazytrain_engine_link"
+
+
+class PatchedEngine(Protocol):
+    """What the patches call on their engine (`StreamingEngine`): this module depends on
+    this interface, not on `engine.py`, which imports it."""
+
+    def call_layer(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run decoder layer `index` (1-based) on the call's arguments."""
+        ...
+
+    def before_model(self) -> None: ...
+    def after_model(self) -> None: ...
+    def new_pass(self) -> None: ...
+    def end_pass(self) -> None: ...
+    def before_head(self) -> None: ...
+
+    def synchronize(self) -> None:
+        """Wait for a running optimizer update (before the masters are read or written)."""
+        ...
+
+    def queue_finalizer(self) -> None:
+        """Queue the end-of-backward callback (a resident's gradient has accumulated)."""
+        ...
 
 
 def _none() -> None:
@@ -34,7 +54,7 @@ class _Link:
     forward and its hooks do nothing: the copy is a plain, self-contained model.
     """
 
-    def __init__(self, engine: StreamingEngine, index: int = 0) -> None:
+    def __init__(self, engine: PatchedEngine, index: int = 0) -> None:
         self.engine, self.index = engine, index
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
@@ -57,13 +77,13 @@ def _streamed_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     link = layer.__dict__.get(_LINK)
     if link is None:
         return type(layer).forward(layer, *args, **kwargs)
-    return link.engine._call_layer(link.index, args, kwargs)
+    return link.engine.call_layer(link.index, args, kwargs)
 
 
 class ModelPatch:
     """The instance patches of one engine on its model, undone by `restore()`."""
 
-    def __init__(self, engine: StreamingEngine, model: nn.Module, parent: nn.Module,
+    def __init__(self, engine: PatchedEngine, model: nn.Module, parent: nn.Module,
                  layers: list[nn.Module], residents: list[nn.Parameter], *,
                  head_modules: list[nn.Module]) -> None:
         self._layers = layers
@@ -75,15 +95,15 @@ class ModelPatch:
         for module in self._linked:
             module.__dict__[_LINK] = _Link(engine)
         self._handles = [
-            model.register_forward_pre_hook(_on("_before_model")),
-            model.register_forward_hook(_on("_after_model")),
-            parent.register_forward_pre_hook(_on("_new_pass")),
-            parent.register_forward_hook(_on("_end_pass")),
+            model.register_forward_pre_hook(_on("before_model")),
+            model.register_forward_hook(_on("after_model")),
+            parent.register_forward_pre_hook(_on("new_pass")),
+            parent.register_forward_hook(_on("end_pass")),
             # masters must not be read or written while the layer-wise update runs
             model.register_state_dict_pre_hook(_on("synchronize")),
             model.register_load_state_dict_pre_hook(_on("synchronize")),
             # the output side's update may still run while the layers do
-            *(m.register_forward_pre_hook(_on("_before_head")) for m in head_modules),
+            *(m.register_forward_pre_hook(_on("before_head")) for m in head_modules),
         ]
         engine_ref = weakref.ref(engine)
         resident_ids = {id(p) for p in residents}
@@ -91,7 +111,7 @@ class ModelPatch:
         def on_resident_grad(p: torch.Tensor) -> None:
             engine = engine_ref()
             if engine is not None and id(p) in resident_ids:  # not a deep copy's parameter
-                engine._queue_finalizer()
+                engine.queue_finalizer()
 
         self._handles += [p.register_post_accumulate_grad_hook(on_resident_grad)
                           for p in residents if p.requires_grad]

@@ -190,10 +190,11 @@ class PackedWeightPool(WeightPool):
             self._acct.allocate("device", nbytes)
             self._acct.allocate("host_pinned", nbytes)
 
-    def _load(self, layer: int, *, fresh: bool) -> None:
-        super()._load(layer, fresh=fresh)
+    def _load(self, layer: int) -> int:
+        slot = super()._load(layer)
         if not self._in_place:
-            self._load_packed(layer, self._slot_layer.index(layer))
+            self._load_packed(layer, slot)
+        return slot
 
     def _load_packed(self, layer: int, slot: int) -> None:
         streams, staging = self._streams, self._packed_staging[slot]

@@ -7,7 +7,7 @@ Function only sees what it uses.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from lazytrain_accel.engine.captures import recorded, recording
 from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.nvme import NvmeSpill
+from lazytrain_accel.engine.position import LayerPosition
 from lazytrain_accel.engine.quantized import forward_follows_grad_mode
 from lazytrain_accel.engine.replay import replaying
 from lazytrain_accel.engine.stats import Accounting
@@ -23,23 +24,18 @@ from lazytrain_accel.engine.streams import Streams
 from lazytrain_accel.engine.weights import WeightPool
 from lazytrain_accel.planning.plan import Plan
 
-if TYPE_CHECKING:
-    from lazytrain_accel.engine.layer_call import ForwardState, _Position
-
 
 class Runtime:
     def __init__(self, *, plan: Plan, layers: list[nn.Module],
                  originals: list[Callable[..., Any]],
                  trainable: list[list[nn.Parameter]], streams: Streams, acct: Accounting,
-                 spill: NvmeSpill, pool: WeightPool, sink: GradSink,
-                 begin_backward: Callable[[ForwardState], None]) -> None:
+                 spill: NvmeSpill, pool: WeightPool, sink: GradSink) -> None:
         self.plan = plan
         self.streams = streams
         self.acct = acct
         self.spill = spill
         self.pool = pool
         self.sink = sink
-        self.begin_backward = begin_backward
         self._layers = layers  # index 0 = layer 1
         self._originals = originals  # the layers' own forwards, index 0 = layer 1
         self._trainable = trainable
@@ -58,7 +54,7 @@ class Runtime:
             self.pool.prefetch(nxt)
 
     def run_layer(self, layer: int, hidden: torch.Tensor, kwargs: dict[str, Any], *,
-                  prefetch: Sequence[int], counter: str, pos: _Position | None = None) -> Any:
+                  prefetch: Sequence[int], counter: str, pos: LayerPosition | None = None) -> Any:
         """Run layer `layer`'s own forward on its device weights (no autograd graph kept);
         the layers in `prefetch` start loading, in order, while it computes. For a
         training call (`pos`: its record) whose math depends on the grad mode
@@ -80,7 +76,7 @@ class Runtime:
             out = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
         return out
 
-    def rerun_with_grad(self, layer: int, hidden: torch.Tensor, pos: _Position,
+    def rerun_with_grad(self, layer: int, hidden: torch.Tensor, pos: LayerPosition,
                         grad_outs: tuple[torch.Tensor | None, ...], *,
                         prefetch: Sequence[int]) -> tuple[torch.Tensor | None, ...]:
         """Re-run `layer` with grad; return grads of (hidden, *extras); stream weight grads."""
@@ -111,7 +107,7 @@ class Runtime:
         return (grad_hidden, *grads[first_extra:first_extra + len(extras)])
 
 
-def _grad_inputs(hidden: torch.Tensor, pos: _Position
+def _grad_inputs(hidden: torch.Tensor, pos: LayerPosition
                  ) -> tuple[torch.Tensor, list[torch.Tensor], dict[str, Any]]:
     """Detached inputs of the call `pos` requiring grad as its own did: the hidden state,
     the extras (kwargs that required grad) and the kwargs holding them."""

@@ -11,6 +11,9 @@ differ per backend:
   side stream is a worker thread, each event a completion flag, copies happen later on
   the worker, destinations are poisoned at enqueue. It drives the CUDA code paths
   (`is_async` is True), so their ordering logic runs, and fails, on a CPU.
+
+`make_streams` (`engine/backends.py`) picks one; it lives apart so that the emulated
+backend can import this interface without this module importing it back.
 """
 
 from __future__ import annotations
@@ -18,14 +21,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import Literal, Protocol
 
 import torch
 
 from lazytrain_accel.engine.stats import ElapsedInterval, Interval
-
-if TYPE_CHECKING:
-    from lazytrain_accel.engine.emulation import EmulationSettings
 
 #: A side stream, named by the link its copies use.
 Link = Literal["h2d", "d2h"]
@@ -212,21 +212,3 @@ class CudaInterval:
     def seconds(self) -> float:
         self._end.synchronize()
         return self._start.elapsed_time(self._end) / 1e3  # elapsed_time is in ms
-
-
-def make_streams(device: torch.device,
-                 emulation: EmulationSettings | bool | None = None) -> Streams:
-    """The backend for `device`. `emulation`: None reads `LAZYTRAIN_EMULATE_ASYNC` (and
-    its seed) from the environment, False forces the synchronous CPU backend, settings
-    emulate. A CUDA device always gets `CudaStreams` (the emulation is for CPU runs)."""
-    if device.type == "cuda":
-        return CudaStreams(device)
-    from lazytrain_accel.engine.emulation import EmulatedStreams, EmulationSettings
-
-    if emulation is None:
-        emulation = EmulationSettings.from_env()
-    if emulation is None or emulation is False:
-        return SyncStreams(device)
-    if emulation is True:
-        emulation = EmulationSettings()
-    return EmulatedStreams(device, emulation)

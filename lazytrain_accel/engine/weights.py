@@ -5,9 +5,10 @@ its parameters' `.data` are swapped to views of a device slot holding the comput
 copy, and swapped back afterwards. Two slots (the running layer and the prefetched next),
 three when the plan recomputes (`weight_slots`): the backward before a recompute block
 (s, e) prefetches both the block's first re-run layer s+1 and layer e, and layer e stays
-loaded while s+1..e-1 re-run, as `planning/simulate.py` schedules it (and mirrors: its
-`_WeightSlots`). A layer prefetched (or asked for again while loaded) and not run since is
-never evicted by a prefetch. With an async backend (CUDA, or its CPU emulation) a master
+loaded while s+1..e-1 re-run, as `planning/simulate.py` schedules it. Which slot a load
+takes is `planning/slots.py:WeightSlots`, the policy the simulator runs too: a layer
+prefetched (or asked for again while loaded) and not run since is never evicted by a
+prefetch. With an async backend (CUDA, or its CPU emulation) a master
 goes master -> pinned staging (dtype cast on the host) -> slot on the H2D side stream; two
 staging buffers take turns, so only two layers' worth of pinned memory exist, never a
 pinned model copy.
@@ -30,16 +31,9 @@ from torch import nn
 
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.engine.streams import Event, Streams
-from lazytrain_accel.planning.plan import Plan
-from lazytrain_accel.planning.problem import weight_buffer_count
+from lazytrain_accel.planning.slots import WeightSlots
 
 NUM_STAGING = 2  # pinned staging buffers, used in turn
-
-
-def weight_slots(plan: Plan) -> int:
-    """Device weight slots the engine uses for `plan`: 3 when it re-runs layers, else 2
-    (what `planning.problem.build_problem` charges for it)."""
-    return weight_buffer_count(max(e - s for s, e in plan.blocks))
 
 
 class WeightPool:
@@ -56,17 +50,14 @@ class WeightPool:
         self._numel = max((sum(p.numel() for p in ps) for ps in layer_params), default=0)
         self._slot_bytes = self._numel * torch.empty((), dtype=compute_dtype).element_size()
         self._slots: list[torch.Tensor] = []
-        self._slot_layer: list[int | None] = []
+        self._policy = WeightSlots(0)  # which layer each slot holds, which slot loads take
         self._slot_loaded: list[Event | None] = []
         self._slot_done: list[Event | None] = []
-        self._slot_fresh: list[bool] = []  # prefetched, not acquired since: keep it
-        self._last_used: list[int] = []
         self.grow(num_slots)
         self._staging = [streams.empty_host(torch.Size([self._numel]), compute_dtype)
                          for _ in range(NUM_STAGING)] if streams.is_async else []
         self._staging_free: list[Event | None] = [None] * NUM_STAGING
         self._next_staging = 0
-        self._clock = 0
         self._acquired: dict[int, tuple[int, list[torch.Tensor]]] = {}
         if self._staging:
             accounting.allocate("host_pinned", NUM_STAGING * self._slot_bytes)
@@ -82,54 +73,43 @@ class WeightPool:
         while len(self._slots) < num_slots:
             self._slots.append(torch.empty(self._numel, dtype=self._dtype,
                                            device=self._streams.device))
-            self._slot_layer.append(None)
             self._slot_loaded.append(None)
             self._slot_done.append(None)
-            self._slot_fresh.append(False)
-            self._last_used.append(0)
             self._acct.allocate("device", self._slot_bytes)
+        self._policy.grow(num_slots)
 
     def forget_all_but(self, layer: int) -> None:
         """Forget the loaded layers other than `layer` (the last forward layer): the
         backward loads its layers anew, in its own order, as the planner counts them."""
-        for slot, held in enumerate(self._slot_layer):
-            if held != layer:
-                self._slot_layer[slot], self._slot_fresh[slot] = None, False
+        self._policy.forget_all_but(layer)
 
     def invalidate(self) -> None:
         """Forget loaded copies: the masters may have been updated by an optimizer step."""
-        self._slot_layer = [None] * len(self._slots)
-        self._slot_fresh = [False] * len(self._slots)
+        self._policy.invalidate()
 
     def prefetch(self, layer: int) -> None:
         """Start loading `layer` (1-based) if its master is final and a slot holds nothing
         still to be used; never blocks the host. A layer loaded already is kept until it
         runs again."""
-        if layer in self._slot_layer:
-            self._slot_fresh[self._slot_layer.index(layer)] = True
-            return
-        if not 1 <= layer <= len(self._params):
+        if self._policy.keep(layer) is not None or not 1 <= layer <= len(self._params):
             return
         if self._is_ready(layer) and self._pick_slot(for_prefetch=True) is not None:
-            self._load(layer, fresh=True)
+            self._load(layer)
 
     def acquire(self, layer: int) -> None:
         """Point `layer`'s parameters at their device copy (loading it now if needed)."""
-        if layer not in self._slot_layer:
+        if self._policy.slot_of(layer) is None:
             self._wait_ready(layer)  # an optimizer wait is accounted by the update itself
             start = time.perf_counter()
-            self._load(layer, fresh=False)
+            self._load(layer)
             self._acct.add("stall_s", time.perf_counter() - start)
-        slot = self._slot_layer.index(layer)
-        self._slot_fresh[slot] = False
+        slot = self._policy.ran(layer)
         self._streams.compute_waits(self._slot_loaded[slot])
         params = self._params[layer - 1]
         masters = [p.data for p in params]
         for p, view in zip(params, self._views(slot, params), strict=True):
             p.data = view
         self._acquired[layer] = (slot, masters)
-        self._clock += 1
-        self._last_used[slot] = self._clock
 
     def release(self, layer: int) -> None:
         """Point `layer`'s parameters back at their host masters."""
@@ -142,21 +122,17 @@ class WeightPool:
         return _split(self._slots[slot], params)
 
     def _pick_slot(self, *, for_prefetch: bool) -> int | None:
-        """The least recently used slot not in use, preferring one whose layer was used
-        since it was loaded; for a prefetch only such a slot (else None)."""
-        busy = {slot for slot, _ in self._acquired.values()}
-        free = [s for s in range(len(self._slots)) if s not in busy]
-        spent = [s for s in free if not self._slot_fresh[s]]
-        if spent or for_prefetch:
-            free = spent
-        if not free:
-            if for_prefetch:
-                return None
+        """The slot a load takes (`WeightSlots.pick`), not one a running layer uses; for a
+        prefetch None when every free slot holds a layer still to run."""
+        slot = self._policy.pick(busy={s for s, _ in self._acquired.values()},
+                                 for_prefetch=for_prefetch)
+        if slot is None and not for_prefetch:
             raise RuntimeError("all weight slots are in use: the engine runs one layer at a "
                                "time; a layer was acquired twice without release")
-        return min(free, key=lambda s: self._last_used[s])
+        return slot
 
-    def _load(self, layer: int, *, fresh: bool) -> None:
+    def _load(self, layer: int) -> int:
+        """Load `layer` into the slot `_pick_slot` gives (returned)."""
         slot = self._pick_slot(for_prefetch=False)
         assert slot is not None
         params = self._params[layer - 1]
@@ -171,10 +147,8 @@ class WeightPool:
                 else:
                     for p, view in zip(params, self._views(slot, params), strict=True):
                         view.copy_(p.data)
-        self._slot_layer[slot] = layer
-        self._slot_fresh[slot] = fresh
-        self._clock += 1
-        self._last_used[slot] = self._clock
+        self._policy.filled(slot, layer)
+        return slot
 
     def _load_async(self, slot: int, params: list[nn.Parameter],
                     copy: torch.Tensor | None, nbytes: int) -> None:

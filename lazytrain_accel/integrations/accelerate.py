@@ -126,7 +126,7 @@ class Accelerator(accelerate.Accelerator):
 
     def _lazytrain_prepare_model(self, model: nn.Module, loader: Any) -> None:
         from lazytrain_accel.engine import attach
-        from lazytrain_accel.profiling.hardware import load_hardware
+        from lazytrain_accel.profiling.hardware_spec import load_hardware
 
         plugin = self.lazytrain_plugin
         threads.apply_threads(plugin.threads, device=self.device)  # before any timing

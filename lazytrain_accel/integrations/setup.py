@@ -158,15 +158,17 @@ def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
                      hardware: HardwareProfile, *, strategy: str, budgets: Budgets,
                      resident_update: str) -> Plan:
     """`make_plan`, or a `BatchInfeasibleError` that also names the largest batch that fits."""
-    from lazytrain_accel.planning import PlanInfeasibleError, make_plan
+    from lazytrain_accel.planning import PlanInfeasibleError, PlanRequest, make_plan
     from lazytrain_accel.planning.infeasible import with_largest_batch
 
-    kwargs = dict(strategy=strategy, budgets=budgets,
-                  max_recompute_block=config.max_recompute_block,
-                  time_limit_s=config.solver_time_limit_s, resident_update=resident_update,
-                  include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT)
-    try:  # the prediction includes the host update where the hybrid 8-bit one runs it
-        return make_plan(model_profile, hardware, **kwargs)
+    # The prediction includes the host update where the hybrid 8-bit one runs it.
+    request = PlanRequest(strategy=strategy, budgets=budgets,
+                          max_recompute_block=config.max_recompute_block,
+                          time_limit_s=config.solver_time_limit_s,
+                          include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT,
+                          resident_update=resident_update)
+    try:
+        return make_plan(model_profile, hardware, request)
     except PlanInfeasibleError as err:
         def profile_at(batch_size: int) -> ModelProfile:
             return profile_model(model_profile.geometry, batch_size=batch_size,
@@ -175,8 +177,9 @@ def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
                                  loss_chunk_tokens=model_profile.loss_chunk_tokens,
                                  weights=model_profile.weights)
 
-        raise with_largest_batch(err, profile_at, hardware, batch_size=model_profile.batch_size,
-                                 seq_len=model_profile.seq_len, **kwargs) from None
+        raise with_largest_batch(err, profile_at, hardware, request,
+                                 batch_size=model_profile.batch_size,
+                                 seq_len=model_profile.seq_len) from None
 
 
 def _short_hash(text: str) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from lazytrain_accel.device_update import DEVICE_UPDATE_CHUNK_ELEMENTS
 from lazytrain_accel.optim import native, reference
 from lazytrain_accel.optim.clipping import clip_coefficient, split_precomputed, total_grad_norm
 from lazytrain_accel.optim.codes import num_blocks
@@ -32,11 +33,6 @@ from lazytrain_accel.optim.state_io import check_loaded_state, load_state_keepin
 
 BACKENDS = ("auto", "native", "torch")
 _MAX_BLOCK_SIZE = 4096
-#: Elements per pass of the torch path on a device master (the residents' update on the
-#: GPU): whole blocks at a time, so its fp32 temporaries stay ~0.6 GB however large the
-#: tensor (an untied 152k x 5120 head would need ~19 GB in one pass). The update is
-#: elementwise within a block, so the chunks compute the same bits as one pass.
-DEVICE_CHUNK_ELEMENTS = 2**24
 
 
 @dataclass(kw_only=True)
@@ -283,7 +279,7 @@ class HybridAdamW8bit(torch.optim.Optimizer):
                                         out_bf16=out)
         else:
             _update_in_chunks(master, grad, state, scalars, block_size, out,
-                              chunk_elements=DEVICE_CHUNK_ELEMENTS)
+                              chunk_elements=DEVICE_UPDATE_CHUNK_ELEMENTS)
 
     # --- state ----------------------------------------------------------------------------
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lazytrain_accel.planning.admission import max_batch_size
-from lazytrain_accel.planning.problem import Budgets, PlanInfeasibleError
+from lazytrain_accel.planning.problem import PlanInfeasibleError
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
 
@@ -26,19 +27,14 @@ class BatchInfeasibleError(PlanInfeasibleError):
 
 
 def with_largest_batch(err: PlanInfeasibleError, profile_at: Callable[[int], ModelProfile],
-                       hardware: HardwareProfile, *, batch_size: int, seq_len: int,
-                       strategy: str, budgets: Budgets | None, max_recompute_block: int,
-                       time_limit_s: float, resident_update: str = "auto",
-                       include_optimizer: bool = True) -> BatchInfeasibleError:
-    """`err` with one more sentence: the largest batch < `batch_size` that plans."""
+                       hardware: HardwareProfile, request: PlanRequest, *, batch_size: int,
+                       seq_len: int) -> BatchInfeasibleError:
+    """`err` with one more sentence: the largest batch < `batch_size` that plans for
+    `request` (the refused run's)."""
     largest = 0
     if batch_size > 1:
         try:
-            largest = max_batch_size(profile_at, hardware, strategy=strategy, budgets=budgets,
-                                     max_recompute_block=max_recompute_block,
-                                     time_limit_s=time_limit_s, limit=batch_size - 1,
-                                     resident_update=resident_update,
-                                     include_optimizer=include_optimizer)
+            largest = max_batch_size(profile_at, hardware, request, limit=batch_size - 1)
         except PlanInfeasibleError:
             largest = 0
     if largest:

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 from pyscipopt import Model, quicksum
 
-from lazytrain_accel.planning.plan import Home
+from lazytrain_accel.planning.plan import Home, Solution
 from lazytrain_accel.planning.problem import GIB, LINKS, Problem
-from lazytrain_accel.planning.solution import Solution
 
 #: Tie-breakers in seconds, far below any gap we stop at: among equally fast plans prefer
 #: fewer materialized boundaries, fewer transfers, and NVMe last.

@@ -8,10 +8,9 @@ decoder spills what a window cannot carry into the last window allowed, and
 
 from __future__ import annotations
 
-from lazytrain_accel.planning.plan import Home
+from lazytrain_accel.planning.plan import Home, Solution
 from lazytrain_accel.planning.problem import Problem
 from lazytrain_accel.planning.schedule import blocks_of, schedule_transfers, window_objective_s
-from lazytrain_accel.planning.solution import Solution
 
 
 def admissible(p: Problem, homes: list[Home] | tuple[Home, ...]) -> bool:

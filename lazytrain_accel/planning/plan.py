@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import itertools
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,13 +100,35 @@ class Prediction:
     optimizer_exposed_s: float = 0.0
 
 
-@dataclass(kw_only=True)
-class SolverReport:
-    status: str  # "optimal", "timelimit", "baseline", "fallback", ...
+@dataclass(kw_only=True, frozen=True)
+class Solution:
+    """What a strategy decided for one `Problem`, from the MIP or a fixed baseline: one
+    frozen type for every strategy (a status change is `dataclasses.replace`), and what a
+    `Plan` keeps of its solve (`Plan.solver`, whose homes are the plan's)."""
+
+    status: str  # "optimal", "gaplimit", "timelimit", "baseline", "fallback", "infeasible"
+    homes: tuple[Home, ...] | None  # None when no feasible point was found
+    exposed_s: tuple[float, ...] = ()  # per window, what the links add to its compute
+    objective_s: float | None = None  # recompute + stalls + exposure (+ tie-breakers)
+    gap: float = 0.0  # (incumbent - bound) / predicted step
     solve_s: float = 0.0
-    gap: float = 0.0
-    objective_s: float | None = None
+    shortfall_bytes: Mapping[str, int] = field(default_factory=dict)  # per binding tier
     message: str = ""
+
+    @property
+    def feasible(self) -> bool:
+        return self.homes is not None and not self.shortfall_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON fields, the homes left out (a plan file holds them once, as `homes`)."""
+        return {"status": self.status, "exposed_s": list(self.exposed_s),
+                "objective_s": self.objective_s, "gap": self.gap, "solve_s": self.solve_s,
+                "shortfall_bytes": dict(self.shortfall_bytes), "message": self.message}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], homes: list[Home]) -> Solution:
+        return cls(**{**data, "homes": tuple(homes),
+                      "exposed_s": tuple(data.get("exposed_s", ()))})
 
 
 @dataclass(kw_only=True)
@@ -119,7 +142,7 @@ class Plan:
     blocks: list[tuple[int, int]]
     transfers: list[Transfer]
     prediction: Prediction
-    solver: SolverReport
+    solver: Solution  # the solve the homes came from
     fingerprint: str
     # Tokens per chunk of the fused chunked loss the plan was made for (0: the model's
     # own loss, full logits); with loss_chunk_tokens="auto" the engine follows it.
@@ -148,6 +171,9 @@ class Plan:
         if not isinstance(self.tile_tokens, int) or self.tile_tokens < 0:
             raise PlanError(f"plan tile_tokens={self.tile_tokens!r} must be an integer >= 0 "
                             "(0: untiled)")
+        if self.solver.homes is None or list(self.solver.homes) != self.homes:
+            raise PlanError("plan solver homes differ from the plan's: build a plan from its "
+                            "solution (`solve.plan_from_solution`) or replace both")
         if self.resident_update not in RESIDENT_UPDATES:
             raise PlanError(f"plan resident_update={self.resident_update!r} is not one of "
                             f"{RESIDENT_UPDATES}")
@@ -182,6 +208,7 @@ class Plan:
         out["homes"] = [h.value for h in self.homes]
         out["blocks"] = [list(b) for b in self.blocks]
         out["transfers"] = [{**asdict(t), "kind": t.kind.value} for t in self.transfers]
+        out["solver"] = self.solver.to_dict()
         return out
 
     @classmethod
@@ -195,7 +222,8 @@ class Plan:
         try:
             fields = dict(data)
             fields["prediction"] = Prediction(**data["prediction"])
-            fields["solver"] = SolverReport(**data["solver"])
+            fields["solver"] = Solution.from_dict(data["solver"],
+                                                  [Home(h) for h in data["homes"]])
             return cls(**fields)
         except (KeyError, TypeError, ValueError) as err:
             if isinstance(err, PlanError):

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lazytrain_accel.device_update import DEVICE_UPDATE_CHUNK_ELEMENTS
 from lazytrain_accel.planning.host import (
     GRAD_BYTES_PER_PARAM,
     MASTER_BYTES_PER_PARAM,
@@ -51,11 +52,10 @@ LINKS: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write")
 DEVICE_RESIDENT_BYTES_PER_PARAM = (MASTER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM
                                    + round(OPTIMIZER_STATE_BYTES_PER_PARAM["hybrid8bit"]))
 #: The GPU update's temporaries: 64 bytes per element of one chunk, the largest resident
-#: tensor or `optim.hybrid_adamw8bit.DEVICE_CHUNK_ELEMENTS` elements, whichever is smaller
+#: tensor or `DEVICE_UPDATE_CHUNK_ELEMENTS` elements, whichever is smaller
 #: (its torch path peaked at 33 bytes an element on the CPU, measured by peak RSS; the rest
-#: is room for the caching allocator). Kept torch-free here; a test checks the two agree.
+#: is room for the caching allocator).
 DEVICE_UPDATE_BYTES_PER_ELEMENT = 64
-DEVICE_UPDATE_CHUNK_ELEMENTS = 2**24
 
 DEVICE_RESIDENT_TERM = ("the residents' fp32 masters, gradients and 8-bit Adam state (updated "
                         "on the GPU)")

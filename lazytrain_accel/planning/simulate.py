@@ -7,9 +7,9 @@ are done (the engine's barrier), and every dependency points to an op of the sam
 earlier window, issued before it on its queue, so no plan can deadlock (`_check_order`):
 
 * weights of the next window's layer are issued when a window starts, into the engine's
-  device buffers (`_WeightSlots`, as `engine/weights.py` picks them: two, plus one for the
-  first recomputed layer, prefetched one window before its block); a layer still held
-  (re-run in its block's recompute) is not loaded again;
+  device buffers (`slots.py:WeightSlots`, the policy `engine/weights.py` runs: two, plus
+  one for the first recomputed layer, prefetched one window before its block); a layer
+  still held (re-run in its block's recompute) is not loaded again;
 * a window's activation transfers are issued when it starts; an NVMe write waits for its
   boundary's D2H, an NVMe read for its write, an H2D for its read;
 * B_e of block (s, e) first re-runs layers s+1..e-1 forward, each waiting for its
@@ -41,12 +41,8 @@ from lazytrain_accel.planning.plan import (
     backward_window,
     forward_window,
 )
-from lazytrain_accel.planning.problem import (
-    LINKS,
-    Problem,
-    build_problem,
-    weight_buffer_count,
-)
+from lazytrain_accel.planning.problem import LINKS, Problem, build_problem
+from lazytrain_accel.planning.slots import WeightSlots, weight_slots
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
@@ -87,56 +83,15 @@ class SimulationResult:
             tflops=self.tflops, optimizer_exposed_s=self.optimizer_exposed_s)
 
 
-class _WeightSlots:
-    """The engine's device weight slots (`engine/weights.py`), mirrored: a load goes to
-    the least recently used slot not running, preferring one whose layer ran since it was
-    loaded (a prefetched layer is kept until it runs)."""
-
-    def __init__(self, count: int) -> None:
-        self.layer: list[int | None] = [None] * count
-        self.op = [-1] * count  # the load that filled the slot
-        self.fresh = [False] * count
-        self.used = [0] * count
-        self.clock = 0
-        self.running: int | None = None  # the slot of the layer computing now
-
-    def held(self, layer: int) -> int | None:
-        """The load op of `layer` if a slot holds it (kept until it runs again)."""
-        if layer not in self.layer:
-            return None
-        slot = self.layer.index(layer)
-        self.fresh[slot] = True
-        return self.op[slot]
-
-    def load(self, layer: int, op: int) -> None:
-        free = [k for k in range(len(self.layer)) if k != self.running]
-        slot = min([k for k in free if not self.fresh[k]] or free, key=lambda k: self.used[k])
-        self.layer[slot], self.op[slot], self.fresh[slot] = layer, op, True
-        self.clock += 1
-        self.used[slot] = self.clock
-
-    def forget_all_but(self, layer: int) -> None:
-        """The engine at its last forward layer: the backward loads its layers anew."""
-        self.fresh = [f and held == layer for f, held in zip(self.fresh, self.layer, strict=True)]
-        self.layer = [held if held == layer else None for held in self.layer]
-
-    def run(self, layer: int) -> None:
-        if layer not in self.layer:
-            raise AssertionError(f"simulator: layer {layer} runs but no weight buffer holds it "
-                                 "(evicted before use): a schedule bug")
-        slot = self.layer.index(layer)
-        self.running, self.fresh[slot] = slot, False
-        self.clock += 1
-        self.used[slot] = self.clock
-
-
 class _StepBuilder:
     """Issues the ops of one step in program order."""
 
     def __init__(self, p: Problem, plan: Plan) -> None:
         self.p, self.plan, self.q = p, plan, EventQueue()
         self.L = p.num_layers
-        self.slots = _WeightSlots(weight_buffer_count(max(e - s for s, e in plan.blocks)))
+        self.slots = WeightSlots(weight_slots(plan))
+        self.slot_op = [-1] * self.slots.count  # the load op that filled each slot
+        self.running: int | None = None  # the slot of the layer computing now
         self.weights: dict[tuple[str, int], int] = {}  # ("layer"|"recompute", j) -> op
         self.window_start: dict[int, int] = {}
         self.fwd: dict[int, int] = {}
@@ -147,20 +102,24 @@ class _StepBuilder:
         self.moves: dict[tuple[int, TransferKind], list[int]] = {}
 
     def weight(self, key: tuple[str, int], after_start: list[int], window: int) -> None:
-        op = self.slots.held(key[1])
-        if op is None:
+        slot = self.slots.keep(key[1])  # a layer still held is not loaded again
+        if slot is None:
             name = f"W{key[1]}" if key[0] == "layer" else f"RW{key[1]}"
             op = self.q.add(name, "h2d", self.p.layer_param_bytes / self.p.h2d_bytes_per_s,
                             after_start=after_start, window=window)
-            self.slots.load(key[1], op)
-        self.weights[key] = op
+            busy = () if self.running is None else (self.running,)
+            slot = self.slots.pick(busy=busy, for_prefetch=False)
+            assert slot is not None  # two slots or more, one running
+            self.slots.filled(slot, key[1])
+            self.slot_op[slot] = op
+        self.weights[key] = self.slot_op[slot]
 
     def compute(self, name: str, seconds: float, window: int, after_end: list[int],
                 layer: int | None = None) -> int:
         op = self.q.add(name, "compute", seconds, after_end=after_end, window=window)
         self.window_start.setdefault(window, op)
         if layer is not None:
-            self.slots.run(layer)
+            self.running = self.slots.ran(layer)
         return op
 
     def forward(self, j: int) -> None:

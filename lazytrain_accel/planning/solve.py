@@ -10,11 +10,11 @@ import dataclasses
 import logging
 import warnings
 
-from lazytrain_accel.config import RESIDENT_UPDATE_CHOICES, STRATEGIES
+from lazytrain_accel.config import STRATEGIES
 from lazytrain_accel.planning.baselines import BASELINES, GPU_ONLY_BASELINES
 from lazytrain_accel.planning.loss_head import plan_loss_head
 from lazytrain_accel.planning.no_solver import admissible, evaluate_fixed
-from lazytrain_accel.planning.plan import Plan, Prediction, SolverReport
+from lazytrain_accel.planning.plan import Plan, Prediction, Solution
 from lazytrain_accel.planning.problem import (
     Budgets,
     PlanInfeasibleError,
@@ -22,9 +22,9 @@ from lazytrain_accel.planning.problem import (
     build_problem,
 )
 from lazytrain_accel.planning.refusal import infeasible_error
+from lazytrain_accel.planning.request import DIAGNOSE_TIME_LIMIT_S, PlanRequest
 from lazytrain_accel.planning.schedule import blocks_of, schedule_transfers
 from lazytrain_accel.planning.simulate import simulate
-from lazytrain_accel.planning.solution import Solution
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
@@ -38,18 +38,11 @@ except ImportError as err:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["STRATEGIES", "make_plan", "solve_problem"]
+__all__ = ["STRATEGIES", "PlanRequest", "make_plan", "solve_problem"]
 
 #: Re-solves allowed when a simulated peak exceeds its budget (saturated links keep more
 #: boundaries in flight than the staging allowance).
 MAX_STAGING_ROUNDS = 4
-
-
-#: Seconds the elastic re-solve that names a refusal's shortfall may take: it starts from
-#: the baseline closest to fitting, so on a limit it still names what that plan lacks.
-#: 3 s: on tight 64-layer refusals and the 27B request it named the same shortfall at 3 s
-#: as at 5 s, and a refusal stays inside issue 15's 5 s median (docs/benchmarks.md).
-DIAGNOSE_TIME_LIMIT_S = 3.0
 
 
 def _diagnose(p: Problem, strategy: str, time_limit_s: float, names: tuple[str, ...],
@@ -150,15 +143,13 @@ def plan_from_solution(p: Problem, solution: Solution, *, strategy: str,
     if solution.homes is None:
         raise ValueError(f"solution has no homes (status {solution.status}): nothing to plan")
     homes = list(solution.homes)
-    report = SolverReport(status=solution.status, solve_s=solution.solve_s, gap=solution.gap,
-                          objective_s=solution.objective_s, message=solution.message)
     draft = Plan(strategy=strategy, num_layers=p.num_layers, batch_size=model.batch_size,
                  seq_len=model.seq_len, boundary_bytes=p.boundary_bytes, homes=homes,
                  blocks=blocks_of(homes),
                  transfers=schedule_transfers(p, homes, solution.exposed_s),
                  prediction=Prediction(step_s=0.0, compute_s=0.0, recompute_s=0.0,
                                        exposed_s=0.0),
-                 solver=report, fingerprint=run_fingerprint(model, hardware),
+                 solver=solution, fingerprint=run_fingerprint(model, hardware),
                  loss_chunk_tokens=model.loss_chunk_tokens or 0,
                  resident_update=p.resident_update, optimizer=p.optimizer)
     result = simulate(draft, model, hardware, include_optimizer=include_optimizer)
@@ -217,17 +208,14 @@ def with_device_residents(plan: Plan, model: ModelProfile, hardware: HardwarePro
     return dataclasses.replace(moved, prediction=prediction)
 
 
-def make_plan(model: ModelProfile, hardware: HardwareProfile, *, strategy: str = "lazytrain",
-              budgets: Budgets | None = None, max_recompute_block: int = 8,
-              time_limit_s: float = 60.0, gap: float = 0.001,
-              include_optimizer: bool = True,
-              diagnose_s: float = DIAGNOSE_TIME_LIMIT_S,
-              resident_update: str = "auto") -> Plan:
-    """The plan of `strategy` for `model` on `hardware` within `budgets` (default: the
-    hardware's capacities). Raises `PlanInfeasibleError` naming the binding tiers. The
-    prediction is one simulated step, with the hybrid 8-bit host optimizer's overlapped
-    update unless `include_optimizer=False`. A refusal's shortfall comes from an elastic
-    re-solve of at most `diagnose_s` seconds (0: the closest baseline's, no solve).
+def make_plan(model: ModelProfile, hardware: HardwareProfile,
+              request: PlanRequest | None = None) -> Plan:
+    """The plan of `request.strategy` for `model` on `hardware` within `request.budgets`
+    (default: the hardware's capacities; `request` default: `PlanRequest()`). Raises
+    `PlanInfeasibleError` naming the binding tiers. The prediction is one simulated step,
+    with the hybrid 8-bit host optimizer's overlapped update unless `include_optimizer` is
+    False. A refusal's shortfall comes from an elastic re-solve of at most `diagnose_s`
+    seconds (0: the closest baseline's, no solve).
 
     `model.loss_chunk_tokens=None` ("auto") lets the planner turn the fused chunked loss
     on where the full logits' working set would cost a budget or speed (`loss_head.py`).
@@ -239,27 +227,25 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile, *, strategy: str =
     the host, as MegaTrain does; so does a run without the hybrid 8-bit update
     (`include_optimizer=False`: a kept optimizer, its host state priced as AdamW's).
     """
-    if resident_update not in RESIDENT_UPDATE_CHOICES:
-        raise ValueError(f"resident_update={resident_update!r} is not one of "
-                         f"{RESIDENT_UPDATE_CHOICES}")
-    host_only = strategy == "megatrain" or not include_optimizer
-    forced = "host" if host_only or resident_update == "auto" else resident_update
-    budgets = budgets or Budgets.from_hardware(hardware)
-    optimizer = "hybrid8bit" if include_optimizer else "keep"
+    r = request or PlanRequest()
+    host_only = r.strategy == "megatrain" or not r.include_optimizer
+    forced = "host" if host_only or r.resident_update == "auto" else r.resident_update
+    budgets = r.budgets or Budgets.from_hardware(hardware)
+    optimizer = "hybrid8bit" if r.include_optimizer else "keep"
 
     def plan_for(profile: ModelProfile) -> Plan:
         p = build_problem(profile, hardware, budgets=budgets,
-                          max_recompute_block=max_recompute_block, resident_update=forced,
+                          max_recompute_block=r.max_recompute_block, resident_update=forced,
                           optimizer=optimizer)
-        plan = plan_problem(p, profile, hardware, strategy=strategy,
-                            time_limit_s=time_limit_s, gap=gap,
-                            include_optimizer=include_optimizer, diagnose_s=diagnose_s)
-        if resident_update == "auto" and not host_only:
+        plan = plan_problem(p, profile, hardware, strategy=r.strategy,
+                            time_limit_s=r.time_limit_s, gap=r.gap,
+                            include_optimizer=r.include_optimizer, diagnose_s=r.diagnose_s)
+        if r.resident_update == "auto" and not host_only:
             plan = with_device_residents(plan, profile, hardware, budgets) or plan
         return plan
 
     if model.loss_chunk_tokens is None:
         return plan_loss_head(model, hardware, plan_for, budgets=budgets,
-                              max_recompute_block=max_recompute_block,
-                              include_optimizer=include_optimizer)
+                              max_recompute_block=r.max_recompute_block,
+                              include_optimizer=r.include_optimizer)
     return plan_for(model)

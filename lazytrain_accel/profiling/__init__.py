@@ -1,7 +1,8 @@
 """Profiles of the model and the hardware. Importing this package does not import torch
 (only `load_hardware("auto")` does, through `measure.py`)."""
 
-from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
 from lazytrain_accel.profiling.models import (
     MODEL_PRESETS,

@@ -1,7 +1,9 @@
 """Hardware profiles: capacities and rates of one GPU + host + NVMe machine.
 
 Presets describe known GPUs with sources noted per number; `load_hardware("auto")`
-measures the current machine instead (`measure.py`, torch needed only then).
+(`hardware_spec.py`) measures the current machine instead (`measure.py`, torch needed only
+then). This module imports nothing of the package: config validates preset names against
+it, measure builds profiles with it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-from lazytrain_accel.suggest import did_you_mean
 
 #: bitsandbytes' dequantize kernels stream (read packed, write bf16): bandwidth-bound, at
 #: about this fraction of the memory bandwidth (a streaming kernel's usual share).
@@ -218,25 +218,3 @@ def preset_for_gpu(gpu_name: str) -> HardwareProfile | None:
         if preset.name.split("-")[0] in compact:  # "a100-80g" -> "a100"
             return preset
     return HARDWARE_PRESETS["h800"] if "h100" in compact else None
-
-
-def load_hardware(spec: str, *, cache_dir: str | None = None, nvme_dir: str | None = None,
-                  refresh: bool = False) -> HardwareProfile:
-    """The profile named by `spec`: a preset name, a JSON file, or "auto" (measure here).
-
-    "auto" measures this machine once and caches the result in `cache_dir` (default: the
-    config's cache directory); `refresh=True` measures again. NVMe is measured in `nvme_dir`.
-    """
-    key = spec.strip().lower()
-    if key == "auto":
-        from lazytrain_accel.profiling.measure import measure_hardware
-
-        return measure_hardware(cache_dir=cache_dir, nvme_dir=nvme_dir, refresh=refresh)
-    if key in HARDWARE_PRESETS:
-        return HARDWARE_PRESETS[key]
-    path = Path(spec).expanduser()
-    if path.suffix == ".json" or path.is_file():
-        return HardwareProfile.load(path)
-    raise ValueError(f"hardware {spec!r} is not valid: {did_you_mean(spec, HARDWARE_PRESETS)}"
-                     f"use 'auto', one of {sorted(HARDWARE_PRESETS)}, or the path of a "
-                     "hardware JSON file")

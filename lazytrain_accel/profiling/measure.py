@@ -23,7 +23,6 @@ from pathlib import Path
 import psutil
 import torch
 
-from lazytrain_accel.config import default_cache_dir, default_nvme_dir
 from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.profiling.hardware import HardwareProfile, preset_for_gpu
 
@@ -217,8 +216,8 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
     )
 
 
-def measure_hardware(*, cache_dir: str | None = None, nvme_dir: str | None = None,
-                     refresh: bool = False, device: torch.device | None = None,
+def measure_hardware(*, cache_dir: str, nvme_dir: str, refresh: bool = False,
+                     device: torch.device | None = None,
                      probe_bytes: int = 256 * _MIB) -> HardwareProfile:
     """Measure this machine (or read the cached measurement) as a `HardwareProfile`.
 
@@ -227,10 +226,9 @@ def measure_hardware(*, cache_dir: str | None = None, nvme_dir: str | None = Non
     """
     if device is None:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    nvme_path = Path(nvme_dir or default_nvme_dir()).expanduser()
+    nvme_path = Path(nvme_dir).expanduser()
     nvme_path.mkdir(parents=True, exist_ok=True)
-    cache = (Path(cache_dir or default_cache_dir()).expanduser()
-             / f"hardware-{_machine_key(device, nvme_path)}.json")
+    cache = Path(cache_dir).expanduser() / f"hardware-{_machine_key(device, nvme_path)}.json"
     if cache.is_file() and not refresh:
         try:
             return HardwareProfile.load(cache)

@@ -101,7 +101,7 @@ def _check_qlora(qlora: dict) -> None:
     assert qlora["errors"] == [] and qlora["skipped"] is None
     assert [r["fmt"] for r in qlora["results"]] == ["nf4", "int8", "prepare:nf4"]
     for r in qlora["results"]:
-        assert r["passed"] and r["packed_unchanged"] and r["prepared_identical"], r
+        assert r["passed"] and r["packed_as_stock"] and r["prepared_identical"], r
         assert r["max_rel_loss_diff"] <= 2e-2 and len(r["losses"]) == len(r["stock_losses"])
         assert r["packed_tensors"] == 3 * 7 and r["packed_bytes"] > 0  # 3 layers x 7 linears
         # the CUDA code path of the packed pool ran: staging, side stream, events
@@ -134,7 +134,7 @@ def test_a_qlora_format_that_fails_is_reported_and_fails_the_phase() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import gpu_qlora
 
-    from lazytrain_accel.profiling.hardware import load_hardware
+    from lazytrain_accel.profiling.hardware_spec import load_hardware
 
     report = gpu_qlora.run_phase(gpu_qlora.dry_setting(), load_hardware("h800"),
                                  formats=("nf5",))

@@ -8,6 +8,7 @@ from conftest import cpu_profile
 from lazytrain_accel.demo.budget import GIB, demo_gpu_budget_gb
 from lazytrain_accel.demo.model import DEMO_MODEL_CONFIG
 from lazytrain_accel.planning import Budgets, Home, PlanInfeasibleError, make_plan, simulate
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.models import geometry_from_config, profile_model
 
 
@@ -19,13 +20,13 @@ def test_budget_fits_megatrain_exactly_and_makes_lazytrain_offload(batch_size: i
                           compute_bytes_per_elem=4)
     budget_gb = demo_gpu_budget_gb(model, hardware)
     budgets = Budgets.from_hardware(hardware, gpu_memory_limit_gb=budget_gb)
-    megatrain = make_plan(model, hardware, strategy="megatrain", budgets=budgets)
-    lazytrain = make_plan(model, hardware, budgets=budgets)
+    megatrain = make_plan(model, hardware, PlanRequest(strategy="megatrain", budgets=budgets))
+    lazytrain = make_plan(model, hardware, PlanRequest(budgets=budgets))
     # Smallest: one boundary less and MegaTrain no longer fits.
     smaller = budget_gb - model.boundary_bytes / GIB
     with pytest.raises(PlanInfeasibleError):
-        make_plan(model, hardware, strategy="megatrain",
-                  budgets=Budgets.from_hardware(hardware, gpu_memory_limit_gb=smaller))
+        budgets = Budgets.from_hardware(hardware, gpu_memory_limit_gb=smaller)
+        make_plan(model, hardware, PlanRequest(strategy="megatrain", budgets=budgets))
     assert sum(h != Home.GPU for h in lazytrain.homes) >= 3
     lazy_sim, mega_sim = (simulate(p, model, hardware) for p in (lazytrain, megatrain))
     assert lazy_sim.peak_gpu_bytes <= budgets.gpu_bytes

@@ -15,7 +15,7 @@ from lazytrain_accel.planning.plan import (
     Home,
     Plan,
     Prediction,
-    SolverReport,
+    Solution,
     Transfer,
     TransferKind,
 )
@@ -137,7 +137,7 @@ def make_plan(kind: str, num_layers: int, *, boundary_bytes: int = 4096,
         boundary_bytes=boundary_bytes, homes=homes, blocks=list(itertools.pairwise(marks)),
         transfers=_transfers(homes, boundary_bytes) if transfers else [],
         prediction=Prediction(step_s=0.0, compute_s=0.0, recompute_s=0.0, exposed_s=0.0),
-        solver=SolverReport(status="baseline"), fingerprint="test",
+        solver=Solution(status="baseline", homes=tuple(homes)), fingerprint="test",
     )
 
 

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from lazytrain_accel.engine import emulation
+from lazytrain_accel.engine.backends import make_streams
 from lazytrain_accel.engine.emulation import (
     INT_SENTINEL,
     BufferReuseError,
     EmulatedStreams,
     EmulationSettings,
 )
-from lazytrain_accel.engine.streams import CudaStreams, SyncStreams, make_streams
+from lazytrain_accel.engine.streams import CudaStreams, SyncStreams
 
 CPU = torch.device("cpu")
 

@@ -13,12 +13,12 @@ from lazytrain_accel.planning.plan import (
     Home,
     Plan,
     Prediction,
-    SolverReport,
+    Solution,
     Transfer,
     TransferKind,
 )
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
-from lazytrain_accel.profiling.hardware import load_hardware
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 
 NUM_LAYERS, BATCH, SEQ, VOCAB = 4, 4, 12, 64
 
@@ -63,7 +63,7 @@ def plan_json(tmp_path: Path, model: torch.nn.Module, home: Home, *,
                 blocks=list(itertools.pairwise(range(L + 1))), transfers=transfers,
                 prediction=Prediction(step_s=0.0, compute_s=0.0, recompute_s=0.0,
                                       exposed_s=0.0),
-                solver=SolverReport(status="baseline"),
+                solver=Solution(status="baseline", homes=tuple(homes)),
                 fingerprint=run_fingerprint(profile, load_hardware(hardware)))
     path = tmp_path / f"plan_{home.value}.json"
     plan.save(path)

@@ -12,7 +12,8 @@ from lazytrain_accel.cli import main
 from lazytrain_accel.integrations import setup
 from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan, max_batch_size
 from lazytrain_accel.planning.infeasible import BatchInfeasibleError
-from lazytrain_accel.profiling.hardware import load_hardware
+from lazytrain_accel.planning.request import PlanRequest
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 
 # The model's own loss (full logits): "auto" would turn the fused loss on and fit.
 RUN = ["--model", "qwen2.5-3b", "--hardware", "h800", "--seq-len", "1024",
@@ -65,8 +66,8 @@ def test_prepare_refuses_before_attaching_with_the_largest_batch(tmp_path) -> No
         try:
             make_plan(setup.profile_for_run(model, batch_size=2, seq_len=SEQ,
                                             compute_dtype=None), hardware,
-                      strategy="checkpoint_all", budgets=Budgets.from_hardware(
-                          hardware, gpu_memory_limit_gb=mid / 2**30))
+                      PlanRequest(strategy="checkpoint_all", budgets=Budgets.from_hardware(
+                                  hardware, gpu_memory_limit_gb=mid / 2**30)))
             fits_bytes = mid
         except PlanInfeasibleError:
             short_bytes = mid
@@ -78,8 +79,8 @@ def test_prepare_refuses_before_attaching_with_the_largest_batch(tmp_path) -> No
         acc.prepare(model, torch.optim.AdamW(model.parameters()), loader())
     expected = max_batch_size(
         lambda b: setup.profile_for_run(model, batch_size=b, seq_len=SEQ, compute_dtype=None),
-        hardware, strategy="checkpoint_all",
-        budgets=Budgets.from_hardware(hardware, gpu_memory_limit_gb=budget_gb))
+        hardware, PlanRequest(strategy="checkpoint_all", budgets=Budgets.from_hardware(
+            hardware, gpu_memory_limit_gb=budget_gb)))
     assert info.value.largest_batch_size == expected and expected in (2, 3)
     assert set(info.value.shortfall_bytes) == {"gpu"} and profile.batch_size == BATCH
     assert f"is {expected} (asked: {BATCH})" in str(info.value)

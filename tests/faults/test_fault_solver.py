@@ -13,14 +13,15 @@ import warnings
 import pytest
 
 from lazytrain_accel.planning import Budgets, build_problem, make_plan
-from lazytrain_accel.profiling.hardware import load_hardware
+from lazytrain_accel.planning.request import PlanRequest
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
 
 _WITHOUT_SCIP = textwrap.dedent("""
     import json, sys, warnings
     sys.modules["pyscipopt"] = None  # as on a machine where it is not installed
-    from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan
-    from lazytrain_accel.profiling.hardware import load_hardware
+    from lazytrain_accel.planning import Budgets, PlanInfeasibleError, PlanRequest, make_plan
+    from lazytrain_accel.profiling.hardware_spec import load_hardware
     from lazytrain_accel.profiling.models import (geometry_from_config, load_model_config,
                                                   profile_model)
     hw = load_hardware("rtx3090")
@@ -29,14 +30,15 @@ _WITHOUT_SCIP = textwrap.dedent("""
     out = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = make_plan(model, hw, strategy="lazytrain")
+        plan = make_plan(model, hw, PlanRequest(strategy="lazytrain"))
     out["warnings"] = [str(w.message) for w in caught]
     out["lazytrain"] = [plan.solver.status, plan.solver.message, [h.value for h in plan.homes],
                         plan.prediction.step_s]
-    plan = make_plan(model, hw, strategy="megatrain")
+    plan = make_plan(model, hw, PlanRequest(strategy="megatrain"))
     out["megatrain"] = [plan.solver.status, [h.value for h in plan.homes]]
     try:
-        make_plan(model, hw, budgets=Budgets.from_hardware(hw, gpu_memory_limit_gb=1))
+        budgets = Budgets.from_hardware(hw, gpu_memory_limit_gb=1)
+        make_plan(model, hw, PlanRequest(budgets=budgets))
     except PlanInfeasibleError as err:
         out["infeasible"] = [str(err), sorted(err.shortfall_bytes)]
     print(json.dumps(out))
@@ -59,11 +61,11 @@ def test_without_scip_the_best_baseline_plans_with_a_warning() -> None:
     # the baseline it fell back to, planned here with the solver, has the same homes
     hw, model = load_hardware("rtx3090"), _profile("qwen2.5-3b", 2, 1024)
     name = message.split("FALLING BACK to the ")[1].split(" ")[0]
-    with_scip = make_plan(model, hw, strategy=name)
+    with_scip = make_plan(model, hw, PlanRequest(strategy=name))
     assert [h.value for h in with_scip.homes] == homes
     assert with_scip.prediction.step_s == pytest.approx(step_s, rel=0.05)
     assert out["megatrain"] == ["baseline", [h.value for h in make_plan(
-        model, hw, strategy="megatrain").homes]]
+        model, hw, PlanRequest(strategy="megatrain")).homes]]
     text, tiers = out["infeasible"]
     assert "gpu" in tiers and "GPU short by" in text
 
@@ -74,14 +76,14 @@ def test_time_limit_uses_the_incumbent_or_the_best_baseline_loudly(caplog) -> No
     budgets = Budgets.from_hardware(hw, gpu_memory_limit_gb=40, nvme_limit_gb=8)
     with caplog.at_level(logging.WARNING), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan = make_plan(model, hw, budgets=budgets, max_recompute_block=64,
-                         time_limit_s=0.01)
+        plan = make_plan(model, hw, PlanRequest(budgets=budgets, max_recompute_block=64,
+                                                time_limit_s=0.01))
     if plan.solver.status == "fallback":  # no incumbent in 0.01 s (the usual case here)
         assert "MIP found no plan (timelimit) within 0.01 s; FALLING BACK to the " \
                "offload_all baseline" in plan.solver.message
         assert any("FALLING BACK" in str(w.message) for w in caught)
-        assert plan.homes == make_plan(model, hw, budgets=budgets,
-                                       strategy="offload_all").homes
+        assert plan.homes == make_plan(model, hw, PlanRequest(budgets=budgets,
+                                                              strategy="offload_all")).homes
     else:  # a fast machine found an incumbent: it is kept, with its gap logged
         assert plan.solver.status == "timelimit"
         assert f"within {plan.solver.gap:.2%}" in caplog.text
@@ -101,13 +103,13 @@ def test_a_stopped_solve_keeps_its_incumbent_and_logs_the_gap(caplog, monkeypatc
     budgets = Budgets(gpu_bytes=int((fixed + 8 * model.boundary_bytes) / 0.96),
                       cpu_bytes=hw.cpu_memory_bytes, nvme_bytes=hw.nvme_bytes)
     with caplog.at_level(logging.WARNING):
-        plan = make_plan(model, hw, budgets=budgets)
+        plan = make_plan(model, hw, PlanRequest(budgets=budgets))
     assert plan.solver.status not in ("optimal", "gaplimit", "fallback")  # the incumbent
     assert plan.solver.message.startswith(f"MIP stopped ({plan.solver.status})")
     assert f"within {plan.solver.gap:.2%}" in plan.solver.message
     assert plan.solver.message in caplog.text
     monkeypatch.setattr(solve, "solve_milp", real)
-    optimal = make_plan(model, hw, budgets=budgets)
+    optimal = make_plan(model, hw, PlanRequest(budgets=budgets))
     # this incumbent is a feasible plan, never better than the optimum; its gap is the
     # distance to the bound proven when it stopped (the tight formulation's first
     # incumbent may already be optimal, unproven)

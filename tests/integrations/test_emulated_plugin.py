@@ -7,7 +7,7 @@ from test_accelerate_plugin import _loader, _model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
 from lazytrain_accel.engine.emulation import EmulatedStreams
-from lazytrain_accel.profiling.hardware import load_hardware
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 
 
 def test_env_turns_the_emulation_on_with_profile_rates(tmp_path, monkeypatch) -> None:

@@ -9,8 +9,7 @@ from torch.utils._pytree import tree_flatten
 
 from lazytrain_accel.optim import reference
 from lazytrain_accel.optim.codes import num_blocks
-from lazytrain_accel.optim.hybrid_adamw8bit import DEVICE_CHUNK_ELEMENTS, _update_in_chunks
-from lazytrain_accel.planning.problem import DEVICE_UPDATE_CHUNK_ELEMENTS
+from lazytrain_accel.optim.hybrid_adamw8bit import _update_in_chunks
 from lazytrain_accel.profiling.hardware import DEVICE_UPDATE_BYTES_PER_PARAM
 
 SCALARS = reference.AdamStepScalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
@@ -73,4 +72,3 @@ def test_the_device_update_cost_constants_track_the_torch_path() -> None:
                                     out_bf16=torch.empty(numel, dtype=torch.bfloat16))
     per_param = moved.nbytes / numel
     assert 0.9 * DEVICE_UPDATE_BYTES_PER_PARAM <= per_param <= 1.1 * DEVICE_UPDATE_BYTES_PER_PARAM
-    assert DEVICE_UPDATE_CHUNK_ELEMENTS == DEVICE_CHUNK_ELEMENTS

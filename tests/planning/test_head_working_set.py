@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lazytrain_accel.planning import build_problem
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
 
@@ -29,6 +30,7 @@ def test_shortfalls_of_small_models_are_shown_in_readable_units() -> None:
     model = profile_model(geometry, batch_size=2, seq_len=64)
     budgets = Budgets(gpu_bytes=2**20, cpu_bytes=2**40, nvme_bytes=2**40)
     with pytest.raises(PlanInfeasibleError) as info:
-        make_plan(model, HARDWARE_PRESETS["h800"], strategy="checkpoint_all", budgets=budgets)
+        make_plan(model, HARDWARE_PRESETS["h800"],
+                  PlanRequest(strategy="checkpoint_all", budgets=budgets))
     text = str(info.value)
     assert "0.00 GiB" not in text and "MiB" in text and "KiB per boundary" in text

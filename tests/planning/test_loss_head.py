@@ -7,6 +7,7 @@ import pytest
 
 from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan
 from lazytrain_accel.planning.loss_head import auto_chunk_tokens
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
 
@@ -20,16 +21,16 @@ def _profile(preset: str, batch_size: int, loss_chunk_tokens: int | None):
 
 
 def test_the_papers_27b_run_plans_with_the_fused_loss_and_beats_megatrain() -> None:
-    plan = make_plan(_profile("qwen3.6-27b", 72, None), H800, time_limit_s=30)
+    plan = make_plan(_profile("qwen3.6-27b", 72, None), H800, PlanRequest(time_limit_s=30))
     assert plan.loss_chunk_tokens == auto_chunk_tokens(_profile("qwen3.6-27b", 72, None)) > 0
-    mega = make_plan(_profile("qwen3.6-27b", 72, None), H800, strategy="megatrain")
+    mega = make_plan(_profile("qwen3.6-27b", 72, None), H800, PlanRequest(strategy="megatrain"))
     assert plan.prediction.tflops >= 1.18 * mega.prediction.tflops  # issue 15
     assert plan.resident_update == "device" and mega.resident_update == "host"
 
 
 def test_the_full_loss_refusal_names_the_loss_head_and_the_option() -> None:
     with pytest.raises(PlanInfeasibleError) as err:
-        make_plan(_profile("qwen3.6-27b", 72, 0), H800, time_limit_s=30)
+        make_plan(_profile("qwen3.6-27b", 72, 0), H800, PlanRequest(time_limit_s=30))
     text = str(err.value)
     assert "largest term is the loss head's working set" in text
     assert "--loss-chunk-tokens auto" in text and "loss_chunk_tokens='auto'" in text
@@ -43,11 +44,12 @@ def test_auto_keeps_the_full_loss_where_it_costs_nothing() -> None:
 
 def test_auto_chunks_where_the_full_logits_would_not_fit() -> None:
     model = _profile("qwen2.5-3b", 8, None)
-    full = make_plan(_profile("qwen2.5-3b", 8, 0), H800, resident_update="host")
+    full = make_plan(_profile("qwen2.5-3b", 8, 0), H800, PlanRequest(resident_update="host"))
     tight = Budgets(gpu_bytes=full.prediction.peak_gpu_bytes - 2**30,
                     cpu_bytes=H800.cpu_memory_bytes, nvme_bytes=0)
     with pytest.raises(PlanInfeasibleError):
-        make_plan(_profile("qwen2.5-3b", 8, 0), H800, budgets=tight, resident_update="host")
-    plan = make_plan(model, H800, budgets=tight)
+        make_plan(_profile("qwen2.5-3b", 8, 0), H800,
+                  PlanRequest(budgets=tight, resident_update="host"))
+    plan = make_plan(model, H800, PlanRequest(budgets=tight))
     assert plan.loss_chunk_tokens > 0
     assert plan.prediction.peak_gpu_bytes <= tight.gpu_bytes

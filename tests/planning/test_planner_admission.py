@@ -7,8 +7,9 @@ from planner_chains import chain
 
 from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan, max_batch_size
 from lazytrain_accel.planning import solve as solve_module
+from lazytrain_accel.planning.plan import Solution
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.simulate import simulate
-from lazytrain_accel.planning.solution import Solution
 
 GIB = 2**30
 
@@ -19,7 +20,7 @@ def _at(batch_size: int):
 
 def _fits(batch_size: int, hardware, budgets: Budgets, strategy: str) -> bool:
     try:
-        make_plan(_at(batch_size), hardware, strategy=strategy, budgets=budgets)
+        make_plan(_at(batch_size), hardware, PlanRequest(strategy=strategy, budgets=budgets))
     except PlanInfeasibleError:
         return False
     return True
@@ -29,7 +30,7 @@ def _fits(batch_size: int, hardware, budgets: Budgets, strategy: str) -> bool:
 def test_max_batch_is_the_feasibility_edge(strategy: str) -> None:
     _, hardware = chain(num_layers=8)
     budgets = Budgets(gpu_bytes=12 * GIB, cpu_bytes=60 * GIB, nvme_bytes=0)
-    best = max_batch_size(_at, hardware, strategy=strategy, budgets=budgets, limit=512)
+    best = max_batch_size(_at, hardware, PlanRequest(strategy=strategy, budgets=budgets), limit=512)
     assert _fits(best, hardware, budgets, strategy)
     assert not _fits(best + 1, hardware, budgets, strategy)
 
@@ -37,8 +38,8 @@ def test_max_batch_is_the_feasibility_edge(strategy: str) -> None:
 def test_offload_admits_more_than_megatrain() -> None:
     _, hardware = chain(num_layers=8)
     budgets = Budgets(gpu_bytes=12 * GIB, cpu_bytes=60 * GIB, nvme_bytes=0)
-    mega = max_batch_size(_at, hardware, strategy="megatrain", budgets=budgets)
-    lazy = max_batch_size(_at, hardware, strategy="lazytrain", budgets=budgets)
+    mega = max_batch_size(_at, hardware, PlanRequest(strategy="megatrain", budgets=budgets))
+    lazy = max_batch_size(_at, hardware, PlanRequest(strategy="lazytrain", budgets=budgets))
     assert lazy > mega
 
 
@@ -46,7 +47,7 @@ def test_nothing_fits_names_the_tier() -> None:
     _, hardware = chain(num_layers=8)
     budgets = Budgets(gpu_bytes=2 * GIB, cpu_bytes=60 * GIB, nvme_bytes=0)
     with pytest.raises(PlanInfeasibleError) as err:
-        max_batch_size(_at, hardware, budgets=budgets)
+        max_batch_size(_at, hardware, PlanRequest(budgets=budgets))
     assert "gpu" in err.value.shortfall_bytes
 
 
@@ -61,16 +62,16 @@ def test_no_incumbent_falls_back_to_best_baseline_loudly(monkeypatch) -> None:
 
     monkeypatch.setattr(solve_module, "solve_milp", timed_out)
     with pytest.warns(RuntimeWarning, match="FALLING BACK"):
-        plan = make_plan(model, hardware, time_limit_s=1.0)
+        plan = make_plan(model, hardware, PlanRequest(time_limit_s=1.0))
     assert plan.solver.status == "fallback" and "baseline" in plan.solver.message
-    baselines = [make_plan(model, hardware, strategy=s) for s in
+    baselines = [make_plan(model, hardware, PlanRequest(strategy=s)) for s in
                  ("megatrain", "checkpoint_all", "offload_all")]
     assert plan.prediction.step_s == pytest.approx(min(b.prediction.step_s for b in baselines))
 
 
 def test_host_optimizer_exposure_only_when_slower_than_forward() -> None:
     model, hardware = chain(num_layers=8)
-    plan = make_plan(model, hardware, strategy="checkpoint_all")
+    plan = make_plan(model, hardware, PlanRequest(strategy="checkpoint_all"))
     fast = simulate(plan, model, hardware, include_optimizer=True)
     assert fast.optimizer_exposed_s >= 0.0
     slow_hw = type(hardware)(**{**hardware.to_dict(), "cpu_optimizer_params_per_s": 1e6})

@@ -19,9 +19,10 @@ from lazytrain_accel.planning.milp import (
     TIE_OFFLOAD_S,
     solve_milp,
 )
+from lazytrain_accel.planning.plan import Solution
 from lazytrain_accel.planning.problem import GIB, PlanInfeasibleError, Problem
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.schedule import block_weights, blocks_of
-from lazytrain_accel.planning.solution import Solution
 
 RATES = ("h2d", "d2h", "nvme_read", "nvme_write")
 #: A wall-clock limit no solve here comes near (they take milliseconds): a guard against a
@@ -222,10 +223,10 @@ def test_elastic_shortfall_equals_brute_force(instance: tuple, cut_slots: float)
 def test_gpu_only_mip_keeps_everything_on_the_gpu() -> None:
     model, hardware = chain(num_layers=8)
     budgets = budgets_in_slots(model, hardware, gpu_slots=6, cpu_slots=8, nvme_slots=8)
-    plan = make_plan(model, hardware, strategy="lazytrain_gpu_only", budgets=budgets)
+    plan = make_plan(model, hardware, PlanRequest(strategy="lazytrain_gpu_only", budgets=budgets))
     assert set(plan.homes) <= {Home.GPU, Home.RECOMPUTE}
     assert plan.prediction.recompute_s > 0
-    full = make_plan(model, hardware, strategy="lazytrain", budgets=budgets)
+    full = make_plan(model, hardware, PlanRequest(strategy="lazytrain", budgets=budgets))
     assert full.prediction.step_s < plan.prediction.step_s
 
 
@@ -233,7 +234,7 @@ def test_infeasible_gpu_names_gpu_and_shortfall() -> None:
     model, hardware = chain(num_layers=6)
     budgets = budgets_in_slots(model, hardware, gpu_slots=1, cpu_slots=6, nvme_slots=6)
     with pytest.raises(PlanInfeasibleError) as err:
-        make_plan(model, hardware, budgets=budgets)
+        make_plan(model, hardware, PlanRequest(budgets=budgets))
     assert set(err.value.shortfall_bytes) == {"gpu"}
     # 0 and L live on the GPU, and L-1 has no window to come back in, so it is on the GPU
     # or recomputed into the block cache: three boundaries in one slot, two short.
@@ -248,6 +249,6 @@ def test_infeasible_cpu_base_names_cpu() -> None:
     budgets = type(roomy)(gpu_bytes=roomy.gpu_bytes, cpu_bytes=roomy.cpu_bytes - 5 * GIB,
                           nvme_bytes=0)
     with pytest.raises(PlanInfeasibleError) as err:
-        make_plan(model, hardware, strategy="checkpoint_all", budgets=budgets)
+        make_plan(model, hardware, PlanRequest(strategy="checkpoint_all", budgets=budgets))
     assert set(err.value.shortfall_bytes) == {"cpu"}
     assert err.value.shortfall_bytes["cpu"] == pytest.approx(5 * GIB, rel=1e-3)

@@ -18,6 +18,7 @@ from lazytrain_accel.planning import PlanInfeasibleError, build_problem, make_pl
 from lazytrain_accel.planning.baselines import BASELINES
 from lazytrain_accel.planning.no_solver import evaluate_fixed
 from lazytrain_accel.planning.refusal import readable_bytes
+from lazytrain_accel.planning.request import PlanRequest
 
 EXAMPLES = 200
 #: The share of the instances that must plan (125 of the 200 derandomized draws did when
@@ -30,8 +31,8 @@ def _plan(instance: tuple, strategy: str):
     """The plan, or the refusal."""
     model, hardware, budgets, K = instance
     try:
-        return make_plan(model, hardware, strategy=strategy, budgets=budgets,
-                         max_recompute_block=K, time_limit_s=20)
+        return make_plan(model, hardware, PlanRequest(strategy=strategy, budgets=budgets,
+                                                      max_recompute_block=K, time_limit_s=20))
     except PlanInfeasibleError as err:
         return err
 

@@ -24,6 +24,7 @@ from lazytrain_accel.planning import (
 )
 from lazytrain_accel.planning.baselines import BASELINES
 from lazytrain_accel.planning.plan import TransferKind
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.timeline import chrome_trace, draw_timeline
 
 
@@ -32,8 +33,9 @@ def _plans(instance: tuple) -> list[Plan]:
     plans = []
     for strategy in ("lazytrain", *BASELINES):
         try:
-            plans.append(make_plan(model, hardware, strategy=strategy, budgets=budgets,
-                                   max_recompute_block=K, gap=0.0, time_limit_s=30))
+            request = PlanRequest(strategy=strategy, budgets=budgets, max_recompute_block=K,
+                                  gap=0.0, time_limit_s=30)
+            plans.append(make_plan(model, hardware, request))
         except PlanInfeasibleError:
             continue
     return plans
@@ -55,7 +57,7 @@ def test_simulator_agrees_with_mip_and_respects_capacity(instance: tuple) -> Non
 def test_transfers_are_ordered_and_complete() -> None:
     model, hardware = chain(num_layers=10, d2h_gbps=8.0, h2d_gbps=8.0)
     budgets = budgets_in_slots(model, hardware, gpu_slots=5, cpu_slots=3, nvme_slots=3)
-    plan = make_plan(model, hardware, budgets=budgets, gap=0.0)
+    plan = make_plan(model, hardware, PlanRequest(budgets=budgets, gap=0.0))
     L = plan.num_layers
     assert Home.NVME in plan.homes and Home.CPU in plan.homes
     for i, home in enumerate(plan.homes):
@@ -78,7 +80,7 @@ def test_transfers_are_ordered_and_complete() -> None:
 
 def test_megatrain_recompute_costs_time_and_restream() -> None:
     model, hardware = chain(num_layers=8, fwd_s=0.05)
-    plan = make_plan(model, hardware, strategy="megatrain")
+    plan = make_plan(model, hardware, PlanRequest(strategy="megatrain"))
     assert plan.blocks == [(0, 4), (4, 8)]
     result = simulate(plan, model, hardware)
     assert result.recompute_s == pytest.approx(2 * 3 * 0.05)
@@ -89,7 +91,7 @@ def test_megatrain_recompute_costs_time_and_restream() -> None:
 def test_plan_json_round_trip_and_foreign_fingerprint(tmp_path: Path) -> None:
     model, hardware = chain(num_layers=6)
     budgets = budgets_in_slots(model, hardware, gpu_slots=4, cpu_slots=2, nvme_slots=1)
-    plan = make_plan(model, hardware, budgets=budgets)
+    plan = make_plan(model, hardware, PlanRequest(budgets=budgets))
     path = tmp_path / "plan.json"
     plan.save(path)
     again = Plan.load(path)
@@ -103,7 +105,7 @@ def test_plan_json_round_trip_and_foreign_fingerprint(tmp_path: Path) -> None:
 def test_timeline_png_and_chrome_trace(tmp_path: Path) -> None:
     model, hardware = chain(num_layers=6)
     budgets = budgets_in_slots(model, hardware, gpu_slots=4, cpu_slots=2, nvme_slots=1)
-    plan = make_plan(model, hardware, budgets=budgets, resident_update="host")
+    plan = make_plan(model, hardware, PlanRequest(budgets=budgets, resident_update="host"))
     result = simulate(plan, model, hardware)
     trace = chrome_trace(result)
     names = {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"}
@@ -148,7 +150,7 @@ def test_host_optimizer_order_embeddings_layers_head() -> None:
     model = dataclasses.replace(model, geometry=dataclasses.replace(
         g, tied_embeddings=False, head_param_count=40 * g.layer_param_count))
     hardware = dataclasses.replace(hardware, cpu_optimizer_params_per_s=2e10)
-    plan = make_plan(model, hardware, strategy="checkpoint_all")
+    plan = make_plan(model, hardware, PlanRequest(strategy="checkpoint_all"))
     without = simulate(plan, model, hardware, include_optimizer=False)
     result = simulate(plan, model, hardware)
     ops = [op for op in result.ops if op.resource == "host_optimizer"]

@@ -16,6 +16,7 @@ from lazytrain_accel.planning.problem import (
     build_problem,
     device_update_workspace_bytes,
 )
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.adapters import lora_profile_inputs
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
@@ -54,7 +55,7 @@ def test_device_residents_move_their_bytes_and_their_gradients_stay_on_the_gpu()
 def test_the_planner_updates_the_residents_on_a_roomy_gpu_and_the_step_gets_faster() -> None:
     model = _profile("qwen2.5-7b", 8)
     plan = make_plan(model, H800)
-    host = make_plan(model, H800, resident_update="host")
+    host = make_plan(model, H800, PlanRequest(resident_update="host"))
     assert plan.resident_update == "device" and host.resident_update == "host"
     assert plan.homes == host.homes
     assert plan.prediction.step_s < host.prediction.step_s
@@ -65,7 +66,7 @@ def test_the_planner_updates_the_residents_on_a_roomy_gpu_and_the_step_gets_fast
     assert "U_device" in ops and not {"U_embed", "U_head"} & set(ops)
     assert ops["U_device"].end_s - ops["U_device"].start_s == pytest.approx(
         model.resident_trainable_param_count / H800.gpu_optimizer_params_per_s)
-    mega = make_plan(model, H800, strategy="megatrain")
+    mega = make_plan(model, H800, PlanRequest(strategy="megatrain"))
     assert mega.resident_update == "host"  # MegaTrain keeps every update on the host
 
 
@@ -89,13 +90,13 @@ def _closed_form_step_s(model, plan) -> float:
 
 def test_a_gpu_without_room_for_them_keeps_the_residents_on_the_host() -> None:
     model = _profile("qwen2.5-7b", 8)
-    host = make_plan(model, H800, resident_update="host")
+    host = make_plan(model, H800, PlanRequest(resident_update="host"))
     tight = Budgets(gpu_bytes=int(host.prediction.peak_gpu_bytes / 0.95),
                     cpu_bytes=H800.cpu_memory_bytes, nvme_bytes=0)
-    plan = make_plan(model, H800, budgets=tight)
+    plan = make_plan(model, H800, PlanRequest(budgets=tight))
     assert plan.resident_update == "host"
-    forced = make_plan(model, H800, resident_update="device",
-                       budgets=dataclasses.replace(tight, gpu_bytes=2 * tight.gpu_bytes))
+    roomy = dataclasses.replace(tight, gpu_bytes=2 * tight.gpu_bytes)
+    forced = make_plan(model, H800, PlanRequest(resident_update="device", budgets=roomy))
     assert forced.resident_update == "device"
     assert forced.prediction.peak_gpu_bytes <= 2 * tight.gpu_bytes
 
@@ -131,7 +132,7 @@ def test_a_forced_gpu_update_that_does_not_fit_names_the_term_and_the_option() -
                           batch_size=1, seq_len=1024, loss_chunk_tokens=None)
     assert make_plan(model, rtx3090).resident_update == "host"  # auto: no room for them
     with pytest.raises(PlanInfeasibleError) as err:
-        make_plan(model, rtx3090, resident_update="device", diagnose_s=0.0)
+        make_plan(model, rtx3090, PlanRequest(resident_update="device", diagnose_s=0.0))
     text = str(err.value)
     assert f"its largest term is {DEVICE_RESIDENT_TERM}" in text
     assert "--resident-update host (resident_update='host')" in text

@@ -11,6 +11,7 @@ from planner_chains import budgets_in_slots, chain
 
 from lazytrain_accel.planning import make_plan, simulate
 from lazytrain_accel.planning.events import SimOp
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.timeline import (
     CATEGORIES,
     MIN_BAR_FRACTION,
@@ -29,7 +30,7 @@ import matplotlib.pyplot as plt
 def step():  # a 10-layer chain with boundaries on all three tiers
     model, hardware = chain(num_layers=10, d2h_gbps=8.0, h2d_gbps=8.0)
     budgets = budgets_in_slots(model, hardware, gpu_slots=5, cpu_slots=3, nvme_slots=3)
-    plan = make_plan(model, hardware, budgets=budgets, gap=0.0)
+    plan = make_plan(model, hardware, PlanRequest(budgets=budgets, gap=0.0))
     assert {"nvme_read", "nvme_write"} <= {op.resource for op in simulate(
         plan, model, hardware).ops}
     return simulate(plan, model, hardware), budgets

@@ -9,6 +9,7 @@ import pytest
 
 from lazytrain_accel.planning import make_plan, simulate
 from lazytrain_accel.planning.problem import build_problem
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.adapters import lora_profile_inputs
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
@@ -57,12 +58,12 @@ def test_packed_weights_pay_a_dequantization_per_pass(fmt: str) -> None:
 def test_a_slower_dequantization_slows_the_plan_and_the_simulation_agrees() -> None:
     model = _lora("nf4", batch_size=2)
     slow = HardwareProfile(**{**RTX4090.to_dict(), "dequant_bytes_per_s": 1e11})
-    plans = [make_plan(model, hw, strategy="checkpoint_all") for hw in (RTX4090, slow)]
+    plans = [make_plan(model, hw, PlanRequest(strategy="checkpoint_all")) for hw in (RTX4090, slow)]
     assert plans[1].prediction.step_s > plans[0].prediction.step_s
     for plan, hw in zip(plans, (RTX4090, slow), strict=True):
         result = simulate(plan, model, hw)
         assert result.step_s == pytest.approx(plan.prediction.step_s, rel=1e-6)
-    lazy = make_plan(model, slow, time_limit_s=30)
+    lazy = make_plan(model, slow, PlanRequest(time_limit_s=30))
     assert simulate(lazy, model, slow).step_s == pytest.approx(lazy.prediction.step_s,
                                                                rel=0.05)
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile, load_hardware
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 
 _REQUIRED = {"h800", "h200", "a100-80g", "a100-40g", "rtx3090", "rtx4090"}
 

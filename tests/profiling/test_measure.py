@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lazytrain_accel.profiling import measure
-from lazytrain_accel.profiling.hardware import HardwareProfile, load_hardware
+from lazytrain_accel.profiling.hardware import HardwareProfile
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 
 _PROBE_BYTES = 16 * 1024**2
 

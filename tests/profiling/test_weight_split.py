@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lazytrain_accel.planning import make_plan, simulate
 from lazytrain_accel.planning.host import OPTIMIZER_STATE_BYTES_PER_PARAM
 from lazytrain_accel.planning.problem import build_problem
+from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.adapters import lora_profile_inputs
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.live import geometry_from_model, weight_split_from_model
@@ -81,7 +82,7 @@ def test_problem_charges_host_memory_and_updates_for_trainable_only() -> None:
 
 def test_simulated_host_optimizer_updates_adapters_only() -> None:
     _, qlora = _llama8b("nf4")
-    plan = make_plan(qlora, H800, strategy="checkpoint_all")
+    plan = make_plan(qlora, H800, PlanRequest(strategy="checkpoint_all"))
     ops = {op.name: op for op in simulate(plan, qlora, H800).ops}
     assert ops["U1"].duration_s == pytest.approx(
         qlora.layer_trainable_param_count / H800.cpu_optimizer_params_per_s)

@@ -1,0 +1,40 @@
+"""`PlanRequest`: what a caller asks of `make_plan`, beside the model and the hardware.
+
+One value that `make_plan`, `max_batch_size` and `with_largest_batch` take alike, so the
+admission search and the refusal's "largest batch" ask exactly what the run asked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lazytrain_accel.config import RESIDENT_UPDATE_CHOICES
+from lazytrain_accel.planning.problem import Budgets
+
+#: Seconds the elastic re-solve that names a refusal's shortfall may take: it starts from
+#: the baseline closest to fitting, so on a limit it still names what that plan lacks.
+#: 3 s: on tight 64-layer refusals and the 27B request it named the same shortfall at 3 s
+#: as at 5 s, and a refusal stays inside issue 15's 5 s median (docs/benchmarks.md).
+DIAGNOSE_TIME_LIMIT_S = 3.0
+
+
+@dataclass(kw_only=True, frozen=True)
+class PlanRequest:
+    """A plan's strategy, budgets and solver limits (see `make_plan`)."""
+
+    strategy: str = "lazytrain"
+    budgets: Budgets | None = None  # None: the hardware's capacities
+    max_recompute_block: int = 8  # layers a recompute block may span
+    time_limit_s: float = 60.0  # the MIP's time limit
+    gap: float = 0.001  # the MIP's relative optimality gap
+    # The hybrid 8-bit host optimizer's overlapped update in the prediction (and the
+    # residents' update allowed on the GPU).
+    include_optimizer: bool = True
+    # The refusal's elastic re-solve limit (0: the closest baseline's shortfall, no solve).
+    diagnose_s: float = DIAGNOSE_TIME_LIMIT_S
+    resident_update: str = "auto"  # RESIDENT_UPDATE_CHOICES
+
+    def __post_init__(self) -> None:
+        if self.resident_update not in RESIDENT_UPDATE_CHOICES:
+            raise ValueError(f"resident_update={self.resident_update!r} is not one of "
+                             f"{RESIDENT_UPDATE_CHOICES}")
