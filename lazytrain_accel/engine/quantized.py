@@ -250,9 +250,7 @@ class PackedWeightPool(WeightPool):
                 p.data, p.quant_state = _convert_weight_packed_for_cpu(p.data, state)
                 self._host[layer - 1][k] = _host_tensors(p)
         self._offsets, self._layer_slot_bytes = _layout(self._host)
-        for slot, held in enumerate(self._slot_layer):
-            if held == layer:  # its bytes are laid out the old way
-                self._slot_layer[slot], self._slot_fresh[slot] = None, False
+        self._policy.forget(layer)  # its bytes in a slot are laid out the old way
         if max(self._layer_slot_bytes) > self._packed_slot_bytes:
             self._free_packed()
             self._packed_slot_bytes = max(self._layer_slot_bytes)

@@ -83,6 +83,12 @@ class WeightSlots:
             if held != layer:
                 self.layers[slot], self._kept[slot] = None, False
 
+    def forget(self, layer: int) -> None:
+        """Drop `layer` from the slot holding it, if any (what the slot holds is stale)."""
+        slot = self.slot_of(layer)
+        if slot is not None:
+            self.layers[slot], self._kept[slot] = None, False
+
     def invalidate(self) -> None:
         """Forget every loaded layer (the masters may have been updated)."""
         self.layers = [None] * self.count
