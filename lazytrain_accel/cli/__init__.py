@@ -25,6 +25,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("lazytrain_accel.cli.plan_cmd", "run one step of a plan in the event simulator"),
     "max-batch": ("lazytrain_accel.cli.plan_cmd",
                   "largest micro-batch a strategy can plan within the budgets"),
+    "max-seq": ("lazytrain_accel.cli.plan_cmd",
+                "longest sequence a strategy can plan within the budgets"),
     "demo": ("lazytrain_accel.cli.demo_cmd",
              "fine-tune a small model end to end on this machine (no downloads)"),
 }

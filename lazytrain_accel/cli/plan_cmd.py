@@ -1,4 +1,4 @@
-"""`lazytrain plan`, `lazytrain simulate`, `lazytrain max-batch`: the planner from a shell.
+"""`lazytrain plan`, `simulate`, `max-batch`, `max-seq`: the planner from a shell.
 
 `--json` prints one object whose keys are a scripting interface: keep them.
 """
@@ -28,6 +28,7 @@ from lazytrain_accel.planning import (
     max_batch_size,
     simulate,
 )
+from lazytrain_accel.planning.admission import max_seq_len
 from lazytrain_accel.planning.infeasible import with_largest_batch
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.solve import with_device_residents
@@ -41,13 +42,18 @@ from lazytrain_accel.profiling.models import (
     load_model_config,
     profile_model,
 )
+from lazytrain_accel.profiling.working_set import exceeds_int32_index
 
 _GIB = 2**30
 MAX_BATCH_SEARCH_LIMIT = 1 << 16
+#: `max-seq` searches multiples of this many tokens, up to the limit.
+MAX_SEQ_STEP_TOKENS = 1024
+MAX_SEQ_SEARCH_LIMIT = 1 << 26
 
 
 def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
-    """`batch`: "required", "optional" (simulate: a plan file brings it) or "none"."""
+    """`batch`: "required", "optional" (simulate: a plan file brings it), "none"
+    (max-batch) or "one" (max-seq: --batch-size defaults to 1, no --seq-len)."""
     p.add_argument("--model", required=True, help=f"preset ({', '.join(MODEL_PRESETS)}), "
                    "HF model directory or config .json")
     p.add_argument("--hardware", help="preset (" + ", ".join(HARDWARE_PRESETS)
@@ -56,9 +62,12 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
     with_plan = " (required unless --plan gives it)" if batch == "optional" else ""
     if batch != "none":
         p.add_argument("--batch-size", type=positive_int, required=batch == "required",
-                       help="micro-batch size" + with_plan)
-    p.add_argument("--seq-len", type=positive_int, required=batch != "optional",
-                   help="sequence length" + with_plan)
+                       default=1 if batch == "one" else None,
+                       help="micro-batch size" + (" (default 1)" if batch == "one"
+                                                  else with_plan))
+    if batch != "one":
+        p.add_argument("--seq-len", type=positive_int, required=batch != "optional",
+                       help="sequence length" + with_plan)
     # Part of the plan's fingerprint: a plan for bf16 does not fit an fp32 run.
     p.add_argument("--dtype", choices=sorted(COMPUTE_DTYPE_BYTES), default="bf16",
                    help="compute dtype of the run: bf16/fp16 = Accelerator(mixed_precision="
@@ -94,7 +103,8 @@ def add_parser(subparsers: argparse._SubParsersAction, name: str) -> None:
                        "length come from it); without it, plan first with the same options")
         p.add_argument("--timeline", metavar="OUT.png", help="draw the step as a PNG")
         p.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace")
-    _add_run_args(p, batch={"plan": "required", "simulate": "optional"}.get(name, "none"))
+    _add_run_args(p, batch={"plan": "required", "simulate": "optional",
+                            "max-seq": "one"}.get(name, "none"))
     if name == "plan":
         p.add_argument("--output", metavar="PLAN.json", help="write the plan as JSON")
 
@@ -123,10 +133,11 @@ def _profile(config: dict, args: argparse.Namespace, batch_size: int,
     geometry, weights = lora_weights(geometry_from_config(config, name=args.model), args)
     return profile_model(geometry, batch_size=batch_size, seq_len=seq_len,
                          compute_bytes_per_elem=COMPUTE_DTYPE_BYTES[args.dtype],
-                         loss_chunk_tokens=args.loss_chunk_tokens, weights=weights)
+                         loss_chunk_tokens=args.loss_chunk_tokens, weights=weights,
+                         tile_tokens=None)
 
 
-def _summary(plan: Plan, numbers: Any) -> dict[str, Any]:
+def _summary(plan: Plan, numbers: Any, hidden_size: int) -> dict[str, Any]:
     """The printed figures: `numbers` is the plan's prediction (itself one simulated step)
     or a fresh simulation of it, which give the same values."""
     counts = plan.count_homes()
@@ -144,6 +155,10 @@ def _summary(plan: Plan, numbers: Any) -> dict[str, Any]:
         "optimizer_exposed_s": numbers.optimizer_exposed_s,
         "loss_chunk_tokens": plan.loss_chunk_tokens,
         "resident_update": plan.resident_update,
+        "tile_tokens": plan.tile_tokens,
+        "attention_block_tokens": plan.attention_block_tokens,
+        "int32_index_exceeded": exceeds_int32_index(
+            tokens=plan.batch_size * plan.seq_len, width=hidden_size),
     }
 
 
@@ -162,6 +177,7 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
     chunk = summary["loss_chunk_tokens"]
     print("  loss head: " + (f"fused chunked loss, {chunk} tokens per chunk (training "
                              "outputs carry no logits)" if chunk else "the model's own loss"))
+    _print_tiles(summary)
     print("  optimizer: " + ("embeddings, final norm and head updated on the GPU (their "
                              "masters and 8-bit state live there), the layers on the host"
                              if summary["resident_update"] == "device"
@@ -188,6 +204,14 @@ def _request(args: argparse.Namespace, budgets: Budgets) -> PlanRequest:
     return PlanRequest(strategy=args.strategy, budgets=budgets,
                        max_recompute_block=args.max_recompute_block,
                        time_limit_s=args.time_limit_s, resident_update=args.resident_update)
+def _print_tiles(summary: dict[str, Any]) -> None:
+    tile, block = summary["tile_tokens"], summary["attention_block_tokens"]
+    print("  layers: " + (f"token-wise parts in tiles of {tile} tokens" if tile else
+                          "untiled") + ", attention " + (
+        f"in query blocks of {block} tokens" if block else "over the whole sequence"))
+    if summary["int32_index_exceeded"]:
+        print("  index: batch x seq x hidden reaches 2^31 elements: the engine must chunk "
+              "whole-sequence [S, hidden] ops (tiles do) or refuse the run")
 
 
 def _make(args: argparse.Namespace, config: dict, hardware: HardwareProfile,
@@ -220,7 +244,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     plan, model = _make(args, config, hardware, budgets)
     if args.output:
         plan.save(args.output)
-    summary = _summary(plan, plan.prediction)
+    summary = _summary(plan, plan.prediction, model.geometry.hidden_size)
     if args.strategy != "megatrain":  # the paper's comparison, in the same budgets
         mega = _baseline(args, model, hardware, budgets)
         summary["megatrain_tflops"] = None if mega is None else mega.prediction.tflops
@@ -249,7 +273,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             timeline.draw_timeline(result, args.timeline, budgets=budgets)
         if args.trace:
             timeline.save_chrome_trace(result, args.trace)
-    summary = _summary(plan, result)
+    summary = _summary(plan, result, model.geometry.hidden_size)
     summary["predicted_step_s"] = plan.prediction.step_s
     _print(summary, args.json)
     return 0
@@ -272,8 +296,38 @@ def _run_max_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_max_seq(args: argparse.Namespace) -> int:
+    config, hardware, budgets = _load(args)
+    request = _request(args, budgets)
+    best = max_seq_len(lambda s: _profile(config, args, args.batch_size, s), hardware,
+                       request, step_tokens=MAX_SEQ_STEP_TOKENS,
+                       limit_tokens=MAX_SEQ_SEARCH_LIMIT)
+    model = _profile(config, args, args.batch_size, best)
+    plan = make_plan(model, hardware, request)
+    summary = {**_summary(plan, plan.prediction, model.geometry.hidden_size),
+               "max_seq_len": best, "step_tokens": MAX_SEQ_STEP_TOKENS,
+               "search_limit_reached": best >= MAX_SEQ_SEARCH_LIMIT}
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    homes = summary["homes"]
+    limit = " (the search limit: the budgets never bind)" if summary[
+        "search_limit_reached"] else ""
+    print(f"{args.strategy}: longest sequence at batch {args.batch_size} is {best} tokens"
+          f"{limit} (searched in steps of {MAX_SEQ_STEP_TOKENS}); predicted step "
+          f"{plan.prediction.step_s:.1f} s")
+    print(f"  boundaries: {homes['gpu']} GPU, {homes['cpu']} CPU, {homes['nvme']} NVMe, "
+          f"{summary['recomputed']} recomputed")
+    _print_tiles(summary)
+    print(f"  peaks: GPU {summary['peak_gpu_bytes'] / _GIB:.2f} GiB, CPU "
+          f"{summary['peak_cpu_bytes'] / _GIB:.2f} GiB, NVMe "
+          f"{summary['peak_nvme_bytes'] / _GIB:.2f} GiB")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    runner = {"plan": _run_plan, "simulate": _run_simulate, "max-batch": _run_max_batch}
+    runner = {"plan": _run_plan, "simulate": _run_simulate, "max-batch": _run_max_batch,
+              "max-seq": _run_max_seq}
     try:
         fill_from_environment(args)  # LAZYTRAIN_* for flags left out
         return runner[args.command](args)

@@ -156,6 +156,11 @@ class Plan:
     # projections) in the forward and the backward re-run; 0: untiled (one tile). A plan
     # file without it: untiled.
     tile_tokens: int = 0
+    # Tokens per query block of each streamed layer's attention backward: K, V of the whole
+    # sequence and their fp32 gradients stay on the device, a block's q, o, dO, dQ live for
+    # that block only; 0: one attention call over the whole sequence. A plan file without
+    # it: 0.
+    attention_block_tokens: int = 0
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -168,9 +173,10 @@ class Plan:
         self._check_consistent()
 
     def _check_consistent(self) -> None:
-        if not isinstance(self.tile_tokens, int) or self.tile_tokens < 0:
-            raise PlanError(f"plan tile_tokens={self.tile_tokens!r} must be an integer >= 0 "
-                            "(0: untiled)")
+        for name in ("tile_tokens", "attention_block_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise PlanError(f"plan {name}={value!r} must be an integer >= 0 (0: untiled)")
         if self.solver.homes is None or list(self.solver.homes) != self.homes:
             raise PlanError("plan solver homes differ from the plan's: build a plan from its "
                             "solution (`solve.plan_from_solution`) or replace both")

@@ -41,6 +41,7 @@ from lazytrain_accel.planning.plan import (
 )
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.working_set import device_working_terms, tile_overhead_s
 
 GIB = 2**30
 
@@ -358,12 +359,7 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
     flops_per_s = hardware.achieved_flops_per_s
     K = max_recompute_block
     weight_buffers = weight_buffer_count(K)
-    # The head + loss runs between the last forward and the first backward, so its
-    # working set and one layer's backward working set are never live together.
-    working = max(model.layer_working_bytes, model.head_working_bytes)
-    working_term = ("the loss head's working set" if model.head_working_bytes
-                    > model.layer_working_bytes else "one layer's backward working set")
-    terms = sorted([(working_term, working),
+    terms = sorted([*device_working_terms(model),
                     (f"{weight_buffers} layer weight buffers",
                      weight_buffers * model.layer_param_bytes),
                     ("2 gradient buffers", 2 * model.layer_grad_bytes),
@@ -385,11 +381,14 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
     # forward (so also in each re-run) and in its backward proper.
     dequant_s = (0.0 if model.weights is None else model.weights.layer_dequant_bytes(
         model.compute_bytes_per_elem) / hardware.dequant_bytes_per_s)
+    tile_fwd_s, tile_bwd_s = tile_overhead_s(
+        batch_size=model.batch_size, seq_len=model.seq_len,
+        tile_tokens=model.tile_tokens or 0, attention_block_tokens=model.attention_block_tokens)
     return Problem(
         num_layers=model.num_layers, max_block=K, boundary_bytes=model.boundary_bytes,
         layer_param_bytes=model.layer_param_bytes, layer_grad_bytes=model.layer_grad_bytes,
-        fwd_s=model.layer_fwd_flops / flops_per_s + dequant_s,
-        bwd_s=model.layer_bwd_flops / flops_per_s + dequant_s,
+        fwd_s=model.layer_fwd_flops / flops_per_s + dequant_s + tile_fwd_s,
+        bwd_s=model.layer_bwd_flops / flops_per_s + dequant_s + tile_bwd_s,
         head_s=3.0 * model.head_fwd_flops / flops_per_s,  # backward ~ 2x forward
         h2d_bytes_per_s=hardware.h2d_bytes_per_s, d2h_bytes_per_s=hardware.d2h_bytes_per_s,
         nvme_read_bytes_per_s=hardware.nvme_read_bytes_per_s,

@@ -18,6 +18,13 @@ from lazytrain_accel.planning.problem import (
     PlanInfeasibleError,
     Problem,
 )
+from lazytrain_accel.profiling.working_set import (
+    ATTENTION_TERM,
+    BOUNDARY_TERM,
+    HEAD_WORKING_TERM,
+    LAYER_WORKING_TERM,
+    TOKEN_WISE_TERM,
+)
 
 _BUDGET_FLAG = {"gpu": "--gpu-memory-gb (gpu_memory_limit_gb)",
                 "cpu": "--cpu-memory-gb (cpu_memory_limit_gb)",
@@ -25,10 +32,17 @@ _BUDGET_FLAG = {"gpu": "--gpu-memory-gb (gpu_memory_limit_gb)",
 
 #: What shrinks each named term of the GPU base (`Problem.gpu_base_terms`).
 _TERM_REMEDY = {
-    "the loss head's working set": "the fused chunked loss shrinks it: "
+    HEAD_WORKING_TERM: "the fused chunked loss shrinks it: "
     "--loss-chunk-tokens auto (loss_chunk_tokens='auto') or a chunk such as 4096",
-    "one layer's backward working set": "it grows with batch x sequence: a shorter "
+    LAYER_WORKING_TERM: "it grows with batch x sequence: a shorter "
     "--seq-len or a smaller micro-batch shrinks it",
+    ATTENTION_TERM: "K, V and their gradients of the whole sequence stay on the device even "
+    "in query blocks, so it grows with batch x sequence: a shorter --seq-len or a smaller "
+    "micro-batch shrinks it",
+    TOKEN_WISE_TERM: "the planner tiles it (Plan.tile_tokens) when the untiled one does not "
+    "fit; what is left is one tile's: a shorter --seq-len shrinks the rest",
+    BOUNDARY_TERM: "the layer's output and input gradients are [batch x sequence, hidden] "
+    "each: a shorter --seq-len or a smaller micro-batch shrinks them",
     "3 layer weight buffers": "--max-recompute-block 1 (max_recompute_block=1) keeps 2",
     DEVICE_RESIDENT_TERM: "--resident-update host (resident_update='host') keeps them on "
     "the host with the layers'",

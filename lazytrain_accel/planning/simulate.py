@@ -46,7 +46,7 @@ from lazytrain_accel.planning.slots import WeightSlots, weight_slots
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
-from lazytrain_accel.profiling.models import with_loss_chunk
+from lazytrain_accel.profiling.models import with_loss_chunk, with_tiles
 
 #: The resource name of the host optimizer's ops (a lane of its own in the timeline).
 HOST_OPTIMIZER = "host_optimizer"
@@ -332,10 +332,13 @@ def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,
              include_optimizer: bool = True) -> SimulationResult:
     """One step of `plan` (with the host optimizer's overlapped update unless
     `include_optimizer=False`); refuses a plan made for another model, batch or machine.
-    A profile with loss_chunk_tokens="auto" (None) takes the plan's loss head."""
+    A profile with loss_chunk_tokens="auto" (None) takes the plan's loss head, one with
+    tile_tokens="auto" (None) the plan's tiles and query blocks."""
     plan.check_fingerprint(run_fingerprint(model, hardware))
     if model.loss_chunk_tokens is None:
         model = with_loss_chunk(model, plan.loss_chunk_tokens)
+    if model.tile_tokens is None:
+        model = with_tiles(model, plan.tile_tokens, plan.attention_block_tokens)
     longest = max(e - s for s, e in plan.blocks)
     p = build_problem(model, hardware, max_recompute_block=longest,
                       resident_update=plan.resident_update, optimizer=plan.optimizer)

@@ -25,6 +25,7 @@ from lazytrain_accel.planning.refusal import infeasible_error
 from lazytrain_accel.planning.request import DIAGNOSE_TIME_LIMIT_S, PlanRequest
 from lazytrain_accel.planning.schedule import blocks_of, schedule_transfers
 from lazytrain_accel.planning.simulate import simulate
+from lazytrain_accel.planning.tiles import plan_tiles
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
@@ -151,6 +152,8 @@ def plan_from_solution(p: Problem, solution: Solution, *, strategy: str,
                                        exposed_s=0.0),
                  solver=solution, fingerprint=run_fingerprint(model, hardware),
                  loss_chunk_tokens=model.loss_chunk_tokens or 0,
+                 tile_tokens=model.tile_tokens or 0,
+                 attention_block_tokens=model.attention_block_tokens,
                  resident_update=p.resident_update, optimizer=p.optimizer)
     result = simulate(draft, model, hardware, include_optimizer=include_optimizer)
     return dataclasses.replace(draft, prediction=result.prediction())
@@ -218,7 +221,9 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
     seconds (0: the closest baseline's, no solve).
 
     `model.loss_chunk_tokens=None` ("auto") lets the planner turn the fused chunked loss
-    on where the full logits' working set would cost a budget or speed (`loss_head.py`).
+    on where the full logits' working set would cost a budget or speed (`loss_head.py`);
+    `model.tile_tokens=None` ("auto") lets it tile each layer's token-wise parts and run
+    its attention in query blocks where the untiled working set would not fit (`tiles.py`).
 
     `resident_update` says where the residents' (embeddings, final norm, head) update
     runs: "host", "device" (their masters and 8-bit moments on the GPU, charged to its
@@ -244,8 +249,14 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
             plan = with_device_residents(plan, profile, hardware, budgets) or plan
         return plan
 
-    if model.loss_chunk_tokens is None:
-        return plan_loss_head(model, hardware, plan_for, budgets=budgets,
-                              max_recompute_block=r.max_recompute_block,
-                              include_optimizer=r.include_optimizer)
-    return plan_for(model)
+    def plan_head(profile: ModelProfile) -> Plan:
+        if profile.loss_chunk_tokens is None:
+            return plan_loss_head(profile, hardware, plan_for, budgets=budgets,
+                                  max_recompute_block=r.max_recompute_block,
+                                  include_optimizer=r.include_optimizer)
+        return plan_for(profile)
+
+    if model.tile_tokens is None:
+        return plan_tiles(model, hardware, plan_head, budgets=budgets,
+                          max_recompute_block=r.max_recompute_block)
+    return plan_head(model)

@@ -146,6 +146,14 @@ class ModelProfile:
     # Which parameters train and how frozen ones are stored; None = a full fine-tune
     # (every parameter trainable, kept as an fp32 master).
     weights: WeightSplit | None = None
+    # Tokens per tile of each layer's token-wise parts (0: untiled, None: "auto", for the
+    # planner to decide, `planning/tiles.py`; the working set is then the untiled one),
+    # and tokens per query block of its attention backward (0: the whole sequence).
+    tile_tokens: int | None = 0
+    attention_block_tokens: int = 0
+    # layer_working_bytes term by term, largest first (`working_set.LayerWorkingSet`);
+    # empty for profiles built by hand.
+    layer_working_terms: tuple[tuple[str, int], ...] = ()
 
     @property
     def num_layers(self) -> int:

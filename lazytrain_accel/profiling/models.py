@@ -13,11 +13,12 @@ from typing import Any
 
 from lazytrain_accel.profiling.families import FAMILIES, geometry_from_config
 from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile, WeightSplit
+from lazytrain_accel.profiling.working_set import layer_working_set
 from lazytrain_accel.suggest import did_you_mean, hub_id_hint
 
 __all__ = ["COMPUTE_DTYPE_BYTES", "FAMILIES", "MODEL_PRESETS", "geometry_from_config",
            "head_working_bytes", "load_model_config", "model_preset_source", "profile_model",
-           "with_loss_chunk"]
+           "with_loss_chunk", "with_tiles"]
 
 #: Built-in model configs, shipped as `lazytrain_accel/presets/<name>.json`.
 #: Bytes per element of each compute dtype name the CLI and configs accept.
@@ -79,36 +80,6 @@ def model_preset_source(name: str) -> str:
     return str(_read_json(_preset_path(name), "model preset").get(_SOURCE_KEY, ""))
 
 
-def _saved_elems_per_token(g: ModelGeometry) -> int:
-    """Elements per token that autograd keeps for one layer's backward (compute dtype).
-
-    Counted tensors: the layer input and the residual after attention, both norm outputs,
-    q/k/v, the attention output, and the MLP intermediates (gate, up, act(gate), product
-    for a gated MLP; fc1 output and its activation otherwise). Attention is assumed to run
-    through a fused SDPA/flash kernel, which keeps no seq x seq score matrix.
-    """
-    q_dim = g.num_attention_heads * g.head_dim
-    kv_dim = g.num_kv_heads * g.head_dim
-    mlp = (4 if g.gated_mlp else 2) * g.intermediate_size
-    return 4 * g.hidden_size + q_dim + 2 * kv_dim + q_dim + mlp
-
-
-def _layer_working_bytes(g: ModelGeometry, tokens: int, bytes_per_elem: int,
-                         weights: WeightSplit | None) -> int:
-    """Peak extra device bytes while one layer re-runs its forward and runs its backward.
-
-    Saved intermediates + the output gradient arriving and the input gradient leaving +
-    the widest transient gradient (one MLP-intermediate-wide tensor, twice while it is
-    being combined) + the layer's weight gradients (trainable ones) before they stream
-    to the host + the dequantized copy of the largest packed matrix (bitsandbytes).
-    """
-    widest = max(g.intermediate_size, g.num_attention_heads * g.head_dim)
-    activation_elems = tokens * (_saved_elems_per_token(g) + 2 * g.hidden_size + 2 * widest)
-    grad_elems = g.layer_param_count if weights is None else (
-        weights.layer_trainable_param_count + weights.layer_dequant_elems)
-    return (activation_elems + grad_elems) * bytes_per_elem
-
-
 def _layer_costs(g: ModelGeometry, batch_size: int, seq_len: int, bytes_per_elem: int,
                  weights: WeightSplit | None) -> tuple[int, int, float, float]:
     """(weight bytes streamed H2D, gradient bytes streamed D2H, forward FLOPs, backward
@@ -134,6 +105,7 @@ def profile_model(
     compute_bytes_per_elem: int = 2,
     loss_chunk_tokens: int | None = 0,
     weights: WeightSplit | None = None,
+    tile_tokens: int | None = 0,
 ) -> ModelProfile:
     """Per-layer bytes and FLOPs of `geometry` at one micro-batch shape.
 
@@ -152,6 +124,10 @@ def profile_model(
     trainable parameters in the compute dtype and its frozen ones as `weights` says;
     only trainable parameters have gradients, and a frozen matrix's backward computes
     the input gradient only (half of a trainable one's matmul work).
+
+    `tile_tokens` = 0 sizes each layer's working set untiled (`working_set.py`), > 0 with
+    its token-wise parts in tiles of that many tokens, None ("auto") untiled, leaving the
+    tiles (and query blocks of attention) to the planner (`planning/tiles.py`).
     """
     for field_name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
         if not isinstance(value, int) or value < 1:
@@ -165,6 +141,9 @@ def profile_model(
         g, batch_size, seq_len, compute_bytes_per_elem, weights)
     head_fwd_flops = 2.0 * tokens * g.hidden_size * g.vocab_size + 5.0 * tokens * g.vocab_size
     resident = g.embedding_param_count + g.head_param_count + g.final_norm_param_count
+    working = layer_working_set(g, batch_size=batch_size, seq_len=seq_len,
+                                bytes_per_elem=compute_bytes_per_elem, weights=weights,
+                                tile_tokens=tile_tokens or 0)
     return ModelProfile(
         geometry=g,
         batch_size=batch_size,
@@ -173,7 +152,9 @@ def profile_model(
         boundary_bytes=tokens * g.hidden_size * compute_bytes_per_elem,
         layer_param_bytes=param_bytes,
         layer_grad_bytes=grad_bytes,
-        layer_working_bytes=_layer_working_bytes(g, tokens, compute_bytes_per_elem, weights),
+        layer_working_bytes=working.total_bytes,
+        layer_working_terms=working.terms(),
+        tile_tokens=tile_tokens,
         layer_fwd_flops=layer_fwd_flops,
         layer_bwd_flops=layer_bwd_flops,
         head_fwd_flops=head_fwd_flops,
@@ -191,6 +172,20 @@ def with_loss_chunk(profile: ModelProfile, loss_chunk_tokens: int) -> ModelProfi
                                 profile.compute_bytes_per_elem, loss_chunk_tokens)
     return dataclasses.replace(profile, head_working_bytes=nbytes,
                                loss_chunk_tokens=loss_chunk_tokens)
+
+
+def with_tiles(profile: ModelProfile, tile_tokens: int,
+               attention_block_tokens: int = 0) -> ModelProfile:
+    """`profile` with its layers' working set sized for `tile_tokens` (0 = untiled) and
+    query blocks of `attention_block_tokens` (0 = whole-sequence attention)."""
+    working = layer_working_set(profile.geometry, batch_size=profile.batch_size,
+                                seq_len=profile.seq_len,
+                                bytes_per_elem=profile.compute_bytes_per_elem,
+                                weights=profile.weights, tile_tokens=tile_tokens,
+                                attention_block_tokens=attention_block_tokens)
+    return dataclasses.replace(profile, layer_working_bytes=working.total_bytes,
+                               layer_working_terms=working.terms(), tile_tokens=tile_tokens,
+                               attention_block_tokens=attention_block_tokens)
 
 
 def head_working_bytes(g: ModelGeometry, tokens: int, bytes_per_elem: int,

@@ -1,0 +1,84 @@
+"""Sequence tiles as a planning decision (`tile_tokens="auto"`, issue 23).
+
+At long sequence one layer's backward working set outgrows the GPU: its token-wise parts
+(the MLP's [S, intermediate] tensors) first, then the whole-sequence attention call's q, o,
+dO, dQ and fp32 dQ accumulator. Tiles shrink the first to one tile's, query blocks the
+second to K, V and their gradients (`profiling/working_set.py`). Each extra tile or block
+costs a kernel re-launch (`working_set.TILE_LAUNCH_S`), so the planner takes the fastest
+plan among the least-tiled candidates that can fit: untiled when it fits and tiling buys
+no speed (room for more GPU homes is the only speed tiling can buy).
+
+Candidates, least tiled first: untiled; token-wise tiles of `TILE_CHOICES_TOKENS` with
+whole-sequence attention; the same tiles with attention in query blocks of the tile's
+size. A candidate whose fixed GPU bytes and the two GPU-homed boundaries (0 and L) exceed
+the GPU budget cannot fit and is skipped without a solve; the first that may fit is
+planned with the next one, the faster plan kept. When none may fit, the most tiled is
+planned anyway, so the refusal names the term left over (`refusal.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from lazytrain_accel.planning.loss_head import auto_chunk_tokens
+from lazytrain_accel.planning.plan import Plan
+from lazytrain_accel.planning.problem import Budgets, PlanInfeasibleError, build_problem
+from lazytrain_accel.profiling.hardware import HardwareProfile
+from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.models import with_loss_chunk, with_tiles
+
+#: Tile sizes the planner picks from, largest (fewest re-launches) first.
+TILE_CHOICES_TOKENS = tuple(2**k for k in range(18, 9, -1))  # 256K .. 1K
+
+#: Boundaries every plan homes on the GPU (0 and L, `Plan` indexing).
+PINNED_GPU_BOUNDARIES = 2
+
+
+def tile_candidates(model: ModelProfile) -> Iterator[ModelProfile]:
+    """`model` untiled, then tiled, then tiled with query-blocked attention, each tile size
+    largest first (only tiles shorter than the tokens, blocks shorter than a sequence)."""
+    yield with_tiles(model, 0, 0)
+    tokens = model.tokens_per_step
+    for block in (False, True):
+        for tile in TILE_CHOICES_TOKENS:
+            if tile < (model.seq_len if block else tokens):
+                yield with_tiles(model, tile, tile if block else 0)
+
+
+def may_fit(model: ModelProfile, hardware: HardwareProfile, budgets: Budgets, *,
+            max_recompute_block: int) -> bool:
+    """Whether `model`'s fixed GPU bytes (working set, weights, residents, staging,
+    reserve) and the boundaries every plan homes there fit the GPU budget: a lower bound of
+    every plan's device need, so False means no plan fits."""
+    if model.loss_chunk_tokens is None:  # "auto": the head as the planner would size it
+        model = with_loss_chunk(model, auto_chunk_tokens(model))
+    p = build_problem(model, hardware, budgets=budgets, max_recompute_block=max_recompute_block)
+    return p.gpu_fixed_bytes + PINNED_GPU_BOUNDARIES * p.boundary_bytes <= budgets.gpu_bytes
+
+
+def plan_tiles(model: ModelProfile, hardware: HardwareProfile,
+               plan_for: Callable[[ModelProfile], Plan], *, budgets: Budgets | None,
+               max_recompute_block: int) -> Plan:
+    """The fastest `plan_for` plan of the first candidate that plans and the one after it;
+    raises the most tiled candidate's refusal when none may fit."""
+    budgets = budgets or Budgets.from_hardware(hardware)
+    candidates = list(tile_candidates(model))
+    fitting = [c for c in candidates
+               if may_fit(c, hardware, budgets, max_recompute_block=max_recompute_block)]
+    if not fitting:
+        return plan_for(candidates[-1])  # raises, naming what one tile leaves over
+    error = PlanInfeasibleError("no tile candidate planned", {})
+    for i, candidate in enumerate(fitting):
+        try:
+            plan = plan_for(candidate)
+        except PlanInfeasibleError as err:
+            error = err
+            continue
+        if i + 1 == len(fitting):
+            return plan
+        try:  # one step more tiled: more room for GPU homes may buy speed
+            finer = plan_for(fitting[i + 1])
+        except PlanInfeasibleError:
+            return plan
+        return min(plan, finer, key=lambda p: p.prediction.step_s)
+    raise error
