@@ -31,6 +31,7 @@ class _Position:
     extra_ids: list[int]  # kwargs leaves that require grad (they get gradients too)
     hidden_requires_grad: bool
     replay: ReplayState
+    tile_tokens: int  # the plan's when the forward ran; its backward re-run tiles the same
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] = field(default_factory=list)  # non-tensor outputs, by slot
     tensor_ids: list[int] = field(default_factory=list)  # output leaves that are tensors
@@ -64,7 +65,8 @@ class ForwardState:
                      if isinstance(v, torch.Tensor) and v.requires_grad]
         pos = _Position(layer=layer, leaves=leaves, spec=spec, extra_ids=extra_ids,
                         hidden_requires_grad=hidden.requires_grad,
-                        replay=capture(self.rt.streams.device))
+                        replay=capture(self.rt.streams.device),
+                        tile_tokens=self.rt.plan.tile_tokens)
         self.positions.append(pos)
         index = len(self.positions)
         home = None
