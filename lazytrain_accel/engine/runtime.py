@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lazytrain_accel.engine import tiles
+from lazytrain_accel.engine import long_sequence, tiles
 from lazytrain_accel.engine.captures import recorded, recording
 from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.nvme import NvmeSpill
@@ -90,6 +90,7 @@ class Runtime:
         timer = "recompute_s" if counter == "layer_recomputes" else "compute_s"
         try:
             with self.acct.timed(timer), torch.set_grad_enabled(stock_grad), \
+                    long_sequence.fused_attention(hidden), \
                     tiles.tiled(self._token_mlp(layer, tile_tokens), tile_tokens):
                 if stock_grad:
                     hidden, _, kwargs = _grad_inputs(hidden, pos)
@@ -109,7 +110,7 @@ class Runtime:
         self._acquire(layer, prefetch)
         try:
             with self.acct.timed("compute_s"), replaying(pos.replay), torch.enable_grad(), \
-                    recording(pos.captured) as fresh, \
+                    recording(pos.captured) as fresh, long_sequence.fused_attention(hidden), \
                     tiles.tiled(self._token_mlp(layer, pos.tile_tokens), pos.tile_tokens):
                 h, extras, kwargs = _grad_inputs(hidden, pos)
                 out = self._originals[layer - 1](h, **kwargs)
