@@ -104,3 +104,40 @@ def recorded(fresh: dict[str, list[Any]], captured: Captured | None) -> list[tor
     if captured is None:
         return []
     return [fresh[key][slot] for key, slot in captured.slots]
+
+
+def collector_lengths() -> dict[str, int]:
+    """Each list's length in the live collector now ({} when none is active)."""
+    collector = _collector()
+    return {k: len(v) for k, v in (collector or {}).items() if isinstance(v, list)}
+
+
+def take_appended(prior: dict[str, int]) -> list[tuple[str, Any]]:
+    """Remove from the live collector what was appended since `prior` (its lengths then);
+    return it as (key, value) pairs, in order."""
+    collector = _collector()
+    taken = []
+    for key, start in prior.items():
+        taken += [(key, value) for value in collector[key][start:]]
+        del collector[key][start:]
+    return taken
+
+
+def append(key: str, value: Any) -> None:
+    """Append `value` to the live collector's list `key`."""
+    _collector()[key].append(value)
+
+
+@contextmanager
+def collecting(keys: list[str]) -> Iterator[None]:
+    """A throwaway collector with empty lists for `keys` (none at all when `keys` is
+    empty), so that a recomputation's hooks record where `take_appended` finds them."""
+    var = _collector_var()
+    if var is None:
+        yield
+        return
+    token = var.set({k: [] for k in keys} or None)
+    try:
+        yield
+    finally:
+        var.reset(token)

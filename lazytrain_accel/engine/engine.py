@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lazytrain_accel.engine import hf_checkpointing, quantized
+from lazytrain_accel.engine import hf_checkpointing, long_sequence, quantized
 from lazytrain_accel.engine.backends import make_streams
 from lazytrain_accel.engine.binding import bind_call, drop_cache
 from lazytrain_accel.engine.discovery import find_decoder_layers
@@ -165,6 +165,7 @@ class StreamingEngine:
             grad_sq_norms=self.grad_sq_norms,
             awaiting_backward=lambda: bool(self._open) or self.residents.active)
         self._shape_warned = False
+        self._mask_verdicts: dict[tuple[int, int], bool] = {}  # 4-D mask: plain causal?
         #: `replan(batch, seq) -> Plan | None`, asked before a batch beyond the plan runs
         self.replan: Callable[[int, int], Plan | None] | None = None
 
@@ -191,6 +192,7 @@ class StreamingEngine:
             state.close()
         self._backwarded.clear()
         self._state = None
+        self._mask_verdicts.clear()
 
     def end_pass(self) -> None:
         self._state = None
@@ -203,6 +205,15 @@ class StreamingEngine:
                              "the engine re-runs layers itself: set it back to False (or use "
                              "model.gradient_checkpointing_enable(), which LazyTrain absorbs)")
         hidden, call_kwargs = bind_call(self._signatures[index - 1], index, args, kwargs)
+        config = getattr(self.model, "config", None)
+        try:
+            long_sequence.check_call(hidden, call_kwargs, verdicts=self._mask_verdicts,
+                                     attn_implementation=getattr(config, "_attn_implementation",
+                                                                 None))
+        except long_sequence.LongSequenceError:
+            if not self._open:
+                self.residents.swap_out()  # masters back in place (`_after_model` won't run)
+            raise
         trainable = any(p.requires_grad for p in self._layer_params[index - 1])
         if not torch.is_grad_enabled() or not (trainable or hidden.requires_grad):
             return self.runtime.run_layer(index, hidden, call_kwargs, prefetch=(index + 1,),

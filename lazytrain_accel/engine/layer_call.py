@@ -53,7 +53,8 @@ class ForwardState:
                      if isinstance(v, torch.Tensor) and v.requires_grad]
         pos = LayerPosition(layer=layer, leaves=leaves, spec=spec, extra_ids=extra_ids,
                         hidden_requires_grad=hidden.requires_grad,
-                        replay=capture(self.rt.streams.device))
+                        replay=capture(self.rt.streams.device),
+                        tile_tokens=self.rt.plan.tile_tokens)
         self.positions.append(pos)
         index = len(self.positions)
         home = None

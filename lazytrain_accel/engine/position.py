@@ -25,6 +25,7 @@ class LayerPosition:
     extra_ids: list[int]  # kwargs leaves that require grad (they get gradients too)
     hidden_requires_grad: bool
     replay: ReplayState
+    tile_tokens: int  # the plan's when the forward ran; its backward re-run tiles the same
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] = field(default_factory=list)  # non-tensor outputs, by slot
     tensor_ids: list[int] = field(default_factory=list)  # output leaves that are tensors

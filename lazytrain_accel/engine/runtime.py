@@ -6,6 +6,7 @@ Function only sees what it uses.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from lazytrain_accel.engine import long_sequence, tiles
 from lazytrain_accel.engine.captures import recorded, recording
 from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.nvme import NvmeSpill
@@ -23,6 +25,8 @@ from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.engine.streams import Streams
 from lazytrain_accel.engine.weights import WeightPool
 from lazytrain_accel.planning.plan import Plan
+
+logger = logging.getLogger("lazytrain_accel")
 
 
 class Runtime:
@@ -39,6 +43,8 @@ class Runtime:
         self._layers = layers  # index 0 = layer 1
         self._originals = originals  # the layers' own forwards, index 0 = layer 1
         self._trainable = trainable
+        self._mlps = [tiles.find_token_mlp(layer) for layer in layers]  # None: untiled
+        self._untiled_said = False
         # A grad-requiring scalar per trainable layer keeps its Function in the graph
         # even when the hidden state needs no grad (frozen embeddings, LoRA-style).
         self._anchors = [torch.zeros((), device=streams.device, requires_grad=bool(ps))
@@ -46,6 +52,17 @@ class Runtime:
 
     def anchor(self, layer: int) -> torch.Tensor:
         return self._anchors[layer - 1]
+
+    def _token_mlp(self, layer: int, tile_tokens: int) -> nn.Module | None:
+        """Layer `layer`'s token-wise block to tile, if tiling is on and it has one (said
+        once where it has not)."""
+        mlp = self._mlps[layer - 1]
+        if tile_tokens and mlp is None and not self._untiled_said:
+            self._untiled_said = True
+            logger.info("lazytrain: decoder layer %d (%s) has no token-wise block the engine "
+                        "can find (a child holding most of its non-attention parameters); "
+                        "its layers run untiled", layer, type(self._layers[layer - 1]).__name__)
+        return mlp
 
     def _acquire(self, layer: int, prefetch: Sequence[int]) -> None:
         """Put `layer` on its device weights, then start loading `prefetch`, in order."""
@@ -62,10 +79,15 @@ class Runtime:
         grad as the call's did, as the stock forward does; the graph is dropped."""
         stock_grad = pos is not None and forward_follows_grad_mode(self._layers[layer - 1],
                                                                    self.streams.device)
+        # the stock-grad path keeps the layer's own grad-mode-dependent forward: untiled
+        tile_tokens = (0 if stock_grad else self.plan.tile_tokens if pos is None
+                       else pos.tile_tokens)
         self._acquire(layer, prefetch)
         timer = "recompute_s" if counter == "layer_recomputes" else "compute_s"
         try:
-            with self.acct.timed(timer), torch.set_grad_enabled(stock_grad):
+            with self.acct.timed(timer), torch.set_grad_enabled(stock_grad), \
+                    long_sequence.fused_attention(hidden), \
+                    tiles.tiled(self._token_mlp(layer, tile_tokens), tile_tokens):
                 if stock_grad:
                     hidden, _, kwargs = _grad_inputs(hidden, pos)
                 out = self._originals[layer - 1](hidden, **kwargs)
@@ -84,7 +106,8 @@ class Runtime:
         self._acquire(layer, prefetch)
         try:
             with self.acct.timed("compute_s"), replaying(pos.replay), torch.enable_grad(), \
-                    recording(pos.captured) as fresh:
+                    recording(pos.captured) as fresh, long_sequence.fused_attention(hidden), \
+                    tiles.tiled(self._token_mlp(layer, pos.tile_tokens), pos.tile_tokens):
                 h, extras, kwargs = _grad_inputs(hidden, pos)
                 out = self._originals[layer - 1](h, **kwargs)
                 outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]

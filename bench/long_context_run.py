@@ -1,0 +1,105 @@
+"""One training step on one long sample, in this fresh process; prints JSON (loss, peak
+memory growth of the step, step seconds) and saves every gradient to `--grads`.
+
+Modes: `tiled` / `untiled` run through the Accelerate plugin (`Plan.tile_tokens` set on the
+engine's plan, the fused loss on), `stock` is plain transformers with gradient
+checkpointing. Run by `bench/long_context.py` and `tests/integrations/test_long_sample.py`.
+
+Memory: VmHWM (peak resident set, reset through /proc/self/clear_refs) after the step,
+minus VmRSS just before it. A short warm-up step first (kernels, thread pools, the
+plugin's plan and weight slots) keeps first-use allocations out of the figure. Run with
+MALLOC_MMAP_THRESHOLD_ set (the callers do) so freed tensors leave the resident set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+VOCAB = 256
+WARM_UP_TOKENS = 256
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status: this measurement needs Linux")
+
+
+def build_model(seq: int, hidden: int, intermediate: int) -> torch.nn.Module:
+    """Two Llama layers whose MLP intermediate dominates, as in real models (two heads of 16
+    keep the CPU's attention FLOPs, which grow as seq^2, small; no GQA: the CPU flash
+    backward with `enable_gqa` is several times slower, in stock and streamed runs alike)."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=seq, use_cache=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def _prepare(mode: str, model: torch.nn.Module, seq: int, tile_tokens: int, workdir: str):
+    """The model to step and a function running backward on a loss."""
+    if mode == "stock":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model, torch.Tensor.backward
+    from lazytrain_accel import Accelerator, LazyTrainPlugin
+    plugin = LazyTrainPlugin(plan="checkpoint_all", hardware="h800", optimizer="keep",
+                             loss_chunk_tokens=4096, batch_size=1, seq_len=seq,
+                             cache_dir=f"{workdir}/cache", nvme_dir=f"{workdir}/nvme")
+    acc = Accelerator(cpu=True, plugin=plugin)
+    model = acc.prepare(model)
+    engine = acc.lazytrain_engine
+    engine.set_plan(dataclasses.replace(engine.plan, tile_tokens=tile_tokens if mode == "tiled"
+                                        else 0))
+    return model, acc.backward
+
+
+def run(mode: str, seq: int, tile_tokens: int, hidden: int, intermediate: int,
+        grads_path: str | None, workdir: str) -> dict[str, float]:
+    model, backward = _prepare(mode, build_model(seq, hidden, intermediate), seq, tile_tokens,
+                               workdir)
+    ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(1))
+    warm = ids[:, :WARM_UP_TOKENS]
+    backward(model(input_ids=warm, labels=warm).loss)
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    baseline_bytes = _status_bytes("VmRSS")
+    start = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    backward(loss)
+    step_s = time.perf_counter() - start
+    peak_growth_bytes = _status_bytes("VmHWM") - baseline_bytes
+    if grads_path:
+        torch.save({n: p.grad for n, p in model.named_parameters()}, grads_path)
+    return {"mode": mode, "seq": seq, "loss": float(loss.detach()), "step_s": step_s,
+            "peak_growth_bytes": peak_growth_bytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("tiled", "untiled", "stock"), required=True)
+    parser.add_argument("--seq", type=int, required=True)
+    parser.add_argument("--tile-tokens", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--grads", default=None, help="save every .grad here (torch.save)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as workdir:
+        print(json.dumps(run(args.mode, args.seq, args.tile_tokens, args.hidden,
+                             args.intermediate, args.grads, workdir)))
+
+
+if __name__ == "__main__":
+    main()

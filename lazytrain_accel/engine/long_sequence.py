@@ -1,0 +1,114 @@
+"""Attention at long sequence: no S x S mask or score matrix on the streamed path.
+
+From `LONG_SEQ_TOKENS` tokens per sequence a streamed layer call must not build one:
+attention runs through SDPA's fused kernels (flash or memory-efficient on CUDA, the flash
+CPU kernel on a CPU) with `is_causal` and no mask. Transformers (`masking_utils.sdpa_mask`)
+already passes no mask to sdpa attention when the 2-D attention mask is absent or all ones;
+what still reaches a layer is handled here, once per layer call (`check_call`):
+
+* eager attention (it materializes [batch, heads, S, S] scores): refused, naming
+  `attn_implementation="sdpa"`;
+* a 4-D mask (the user's own, or transformers' for padding or a sliding window): dropped
+  when it is plain causal (sdpa then runs `is_causal`), else refused;
+* a hidden state of 2^31 elements or more (int32 indexing in kernels): refused at any length.
+
+While such a layer runs (`fused_attention`) SDPA's math backend is switched off, so a call
+that would fall back to it (attention dropout on a CPU, an unsupported dtype) raises a
+`LongSequenceError` naming the cause instead of allocating S x S scores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+#: Tokens per sequence from which a layer call counts as long: an S x S fp32 mask or score
+#: matrix is 256 MiB per sequence and head here, and grows as S^2.
+LONG_SEQ_TOKENS = 8192
+#: Elements from which kernels' int32 index math overflows.
+INDEX_LIMIT_ELEMENTS = 2**31
+_FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+_MASK_ROWS = 1024  # rows of a 4-D mask compared at a time (bounded extra memory)
+
+
+class LongSequenceError(ValueError):
+    """A long-sequence layer call would build an S x S tensor or overflow int32 indexing."""
+
+
+def sequence_tokens(hidden: torch.Tensor) -> int:
+    """Tokens per sequence of a [batch, seq, hidden] (or [seq, hidden]) hidden state."""
+    return hidden.shape[-2] if hidden.dim() >= 2 else 1
+
+
+def check_call(hidden: torch.Tensor, kwargs: dict[str, Any], *, attn_implementation: str | None,
+               verdicts: dict[tuple[int, int], bool]) -> None:
+    """Refuse or fix a decoder-layer call at long sequence (in place on `kwargs`).
+    `verdicts` caches, per mask tensor (id, version), whether it is plain causal: every
+    layer of a pass gets the same mask."""
+    if hidden.numel() >= INDEX_LIMIT_ELEMENTS:
+        raise LongSequenceError(
+            f"the hidden state {tuple(hidden.shape)} has {hidden.numel():,} elements, at or "
+            f"past 2^31 ({INDEX_LIMIT_ELEMENTS:,}) where kernels' int32 indexing overflows: "
+            "split the batch (batch 1) or train on shorter sequences")
+    seq = sequence_tokens(hidden)
+    if seq < LONG_SEQ_TOKENS:
+        return
+    if attn_implementation == "eager":
+        raise LongSequenceError(
+            f"eager attention at {seq} tokens per sequence materializes [batch, heads, {seq}, "
+            f"{seq}] scores: load the model with attn_implementation='sdpa' (or "
+            "'flash_attention_2' on a GPU)")
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] != seq:
+        return
+    key = (id(mask), mask._version)
+    if key not in verdicts:
+        verdicts[key] = _is_plain_causal(mask)
+    if not verdicts[key]:
+        raise LongSequenceError(
+            f"the decoder layers got a 4-D attention mask {tuple(mask.shape)} that is not "
+            f"plain causal (padding, a sliding window, packed samples) at {seq} tokens per "
+            "sequence, where the engine builds no S x S mask: train one unpadded sample per "
+            "batch with no attention_mask (or an all-ones one), set config.sliding_window="
+            "None, or use shorter sequences")
+    kwargs["attention_mask"] = None  # sdpa then runs `is_causal`
+
+
+def _is_plain_causal(mask: torch.Tensor) -> bool:
+    """Whether a [batch, heads, S, S] mask (bool: True attends; float: 0 attends) lets each
+    query see exactly the keys at or before it; compared `_MASK_ROWS` rows at a time."""
+    seq = mask.shape[-1]
+    cols = torch.arange(seq, device=mask.device)
+    for start in range(0, seq, _MASK_ROWS):
+        block = mask[..., start:start + _MASK_ROWS, :]
+        rows = torch.arange(start, start + block.shape[-2], device=mask.device)
+        attends = block if block.dtype == torch.bool else block == 0
+        if not torch.equal(attends, (cols[None, :] <= rows[:, None]).expand_as(attends)):
+            return False
+    return True
+
+
+@contextmanager
+def _without_math_backend(seq: int) -> Iterator[None]:
+    try:
+        with sdpa_kernel(_FUSED):
+            yield
+    except RuntimeError as err:
+        if "No available kernel" not in str(err):
+            raise
+        raise LongSequenceError(
+            f"at {seq} tokens per sequence no fused SDPA kernel accepts this attention call "
+            "and the math fallback would build S x S scores: set the attention dropout to 0 "
+            "(config.attention_dropout / attn_pdrop; a CPU's flash kernel takes no dropout) "
+            "and use fp32, bf16 or fp16 (PyTorch's warnings above say which check failed)"
+        ) from err
+
+
+def fused_attention(hidden: torch.Tensor) -> Any:
+    """Context for running a layer on `hidden`: at long sequence SDPA's math backend is off."""
+    seq = sequence_tokens(hidden)
+    return _without_math_backend(seq) if seq >= LONG_SEQ_TOKENS else nullcontext()
