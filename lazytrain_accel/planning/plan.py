@@ -156,6 +156,11 @@ class Plan:
     # projections) in the forward and the backward re-run; 0: untiled (one tile). A plan
     # file without it: untiled.
     tile_tokens: int = 0
+    # The node shape the plan was made for: local ranks sharing one host (each runs this
+    # plan; the host bytes in `prediction` are the node's, the tokens/s one rank's) and
+    # nodes. A plan file without them: one GPU.
+    gpus_per_node: int = 1
+    nodes: int = 1
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -171,6 +176,10 @@ class Plan:
         if not isinstance(self.tile_tokens, int) or self.tile_tokens < 0:
             raise PlanError(f"plan tile_tokens={self.tile_tokens!r} must be an integer >= 0 "
                             "(0: untiled)")
+        for name in ("gpus_per_node", "nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"plan {name}={value!r} must be an integer >= 1")
         if self.solver.homes is None or list(self.solver.homes) != self.homes:
             raise PlanError("plan solver homes differ from the plan's: build a plan from its "
                             "solution (`solve.plan_from_solution`) or replace both")
