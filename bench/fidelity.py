@@ -51,7 +51,7 @@ from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning import Budgets, build_problem, make_plan, simulate
 from lazytrain_accel.planning.problem import GPU_RESERVE_FRACTION
 from lazytrain_accel.planning.request import PlanRequest
-from lazytrain_accel.planning.simulate import OPTIMIZER_LANES
+from lazytrain_accel.planning.simulate import is_optimizer_lane
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
@@ -329,7 +329,7 @@ def _row(model: str, name: str, plan, preds: dict, meas: dict) -> str:
 
 def _update_s(result) -> float:
     """Seconds of the simulated update (its ops on the host and device optimizer lanes)."""
-    return sum(op.duration_s for op in result.ops if op.resource in OPTIMIZER_LANES)
+    return sum(op.duration_s for op in result.ops if is_optimizer_lane(op.resource))
 
 
 def report_plan(name: str, plan_name: str, plan, config: dict, batch: int, seq: int,

@@ -89,3 +89,16 @@ def fill_from_environment(args: argparse.Namespace) -> None:
             value: Any = env_setting(field)
             setattr(args, dest, None if value == "auto" and dest == "loss_chunk_tokens"
                     else value)
+
+
+def add_node_args(p: argparse.ArgumentParser) -> None:
+    """`--gpus-per-node`, `--nodes`: plan one rank of a node whose GPUs share one host copy
+    of the state (planning/node.py); the host budget is then the node's."""
+    p.add_argument("--gpus-per-node", type=positive_int, default=1, metavar="N",
+                   help="local ranks (GPUs) sharing one host: the masters, optimizer state "
+                   "and compute copies are held once per node, each rank's staging and "
+                   "host-homed boundaries N times, and the GPUs share the host memory "
+                   "bandwidth (default 1)")
+    p.add_argument("--nodes", type=positive_int, default=1, metavar="K",
+                   help="nodes of --gpus-per-node GPUs each; the job's tokens/s is K times "
+                   "a node's (default 1)")

@@ -13,6 +13,7 @@ from lazytrain_accel.cli import CliError, help_of
 from lazytrain_accel.cli.args import (
     add_lora_args,
     add_loss_chunk_arg,
+    add_node_args,
     fill_from_environment,
     positive_int,
 )
@@ -86,6 +87,7 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
                    "(the planner's choice: on the GPU where it fits and is faster), host or "
                    "device (default: LAZYTRAIN_RESIDENT_UPDATE, else auto)")
     add_lora_args(p)
+    add_node_args(p)
     for flag, what, env in (("--gpu-memory-gb", "GPU", "GPU_MEMORY_LIMIT_GB"),
                             ("--cpu-memory-gb", "host DRAM", "CPU_MEMORY_LIMIT_GB"),
                             ("--nvme-gb", "NVMe", "NVME_LIMIT_GB")):
@@ -159,6 +161,8 @@ def _summary(plan: Plan, numbers: Any, hidden_size: int) -> dict[str, Any]:
         "attention_block_tokens": plan.attention_block_tokens,
         "int32_index_exceeded": exceeds_int32_index(
             tokens=plan.batch_size * plan.seq_len, width=hidden_size),
+        "gpus_per_node": plan.gpus_per_node, "nodes": plan.nodes,
+        "node_tokens_per_s": plan.gpus_per_node * numbers.tokens_per_s,
     }
 
 
@@ -187,6 +191,7 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
           f"{summary['peak_nvme_bytes'] / _GIB:.2f} GiB")
     print(f"  solver: {summary['status']}, {summary['solve_s']:.2f} s, gap "
           f"{summary['gap']:.2%}")
+    _print_node(summary)
     if "megatrain_tflops" in summary:
         mega = summary["megatrain_tflops"]
         print("  vs megatrain in the same budgets: " + (
@@ -199,11 +204,6 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
                   f"{summary['tflops'] / given:.3f}x)")
 
 
-def _request(args: argparse.Namespace, budgets: Budgets) -> PlanRequest:
-    """The plan request the CLI flags make (--strategy, --max-recompute-block, ...)."""
-    return PlanRequest(strategy=args.strategy, budgets=budgets,
-                       max_recompute_block=args.max_recompute_block,
-                       time_limit_s=args.time_limit_s, resident_update=args.resident_update)
 def _print_tiles(summary: dict[str, Any]) -> None:
     tile, block = summary["tile_tokens"], summary["attention_block_tokens"]
     print("  layers: " + (f"token-wise parts in tiles of {tile} tokens" if tile else
@@ -212,6 +212,39 @@ def _print_tiles(summary: dict[str, Any]) -> None:
     if summary["int32_index_exceeded"]:
         print("  index: batch x seq x hidden reaches 2^31 elements: the engine must chunk "
               "whole-sequence [S, hidden] ops (tiles do) or refuse the run")
+
+
+def _print_node(summary: dict[str, Any]) -> None:
+    """The node's figures, beside N GPUs each alone on such a host (`one_gpu_*`)."""
+    n, k = summary["gpus_per_node"], summary["nodes"]
+    if n == 1 and k == 1:
+        return
+    line = (f"  node: {n} GPUs sharing one host copy, {summary['node_tokens_per_s']:.1f} "
+            f"tokens/s per node")
+    if "one_gpu_tokens_per_s" in summary:
+        one = summary["one_gpu_tokens_per_s"]
+        line += (f" vs {n} x one GPU alone on the host {n * one:.1f} tokens/s "
+                 f"({summary['node_tokens_per_s'] / (n * one):.3f}x)" if one else
+                 " (one GPU alone does not fit these budgets)")
+    print(line)
+    if "one_gpu_peak_cpu_bytes" in summary:
+        one_cpu = summary["one_gpu_peak_cpu_bytes"]
+        print(f"  host per node: {summary['peak_cpu_bytes'] / _GIB:.2f} GiB (one GPU alone: "
+              f"{one_cpu / _GIB:.2f} GiB; {n} copies would need {n * one_cpu / _GIB:.2f} GiB)")
+    if k > 1:
+        print(f"  job: {k} nodes, {k * summary['node_tokens_per_s']:.1f} tokens/s (the "
+              "gradients' reduce across nodes not modelled)")
+
+
+def _request(args: argparse.Namespace, budgets: Budgets, **changes: Any) -> PlanRequest:
+    """The plan request the CLI flags make (--strategy, --max-recompute-block, ...),
+    with `changes` over them."""
+    return PlanRequest(**{"strategy": args.strategy, "budgets": budgets,
+                          "max_recompute_block": args.max_recompute_block,
+                          "time_limit_s": args.time_limit_s,
+                          "resident_update": args.resident_update,
+                          "gpus_per_node": args.gpus_per_node, "nodes": args.nodes,
+                          **changes})
 
 
 def _make(args: argparse.Namespace, config: dict, hardware: HardwareProfile,
@@ -228,13 +261,11 @@ def _make(args: argparse.Namespace, config: dict, hardware: HardwareProfile,
     return plan, model
 
 
-def _baseline(args: argparse.Namespace, model: ModelProfile, hardware: HardwareProfile,
-              budgets: Budgets) -> Plan | None:
-    """The MegaTrain baseline in the same budgets (None when it does not fit)."""
+def _plan_or_none(model: ModelProfile, hardware: HardwareProfile,
+                  request: PlanRequest) -> Plan | None:
+    """`make_plan`, or None when it does not fit (a comparison's other side)."""
     try:
-        return make_plan(model, hardware, PlanRequest(strategy="megatrain", budgets=budgets,
-                                                      max_recompute_block=args.max_recompute_block,
-                                                      time_limit_s=args.time_limit_s))
+        return make_plan(model, hardware, request)
     except PlanInfeasibleError:
         return None
 
@@ -246,12 +277,19 @@ def _run_plan(args: argparse.Namespace) -> int:
         plan.save(args.output)
     summary = _summary(plan, plan.prediction, model.geometry.hidden_size)
     if args.strategy != "megatrain":  # the paper's comparison, in the same budgets
-        mega = _baseline(args, model, hardware, budgets)
+        mega = _plan_or_none(model, hardware, _request(
+            args, budgets, strategy="megatrain", resident_update="auto"))
         summary["megatrain_tflops"] = None if mega is None else mega.prediction.tflops
         given = (None if mega is None or plan.resident_update == "host"
                  else with_device_residents(mega, model, hardware, budgets))
         if given is not None:  # the same optimizer placement, for a like-for-like figure
             summary["megatrain_device_residents_tflops"] = given.prediction.tflops
+    if args.gpus_per_node > 1:  # the same GPUs, each alone on such a host
+        one = _plan_or_none(model, hardware, _request(args, budgets, gpus_per_node=1,
+                                                      nodes=1))
+        summary["one_gpu_tokens_per_s"] = None if one is None else one.prediction.tokens_per_s
+        summary["one_gpu_peak_cpu_bytes"] = (None if one is None
+                                             else one.prediction.peak_cpu_bytes)
     _print(summary, args.json)
     return 0
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from lazytrain_accel import preflight, threads
 from lazytrain_accel.config import LazyTrainConfig
-from lazytrain_accel.integrations import batch_shape, setup
+from lazytrain_accel.integrations import batch_shape, ranks, setup
 from lazytrain_accel.integrations.checkpoint import atomic_directory, recover
 from lazytrain_accel.integrations.data_parallel import GradientAllReducer
 from lazytrain_accel.integrations.step_guard import StepGuard
@@ -143,6 +143,9 @@ class Accelerator(accelerate.Accelerator):
             plugin.hardware, cache_dir=plugin.cache_dir, nvme_dir=plugin.nvme_dir))
         self.lazytrain_run = self._lazytrain_plan_for(model, self.lazytrain_sizing, hardware)
         plan, model_profile = self.lazytrain_run.plan, self.lazytrain_run.model_profile
+        if self.num_processes > 1:  # one model and one plan on every rank, a clean exit
+            ranks.check_ranks_agree(plan, model)
+            ranks.register_exit_teardown(self._lazytrain_synchronize)
         # Before the engine allocates anything: fail with a sentence, not an OOM kill.
         preflight.check_run(model=model, plan=plan, model_profile=model_profile,
                             optimizer=plugin.optimizer.value, nvme_dir=plugin.nvme_dir)

@@ -18,6 +18,11 @@ allocates. What the engine allocates, and where:
   gradients (`GradSink`);
 * per plan: NVMe bounce buffers for boundaries on their way to and from the file, and the
   boundaries homed in host DRAM.
+
+On a node of N local ranks (`ranks`, `node.py`) the ranks share one copy of the masters,
+gradient accumulators, optimizer state, frozen weights and compute copies, so those terms
+count once; each rank's pinned staging, NVMe bounce buffers and DRAM-homed boundaries are
+its own, so those count N times.
 """
 
 from __future__ import annotations
@@ -80,14 +85,20 @@ def writes_compute_copies(model: ModelProfile, optimizer: str) -> bool:
     return optimizer == "hybrid8bit" and model.compute_bytes_per_elem < 4
 
 
+def per_rank(name: str, ranks: int) -> str:
+    """A per-rank term's name on a node of `ranks` (unchanged for one)."""
+    return name if ranks == 1 else f"{name} (x {ranks} ranks)"
+
+
 def host_base_terms(model: ModelProfile, *, optimizer: str = "hybrid8bit",
-                    resident_update: str = "host", weight_slots: int = 2
+                    resident_update: str = "host", weight_slots: int = 2, ranks: int = 1
                     ) -> tuple[tuple[str, int], ...]:
     """Host bytes that no home changes, term by term, largest first: the host-updated
     trainable parameters' masters, gradients and `optimizer` state (without the residents'
     when `resident_update="device"` moves them to the GPU), frozen weights as stored,
-    compute copies, and pinned weight and gradient staging (`weight_slots`: device weight
-    buffers, each with a packed layer's staging beside it)."""
+    compute copies (those once per node), and pinned weight and gradient staging
+    (`weight_slots`: device weight buffers, each with a packed layer's staging beside it;
+    those once per rank, `ranks` on the node)."""
     check_optimizer(optimizer)
     w = model.weights
     host_trainable = model.trainable_param_count - (
@@ -101,8 +112,8 @@ def host_base_terms(model: ModelProfile, *, optimizer: str = "hybrid8bit",
         (GRAD_TERM, GRAD_BYTES_PER_PARAM * host_trainable),
         (f"{OPTIMIZER_TERM} ({optimizer})",
          int(OPTIMIZER_STATE_BYTES_PER_PARAM[optimizer] * host_trainable)),
-        (WEIGHT_STAGING_TERM, weight_staging),
-        (GRAD_STAGING_TERM, NUM_HOST_STAGING * model.layer_grad_bytes),
+        (per_rank(WEIGHT_STAGING_TERM, ranks), ranks * weight_staging),
+        (per_rank(GRAD_STAGING_TERM, ranks), ranks * NUM_HOST_STAGING * model.layer_grad_bytes),
     ]
     if w is not None:
         terms.append((f"{FROZEN_HOST_TERM} ({w.frozen_format})", model.frozen_host_bytes))
@@ -114,12 +125,14 @@ def host_base_terms(model: ModelProfile, *, optimizer: str = "hybrid8bit",
 
 
 def activation_host_terms(*, boundary_bytes: int, cpu_homes: Any, staging_boundaries: int,
-                          nvme_staging: Any = 1) -> tuple[tuple[str, Any], ...]:
+                          nvme_staging: Any = 1, ranks: int = 1) -> tuple[tuple[str, Any], ...]:
     """The plan's host terms: `staging_boundaries` NVMe bounce buffers (times
     `nvme_staging`: 1 when the plan homes anything on NVMe, 0 when not; the MIP always
-    charges them) and `cpu_homes` boundaries in DRAM. Counts or the MIP's expressions."""
-    return ((NVME_STAGING_TERM, staging_boundaries * boundary_bytes * nvme_staging),
-            (CPU_HOME_TERM, boundary_bytes * cpu_homes))
+    charges them) and `cpu_homes` boundaries in DRAM, each once per rank of the node's
+    `ranks` (every rank runs the plan). Counts or the MIP's expressions."""
+    A = ranks * boundary_bytes
+    return ((per_rank(NVME_STAGING_TERM, ranks), staging_boundaries * A * nvme_staging),
+            (per_rank(CPU_HOME_TERM, ranks), A * cpu_homes))
 
 
 def host_remedy(name: str) -> str:

@@ -161,6 +161,11 @@ class Plan:
     # that block only; 0: one attention call over the whole sequence. A plan file without
     # it: 0.
     attention_block_tokens: int = 0
+    # The node shape the plan was made for: local ranks sharing one host (each runs this
+    # plan; the host bytes in `prediction` are the node's, the tokens/s one rank's) and
+    # nodes. A plan file without them: one GPU.
+    gpus_per_node: int = 1
+    nodes: int = 1
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -177,6 +182,10 @@ class Plan:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise PlanError(f"plan {name}={value!r} must be an integer >= 0 (0: untiled)")
+        for name in ("gpus_per_node", "nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"plan {name}={value!r} must be an integer >= 1")
         if self.solver.homes is None or list(self.solver.homes) != self.homes:
             raise PlanError("plan solver homes differ from the plan's: build a plan from its "
                             "solution (`solve.plan_from_solution`) or replace both")

@@ -33,6 +33,7 @@ from lazytrain_accel.planning.host import (
     check_optimizer,
     host_base_terms,
 )
+from lazytrain_accel.planning.node import check_node_shape, link_bytes_per_s
 from lazytrain_accel.planning.plan import (
     RESIDENT_UPDATES,
     Home,
@@ -158,6 +159,9 @@ class Problem:
     device_update_s: float = 0.0
     # The host optimizer `cpu_base_terms` prices (`host.OPTIMIZERS`).
     optimizer: str = "hybrid8bit"
+    # Local ranks sharing the node's host (`node.py`): each runs this plan, so each rank's
+    # own host terms count this many times; the link rates are already their shares.
+    gpus_per_node: int = 1
 
     # ---- windows -------------------------------------------------------------------
     @property
@@ -305,7 +309,8 @@ class Problem:
         MIP's sum), NVMe bounce buffers times `nvme_staging` (the MIP charges them always)."""
         return (*self.cpu_base_terms, *activation_host_terms(
             boundary_bytes=self.boundary_bytes, cpu_homes=cpu,
-            staging_boundaries=self.host_staging_boundaries, nvme_staging=nvme_staging))
+            staging_boundaries=self.host_staging_boundaries, nvme_staging=nvme_staging,
+            ranks=self.gpus_per_node))
 
     def tier_need_bytes(self, *, gpu: Any, cache: Any, cpu: Any, nvme: Any) -> dict[str, Any]:
         """Bytes each tier needs for `gpu`/`cpu`/`nvme` homed boundaries and a block cache
@@ -337,11 +342,14 @@ def weight_buffer_count(max_block: int) -> int:
 
 def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
                   budgets: Budgets | None = None, max_recompute_block: int = 8,
-                  resident_update: str = "host", optimizer: str = "hybrid8bit") -> Problem:
+                  resident_update: str = "host", optimizer: str = "hybrid8bit",
+                  gpus_per_node: int = 1) -> Problem:
     """The instance for `model` at its batch shape on `hardware` under `budgets`, with the
     residents' update on the host or the GPU (`resident_update`, `RESIDENT_UPDATES`) and
-    the host state of `optimizer` (`host.OPTIMIZERS`)."""
+    the host state of `optimizer` (`host.OPTIMIZERS`), for one of `gpus_per_node` ranks
+    sharing the host (`node.py`: `budgets.cpu_bytes` is the node's)."""
     check_optimizer(optimizer)
+    check_node_shape(gpus_per_node=gpus_per_node, nodes=1)
     if resident_update not in RESIDENT_UPDATES:
         raise ValueError(f"resident_update={resident_update!r} is not one of "
                          f"{RESIDENT_UPDATES}")
@@ -376,7 +384,7 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
                        key=lambda t: -t[1])
     params = model.geometry.total_param_count
     host_terms = host_base_terms(model, optimizer=optimizer, weight_slots=weight_buffers,
-                                 resident_update=resident_update)
+                                 resident_update=resident_update, ranks=gpus_per_node)
     # A packed (QLoRA) layer dequantizes its linears on the device once per pass: in its
     # forward (so also in each re-run) and in its backward proper.
     dequant_s = (0.0 if model.weights is None else model.weights.layer_dequant_bytes(
@@ -390,7 +398,8 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         fwd_s=model.layer_fwd_flops / flops_per_s + dequant_s + tile_fwd_s,
         bwd_s=model.layer_bwd_flops / flops_per_s + dequant_s + tile_bwd_s,
         head_s=3.0 * model.head_fwd_flops / flops_per_s,  # backward ~ 2x forward
-        h2d_bytes_per_s=hardware.h2d_bytes_per_s, d2h_bytes_per_s=hardware.d2h_bytes_per_s,
+        h2d_bytes_per_s=link_bytes_per_s(hardware.h2d_bytes_per_s, hardware, gpus_per_node),
+        d2h_bytes_per_s=link_bytes_per_s(hardware.d2h_bytes_per_s, hardware, gpus_per_node),
         nvme_read_bytes_per_s=hardware.nvme_read_bytes_per_s,
         nvme_write_bytes_per_s=hardware.nvme_write_bytes_per_s,
         static_gpu_bytes=sum(b for _, b in terms), gpu_base_terms=tuple(terms),
@@ -402,7 +411,7 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         head_update_param_count=head_update_param_count(model),
         resident_update=resident_update,
         device_update_s=resident_trainable / hardware.gpu_optimizer_params_per_s,
-        optimizer=optimizer,
+        optimizer=optimizer, gpus_per_node=gpus_per_node,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lazytrain_accel.config import RESIDENT_UPDATE_CHOICES
+from lazytrain_accel.planning.node import check_node_shape
 from lazytrain_accel.planning.problem import Budgets
 
 #: Seconds the elastic re-solve that names a refusal's shortfall may take: it starts from
@@ -33,8 +34,13 @@ class PlanRequest:
     # The refusal's elastic re-solve limit (0: the closest baseline's shortfall, no solve).
     diagnose_s: float = DIAGNOSE_TIME_LIMIT_S
     resident_update: str = "auto"  # RESIDENT_UPDATE_CHOICES
+    # Local ranks (GPUs) sharing one node's host, and nodes (`node.py`); `budgets.cpu_bytes`
+    # is then the node's host budget.
+    gpus_per_node: int = 1
+    nodes: int = 1
 
     def __post_init__(self) -> None:
+        check_node_shape(gpus_per_node=self.gpus_per_node, nodes=self.nodes)
         if self.resident_update not in RESIDENT_UPDATE_CHOICES:
             raise ValueError(f"resident_update={self.resident_update!r} is not one of "
                              f"{RESIDENT_UPDATE_CHOICES}")

@@ -25,7 +25,10 @@ earlier window, issued before it on its queue, so no plan can deadlock (`_check_
   their update runs there (U_device, on the "device_optimizer" lane) once the clip
   coefficient is known (the last layer's gradients home); the host updates U1..UL beside
   it on a GPU (`HardwareProfile.device_runs_async`), after it on a CPU device, and the
-  next step starts after U_device.
+  next step starts after U_device;
+* on a node of N ranks (`Plan.gpus_per_node`, `node.py`) the update is split: layer j is
+  updated by share `(j - 1) mod N` on its own lane at the node's rate / N, U_embed by the
+  first share and U_head by the last; the host peak counts every rank's boundaries.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lazytrain_accel.planning.events import EventQueue, SimOp
+from lazytrain_accel.planning.node import share_update_params_per_s, update_share
 from lazytrain_accel.planning.plan import (
     Home,
     Plan,
@@ -55,6 +59,16 @@ HOST_OPTIMIZER = "host_optimizer"
 DEVICE_OPTIMIZER = "device_optimizer"
 #: The lanes of the update, which the step's own end and exposure leave out.
 OPTIMIZER_LANES = (HOST_OPTIMIZER, DEVICE_OPTIMIZER)
+
+
+def host_optimizer_lane(share: int) -> str:
+    """The lane of local rank `share`'s host update ("host_optimizer", "host_optimizer/1")."""
+    return HOST_OPTIMIZER if share == 0 else f"{HOST_OPTIMIZER}/{share}"
+
+
+def is_optimizer_lane(resource: str) -> bool:
+    """Whether `resource` is an update lane (any share's)."""
+    return resource.split("/")[0] in OPTIMIZER_LANES
 
 
 @dataclass(kw_only=True)
@@ -216,12 +230,14 @@ class _StepBuilder:
         return self.q
 
     def host_optimizer(self, hardware: HardwareProfile) -> list[int]:
-        """The update in the engine's order, one group after the other on the
-        "host_optimizer" resource: U_embed, U1..UL, U_head; each once its gradients are
+        """The update in the engine's order, one group after the other on each share's
+        "host_optimizer" lane: U_embed, U1..UL, U_head; each once its gradients are
         home (the residents' leave last, `G_resident`). With the residents updated on the
         device: U_device (once every layer's gradients are home: the clip coefficient),
-        and U1..UL on the host, beside it on an async device, else after it."""
-        p, rate, end = self.p, hardware.cpu_optimizer_params_per_s, self.p.num_windows
+        and U1..UL on the host, beside it on an async device, else after it. On a node,
+        layer j on share `update_share(j, N)` at the share's rate."""
+        p, end, n = self.p, self.p.num_windows, self.p.gpus_per_node
+        rate = share_update_params_per_s(hardware, n)
         head = p.head_update_param_count
         if p.resident_update == "device":
             first = self.q.add("U_device", DEVICE_OPTIMIZER, p.device_update_s,
@@ -231,15 +247,19 @@ class _StepBuilder:
                                                            - head) / rate,
                                after_end=[self.resident], window=end)
         # The host's layers start with a GPU's queued residents' update (they run side by
-        # side), after a CPU device's (it runs on the training thread first) or U_embed.
+        # side), after a CPU device's (it runs on the training thread first) or, on the
+        # share that runs it, U_embed.
         beside = p.resident_update == "device" and hardware.device_runs_async
         ops = [first]
-        ops += [self.q.add(f"U{j}", HOST_OPTIMIZER, p.layer_update_param_count / rate,
-                           after_end=[self.grad[j]] + ([] if beside else [first]),
-                           after_start=[first] if beside else [], window=end)
-                for j in range(1, self.L + 1)]
+        for j in range(1, self.L + 1):
+            share = update_share(j, n)
+            after = not beside and (p.resident_update == "device" or share == 0)
+            ops.append(self.q.add(f"U{j}", host_optimizer_lane(share),
+                                  p.layer_update_param_count / rate,
+                                  after_end=[self.grad[j]] + ([first] if after else []),
+                                  after_start=[first] if beside else [], window=end))
         if p.resident_update == "host":
-            ops.append(self.q.add("U_head", HOST_OPTIMIZER, head / rate,
+            ops.append(self.q.add("U_head", host_optimizer_lane(n - 1), head / rate,
                                   after_end=[self.resident], window=end))
         return ops
 
@@ -341,18 +361,21 @@ def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,
         model = with_tiles(model, plan.tile_tokens, plan.attention_block_tokens)
     longest = max(e - s for s, e in plan.blocks)
     p = build_problem(model, hardware, max_recompute_block=longest,
-                      resident_update=plan.resident_update, optimizer=plan.optimizer)
+                      resident_update=plan.resident_update, optimizer=plan.optimizer,
+                      gpus_per_node=plan.gpus_per_node)
     b = _StepBuilder(p, plan)
     q = b.build()
     updates = b.host_optimizer(hardware) if include_optimizer else []
     _check_order(q)
     q.run()
-    step_ops = [op for op in q.ops if op.resource not in OPTIMIZER_LANES]
+    step_ops = [op for op in q.ops if not is_optimizer_lane(op.resource)]
     step_s = max(op.end_s for op in step_ops)
     by_link = _exposure(q, step_ops)
     optimizer_s = _optimizer_exposed_s(b, updates, step_s) if updates else 0.0
     step_s += optimizer_s
     events = _memory(b, plan)
+    # Every rank of the node runs the plan in step: its host boundaries, N times over.
+    events["cpu"] = [(t, delta * p.gpus_per_node) for t, delta in events["cpu"]]
     peaks, curves = {}, {}
     for tier, static in (("gpu", p.static_gpu_bytes), ("cpu", p.static_cpu_bytes),
                          ("nvme", 0)):

@@ -154,7 +154,8 @@ def plan_from_solution(p: Problem, solution: Solution, *, strategy: str,
                  loss_chunk_tokens=model.loss_chunk_tokens or 0,
                  tile_tokens=model.tile_tokens or 0,
                  attention_block_tokens=model.attention_block_tokens,
-                 resident_update=p.resident_update, optimizer=p.optimizer)
+                 resident_update=p.resident_update, optimizer=p.optimizer,
+                 gpus_per_node=p.gpus_per_node)
     result = simulate(draft, model, hardware, include_optimizer=include_optimizer)
     return dataclasses.replace(draft, prediction=result.prediction())
 
@@ -231,6 +232,9 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
     gets faster (`with_device_residents`). The megatrain baseline keeps every update on
     the host, as MegaTrain does; so does a run without the hybrid 8-bit update
     (`include_optimizer=False`: a kept optimizer, its host state priced as AdamW's).
+
+    `gpus_per_node` > 1 plans one rank of a node whose ranks share one host copy of the
+    state (`node.py`): the budgets' host bytes are the node's, the links the rank's share.
     """
     r = request or PlanRequest()
     host_only = r.strategy == "megatrain" or not r.include_optimizer
@@ -241,13 +245,13 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
     def plan_for(profile: ModelProfile) -> Plan:
         p = build_problem(profile, hardware, budgets=budgets,
                           max_recompute_block=r.max_recompute_block, resident_update=forced,
-                          optimizer=optimizer)
+                          optimizer=optimizer, gpus_per_node=r.gpus_per_node)
         plan = plan_problem(p, profile, hardware, strategy=r.strategy,
                             time_limit_s=r.time_limit_s, gap=r.gap,
                             include_optimizer=r.include_optimizer, diagnose_s=r.diagnose_s)
         if r.resident_update == "auto" and not host_only:
             plan = with_device_residents(plan, profile, hardware, budgets) or plan
-        return plan
+        return dataclasses.replace(plan, nodes=r.nodes)
 
     def plan_head(profile: ModelProfile) -> Plan:
         if profile.loss_chunk_tokens is None:

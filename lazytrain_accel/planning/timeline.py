@@ -14,7 +14,7 @@ from typing import Any
 
 from lazytrain_accel.planning.events import SimOp
 from lazytrain_accel.planning.problem import Budgets
-from lazytrain_accel.planning.simulate import OPTIMIZER_LANES, SimulationResult
+from lazytrain_accel.planning.simulate import SimulationResult, is_optimizer_lane
 
 #: Lanes in drawing order; resources outside this list get lanes after these.
 RESOURCES = ("compute", "h2d", "d2h", "nvme_read", "nvme_write", "device_optimizer",
@@ -67,7 +67,7 @@ def lanes_of(ops: list[SimOp]) -> list[str]:
 def category(op: SimOp) -> str:
     """What an op does, from the simulator's names (F3, B3, R3, head, W3, RW3, G3,
     G_resident, "d2h:3" for boundary 3) and its resource."""
-    if op.resource in OPTIMIZER_LANES:
+    if is_optimizer_lane(op.resource):
         return "optimizer"
     if ":" in op.name:
         return "activations"

@@ -20,6 +20,13 @@ from typing import Any
 DEQUANT_EFFICIENCY = 0.7
 #: The slowest preset's memory bandwidth (RTX 3090, 936 GB/s): the dequantization default.
 _DEFAULT_MEMORY_BYTES_PER_S = 936e9
+#: The share of the theoretical DRAM bandwidth that streams reach: an estimate of STREAM
+#: Triad's usual share of a 2-socket server's DDR peak (published runs land at 70-80%).
+HOST_MEMORY_EFFICIENCY = 0.75
+#: DRAM bytes the hybrid 8-bit host update moves per parameter (planning/host.py's state):
+#: reads the fp32 gradient (4), fp32 master (4) and two 1-byte moments (2), writes the
+#: master (4), the moments (2) and the bf16 compute copy (2).
+HOST_UPDATE_BYTES_PER_PARAM = 18
 #: Bytes the 8-bit update's torch path (the one a GPU master takes, `optim/reference.py`)
 #: reads and writes per parameter: its 76 elementwise and per-block ops counted tensor by
 #: tensor (bf16 gradient, clipped; tests/optim/test_device_update.py counts them again).
@@ -53,6 +60,11 @@ class HardwareProfile:
     # The residents' (embeddings, head) 8-bit update on the GPU when the plan keeps their
     # masters and moments there (`Plan.resident_update`); same default rule.
     gpu_optimizer_params_per_s: float = device_update_params_per_s(_DEFAULT_MEMORY_BYTES_PER_S)
+    # The host's DRAM bandwidth, theoretical (channels x transfer rate x 8 bytes, all
+    # sockets): the GPUs of one node share it for their H2D/D2H streams and their host
+    # updates (planning/node.py). None (a profile written without it, a measured one):
+    # `host_memory_or_default()`.
+    host_memory_bytes_per_s: float | None = None
     # Work queued on the device runs while the host goes on (a GPU). False where the
     # "device" is this CPU: its work, the residents' update included, runs on the training
     # thread, so the host's layer update starts only after it.
@@ -61,6 +73,8 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if value is None and f.type.endswith("| None"):
+                continue
             if f.type in ("str",):
                 if not isinstance(value, str):
                     raise ValueError(f"hardware profile field {f.name}={value!r} must be a "
@@ -76,6 +90,17 @@ class HardwareProfile:
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"hardware profile {self.name!r}: {f.name}={value!r} must be "
                                  "a finite number > 0")
+
+    def host_memory_or_default(self) -> float:
+        """`host_memory_bytes_per_s`, or without it the default rule: what one GPU's faster
+        link in both directions at once and the host update need, over
+        `HOST_MEMORY_EFFICIENCY` (a profile without the figure was written for one GPU:
+        the host never bound it there, and it still does not)."""
+        if self.host_memory_bytes_per_s is not None:
+            return self.host_memory_bytes_per_s
+        link = max(self.h2d_bytes_per_s, self.d2h_bytes_per_s)
+        update = self.cpu_optimizer_params_per_s * HOST_UPDATE_BYTES_PER_PARAM
+        return (2 * link + update) / HOST_MEMORY_EFFICIENCY
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -135,6 +160,15 @@ _OPTIMIZER = "host optimizer {rate:.0e} params/s: estimate of a memory-bound fus
 _DEVICE_UPDATE = ("GPU update of the residents {rate:.1e} params/s: {eff} x the memory "
                   "bandwidth over the " + str(DEVICE_UPDATE_BYTES_PER_PARAM) + " bytes a "
                   "parameter the 8-bit update's torch path moves (an estimate)")
+_DGX_HOST = ("host DRAM 614.4 GB/s: 2 Xeon Platinum 8480C (NVIDIA DGX H100/H200 user guide) "
+             "x 8 channels DDR5-4800 (Intel ARK, Xeon Platinum 8480+) x 8 bytes")
+_DGX_A100_HOST = ("host DRAM 409.6 GB/s: 2 AMD EPYC 7742 (NVIDIA DGX A100 user guide) x 8 "
+                  "channels DDR4-3200 (AMD EPYC 7742 product page) x 8 bytes")
+_WORKSTATION_DDR4_HOST = ("host DRAM 204.8 GB/s: 8 channels DDR4-3200 (AMD Ryzen Threadripper "
+                          "PRO 3000WX product page) x 8 bytes, an assumed workstation (512 GiB "
+                          "takes 8 DIMMs)")
+_WORKSTATION_DDR5_HOST = ("host DRAM 166.4 GB/s: 4 channels DDR5-5200 (AMD Ryzen Threadripper "
+                          "7000 product page) x 8 bytes, an assumed workstation")
 _DEQUANT = ("dequantization {rate:.0f} GB/s moved: {eff} x the {bw:.0f} GB/s memory "
             "bandwidth of the same vendor sheet (a bandwidth-bound estimate of bitsandbytes' "
             "dequantize kernel: packed read + bf16 write)")
@@ -143,7 +177,8 @@ _DEQUANT = ("dequantization {rate:.0f} GB/s moved: {eff} x the {bw:.0f} GB/s mem
 def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb: float,
             peak_tflops: float, efficiency: float, h2d_gbps: float, d2h_gbps: float,
             nvme_read_gbps: float, nvme_write_gbps: float, optimizer_params_per_s: float,
-            memory_gbps: float, source: list[str]) -> HardwareProfile:
+            memory_gbps: float, host_memory_gbps: float, source: list[str]
+            ) -> HardwareProfile:
     """A preset in the units vendor sheets use (GiB, TB, TFLOPS, GB/s)."""
     device_update = device_update_params_per_s(memory_gbps * 1e9)
     return HardwareProfile(
@@ -156,6 +191,7 @@ def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb
         cpu_optimizer_params_per_s=optimizer_params_per_s,
         dequant_bytes_per_s=DEQUANT_EFFICIENCY * memory_gbps * 1e9,
         gpu_optimizer_params_per_s=device_update,
+        host_memory_bytes_per_s=host_memory_gbps * 1e9,
         source="; ".join([*source, _OPTIMIZER.format(rate=optimizer_params_per_s),
                           _DEVICE_UPDATE.format(rate=device_update, eff=DEQUANT_EFFICIENCY),
                           _DEQUANT.format(rate=DEQUANT_EFFICIENCY * memory_gbps,
@@ -168,45 +204,47 @@ HARDWARE_PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (
     _preset(name="h800", gpu_name="NVIDIA H800 80GB", gpu_gib=79.1, cpu_gib=1024, nvme_tb=3.84,
             peak_tflops=989.4, efficiency=0.32, h2d_gbps=12.0, d2h_gbps=12.0,
             nvme_read_gbps=2.83, nvme_write_gbps=3.35, optimizer_params_per_s=2e9,
-            memory_gbps=3350,
+            memory_gbps=3350, host_memory_gbps=614.4,
             source=["peak 989.4 dense bf16 TFLOPS: NVIDIA H100/H800 SXM5 datasheet",
                     _HOPPER_ACHIEVED, f"PCIe Gen5 12 GB/s each way: {_PAPER}", _NVME_PAPER,
-                    "host 1 TiB: assumed (8-GPU server class)"]),
+                    "host 1 TiB: assumed (8-GPU server class)", _DGX_HOST]),
     _preset(name="h200", gpu_name="NVIDIA H200 141GB", gpu_gib=139.8, cpu_gib=1024,
             nvme_tb=3.84, peak_tflops=989.4, efficiency=0.32, h2d_gbps=50.0, d2h_gbps=50.0,
             nvme_read_gbps=6.8, nvme_write_gbps=4.0, optimizer_params_per_s=2e9,
-            memory_gbps=4800,
+            memory_gbps=4800, host_memory_gbps=614.4,
             source=["peak 989.4 dense bf16 TFLOPS: NVIDIA H200 SXM datasheet",
                     _HOPPER_ACHIEVED, "PCIe 5.0 x16 50 GB/s each way: typical pinned result "
-                    "(~80% of the 63 GB/s link)", _NVME_DC, "host 1 TiB: assumed"]),
+                    "(~80% of the 63 GB/s link)", _NVME_DC, "host 1 TiB: assumed", _DGX_HOST]),
     _preset(name="a100-80g", gpu_name="NVIDIA A100 80GB", gpu_gib=79.2, cpu_gib=1024,
             nvme_tb=3.84, peak_tflops=312.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
             nvme_read_gbps=6.8, nvme_write_gbps=4.0, optimizer_params_per_s=2e9,
-            memory_gbps=2039,
+            memory_gbps=2039, host_memory_gbps=409.6,
             source=["peak 312 dense bf16 TFLOPS: NVIDIA A100 datasheet", _AMPERE_ACHIEVED,
-                    _PCIE4, _NVME_DC, "host 1 TiB: assumed"]),
+                    _PCIE4, _NVME_DC, "host 1 TiB: assumed", _DGX_A100_HOST]),
     _preset(name="a100-40g", gpu_name="NVIDIA A100 40GB", gpu_gib=39.4, cpu_gib=512,
             nvme_tb=3.84, peak_tflops=312.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
             nvme_read_gbps=6.8, nvme_write_gbps=4.0, optimizer_params_per_s=2e9,
-            memory_gbps=1555,
+            memory_gbps=1555, host_memory_gbps=409.6,
             source=["peak 312 dense bf16 TFLOPS: NVIDIA A100 datasheet", _AMPERE_ACHIEVED,
-                    _PCIE4, _NVME_DC, "host 512 GiB: assumed"]),
+                    _PCIE4, _NVME_DC, "host 512 GiB: assumed", _DGX_A100_HOST]),
     _preset(name="rtx3090", gpu_name="NVIDIA GeForce RTX 3090", gpu_gib=23.7, cpu_gib=512,
             nvme_tb=2.0, peak_tflops=71.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
             nvme_read_gbps=2.83, nvme_write_gbps=3.35, optimizer_params_per_s=1e9,
-            memory_gbps=936,
+            memory_gbps=936, host_memory_gbps=204.8,
             source=["peak 71 dense bf16 TFLOPS (fp32 accumulate): NVIDIA Ampere GA102 "
                     "whitepaper", _AMPERE_ACHIEVED, _PCIE4,
                     f"{_NVME_PAPER} (the paper's second testbed)",
-                    "host 512 GiB: assumed, enough for the paper's 27B run on this card"]),
+                    "host 512 GiB: assumed, enough for the paper's 27B run on this card",
+                    _WORKSTATION_DDR4_HOST]),
     _preset(name="rtx4090", gpu_name="NVIDIA GeForce RTX 4090", gpu_gib=23.6, cpu_gib=256,
             nvme_tb=2.0, peak_tflops=165.2, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
             nvme_read_gbps=7.45, nvme_write_gbps=6.9, optimizer_params_per_s=1e9,
-            memory_gbps=1008,
+            memory_gbps=1008, host_memory_gbps=166.4,
             source=["peak 165.2 dense bf16 TFLOPS (fp32 accumulate): NVIDIA Ada AD102 "
                     "whitepaper", _AMPERE_ACHIEVED, _PCIE4,
                     "NVMe 7.45 / 6.9 GB/s: vendor sheet of a PCIe 4.0 consumer SSD (Samsung "
-                    "990 Pro 2 TB)", "host 256 GiB: assumed (workstation)"]),
+                    "990 Pro 2 TB)", "host 256 GiB: assumed (workstation)",
+                    _WORKSTATION_DDR5_HOST]),
 )}
 
 

@@ -1,0 +1,99 @@
+"""What the ranks of a multi-process launch must share, checked at `prepare`, and how they
+leave together at exit (issue 22 item 5).
+
+* Agreement: every rank builds its own model and plans on its own, so a rank given another
+  plugin option, environment or model would stream another plan and deadlock or diverge
+  in the gradient reduce. `check_ranks_agree` all-gathers a fingerprint of the model's
+  parameters and of the plan's decisions and refuses, naming the ranks, when they differ.
+* Exit: a script that ends without `accelerator.end_training()` leaves the default process
+  group to the interpreter's finalization, where torch.distributed's C++ state is torn
+  down after Python's and a rank can abort (SIGABRT, "terminate called without an active
+  exception"). `register_exit_teardown` waits for a running update, meets the other ranks
+  and destroys the group at `atexit`, before finalization.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import hashlib
+import json
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from lazytrain_accel.planning.plan import Plan
+
+logger = logging.getLogger("lazytrain_accel")
+
+#: How long a rank waits at exit for the others before it destroys its group anyway.
+EXIT_BARRIER_S = 60
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def rank_key(plan: Plan, model: nn.Module) -> dict[str, str]:
+    """This rank's fingerprints: the model (parameter names, shapes, dtypes, trainability)
+    and the plan's decisions (run fingerprint, strategy, homes, optimizer, node shape)."""
+    params = [[n, list(p.shape), str(p.dtype), p.requires_grad]
+              for n, p in model.named_parameters()]
+    decisions = {"run": plan.fingerprint, "strategy": plan.strategy,
+                 "homes": [h.value for h in plan.homes], "optimizer": plan.optimizer,
+                 "resident_update": plan.resident_update,
+                 "loss_chunk_tokens": plan.loss_chunk_tokens, "tile_tokens": plan.tile_tokens,
+                 "gpus_per_node": plan.gpus_per_node, "nodes": plan.nodes}
+    return {"model": _digest(params), "plan": _digest(decisions),
+            "plan_summary": f"{plan.strategy}, homes {plan.count_homes()}, optimizer "
+                            f"{plan.optimizer}"}
+
+
+def check_ranks_agree(plan: Plan, model: nn.Module) -> None:
+    """Raise `ValueError` at prepare when the launch's ranks differ in model or plan."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    keys: list[dict[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, rank_key(plan, model))
+    for what in ("model", "plan"):
+        ranks: dict[str, list[int]] = {}
+        for rank, key in enumerate(keys):
+            ranks.setdefault(key[what], []).append(rank)
+        if len(ranks) > 1:
+            sides = "; ".join(f"ranks {r}: {what} {digest}" + (
+                f" ({keys[r[0]]['plan_summary']})" if what == "plan" else "")
+                for digest, r in ranks.items())
+            raise ValueError(
+                f"the ranks of this launch disagree on the {what} ({sides}): every rank must "
+                "build the same model and pass the same LazyTrainPlugin options and "
+                "LAZYTRAIN_* environment (plan, optimizer, budgets, hardware), so that "
+                "all stream one plan")
+
+
+def register_exit_teardown(synchronize: Callable[[], None]) -> None:
+    """At interpreter exit: `synchronize` (a bound method, held weakly: wait for a running
+    update), then meet the other ranks and destroy the default process group, unless the
+    script did (`end_training`)."""
+    atexit.register(_teardown, weakref.WeakMethod(synchronize))
+
+
+def _teardown(synchronize_ref: weakref.WeakMethod) -> None:
+    synchronize = synchronize_ref()
+    if synchronize is not None:
+        synchronize()
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=EXIT_BARRIER_S))
+        else:
+            dist.barrier()
+    except RuntimeError as err:  # a rank died: leave anyway, it is reported by the launcher
+        logger.warning("lazytrain: at exit, the other ranks did not all arrive (%s); "
+                       "destroying the process group anyway", err)
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,70 @@
+"""The node model: N GPUs of one node share one host (issue 22, docs/planner.md "Several
+GPUs on a node").
+
+The local ranks map one copy of the host state (masters, moments, compute copies) and
+each updates a disjoint share of the layers on 1/N of the cores, so:
+
+* host bytes: the shared terms once, each rank's own buffers (staging, NVMe bounce
+  buffers, its boundaries homed in DRAM) N times (`host.py`, `ranks=`);
+* host memory bandwidth: the N GPUs' H2D and D2H streams and the N updates all read and
+  write the same DRAM, so each GPU's link runs at
+  `min(its PCIe rate, (eta * B_host - R * U) / (2 N))` (`link_bytes_per_s`);
+* the update: each share at `R / N` parameters a second, the N shares side by side
+  (`share_update_params_per_s`; layer j belongs to share `(j - 1) mod N`, `update_share`).
+
+Every rank runs the same per-rank plan; a node's tokens/s is N times a rank's.
+"""
+
+from __future__ import annotations
+
+from lazytrain_accel.profiling.hardware import (
+    HOST_MEMORY_EFFICIENCY,
+    HOST_UPDATE_BYTES_PER_PARAM,
+    HardwareProfile,
+)
+
+#: DMA streams per GPU that touch DRAM at once: its H2D (reads) and its D2H (writes).
+STREAMS_PER_GPU = 2
+
+
+def check_node_shape(*, gpus_per_node: int, nodes: int) -> None:
+    """Raise `ValueError` naming the flag unless both counts are integers >= 1."""
+    for flag, value in (("--gpus-per-node", gpus_per_node), ("--nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag}={value!r} must be an integer >= 1")
+
+
+def host_stream_bytes_per_s(hardware: HardwareProfile, gpus_per_node: int) -> float:
+    """One GPU's share of the host DRAM bandwidth for one of its DMA streams: what the
+    N updates leave of `HOST_MEMORY_EFFICIENCY` x the theoretical bandwidth, over
+    `STREAMS_PER_GPU` x N streams."""
+    usable = HOST_MEMORY_EFFICIENCY * hardware.host_memory_or_default()
+    update = hardware.cpu_optimizer_params_per_s * HOST_UPDATE_BYTES_PER_PARAM
+    left = usable - update
+    if left <= 0:
+        raise ValueError(
+            f"hardware profile {hardware.name!r}: the host update alone "
+            f"({update / 1e9:.1f} GB/s at cpu_optimizer_params_per_s="
+            f"{hardware.cpu_optimizer_params_per_s:.3g}) fills the usable host memory "
+            f"bandwidth ({usable / 1e9:.1f} GB/s of host_memory_bytes_per_s="
+            f"{hardware.host_memory_or_default():.3g}); correct host_memory_bytes_per_s in "
+            "the profile")
+    return left / (STREAMS_PER_GPU * gpus_per_node)
+
+
+def link_bytes_per_s(pcie_bytes_per_s: float, hardware: HardwareProfile,
+                     gpus_per_node: int) -> float:
+    """A GPU's H2D or D2H rate on a node of `gpus_per_node`: its PCIe rate, or its share
+    of the host memory bandwidth where that is less."""
+    return min(pcie_bytes_per_s, host_stream_bytes_per_s(hardware, gpus_per_node))
+
+
+def share_update_params_per_s(hardware: HardwareProfile, gpus_per_node: int) -> float:
+    """One rank's host update rate: the node's rate over the N ranks' shares of cores."""
+    return hardware.cpu_optimizer_params_per_s / gpus_per_node
+
+
+def update_share(layer: int, gpus_per_node: int) -> int:
+    """The local rank that owns (and updates) layer `layer` (1-based): round robin, so the
+    layers the next forward needs first are updated first on every share."""
+    return (layer - 1) % gpus_per_node

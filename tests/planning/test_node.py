@@ -1,0 +1,127 @@
+"""Several GPUs on a node (planning/node.py): one host copy of the state, each rank's own
+buffers N times, the host memory bandwidth and the update split N ways."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lazytrain_accel.planning import Budgets, PlanInfeasibleError, build_problem, make_plan
+from lazytrain_accel.planning.host import host_base_terms
+from lazytrain_accel.planning.plan import Plan
+from lazytrain_accel.planning.request import PlanRequest
+from lazytrain_accel.planning.simulate import HOST_OPTIMIZER, simulate
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+from tests.planning.planner_chains import GIB, chain
+
+# A chain of 4 layers of 2**27 bf16 parameters (tied embeddings of 1,000,000 and a final
+# norm of 1024): 537,871,936 trainable parameters; boundaries of 2**30 bytes.
+TRAINABLE = 4 * 2**27 + 1_000_000 + 1024
+SHARED_BYTES = (4 * TRAINABLE  # fp32 masters
+                + 4 * TRAINABLE  # fp32 gradient accumulators
+                + 2 * TRAINABLE + TRAINABLE // 32  # 8-bit moments + absmax per 256
+                + 4 * 2**27 * 2)  # the layers' bf16 compute copies
+PER_RANK_BYTES = 2 * 2**28 + 2 * 2**28  # two layers of weight and of gradient staging
+A = 2**30
+
+
+def _chain(**knobs: float) -> tuple:
+    return chain(num_layers=4, layer_param_gib=0.25, **knobs)
+
+
+def test_host_bytes_count_the_shared_state_once_and_each_ranks_buffers_n_times() -> None:
+    model, hardware = _chain()
+    assert SHARED_BYTES == 6_469_269_682
+    for ranks in (1, 8):
+        terms = host_base_terms(model, weight_slots=3, ranks=ranks)
+        assert sum(b for _, b in terms) == SHARED_BYTES + ranks * PER_RANK_BYTES
+    eight = dict(host_base_terms(model, ranks=8))
+    assert eight["pinned staging for weights (x 8 ranks)"] == 8 * 2 * 2**28
+    assert eight["the trainable parameters' fp32 masters"] == 4 * TRAINABLE
+    # The plan's terms: 2 NVMe bounce buffers and 3 DRAM-homed boundaries, per rank.
+    one = build_problem(model, hardware, gpus_per_node=1).tier_need_bytes(
+        gpu=0, cache=0, cpu=3, nvme=0)["cpu"]
+    node = build_problem(model, hardware, gpus_per_node=8).tier_need_bytes(
+        gpu=0, cache=0, cpu=3, nvme=0)["cpu"]
+    assert one == SHARED_BYTES + PER_RANK_BYTES + (2 + 3) * A
+    assert node == SHARED_BYTES + 8 * PER_RANK_BYTES + 8 * (2 + 3) * A
+
+
+def test_links_share_the_host_memory_bandwidth() -> None:
+    model, hardware = _chain(h2d_gbps=12.0, d2h_gbps=10.0)
+    hardware = dataclasses.replace(hardware, host_memory_bytes_per_s=100e9,
+                                   cpu_optimizer_params_per_s=1e9)
+    # usable 0.75 x 100 GB/s, less the update's 1e9 x 18 B/s: 57 GB/s over 2 N streams.
+    for n, h2d, d2h in ((1, 12e9, 10e9), (2, 12e9, 10e9), (4, 7.125e9, 7.125e9),
+                        (8, 3.5625e9, 3.5625e9)):
+        p = build_problem(model, hardware, gpus_per_node=n)
+        assert (p.h2d_bytes_per_s, p.d2h_bytes_per_s) == pytest.approx((h2d, d2h))
+
+
+def test_without_a_host_bandwidth_one_gpu_is_never_host_bound() -> None:
+    model, hardware = _chain(h2d_gbps=40.0, d2h_gbps=8.0)
+    assert hardware.host_memory_bytes_per_s is None
+    p = build_problem(model, hardware)
+    assert (p.h2d_bytes_per_s, p.d2h_bytes_per_s) == (40e9, 8e9)
+    assert build_problem(model, hardware, gpus_per_node=2).h2d_bytes_per_s == 20e9
+
+
+def test_an_update_that_fills_the_host_bandwidth_is_refused() -> None:
+    model, hardware = _chain()
+    hardware = dataclasses.replace(hardware, host_memory_bytes_per_s=20e9)
+    with pytest.raises(ValueError, match="host_memory_bytes_per_s"):
+        build_problem(model, hardware, gpus_per_node=2)
+
+
+def test_presets_cite_their_host_bandwidth() -> None:
+    assert HARDWARE_PRESETS["h800"].host_memory_bytes_per_s == 614.4e9
+    for preset in HARDWARE_PRESETS.values():
+        assert preset.host_memory_bytes_per_s and "host DRAM" in preset.source
+
+
+def test_the_update_is_split_round_robin_at_the_share_rate() -> None:
+    model, hardware = _chain()
+    hardware = dataclasses.replace(hardware, host_memory_bytes_per_s=1e12)
+    plan = make_plan(model, hardware, PlanRequest(strategy="checkpoint_all",
+                                                  gpus_per_node=2, resident_update="host"))
+    ops = {op.name: op for op in simulate(plan, model, hardware).ops}
+    assert [ops[f"U{j}"].resource for j in range(1, 5)] == [
+        HOST_OPTIMIZER, f"{HOST_OPTIMIZER}/1", HOST_OPTIMIZER, f"{HOST_OPTIMIZER}/1"]
+    assert ops["U1"].duration_s == pytest.approx(2**27 / (1e9 / 2))
+    assert ops["U2"].start_s < ops["U1"].end_s  # the shares run side by side
+
+
+def test_the_node_host_peak_counts_every_ranks_boundaries() -> None:
+    model, hardware = _chain()
+    hardware = dataclasses.replace(hardware, host_memory_bytes_per_s=1e12)
+    peaks = {}
+    for n in (1, 4):
+        plan = make_plan(model, hardware, PlanRequest(strategy="offload_all", gpus_per_node=n,
+                                                      resident_update="host"))
+        static = build_problem(model, hardware, gpus_per_node=n).static_cpu_bytes
+        peaks[n] = plan.prediction.peak_cpu_bytes - static
+        assert plan.gpus_per_node == n
+    assert peaks[1] > 0 and peaks[4] == 4 * peaks[1]
+
+
+def test_a_node_plans_where_n_copies_would_not_fit(tmp_path) -> None:
+    model, hardware = _chain()
+    budget = SHARED_BYTES + 8 * PER_RANK_BYTES + 8 * 2 * A + GIB  # one copy + 8 ranks' own
+    budgets = Budgets(gpu_bytes=80 * GIB, cpu_bytes=budget, nvme_bytes=0)
+    one = make_plan(model, hardware, PlanRequest(budgets=budgets))
+    assert 8 * one.prediction.peak_cpu_bytes > budget  # 8 copies of the state do not fit
+    node = make_plan(model, hardware, PlanRequest(budgets=budgets, gpus_per_node=8, nodes=2))
+    assert node.prediction.peak_cpu_bytes <= budget
+    path = tmp_path / "plan.json"
+    node.save(path)
+    assert (Plan.load(path).gpus_per_node, Plan.load(path).nodes) == (8, 2)
+    with pytest.raises(PlanInfeasibleError, match="cpu"):
+        make_plan(model, hardware, PlanRequest(budgets=dataclasses.replace(
+            budgets, cpu_bytes=SHARED_BYTES), gpus_per_node=8, diagnose_s=0))
+
+
+@pytest.mark.parametrize("field", ["gpus_per_node", "nodes"])
+def test_a_bad_node_shape_names_its_flag(field: str) -> None:
+    with pytest.raises(ValueError, match=f"--{field.replace('_', '-')}=0"):
+        PlanRequest(**{field: 0})
