@@ -83,6 +83,7 @@ _DEFAULTS: dict[str, Any] = {
     "overlap_step": True,
     "frozen_weights": "keep",
     "resident_update": "auto",
+    "node_store": "auto",
 }
 
 #: `frozen_weights` values: keep frozen weights as loaded, or quantize them at `prepare`.
@@ -95,10 +96,15 @@ EMULATE_LINKS: tuple[str, ...] = ("profile", "off")
 #: (planning/solve.py `make_plan`): the planner's choice, the host, or the GPU.
 RESIDENT_UPDATE_CHOICES: tuple[str, ...] = ("auto", "host", "device")
 
+#: `node_store` values: share one host copy per node and split the update across the
+#: local ranks where it can be used, or keep a full copy per rank (all-reduce).
+NODE_STORE_CHOICES: tuple[str, ...] = ("auto", "off")
+
 #: Fields that take one of a fixed set of strings.
 _CHOICES: dict[str, tuple[str, ...]] = {"emulate_links": EMULATE_LINKS,
                                         "frozen_weights": FROZEN_WEIGHTS,
-                                        "resident_update": RESIDENT_UPDATE_CHOICES}
+                                        "resident_update": RESIDENT_UPDATE_CHOICES,
+                                        "node_store": NODE_STORE_CHOICES}
 
 
 def _check_choice(name: str, value: str) -> None:
@@ -154,6 +160,10 @@ class LazyTrainConfig:
             where the plan leaves room and the step gets faster (`Plan.resident_update`
             says what it chose); "host" keeps them with the layers'; "device" puts them on
             the GPU, charged to its budget. Needs optimizer="hybrid8bit".
+        node_store: with several processes on one node, "auto" (default) maps one host
+            copy of the parameters per node from shared memory and splits the update
+            across the local ranks (docs/user_guide.md "Several GPUs"); "off" keeps a full
+            copy and the whole update on every rank, gradients all-reduced.
     """
 
     plan: str | None = None
@@ -177,6 +187,7 @@ class LazyTrainConfig:
     overlap_step: bool | str | None = None
     frozen_weights: str | None = None
     resident_update: str | None = None
+    node_store: str | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _from_env: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
@@ -343,6 +354,6 @@ def _coerce(name: str, value: Any) -> Any:
         raise ValueError(f"{name}={value!r} must be a non-empty string")
     value = value.strip()
     if name in ("plan", "hardware", "emulate_links", "frozen_weights",
-                "resident_update") and not _is_json_path(value):
+                "resident_update", "node_store") and not _is_json_path(value):
         return value.lower()  # names ("auto", strategies, presets) are case-insensitive
     return os.path.expanduser(value) if name in ("nvme_dir", "cache_dir") else value

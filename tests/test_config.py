@@ -64,6 +64,7 @@ ENV_VALUES = {
     "overlap_step": ("off", False),
     "frozen_weights": ("NF4", "nf4"),
     "resident_update": ("Device", "device"),
+    "node_store": ("OFF", "off"),
 }
 
 
@@ -112,6 +113,7 @@ ARGUMENTS = {
     "overlap_step": (True, True),
     "frozen_weights": ("int8", "int8"),
     "resident_update": ("host", "host"),
+    "node_store": ("auto", "auto"),
 }
 
 
@@ -174,6 +176,7 @@ BAD = [
     ("overlap_step", "sometimes", ["overlap_step='sometimes'", "boolean"]),
     ("frozen_weights", "nf3", ["frozen_weights='nf3'", "keep", "nf4", "int8"]),
     ("resident_update", "gpu", ["resident_update='gpu'", "auto", "host", "device"]),
+    ("node_store", "on", ["node_store='on'", "auto", "off"]),
 ]
 
 

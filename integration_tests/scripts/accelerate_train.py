@@ -4,7 +4,8 @@ Tiny Qwen2 from a config, synthetic token data, AdamW, a linear LR schedule, gra
 accumulation, clipping. Writes the per-step losses to --losses (JSON) so tests can compare
 runs launched in different ways. `--poison-rank R --poison-step S` makes rank R's loss
 infinite at step S (a local overflow); `--state-out` writes each rank's final weights
-checksum, learning rate and skipped-step count.
+checksum, learning rate and skipped-step count; `--pss-out` each rank's proportional set
+size (/proc/self/smaps_rollup) just before `prepare` (model built) and after training.
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ def build_data(num_samples: int, seq_len: int, vocab: int) -> torch.utils.data.T
     return torch.utils.data.TensorDataset(ids)
 
 
+def pss_bytes() -> int:
+    """This process's proportional set size: shared pages count 1/N in each of N."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss line in /proc/self/smaps_rollup")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--lazytrain", action="store_true")
@@ -48,11 +58,14 @@ def main() -> None:
     p.add_argument("--poison-rank", type=int, default=None)
     p.add_argument("--poison-step", type=int, default=None)
     p.add_argument("--state-out", default=None, help="per-rank JSON file prefix")
+    p.add_argument("--pss-out", default=None, help="per-rank JSON file prefix")
+    p.add_argument("--hidden-size", type=int, default=64)
     args = p.parse_args()
     faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True)
 
     set_seed(0)
-    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+    config = Qwen2Config(vocab_size=128, hidden_size=args.hidden_size,
+                         intermediate_size=2 * args.hidden_size,
                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=64, tie_word_embeddings=False)
     model = Qwen2ForCausalLM(config)
@@ -70,6 +83,7 @@ def main() -> None:
     accelerator = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.grad_accum,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
                               plugin=plugin)
+    pss_before_prepare = pss_bytes()
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
                                                               scheduler)
     if args.resume_from:
@@ -118,6 +132,10 @@ def main() -> None:
                        "lr": scheduler.get_last_lr()[0],
                        "skipped": accelerator.lazytrain_guard.skipped_steps
                        if args.lazytrain else None}, f)
+    if args.pss_out:
+        accelerator.wait_for_everyone()
+        with open(f"{args.pss_out}{accelerator.process_index}.json", "w") as f:
+            json.dump({"before_prepare": pss_before_prepare, "end": pss_bytes()}, f)
     # All ranks reach the process-group teardown together: a rank still tearing down
     # after rank 0 (which hosts the rendezvous store) has exited can wait forever.
     accelerator.wait_for_everyone()

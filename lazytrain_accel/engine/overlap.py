@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -62,14 +62,21 @@ class LayerwiseUpdate:
 
     `device_groups` are updated by the training thread instead (`StepCoordinator`), which
     sets `device_update_done` when it has; the thread ends the step (`end_step`) only then.
+    `foreign_groups` are updated by another process (a node store's split update): this
+    thread neither updates them nor writes their compute copies. `on_group_done(g)` is
+    told after this thread has updated group g.
     """
 
     def __init__(self, optimizer: LayerwiseOptimizer, model: nn.Module,
                  groups: list[list[nn.Parameter]], accounting: Accounting,
                  copies: CopyTarget | None = None,
                  device_groups: Sequence[int] = (),
-                 device_update_done: threading.Event | None = None) -> None:
+                 device_update_done: threading.Event | None = None,
+                 foreign_groups: Sequence[int] = (),
+                 on_group_done: Callable[[int], None] | None = None) -> None:
         self._opt = optimizer
+        self._foreign_groups = frozenset(foreign_groups)
+        self._on_group_done = on_group_done
         self._device_groups = frozenset(device_groups)
         self._device_update_done = device_update_done
         self._patched = (optimizer, model)
@@ -93,8 +100,11 @@ class LayerwiseUpdate:
         start = time.perf_counter()
         try:
             for index, (group, done) in enumerate(zip(self._groups, self._done, strict=True)):
-                if index not in self._device_groups:
+                ours = index not in self._foreign_groups
+                if ours and index not in self._device_groups:
                     self._update_group(index, group)
+                    if self._on_group_done is not None:
+                        self._on_group_done(index)
                 with self._lock:
                     if self._zero is not None:
                         _zero(group, self._zero)

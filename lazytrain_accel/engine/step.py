@@ -21,11 +21,29 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from torch import nn
 
 from lazytrain_accel.engine.overlap import CopyTarget, LayerwiseOptimizer, LayerwiseUpdate
 from lazytrain_accel.engine.stats import Accounting
+
+
+class PeerUpdates(Protocol):
+    """Other local ranks' updates of the groups this rank does not own (node store)."""
+
+    @property
+    def foreign_groups(self) -> list[int]: ...
+
+    def begin_step(self) -> None: ...
+
+    def publish(self, group: int) -> None: ...
+
+    def is_ready(self, group: int) -> bool: ...
+
+    def wait(self, group: int) -> None: ...
+
+    def wait_all(self) -> None: ...
 
 
 class StepCoordinator:
@@ -48,6 +66,19 @@ class StepCoordinator:
         self._grad_sq_norms = grad_sq_norms
         self._awaiting_backward = awaiting_backward
         self._update: LayerwiseUpdate | None = None
+        #: Set by a node store's split update: the groups other ranks own and update.
+        self.peers: PeerUpdates | None = None
+
+    @property
+    def update_groups(self) -> list[list[nn.Parameter]]:
+        """Every parameter by group, in update order (0: input residents, j: layer j,
+        L+1: output residents)."""
+        return [list(g) for g in self._groups]
+
+    @property
+    def device_groups(self) -> list[int]:
+        """The groups whose masters live on the device (updated by the training thread)."""
+        return list(self._device_groups)
 
     # ---- the step ----------------------------------------------------------------------
     def step(self, optimizer: LayerwiseOptimizer) -> bool:
@@ -57,6 +88,9 @@ class StepCoordinator:
         optimizer.set_grad_sq_norms(self._grad_sq_norms())  # measured as gradients landed
         if not optimizer.begin_step():  # global norm -> clip coefficient, once
             return False  # non-finite: the optimizer skipped and counted the step
+        peers = self.peers
+        if peers is not None:
+            peers.begin_step()  # every rank applies the same steps (global norm)
         groups = self._owned_groups(optimizer)
         device_groups = self._device_groups
         device_done = threading.Event()
@@ -64,7 +98,9 @@ class StepCoordinator:
             self._update_on_device(optimizer, groups, device_groups, device_done, fail=None)
         self._update = LayerwiseUpdate(optimizer, self._model, groups, self._acct,
                                        copies=self._copies, device_groups=device_groups,
-                                       device_update_done=device_done)
+                                       device_update_done=device_done,
+                                       foreign_groups=peers.foreign_groups if peers else (),
+                                       on_group_done=peers.publish if peers else None)
         if self.device_update_beside_host:
             self._update_on_device(optimizer, groups, device_groups, device_done,
                                    fail=self._update)
@@ -91,6 +127,8 @@ class StepCoordinator:
             if device_groups:
                 with self._acct.timed("device_update_s"):
                     optimizer.step_params([p for j in device_groups for p in groups[j]])
+                for j in device_groups if self.peers is not None else ():
+                    self.peers.publish(j)  # masters on a CPU "device" are the shared ones
         except BaseException:
             done.set()
             if fail is not None:
@@ -108,16 +146,23 @@ class StepCoordinator:
 
     def is_group_updated(self, group: int) -> bool:
         """Whether `group` (0: input residents, j: layer j, L+1: output residents) may be
-        read: no update runs, or it has reached past that group."""
-        return self._update is None or self._update.is_ready(group)
+        read: no update runs, or it has reached past that group (and, on a node store,
+        its owner has updated it)."""
+        local = self._update is None or self._update.is_ready(group)
+        return local and (self.peers is None or self.peers.is_ready(group))
 
     def wait_for_group(self, group: int) -> None:
         """Block until `group` is updated (the next forward needs only that group)."""
         if self._update is not None:
             self._update.wait(group)
+        if self.peers is not None:
+            self.peers.wait(group)
 
     def wait(self) -> None:
-        """Block until the running update (if any) is whole; re-raise its error."""
+        """Block until the running update (if any) is whole, and the other ranks' of
+        their shares; re-raise its error."""
         if self._update is not None:
             update, self._update = self._update, None
             update.wait()
+        if self.peers is not None:
+            self.peers.wait_all()

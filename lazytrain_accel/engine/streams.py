@@ -97,6 +97,11 @@ class Streams(Protocol):
         the link inside it) where it runs; see `engine/stats.py`."""
         ...
 
+    def register_pinned(self, buffer: torch.Tensor) -> None:
+        """Make a host buffer mapped by several processes (a node store) page-locked for
+        this device's copies; a no-op where copies need no pinned memory."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -143,6 +148,9 @@ class SyncStreams:
         start = time.perf_counter()  # the work runs on this thread as it is issued
         return lambda: ElapsedInterval(time.perf_counter() - start)
 
+    def register_pinned(self, buffer: torch.Tensor) -> None:
+        return None
+
     def close(self) -> None:
         return None
 
@@ -182,6 +190,17 @@ class CudaStreams(SyncStreams):
 
     def empty_host(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def register_pinned(self, buffer: torch.Tensor) -> None:
+        """Page-lock a shared mapping in this process (each rank registers its own
+        mapping of the same pages; MegaTrain measured ~21 GB/s H2D against ~14 pageable).
+        Untested on a GPU so far."""
+        nbytes = buffer.numel() * buffer.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 1)  # Portable
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the node store ({nbytes} bytes) failed "
+                               f"with CUDA error {int(err)}; raise the locked-memory limit "
+                               "(ulimit -l) or use LazyTrainPlugin(node_store='off')")
 
     def keep_alive(self, tensor: torch.Tensor) -> None:
         if tensor.is_cuda:

@@ -9,6 +9,7 @@ the model is never moved to the device whole and never wrapped in DDP.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from types import MethodType
@@ -20,7 +21,7 @@ from torch import nn
 
 from lazytrain_accel import preflight, threads
 from lazytrain_accel.config import LazyTrainConfig
-from lazytrain_accel.integrations import batch_shape, ranks, setup
+from lazytrain_accel.integrations import batch_shape, node_store, ranks, setup, split_update
 from lazytrain_accel.integrations.checkpoint import atomic_directory, recover
 from lazytrain_accel.integrations.data_parallel import GradientAllReducer
 from lazytrain_accel.integrations.step_guard import StepGuard
@@ -50,7 +51,9 @@ class Accelerator(accelerate.Accelerator):
         self.lazytrain_engine: StreamingEngine | None = None
         self.lazytrain_guard: StepGuard | None = None
         self._lazytrain_optimizer: torch.optim.Optimizer | None = None
-        self._lazytrain_reducer: GradientAllReducer | None = None
+        self._lazytrain_reducer: GradientAllReducer | split_update.ShareReducer | None = None
+        #: one host copy per node, mapped by every local rank (None: each rank its own)
+        self.lazytrain_store: node_store.NodeStore | None = None
         self._lazytrain_model: nn.Module | None = None
         #: the shape the plan is sized for (provisional until the first batch without a loader)
         self.lazytrain_sizing: batch_shape.Sizing | None = None
@@ -102,9 +105,17 @@ class Accelerator(accelerate.Accelerator):
         self.lazytrain_guard.install(self._lazytrain_optimizer)
         self._lazytrain_overlap(self._lazytrain_optimizer)
         prepared = super().prepare_optimizer(self._lazytrain_optimizer, device_placement=False)
-        # `step_was_skipped` is what accelerate's schedulers and the Trainer consult.
-        self.lazytrain_guard.on_step = lambda skipped: setattr(prepared, "_is_overflow", skipped)
+        self.lazytrain_guard.on_step = lambda skipped: self._lazytrain_stepped(prepared, skipped)
         return prepared
+
+    def _lazytrain_stepped(self, prepared: Any, skipped: bool) -> None:
+        # `step_was_skipped` is what accelerate's schedulers and the Trainer consult.
+        prepared._is_overflow = skipped
+        peers = self.lazytrain_engine.steps.peers if self.lazytrain_engine else None
+        if peers is not None and not skipped and getattr(
+                self._lazytrain_optimizer, "step_runner", None) is None:
+            peers.begin_step()  # an inline step updated this rank's share whole
+            peers.publish_all()
 
     def _lazytrain_overlap(self, optimizer: torch.optim.Optimizer) -> None:
         """With the hybrid operator (and `overlap_step`), `optimizer.step()` starts the
@@ -115,6 +126,8 @@ class Accelerator(accelerate.Accelerator):
         engine = self.lazytrain_engine
         optimizer.register_state_dict_pre_hook(lambda _: self._lazytrain_synchronize())
         optimizer.register_load_state_dict_pre_hook(lambda *_: self._lazytrain_synchronize())
+        if isinstance(optimizer, HybridAdamW8bit) and self.lazytrain_store is not None:
+            optimizer.global_grad_sq_norm = self._lazytrain_reducer.global_grad_sq_norm
         if not isinstance(optimizer, HybridAdamW8bit) or not self.lazytrain_plugin.overlap_step:
             return  # optimizer="keep" (any torch optimizer) steps serially, inline
 
@@ -149,6 +162,7 @@ class Accelerator(accelerate.Accelerator):
         # Before the engine allocates anything: fail with a sentence, not an OOM kill.
         preflight.check_run(model=model, plan=plan, model_profile=model_profile,
                             optimizer=plugin.optimizer.value, nvme_dir=plugin.nvme_dir)
+        self.lazytrain_store = self._lazytrain_share(model, plan.num_layers + 2)
         self.lazytrain_engine = attach(model, plan, device=self.device,
                                        compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir,
                                        loss_chunk_tokens=setup.engine_loss_chunk_tokens(plugin),
@@ -159,7 +173,13 @@ class Accelerator(accelerate.Accelerator):
                                          max_nonfinite_skips=plugin.max_nonfinite_skips,
                                          raise_on_interrupt=self._lazytrain_interrupt_raises)
         self.lazytrain_guard.install_sigint()
-        if self.num_processes > 1:
+        if self.lazytrain_store is not None:
+            self._lazytrain_reducer = split_update.start_split_update(
+                self.lazytrain_engine, generations=self.lazytrain_store.generations,
+                shared_bytes=self.lazytrain_store.bytes,
+                should_reduce=lambda: self.sync_gradients)
+            self.lazytrain_guard.global_finite = self._lazytrain_global_finite
+        elif self.num_processes > 1:
             self._lazytrain_reducer = GradientAllReducer(
                 self.lazytrain_engine, model, should_reduce=lambda: self.sync_gradients)
         if self.native_amp:
@@ -167,6 +187,28 @@ class Accelerator(accelerate.Accelerator):
         model._is_accelerate_prepared = True
         self._lazytrain_model = model
         self._models.append(model)
+
+    def _lazytrain_share(self, model: nn.Module, num_groups: int
+                         ) -> node_store.NodeStore | None:
+        """Map the parameters from the node's shared segment (several local ranks and
+        `node_store="auto"`), else None: every rank keeps its own copy (all-reduce)."""
+        if self.num_processes == 1:
+            return None
+        why_not = node_store.unusable_because(self.lazytrain_plugin.node_store,
+                                              num_processes=self.num_processes, env=os.environ)
+        if why_not is not None:
+            if self.is_main_process:
+                logger.info("lazytrain: each rank keeps its own host copy and the whole "
+                            "update (gradients all-reduced): %s", why_not)
+            return None
+        job_id, node_id = node_store.launch_identity(os.environ)
+        return node_store.share_model(
+            model, path=node_store.segment_path(job_id=job_id, node_id=node_id),
+            leader=self.local_process_index == 0, num_groups=num_groups,
+            barrier=torch.distributed.barrier)
+
+    def _lazytrain_global_finite(self) -> bool:
+        return math.isfinite(self._lazytrain_reducer.global_grad_sq_norm())
 
     def _lazytrain_plan_for(self, model: nn.Module, sizing: batch_shape.Sizing,
                             hardware: Any, *, replan: bool = False) -> setup.PreparedRun:
@@ -227,6 +269,9 @@ class Accelerator(accelerate.Accelerator):
             if self.lazytrain_engine is not None:
                 optimizer.set_grad_sq_norms(self.lazytrain_engine.grad_sq_norms())
             return optimizer.grad_norm()
+        if self.lazytrain_store is not None:  # each rank holds its share's gradients
+            return split_update.clip_shares(parameters, max_norm, norm_type,
+                                            self._lazytrain_reducer.global_grad_sq_norm)
         return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
     def wait_for_everyone(self) -> None:

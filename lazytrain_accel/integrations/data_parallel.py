@@ -5,7 +5,9 @@ global batch. As a layer's gradients land on the host (the engine's grad-ready h
 asynchronous all-reduce of that layer starts, so communication of layer j overlaps the
 backward of layer j-1. Before the optimizer step `finish()` waits for all of them and
 averages. Optimizer state is replicated: every rank applies the same update to the same
-masters (simple, and the 8-bit state is only ~2 B/param; partitioning it is future work).
+masters. This is the fallback of the node store (`node_store.py`, `split_update.py`), which
+shares one host copy per node and splits the update across the local ranks:
+`node_store="off"` and launches over several nodes use this path.
 Works with gloo (CPU tensors) and NCCL alike because the reduced tensors are host copies
 under gloo and device copies under NCCL.
 """

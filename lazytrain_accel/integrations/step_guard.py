@@ -60,6 +60,9 @@ class StepGuard:
         # Told after each step whether it was skipped (the Accelerator reports it to
         # accelerate, so LR schedulers and the Trainer do not count a skipped step).
         self.on_step: Callable[[bool], None] | None = None
+        #: Where each rank holds only its share of the gradients (a node store's split
+        #: update): whether the whole gradient is finite, so every rank skips together.
+        self.global_finite: Callable[[], bool] | None = None
 
     # ---- the step --------------------------------------------------------------------
     def install(self, optimizer: torch.optim.Optimizer) -> None:
@@ -85,6 +88,8 @@ class StepGuard:
              *args: Any, **kwargs: Any) -> Any:
         self.steps += 1
         bad = self.first_nonfinite()
+        if self.global_finite is not None and not self.global_finite() and bad is None:
+            bad = "a parameter another rank owns"
         result = None
         if bad is None:
             self.consecutive_skips, self._first_bad = 0, None

@@ -99,6 +99,10 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         #: Who runs `step()`'s begin_step / step_params / end_step: None runs them here;
         #: the LazyTrain Accelerator sets the engine's overlapped layer-wise update.
         self.step_runner: Callable[[HybridAdamW8bit], None] | None = None
+        #: The squared norm of the whole gradient where this process holds only its share
+        #: of it (a node store's split update: one all_reduce over the ranks); None: the
+        #: gradients this optimizer sees are all of them.
+        self.global_grad_sq_norm: Callable[[], float] | None = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -127,6 +131,9 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         Cached until `zero_grad()`, `end_step()` or `set_grad_sq_norms()`: call it after
         the step's last backward.
         """
+        if self._grad_norm_cache is None and self.global_grad_sq_norm is not None:
+            total = torch.tensor(self.global_grad_sq_norm(), dtype=torch.float64)
+            self._grad_norm_cache = total.sqrt().to(torch.float32)
         if self._grad_norm_cache is None:
             params = [p for group in self.param_groups for p in group["params"]]
             to_measure, known = split_precomputed(params, self._precomputed_sq_norms)

@@ -1,0 +1,232 @@
+"""The optimizer update split across the local ranks that share a `NodeStore`.
+
+Ownership (`assign_owners`): the parameter groups in forward order (0: input residents,
+j: decoder layer j, L+1: output residents) are cut into `num_ranks` contiguous runs of
+about equal bytes: group g goes to rank floor(N x (bytes before g + half of g's) / total),
+so a rank owns whole groups, the shares differ by at most about one group, and every
+rank's update thread walks its run in forward order as the single-process update does.
+Groups whose masters live on the device (`Plan.resident_update="device"`) are owned by
+every rank (`EVERY_RANK`): their gradients are all-reduced and each rank updates its own.
+
+Gradients (`ShareReducer`): as a layer's gradients land on the host (the engine's
+grad-ready hook) an asynchronous `reduce` sends their sum to the owner, overlapped with
+the backward of the layers below; `finish()` waits, and the owner averages into its
+`.grad` while the other ranks drop theirs (`p.grad = None`): after the step each rank
+holds gradients of its share only. The global squared norm (clipping, the non-finite
+guard) is one `all_reduce` of the owners' sums, so every rank clips by the same
+coefficient and skips a non-finite step together.
+
+Waits (`PeerUpdates`): the owner of group g raises `generations[g]` in the node store
+after updating it; the next forward of group g on any rank waits until it reaches the
+number of applied steps (`begin_step`), so a layer is never read before its owner's
+update of the same step. On x86 the owner's stores to the masters are visible before its
+store to the generation (total store order); the reader polls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lazytrain_accel.engine.step import StepCoordinator
+from lazytrain_accel.engine.streams import Streams
+from lazytrain_accel.integrations.data_parallel import GradReadyHooks
+from lazytrain_accel.optim.clipping import clip_coefficient
+
+#: Owner of a group every rank updates (device-homed residents).
+EVERY_RANK = -1
+#: Longest sleep between two polls of a peer's generation.
+_POLL_MAX_S = 1e-3
+#: A peer's update taking longer than this is taken for a dead or hung rank.
+OWNER_WAIT_TIMEOUT_S = 1800.0
+
+
+def assign_owners(group_bytes: Sequence[int], num_ranks: int, *,
+                  every_rank: Sequence[int] = ()) -> list[int]:
+    """Owner rank of each group: contiguous runs balanced by bytes (module docstring)."""
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks={num_ranks} must be >= 1")
+    shared = [0 if g in every_rank else b for g, b in enumerate(group_bytes)]
+    total, before, owners = sum(shared), 0, []
+    for g, nbytes in enumerate(shared):
+        if g in every_rank:
+            owners.append(EVERY_RANK)
+            continue
+        middle = before + nbytes / 2
+        owners.append(min(num_ranks - 1, int(num_ranks * middle / total)) if total else 0)
+        before += nbytes
+    return owners
+
+
+class PeerUpdates:
+    """Per-group update generations in the node store, written by owners, read by all."""
+
+    def __init__(self, generations: torch.Tensor, owners: Sequence[int], rank: int) -> None:
+        self._generations = generations  # int64, shared by the local ranks
+        self._owners = list(owners)
+        self._rank = rank
+        self._applied = 0  # steps applied so far (every rank skips the same steps)
+
+    def owns(self, group: int) -> bool:
+        return self._owners[group] in (self._rank, EVERY_RANK)
+
+    @property
+    def foreign_groups(self) -> list[int]:
+        return [g for g in range(len(self._owners)) if not self.owns(g)]
+
+    def begin_step(self) -> None:
+        """An applied (not skipped) step begins: every group's next read needs it."""
+        self._applied += 1
+
+    def publish(self, group: int) -> None:
+        """This rank has updated `group` (owned) for the current step."""
+        if self._owners[group] == self._rank:
+            self._generations[group] = self._applied
+
+    def publish_all(self) -> None:
+        for g in range(len(self._owners)):
+            self.publish(g)
+
+    def is_ready(self, group: int) -> bool:
+        return self.owns(group) or int(self._generations[group]) >= self._applied
+
+    def wait(self, group: int) -> None:
+        """Block until `group`'s owner has updated it for every applied step."""
+        sleep_s, start = 1e-5, time.monotonic()
+        while not self.is_ready(group):
+            if time.monotonic() - start > OWNER_WAIT_TIMEOUT_S:
+                raise RuntimeError(
+                    f"local rank {self._owners[group]} has not updated parameter group "
+                    f"{group} for {OWNER_WAIT_TIMEOUT_S:.0f} s; that rank died or hangs "
+                    "(see its log)")
+            time.sleep(sleep_s)
+            sleep_s = min(2 * sleep_s, _POLL_MAX_S)
+
+    def wait_all(self) -> None:
+        for g in range(len(self._owners)):
+            self.wait(g)
+
+
+class ShareHooks(GradReadyHooks, Protocol):
+    """What the reducer needs of the engine (`StreamingEngine`)."""
+
+    def grad_sq_norms(self) -> dict[nn.Parameter, float]: ...
+
+
+class ShareReducer:
+    """Overlapped per-layer gradient reduce to each group's owner (module docstring)."""
+
+    def __init__(self, engine: ShareHooks, groups: Sequence[Sequence[nn.Parameter]],
+                 owners: Sequence[int], *, should_reduce: Callable[[], bool]) -> None:
+        self._world_size, self._rank = dist.get_world_size(), dist.get_rank()
+        self._engine = engine
+        self._groups = [list(g) for g in groups]
+        self._owner_of = {p: owner for g, owner in zip(groups, owners, strict=True)
+                          for p in g}
+        self._should_reduce = should_reduce
+        self._pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter], int]] = []
+        self._reduced: set[nn.Parameter] = set()
+        self._global_sq_norm: float | None = None
+        self._backend_device = (torch.device("cuda", torch.cuda.current_device())
+                                if dist.get_backend() == "nccl" else torch.device("cpu"))
+        engine.register_grad_ready_hook(self._on_layer_grads)
+
+    def _on_layer_grads(self, params: list[nn.Parameter]) -> None:
+        if self._should_reduce():
+            self._launch([p for p in params if p.grad is not None])
+
+    def _launch(self, params: list[nn.Parameter]) -> None:
+        by_owner: dict[int, list[nn.Parameter]] = {}
+        for p in params:
+            by_owner.setdefault(self._owner_of.get(p, EVERY_RANK), []).append(p)
+        for owner, ps in by_owner.items():
+            flat = torch.cat([p.grad.reshape(-1).to(torch.float32) for p in ps])
+            flat = flat.to(self._backend_device, non_blocking=True)
+            if owner == EVERY_RANK:
+                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+            else:
+                work = dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, async_op=True)
+            self._pending.append((work, flat, ps, owner))
+            self._reduced.update(ps)
+
+    def finish(self) -> None:
+        """Reduce what the hooks did not cover (residents), wait; owners average into
+        `.grad` and re-measure the engine's norms, the others drop their gradients."""
+        groups_rest = [p for g in self._groups for p in g
+                       if p.grad is not None and p not in self._reduced]
+        self._launch(groups_rest)
+        for work, flat, params, owner in self._pending:
+            work.wait()
+            if owner not in (self._rank, EVERY_RANK):
+                for p in params:
+                    p.grad = None
+                continue
+            flat = flat.to("cpu").div_(self._world_size)
+            offset = 0
+            for p in params:
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+                offset += n
+            self._engine.refresh_grad_sq_norms(params)
+        self._pending.clear()
+        self._reduced.clear()
+        self._global_sq_norm = None
+
+    def global_grad_sq_norm(self) -> float:
+        """Squared L2 norm of the whole reduced gradient (one all_reduce per step, made
+        by the first caller after `finish`; every rank calls at the same point)."""
+        if self._global_sq_norm is None:
+            known = self._engine.grad_sq_norms()  # measured as gradients landed
+            local = 0.0
+            for p, owner in self._owner_of.items():
+                counted = owner == self._rank or (owner == EVERY_RANK and self._rank == 0)
+                if counted and p.grad is not None:
+                    sq = known.get(p)
+                    local += sq if sq is not None else float(p.grad.float().square().sum())
+            total = torch.tensor([local], dtype=torch.float64, device=self._backend_device)
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            self._global_sq_norm = float(total.item())
+        return self._global_sq_norm
+
+
+class SplitEngine(ShareHooks, Protocol):
+    """What `start_split_update` needs of the engine (`StreamingEngine`)."""
+
+    steps: StepCoordinator
+    streams: Streams
+    device: torch.device
+
+
+def start_split_update(engine: SplitEngine, *, generations: torch.Tensor,
+                       shared_bytes: torch.Tensor, should_reduce: Callable[[], bool]
+                       ) -> ShareReducer:
+    """Give this rank its share (`assign_owners`, by trainable bytes), make the engine's
+    update skip and wait for the other shares, route gradients to their owners."""
+    groups = engine.steps.update_groups
+    # Device-homed residents have a master per GPU; on a CPU device they stay shared.
+    on_gpus = engine.steps.device_groups if engine.device.type != "cpu" else ()
+    owners = assign_owners([sum(p.numel() * p.element_size() for p in g if p.requires_grad)
+                            for g in groups], dist.get_world_size(), every_rank=on_gpus)
+    engine.steps.peers = PeerUpdates(generations, owners, dist.get_rank())
+    engine.streams.register_pinned(shared_bytes)
+    return ShareReducer(engine, groups, owners, should_reduce=should_reduce)
+
+
+def clip_shares(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float,
+                global_grad_sq_norm: Callable[[], float]) -> torch.Tensor:
+    """`clip_grad_norm_` where this rank holds only its share's gradients: the global
+    norm from every rank's share, the same coefficient applied to the local share."""
+    if norm_type != 2:
+        raise ValueError(f"norm_type={norm_type}: a split update clips by the L2 norm only; "
+                         "use norm_type=2 or LazyTrainPlugin(node_store='off')")
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.tensor(global_grad_sq_norm(), dtype=torch.float64).sqrt().to(torch.float32)
+    coef = clip_coefficient(norm, float(max_norm))
+    if grads:
+        torch._foreach_mul_(grads, coef)
+    return norm

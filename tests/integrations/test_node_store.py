@@ -1,0 +1,167 @@
+"""The node store's shared segment: private, exclusive, never leaked, never foreign."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lazytrain_accel.integrations import node_store
+from lazytrain_accel.integrations.node_store import UnsafeSegmentError
+from lazytrain_accel.integrations.split_update import EVERY_RANK, assign_owners
+
+pytestmark = pytest.mark.skipif(not node_store.SHM_DIR.is_dir(), reason="no /dev/shm")
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    model[1].weight.requires_grad_(False)  # frozen: kept in its own dtype
+    return model
+
+
+def _path(tmp_path: Path) -> Path:
+    return node_store.segment_path(job_id=str(tmp_path), node_id="test")
+
+
+def test_names_differ_per_job_and_node() -> None:
+    a = node_store.segment_path(job_id="job-a", node_id="n0")
+    assert a != node_store.segment_path(job_id="job-b", node_id="n0")
+    assert a != node_store.segment_path(job_id="job-a", node_id="n1")
+    assert a == node_store.segment_path(job_id="job-a", node_id="n0")
+    env_a = {"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    env_b = {**env_a, "MASTER_PORT": "29501"}
+    assert node_store.launch_identity(env_a) != node_store.launch_identity(env_b)
+    nodes = [node_store.launch_identity({**env_a, "GROUP_RANK": r}) for r in ("0", "1")]
+    assert nodes[0][1] != nodes[1][1]
+
+
+def test_segment_is_private_and_parameters_point_into_it(tmp_path: Path) -> None:
+    model, path = _model(), _path(tmp_path)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    modes = []
+
+    def barrier() -> None:  # one process: both barriers see the segment while named
+        modes.append(stat.S_IMODE(os.stat(path).st_mode))
+
+    store = node_store.share_model(model, path=path, leader=True, num_groups=3,
+                                   barrier=barrier)
+    assert modes == [0o600, 0o600]
+    assert not path.exists()  # unlinked once every rank mapped it
+    start = store.bytes.data_ptr()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name])
+        assert start <= p.data_ptr() < start + store.nbytes
+    assert store.generations.tolist() == [0, 0, 0]
+
+
+def test_a_follower_sees_the_leaders_writes(tmp_path: Path) -> None:
+    leader, follower, path = _model(), _model(), _path(tmp_path)
+    with torch.no_grad():
+        follower[0].weight.zero_()  # a follower's own values are never used
+    stores = []
+
+    def barrier() -> None:
+        if len(stores) == 0 and not hasattr(barrier, "mapped"):
+            barrier.mapped = True
+            stores.append(node_store.share_model(follower, path=path, leader=False,
+                                                 num_groups=1, barrier=lambda: None))
+
+    node_store.share_model(leader, path=path, leader=True, num_groups=1, barrier=barrier)
+    assert torch.equal(follower[0].weight, leader[0].weight)
+    with torch.no_grad():
+        leader[2].bias.add_(1.0)
+    assert torch.equal(follower[2].bias, leader[2].bias)  # one copy, two mappings
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o660])
+def test_a_planted_segment_with_wider_permissions_is_refused(tmp_path: Path, mode: int
+                                                             ) -> None:
+    path = _path(tmp_path)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
+    os.fchmod(fd, mode)
+    os.write(fd, b"planted" * 100)
+    os.close(fd)
+    model = _model()
+    before = model[0].weight.data_ptr()
+    try:
+        with pytest.raises(UnsafeSegmentError, match="not 0600"):
+            node_store.share_model(model, path=path, leader=True, num_groups=1,
+                                   barrier=lambda: None)
+        with pytest.raises(UnsafeSegmentError, match="not 0600"):
+            node_store.share_model(model, path=path, leader=False, num_groups=1,
+                                   barrier=lambda: None)
+        assert path.read_bytes().startswith(b"planted")  # neither mapped nor removed
+        assert model[0].weight.data_ptr() == before
+    finally:
+        path.unlink()
+
+
+def test_a_live_jobs_segment_is_refused_a_dead_ones_removed(tmp_path: Path, caplog) -> None:
+    path = _path(tmp_path)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    for pid, refused in ((os.getpid(), True), (int(dead.stdout), False)):
+        _plant_header(path, pid)
+        if refused:
+            with pytest.raises(UnsafeSegmentError, match=f"running job \\(pid {pid}\\)"):
+                node_store.share_model(_model(), path=path, leader=True, num_groups=1,
+                                       barrier=lambda: None)
+            assert path.exists()
+            path.unlink()
+        else:
+            node_store.share_model(_model(), path=path, leader=True, num_groups=1,
+                                   barrier=lambda: None)
+            assert "left by a killed job" in caplog.text
+            assert not path.exists()
+
+
+def _plant_header(path: Path, pid: int) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    header = torch.tensor([node_store._MAGIC, 1, pid, 4096, 0, 1, 0, 0], dtype=torch.int64)
+    os.write(fd, header.numpy().tobytes().ljust(4096, b"\0"))
+    os.close(fd)
+
+
+def test_ranks_with_different_models_fail_with_a_sentence(tmp_path: Path) -> None:
+    path = _path(tmp_path)
+    other = _model()
+    other[2] = nn.Linear(16, 4, bias=False)
+
+    def barrier() -> None:
+        if not hasattr(barrier, "tried"):
+            barrier.tried = True
+            with pytest.raises(RuntimeError, match="different models"):
+                node_store.share_model(other, path=path, leader=False, num_groups=1,
+                                       barrier=lambda: None)
+
+    node_store.share_model(_model(), path=path, leader=True, num_groups=1, barrier=barrier)
+    assert barrier.tried
+
+
+def test_the_segment_is_gone_after_a_crash_before_unlinking(tmp_path: Path) -> None:
+    path = _path(tmp_path)
+    code = (f"import torch\nfrom pathlib import Path\nfrom torch import nn\n"
+            f"from lazytrain_accel.integrations import node_store\n"
+            f"def crash():\n    raise SystemExit(3)\n"
+            f"node_store.share_model(nn.Linear(4, 4), path=Path({str(path)!r}), leader=True,"
+            f" num_groups=1, barrier=crash)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 3, proc.stderr
+    assert not path.exists()
+
+
+def test_owners_are_contiguous_byte_balanced_runs() -> None:
+    assert assign_owners([10, 10, 10, 10], 2) == [0, 0, 1, 1]
+    assert assign_owners([100, 1, 1, 1, 1, 100], 2) == [0, 0, 0, 1, 1, 1]
+    assert assign_owners([1, 50, 50, 1], 2, every_rank=(0, 3)) == [EVERY_RANK, 0, 1,
+                                                                  EVERY_RANK]
+    owners = assign_owners([5] * 8, 4)
+    assert owners == sorted(owners) and set(owners) == {0, 1, 2, 3}
+    assert assign_owners([0, 0], 3) == [0, 0]
