@@ -37,7 +37,7 @@ def test_host_estimate_is_the_planners_terms_at_the_plans_homes(tmp_path) -> Non
     from lazytrain_accel.planning import Plan
     from lazytrain_accel.planning.host import CPU_HOME_TERM, NVME_STAGING_TERM, OPTIMIZER_TERM
     from lazytrain_accel.planning.problem import build_problem
-    from lazytrain_accel.profiling.hardware import load_hardware
+    from lazytrain_accel.profiling.hardware_spec import load_hardware
 
     model = tiny_model()
     plan = Plan.load(plan_json(tmp_path, model, Home.CPU))

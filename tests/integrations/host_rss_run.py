@@ -24,7 +24,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from lazytrain_accel import Accelerator, LazyTrainPlugin, preflight
 from lazytrain_accel.integrations import setup
 from lazytrain_accel.planning.problem import build_problem
-from lazytrain_accel.profiling.hardware import load_hardware
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 
 GIB = 2**30
 BATCH, SEQ, VOCAB = 2, 64, 1024
