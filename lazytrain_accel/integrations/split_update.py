@@ -1,12 +1,12 @@
 """The optimizer update split across the local ranks that share a `NodeStore`.
 
-Ownership (`assign_owners`): the parameter groups in forward order (0: input residents,
-j: decoder layer j, L+1: output residents) are cut into `num_ranks` contiguous runs of
-about equal bytes: group g goes to rank floor(N x (bytes before g + half of g's) / total),
-so a rank owns whole groups, the shares differ by at most about one group, and every
-rank's update thread walks its run in forward order as the single-process update does.
-Groups whose masters live on the device (`Plan.resident_update="device"`) are owned by
-every rank (`EVERY_RANK`): their gradients are all-reduced and each rank updates its own.
+Ownership (`planning/node.py:owner_of_groups`, the rule the planner's simulator uses too):
+the parameter groups in forward order (0: input residents, j: decoder layer j, L+1:
+output residents) are cut into contiguous runs of about equal trainable bytes, one per
+local rank, so every rank's update thread walks its run in forward order as the
+single-process update does. Groups whose masters live on the device
+(`Plan.resident_update="device"`) are owned by every rank (`EVERY_RANK`): their gradients
+are all-reduced and each rank updates its own.
 
 Gradients (`ShareReducer`): as a layer's gradients land on the host (the engine's
 grad-ready hook) an asynchronous `reduce` sends their sum to the owner, overlapped with
@@ -37,30 +37,12 @@ from lazytrain_accel.engine.step import StepCoordinator
 from lazytrain_accel.engine.streams import Streams
 from lazytrain_accel.integrations.data_parallel import GradReadyHooks
 from lazytrain_accel.optim.clipping import clip_coefficient
+from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
 
-#: Owner of a group every rank updates (device-homed residents).
-EVERY_RANK = -1
 #: Longest sleep between two polls of a peer's generation.
 _POLL_MAX_S = 1e-3
 #: A peer's update taking longer than this is taken for a dead or hung rank.
 OWNER_WAIT_TIMEOUT_S = 1800.0
-
-
-def assign_owners(group_bytes: Sequence[int], num_ranks: int, *,
-                  every_rank: Sequence[int] = ()) -> list[int]:
-    """Owner rank of each group: contiguous runs balanced by bytes (module docstring)."""
-    if num_ranks < 1:
-        raise ValueError(f"num_ranks={num_ranks} must be >= 1")
-    shared = [0 if g in every_rank else b for g, b in enumerate(group_bytes)]
-    total, before, owners = sum(shared), 0, []
-    for g, nbytes in enumerate(shared):
-        if g in every_rank:
-            owners.append(EVERY_RANK)
-            continue
-        middle = before + nbytes / 2
-        owners.append(min(num_ranks - 1, int(num_ranks * middle / total)) if total else 0)
-        before += nbytes
-    return owners
 
 
 class PeerUpdates:
@@ -205,13 +187,13 @@ class SplitEngine(ShareHooks, Protocol):
 def start_split_update(engine: SplitEngine, *, generations: torch.Tensor,
                        shared_bytes: torch.Tensor, should_reduce: Callable[[], bool]
                        ) -> ShareReducer:
-    """Give this rank its share (`assign_owners`, by trainable bytes), make the engine's
+    """Give this rank its share (`owner_of_groups`, by trainable bytes), make the engine's
     update skip and wait for the other shares, route gradients to their owners."""
     groups = engine.steps.update_groups
     # Device-homed residents have a master per GPU; on a CPU device they stay shared.
     on_gpus = engine.steps.device_groups if engine.device.type != "cpu" else ()
-    owners = assign_owners([sum(p.numel() * p.element_size() for p in g if p.requires_grad)
-                            for g in groups], dist.get_world_size(), every_rank=on_gpus)
+    owners = owner_of_groups([sum(p.numel() * p.element_size() for p in g if p.requires_grad)
+                              for g in groups], dist.get_world_size(), every_rank=on_gpus)
     engine.steps.peers = PeerUpdates(generations, owners, dist.get_rank())
     engine.streams.register_pinned(shared_bytes)
     return ShareReducer(engine, groups, owners, should_reduce=should_reduce)
