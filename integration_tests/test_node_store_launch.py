@@ -26,10 +26,17 @@ def test_split_update_equals_the_replicated_one_and_one_process(tmp_path: Path,
     args = (*STEPS, "--plan", plan, "--optimizer", optimizer)
     segments = _segments()
     one = _launch(tmp_path, "one", *args, "--batch-size", "8")
-    split = _launch(tmp_path, "split", *args, "--batch-size", "4", num_processes=2)
-    replicated = _launch(tmp_path, "replicated", *args, "--batch-size", "4", num_processes=2,
+    split = _launch(tmp_path, "split", *args, "--batch-size", "4", "--state-out",
+                    str(tmp_path / "split_"), num_processes=2)
+    replicated = _launch(tmp_path, "replicated", *args, "--batch-size", "4", "--state-out",
+                         str(tmp_path / "replicated_"), num_processes=2,
                          env={"LAZYTRAIN_NODE_STORE": "off"})
     assert _segments() == segments  # nothing left under /dev/shm
+    # The store's ranks planned as one node of 2 (host bytes, bandwidth, the split
+    # update); each replicated rank alone.
+    for name, ranks in (("split", 2), ("replicated", 1)):
+        states = [json.loads((tmp_path / f"{name}_{r}.json").read_text()) for r in (0, 1)]
+        assert [s["gpus_per_node"] for s in states] == [ranks, ranks], name
     # The same averaged gradients, the same update math, split or not: bit for bit.
     assert split == replicated
     # One process on the global batch sums the gradients in another order: the first

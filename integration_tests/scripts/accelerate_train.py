@@ -4,8 +4,9 @@ Tiny Qwen2 from a config, synthetic token data, AdamW, a linear LR schedule, gra
 accumulation, clipping. Writes the per-step losses to --losses (JSON) so tests can compare
 runs launched in different ways. `--poison-rank R --poison-step S` makes rank R's loss
 infinite at step S (a local overflow); `--state-out` writes each rank's final weights
-checksum, learning rate and skipped-step count; `--pss-out` each rank's proportional set
-size (/proc/self/smaps_rollup) just before `prepare` (model built) and after training.
+checksum, learning rate, skipped-step count and the plan's node shape; `--pss-out` each
+rank's proportional set size (/proc/self/smaps_rollup) just before `prepare` (model
+built) and after training.
 """
 
 from __future__ import annotations
@@ -131,6 +132,8 @@ def main() -> None:
                                        for p in model.parameters()),
                        "lr": scheduler.get_last_lr()[0],
                        "skipped": accelerator.lazytrain_guard.skipped_steps
+                       if args.lazytrain else None,
+                       "gpus_per_node": accelerator.lazytrain_run.plan.gpus_per_node
                        if args.lazytrain else None}, f)
     if args.pss_out:
         accelerator.wait_for_everyone()

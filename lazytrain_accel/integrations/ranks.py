@@ -74,6 +74,14 @@ def check_ranks_agree(plan: Plan, model: nn.Module) -> None:
                 "all stream one plan")
 
 
+def least(value: int) -> int:
+    """The least of every rank's `value` (one all-gather): a figure each rank reads on its
+    own (free host memory) made the same on all, so they decide alike."""
+    values: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, int(value))
+    return min(v for v in values if v is not None)
+
+
 def register_exit_teardown(synchronize: Callable[[], None]) -> None:
     """At interpreter exit: `synchronize` (a bound method, held weakly: wait for a running
     update), then meet the other ranks and destroy the default process group, unless the
