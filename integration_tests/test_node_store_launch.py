@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import time
 from pathlib import Path
 
 import pytest
 
-from integration_tests.test_accelerate_launch import _launch
+from integration_tests.test_accelerate_launch import _launch, _run
 
 STEPS = ("--steps", "4", "--lazytrain")
 
@@ -72,3 +74,20 @@ def test_ranks_share_one_copy_of_the_masters(tmp_path: Path) -> None:
     layer_params = 3 * hidden * hidden + 3 * hidden * 2 * hidden  # q,k,v,o (2 of 4 kv) + mlp
     model_bytes = 4 * 4 * layer_params  # 4 layers, fp32
     assert grown["store"] <= grown["off"] - 0.8 * model_bytes, grown
+
+
+def test_a_rank_killed_mid_step_stops_the_others_naming_it(tmp_path: Path) -> None:
+    """kill -9 of rank 1 between its backward and its update (step 2): the launch ends
+    non-zero within 60 s of the kill, the report names rank 1, no segment is left."""
+    segments = _segments()
+    losses = tmp_path / "killed.json"
+    proc = _run(tmp_path, "--losses", str(losses), "--steps", "6", "--lazytrain", "--plan",
+                "checkpoint_all", "--batch-size", "4", "--kill-rank", "1", "--kill-step",
+                "2", num_processes=2)
+    ended = time.time()
+    report = proc.stdout + proc.stderr
+    assert proc.returncode != 0, report[-4000:]
+    killed_at = float(Path(f"{losses}.killed_at").read_text())
+    assert ended - killed_at < 60, (ended - killed_at, report[-4000:])
+    assert re.search(r"rank\s*:\s*1\b|local rank 1\b", report), report[-4000:]
+    assert _segments() == segments

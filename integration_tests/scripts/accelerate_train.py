@@ -3,10 +3,11 @@
 Tiny Qwen2 from a config, synthetic token data, AdamW, a linear LR schedule, gradient
 accumulation, clipping. Writes the per-step losses to --losses (JSON) so tests can compare
 runs launched in different ways. `--poison-rank R --poison-step S` makes rank R's loss
-infinite at step S (a local overflow); `--state-out` writes each rank's final weights
-checksum, learning rate, skipped-step count and the plan's node shape; `--pss-out` each
-rank's proportional set size (/proc/self/smaps_rollup) just before `prepare` (model
-built) and after training.
+infinite at step S (a local overflow); `--kill-rank R --kill-step S` kills rank R
+(SIGKILL) after its backward of step S (the time in <losses>.killed_at); `--state-out`
+writes each rank's final weights checksum, learning rate, skipped-step count and the
+plan's node shape; `--pss-out` each rank's proportional set size
+(/proc/self/smaps_rollup) just before `prepare` (model built) and after training.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
+import signal
+import time
 
 import torch
 from accelerate.utils import DataLoaderConfiguration, set_seed
@@ -61,6 +65,8 @@ def main() -> None:
     p.add_argument("--state-out", default=None, help="per-rank JSON file prefix")
     p.add_argument("--pss-out", default=None, help="per-rank JSON file prefix")
     p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--kill-rank", type=int, default=None, help="SIGKILL itself mid-step")
+    p.add_argument("--kill-step", type=int, default=None)
     args = p.parse_args()
     faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True)
 
@@ -105,6 +111,10 @@ def main() -> None:
                 poisoned = (accelerator.process_index == args.poison_rank
                             and step == args.poison_step)
                 accelerator.backward(out.loss * (float("inf") if poisoned else 1.0))
+                if accelerator.process_index == args.kill_rank and step == args.kill_step:
+                    with open(f"{args.losses}.killed_at", "w") as f:
+                        f.write(repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)  # between backward and update
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()

@@ -91,8 +91,11 @@ def register_exit_teardown(synchronize: Callable[[], None]) -> None:
 
 def _teardown(synchronize_ref: weakref.WeakMethod) -> None:
     synchronize = synchronize_ref()
-    if synchronize is not None:
-        synchronize()
+    try:
+        if synchronize is not None:
+            synchronize()
+    except RuntimeError as err:  # the script failed (a rank died): still leave the group
+        logger.warning("lazytrain: at exit, the update could not be waited for (%s)", err)
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:

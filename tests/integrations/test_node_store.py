@@ -6,6 +6,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -187,6 +188,8 @@ def test_the_split_update_gives_each_rank_the_planners_share(monkeypatch) -> Non
 
     for name, value in (("get_world_size", 2), ("get_rank", 0), ("get_backend", "gloo")):
         monkeypatch.setattr(split_update.dist, name, lambda value=value: value)
+    monkeypatch.setattr(split_update.dist, "all_gather_object",
+                        lambda out, pid: out.__setitem__(slice(None), [pid, pid]))
     engine = Engine()
     split_update.start_split_update(engine, generations=torch.zeros(6, dtype=torch.int64),
                                     shared_bytes=torch.zeros(1, dtype=torch.uint8),
@@ -194,3 +197,32 @@ def test_the_split_update_gives_each_rank_the_planners_share(monkeypatch) -> Non
     owners = owner_of_groups([40, 120, 120, 120, 120, 20], 2)  # a CPU device: all shared
     assert owners == [0, 0, 0, 1, 1, 1]
     assert engine.steps.peers.foreign_groups == [g for g, o in enumerate(owners) if o != 0]
+
+
+def test_a_waiter_names_a_dead_owner_within_a_second() -> None:
+    """Layer 1's owner (local rank 1) was killed (SIGKILL, not reaped yet: a zombie, as
+    under a launcher that polls): the wait raises naming it, not after 1800 s."""
+    dead = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead.kill()
+    time.sleep(0.2)
+    try:
+        assert not node_store.pid_alive(dead.pid) and node_store.pid_alive(os.getpid())
+        peers = split_update.PeerUpdates(torch.zeros(2, dtype=torch.int64), [0, 1], 0,
+                                         pids=[os.getpid(), dead.pid])
+        peers.begin_step()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=rf"local rank 1 \(pid {dead.pid}\) died"):
+            peers.wait(1)
+        assert time.monotonic() - start < 3 * split_update.LIVENESS_CHECK_S
+        peers.wait(0)  # its own group: never waits
+    finally:
+        dead.wait()
+
+
+def test_a_waiter_returns_once_a_live_owner_publishes() -> None:
+    generations = torch.zeros(2, dtype=torch.int64)
+    peers = split_update.PeerUpdates(generations, [0, 1], 0, pids=[os.getpid()] * 2)
+    peers.begin_step()
+    assert not peers.is_ready(1)
+    generations[1] = 1  # the owner's publish, as seen through the segment
+    peers.wait(1)
