@@ -90,6 +90,9 @@ def main() -> None:
     accelerator = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.grad_accum,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
                               plugin=plugin)
+    if args.pss_out:  # the runtime first: a multi-process loader's prepare adds ~60 MB of
+        # it per rank (measured, CPU, gloo), which is no training state
+        accelerator.prepare_data_loader(torch.utils.data.DataLoader(data, batch_size=2))
     pss_before_prepare = pss_bytes()
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
                                                               scheduler)
