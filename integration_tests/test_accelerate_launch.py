@@ -27,6 +27,15 @@ def _free_port() -> int:
 def _launch(tmp_path: Path, name: str, *script_args: str, num_processes: int = 1,
             env: dict[str, str] | None = None) -> list[float]:
     losses = tmp_path / f"{name}.json"
+    proc = _run(tmp_path, "--losses", str(losses), *script_args, num_processes=num_processes,
+                env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(losses.read_text())
+
+
+def _run(tmp_path: Path, *script_args: str, num_processes: int = 1,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`accelerate launch` of the script on CPU, whatever its exit."""
     if num_processes == 1:
         launcher = [*ACCELERATE, "--cpu", "--num_processes", "1"]
     else:  # accelerate's multi-process CPU mode: --multi_gpu without CUDA + cpu=True
@@ -35,13 +44,11 @@ def _launch(tmp_path: Path, name: str, *script_args: str, num_processes: int = 1
     full_env = {**os.environ, "LAZYTRAIN_CACHE_DIR": str(tmp_path / "cache"),
                 "LAZYTRAIN_HARDWARE": "h800", "LAZYTRAIN_NVME_DIR": str(tmp_path / "nvme"),
                 **(env or {})}
-    proc = subprocess.run(
+    return subprocess.run(
         [*launcher, "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-         str(SCRIPT), "--cpu", "--losses", str(losses), *script_args],
+         str(SCRIPT), "--cpu", *script_args],
         env=full_env, capture_output=True, text=True, timeout=600,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(losses.read_text())
 
 
 def test_plugin_reproduces_stock_accelerator(tmp_path: Path) -> None:

@@ -55,16 +55,20 @@ def estimate_host_bytes(*, model_profile: ModelProfile, plan: Plan, optimizer: s
                         present_bytes: int) -> HostMemoryEstimate:
     """The host bytes of a run of `plan` for `model_profile` stepping `optimizer`: the
     planner's host terms (`host_base_terms`, `activation_host_terms`) at the plan's homes,
-    with NVMe bounce buffers only when the plan homes anything on NVMe."""
+    with NVMe bounce buffers only when the plan homes anything on NVMe. A plan for a node
+    of N local ranks (`Plan.gpus_per_node`, a node store) counts the node: the shared
+    state once, each rank's own buffers N times."""
     counts = plan.count_homes()
     longest = max(e - s for s, e in plan.blocks)
     base = host_base_terms(model_profile, optimizer=optimizer,
                            resident_update=plan.resident_update,
-                           weight_slots=weight_buffer_count(longest))
+                           weight_slots=weight_buffer_count(longest),
+                           ranks=plan.gpus_per_node)
     homes = activation_host_terms(boundary_bytes=plan.boundary_bytes,
                                   cpu_homes=counts[Home.CPU.value],
                                   staging_boundaries=STAGING_BOUNDARIES,
-                                  nvme_staging=int(counts[Home.NVME.value] > 0))
+                                  nvme_staging=int(counts[Home.NVME.value] > 0),
+                                  ranks=plan.gpus_per_node)
     return HostMemoryEstimate(terms=(*base, *homes), present_bytes=present_bytes)
 
 
@@ -196,12 +200,15 @@ def check_run(*, model: object, plan: Plan, model_profile: ModelProfile, optimiz
               nvme_dir: str, available_bytes: int | None = None) -> HostMemoryEstimate:
     """Both checks for `model` (a torch module, profiled as `model_profile`) about to run
     `plan` with `optimizer`; returns the host estimate. Called by `prepare` after planning
-    and before the engine allocates."""
+    and before the engine allocates. With a plan for N local ranks the node is checked:
+    every rank built its model (N copies present, which the node store replaces by one),
+    and `available_bytes` should be the same figure on every rank (the ranks' least), so
+    they pass or refuse together."""
     params = model.parameters()  # type: ignore[attr-defined]
     estimate = estimate_host_bytes(
         model_profile=model_profile, plan=plan, optimizer=optimizer,
-        present_bytes=sum(p.numel() * p.element_size() for p in params
-                          if p.device.type == "cpu"))
+        present_bytes=plan.gpus_per_node * sum(p.numel() * p.element_size() for p in params
+                                               if p.device.type == "cpu"))
     check_host_memory(estimate, available_bytes)
     check_nvme_dir(nvme_dir, nvme_need_bytes(plan))
     return estimate

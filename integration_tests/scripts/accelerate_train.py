@@ -3,9 +3,11 @@
 Tiny Qwen2 from a config, synthetic token data, AdamW, a linear LR schedule, gradient
 accumulation, clipping. Writes the per-step losses to --losses (JSON) so tests can compare
 runs launched in different ways. `--poison-rank R --poison-step S` makes rank R's loss
-infinite at step S (a local overflow); `--state-out` writes each rank's final weights
-checksum, learning rate and skipped-step count; `--pss-out` each rank's proportional set
-size (/proc/self/smaps_rollup) just before `prepare` (model built) and after training.
+infinite at step S (a local overflow); `--kill-rank R --kill-step S` kills rank R
+(SIGKILL) after its backward of step S (the time in <losses>.killed_at); `--state-out`
+writes each rank's final weights checksum, learning rate, skipped-step count and the
+plan's node shape; `--pss-out` each rank's proportional set size
+(/proc/self/smaps_rollup) just before `prepare` (model built) and after training.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
+import signal
+import time
 
 import torch
 from accelerate.utils import DataLoaderConfiguration, set_seed
@@ -60,6 +65,8 @@ def main() -> None:
     p.add_argument("--state-out", default=None, help="per-rank JSON file prefix")
     p.add_argument("--pss-out", default=None, help="per-rank JSON file prefix")
     p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--kill-rank", type=int, default=None, help="SIGKILL itself mid-step")
+    p.add_argument("--kill-step", type=int, default=None)
     args = p.parse_args()
     faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True)
 
@@ -83,6 +90,9 @@ def main() -> None:
     accelerator = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.grad_accum,
                               dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
                               plugin=plugin)
+    if args.pss_out:  # the runtime first: a multi-process loader's prepare adds ~60 MB of
+        # it per rank (measured, CPU, gloo), which is no training state
+        accelerator.prepare_data_loader(torch.utils.data.DataLoader(data, batch_size=2))
     pss_before_prepare = pss_bytes()
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
                                                               scheduler)
@@ -104,6 +114,10 @@ def main() -> None:
                 poisoned = (accelerator.process_index == args.poison_rank
                             and step == args.poison_step)
                 accelerator.backward(out.loss * (float("inf") if poisoned else 1.0))
+                if accelerator.process_index == args.kill_rank and step == args.kill_step:
+                    with open(f"{args.losses}.killed_at", "w") as f:
+                        f.write(repr(time.time()))
+                    os.kill(os.getpid(), signal.SIGKILL)  # between backward and update
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
@@ -131,6 +145,8 @@ def main() -> None:
                                        for p in model.parameters()),
                        "lr": scheduler.get_last_lr()[0],
                        "skipped": accelerator.lazytrain_guard.skipped_steps
+                       if args.lazytrain else None,
+                       "gpus_per_node": accelerator.lazytrain_run.plan.gpus_per_node
                        if args.lazytrain else None}, f)
     if args.pss_out:
         accelerator.wait_for_everyone()

@@ -54,6 +54,8 @@ class Accelerator(accelerate.Accelerator):
         self._lazytrain_reducer: GradientAllReducer | split_update.ShareReducer | None = None
         #: one host copy per node, mapped by every local rank (None: each rank its own)
         self.lazytrain_store: node_store.NodeStore | None = None
+        #: the local ranks planned as one node sharing that copy (1: this rank alone)
+        self.lazytrain_node_ranks = 1
         self._lazytrain_model: nn.Module | None = None
         #: the shape the plan is sized for (provisional until the first batch without a loader)
         self.lazytrain_sizing: batch_shape.Sizing | None = None
@@ -154,14 +156,19 @@ class Accelerator(accelerate.Accelerator):
                                                       seq_bound=self.lazytrain_seq_bound)
         hardware = setup.hardware_for_backend(plugin, load_hardware(
             plugin.hardware, cache_dir=plugin.cache_dir, nvme_dir=plugin.nvme_dir))
+        self.lazytrain_node_ranks = self._lazytrain_node_ranks()  # planned as one node
         self.lazytrain_run = self._lazytrain_plan_for(model, self.lazytrain_sizing, hardware)
         plan, model_profile = self.lazytrain_run.plan, self.lazytrain_run.model_profile
         if self.num_processes > 1:  # one model and one plan on every rank, a clean exit
             ranks.check_ranks_agree(plan, model)
             ranks.register_exit_teardown(self._lazytrain_synchronize)
-        # Before the engine allocates anything: fail with a sentence, not an OOM kill.
+        # Before the engine allocates anything: fail with a sentence, not an OOM kill. A
+        # node's ranks check the node's bytes against the same (their least) free figure.
+        available = preflight.available_host_bytes()
         preflight.check_run(model=model, plan=plan, model_profile=model_profile,
-                            optimizer=plugin.optimizer.value, nvme_dir=plugin.nvme_dir)
+                            optimizer=plugin.optimizer.value, nvme_dir=plugin.nvme_dir,
+                            available_bytes=available if self.lazytrain_node_ranks == 1
+                            else ranks.least(available))
         self.lazytrain_store = self._lazytrain_share(model, plan.num_layers + 2)
         self.lazytrain_engine = attach(model, plan, device=self.device,
                                        compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir,
@@ -188,18 +195,25 @@ class Accelerator(accelerate.Accelerator):
         self._lazytrain_model = model
         self._models.append(model)
 
-    def _lazytrain_share(self, model: nn.Module, num_groups: int
-                         ) -> node_store.NodeStore | None:
-        """Map the parameters from the node's shared segment (several local ranks and
-        `node_store="auto"`), else None: every rank keeps its own copy (all-reduce)."""
+    def _lazytrain_node_ranks(self) -> int:
+        """The local ranks that will share one host copy (the node store): the launch's
+        processes with `node_store="auto"` on one node, else 1 (each rank its own copy)."""
         if self.num_processes == 1:
-            return None
+            return 1
         why_not = node_store.unusable_because(self.lazytrain_plugin.node_store,
                                               num_processes=self.num_processes, env=os.environ)
-        if why_not is not None:
-            if self.is_main_process:
-                logger.info("lazytrain: each rank keeps its own host copy and the whole "
-                            "update (gradients all-reduced): %s", why_not)
+        if why_not is None:
+            return self.num_processes
+        if self.is_main_process:
+            logger.info("lazytrain: each rank keeps its own host copy and the whole "
+                        "update (gradients all-reduced): %s", why_not)
+        return 1
+
+    def _lazytrain_share(self, model: nn.Module, num_groups: int
+                         ) -> node_store.NodeStore | None:
+        """Map the parameters from the node's shared segment (`_lazytrain_node_ranks`),
+        else None: every rank keeps its own copy (all-reduce)."""
+        if self.lazytrain_node_ranks == 1:
             return None
         job_id, node_id = node_store.launch_identity(os.environ)
         return node_store.share_model(
@@ -220,7 +234,8 @@ class Accelerator(accelerate.Accelerator):
             compute_dtype=setup.compute_dtype_for(self.mixed_precision),
             loss_chunk_tokens=plugin.loss_chunk_tokens)
         plan = setup.resolve_plan(plugin, model_profile, hardware, resident_update=(
-            self.lazytrain_engine.plan.resident_update if replan else None))
+            self.lazytrain_engine.plan.resident_update if replan else None),
+            gpus_per_node=self.lazytrain_node_ranks)
         if self.is_main_process and not sizing.provisional:
             logger.info("%s (sized from %s)", setup.format_plan_summary(plan), sizing.source)
         return setup.PreparedRun(model_profile=model_profile, hardware=hardware, plan=plan)

@@ -211,7 +211,7 @@ def _remove_if_stale(path: Path) -> None:
     if magic != _MAGIC:
         raise UnsafeSegmentError(f"{path} exists and is not a LazyTrain segment; remove it "
                                  "or change the job's MASTER_PORT")
-    if pid > 0 and _alive(pid):
+    if pid > 0 and pid_alive(pid):
         raise UnsafeSegmentError(f"{path} belongs to a running job (pid {pid}) with this "
                                  "job's id; give this job another MASTER_PORT/run id")
     logger.warning("lazytrain: removing %s, a shared segment left by a killed job (pid %d)",
@@ -219,14 +219,22 @@ def _remove_if_stale(path: Path) -> None:
     _unlink(path)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs: it exists and is not a zombie (a killed rank stays one
+    until its launcher reaps it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    if not Path("/proc/self").is_dir():  # no procfs: kill(0) is all there is
+        return True
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # reaped meanwhile
+        return False
+    return stat_line.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 def _open_private(path: Path) -> int:

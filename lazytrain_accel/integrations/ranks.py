@@ -74,6 +74,14 @@ def check_ranks_agree(plan: Plan, model: nn.Module) -> None:
                 "all stream one plan")
 
 
+def least(value: int) -> int:
+    """The least of every rank's `value` (one all-gather): a figure each rank reads on its
+    own (free host memory) made the same on all, so they decide alike."""
+    values: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, int(value))
+    return min(v for v in values if v is not None)
+
+
 def register_exit_teardown(synchronize: Callable[[], None]) -> None:
     """At interpreter exit: `synchronize` (a bound method, held weakly: wait for a running
     update), then meet the other ranks and destroy the default process group, unless the
@@ -83,8 +91,11 @@ def register_exit_teardown(synchronize: Callable[[], None]) -> None:
 
 def _teardown(synchronize_ref: weakref.WeakMethod) -> None:
     synchronize = synchronize_ref()
-    if synchronize is not None:
-        synchronize()
+    try:
+        if synchronize is not None:
+            synchronize()
+    except RuntimeError as err:  # the script failed (a rank died): still leave the group
+        logger.warning("lazytrain: at exit, the update could not be waited for (%s)", err)
     if not (dist.is_available() and dist.is_initialized()):
         return
     try:

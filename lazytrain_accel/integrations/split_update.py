@@ -1,12 +1,12 @@
 """The optimizer update split across the local ranks that share a `NodeStore`.
 
-Ownership (`assign_owners`): the parameter groups in forward order (0: input residents,
-j: decoder layer j, L+1: output residents) are cut into `num_ranks` contiguous runs of
-about equal bytes: group g goes to rank floor(N x (bytes before g + half of g's) / total),
-so a rank owns whole groups, the shares differ by at most about one group, and every
-rank's update thread walks its run in forward order as the single-process update does.
-Groups whose masters live on the device (`Plan.resident_update="device"`) are owned by
-every rank (`EVERY_RANK`): their gradients are all-reduced and each rank updates its own.
+Ownership (`planning/node.py:owner_of_groups`, the rule the planner's simulator uses too):
+the parameter groups in forward order (0: input residents, j: decoder layer j, L+1:
+output residents) are cut into contiguous runs of about equal trainable bytes, one per
+local rank, so every rank's update thread walks its run in forward order as the
+single-process update does. Groups whose masters live on the device
+(`Plan.resident_update="device"`) are owned by every rank (`EVERY_RANK`): their gradients
+are all-reduced and each rank updates its own.
 
 Gradients (`ShareReducer`): as a layer's gradients land on the host (the engine's
 grad-ready hook) an asynchronous `reduce` sends their sum to the owner, overlapped with
@@ -19,12 +19,17 @@ coefficient and skips a non-finite step together.
 Waits (`PeerUpdates`): the owner of group g raises `generations[g]` in the node store
 after updating it; the next forward of group g on any rank waits until it reaches the
 number of applied steps (`begin_step`), so a layer is never read before its owner's
-update of the same step. On x86 the owner's stores to the masters are visible before its
-store to the generation (total store order); the reader polls.
+update of the same step. A waiter checks every `LIVENESS_CHECK_S` that the owner's
+process (pids all-gathered at the start) still runs, so a rank killed mid-step is named
+within a second, not after `OWNER_WAIT_TIMEOUT_S`; collectives with a dead peer fail in
+torch.distributed itself (gloo: the peer's connection closes). On x86 the owner's stores
+to the masters are visible before its store to the generation (total store order); the
+reader polls.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
@@ -36,40 +41,27 @@ from torch import nn
 from lazytrain_accel.engine.step import StepCoordinator
 from lazytrain_accel.engine.streams import Streams
 from lazytrain_accel.integrations.data_parallel import GradReadyHooks
+from lazytrain_accel.integrations.node_store import pid_alive
 from lazytrain_accel.optim.clipping import clip_coefficient
+from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
 
-#: Owner of a group every rank updates (device-homed residents).
-EVERY_RANK = -1
 #: Longest sleep between two polls of a peer's generation.
 _POLL_MAX_S = 1e-3
-#: A peer's update taking longer than this is taken for a dead or hung rank.
+#: A live peer's update taking longer than this is taken for a hung rank.
 OWNER_WAIT_TIMEOUT_S = 1800.0
-
-
-def assign_owners(group_bytes: Sequence[int], num_ranks: int, *,
-                  every_rank: Sequence[int] = ()) -> list[int]:
-    """Owner rank of each group: contiguous runs balanced by bytes (module docstring)."""
-    if num_ranks < 1:
-        raise ValueError(f"num_ranks={num_ranks} must be >= 1")
-    shared = [0 if g in every_rank else b for g, b in enumerate(group_bytes)]
-    total, before, owners = sum(shared), 0, []
-    for g, nbytes in enumerate(shared):
-        if g in every_rank:
-            owners.append(EVERY_RANK)
-            continue
-        middle = before + nbytes / 2
-        owners.append(min(num_ranks - 1, int(num_ranks * middle / total)) if total else 0)
-        before += nbytes
-    return owners
+#: How often a waiter checks that the owner it waits for still runs.
+LIVENESS_CHECK_S = 0.5
 
 
 class PeerUpdates:
     """Per-group update generations in the node store, written by owners, read by all."""
 
-    def __init__(self, generations: torch.Tensor, owners: Sequence[int], rank: int) -> None:
+    def __init__(self, generations: torch.Tensor, owners: Sequence[int], rank: int, *,
+                 pids: Sequence[int]) -> None:
         self._generations = generations  # int64, shared by the local ranks
         self._owners = list(owners)
         self._rank = rank
+        self._pids = list(pids)  # of each local rank
         self._applied = 0  # steps applied so far (every rank skips the same steps)
 
     def owns(self, group: int) -> bool:
@@ -96,20 +88,41 @@ class PeerUpdates:
         return self.owns(group) or int(self._generations[group]) >= self._applied
 
     def wait(self, group: int) -> None:
-        """Block until `group`'s owner has updated it for every applied step."""
-        sleep_s, start = 1e-5, time.monotonic()
+        """Block until `group`'s owner has updated it for every applied step; raise
+        naming the owner when its process is gone or it hangs."""
+        sleep_s = 1e-5
+        start = checked = time.monotonic()
         while not self.is_ready(group):
-            if time.monotonic() - start > OWNER_WAIT_TIMEOUT_S:
+            owner, now = self._owners[group], time.monotonic()
+            if now - checked > LIVENESS_CHECK_S:
+                checked = now
+                if not pid_alive(self._pids[owner]):
+                    raise RuntimeError(
+                        f"local rank {owner} (pid {self._pids[owner]}) died while this rank "
+                        f"(rank {self._rank}) waited for its update of parameter group "
+                        f"{group}; stopping (see rank {owner}'s log and the launcher's "
+                        "report; resume from the last checkpoint)")
+            if now - start > OWNER_WAIT_TIMEOUT_S:
                 raise RuntimeError(
-                    f"local rank {self._owners[group]} has not updated parameter group "
-                    f"{group} for {OWNER_WAIT_TIMEOUT_S:.0f} s; that rank died or hangs "
-                    "(see its log)")
+                    f"local rank {owner} (pid {self._pids[owner]}) has not updated "
+                    f"parameter group {group} for {OWNER_WAIT_TIMEOUT_S:.0f} s and still "
+                    "runs: it hangs (see its log)")
             time.sleep(sleep_s)
             sleep_s = min(2 * sleep_s, _POLL_MAX_S)
 
     def wait_all(self) -> None:
         for g in range(len(self._owners)):
             self.wait(g)
+
+    def named_failure(self, err: RuntimeError) -> RuntimeError:
+        """`err` of a collective, restated naming the local ranks whose process is gone
+        (gloo says only "connection reset by peer"); `err` itself when all run."""
+        dead = [(r, pid) for r, pid in enumerate(self._pids) if not pid_alive(pid)]
+        if not dead:
+            return err
+        names = ", ".join(f"local rank {r} (pid {pid})" for r, pid in dead)
+        return RuntimeError(f"{names} died mid-step; rank {self._rank} stops (see the "
+                            f"launcher's report; resume from the last checkpoint): {err}")
 
 
 class ShareHooks(GradReadyHooks, Protocol):
@@ -122,9 +135,11 @@ class ShareReducer:
     """Overlapped per-layer gradient reduce to each group's owner (module docstring)."""
 
     def __init__(self, engine: ShareHooks, groups: Sequence[Sequence[nn.Parameter]],
-                 owners: Sequence[int], *, should_reduce: Callable[[], bool]) -> None:
+                 owners: Sequence[int], *, peers: PeerUpdates,
+                 should_reduce: Callable[[], bool]) -> None:
         self._world_size, self._rank = dist.get_world_size(), dist.get_rank()
         self._engine = engine
+        self._peers = peers  # names a dead rank when a collective fails
         self._groups = [list(g) for g in groups]
         self._owner_of = {p: owner for g, owner in zip(groups, owners, strict=True)
                           for p in g}
@@ -161,7 +176,10 @@ class ShareReducer:
                        if p.grad is not None and p not in self._reduced]
         self._launch(groups_rest)
         for work, flat, params, owner in self._pending:
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as err:
+                raise self._peers.named_failure(err) from err
             if owner not in (self._rank, EVERY_RANK):
                 for p in params:
                     p.grad = None
@@ -189,7 +207,10 @@ class ShareReducer:
                     sq = known.get(p)
                     local += sq if sq is not None else float(p.grad.float().square().sum())
             total = torch.tensor([local], dtype=torch.float64, device=self._backend_device)
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            try:
+                dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            except RuntimeError as err:
+                raise self._peers.named_failure(err) from err
             self._global_sq_norm = float(total.item())
         return self._global_sq_norm
 
@@ -205,16 +226,19 @@ class SplitEngine(ShareHooks, Protocol):
 def start_split_update(engine: SplitEngine, *, generations: torch.Tensor,
                        shared_bytes: torch.Tensor, should_reduce: Callable[[], bool]
                        ) -> ShareReducer:
-    """Give this rank its share (`assign_owners`, by trainable bytes), make the engine's
+    """Give this rank its share (`owner_of_groups`, by trainable bytes), make the engine's
     update skip and wait for the other shares, route gradients to their owners."""
     groups = engine.steps.update_groups
     # Device-homed residents have a master per GPU; on a CPU device they stay shared.
     on_gpus = engine.steps.device_groups if engine.device.type != "cpu" else ()
-    owners = assign_owners([sum(p.numel() * p.element_size() for p in g if p.requires_grad)
-                            for g in groups], dist.get_world_size(), every_rank=on_gpus)
-    engine.steps.peers = PeerUpdates(generations, owners, dist.get_rank())
+    owners = owner_of_groups([sum(p.numel() * p.element_size() for p in g if p.requires_grad)
+                              for g in groups], dist.get_world_size(), every_rank=on_gpus)
+    pids: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(pids, os.getpid())
+    peers = PeerUpdates(generations, owners, dist.get_rank(), pids=pids)
+    engine.steps.peers = peers
     engine.streams.register_pinned(shared_bytes)
-    return ShareReducer(engine, groups, owners, should_reduce=should_reduce)
+    return ShareReducer(engine, groups, owners, peers=peers, should_reduce=should_reduce)
 
 
 def clip_shares(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float,

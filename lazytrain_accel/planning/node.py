@@ -10,12 +10,19 @@ each updates a disjoint share of the layers on 1/N of the cores, so:
   write the same DRAM, so each GPU's link runs at
   `min(its PCIe rate, (eta * B_host - R * U) / (2 N))` (`link_bytes_per_s`);
 * the update: each share at `R / N` parameters a second, the N shares side by side
-  (`share_update_params_per_s`; layer j belongs to share `(j - 1) mod N`, `update_share`).
+  (`share_update_params_per_s`). Ownership (`owner_of_groups`, the one rule the engine's
+  split update and the simulator both use): the parameter groups in forward order (the
+  input residents, layers 1..L, the output residents) are cut into N contiguous runs of
+  about equal bytes, so rank 0 owns the input side and the first layers: the next
+  forward's early layers wait on rank 0's update only, the later ones on ranks that
+  updated them side by side meanwhile.
 
 Every rank runs the same per-rank plan; a node's tokens/s is N times a rank's.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from lazytrain_accel.profiling.hardware import (
     HOST_MEMORY_EFFICIENCY,
@@ -23,6 +30,8 @@ from lazytrain_accel.profiling.hardware import (
     HardwareProfile,
 )
 
+#: Owner of a group every rank updates (residents whose masters live on each GPU).
+EVERY_RANK = -1
 #: DMA streams per GPU that touch DRAM at once: its H2D (reads) and its D2H (writes).
 STREAMS_PER_GPU = 2
 
@@ -64,7 +73,23 @@ def share_update_params_per_s(hardware: HardwareProfile, gpus_per_node: int) -> 
     return hardware.cpu_optimizer_params_per_s / gpus_per_node
 
 
-def update_share(layer: int, gpus_per_node: int) -> int:
-    """The local rank that owns (and updates) layer `layer` (1-based): round robin, so the
-    layers the next forward needs first are updated first on every share."""
-    return (layer - 1) % gpus_per_node
+def owner_of_groups(group_bytes: Sequence[int], ranks: int, *,
+                    every_rank: Sequence[int] = ()) -> list[int]:
+    """The local rank that owns (and updates) each parameter group, groups in forward
+    order: contiguous runs balanced by bytes. Group g goes to rank
+    floor(N x (bytes before g + half of g's) / total), so a rank owns whole groups, the
+    shares differ by at most about one group, and each rank walks its run in forward
+    order. Groups in `every_rank` (masters on every GPU) get `EVERY_RANK` and weigh
+    nothing in the balance."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks={ranks!r} must be an integer >= 1 (the node's local ranks)")
+    shared = [0 if g in every_rank else b for g, b in enumerate(group_bytes)]
+    total, before, owners = sum(shared), 0, []
+    for g, nbytes in enumerate(shared):
+        if g in every_rank:
+            owners.append(EVERY_RANK)
+            continue
+        middle = before + nbytes / 2
+        owners.append(min(ranks - 1, int(ranks * middle / total)) if total else 0)
+        before += nbytes
+    return owners

@@ -26,9 +26,11 @@ earlier window, issued before it on its queue, so no plan can deadlock (`_check_
   coefficient is known (the last layer's gradients home); the host updates U1..UL beside
   it on a GPU (`HardwareProfile.device_runs_async`), after it on a CPU device, and the
   next step starts after U_device;
-* on a node of N ranks (`Plan.gpus_per_node`, `node.py`) the update is split: layer j is
-  updated by share `(j - 1) mod N` on its own lane at the node's rate / N, U_embed by the
-  first share and U_head by the last; the host peak counts every rank's boundaries.
+* on a node of N ranks (`Plan.gpus_per_node`, `node.py`) the update is split as the
+  engine splits it (`owner_of_groups`: contiguous runs of U_embed, U1..UL, U_head balanced
+  by parameters): each share walks its run in order on its own lane at the node's rate /
+  N, so the next forward's first layers wait on share 0's run alone; the host peak counts
+  every rank's boundaries.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lazytrain_accel.planning.events import EventQueue, SimOp
-from lazytrain_accel.planning.node import share_update_params_per_s, update_share
+from lazytrain_accel.planning.node import owner_of_groups, share_update_params_per_s
 from lazytrain_accel.planning.plan import (
     Home,
     Plan,
@@ -229,22 +231,32 @@ class _StepBuilder:
         self.window_barriers()
         return self.q
 
+    def update_owners(self) -> list[int]:
+        """The share that updates each group (U_embed, U1..UL, U_head), by the engine's
+        rule; residents updated on the device are every rank's and weigh nothing."""
+        p = self.p
+        head = p.head_update_param_count
+        every = (0, self.L + 1) if p.resident_update == "device" else ()
+        return owner_of_groups([p.resident_update_param_count - head,
+                                *[p.layer_update_param_count] * self.L, head],
+                               p.gpus_per_node, every_rank=every)
+
     def host_optimizer(self, hardware: HardwareProfile) -> list[int]:
         """The update in the engine's order, one group after the other on each share's
         "host_optimizer" lane: U_embed, U1..UL, U_head; each once its gradients are
         home (the residents' leave last, `G_resident`). With the residents updated on the
         device: U_device (once every layer's gradients are home: the clip coefficient),
         and U1..UL on the host, beside it on an async device, else after it. On a node,
-        layer j on share `update_share(j, N)` at the share's rate."""
-        p, end, n = self.p, self.p.num_windows, self.p.gpus_per_node
-        rate = share_update_params_per_s(hardware, n)
-        head = p.head_update_param_count
+        each group on its owner's lane (`update_owners`) at the share's rate."""
+        p, end = self.p, self.p.num_windows
+        rate = share_update_params_per_s(hardware, p.gpus_per_node)
+        head, owners = p.head_update_param_count, self.update_owners()
         if p.resident_update == "device":
             first = self.q.add("U_device", DEVICE_OPTIMIZER, p.device_update_s,
                                after_end=[self.resident, self.grad[1]], window=end)
         else:
-            first = self.q.add("U_embed", HOST_OPTIMIZER, (p.resident_update_param_count
-                                                           - head) / rate,
+            first = self.q.add("U_embed", host_optimizer_lane(owners[0]),
+                               (p.resident_update_param_count - head) / rate,
                                after_end=[self.resident], window=end)
         # The host's layers start with a GPU's queued residents' update (they run side by
         # side), after a CPU device's (it runs on the training thread first) or, on the
@@ -252,14 +264,13 @@ class _StepBuilder:
         beside = p.resident_update == "device" and hardware.device_runs_async
         ops = [first]
         for j in range(1, self.L + 1):
-            share = update_share(j, n)
-            after = not beside and (p.resident_update == "device" or share == 0)
-            ops.append(self.q.add(f"U{j}", host_optimizer_lane(share),
+            after = not beside and (p.resident_update == "device" or owners[j] == owners[0])
+            ops.append(self.q.add(f"U{j}", host_optimizer_lane(owners[j]),
                                   p.layer_update_param_count / rate,
                                   after_end=[self.grad[j]] + ([first] if after else []),
                                   after_start=[first] if beside else [], window=end))
         if p.resident_update == "host":
-            ops.append(self.q.add("U_head", host_optimizer_lane(n - 1), head / rate,
+            ops.append(self.q.add("U_head", host_optimizer_lane(owners[-1]), head / rate,
                                   after_end=[self.resident], window=end))
         return ops
 

@@ -176,3 +176,35 @@ def test_nvme_dir_with_too_little_free_space_fails_in_prepare(tmp_path, monkeypa
     with pytest.raises(PreflightError, match="nvme_limit_gb"):
         _prepare(tmp_path, model, plan=path, nvme_dir=str(tmp_path / "nvme"))
     _assert_untouched(model)
+
+
+def test_a_node_plan_checks_the_nodes_bytes(tmp_path) -> None:
+    """A plan for 2 local ranks sharing one copy (the node store): the shared state once,
+    each rank's staging and DRAM boundaries twice, both ranks' models present; a host
+    that holds one rank's run but not the node's refuses, naming the per-rank terms."""
+    import dataclasses
+
+    from lazytrain_accel.integrations import setup
+    from lazytrain_accel.planning import Plan
+    from lazytrain_accel.planning.host import CPU_HOME_TERM, MASTER_TERM, per_rank
+
+    model = tiny_model()
+    one = Plan.load(plan_json(tmp_path, model, Home.CPU))
+    node = dataclasses.replace(one, gpus_per_node=2)
+    profile = setup.profile_for_run(model, batch_size=one.batch_size, seq_len=one.seq_len,
+                                    compute_dtype=None)
+    kwargs = {"model_profile": profile, "optimizer": "keep", "present_bytes": 0}
+    one_terms = dict(preflight.estimate_host_bytes(plan=one, **kwargs).terms)
+    node_terms = dict(preflight.estimate_host_bytes(plan=node, **kwargs).terms)
+    assert node_terms[MASTER_TERM] == one_terms[MASTER_TERM]  # shared: once
+    assert node_terms[per_rank(CPU_HOME_TERM, 2)] == 2 * one_terms[CPU_HOME_TERM]
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    check = {"model": model, "model_profile": profile, "optimizer": "keep",
+             "nvme_dir": str(tmp_path / "nvme")}
+    one_new = preflight.check_run(plan=one, available_bytes=1 << 40, **check).new_bytes
+    node_estimate = preflight.check_run(plan=node, available_bytes=1 << 40, **check)
+    assert node_estimate.present_bytes == 2 * model_bytes
+    assert node_estimate.new_bytes > one_new
+    preflight.check_run(plan=one, available_bytes=one_new, **check)
+    with pytest.raises(PreflightError, match=r"x 2 ranks"):
+        preflight.check_run(plan=node, available_bytes=one_new, **check)

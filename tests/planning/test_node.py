@@ -9,9 +9,10 @@ import pytest
 
 from lazytrain_accel.planning import Budgets, PlanInfeasibleError, build_problem, make_plan
 from lazytrain_accel.planning.host import host_base_terms
+from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
 from lazytrain_accel.planning.plan import Plan
 from lazytrain_accel.planning.request import PlanRequest
-from lazytrain_accel.planning.simulate import HOST_OPTIMIZER, simulate
+from lazytrain_accel.planning.simulate import HOST_OPTIMIZER, host_optimizer_lane, simulate
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from tests.planning.planner_chains import GIB, chain
 
@@ -80,16 +81,57 @@ def test_presets_cite_their_host_bandwidth() -> None:
         assert preset.host_memory_bytes_per_s and "host DRAM" in preset.source
 
 
-def test_the_update_is_split_round_robin_at_the_share_rate() -> None:
+def test_the_update_is_split_in_contiguous_runs_at_the_share_rate() -> None:
     model, hardware = _chain()
     hardware = dataclasses.replace(hardware, host_memory_bytes_per_s=1e12)
     plan = make_plan(model, hardware, PlanRequest(strategy="checkpoint_all",
                                                   gpus_per_node=2, resident_update="host"))
     ops = {op.name: op for op in simulate(plan, model, hardware).ops}
-    assert [ops[f"U{j}"].resource for j in range(1, 5)] == [
-        HOST_OPTIMIZER, f"{HOST_OPTIMIZER}/1", HOST_OPTIMIZER, f"{HOST_OPTIMIZER}/1"]
+    lanes = [ops[name].resource for name in ("U_embed", "U1", "U2", "U3", "U4", "U_head")]
+    assert lanes == [HOST_OPTIMIZER] * 3 + [f"{HOST_OPTIMIZER}/1"] * 3
     assert ops["U1"].duration_s == pytest.approx(2**27 / (1e9 / 2))
-    assert ops["U2"].start_s < ops["U1"].end_s  # the shares run side by side
+    assert ops["U3"].start_s < ops["U2"].end_s  # the shares run side by side
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("resident_update", ["host", "device"])
+def test_the_simulator_splits_the_update_by_the_engines_rule(ranks: int,
+                                                             resident_update: str) -> None:
+    """The lanes are `owner_of_groups` of the groups' trainable parameters: the rule
+    `integrations/split_update.py` gives the engine's ranks (test_node_store.py)."""
+    model, hardware = _chain()
+    hardware = dataclasses.replace(hardware, host_memory_bytes_per_s=1e12)
+    plan = make_plan(model, hardware, PlanRequest(strategy="checkpoint_all", gpus_per_node=ranks,
+                                                  resident_update=resident_update))
+    ops = {op.name: op for op in simulate(plan, model, hardware).ops}
+    head = 1024  # the final norm (tied embeddings)
+    groups = [1_000_000, *[2**27] * 4, head]
+    every = (0, 5) if resident_update == "device" else ()
+    owners = owner_of_groups(groups, ranks, every_rank=every)
+    names = ["U_embed", "U1", "U2", "U3", "U4", "U_head"]
+    lanes = {name: ops[name].resource for name in names if name in ops}
+    assert lanes == {name: host_optimizer_lane(owner) for name, owner in zip(names, owners,
+                                                                           strict=True)
+                     if owner != EVERY_RANK}
+
+
+def test_the_next_forward_waits_on_the_first_shares_run() -> None:
+    """Contiguous ownership: share 0 updates U_embed, U1, U2 one after the other, so the
+    next forward's layer 2 waits for share 0's whole run; the shares' lanes otherwise
+    overlap. The exposure is what the first lane's run leaves uncovered."""
+    model, hardware = _chain()
+    hardware = dataclasses.replace(hardware, host_memory_bytes_per_s=1e12,
+                                   cpu_optimizer_params_per_s=1e8)  # a slow update
+    plan = make_plan(model, hardware, PlanRequest(strategy="checkpoint_all", gpus_per_node=2,
+                                                  resident_update="host"))
+    result = simulate(plan, model, hardware)
+    ops = {op.name: op for op in result.ops}
+    assert ops["U1"].start_s >= ops["U_embed"].end_s and ops["U2"].start_s >= ops["U1"].end_s
+    assert ops["U3"].start_s < ops["U1"].end_s
+    step_s = result.step_s - result.optimizer_exposed_s
+    fwd_s = result.compute_s / 4 / 3  # checkpoint_all: f + (f + b) per layer, b = 2 f
+    # layer 2 of the next step starts its weights' load at step_s + fwd_s at the earliest
+    assert result.optimizer_exposed_s >= ops["U2"].end_s - step_s - fwd_s - 1e-9
 
 
 def test_the_node_host_peak_counts_every_ranks_boundaries() -> None:
