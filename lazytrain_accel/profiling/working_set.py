@@ -9,21 +9,19 @@ kv = kv_heads x head_dim, I = intermediate, b = compute bytes per element):
 * attention, whole sequence (one SDPA flash / memory-efficient call, no S x S matrix):
   q, o, dO, dQ at q each, k, v, dK, dV at kv each, the kernel's fp32 dQ accumulator
   (4 q bytes) and the fp32 logsumexp (4 per head);
-* attention in query blocks (`attention_block_tokens` > 0): K, V of the whole sequence,
-  their fp32 gradient accumulators and the bf16 dK, dV partials one block's call returns
-  stay on the device; q, o, dO, dQ, the dQ accumulator and the logsumexp exist for one
-  block only;
+* attention in query blocks (`attention_block_tokens` > 0, `engine/query_blocks.py`): the
+  layer around the attention call still makes and takes q, o, dO, dQ for the whole
+  sequence (its projections are not blocked), and K, V, their fp32 gradient accumulators
+  and the compute-dtype dK, dV partials of the last block's key prefix stay on the device;
+  what exists for one block only is the SDPA backward's own: the block's re-computed
+  output and dQ, its fp32 dQ accumulator and logsumexp;
 * token-wise (MLP, norms, projections): the MLP intermediates autograd keeps (gate, up,
   act(gate), their product for a gated MLP; fc1 and its activation otherwise), two
   I-wide transient gradients, a norm output and its gradient, for all tokens untiled or
   for one tile of `tile_tokens`;
 * boundaries: the layer's output gradient arriving and its input gradient leaving
   ([S, h] each), and the residual between attention and MLP, which the MLP's backward
-  reads for every token. In query blocks the layer runs tile by tile, so the residual is
-  one tile's, and the input gradient accumulates in place in the output gradient's buffer
-  (dy = dOut + MLP branch, then + the q projection's per tile, then + the k, v
-  projections' once dK, dV are complete): one [S, h] buffer, an engine requirement of
-  `Plan.attention_block_tokens` > 0;
+  reads for every token;
 * weight gradients: the trainable ones before they stream to the host, plus the
   dequantized copy of the largest packed matrix (bitsandbytes).
 """
@@ -113,18 +111,17 @@ def layer_working_set(g: ModelGeometry, *, batch_size: int, seq_len: int,
             raise ValueError(f"{name}={value} must be >= 0 (0: untiled)")
     tokens = batch_size * seq_len
     tile = min(tile_tokens or tokens, tokens)
-    h = g.hidden_size * bytes_per_elem
+    token_wise = tile * token_wise_bytes_per_token(g, bytes_per_elem)
+    boundary = 3 * tokens * g.hidden_size * bytes_per_elem
     if attention_block_tokens:
         block = min(attention_block_tokens, seq_len)
-        attention = (tokens * key_side_bytes_per_token(g, bytes_per_elem, blocked=True)
-                     + block * query_side_bytes_per_token(g, bytes_per_elem))
-        boundary = tokens * h  # one gradient buffer: dx accumulates in place in dOut
-        token_wise = tile * (token_wise_bytes_per_token(g, bytes_per_elem) + h)
+        whole_query = 4 * g.num_attention_heads * g.head_dim * bytes_per_elem  # q, o, dO, dQ
+        attention = (tokens * (whole_query
+                               + key_side_bytes_per_token(g, bytes_per_elem, blocked=True))
+                     + batch_size * block * query_side_bytes_per_token(g, bytes_per_elem))
     else:
         attention = tokens * (key_side_bytes_per_token(g, bytes_per_elem, blocked=False)
                               + query_side_bytes_per_token(g, bytes_per_elem))
-        boundary = 3 * tokens * h
-        token_wise = tile * token_wise_bytes_per_token(g, bytes_per_elem)
     grad_elems = g.layer_param_count if weights is None else (
         weights.layer_trainable_param_count + weights.layer_dequant_elems)
     return LayerWorkingSet(attention_bytes=attention, token_wise_bytes=token_wise,
