@@ -6,7 +6,13 @@ engine's plan, the fused loss on), `stock` is plain transformers with gradient
 checkpointing. Run by `bench/long_context.py` and `tests/integrations/test_long_sample.py`.
 
 Memory: VmHWM (peak resident set, reset through /proc/self/clear_refs) after the step,
-minus VmRSS just before it. A short warm-up step first (kernels, thread pools, the
+minus VmRSS just before it. Beside it, for the plugin modes, the planner's prediction of
+that growth (`predicted_growth_bytes`): on a CPU the device is host RAM, so the growth is
+one layer's backward working set (`profiling/working_set.py` `layer_working_set`, fp32,
+the run's tiles) plus the boundaries the plan keeps through the backward (checkpoint_all:
+the L + 1 layer boundaries, [S, hidden] fp32 each). The loss head's working set is not
+live with a layer's backward, and the weights, masters and slots predate the step.
+A short warm-up step first (kernels, thread pools, the
 plugin's plan and weight slots) keeps first-use allocations out of the figure. Run with
 MALLOC_MMAP_THRESHOLD_ set (the callers do) so freed tensors leave the resident set.
 """
@@ -23,6 +29,9 @@ from pathlib import Path
 
 import torch
 import transformers
+
+from lazytrain_accel.profiling.families import geometry_from_config
+from lazytrain_accel.profiling.working_set import layer_working_set
 
 VOCAB = 256
 WARM_UP_TOKENS = 256
@@ -48,6 +57,17 @@ def build_model(seq: int, hidden: int, intermediate: int) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).train()
 
 
+def predicted_growth_bytes(model: torch.nn.Module, seq: int, tile_tokens: int) -> int:
+    """The planner's peak growth of one step of `model` on one `seq`-token sample through
+    the plugin on a CPU (checkpoint_all, fp32, whole-sequence attention)."""
+    g = geometry_from_config(model.config.to_dict())
+    fp32_bytes = 4
+    working = layer_working_set(g, batch_size=1, seq_len=seq, bytes_per_elem=fp32_bytes,
+                                weights=None, tile_tokens=tile_tokens)
+    kept_boundaries = g.num_layers + 1
+    return working.total_bytes + kept_boundaries * seq * g.hidden_size * fp32_bytes
+
+
 def _prepare(mode: str, model: torch.nn.Module, seq: int, tile_tokens: int, workdir: str):
     """The model to step and a function running backward on a loss."""
     if mode == "stock":
@@ -67,8 +87,10 @@ def _prepare(mode: str, model: torch.nn.Module, seq: int, tile_tokens: int, work
 
 def run(mode: str, seq: int, tile_tokens: int, hidden: int, intermediate: int,
         grads_path: str | None, workdir: str) -> dict[str, float]:
-    model, backward = _prepare(mode, build_model(seq, hidden, intermediate), seq, tile_tokens,
-                               workdir)
+    model = build_model(seq, hidden, intermediate)
+    predicted = (0 if mode == "stock" else
+                 predicted_growth_bytes(model, seq, tile_tokens if mode == "tiled" else 0))
+    model, backward = _prepare(mode, model, seq, tile_tokens, workdir)
     ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(1))
     warm = ids[:, :WARM_UP_TOKENS]
     backward(model(input_ids=warm, labels=warm).loss)
@@ -84,12 +106,13 @@ def run(mode: str, seq: int, tile_tokens: int, hidden: int, intermediate: int,
     if grads_path:
         torch.save({n: p.grad for n, p in model.named_parameters()}, grads_path)
     return {"mode": mode, "seq": seq, "loss": float(loss.detach()), "step_s": step_s,
-            "peak_growth_bytes": peak_growth_bytes}
+            "peak_growth_bytes": peak_growth_bytes, "predicted_growth_bytes": predicted}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("tiled", "untiled", "stock"), required=True)
+    parser.add_argument("--mode", choices=("tiled", "untiled", "stock"), required=True,
+                        help="stock reports predicted_growth_bytes 0 (no plan)")
     parser.add_argument("--seq", type=int, required=True)
     parser.add_argument("--tile-tokens", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=128)

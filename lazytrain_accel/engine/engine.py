@@ -272,7 +272,8 @@ class StreamingEngine:
                              f", this engine on the {self.plan.resident_update} (fixed at "
                              f"attach); plan with resident_update="
                              f"{self.plan.resident_update!r}")
-        self.plan = self.runtime.plan = plan
+        self.runtime.set_plan(plan)  # refuses query blocks the layers cannot run
+        self.plan = plan
         self.pool.grow(weight_slots(plan))
         if self._loss_chunk_from_plan:
             self._set_loss_chunk(plan.loss_chunk_tokens)

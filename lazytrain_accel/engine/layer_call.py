@@ -54,7 +54,8 @@ class ForwardState:
         pos = LayerPosition(layer=layer, leaves=leaves, spec=spec, extra_ids=extra_ids,
                         hidden_requires_grad=hidden.requires_grad,
                         replay=capture(self.rt.streams.device),
-                        tile_tokens=self.rt.plan.tile_tokens)
+                        tile_tokens=self.rt.plan.tile_tokens,
+                        attention_block_tokens=self.rt.plan.attention_block_tokens)
         self.positions.append(pos)
         index = len(self.positions)
         home = None

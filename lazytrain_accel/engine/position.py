@@ -26,6 +26,7 @@ class LayerPosition:
     hidden_requires_grad: bool
     replay: ReplayState
     tile_tokens: int  # the plan's when the forward ran; its backward re-run tiles the same
+    attention_block_tokens: int  # likewise, the plan's query blocks (0: whole sequence)
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] = field(default_factory=list)  # non-tensor outputs, by slot
     tensor_ids: list[int] = field(default_factory=list)  # output leaves that are tensors

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lazytrain_accel.engine import long_sequence, tiles
+from lazytrain_accel.engine import long_sequence, query_blocks, tiles
 from lazytrain_accel.engine.captures import recorded, recording
 from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.nvme import NvmeSpill
@@ -44,11 +44,20 @@ class Runtime:
         self._originals = originals  # the layers' own forwards, index 0 = layer 1
         self._trainable = trainable
         self._mlps = [tiles.find_token_mlp(layer) for layer in layers]  # None: untiled
+        self._attention_configs = query_blocks.check_layers(layers, plan.attention_block_tokens)
         self._untiled_said = False
         # A grad-requiring scalar per trainable layer keeps its Function in the graph
         # even when the hidden state needs no grad (frozen embeddings, LoRA-style).
         self._anchors = [torch.zeros((), device=streams.device, requires_grad=bool(ps))
                          for ps in trainable]
+
+    def set_plan(self, plan: Plan) -> None:
+        """Run later layer calls with `plan` (refused when its query blocks cannot run)."""
+        query_blocks.check_layers(self._layers, plan.attention_block_tokens)
+        self.plan = plan
+
+    def _blocked(self, layer: int, block_tokens: int) -> Any:
+        return query_blocks.query_blocks(self._attention_configs[layer - 1], block_tokens)
 
     def anchor(self, layer: int) -> torch.Tensor:
         return self._anchors[layer - 1]
@@ -80,13 +89,15 @@ class Runtime:
         stock_grad = pos is not None and forward_follows_grad_mode(self._layers[layer - 1],
                                                                    self.streams.device)
         # the stock-grad path keeps the layer's own grad-mode-dependent forward: untiled
-        tile_tokens = (0 if stock_grad else self.plan.tile_tokens if pos is None
-                       else pos.tile_tokens)
+        tile_tokens, block_tokens = ((0, 0) if stock_grad
+                                     else (self.plan.tile_tokens,
+                                           self.plan.attention_block_tokens) if pos is None
+                                     else (pos.tile_tokens, pos.attention_block_tokens))
         self._acquire(layer, prefetch)
         timer = "recompute_s" if counter == "layer_recomputes" else "compute_s"
         try:
             with self.acct.timed(timer), torch.set_grad_enabled(stock_grad), \
-                    long_sequence.fused_attention(hidden), \
+                    long_sequence.fused_attention(hidden), self._blocked(layer, block_tokens), \
                     tiles.tiled(self._token_mlp(layer, tile_tokens), tile_tokens):
                 if stock_grad:
                     hidden, _, kwargs = _grad_inputs(hidden, pos)
@@ -107,6 +118,7 @@ class Runtime:
         try:
             with self.acct.timed("compute_s"), replaying(pos.replay), torch.enable_grad(), \
                     recording(pos.captured) as fresh, long_sequence.fused_attention(hidden), \
+                    self._blocked(layer, pos.attention_block_tokens), \
                     tiles.tiled(self._token_mlp(layer, pos.tile_tokens), pos.tile_tokens):
                 h, extras, kwargs = _grad_inputs(hidden, pos)
                 out = self._originals[layer - 1](h, **kwargs)

@@ -41,8 +41,9 @@ _TERM_REMEDY = {
     "micro-batch shrinks it",
     TOKEN_WISE_TERM: "the planner tiles it (Plan.tile_tokens) when the untiled one does not "
     "fit; what is left is one tile's: a shorter --seq-len shrinks the rest",
-    BOUNDARY_TERM: "the layer's output and input gradients are [batch x sequence, hidden] "
-    "each: a shorter --seq-len or a smaller micro-batch shrinks them",
+    BOUNDARY_TERM: "the layer's output and input gradients, its mid residual and its norms' "
+    "outputs are [batch x sequence, hidden] each: a shorter --seq-len or a smaller "
+    "micro-batch shrinks them",
     "3 layer weight buffers": "--max-recompute-block 1 (max_recompute_block=1) keeps 2",
     DEVICE_RESIDENT_TERM: "--resident-update host (resident_update='host') keeps them on "
     "the host with the layers'",

@@ -9,21 +9,22 @@ kv = kv_heads x head_dim, I = intermediate, b = compute bytes per element):
 * attention, whole sequence (one SDPA flash / memory-efficient call, no S x S matrix):
   q, o, dO, dQ at q each, k, v, dK, dV at kv each, the kernel's fp32 dQ accumulator
   (4 q bytes) and the fp32 logsumexp (4 per head);
-* attention in query blocks (`attention_block_tokens` > 0): K, V of the whole sequence,
-  their fp32 gradient accumulators and the bf16 dK, dV partials one block's call returns
-  stay on the device; q, o, dO, dQ, the dQ accumulator and the logsumexp exist for one
-  block only;
-* token-wise (MLP, norms, projections): the MLP intermediates autograd keeps (gate, up,
-  act(gate), their product for a gated MLP; fc1 and its activation otherwise), two
-  I-wide transient gradients, a norm output and its gradient, for all tokens untiled or
-  for one tile of `tile_tokens`;
-* boundaries: the layer's output gradient arriving and its input gradient leaving
-  ([S, h] each), and the residual between attention and MLP, which the MLP's backward
-  reads for every token. In query blocks the layer runs tile by tile, so the residual is
-  one tile's, and the input gradient accumulates in place in the output gradient's buffer
-  (dy = dOut + MLP branch, then + the q projection's per tile, then + the k, v
-  projections' once dK, dV are complete): one [S, h] buffer, an engine requirement of
-  `Plan.attention_block_tokens` > 0;
+* attention in query blocks (`attention_block_tokens` > 0, `engine/query_blocks.py`): the
+  layer around the attention call still makes and takes q, o, dO, dQ for the whole
+  sequence (its projections are not blocked), and K, V, their fp32 gradient accumulators
+  and the compute-dtype dK, dV partials of the last block's key prefix stay on the device;
+  what exists for one block only is the SDPA backward's own: the block's re-computed
+  output and dQ, its fp32 dQ accumulator and logsumexp;
+* token-wise (the MLP, the block the engine tiles): the MLP intermediates autograd keeps
+  (gate, up, act(gate), their product for a gated MLP; fc1 and its activation otherwise)
+  and two I-wide transient gradients, for all tokens untiled or for one tile of
+  `tile_tokens`;
+* boundaries and norms ([S, h] tensors of the whole sequence): the layer's output
+  gradient arriving and its input gradient leaving, the residual between attention and
+  MLP, and each of the layer's `NORMS_PER_LAYER` norms' normalized input and output
+  (autograd keeps both; outside the MLP nothing is tiled), plus the fp32 copy of its input
+  an RMSNorm keeps when the compute dtype is narrower (measured against this formula on
+  a CPU: `tests/integrations/test_long_sample.py`);
 * weight gradients: the trainable ones before they stream to the host, plus the
   dequantized copy of the largest packed matrix (bitsandbytes).
 """
@@ -41,13 +42,15 @@ FP32_BYTES = 4
 #: of its kernels (about ten per tile, ~10 us each). The forward and the re-run pay it
 #: once, the backward twice (it launches about twice the kernels). An estimate.
 TILE_LAUNCH_S = 1e-4
+#: Norms of a pre-norm decoder layer (before attention, before the MLP).
+NORMS_PER_LAYER = 2
 #: Elements a kernel indexing with int32 can address: S x hidden at or past it needs the
 #: engine to chunk (tiles do; a whole-sequence [S, h] op does not).
 INT32_INDEX_LIMIT_ELEMS = 2**31
 
 ATTENTION_TERM = "one layer's attention working set"
 TOKEN_WISE_TERM = "one layer's token-wise working set (MLP, norms, projections)"
-BOUNDARY_TERM = "one layer's boundary gradients and residual"
+BOUNDARY_TERM = "one layer's boundary gradients, residual and norm outputs"
 WEIGHT_GRAD_TERM = "one layer's weight gradients"
 HEAD_WORKING_TERM = "the loss head's working set"
 #: A hand-built profile's working set, without terms.
@@ -94,10 +97,16 @@ def key_side_bytes_per_token(g: ModelGeometry, bytes_per_elem: int, *, blocked: 
 
 
 def token_wise_bytes_per_token(g: ModelGeometry, bytes_per_elem: int) -> int:
-    """MLP intermediates kept for backward + two transient I-wide gradients + a norm output
-    and its gradient, of one token."""
+    """MLP intermediates kept for backward + two transient I-wide gradients, of one token."""
     saved = 4 if g.gated_mlp else 2
-    return ((saved + 2) * g.intermediate_size + 2 * g.hidden_size) * bytes_per_elem
+    return (saved + 2) * g.intermediate_size * bytes_per_elem
+
+
+def boundary_bytes_per_token(g: ModelGeometry, bytes_per_elem: int) -> int:
+    """dOut, dx, the mid residual and the norms' kept tensors, of one token."""
+    fp32_input = FP32_BYTES if bytes_per_elem < FP32_BYTES else 0
+    per_norm = 2 * bytes_per_elem + fp32_input
+    return g.hidden_size * (3 * bytes_per_elem + NORMS_PER_LAYER * per_norm)
 
 
 def layer_working_set(g: ModelGeometry, *, batch_size: int, seq_len: int,
@@ -113,18 +122,17 @@ def layer_working_set(g: ModelGeometry, *, batch_size: int, seq_len: int,
             raise ValueError(f"{name}={value} must be >= 0 (0: untiled)")
     tokens = batch_size * seq_len
     tile = min(tile_tokens or tokens, tokens)
-    h = g.hidden_size * bytes_per_elem
+    token_wise = tile * token_wise_bytes_per_token(g, bytes_per_elem)
+    boundary = tokens * boundary_bytes_per_token(g, bytes_per_elem)
     if attention_block_tokens:
         block = min(attention_block_tokens, seq_len)
-        attention = (tokens * key_side_bytes_per_token(g, bytes_per_elem, blocked=True)
-                     + block * query_side_bytes_per_token(g, bytes_per_elem))
-        boundary = tokens * h  # one gradient buffer: dx accumulates in place in dOut
-        token_wise = tile * (token_wise_bytes_per_token(g, bytes_per_elem) + h)
+        whole_query = 4 * g.num_attention_heads * g.head_dim * bytes_per_elem  # q, o, dO, dQ
+        attention = (tokens * (whole_query
+                               + key_side_bytes_per_token(g, bytes_per_elem, blocked=True))
+                     + batch_size * block * query_side_bytes_per_token(g, bytes_per_elem))
     else:
         attention = tokens * (key_side_bytes_per_token(g, bytes_per_elem, blocked=False)
                               + query_side_bytes_per_token(g, bytes_per_elem))
-        boundary = 3 * tokens * h
-        token_wise = tile * token_wise_bytes_per_token(g, bytes_per_elem)
     grad_elems = g.layer_param_count if weights is None else (
         weights.layer_trainable_param_count + weights.layer_dequant_elems)
     return LayerWorkingSet(attention_bytes=attention, token_wise_bytes=token_wise,

@@ -1,7 +1,10 @@
 """One long sample (16K and 32K tokens) through the Accelerate plugin with sequence tiles:
-loss and gradients equal stock transformers with gradient checkpointing, and the step's
-peak memory growth is at most half of stock's. Each run is a fresh process
-(`bench/long_context_run.py`), so nothing else in the test session is counted."""
+loss and gradients equal stock transformers with gradient checkpointing, the step's peak
+memory growth is at most half of stock's and within 15% of the planner's prediction (one
+layer's backward working set plus the boundaries the plan keeps: `bench/long_context_run.py`
+`predicted_growth_bytes` says what is counted). Each run is a fresh process, so nothing
+else in the test session is counted. 16K runs by default (~60 s on 2 shared cores), 32K is
+marked slow (~2 min)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RUNNER = ROOT / "bench" / "long_context_run.py"
 #: the MLP's [tokens, 2048] intermediate dominates a step of the 128-wide model
 TILE_TOKENS = 2048
+#: How far the measured peak growth may be from the planner's prediction (issue 23).
+PREDICTION_TOLERANCE = 0.15
 
 
 def _run(mode: str, seq: int, grads: Path) -> dict:
@@ -29,8 +34,7 @@ def _run(mode: str, seq: int, grads: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("seq", [16384, 32768])
+@pytest.mark.parametrize("seq", [16384, pytest.param(32768, marks=pytest.mark.slow)])
 def test_one_long_sample_tiled_matches_stock_checkpointing_in_half_the_memory(seq, tmp_path):
     stock = _run("stock", seq, tmp_path / "stock.pt")
     tiled = _run("tiled", seq, tmp_path / "tiled.pt")
@@ -41,6 +45,10 @@ def test_one_long_sample_tiled_matches_stock_checkpointing_in_half_the_memory(se
     for name, g_ref in grads_stock.items():
         rel = float((grads[name] - g_ref).norm() / g_ref.norm())
         assert rel <= 1e-4, f"{name}: gradient off by {rel:.2e} relative"
-    ratio = tiled["peak_growth_bytes"] / stock["peak_growth_bytes"]
-    assert ratio <= 0.5, (f"peak growth {tiled['peak_growth_bytes'] / 2**20:.0f} MiB tiled vs "
+    measured, predicted = tiled["peak_growth_bytes"], tiled["predicted_growth_bytes"]
+    ratio = measured / stock["peak_growth_bytes"]
+    assert ratio <= 0.5, (f"peak growth {measured / 2**20:.0f} MiB tiled vs "
                           f"{stock['peak_growth_bytes'] / 2**20:.0f} MiB stock")
+    assert abs(measured / predicted - 1) <= PREDICTION_TOLERANCE, (
+        f"peak growth {measured / 2**20:.0f} MiB measured vs {predicted / 2**20:.0f} MiB "
+        "predicted by profiling/working_set.py")

@@ -14,7 +14,7 @@ from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.model import ModelGeometry
 from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
 from lazytrain_accel.profiling.working_set import (
-    ATTENTION_TERM,
+    BOUNDARY_TERM,
     TOKEN_WISE_TERM,
     extra_launches,
     layer_working_set,
@@ -40,21 +40,25 @@ def test_terms_by_hand_for_a_small_geometry() -> None:
     whole = layer_working_set(SMALL, batch_size=1, seq_len=256, bytes_per_elem=2, weights=None)
     # q, o, dO, dQ (4 x 64 x 2) + k, v, dK, dV (4 x 32 x 2) + fp32 dQ acc (4 x 64) + lse (4 x 4)
     assert whole.attention_bytes == 256 * (512 + 256 + 256 + 16)
-    # gate, up, act, product + 2 transient grads (6 x 128) + norm out and grad (2 x 64), bf16
-    assert whole.token_wise_bytes == 256 * (6 * 128 + 2 * 64) * 2
-    assert whole.boundary_bytes == 256 * 3 * 64 * 2  # dOut, dx, mid residual
+    # gate, up, act, product + 2 transient grads (6 x 128), bf16
+    assert whole.token_wise_bytes == 256 * 6 * 128 * 2
+    # dOut, dx, mid residual (3 x 64 x 2) + 2 norms x (normalized, output bf16, fp32 input)
+    assert whole.boundary_bytes == 256 * (3 * 64 * 2 + 2 * (2 * 64 * 2 + 64 * 4))
     assert whole.weight_grad_bytes == 1000 * 2
     assert whole.total_bytes == sum(b for _, b in whole.terms())
     tiled = layer_working_set(SMALL, batch_size=1, seq_len=256, bytes_per_elem=2, weights=None,
                               tile_tokens=64)
-    assert tiled.token_wise_bytes == 64 * (6 * 128 + 2 * 64) * 2
+    assert tiled.token_wise_bytes == 64 * 6 * 128 * 2
     assert tiled.attention_bytes == whole.attention_bytes
     blocked = layer_working_set(SMALL, batch_size=1, seq_len=256, bytes_per_elem=2,
                                 weights=None, tile_tokens=64, attention_block_tokens=64)
-    # K, V bf16 + fp32 dK, dV + bf16 partials for all 256 keys; the query side for 64.
-    assert blocked.attention_bytes == 256 * 32 * (4 + 8 + 4) + 64 * (512 + 256 + 16)
-    assert blocked.boundary_bytes == 256 * 64 * 2  # one gradient buffer, dx in place
-    assert blocked.token_wise_bytes == 64 * ((6 * 128 + 2 * 64) * 2 + 64 * 2)
+    # q, o, dO, dQ for all 256 tokens (the layer's projections make and take them whole);
+    # K, V bf16 + fp32 dK, dV + bf16 partials for all 256 keys; the SDPA backward's own
+    # query side (block output and dQ, fp32 dQ accumulator, logsumexp) for 64.
+    assert blocked.attention_bytes == (256 * (4 * 64 * 2) + 256 * 32 * (4 + 8 + 4)
+                                       + 64 * (512 + 256 + 16))
+    assert blocked.boundary_bytes == whole.boundary_bytes  # dx is a new [S, h] tensor
+    assert blocked.token_wise_bytes == tiled.token_wise_bytes
     assert extra_launches(batch_size=1, seq_len=256, tile_tokens=64,
                           attention_block_tokens=64) == 3 + 3
 
@@ -63,7 +67,8 @@ def test_8b_per_token_figures_match_the_design_estimates() -> None:
     g = geometry_from_config(load_model_config("llama3-8b"), name="llama3-8b")
     ws = layer_working_set(g, batch_size=1, seq_len=1, bytes_per_elem=2, weights=None)
     assert ws.attention_bytes == (4 * 8 + 4 * 2 + 16) * 1024 + 32 * 4  # ~56 KiB
-    assert ws.token_wise_bytes == 6 * 28 * 1024 + 2 * 8 * 1024  # 6 x [S, 14336] + norm
+    assert ws.token_wise_bytes == 6 * 28 * 1024  # 6 x [S, 14336]
+    assert ws.boundary_bytes == 3 * 8 * 1024 + 2 * (2 * 8 + 16) * 1024  # 88 KiB
 
 
 def test_untiled_when_it_fits_tiled_only_when_it_does_not() -> None:
@@ -79,8 +84,8 @@ def test_untiled_when_it_fits_tiled_only_when_it_does_not() -> None:
     assert tiled.prediction.step_s >= roomy.prediction.step_s  # tiles only cost time here
 
 
-def test_2m_tokens_plan_on_one_h200_in_query_blocks() -> None:
-    plan = make_plan(_llama(2_000_000, None), H200, PlanRequest(time_limit_s=20))
+def test_750k_tokens_plan_on_one_h200_in_query_blocks() -> None:
+    plan = make_plan(_llama(750_000, None), H200, PlanRequest(time_limit_s=20))
     assert plan.tile_tokens > 0 and plan.attention_block_tokens > 0
     assert plan.prediction.peak_gpu_bytes <= H200.gpu_memory_bytes
     assert plan.prediction.peak_cpu_bytes <= H200.cpu_memory_bytes
@@ -88,7 +93,7 @@ def test_2m_tokens_plan_on_one_h200_in_query_blocks() -> None:
 
 
 @pytest.mark.parametrize(("seq_len", "tile", "term"), [(524288, 0, TOKEN_WISE_TERM),
-                                                       (2_500_000, None, ATTENTION_TERM)])
+                                                       (2_500_000, None, BOUNDARY_TERM)])
 def test_refusals_name_the_term_left_over(seq_len: int, tile: int | None, term: str) -> None:
     with pytest.raises(PlanInfeasibleError) as err:
         make_plan(_llama(seq_len, tile), H200, PlanRequest(time_limit_s=20, diagnose_s=1))

@@ -1,0 +1,181 @@
+"""Attention in query blocks (`Plan.attention_block_tokens` > 0) inside a streamed layer.
+
+Transformers routes a layer's attention through `ALL_ATTENTION_FUNCTIONS[config.
+_attn_implementation]`. While a streamed layer runs with query blocks (`query_blocks`),
+the attention modules' configs name `QUERY_BLOCKS_ATTENTION`, registered here: it calls
+SDPA once per block of queries [a, b) against keys [0, b), causal with the diagonal offset
+by a (`causal_lower_right`: on CUDA a fused kernel with no mask; elsewhere a
+[b - a, b] bool mask, never S x S). A 4-D mask, where one is left (below
+`long_sequence.LONG_SEQ_TOKENS`), is sliced per block instead.
+
+`_BlockedAttention` keeps q, k, v ([batch, heads, S, head_dim]) and no per-block state:
+its forward runs the blocks under no_grad into one output; its backward re-runs each block
+with grad, writes dQ into the block's slice of one tensor and sums dK, dV over the blocks
+in fp32 accumulators. So the SDPA backward's own buffers (its fp32 dQ accumulator, the
+logsumexp, the block's output) exist for one block at a time; q, o, dO and dQ of the whole
+sequence still do, as the layer's projections make and take them
+(`profiling/working_set.py` counts exactly this).
+
+Only SDPA is blocked: a model loaded with another attention implementation, attention
+dropout (a block re-run would draw other dropout), logit soft-capping, a position bias or
+attention sinks are refused, at attach or at the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+#: The attention implementation name streamed layers run under with query blocks.
+QUERY_BLOCKS_ATTENTION = "lazytrain_query_blocks"
+#: The only implementation query blocks replace.
+BLOCKED_IMPLEMENTATION = "sdpa"
+#: Attention-function kwargs that change the math beyond a mask (refused when set).
+_UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux", "sinks")
+
+_block_tokens: ContextVar[int] = ContextVar("lazytrain_attention_block_tokens", default=0)
+
+
+class QueryBlockError(ValueError):
+    """A plan asks for query-blocked attention where the engine cannot run it."""
+
+
+def attention_configs(layer: nn.Module) -> list[Any]:
+    """The distinct configs the layer's attention modules dispatch on (those carrying an
+    `_attn_implementation`)."""
+    found: dict[int, Any] = {}
+    for module in layer.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation") \
+                and any(isinstance(v, nn.Linear) for v in module.children()):
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+def check_layers(layers: list[nn.Module], block_tokens: int) -> list[list[Any]]:
+    """Each layer's attention configs; refuses (`QueryBlockError`) when `block_tokens` > 0
+    and a layer's attention is not one SDPA call the engine can block."""
+    configs = [attention_configs(layer) for layer in layers]
+    if block_tokens <= 0:
+        return configs
+    for index, (layer, found) in enumerate(zip(layers, configs, strict=True), start=1):
+        names = sorted({str(c._attn_implementation) for c in found})
+        if names != [BLOCKED_IMPLEMENTATION]:
+            raise QueryBlockError(
+                f"the plan runs attention in query blocks of {block_tokens} tokens, but "
+                f"decoder layer {index} ({type(layer).__name__}) dispatches attention through "
+                f"{names or 'no transformers attention interface'}: load the model with "
+                "attn_implementation='sdpa', or plan with attention_block_tokens=0 (whole-"
+                "sequence attention; fewer tokens per step then fit)")
+    return configs
+
+
+@contextmanager
+def query_blocks(configs: list[Any], block_tokens: int) -> Iterator[None]:
+    """Run the body with the attention of `configs` in query blocks of `block_tokens`
+    (nothing when 0); the configs' implementation is restored after."""
+    if block_tokens <= 0:
+        yield
+        return
+    token = _block_tokens.set(block_tokens)
+    for config in configs:
+        config._attn_implementation = QUERY_BLOCKS_ATTENTION
+    try:
+        yield
+    finally:
+        for config in configs:
+            config._attn_implementation = BLOCKED_IMPLEMENTATION
+        _block_tokens.reset(token)
+
+
+def _offset_causal(q_len: int, k_len: int, device: torch.device) -> Any:
+    """Causal for the last `q_len` of `k_len` positions. On CUDA a `CausalBias` (a fused
+    kernel applies it, nothing is built); elsewhere a [q_len, k_len] bool mask (PyTorch's
+    `causal_lower_right` drops `enable_gqa` on that path)."""
+    if device.type == "cuda":
+        return causal_lower_right(q_len, k_len)
+    rows = torch.arange(k_len - q_len, k_len, device=device)
+    return torch.arange(k_len, device=device)[None, :] <= rows[:, None]
+
+
+def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """One query block q ([batch, heads, block, d]) against the key prefix k, v ending with
+    the block: causal with the diagonal at the bottom right, or `mask` (the block's rows)."""
+    bias = mask if mask is not None else _offset_causal(q.shape[2], k.shape[2], q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _mask_rows(mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
+    return None if mask is None else mask[..., start:end, :end]
+
+
+class _BlockedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, block_tokens: int, scale: float | None, mask: torch.Tensor | None,
+                query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        seq = query.shape[2]
+        bounds = [(a, min(a + block_tokens, seq)) for a in range(0, seq, block_tokens)]
+        out = query.new_empty(*query.shape[:3], value.shape[-1])  # [batch, heads, S, d_v]
+        for start, end in bounds:
+            out[:, :, start:end] = _block_attention(
+                query[:, :, start:end], key[:, :, :end], value[:, :, :end],
+                _mask_rows(mask, start, end), scale)
+        ctx.bounds, ctx.scale, ctx.mask = bounds, scale, mask
+        ctx.save_for_backward(query, key, value)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        query, key, value = ctx.saved_tensors
+        grad_q = torch.empty_like(query)
+        grad_k = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
+        grad_v = torch.zeros(value.shape, dtype=torch.float32, device=value.device)
+        for start, end in ctx.bounds:
+            q = query[:, :, start:end].detach().requires_grad_()
+            k = key[:, :, :end].detach().requires_grad_()
+            v = value[:, :, :end].detach().requires_grad_()
+            with torch.enable_grad():
+                out = _block_attention(q, k, v, _mask_rows(ctx.mask, start, end), ctx.scale)
+            gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad_out[:, :, start:end])
+            grad_q[:, :, start:end] = gq
+            grad_k[:, :, :end] += gk
+            grad_v[:, :, :end] += gv
+        return (None, None, None, grad_q, grad_k.to(key.dtype), grad_v.to(value.dtype))
+
+
+def blocked_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                              value: torch.Tensor, attention_mask: torch.Tensor | None,
+                              dropout: float = 0.0, scaling: float | None = None,
+                              is_causal: bool | None = None, **kwargs: Any
+                              ) -> tuple[torch.Tensor, None]:
+    """`QUERY_BLOCKS_ATTENTION`: transformers' attention-function signature, SDPA's math,
+    the queries in blocks of the running layer's `attention_block_tokens`."""
+    block = _block_tokens.get()
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    seq = query.shape[2]
+    if block <= 0 or seq <= block or key.shape[2] != seq or not (causal or attention_mask
+                                                                  is not None):
+        return sdpa_attention_forward(  # one block, a cache, or no causal structure: stock
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            is_causal=is_causal, **kwargs)
+    set_kwargs = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
+    if dropout or set_kwargs:
+        raise QueryBlockError(
+            f"query-blocked attention got dropout={dropout} and {set_kwargs or 'no'} "
+            "unsupported arguments (logit soft-capping, a position bias, attention sinks): "
+            "set the attention dropout to 0, or plan with attention_block_tokens=0")
+    out = _BlockedAttention.apply(block, scaling, attention_mask, query, key, value)
+    return out.transpose(1, 2).contiguous(), None
+
+AttentionInterface.register(QUERY_BLOCKS_ATTENTION, blocked_attention_forward)
