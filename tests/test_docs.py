@@ -19,7 +19,9 @@ import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 RUN_LANGUAGES = {"python": "python", "bash": "shell", "sh": "shell"}
-BLOCK_TIMEOUT_S = 120
+#: A hang guard, not a timing check: the getting-started block runs the demo, which took
+#: 90-118 s on a loaded 2-core machine.
+BLOCK_TIMEOUT_S = 300
 _FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
 
 

@@ -58,7 +58,10 @@ def test_simulate_and_max_batch_take_the_dtype(tmp_path: Path,
         peaks[dtype] = json.loads(capsys.readouterr().out)["peak_gpu_bytes"]
         assert main(["max-batch", *run, "--dtype", dtype]) == 0
         assert json.loads(capsys.readouterr().out)["max_batch_size"] >= 1
-    assert peaks["fp32"] == 2 * peaks["bf16"]  # weights and boundaries at 4 bytes, not 2
+    # Weights and boundaries at 4 bytes, not 2; the working set's fp32 parts (the attention
+    # kernel's dQ accumulator and logsumexp, and at bf16 the norms' fp32 input copy:
+    # profiling/working_set.py) do not double, so fp32 is a little under 2x.
+    assert 1.9 * peaks["bf16"] < peaks["fp32"] < 2 * peaks["bf16"]
 
 
 def test_max_batch_says_when_it_stopped_at_its_search_limit(
