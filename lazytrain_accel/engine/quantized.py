@@ -258,6 +258,10 @@ class PackedWeightPool(WeightPool):
             self.invalidate()  # what the other slots held sits in the dropped buffers
 
     def _free_packed(self) -> None:
+        """Drop the byte slots and their staging once no copy uses them any more (a copy
+        still reading a freed staging buffer would read memory handed out again)."""
+        for event in self._packed_staging_free:
+            self._streams.host_waits(event)
         n = len(self._packed_slots) * self._packed_slot_bytes
         self._acct.free("device", n)
         self._acct.free("host_pinned", n)
