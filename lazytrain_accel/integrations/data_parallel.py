@@ -72,12 +72,18 @@ class GradientAllReducer:
         self._launch(rest)
         for work, flat, params in self._pending:
             work.wait()
-            flat = flat.to("cpu").div_(self._world_size)
-            offset = 0
-            for p in params:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
+            write_mean_grads(flat, params, self._world_size)
             self._engine.refresh_grad_sq_norms(params)
         self._pending.clear()
         self._reduced.clear()
+
+
+def write_mean_grads(flat: torch.Tensor, params: list[nn.Parameter], world_size: int) -> None:
+    """Each parameter's `.grad` becomes its slice of `flat` (the ranks' summed gradients,
+    flattened in `params` order) divided by `world_size`: the mean over the ranks."""
+    flat = flat.to("cpu").div_(world_size)
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n

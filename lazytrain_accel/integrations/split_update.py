@@ -40,7 +40,7 @@ from torch import nn
 
 from lazytrain_accel.engine.step import StepCoordinator
 from lazytrain_accel.engine.streams import Streams
-from lazytrain_accel.integrations.data_parallel import GradReadyHooks
+from lazytrain_accel.integrations.data_parallel import GradReadyHooks, write_mean_grads
 from lazytrain_accel.integrations.node_store import pid_alive
 from lazytrain_accel.optim.clipping import clip_coefficient
 from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
@@ -184,12 +184,7 @@ class ShareReducer:
                 for p in params:
                     p.grad = None
                 continue
-            flat = flat.to("cpu").div_(self._world_size)
-            offset = 0
-            for p in params:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
+            write_mean_grads(flat, params, self._world_size)
             self._engine.refresh_grad_sq_norms(params)
         self._pending.clear()
         self._reduced.clear()
