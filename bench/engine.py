@@ -13,10 +13,10 @@ import statistics
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import torch
 import transformers
+from peak_rss import status_bytes
 
 from lazytrain_accel.engine import attach
 from lazytrain_accel.planning import make_plan
@@ -25,18 +25,11 @@ from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.models import geometry_from_config, profile_model
 
 
-def rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status: this benchmark needs Linux")
-
-
 class PeakRss:
     """Highest RSS seen while the `with` body runs."""
 
     def __enter__(self) -> PeakRss:
-        self.start_bytes = self.peak_bytes = rss_bytes()
+        self.start_bytes = self.peak_bytes = status_bytes("VmRSS")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -44,7 +37,7 @@ class PeakRss:
 
     def _sample(self) -> None:
         while not self._stop.wait(0.002):
-            self.peak_bytes = max(self.peak_bytes, rss_bytes())
+            self.peak_bytes = max(self.peak_bytes, status_bytes("VmRSS"))
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()

@@ -14,35 +14,23 @@ import argparse
 import copy
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import transformers
+from peak_rss import peak_growth_bytes, start_peak
 
 from lazytrain_accel.engine import apply_fused_loss
-
-
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status: this benchmark needs Linux")
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
 
 
 def timed_step(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor
                ) -> tuple[float, int]:
     """(seconds, peak RSS growth bytes) of one forward + backward."""
     model.zero_grad(set_to_none=True)
-    _reset_peak()
-    start_bytes = _status_bytes("VmRSS")
+    start_bytes = start_peak()
     start = time.perf_counter()
     model(input_ids=ids, labels=labels).loss.backward()
     seconds = time.perf_counter() - start
-    return seconds, _status_bytes("VmHWM") - start_bytes
+    return seconds, peak_growth_bytes(start_bytes)
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:

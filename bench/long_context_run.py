@@ -25,23 +25,16 @@ import gc
 import json
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import transformers
+from peak_rss import peak_growth_bytes, start_peak
 
 from lazytrain_accel.profiling.families import geometry_from_config
 from lazytrain_accel.profiling.working_set import layer_working_set
 
 VOCAB = 256
 WARM_UP_TOKENS = 256
-
-
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status: this measurement needs Linux")
 
 
 def build_model(seq: int, hidden: int, intermediate: int) -> torch.nn.Module:
@@ -96,17 +89,16 @@ def run(mode: str, seq: int, tile_tokens: int, hidden: int, intermediate: int,
     backward(model(input_ids=warm, labels=warm).loss)
     model.zero_grad(set_to_none=True)
     gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    baseline_bytes = _status_bytes("VmRSS")
+    baseline_bytes = start_peak()
     start = time.perf_counter()
     loss = model(input_ids=ids, labels=ids).loss
     backward(loss)
     step_s = time.perf_counter() - start
-    peak_growth_bytes = _status_bytes("VmHWM") - baseline_bytes
+    growth_bytes = peak_growth_bytes(baseline_bytes)
     if grads_path:
         torch.save({n: p.grad for n, p in model.named_parameters()}, grads_path)
     return {"mode": mode, "seq": seq, "loss": float(loss.detach()), "step_s": step_s,
-            "peak_growth_bytes": peak_growth_bytes, "predicted_growth_bytes": predicted}
+            "peak_growth_bytes": growth_bytes, "predicted_growth_bytes": predicted}
 
 
 def main() -> None:

@@ -26,17 +26,14 @@ from lazytrain_accel.integrations import setup
 from lazytrain_accel.planning.problem import build_problem
 from lazytrain_accel.profiling.hardware_spec import load_hardware
 
+# the same /proc reader as the benchmarks' (bench/peak_rss.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from peak_rss import peak_growth_bytes, start_peak
+
 GIB = 2**30
 BATCH, SEQ, VOCAB = 2, 64, 1024
 #: Share of the host budget the plan's fixed host terms fill.
 FILL = 0.95
-
-
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status: this check needs Linux")
 
 
 def _model(hidden: int) -> Qwen2ForCausalLM:
@@ -75,8 +72,7 @@ def main(workdir: str) -> dict[str, float]:
     acc = Accelerator(cpu=True, mixed_precision="bf16", plugin=plugin)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gc.collect()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    baseline_bytes = _status_bytes("VmRSS")
+    baseline_bytes = start_peak()
     model, optimizer, loader = acc.prepare(model, optimizer, loader)
     for (batch,) in loader:
         loss = model(input_ids=batch, labels=batch).loss
@@ -84,7 +80,7 @@ def main(workdir: str) -> dict[str, float]:
         optimizer.step()
         optimizer.zero_grad()
     acc.wait_for_everyone()  # the last layer-wise update has written its state
-    growth_bytes = _status_bytes("VmHWM") - baseline_bytes
+    growth_bytes = peak_growth_bytes(baseline_bytes)
     run = acc.lazytrain_run
     estimate = preflight.estimate_host_bytes(
         model_profile=run.model_profile, plan=run.plan, optimizer="hybrid8bit",
