@@ -45,8 +45,7 @@ class GradientAllReducer:
         self._reduced: set[int] = set()
         self._model = model
         self._engine = engine
-        self._backend_device = (torch.device("cuda", torch.cuda.current_device())
-                                if dist.get_backend() == "nccl" else torch.device("cpu"))
+        self._backend_device = reduce_device()
         engine.register_grad_ready_hook(self._on_layer_grads)
 
     def _on_layer_grads(self, params: list[nn.Parameter]) -> None:
@@ -57,8 +56,7 @@ class GradientAllReducer:
     def _launch(self, params: list[nn.Parameter]) -> None:
         if not params:
             return
-        flat = torch.cat([p.grad.reshape(-1).to(torch.float32) for p in params])
-        flat = flat.to(self._backend_device, non_blocking=True)
+        flat = flat_grads(params, self._backend_device)
         work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
         self._pending.append((work, flat, params))
         self._reduced.update(id(p) for p in params)
@@ -76,6 +74,20 @@ class GradientAllReducer:
             self._engine.refresh_grad_sq_norms(params)
         self._pending.clear()
         self._reduced.clear()
+
+
+def reduce_device() -> torch.device:
+    """Where the collectives take their tensors: the current GPU under NCCL, the host
+    under gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def flat_grads(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    """The `.grad`s of `params` as one fp32 vector on `device` (what one collective sends)."""
+    flat = torch.cat([p.grad.reshape(-1).to(torch.float32) for p in params])
+    return flat.to(device, non_blocking=True)
 
 
 def write_mean_grads(flat: torch.Tensor, params: list[nn.Parameter], world_size: int) -> None:

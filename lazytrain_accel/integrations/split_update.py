@@ -40,7 +40,12 @@ from torch import nn
 
 from lazytrain_accel.engine.step import StepCoordinator
 from lazytrain_accel.engine.streams import Streams
-from lazytrain_accel.integrations.data_parallel import GradReadyHooks, write_mean_grads
+from lazytrain_accel.integrations.data_parallel import (
+    GradReadyHooks,
+    flat_grads,
+    reduce_device,
+    write_mean_grads,
+)
 from lazytrain_accel.integrations.node_store import pid_alive
 from lazytrain_accel.optim.clipping import clip_coefficient
 from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
@@ -147,8 +152,7 @@ class ShareReducer:
         self._pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter], int]] = []
         self._reduced: set[nn.Parameter] = set()
         self._global_sq_norm: float | None = None
-        self._backend_device = (torch.device("cuda", torch.cuda.current_device())
-                                if dist.get_backend() == "nccl" else torch.device("cpu"))
+        self._backend_device = reduce_device()
         engine.register_grad_ready_hook(self._on_layer_grads)
 
     def _on_layer_grads(self, params: list[nn.Parameter]) -> None:
@@ -160,8 +164,7 @@ class ShareReducer:
         for p in params:
             by_owner.setdefault(self._owner_of.get(p, EVERY_RANK), []).append(p)
         for owner, ps in by_owner.items():
-            flat = torch.cat([p.grad.reshape(-1).to(torch.float32) for p in ps])
-            flat = flat.to(self._backend_device, non_blocking=True)
+            flat = flat_grads(ps, self._backend_device)
             if owner == EVERY_RANK:
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
             else:
