@@ -7,7 +7,8 @@ Function only sees what it uses.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -56,8 +57,16 @@ class Runtime:
         query_blocks.check_layers(self._layers, plan.attention_block_tokens)
         self.plan = plan
 
-    def _blocked(self, layer: int, block_tokens: int) -> Any:
-        return query_blocks.query_blocks(self._attention_configs[layer - 1], block_tokens)
+    @contextmanager
+    def _shaped(self, layer: int, hidden: torch.Tensor, *, tile_tokens: int,
+                block_tokens: int) -> Iterator[None]:
+        """How layer `layer` runs on `hidden`: fused attention kernels at long sequence,
+        its attention in query blocks of `block_tokens`, its MLP in tiles of `tile_tokens`
+        (0: whole)."""
+        with long_sequence.fused_attention(hidden), \
+                query_blocks.query_blocks(self._attention_configs[layer - 1], block_tokens), \
+                tiles.tiled(self._token_mlp(layer, tile_tokens), tile_tokens):
+            yield
 
     def anchor(self, layer: int) -> torch.Tensor:
         return self._anchors[layer - 1]
@@ -88,17 +97,16 @@ class Runtime:
         grad as the call's did, as the stock forward does; the graph is dropped."""
         stock_grad = pos is not None and forward_follows_grad_mode(self._layers[layer - 1],
                                                                    self.streams.device)
-        # the stock-grad path keeps the layer's own grad-mode-dependent forward: untiled
-        tile_tokens, block_tokens = ((0, 0) if stock_grad
-                                     else (self.plan.tile_tokens,
-                                           self.plan.attention_block_tokens) if pos is None
-                                     else (pos.tile_tokens, pos.attention_block_tokens))
+        shape = self.plan if pos is None else pos  # a recompute runs as its forward ran
+        # the stock-grad path keeps the layer's own grad-mode-dependent forward: whole
+        tile_tokens = 0 if stock_grad else shape.tile_tokens
+        block_tokens = 0 if stock_grad else shape.attention_block_tokens
         self._acquire(layer, prefetch)
         timer = "recompute_s" if counter == "layer_recomputes" else "compute_s"
         try:
             with self.acct.timed(timer), torch.set_grad_enabled(stock_grad), \
-                    long_sequence.fused_attention(hidden), self._blocked(layer, block_tokens), \
-                    tiles.tiled(self._token_mlp(layer, tile_tokens), tile_tokens):
+                    self._shaped(layer, hidden, tile_tokens=tile_tokens,
+                                 block_tokens=block_tokens):
                 if stock_grad:
                     hidden, _, kwargs = _grad_inputs(hidden, pos)
                 out = self._originals[layer - 1](hidden, **kwargs)
@@ -117,9 +125,9 @@ class Runtime:
         self._acquire(layer, prefetch)
         try:
             with self.acct.timed("compute_s"), replaying(pos.replay), torch.enable_grad(), \
-                    recording(pos.captured) as fresh, long_sequence.fused_attention(hidden), \
-                    self._blocked(layer, pos.attention_block_tokens), \
-                    tiles.tiled(self._token_mlp(layer, pos.tile_tokens), pos.tile_tokens):
+                    recording(pos.captured) as fresh, \
+                    self._shaped(layer, hidden, tile_tokens=pos.tile_tokens,
+                                 block_tokens=pos.attention_block_tokens):
                 h, extras, kwargs = _grad_inputs(hidden, pos)
                 out = self._originals[layer - 1](h, **kwargs)
                 outs = [v for v in pytree.tree_leaves(out) if isinstance(v, torch.Tensor)]
