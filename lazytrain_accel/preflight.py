@@ -20,7 +20,8 @@ from lazytrain_accel.planning.host import (
     host_remedy,
 )
 from lazytrain_accel.planning.plan import Home, Plan
-from lazytrain_accel.planning.problem import STAGING_BOUNDARIES, weight_buffer_count
+from lazytrain_accel.planning.problem import STAGING_BOUNDARIES
+from lazytrain_accel.planning.slots import weight_slots
 from lazytrain_accel.profiling.model import ModelProfile
 
 GIB = 2**30
@@ -59,10 +60,9 @@ def estimate_host_bytes(*, model_profile: ModelProfile, plan: Plan, optimizer: s
     of N local ranks (`Plan.gpus_per_node`, a node store) counts the node: the shared
     state once, each rank's own buffers N times."""
     counts = plan.count_homes()
-    longest = max(e - s for s, e in plan.blocks)
     base = host_base_terms(model_profile, optimizer=optimizer,
                            resident_update=plan.resident_update,
-                           weight_slots=weight_buffer_count(longest),
+                           weight_slots=weight_slots(plan),
                            ranks=plan.gpus_per_node)
     homes = activation_host_terms(boundary_bytes=plan.boundary_bytes,
                                   cpu_homes=counts[Home.CPU.value],
