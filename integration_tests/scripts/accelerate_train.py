@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import hashlib
 import json
 import os
 import signal
@@ -47,6 +48,25 @@ def pss_bytes() -> int:
     raise RuntimeError("no Pss line in /proc/self/smaps_rollup")
 
 
+def digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
+    """sha256 of the weights' bytes and of this rank's optimizer state (by name)."""
+    weights, state = hashlib.sha256(), hashlib.sha256()
+    names = {p: n for n, p in model.named_parameters()}
+    for name, p in model.named_parameters():
+        weights.update(name.encode() + p.detach().contiguous().view(-1).view(torch.uint8)
+                       .numpy().tobytes())
+    inner = getattr(optimizer, "optimizer", optimizer)
+    for p, entry in sorted(inner.state.items(), key=lambda item: names[item[0]]):
+        for key in sorted(entry):
+            value = entry[key]
+            raw = (value.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                   if isinstance(value, torch.Tensor) else repr(value).encode())
+            state.update(f"{names[p]}/{key}".encode() + raw)
+    return {"weights": weights.hexdigest(), "state": state.hexdigest(),
+            "state_params": str(len(inner.state)),
+            "lr": repr(inner.param_groups[0]["lr"])}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--lazytrain", action="store_true")
@@ -67,6 +87,8 @@ def main() -> None:
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--kill-rank", type=int, default=None, help="SIGKILL itself mid-step")
     p.add_argument("--kill-step", type=int, default=None)
+    p.add_argument("--masters-out", default=None, help="rank 0's masters at --save-at")
+    p.add_argument("--digest-out", default=None, help="per-rank JSON file prefix")
     args = p.parse_args()
     faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True)
 
@@ -129,6 +151,9 @@ def main() -> None:
                 step += 1
                 if args.save_at is not None and step == args.save_at:
                     accelerator.save_state(args.ckpt_dir)
+                    if args.masters_out and accelerator.is_main_process:
+                        torch.save({n: p.detach().clone() for n, p in
+                                    model.named_parameters()}, args.masters_out)
                     if accelerator.is_main_process:
                         with open(args.ckpt_dir + "/progress.json", "w") as f:
                             json.dump({"step": step}, f)
@@ -148,6 +173,10 @@ def main() -> None:
                        if args.lazytrain else None,
                        "gpus_per_node": accelerator.lazytrain_run.plan.gpus_per_node
                        if args.lazytrain else None}, f)
+    if args.digest_out:
+        accelerator.wait_for_everyone()
+        with open(f"{args.digest_out}{accelerator.process_index}.json", "w") as f:
+            json.dump(digests(model, optimizer), f)
     if args.pss_out:
         accelerator.wait_for_everyone()
         with open(f"{args.pss_out}{accelerator.process_index}.json", "w") as f:

@@ -21,7 +21,14 @@ from torch import nn
 
 from lazytrain_accel import preflight, threads
 from lazytrain_accel.config import LazyTrainConfig
-from lazytrain_accel.integrations import batch_shape, node_store, ranks, setup, split_update
+from lazytrain_accel.integrations import (
+    batch_shape,
+    node_store,
+    ranks,
+    setup,
+    share_checkpoint,
+    split_update,
+)
 from lazytrain_accel.integrations.checkpoint import atomic_directory, recover
 from lazytrain_accel.integrations.data_parallel import GradientAllReducer
 from lazytrain_accel.integrations.step_guard import StepGuard
@@ -302,6 +309,8 @@ class Accelerator(accelerate.Accelerator):
         `output_dir`, the save is atomic: a kill mid-save leaves the previous checkpoint.
         A layer-wise update still running is waited for: the checkpoint holds its result."""
         self._lazytrain_synchronize()
+        if self.lazytrain_store is not None:  # each weight once, the optimizer per share
+            return self._lazytrain_save_shares(output_dir, safe_serialization, kwargs)
         if (self.lazytrain_plugin is None or output_dir is None or self.num_processes > 1
                 or self.project_configuration.automatic_checkpoint_naming):
             location = super().save_state(output_dir, safe_serialization=safe_serialization,
@@ -313,15 +322,42 @@ class Accelerator(accelerate.Accelerator):
             self._lazytrain_save_plan(tmp)
         return str(output_dir)
 
+    def _lazytrain_save_shares(self, output_dir: str | None, safe_serialization: bool,
+                               kwargs: dict[str, Any]) -> str:
+        """A node store's checkpoint (`integrations/share_checkpoint.py`): rank 0 writes
+        the weights once, every rank its share of the optimizer state, rank 0 the
+        manifest last; atomic, like one process's."""
+        final = share_checkpoint.target_directory(self, output_dir)
+
+        def write_stock(directory: Path) -> None:  # schedulers, samplers, RNG, the plan
+            with share_checkpoint.hidden(self, self._lazytrain_model,
+                                         self._lazytrain_optimizer):
+                super(Accelerator, self).save_state(
+                    str(directory), safe_serialization=safe_serialization, **kwargs)
+            self._lazytrain_save_plan(directory)
+
+        share_checkpoint.save_shares(self, final, write_stock)
+        return str(final)
+
     def _lazytrain_save_plan(self, directory: Path) -> None:
         if self.lazytrain_run is not None and self.is_main_process:
             self.lazytrain_run.plan.save(directory / PLAN_FILE)
 
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
         if self.lazytrain_plugin is not None and input_dir is not None:
-            recover(input_dir)  # a save killed between its renames left the old one aside
+            if self.is_main_process:  # one rank repairs; the others wait for it
+                recover(input_dir)  # a save killed between its renames left the old one
+            if self.num_processes > 1:
+                super().wait_for_everyone()
         self._lazytrain_synchronize()  # no update may write the masters being loaded
-        super().load_state(input_dir, **kwargs)
+        manifest = (share_checkpoint.read_manifest(Path(input_dir))
+                    if self._lazytrain_model is not None and input_dir is not None else None)
+        if manifest is not None or (self.lazytrain_store is not None and input_dir is not None):
+            share_checkpoint.load_shares(self, Path(input_dir), manifest)
+            with share_checkpoint.hidden(self, self._lazytrain_model, self._lazytrain_optimizer):
+                super().load_state(input_dir, **kwargs)
+        else:
+            super().load_state(input_dir, **kwargs)
         if self.lazytrain_run is None or input_dir is None:
             return
         from lazytrain_accel.planning import Plan

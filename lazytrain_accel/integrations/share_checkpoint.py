@@ -1,0 +1,548 @@
+"""Checkpoints of a node store's split update: each weight once, the optimizer state per
+share, a manifest (issue 22 items 3 and 5).
+
+With the node store every local rank's parameters are views of one shared segment, and
+each rank holds the optimizer state of its share only, so accelerate's stock
+`save_state` would write the one rank's state it sees (rank 0's) and its safetensors
+de-duplication would take every parameter for an alias of the segment. Instead:
+
+    ckpt/
+      model.safetensors            the fp32 masters, each weight once (tied aliases once),
+      config.json                  ... written by global rank 0: `from_pretrained(ckpt)`
+      optimizer_share_<r>.safetensors   rank r's share: "<param name>/<state key>" tensors
+                                   (8-bit codes, absmax scales, fp32 moments, step);
+                                   non-tensor state values in its metadata
+      lazytrain_shares.json        the manifest, written last (MANIFEST_FIELDS)
+      lazytrain_plan.json, scheduler.bin, random_states_<i>.pkl, ...   stock / plan
+
+The save is atomic (`checkpoint.atomic_directory`): global rank 0 opens the temporary
+directory beside the target and broadcasts its path, every rank writes its files into
+it, the ranks report (an all-gather: ok or the error), rank 0 writes the manifest and
+publishes (fsync, rename), a last broadcast tells every rank the outcome. A failure on
+any rank removes the temporary directory, leaves the previous checkpoint, and raises on
+every rank naming the failed ranks.
+
+Loading (`load_shares`, any world size): every rank checks the manifest's layout hash
+against its model, loads the masters of the parameter groups it owns now (with the node
+store the others' writes land in the same shared memory; without it, every rank loads
+all), and the optimizer state of the parameters it owns now, from whichever share files
+hold them (the manifest names each share's parameters). The state is per parameter, so
+a checkpoint of N ranks re-shards onto M; a stock checkpoint (`optimizer.bin`, the full
+state of one process) is one share. Not feasible (a share file missing, another model,
+another optimizer): refused with a sentence naming both world sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("lazytrain_accel")
+
+MANIFEST = "lazytrain_shares.json"
+WEIGHTS = "model.safetensors"
+STOCK_OPTIMIZER = "optimizer.bin"
+FORMAT = "lazytrain-shares"
+VERSION = 1
+#: The manifest's top-level fields.
+MANIFEST_FIELDS = ("format", "version", "world_size", "local_world_size", "nodes", "step",
+                   "optimizer_steps", "layout_hash", "weights", "optimizer", "shares")
+
+
+def share_file(rank: int) -> str:
+    return f"optimizer_share_{rank}.safetensors"
+
+
+# ---- names and layout --------------------------------------------------------------------
+def param_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    """Each parameter's name (a tied parameter: its first name)."""
+    return {p: n for n, p in reversed(list(model.named_parameters()))}
+
+
+def layout_hash(model: nn.Module) -> str:
+    """A digest of the parameters' names, shapes and trainability: two runs may exchange
+    checkpoints exactly when it is equal (world sizes aside)."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        digest.update(f"{name}:{tuple(p.shape)}:{p.requires_grad};".encode())
+    return digest.hexdigest()[:16]
+
+
+def unique_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """`model.state_dict()` with each tensor once: a tied parameter under its first name
+    (as `save_pretrained` drops `lm_head.weight` when it is the embedding). Aliases are
+    found by object, not by storage: under the node store all parameters share one."""
+    seen: set[int] = set()
+    out = []
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        out.append((name, tensor))
+    return out
+
+
+# ---- a streaming safetensors writer (no second copy of the model) ------------------------
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+           torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
+           torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+           torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], *,
+                      metadata: Mapping[str, str] | None = None) -> int:
+    """Write `tensors` as a safetensors file one tensor at a time (a parameter is read
+    where it lives; only a non-contiguous or device tensor is copied, alone). Returns the
+    bytes written; the file is fsynced."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name, t in tensors:
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors code")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, t in tensors:
+            data = t.detach()
+            if data.device.type != "cpu" or not data.is_contiguous():
+                data = data.to("cpu").contiguous()
+            if data.numel():
+                f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(raw) + offset
+
+
+# ---- the weights ------------------------------------------------------------------------
+def write_weights(directory: Path, model: nn.Module) -> None:
+    """`model.safetensors` (the masters as the model holds them, each tensor once) and
+    the model's `config.json`, so `from_pretrained(directory)` loads it."""
+    write_safetensors(directory / WEIGHTS, unique_state(model))
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_file"):
+        config.to_json_file(str(directory / "config.json"))
+
+
+def load_weights(model: nn.Module, path: Path, *, loads: Callable[[torch.Tensor], bool]
+                 ) -> int:
+    """Copy the tensors of `model.state_dict()` for which `loads(tensor)` holds from the
+    safetensors file at `path` (in place: compute copies keyed on the parameter's version
+    see the change). Returns how many were loaded; raises naming missing keys."""
+    from safetensors import safe_open
+
+    by_object: dict[int, list[str]] = {}
+    targets: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        by_object.setdefault(id(tensor), []).append(name)
+        targets[id(tensor)] = tensor
+    loaded = 0
+    with safe_open(str(path), framework="pt") as f, torch.no_grad():
+        present = set(f.keys())
+        missing = [names[0] for names in by_object.values()
+                   if not any(n in present for n in names)]
+        if missing:
+            raise ValueError(f"{path} lacks {len(missing)} of the model's tensors (first: "
+                             f"{missing[:3]}); the checkpoint is for another model")
+        for key, names in by_object.items():
+            target = targets[key]
+            if not loads(target):
+                continue
+            saved = f.get_tensor(next(n for n in names if n in present))
+            if saved.shape != target.shape:
+                raise ValueError(f"{names[0]}: the checkpoint holds shape "
+                                 f"{tuple(saved.shape)}, the model {tuple(target.shape)}")
+            target.copy_(saved)
+            loaded += 1
+    return loaded
+
+
+# ---- the optimizer state per share --------------------------------------------------------
+def _encode(value: Any) -> Any:
+    """A param group's hyperparameter as JSON, exactly (floats by repr, tuples kept)."""
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v) for v in value]}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.tolist(), "dtype": str(value.dtype).rsplit(".", 1)[-1]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f"an optimizer hyperparameter of type {type(value).__name__} "
+                     f"({value!r}) cannot be written to the checkpoint's manifest")
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict) and "__tuple__" in value:
+        return tuple(_decode(v) for v in value["__tuple__"])
+    if isinstance(value, dict) and "__tensor__" in value:
+        return torch.tensor(value["__tensor__"], dtype=getattr(torch, value["dtype"]))
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def optimizer_record(optimizer: torch.optim.Optimizer, names: Mapping[nn.Parameter, str]
+                     ) -> dict[str, Any]:
+    """The manifest's `optimizer`: its class and its param groups (hyperparameters as
+    they are now, parameters by name)."""
+    groups = []
+    for group in optimizer.param_groups:
+        params = [_name_of(p, names) for p in group["params"]]
+        groups.append({**{k: _encode(v) for k, v in group.items() if k != "params"},
+                       "params": params})
+    return {"class": type(optimizer).__name__, "param_groups": groups}
+
+
+def _name_of(p: nn.Parameter, names: Mapping[nn.Parameter, str]) -> str:
+    try:
+        return names[p]
+    except KeyError:
+        raise ValueError(f"the optimizer holds a tensor of shape {tuple(p.shape)} that is "
+                         "not a parameter of the model; a share checkpoint names state by "
+                         "parameter") from None
+
+
+def write_share(path: Path, optimizer: torch.optim.Optimizer,
+                params: Iterable[nn.Parameter], names: Mapping[nn.Parameter, str]
+                ) -> list[str]:
+    """Write the state of `params` (those that have any) to `path`; return their names."""
+    tensors: list[tuple[str, torch.Tensor]] = []
+    scalars: dict[str, dict[str, Any]] = {}
+    written = []
+    for p in params:
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        name = _name_of(p, names)
+        written.append(name)
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors.append((f"{name}/{key}", value))
+            else:
+                scalars.setdefault(name, {})[key] = _encode(value)
+    write_safetensors(path, tensors, metadata={"lazytrain_scalars": json.dumps(scalars)})
+    return written
+
+
+def read_share(path: Path, wanted: set[str]) -> dict[str, dict[str, Any]]:
+    """The state of the parameters named in `wanted` that the share file holds."""
+    from safetensors import safe_open
+
+    out: dict[str, dict[str, Any]] = {}
+    with safe_open(str(path), framework="pt") as f:
+        scalars = json.loads((f.metadata() or {}).get("lazytrain_scalars", "{}"))
+        for key in f.keys():  # noqa: SIM118 - a safe_open handle, not a dict
+            name, _, item = key.rpartition("/")
+            if name in wanted:
+                out.setdefault(name, {})[item] = f.get_tensor(key)
+        for name, items in scalars.items():
+            if name in wanted:
+                out.setdefault(name, {}).update({k: _decode(v) for k, v in items.items()})
+    return out
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, directory: Path,
+                   manifest: Mapping[str, Any], names: Mapping[nn.Parameter, str],
+                   owned: Callable[[nn.Parameter], bool], *, world_size: int) -> None:
+    """Load into `optimizer` the checkpoint's hyperparameters and the state of the
+    parameters `owned` by this rank, from whichever shares hold them."""
+    record = manifest["optimizer"]
+    saved_from = manifest["world_size"]
+    if record["class"] != type(optimizer).__name__:
+        raise ValueError(f"the checkpoint holds {record['class']} state (written by "
+                         f"{saved_from} ranks), this run's optimizer (on {world_size}) is "
+                         f"{type(optimizer).__name__}; resume with the same optimizer")
+    saved_groups = record["param_groups"]
+    ours = [[_name_of(p, names) for p in g["params"]] for g in optimizer.param_groups]
+    if [g["params"] for g in saved_groups] != ours:
+        saved_sizes = [len(g["params"]) for g in saved_groups]
+        raise ValueError(f"the optimizer's param groups differ from the checkpoint's "
+                         f"({len(saved_groups)} groups of {saved_sizes} parameters saved, "
+                         f"{len(ours)} of {[len(g) for g in ours]} now)")
+    holder = {name: share["file"] for share in manifest["shares"] for name in share["params"]}
+    index_of, wanted_by_file = {}, {}
+    for index, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+        name = names[p]
+        if owned(p) and name in holder:
+            index_of[name] = index
+            wanted_by_file.setdefault(holder[name], set()).add(name)
+    state: dict[int, dict[str, Any]] = {}
+    for file, wanted in wanted_by_file.items():
+        path = directory / file
+        if not path.is_file():
+            raise ValueError(f"cannot re-shard the checkpoint written by {saved_from} ranks "
+                             f"onto {world_size}: {path} (a share named by its manifest) is "
+                             "missing; copy every share file of the checkpoint")
+        for name, items in read_share(path, wanted).items():
+            state[index_of[name]] = items
+    groups, start = [], 0
+    for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
+        count = len(group["params"])
+        hyper = {k: _decode(v) for k, v in saved.items() if k != "params"}
+        groups.append({**hyper, "params": list(range(start, start + count))})
+        start += count
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def load_stock_optimizer(optimizer: torch.optim.Optimizer, path: Path,
+                         owned: Callable[[nn.Parameter], bool]) -> None:
+    """A stock checkpoint's `optimizer.bin` (one process's full state) as one share:
+    load the state of the parameters `owned` by this rank."""
+    saved = torch.load(path, map_location="cpu", weights_only=False)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved_ids = [i for g in saved["param_groups"] for i in g["params"]]
+    if len(saved_ids) != len(params):
+        raise ValueError(f"{path} holds state for {len(saved_ids)} parameters, this run's "
+                         f"optimizer has {len(params)}; the checkpoint is for another model")
+    keep = {i for i, p in zip(saved_ids, params, strict=True) if owned(p)}
+    optimizer.load_state_dict({**saved, "state": {i: s for i, s in saved["state"].items()
+                                                  if i in keep}})
+
+
+# ---- the manifest -----------------------------------------------------------------------
+def build_manifest(*, world_size: int, local_world_size: int, nodes: int, step: int,
+                   layout: str, optimizer: Mapping[str, Any] | None,
+                   shares: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    steps = [s.get("optimizer_steps", 0) for s in shares]
+    return {"format": FORMAT, "version": VERSION, "world_size": world_size,
+            "local_world_size": local_world_size, "nodes": nodes, "step": step,
+            "optimizer_steps": max(steps, default=0), "layout_hash": layout,
+            "weights": WEIGHTS, "optimizer": optimizer,
+            "shares": [dict(s) for s in shares]}
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return None
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ValueError(f"{path}: not a version-{VERSION} {FORMAT} manifest; written by "
+                         "another LazyTrain version")
+    return manifest
+
+
+def check_layout(manifest: Mapping[str, Any], model: nn.Module, *, world_size: int) -> None:
+    if manifest["layout_hash"] != layout_hash(model):
+        raise ValueError(f"the checkpoint (written by {manifest['world_size']} ranks) is for "
+                         f"another model than this run's (on {world_size}): parameter "
+                         "names, shapes or trainability differ (layout hash "
+                         f"{manifest['layout_hash']} vs {layout_hash(model)})")
+
+
+def max_step(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> int:
+    steps = [float(s["step"]) for p in params if (s := optimizer.state.get(p))
+             and "step" in s]
+    return int(max(steps, default=0))
+
+
+# ---- coordination -----------------------------------------------------------------------
+@contextlib.contextmanager
+def hidden(accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer | None
+           ) -> Iterator[None]:
+    """Hide the streamed model and its optimizer from accelerate's stock save/load (which
+    still handles the schedulers, samplers, RNG states, scaler and custom objects), and
+    its automatic checkpoint naming (the directory is chosen: `target_directory`)."""
+    models, optimizers = accelerator._models, accelerator._optimizers
+    accelerator._models = [m for m in models if m is not model]
+    accelerator._optimizers = [o for o in optimizers
+                               if getattr(o, "optimizer", o) is not optimizer]
+    try:
+        with _no_automatic_naming(accelerator):  # the caller chose the directory
+            yield
+    finally:
+        accelerator._models, accelerator._optimizers = models, optimizers
+
+
+def _error(err: BaseException) -> str:
+    return f"{type(err).__name__}: {err}"
+
+
+# ---- the save and the load of a run -------------------------------------------------------
+def owned_params(engine: Any) -> list[nn.Parameter] | None:
+    """The parameters of the groups this rank owns in a split update (groups every rank
+    owns included); None without one (this rank holds and updates everything)."""
+    peers = engine.steps.peers if engine is not None else None
+    if peers is None:
+        return None
+    return [p for g, ps in enumerate(engine.steps.update_groups) if peers.owns(g) for p in ps]
+
+
+def target_directory(accelerator: Any, output_dir: str | None) -> Path:
+    """Where `save_state(output_dir)` writes: `output_dir`, or with accelerate's
+    automatic checkpoint naming `<project_dir>/checkpoints/checkpoint_<i>`, the oldest
+    beyond `total_limit` removed first (by the main process), as stock does."""
+    config = accelerator.project_configuration
+    if not config.automatic_checkpoint_naming:
+        if output_dir is None:
+            raise ValueError("save_state() needs an output_dir (or a ProjectConfiguration "
+                             "with automatic_checkpoint_naming=True)")
+        return Path(output_dir)
+    root = Path(accelerator.project_dir) / "checkpoints"
+    final = root / f"checkpoint_{accelerator.save_iteration}"
+    if accelerator.is_main_process and root.is_dir() and config.total_limit is not None:
+        folders = sorted((f for f in root.iterdir() if f.name.startswith("checkpoint_")
+                          and f.name.rsplit("_", 1)[-1].isdigit()),
+                         key=lambda f: int(f.name.rsplit("_", 1)[-1]))
+        for folder in folders[:max(0, len(folders) + 1 - config.total_limit)]:
+            shutil.rmtree(folder)
+    if final.exists():
+        raise ValueError(f"Checkpoint directory {final} ({accelerator.save_iteration}) "
+                         "already exists; set `save_iteration` to the iteration to start "
+                         "with")
+    return final
+
+
+@contextlib.contextmanager
+def _no_automatic_naming(accelerator: Any) -> Iterator[None]:
+    config = accelerator.project_configuration
+    automatic, config.automatic_checkpoint_naming = config.automatic_checkpoint_naming, False
+    try:
+        yield
+    finally:
+        config.automatic_checkpoint_naming = automatic
+
+
+def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], None]) -> None:
+    """Write the checkpoint at `final` from every rank of a split update (module
+    docstring); every rank calls it at the same point, after the step's update."""
+    import torch.distributed as dist
+
+    from lazytrain_accel.integrations.checkpoint import atomic_directory
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine = accelerator.lazytrain_engine
+    model, optimizer = accelerator._lazytrain_model, accelerator._lazytrain_optimizer
+    groups = engine.steps.update_groups
+    peers = engine.steps.peers
+    owned = [g for g in range(len(groups)) if peers.owns(g)]
+    everyone: list[list[int] | None] = [None] * world
+    dist.all_gather_object(everyone, owned)
+    shared_by_all = set.intersection(*(set(o) for o in everyone))
+    mine = [g for g in owned if g not in shared_by_all or rank == 0]  # written once
+
+    stack = contextlib.ExitStack()
+    opened: list[str | None] = [None, None]
+    if rank == 0:
+        try:
+            opened[0] = str(stack.enter_context(atomic_directory(final)))
+        except Exception as err:  # every rank must hear of it
+            opened[1] = _error(err)
+    dist.broadcast_object_list(opened, src=0)
+    if opened[1] is not None:
+        raise RuntimeError(f"save_state({final}): rank 0 could not open the checkpoint's "
+                           f"temporary directory: {opened[1]}")
+    tmp = Path(opened[0])
+    try:
+        report = _write_rank_files(accelerator, tmp, rank=rank, mine=mine,
+                                   write_stock=write_stock)
+        reports: list[tuple[str, Any] | None] = [None] * world
+        dist.all_gather_object(reports, report)
+    except BaseException as err:  # a rank died mid-save: no temporary directory is left
+        if rank == 0:
+            _abandon(stack, err)
+        raise
+    failed = {r: msg for r, (kind, msg) in enumerate(reports) if kind == "error"}
+    outcome: list[str | None] = [None]
+    if rank == 0:
+        try:
+            if failed:
+                raise RuntimeError("; ".join(f"rank {r}: {m}" for r, m in failed.items()))
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            manifest = build_manifest(
+                world_size=world, local_world_size=local, nodes=max(1, world // local),
+                step=int(accelerator.step), layout=layout_hash(model),
+                optimizer=None if optimizer is None else optimizer_record(
+                    optimizer, param_names(model)),
+                shares=[s for _, s in reports])
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            stack.close()  # fsync, rename into place: the checkpoint exists from here
+        except BaseException as err:  # the temporary directory goes
+            _abandon(stack, err)
+            outcome[0] = _error(err)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise RuntimeError(f"save_state({final}) failed, the previous checkpoint (if any) "
+                           f"is kept: {outcome[0]}")
+
+
+def _write_rank_files(accelerator: Any, tmp: Path, *, rank: int, mine: Sequence[int],
+                      write_stock: Callable[[Path], None]) -> tuple[str, Any]:
+    """This rank's files (its share; rank 0 the weights too): ("ok", the manifest's
+    entry for the share) or ("error", what failed), for rank 0 to hear either way."""
+    model, optimizer = accelerator._lazytrain_model, accelerator._lazytrain_optimizer
+    groups = accelerator.lazytrain_engine.steps.update_groups
+    try:
+        share: dict[str, Any] = {"rank": rank, "groups": list(mine), "file": None,
+                                 "params": [], "optimizer_steps": 0}
+        if optimizer is not None:
+            params = [p for g in mine for p in groups[g]]
+            share["file"] = share_file(rank)
+            share["params"] = write_share(tmp / share_file(rank), optimizer, params,
+                                          param_names(model))
+            share["optimizer_steps"] = max_step(optimizer, params)
+        if rank == 0:
+            write_weights(tmp, model)
+        write_stock(tmp)
+    except Exception as err:  # reported to rank 0, raised on every rank
+        return ("error", _error(err))
+    return ("ok", share)
+
+
+def _abandon(stack: contextlib.ExitStack, err: BaseException) -> None:
+    """Close `atomic_directory` with `err`: its temporary directory is removed."""
+    with contextlib.suppress(BaseException):
+        stack.__exit__(type(err), err, err.__traceback__)
+
+
+def load_shares(accelerator: Any, directory: Path, manifest: Mapping[str, Any] | None
+                ) -> None:
+    """Load the masters and the optimizer state this rank owns from a share checkpoint
+    (`manifest`), or from a stock one (None: `model.safetensors`, `optimizer.bin`)."""
+    import torch.distributed as dist
+
+    from lazytrain_accel.integrations.node_store import shared_params
+
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    model, optimizer = accelerator._lazytrain_model, accelerator._lazytrain_optimizer
+    mine = owned_params(accelerator.lazytrain_engine)
+    if manifest is not None:
+        check_layout(manifest, model, world_size=world)
+        if manifest["world_size"] != world and accelerator.is_main_process:
+            logger.info("lazytrain: re-sharding a checkpoint written by %d ranks onto %d",
+                        manifest["world_size"], world)
+    owned_ids = None if mine is None else {id(p) for p in mine}
+    in_store = {id(p) for _, p in shared_params(model)} if mine is not None else set()
+
+    def owned(p: torch.Tensor) -> bool:
+        return owned_ids is None or id(p) in owned_ids
+
+    def loads(t: torch.Tensor) -> bool:  # the store's other params: their owner loads them
+        return id(t) not in in_store or owned(t)
+
+    load_weights(model, directory / WEIGHTS, loads=loads)
+    if optimizer is not None:
+        if manifest is not None and manifest["optimizer"] is not None:
+            load_optimizer(optimizer, directory, manifest, param_names(model), owned,
+                           world_size=world)
+        elif (directory / STOCK_OPTIMIZER).is_file():
+            load_stock_optimizer(optimizer, directory / STOCK_OPTIMIZER, owned)
+    if distributed and world > 1:
+        dist.barrier()  # every owner's masters are in place before any rank reads them
