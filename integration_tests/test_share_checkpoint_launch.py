@@ -13,7 +13,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from integration_tests.test_accelerate_launch import _launch
+from integration_tests.test_accelerate_launch import _launch, _run
+from lazytrain_accel.integrations import share_checkpoint as sc
+from lazytrain_accel.optim import HybridAdamW8bit
 
 ARGS = ("--lazytrain", "--plan", "offload_all", "--steps", "4")  # hybrid 8-bit, overlapped
 
@@ -75,3 +77,21 @@ def _share_digest(ckpt: Path, shares: list[dict]) -> str:
             name, _, item = key.rpartition("/")
             state.setdefault(name, {})[item] = tensor
     return _digest(sorted(state.items()))
+
+
+def test_the_last_checkpoint_loads_after_a_rank_is_killed(tmp_path: Path) -> None:
+    """Save at step 1, kill -9 rank 1 mid-step 2: the launch fails, no temporary
+    directory is left beside the checkpoint, and it loads whole (weights and shares)."""
+    ckpt = tmp_path / "ckpt"
+    proc = _run(tmp_path, "--losses", str(tmp_path / "killed.json"), *ARGS,
+                "--batch-size", "4", "--save-at", "1", "--ckpt-dir", str(ckpt),
+                "--kill-rank", "1", "--kill-step", "2", num_processes=2)
+    assert proc.returncode != 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt")) == []
+    manifest = sc.read_manifest(ckpt)
+    assert manifest["optimizer_steps"] == 1
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    optimizer = HybridAdamW8bit(model.parameters(), backend="torch")
+    sc.load_optimizer(optimizer, ckpt, manifest, sc.param_names(model), lambda p: True,
+                      world_size=1)
+    assert len(optimizer.state) == sum(len(s["params"]) for s in manifest["shares"]) > 0

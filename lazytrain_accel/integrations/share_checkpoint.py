@@ -537,6 +537,10 @@ def load_shares(accelerator: Any, directory: Path, manifest: Mapping[str, Any] |
     def loads(t: torch.Tensor) -> bool:  # the store's other params: their owner loads them
         return id(t) not in in_store or owned(t)
 
+    if not (directory / WEIGHTS).is_file():
+        raise FileNotFoundError(f"{directory} has no {WEIGHTS}: a checkpoint loaded onto "
+                                "ranks sharing one host copy needs its weights as "
+                                "safetensors (save_state(..., safe_serialization=True))")
     load_weights(model, directory / WEIGHTS, loads=loads)
     if optimizer is not None:
         if manifest is not None and manifest["optimizer"] is not None:
