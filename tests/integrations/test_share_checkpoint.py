@@ -231,3 +231,20 @@ def test_a_save_is_atomic_and_loads_back(tmp_path: Path, one_rank_group: None) -
     assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), model.parameters(),
                                                  strict=True))
     assert _state_bytes(new, fresh).keys() == _state_bytes(optimizer, model).keys()
+
+
+def test_automatic_naming_picks_the_next_folder_and_rotates(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(automatic_checkpoint_naming=True, total_limit=2)
+    accelerator = SimpleNamespace(project_configuration=config, project_dir=str(tmp_path),
+                                  save_iteration=3, is_main_process=True)
+    for i in (0, 1, 2):
+        (tmp_path / "checkpoints" / f"checkpoint_{i}").mkdir(parents=True)
+    final = sc.target_directory(accelerator, None)
+    assert final == tmp_path / "checkpoints" / "checkpoint_3"
+    assert sorted(p.name for p in final.parent.iterdir()) == ["checkpoint_2"]
+    config.automatic_checkpoint_naming = False
+    assert sc.target_directory(accelerator, "x") == Path("x")
+    with pytest.raises(ValueError, match="needs an output_dir"):
+        sc.target_directory(accelerator, None)
