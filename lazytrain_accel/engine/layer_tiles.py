@@ -57,6 +57,10 @@ from lazytrain_accel.engine.replay import ReplayState, capture, replaying
 
 #: The attention implementation name a sequence-tiled layer runs under.
 LAYER_TILES_ATTENTION = "lazytrain_layer_tiles"
+#: Queries x keys of one SDPA call off CUDA: there the causal offset is a [rows, keys]
+#: mask (float inside the CPU flash kernel), so a tile's queries run in row blocks of at
+#: most this many mask elements (16 MiB as fp32). CUDA builds no mask: one call per tile.
+MASK_ELEMS = 1 << 22
 
 
 class Unsupported(Exception):
@@ -280,6 +284,31 @@ class OwnedGrad(torch.autograd.Function):
         return None, mine
 
 
+def _row_blocks(tiles: _Tiles, device: torch.device) -> list[tuple[int, int, int]]:
+    """(first row, end row, end key) of each SDPA call of the running tile: one on CUDA,
+    row blocks of at most `MASK_ELEMS` mask elements elsewhere. Row r of the tile is
+    position start + r and attends keys [0, start + r + 1)."""
+    rows = tiles.end - tiles.start
+    step = rows if device.type == "cuda" else max(1, MASK_ELEMS // tiles.end)
+    return [(r, min(r + step, rows), tiles.start + min(r + step, rows))
+            for r in range(0, rows, step)]
+
+
+def _mask_rows(mask: torch.Tensor | None, r0: int, r1: int, keys: int) -> torch.Tensor | None:
+    return None if mask is None else mask[..., r0:r1, :keys]
+
+
+def _attend(tiles: _Tiles, query: torch.Tensor, mask: torch.Tensor | None,
+            scale: float | None) -> torch.Tensor:
+    """The running tile's attention output (no graph): its queries against the K, V prefix."""
+    out = query.new_empty(*query.shape[:3], tiles.value.shape[-1])
+    for r0, r1, keys in _row_blocks(tiles, query.device):
+        out[:, :, r0:r1] = _block_attention(query[:, :, r0:r1], tiles.key[:, :, :keys],
+                                            tiles.value[:, :, :keys],
+                                            _mask_rows(mask, r0, r1, keys), scale)
+    return out
+
+
 class _TileAttention(torch.autograd.Function):
     """One tile's queries against the key prefix [0, end) held in the K, V buffers; its
     backward accumulates the prefix's dK, dV and returns the tile's own rows."""
@@ -287,11 +316,9 @@ class _TileAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tiles: _Tiles, mask: torch.Tensor | None, scale: float | None,
                 query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        start, end = tiles.start, tiles.end
         with torch.no_grad():
-            out = _block_attention(query, tiles.key[:, :, :end], tiles.value[:, :, :end],
-                                   mask, scale)
-        ctx.tiles, ctx.bounds, ctx.mask, ctx.scale = tiles, (start, end), mask, scale
+            out = _attend(tiles, query, mask, scale)
+        ctx.tiles, ctx.bounds, ctx.mask, ctx.scale = tiles, (tiles.start, tiles.end), mask, scale
         ctx.dtypes = (key.dtype, value.dtype)
         ctx.save_for_backward(query)
         return out
@@ -301,23 +328,26 @@ class _TileAttention(torch.autograd.Function):
         tiles: _Tiles = ctx.tiles
         start, end = ctx.bounds
         (query,) = ctx.saved_tensors
-        q = query.detach().requires_grad_()
-        k = tiles.key[:, :, :end].detach().requires_grad_()
-        v = tiles.value[:, :, :end].detach().requires_grad_()
-        with torch.enable_grad():
-            out = _block_attention(q, k, v, ctx.mask, ctx.scale)
-        gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad_out)
         if tiles.grad_key is None:
             tiles.grad_key = torch.zeros(tiles.key.shape, dtype=torch.float32,
                                          device=tiles.key.device)
             tiles.grad_value = torch.zeros(tiles.value.shape, dtype=torch.float32,
                                            device=tiles.value.device)
-        tiles.grad_key[:, :, :end] += gk
-        tiles.grad_value[:, :, :end] += gv
-        del gk, gv
+        grad_q = torch.empty_like(query)
+        for r0, r1, keys in _row_blocks(tiles, query.device):
+            q = query[:, :, r0:r1].detach().requires_grad_()
+            k = tiles.key[:, :, :keys].detach().requires_grad_()
+            v = tiles.value[:, :, :keys].detach().requires_grad_()
+            with torch.enable_grad():
+                out = _block_attention(q, k, v, _mask_rows(ctx.mask, r0, r1, keys), ctx.scale)
+            gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad_out[:, :, r0:r1])
+            grad_q[:, :, r0:r1] = gq
+            tiles.grad_key[:, :, :keys] += gk
+            tiles.grad_value[:, :, :keys] += gv
+            del out, gq, gk, gv
         own_k = tiles.grad_key[:, :, start:end].to(ctx.dtypes[0])
         own_v = tiles.grad_value[:, :, start:end].to(ctx.dtypes[1])
-        return None, None, None, gq, own_k, own_v
+        return None, None, None, grad_q, own_k, own_v
 
 
 def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -355,8 +385,7 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if tiles.mode == "keys":
         raise _KeysDone
     if tiles.mode == "forward":
-        out = _block_attention(query, tiles.key[:, :, :tiles.end], tiles.value[:, :, :tiles.end],
-                               mask, scaling)
+        out = _attend(tiles, query, mask, scaling)
     else:
         out = _TileAttention.apply(tiles, mask, scaling, query, key, value)
     return out.transpose(1, 2).contiguous(), None

@@ -107,10 +107,13 @@ def test_an_moe_layer_runs_in_tiles_and_falls_back_whole_when_it_records_router_
         monkeypatch.undo()
 
 
-def test_one_layer_forward_and_backward_equal_autograd() -> None:
+@pytest.mark.parametrize("mask_elems", [layer_tiles.MASK_ELEMS, 7])
+def test_one_layer_forward_and_backward_equal_autograd(mask_elems, monkeypatch) -> None:
     """`layer_tiles.forward` / `backward` on one qwen2 layer, batch 2, 23 positions in tiles
-    of 4: output, input gradient (written over the output gradient) and weight gradients
-    equal the layer's own autograd."""
+    of 4 (and, with a 7-element mask budget, each tile's queries in row blocks of one):
+    output, input gradient (written over the output gradient) and weight gradients equal
+    the layer's own autograd."""
+    monkeypatch.setattr(layer_tiles, "MASK_ELEMS", mask_elems)
     model = _sdpa_model("qwen2")
     layer = model.model.layers[0]
     torch.manual_seed(1)
