@@ -14,7 +14,8 @@ in the layer is found by name), while transformers' attention interface is point
 * backward re-run: a key pass runs each tile's forward up to its attention call (stopped
   there: `_KeysDone`) to fill K and V; then the tiles run again in reverse order, each with
   grad on its own slice of the layer input: its attention is `_TileAttention`, whose
-  backward re-runs the block's SDPA with grad against the key prefix, adds the prefix's dK,
+  backward re-runs the block's SDPA with grad against the key prefix, one kv head at a
+  time (a GQA flash backward expands dK, dV to every query head), adds the prefix's dK,
   dV into fp32 accumulators and returns the tile's own rows of them, complete because every
   later tile has already run. The tile's input gradient goes into its slice of one
   [batch, S, hidden] tensor, its weight gradients are summed over tiles (fp32 where the
@@ -325,6 +326,10 @@ class _TileAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """Re-runs SDPA with grad one kv head (and its query heads) at a time: a GQA
+        flash backward expands dK, dV of the key prefix to every query head before it
+        sums them (4x K, V's bytes for llama3-8b: 32 GiB at 2M tokens); per kv head the
+        partials and that expansion are one kv head's."""
         tiles: _Tiles = ctx.tiles
         start, end = ctx.bounds
         (query,) = ctx.saved_tensors
@@ -334,17 +339,23 @@ class _TileAttention(torch.autograd.Function):
             tiles.grad_value = torch.zeros(tiles.value.shape, dtype=torch.float32,
                                            device=tiles.value.device)
         grad_q = torch.empty_like(query)
+        heads, kv_heads = query.shape[1], tiles.key.shape[1]
+        group = heads // kv_heads
         for r0, r1, keys in _row_blocks(tiles, query.device):
-            q = query[:, :, r0:r1].detach().requires_grad_()
-            k = tiles.key[:, :, :keys].detach().requires_grad_()
-            v = tiles.value[:, :, :keys].detach().requires_grad_()
-            with torch.enable_grad():
-                out = _block_attention(q, k, v, _mask_rows(ctx.mask, r0, r1, keys), ctx.scale)
-            gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad_out[:, :, r0:r1])
-            grad_q[:, :, r0:r1] = gq
-            tiles.grad_key[:, :, :keys] += gk
-            tiles.grad_value[:, :, :keys] += gv
-            del out, gq, gk, gv
+            mask = _mask_rows(ctx.mask, r0, r1, keys)
+            for j in range(kv_heads):  # one kv head at a time (see `backward` below)
+                h0, h1 = j * group, (j + 1) * group
+                q = query[:, h0:h1, r0:r1].detach().requires_grad_()
+                k = tiles.key[:, j:j + 1, :keys].detach().requires_grad_()
+                v = tiles.value[:, j:j + 1, :keys].detach().requires_grad_()
+                head_mask = mask if mask is None or mask.shape[1] == 1 else mask[:, h0:h1]
+                with torch.enable_grad():
+                    out = _block_attention(q, k, v, head_mask, ctx.scale)
+                gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad_out[:, h0:h1, r0:r1])
+                grad_q[:, h0:h1, r0:r1] = gq
+                tiles.grad_key[:, j:j + 1, :keys] += gk
+                tiles.grad_value[:, j:j + 1, :keys] += gv
+                del out, gq, gk, gv
         own_k = tiles.grad_key[:, :, start:end].to(ctx.dtypes[0])
         own_v = tiles.grad_value[:, :, start:end].to(ctx.dtypes[1])
         return None, None, None, grad_q, own_k, own_v

@@ -96,7 +96,10 @@ def query_side_bytes_per_token(g: ModelGeometry, bytes_per_elem: int) -> int:
 
 def key_side_bytes_per_token(g: ModelGeometry, bytes_per_elem: int, *, blocked: bool) -> int:
     """k, v, dK, dV of one key token; in tiles (blocked) dK, dV are fp32 accumulators plus
-    the compute-dtype partials one tile's SDPA backward returns for the key prefix."""
+    the compute-dtype partials SDPA backward returns for the key prefix: counted for every
+    kv head, an upper bound (the engine re-runs one kv head at a time, whose partials and a
+    GQA flash kernel's expansion of them to the head's query heads are (1 + group) / kv
+    heads of this)."""
     kv = g.num_kv_heads * g.head_dim
     if blocked:
         return kv * (2 * bytes_per_elem + 2 * FP32_BYTES + 2 * bytes_per_elem)
