@@ -149,3 +149,59 @@ def test_k_and_v_of_2_31_elements_are_refused_before_any_kernel_runs() -> None:
     small = layer_tiles._Tiles(mode="forward", seq=2**21 - 1)
     small.begin(0, 4)
     small.store(key, key)
+
+
+_CHUNKED = "lazytrain_test_chunked_prefill"
+_prefix: list[list[torch.Tensor]] = []
+
+
+def _chunked_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                       **kwargs):
+    """The reference's attention: the tile's queries against every key so far, all with
+    graph (a differentiable chunked prefill)."""
+    keys, values = _prefix
+    keys.append(key)
+    values.append(value)
+    k, v = torch.cat(keys, 2), torch.cat(values, 2)
+    mask = None if attention_mask is None else attention_mask[..., :k.shape[2]]
+    out = layer_tiles._block_attention(query, k, v, mask, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _tiled_with_autograd(layer: torch.nn.Module) -> None:
+    """Patch `layer` to run over tiles of `BLOCK` with plain autograd: the tiles draw
+    dropout in the order the engine's forward does."""
+    own = layer.forward
+
+    def forward(hidden: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        seq = hidden.shape[1]
+        leaves, spec, cuts = layer_tiles._cutters(kwargs, seq)
+        _prefix[:] = [[], []]
+        outs = [own(hidden[:, a:b], **layer_tiles._tile_kwargs(leaves, spec, cuts, a, b))
+                for a, b in layer_tiles._bounds(seq, BLOCK)]
+        return torch.cat(outs, 1)
+
+    layer.forward = forward
+
+
+def test_dropout_in_a_tile_draws_in_backward_what_its_forward_drew(tmp_path) -> None:
+    """GPT-NeoX with hidden dropout 0.1: the engine's gradients equal plain autograd over
+    the same tiles (a chunked prefill with graph), which draws each tile's dropout once;
+    the engine's key pass and reverse pass must replay each tile's RNG to match."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_CHUNKED, _chunked_attention)
+    ref = _sdpa_model("gpt_neox", hidden_dropout=0.1)
+    model = twin(ref)
+    ref.config._attn_implementation = _CHUNKED
+    for layer in ref.gpt_neox.layers:
+        _tiled_with_autograd(layer)
+    ids = batches(1)[0]
+    torch.manual_seed(5)
+    ref(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    plan = dataclasses.replace(make_plan("megatrain", 3), attention_block_tokens=BLOCK)
+    engine = attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
+    torch.manual_seed(5)
+    model(input_ids=ids, labels=ids).loss.backward()
+    _assert_grads_equal(ref, model)
+    engine.detach()
