@@ -1,8 +1,9 @@
 """One training step on one long sample, in this fresh process; prints JSON (loss, peak
 memory growth of the step, step seconds) and saves every gradient to `--grads`.
 
-Modes: `tiled` / `untiled` run through the Accelerate plugin (`Plan.tile_tokens` set on the
-engine's plan, the fused loss on), `stock` is plain transformers with gradient
+Modes: `layer` / `tiled` / `untiled` run through the Accelerate plugin (`layer`: the whole
+layer in sequence tiles, `Plan.attention_block_tokens` = `Plan.tile_tokens`; `tiled`: the
+MLP only; set on the engine's plan, the fused loss on), `stock` is plain transformers with gradient
 checkpointing. Run by `bench/long_context.py` and `tests/integrations/test_long_sample.py`.
 
 Memory: VmHWM (peak resident set, reset through /proc/self/clear_refs) after the step,
@@ -50,13 +51,16 @@ def build_model(seq: int, hidden: int, intermediate: int) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).train()
 
 
-def predicted_growth_bytes(model: torch.nn.Module, seq: int, tile_tokens: int) -> int:
+def predicted_growth_bytes(model: torch.nn.Module, seq: int, tile_tokens: int,
+                           block_tokens: int = 0) -> int:
     """The planner's peak growth of one step of `model` on one `seq`-token sample through
-    the plugin on a CPU (checkpoint_all, fp32, whole-sequence attention)."""
+    the plugin on a CPU (checkpoint_all, fp32; whole-sequence attention, or the whole layer
+    in sequence tiles of `block_tokens`)."""
     g = geometry_from_config(model.config.to_dict())
     fp32_bytes = 4
     working = layer_working_set(g, batch_size=1, seq_len=seq, bytes_per_elem=fp32_bytes,
-                                weights=None, tile_tokens=tile_tokens)
+                                weights=None, tile_tokens=tile_tokens,
+                                attention_block_tokens=block_tokens)
     kept_boundaries = g.num_layers + 1
     return working.total_bytes + kept_boundaries * seq * g.hidden_size * fp32_bytes
 
@@ -73,8 +77,10 @@ def _prepare(mode: str, model: torch.nn.Module, seq: int, tile_tokens: int, work
     acc = Accelerator(cpu=True, plugin=plugin)
     model = acc.prepare(model)
     engine = acc.lazytrain_engine
-    engine.set_plan(dataclasses.replace(engine.plan, tile_tokens=tile_tokens if mode == "tiled"
-                                        else 0))
+    tiled = mode in ("tiled", "layer")
+    engine.set_plan(dataclasses.replace(
+        engine.plan, tile_tokens=tile_tokens if tiled else 0,
+        attention_block_tokens=tile_tokens if mode == "layer" else 0))
     return model, acc.backward
 
 
@@ -82,7 +88,8 @@ def run(mode: str, seq: int, tile_tokens: int, hidden: int, intermediate: int,
         grads_path: str | None, workdir: str) -> dict[str, float]:
     model = build_model(seq, hidden, intermediate)
     predicted = (0 if mode == "stock" else
-                 predicted_growth_bytes(model, seq, tile_tokens if mode == "tiled" else 0))
+                 predicted_growth_bytes(model, seq, tile_tokens if mode != "untiled" else 0,
+                                        tile_tokens if mode == "layer" else 0))
     model, backward = _prepare(mode, model, seq, tile_tokens, workdir)
     ids = torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(1))
     warm = ids[:, :WARM_UP_TOKENS]
@@ -103,8 +110,10 @@ def run(mode: str, seq: int, tile_tokens: int, hidden: int, intermediate: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("tiled", "untiled", "stock"), required=True,
-                        help="stock reports predicted_growth_bytes 0 (no plan)")
+    parser.add_argument("--mode", choices=("layer", "tiled", "untiled", "stock"),
+                        required=True, help="layer: the whole layer in sequence tiles of "
+                        "--tile-tokens (and its MLP in tiles of as many); tiled: the MLP "
+                        "only; stock reports predicted_growth_bytes 0 (no plan)")
     parser.add_argument("--seq", type=int, required=True)
     parser.add_argument("--tile-tokens", type=int, default=2048)
     parser.add_argument("--hidden", type=int, default=128)

@@ -35,7 +35,7 @@ from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.solve import with_device_residents
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
 from lazytrain_accel.profiling.hardware_spec import load_hardware
-from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
 from lazytrain_accel.profiling.models import (
     COMPUTE_DTYPE_BYTES,
     MODEL_PRESETS,
@@ -43,7 +43,7 @@ from lazytrain_accel.profiling.models import (
     load_model_config,
     profile_model,
 )
-from lazytrain_accel.profiling.working_set import exceeds_int32_index
+from lazytrain_accel.profiling.working_set import exceeds_int32_index, int32_index_overflow
 
 _GIB = 2**30
 MAX_BATCH_SEARCH_LIMIT = 1 << 16
@@ -139,10 +139,13 @@ def _profile(config: dict, args: argparse.Namespace, batch_size: int,
                          tile_tokens=None)
 
 
-def _summary(plan: Plan, numbers: Any, hidden_size: int) -> dict[str, Any]:
+def _summary(plan: Plan, numbers: Any, geometry: ModelGeometry) -> dict[str, Any]:
     """The printed figures: `numbers` is the plan's prediction (itself one simulated step)
     or a fresh simulation of it, which give the same values."""
     counts = plan.count_homes()
+    overflow = int32_index_overflow(geometry, batch_size=plan.batch_size, seq_len=plan.seq_len,
+                                    tile_tokens=plan.tile_tokens,
+                                    attention_block_tokens=plan.attention_block_tokens)
     return {
         "strategy": plan.strategy, "batch_size": plan.batch_size, "seq_len": plan.seq_len,
         "step_s": numbers.step_s, "tokens_per_s": numbers.tokens_per_s,
@@ -159,8 +162,10 @@ def _summary(plan: Plan, numbers: Any, hidden_size: int) -> dict[str, Any]:
         "resident_update": plan.resident_update,
         "tile_tokens": plan.tile_tokens,
         "attention_block_tokens": plan.attention_block_tokens,
-        "int32_index_exceeded": exceeds_int32_index(
-            tokens=plan.batch_size * plan.seq_len, width=hidden_size),
+        "int32_index_exceeded": overflow is not None,
+        "int32_index_overflow": overflow,
+        "hidden_state_past_int32": exceeds_int32_index(
+            tokens=plan.batch_size * plan.seq_len, width=geometry.hidden_size),
         "gpus_per_node": plan.gpus_per_node, "nodes": plan.nodes,
         "node_tokens_per_s": plan.gpus_per_node * numbers.tokens_per_s,
     }
@@ -206,12 +211,19 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
 
 def _print_tiles(summary: dict[str, Any]) -> None:
     tile, block = summary["tile_tokens"], summary["attention_block_tokens"]
-    print("  layers: " + (f"token-wise parts in tiles of {tile} tokens" if tile else
-                          "untiled") + ", attention " + (
-        f"in query blocks of {block} tokens" if block else "over the whole sequence"))
+    mlp = f"its MLP in tiles of {tile} tokens" if tile else "its MLP whole"
+    if block and block < summary["seq_len"]:
+        print(f"  layers: the whole layer in sequence tiles of {block} tokens (attention as "
+              f"query blocks against the key prefix), {mlp}")
+    else:
+        print("  layers: " + (f"token-wise parts in tiles of {tile} tokens" if tile else
+                              "untiled") + ", attention over the whole sequence")
     if summary["int32_index_exceeded"]:
-        print("  index: batch x seq x hidden reaches 2^31 elements: the engine must chunk "
-              "whole-sequence [S, hidden] ops (tiles do) or refuse the run")
+        print(f"  index: {summary['int32_index_overflow']} reach 2^31 elements: the engine "
+              "refuses the run (int32 index math in kernels)")
+    elif summary["hidden_state_past_int32"]:
+        print("  index: batch x seq x hidden reaches 2^31 elements; the sequence tiles keep "
+              "every kernel's tensors below it")
 
 
 def _print_node(summary: dict[str, Any]) -> None:
@@ -275,7 +287,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     plan, model = _make(args, config, hardware, budgets)
     if args.output:
         plan.save(args.output)
-    summary = _summary(plan, plan.prediction, model.geometry.hidden_size)
+    summary = _summary(plan, plan.prediction, model.geometry)
     if args.strategy != "megatrain":  # the paper's comparison, in the same budgets
         mega = _plan_or_none(model, hardware, _request(
             args, budgets, strategy="megatrain", resident_update="auto"))
@@ -311,7 +323,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
             timeline.draw_timeline(result, args.timeline, budgets=budgets)
         if args.trace:
             timeline.save_chrome_trace(result, args.trace)
-    summary = _summary(plan, result, model.geometry.hidden_size)
+    summary = _summary(plan, result, model.geometry)
     summary["predicted_step_s"] = plan.prediction.step_s
     _print(summary, args.json)
     return 0
@@ -342,7 +354,7 @@ def _run_max_seq(args: argparse.Namespace) -> int:
                        limit_tokens=MAX_SEQ_SEARCH_LIMIT)
     model = _profile(config, args, args.batch_size, best)
     plan = make_plan(model, hardware, request)
-    summary = {**_summary(plan, plan.prediction, model.geometry.hidden_size),
+    summary = {**_summary(plan, plan.prediction, model.geometry),
                "max_seq_len": best, "step_tokens": MAX_SEQ_STEP_TOKENS,
                "search_limit_reached": best >= MAX_SEQ_SEARCH_LIMIT}
     if args.json:

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lazytrain_accel.engine import hf_checkpointing, long_sequence, quantized
+from lazytrain_accel.engine import hf_checkpointing, layer_tiles, long_sequence, quantized
 from lazytrain_accel.engine.backends import make_streams
 from lazytrain_accel.engine.binding import bind_call, drop_cache
 from lazytrain_accel.engine.discovery import find_decoder_layers
@@ -209,7 +209,9 @@ class StreamingEngine:
         try:
             long_sequence.check_call(hidden, call_kwargs, verdicts=self._mask_verdicts,
                                      attn_implementation=getattr(config, "_attn_implementation",
-                                                                 None))
+                                                                 None),
+                                     tiled=layer_tiles.applies(
+                                         hidden, self.runtime.plan.attention_block_tokens))
         except long_sequence.LongSequenceError:
             if not self._open:
                 self.residents.swap_out()  # masters back in place (`_after_model` won't run)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from lazytrain_accel.engine import layer_tiles
 from lazytrain_accel.engine.activations import ActivationStore
 from lazytrain_accel.engine.captures import capturing, recording, restore
 from lazytrain_accel.engine.position import LayerPosition
@@ -68,6 +69,9 @@ class ForwardState:
         except BaseException:
             self.close()  # no boundary file outlives a failed forward
             raise
+        if pos.layer_tiled and index == self.rt.plan.num_layers and outs \
+                and outs[0].requires_grad:
+            outs = (layer_tiles.OwnedGrad.apply(self.rt.own_grad, outs[0]), *outs[1:])
         full = list(pos.out_leaves)
         for slot, tensor in zip(pos.tensor_ids, outs[:len(pos.tensor_ids)], strict=True):
             full[slot] = tensor

@@ -10,7 +10,9 @@ what still reaches a layer is handled here, once per layer call (`check_call`):
   `attn_implementation="sdpa"`;
 * a 4-D mask (the user's own, or transformers' for padding or a sliding window): dropped
   when it is plain causal (sdpa then runs `is_causal`), else refused;
-* a hidden state of 2^31 elements or more (int32 indexing in kernels): refused at any length.
+* a hidden state of 2^31 elements or more (int32 indexing in kernels): refused at any
+  length unless the layer runs in sequence tiles (`layer_tiles.py`: its kernels see one
+  tile; K and V past 2^31 are refused there).
 
 While such a layer runs (`fused_attention`) SDPA's math backend is switched off, so a call
 that would fall back to it (attention dropout on a CPU, an unsupported dtype) raises a
@@ -45,15 +47,18 @@ def sequence_tokens(hidden: torch.Tensor) -> int:
 
 
 def check_call(hidden: torch.Tensor, kwargs: dict[str, Any], *, attn_implementation: str | None,
-               verdicts: dict[tuple[int, int], bool]) -> None:
+               verdicts: dict[tuple[int, int], bool], tiled: bool = False) -> None:
     """Refuse or fix a decoder-layer call at long sequence (in place on `kwargs`).
     `verdicts` caches, per mask tensor (id, version), whether it is plain causal: every
-    layer of a pass gets the same mask."""
-    if hidden.numel() >= INDEX_LIMIT_ELEMENTS:
+    layer of a pass gets the same mask. `tiled`: the layer runs in sequence tiles
+    (`layer_tiles.py`), whose kernels see one tile of the hidden state, never all of it."""
+    if hidden.numel() >= INDEX_LIMIT_ELEMENTS and not tiled:
         raise LongSequenceError(
             f"the hidden state {tuple(hidden.shape)} has {hidden.numel():,} elements, at or "
             f"past 2^31 ({INDEX_LIMIT_ELEMENTS:,}) where kernels' int32 indexing overflows: "
-            "split the batch (batch 1) or train on shorter sequences")
+            "run the layers in sequence tiles (a plan with attention_block_tokens > 0: the "
+            "planner's tile_tokens='auto' picks them), split the batch (batch 1) or train "
+            "on shorter sequences")
     seq = sequence_tokens(hidden)
     if seq < LONG_SEQ_TOKENS:
         return

@@ -27,6 +27,8 @@ class LayerPosition:
     replay: ReplayState
     tile_tokens: int  # the plan's when the forward ran; its backward re-run tiles the same
     attention_block_tokens: int  # likewise, the plan's query blocks (0: whole sequence)
+    layer_tiled: bool = False  # its forward ran the whole layer in sequence tiles
+    tile_replays: list[ReplayState] = field(default_factory=list)  # each tile's RNG state
     out_spec: pytree.TreeSpec | None = None
     out_leaves: list[Any] = field(default_factory=list)  # non-tensor outputs, by slot
     tensor_ids: list[int] = field(default_factory=list)  # output leaves that are tensors

@@ -7,6 +7,7 @@ Function only sees what it uses.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lazytrain_accel.engine import long_sequence, query_blocks, tiles
+from lazytrain_accel.engine import layer_tiles, long_sequence, query_blocks, tiles
 from lazytrain_accel.engine.captures import recorded, recording
 from lazytrain_accel.engine.grads import GradSink
 from lazytrain_accel.engine.nvme import NvmeSpill
@@ -47,6 +48,10 @@ class Runtime:
         self._mlps = [tiles.find_token_mlp(layer) for layer in layers]  # None: untiled
         self._attention_configs = query_blocks.check_layers(layers, plan.attention_block_tokens)
         self._untiled_said = False
+        self._layer_tiles_ok = [True] * len(layers)  # False once a layer proved it cannot
+        # the input gradient a sequence-tiled backward last handed out: autograd passes it
+        # on to the layer below as its output gradient, which overwrites it in place
+        self._owned: weakref.ref[torch.Tensor] | None = None
         # A grad-requiring scalar per trainable layer keeps its Function in the graph
         # even when the hidden state needs no grad (frozen embeddings, LoRA-style).
         self._anchors = [torch.zeros((), device=streams.device, requires_grad=bool(ps))
@@ -62,11 +67,45 @@ class Runtime:
                 block_tokens: int) -> Iterator[None]:
         """How layer `layer` runs on `hidden`: fused attention kernels at long sequence,
         its attention in query blocks of `block_tokens`, its MLP in tiles of `tile_tokens`
-        (0: whole)."""
+        (0: whole). A sequence-tiled layer (`layer_tiles`) passes `block_tokens=0`: its
+        tiles are its query blocks."""
         with long_sequence.fused_attention(hidden), \
                 query_blocks.query_blocks(self._attention_configs[layer - 1], block_tokens), \
                 tiles.tiled(self._token_mlp(layer, tile_tokens), tile_tokens):
             yield
+
+    def _layer_tiled(self, layer: int, hidden: torch.Tensor, block_tokens: int,
+                     pos: LayerPosition | None, counter: str) -> bool:
+        """Whether this call of `layer` runs the whole layer in sequence tiles: a re-run
+        as its forward ran; a forward when its plan has query blocks shorter than the
+        sequence, the layer has not proved it cannot (`layer_tiles.Unsupported`) and no
+        kwarg needs a gradient."""
+        if pos is not None and counter != "layer_forwards":
+            return pos.layer_tiled
+        return (layer_tiles.applies(hidden, block_tokens) and self._layer_tiles_ok[layer - 1]
+                and (pos is None or not pos.extra_ids))
+
+    def _run_layer_tiled(self, layer: int, hidden: torch.Tensor, kwargs: dict[str, Any], *,
+                         tile_tokens: int, block_tokens: int, pos: LayerPosition | None
+                         ) -> tuple[bool, Any]:
+        """(True, output) of `layer` run in sequence tiles, or (False, None) where it
+        cannot (said once; it then runs whole)."""
+        try:
+            with self._shaped(layer, hidden, tile_tokens=tile_tokens, block_tokens=0):
+                out, replays = layer_tiles.forward(
+                    self._originals[layer - 1], hidden, kwargs, block_tokens=block_tokens,
+                    configs=self._attention_configs[layer - 1])
+        except layer_tiles.Unsupported as why:
+            self._layer_tiles_ok[layer - 1] = False
+            logger.info("lazytrain: decoder layer %d (%s) cannot run in sequence tiles (%s); "
+                        "it runs whole, its attention in query blocks", layer,
+                        type(self._layers[layer - 1]).__name__, why)
+            if pos is not None:
+                pos.layer_tiled = False
+            return False, None
+        if pos is not None:
+            pos.layer_tiled, pos.tile_replays = True, replays
+        return True, out
 
     def anchor(self, layer: int) -> torch.Tensor:
         return self._anchors[layer - 1]
@@ -104,6 +143,14 @@ class Runtime:
         self._acquire(layer, prefetch)
         timer = "recompute_s" if counter == "layer_recomputes" else "compute_s"
         try:
+            if not stock_grad and self._layer_tiled(layer, hidden, block_tokens, pos, counter):
+                with self.acct.timed(timer):
+                    done, out = self._run_layer_tiled(layer, hidden, kwargs,
+                                                      tile_tokens=tile_tokens,
+                                                      block_tokens=block_tokens, pos=pos)
+                if done:
+                    self.acct.add(counter, 1)
+                    return out
             with self.acct.timed(timer), torch.set_grad_enabled(stock_grad), \
                     self._shaped(layer, hidden, tile_tokens=tile_tokens,
                                  block_tokens=block_tokens):
@@ -123,6 +170,8 @@ class Runtime:
         """Re-run `layer` with grad; return grads of (hidden, *extras); stream weight grads."""
         params = self._trainable[layer - 1]
         self._acquire(layer, prefetch)
+        if pos.layer_tiled:
+            return self._rerun_tiled(layer, hidden, pos, grad_outs[0], params)
         try:
             with self.acct.timed("compute_s"), replaying(pos.replay), torch.enable_grad(), \
                     recording(pos.captured) as fresh, \
@@ -148,6 +197,36 @@ class Runtime:
         grad_hidden = grads[0] if pos.hidden_requires_grad else None
         first_extra = 1 if pos.hidden_requires_grad else 0
         return (grad_hidden, *grads[first_extra:first_extra + len(extras)])
+
+    def own_grad(self, grad: torch.Tensor) -> None:
+        """Record `grad` as a gradient only the engine holds (see `_owned`)."""
+        self._owned = weakref.ref(grad)
+
+    def _rerun_tiled(self, layer: int, hidden: torch.Tensor, pos: LayerPosition,
+                     grad_out: torch.Tensor | None, params: list[nn.Parameter]
+                     ) -> tuple[torch.Tensor | None, ...]:
+        """`rerun_with_grad` of a layer whose forward ran in sequence tiles (`layer_tiles`;
+        its weights acquired): no kwarg needs a gradient there."""
+        reuse = (self._owned is not None and grad_out is not None
+                 and self._owned() is grad_out and layer_tiles.can_reuse(grad_out, hidden))
+        self._owned = None
+        try:
+            with self.acct.timed("compute_s"), replaying(pos.replay), \
+                    self._shaped(layer, hidden, tile_tokens=pos.tile_tokens, block_tokens=0):
+                grad_hidden, param_grads = layer_tiles.backward(
+                    self._originals[layer - 1], hidden,
+                    pytree.tree_unflatten(pos.leaves, pos.spec), grad_out, params,
+                    block_tokens=pos.attention_block_tokens,
+                    configs=self._attention_configs[layer - 1], replays=pos.tile_replays,
+                    hidden_grad=pos.hidden_requires_grad, reuse_grad=reuse)
+        finally:
+            self.pool.release(layer)
+        if grad_hidden is not None:
+            self.own_grad(grad_hidden)
+        kept = [(p, g) for p, g in zip(params, param_grads, strict=True) if g is not None]
+        self.sink.put([p for p, _ in kept], [g for _, g in kept])
+        self.acct.add("layer_backwards", 1)
+        return (grad_hidden,)
 
 
 def _grad_inputs(hidden: torch.Tensor, pos: LayerPosition

@@ -42,7 +42,11 @@ from lazytrain_accel.planning.plan import (
 )
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
-from lazytrain_accel.profiling.working_set import device_working_terms, tile_overhead_s
+from lazytrain_accel.profiling.working_set import (
+    device_working_terms,
+    key_pass_flops,
+    tile_overhead_s,
+)
 
 GIB = 2**30
 
@@ -396,7 +400,10 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         num_layers=model.num_layers, max_block=K, boundary_bytes=model.boundary_bytes,
         layer_param_bytes=model.layer_param_bytes, layer_grad_bytes=model.layer_grad_bytes,
         fwd_s=model.layer_fwd_flops / flops_per_s + dequant_s + tile_fwd_s,
-        bwd_s=model.layer_bwd_flops / flops_per_s + dequant_s + tile_bwd_s,
+        bwd_s=(model.layer_bwd_flops + key_pass_flops(
+            model.geometry, batch_size=model.batch_size, seq_len=model.seq_len,
+            attention_block_tokens=model.attention_block_tokens)) / flops_per_s
+        + dequant_s + tile_bwd_s,
         head_s=3.0 * model.head_fwd_flops / flops_per_s,  # backward ~ 2x forward
         h2d_bytes_per_s=link_bytes_per_s(hardware.h2d_bytes_per_s, hardware, gpus_per_node),
         d2h_bytes_per_s=link_bytes_per_s(hardware.d2h_bytes_per_s, hardware, gpus_per_node),

@@ -23,6 +23,7 @@ from lazytrain_accel.profiling.working_set import (
     BOUNDARY_TERM,
     HEAD_WORKING_TERM,
     LAYER_WORKING_TERM,
+    TILED_BOUNDARY_TERM,
     TOKEN_WISE_TERM,
 )
 
@@ -37,13 +38,15 @@ _TERM_REMEDY = {
     LAYER_WORKING_TERM: "it grows with batch x sequence: a shorter "
     "--seq-len or a smaller micro-batch shrinks it",
     ATTENTION_TERM: "K, V and their gradients of the whole sequence stay on the device even "
-    "in query blocks, so it grows with batch x sequence: a shorter --seq-len or a smaller "
-    "micro-batch shrinks it",
+    "with the layer in sequence tiles, so it grows with batch x sequence: a shorter "
+    "--seq-len or a smaller micro-batch shrinks it",
     TOKEN_WISE_TERM: "the planner tiles it (Plan.tile_tokens) when the untiled one does not "
     "fit; what is left is one tile's: a shorter --seq-len shrinks the rest",
     BOUNDARY_TERM: "the layer's output and input gradients, its mid residual and its norms' "
     "outputs are [batch x sequence, hidden] each: a shorter --seq-len or a smaller "
     "micro-batch shrinks them",
+    TILED_BOUNDARY_TERM: "even with the whole layer in sequence tiles its output gradient "
+    "is [batch x sequence, hidden]: a shorter --seq-len or a smaller micro-batch shrinks it",
     "3 layer weight buffers": "--max-recompute-block 1 (max_recompute_block=1) keeps 2",
     DEVICE_RESIDENT_TERM: "--resident-update host (resident_update='host') keeps them on "
     "the host with the layers'",

@@ -2,8 +2,12 @@
 
 At long sequence one layer's backward working set outgrows the GPU: its token-wise parts
 (the MLP's [S, intermediate] tensors) first, then the whole-sequence attention call's q, o,
-dO, dQ and fp32 dQ accumulator. Tiles shrink the first to one tile's, query blocks the
-second to K, V and their gradients (`profiling/working_set.py`). Each extra tile or block
+dO, dQ and fp32 dQ accumulator and the norms' [S, hidden] outputs. Tiles shrink the first
+to one tile's; query blocks run the whole layer in sequence tiles (`engine/layer_tiles.py`),
+which leaves K, V, their gradients and one [S, hidden] gradient whole
+(`profiling/working_set.py`). Candidates whose kernels would index a tensor of 2^31
+elements or more (`working_set.int32_index_overflow`) are dropped; when all would, the
+refusal names the tensor. Each extra tile or block
 costs a kernel re-launch (`working_set.TILE_LAUNCH_S`), so the planner takes the fastest
 plan among the least-tiled candidates that can fit: untiled when it fits and tiling buys
 no speed (room for more GPU homes is the only speed tiling can buy).
@@ -26,6 +30,7 @@ from lazytrain_accel.planning.problem import Budgets, PlanInfeasibleError, build
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import with_loss_chunk, with_tiles
+from lazytrain_accel.profiling.working_set import int32_index_overflow
 
 #: Tile sizes the planner picks from, largest (fewest re-launches) first.
 TILE_CHOICES_TOKENS = tuple(2**k for k in range(18, 9, -1))  # 256K .. 1K
@@ -43,6 +48,13 @@ def tile_candidates(model: ModelProfile) -> Iterator[ModelProfile]:
         for tile in TILE_CHOICES_TOKENS:
             if tile < (model.seq_len if block else tokens):
                 yield with_tiles(model, tile, tile if block else 0)
+
+
+def index_overflow(model: ModelProfile) -> str | None:
+    """What in `model`'s layers, tiled as it says, reaches 2^31 elements (None: nothing)."""
+    return int32_index_overflow(model.geometry, batch_size=model.batch_size,
+                                seq_len=model.seq_len, tile_tokens=model.tile_tokens or 0,
+                                attention_block_tokens=model.attention_block_tokens)
 
 
 def may_fit(model: ModelProfile, hardware: HardwareProfile, budgets: Budgets, *,
@@ -63,6 +75,13 @@ def plan_tiles(model: ModelProfile, hardware: HardwareProfile,
     raises the most tiled candidate's refusal when none may fit."""
     budgets = budgets or Budgets.from_hardware(hardware)
     candidates = list(tile_candidates(model))
+    overflows = [index_overflow(c) for c in candidates]
+    if all(overflows):
+        raise PlanInfeasibleError(
+            f"at batch {model.batch_size} x seq {model.seq_len} {overflows[-1]}, at or past "
+            "2^31, where kernels' int32 index math overflows, even with the whole layer in "
+            "sequence tiles: shorten --seq-len or the micro-batch.", {})
+    candidates = [c for c, over in zip(candidates, overflows, strict=True) if over is None]
     fitting = [c for c in candidates
                if may_fit(c, hardware, budgets, max_recompute_block=max_recompute_block)]
     if not fitting:

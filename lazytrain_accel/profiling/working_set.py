@@ -9,12 +9,15 @@ kv = kv_heads x head_dim, I = intermediate, b = compute bytes per element):
 * attention, whole sequence (one SDPA flash / memory-efficient call, no S x S matrix):
   q, o, dO, dQ at q each, k, v, dK, dV at kv each, the kernel's fp32 dQ accumulator
   (4 q bytes) and the fp32 logsumexp (4 per head);
-* attention in query blocks (`attention_block_tokens` > 0, `engine/query_blocks.py`): the
-  layer around the attention call still makes and takes q, o, dO, dQ for the whole
-  sequence (its projections are not blocked), and K, V, their fp32 gradient accumulators
-  and the compute-dtype dK, dV partials of the last block's key prefix stay on the device;
-  what exists for one block only is the SDPA backward's own: the block's re-computed
-  output and dQ, its fp32 dQ accumulator and logsumexp;
+* sequence-tiled layers (`attention_block_tokens` > 0, `engine/layer_tiles.py`): the
+  whole layer runs in tiles of that many positions per sequence, its attention as the
+  tile's queries against the key prefix. Whole-sequence tensors are then only K, V, their
+  fp32 gradient accumulators and one SDPA backward's compute-dtype dK, dV partials of the
+  key prefix (attention), and the layer's output gradient arriving, which its input
+  gradient overwrites tile by tile (boundaries); everything else is one tile's: the
+  untiled formula below at the tile's tokens (its q side, its MLP in tiles of
+  `tile_tokens`, its norms and residuals: the token-wise term). Weight gradients are
+  summed over tiles in fp32 beside one tile's;
 * token-wise (the MLP, the block the engine tiles): the MLP intermediates autograd keeps
   (gate, up, act(gate), their product for a gated MLP; fc1 and its activation otherwise)
   and two I-wide transient gradients, for all tokens untiled or for one tile of
@@ -51,6 +54,8 @@ INT32_INDEX_LIMIT_ELEMS = 2**31
 ATTENTION_TERM = "one layer's attention working set"
 TOKEN_WISE_TERM = "one layer's token-wise working set (MLP, norms, projections)"
 BOUNDARY_TERM = "one layer's boundary gradients, residual and norm outputs"
+#: The boundary term of a sequence-tiled layer: its norms and residual are one tile's.
+TILED_BOUNDARY_TERM = "one layer's output gradient (overwritten by its input gradient)"
 WEIGHT_GRAD_TERM = "one layer's weight gradients"
 HEAD_WORKING_TERM = "the loss head's working set"
 #: A hand-built profile's working set, without terms.
@@ -66,6 +71,7 @@ class LayerWorkingSet:
     token_wise_bytes: int
     boundary_bytes: int
     weight_grad_bytes: int
+    sequence_tiled: bool = False  # the whole layer in tiles (`engine/layer_tiles.py`)
 
     @property
     def total_bytes(self) -> int:
@@ -76,7 +82,8 @@ class LayerWorkingSet:
         """(name, bytes) of each term, largest first, as refusals name them."""
         return tuple(sorted(((ATTENTION_TERM, self.attention_bytes),
                              (TOKEN_WISE_TERM, self.token_wise_bytes),
-                             (BOUNDARY_TERM, self.boundary_bytes),
+                             (TILED_BOUNDARY_TERM if self.sequence_tiled else BOUNDARY_TERM,
+                              self.boundary_bytes),
                              (WEIGHT_GRAD_TERM, self.weight_grad_bytes)),
                             key=lambda t: -t[1]))
 
@@ -88,8 +95,11 @@ def query_side_bytes_per_token(g: ModelGeometry, bytes_per_elem: int) -> int:
 
 
 def key_side_bytes_per_token(g: ModelGeometry, bytes_per_elem: int, *, blocked: bool) -> int:
-    """k, v, dK, dV of one key token; in query blocks dK, dV are fp32 accumulators plus
-    the compute-dtype partials one block's call returns."""
+    """k, v, dK, dV of one key token; in tiles (blocked) dK, dV are fp32 accumulators plus
+    the compute-dtype partials SDPA backward returns for the key prefix: counted for every
+    kv head, an upper bound (the engine re-runs one kv head at a time, whose partials and a
+    GQA flash kernel's expansion of them to the head's query heads are (1 + group) / kv
+    heads of this)."""
     kv = g.num_kv_heads * g.head_dim
     if blocked:
         return kv * (2 * bytes_per_elem + 2 * FP32_BYTES + 2 * bytes_per_elem)
@@ -121,23 +131,48 @@ def layer_working_set(g: ModelGeometry, *, batch_size: int, seq_len: int,
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0 (0: untiled)")
     tokens = batch_size * seq_len
+    if attention_block_tokens and attention_block_tokens < seq_len:
+        return _sequence_tiled(g, batch_size=batch_size, seq_len=seq_len,
+                               bytes_per_elem=bytes_per_elem, weights=weights,
+                               tile_tokens=tile_tokens, block_tokens=attention_block_tokens)
     tile = min(tile_tokens or tokens, tokens)
     token_wise = tile * token_wise_bytes_per_token(g, bytes_per_elem)
     boundary = tokens * boundary_bytes_per_token(g, bytes_per_elem)
-    if attention_block_tokens:
-        block = min(attention_block_tokens, seq_len)
-        whole_query = 4 * g.num_attention_heads * g.head_dim * bytes_per_elem  # q, o, dO, dQ
-        attention = (tokens * (whole_query
-                               + key_side_bytes_per_token(g, bytes_per_elem, blocked=True))
-                     + batch_size * block * query_side_bytes_per_token(g, bytes_per_elem))
-    else:
-        attention = tokens * (key_side_bytes_per_token(g, bytes_per_elem, blocked=False)
-                              + query_side_bytes_per_token(g, bytes_per_elem))
-    grad_elems = g.layer_param_count if weights is None else (
-        weights.layer_trainable_param_count + weights.layer_dequant_elems)
+    attention = tokens * (key_side_bytes_per_token(g, bytes_per_elem, blocked=False)
+                          + query_side_bytes_per_token(g, bytes_per_elem))
     return LayerWorkingSet(attention_bytes=attention, token_wise_bytes=token_wise,
                            boundary_bytes=boundary,
-                           weight_grad_bytes=grad_elems * bytes_per_elem)
+                           weight_grad_bytes=_grad_elems(g, weights) * bytes_per_elem)
+
+
+def _grad_elems(g: ModelGeometry, weights: WeightSplit | None) -> int:
+    return g.layer_param_count if weights is None else (
+        weights.layer_trainable_param_count + weights.layer_dequant_elems)
+
+
+def _sequence_tiled(g: ModelGeometry, *, batch_size: int, seq_len: int, bytes_per_elem: int,
+                    weights: WeightSplit | None, tile_tokens: int, block_tokens: int
+                    ) -> LayerWorkingSet:
+    """A layer run in tiles of `block_tokens` positions (`engine/layer_tiles.py`): K, V and
+    their gradients whole, and one [S, h] gradient (the input gradient overwrites the
+    output gradient tile by tile), one tile's working set besides
+    (the untiled formula at the tile's `batch_size` x `block_tokens` tokens, its MLP in
+    tiles of `tile_tokens`), weight gradients summed in fp32 beside one tile's."""
+    tokens = batch_size * seq_len
+    tile = batch_size * block_tokens
+    one = layer_working_set(g, batch_size=batch_size, seq_len=block_tokens,
+                            bytes_per_elem=bytes_per_elem, weights=weights,
+                            tile_tokens=tile_tokens)
+    # one tile's attention: its q side; its k, v rows are the buffers' (counted whole)
+    attention = (tokens * key_side_bytes_per_token(g, bytes_per_elem, blocked=True)
+                 + tile * query_side_bytes_per_token(g, bytes_per_elem))
+    grads = _grad_elems(g, weights)
+    return LayerWorkingSet(
+        attention_bytes=attention,
+        token_wise_bytes=one.token_wise_bytes + one.boundary_bytes,
+        boundary_bytes=tokens * g.hidden_size * bytes_per_elem,
+        weight_grad_bytes=grads * (max(bytes_per_elem, FP32_BYTES) + bytes_per_elem),
+        sequence_tiled=True)
 
 
 def extra_launches(*, batch_size: int, seq_len: int, tile_tokens: int,
@@ -158,9 +193,48 @@ def tile_overhead_s(*, batch_size: int, seq_len: int, tile_tokens: int,
     return n * TILE_LAUNCH_S, 2 * n * TILE_LAUNCH_S
 
 
+def key_pass_flops(g: ModelGeometry, *, batch_size: int, seq_len: int,
+                   attention_block_tokens: int) -> int:
+    """FLOPs a sequence-tiled layer's backward adds (`engine/layer_tiles.py`): its key pass
+    re-runs each tile up to attention, the q, k, v projections the largest part of it."""
+    if not attention_block_tokens or attention_block_tokens >= seq_len:
+        return 0
+    qkv = g.hidden_size * (g.num_attention_heads + 2 * g.num_kv_heads) * g.head_dim
+    return 2 * batch_size * seq_len * qkv
+
+
 def exceeds_int32_index(*, tokens: int, width: int) -> bool:
     """Whether a [tokens, width] tensor has more elements than int32 indexing reaches."""
     return tokens * width >= INT32_INDEX_LIMIT_ELEMS
+
+
+def int32_index_overflow(g: ModelGeometry, *, batch_size: int, seq_len: int, tile_tokens: int,
+                         attention_block_tokens: int) -> str | None:
+    """The first tensor a layer's kernels index whole that reaches 2^31 elements (int32
+    index math overflows), or None. Sequence-tiled layers index one tile's tensors and the
+    [batch x sequence, kv] K, V and their gradients (the [S, hidden] boundaries are only
+    sliced and copied); otherwise the whole [batch x sequence, hidden] hidden state and the
+    MLP's [tokens, intermediate] (per tile when tiled)."""
+    tokens = batch_size * seq_len
+    kv = g.num_kv_heads * g.head_dim
+    if attention_block_tokens and attention_block_tokens < seq_len:
+        tile = batch_size * attention_block_tokens
+        mlp = min(tile_tokens or tile, tile)
+        widths = [(f"K and V ([batch x sequence, {kv}])", tokens, kv),
+                  (f"one tile's hidden state ([{tile}, {g.hidden_size}])", tile,
+                   max(g.hidden_size, g.num_attention_heads * g.head_dim)),
+                  (f"one tile's MLP intermediate ([{mlp}, {g.intermediate_size}])", mlp,
+                   g.intermediate_size)]
+    else:
+        mlp = min(tile_tokens or tokens, tokens)
+        widths = [(f"the hidden state ([batch x sequence, {g.hidden_size}])", tokens,
+                   g.hidden_size),
+                  (f"the MLP intermediate ([{mlp}, {g.intermediate_size}])", mlp,
+                   g.intermediate_size)]
+    for what, rows, width in widths:
+        if exceeds_int32_index(tokens=rows, width=width):
+            return f"{what}: {rows * width:,} elements"
+    return None
 
 
 def device_working_terms(model: ModelProfile) -> tuple[tuple[str, int], ...]:

@@ -109,3 +109,5 @@ def test_the_int32_index_limit_is_named_before_any_kernel_runs():
         check_call(hidden, {}, attn_implementation="sdpa", verdicts={})
     check_call(torch.empty(1, 2**21, 1023, device="meta"), {}, attn_implementation="sdpa",
                verdicts={})
+    # a layer run in sequence tiles: its kernels see one tile, the refusal is gone
+    check_call(hidden, {}, attn_implementation="sdpa", verdicts={}, tiled=True)

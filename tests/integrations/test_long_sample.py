@@ -3,8 +3,9 @@ loss and gradients equal stock transformers with gradient checkpointing, the ste
 memory growth is at most half of stock's and within 15% of the planner's prediction (one
 layer's backward working set plus the boundaries the plan keeps: `bench/long_context_run.py`
 `predicted_growth_bytes` says what is counted). Each run is a fresh process, so nothing
-else in the test session is counted. 16K runs by default (~60 s on 2 shared cores), 32K is
-marked slow (~2 min)."""
+else in the test session is counted. 16K with the MLP tiled runs by default (~60 s on 2
+shared cores); 32K and the whole layer in sequence tiles at 16K are marked slow (~2 min
+each)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,15 @@ def _run(mode: str, seq: int, grads: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("seq", [16384, pytest.param(32768, marks=pytest.mark.slow)])
-def test_one_long_sample_tiled_matches_stock_checkpointing_in_half_the_memory(seq, tmp_path):
+@pytest.mark.parametrize(("mode", "seq"), [
+    ("tiled", 16384), pytest.param("tiled", 32768, marks=pytest.mark.slow),
+    pytest.param("layer", 16384, marks=pytest.mark.slow)])
+def test_one_long_sample_tiled_matches_stock_checkpointing_in_half_the_memory(mode, seq,
+                                                                              tmp_path):
+    """`tiled`: the MLP in tiles; `layer`: the whole layer in sequence tiles
+    (`engine/layer_tiles.py`), both of `TILE_TOKENS`."""
     stock = _run("stock", seq, tmp_path / "stock.pt")
-    tiled = _run("tiled", seq, tmp_path / "tiled.pt")
+    tiled = _run(mode, seq, tmp_path / "tiled.pt")
     assert tiled["loss"] == pytest.approx(stock["loss"], rel=1e-4)
     grads_stock = torch.load(tmp_path / "stock.pt")
     grads = torch.load(tmp_path / "tiled.pt")

@@ -14,7 +14,8 @@ from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.model import ModelGeometry
 from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
 from lazytrain_accel.profiling.working_set import (
-    BOUNDARY_TERM,
+    ATTENTION_TERM,
+    TILED_BOUNDARY_TERM,
     TOKEN_WISE_TERM,
     extra_launches,
     layer_working_set,
@@ -50,15 +51,20 @@ def test_terms_by_hand_for_a_small_geometry() -> None:
                               tile_tokens=64)
     assert tiled.token_wise_bytes == 64 * 6 * 128 * 2
     assert tiled.attention_bytes == whole.attention_bytes
-    blocked = layer_working_set(SMALL, batch_size=1, seq_len=256, bytes_per_elem=2,
-                                weights=None, tile_tokens=64, attention_block_tokens=64)
-    # q, o, dO, dQ for all 256 tokens (the layer's projections make and take them whole);
-    # K, V bf16 + fp32 dK, dV + bf16 partials for all 256 keys; the SDPA backward's own
-    # query side (block output and dQ, fp32 dQ accumulator, logsumexp) for 64.
-    assert blocked.attention_bytes == (256 * (4 * 64 * 2) + 256 * 32 * (4 + 8 + 4)
-                                       + 64 * (512 + 256 + 16))
-    assert blocked.boundary_bytes == whole.boundary_bytes  # dx is a new [S, h] tensor
-    assert blocked.token_wise_bytes == tiled.token_wise_bytes
+    seq_tiled = layer_working_set(SMALL, batch_size=1, seq_len=256, bytes_per_elem=2,
+                                  weights=None, tile_tokens=32, attention_block_tokens=64)
+    assert seq_tiled.sequence_tiled
+    # The whole layer in tiles of 64 positions (`engine/layer_tiles.py`): K, V bf16 + fp32
+    # dK, dV accumulators + bf16 dK, dV partials of the key prefix, for all 256 keys; one
+    # tile's query side (q, o, dO, dQ, fp32 dQ accumulator, logsumexp) for 64.
+    assert seq_tiled.attention_bytes == 256 * 32 * (4 + 8 + 4) + 64 * (512 + 256 + 16)
+    # one tile's: its MLP in tiles of 32, its dOut, dx, mid residual and norms for 64
+    assert seq_tiled.token_wise_bytes == (32 * 6 * 128 * 2
+                                          + 64 * (3 * 64 * 2 + 2 * (2 * 64 * 2 + 64 * 4)))
+    # one [S, h] gradient: dx overwrites dOut tile by tile
+    assert seq_tiled.boundary_bytes == 256 * 64 * 2
+    assert seq_tiled.weight_grad_bytes == 1000 * (4 + 2)  # fp32 sum + one tile's bf16
+    assert TILED_BOUNDARY_TERM in dict(seq_tiled.terms())
     assert extra_launches(batch_size=1, seq_len=256, tile_tokens=64,
                           attention_block_tokens=64) == 3 + 3
 
@@ -92,13 +98,27 @@ def test_750k_tokens_plan_on_one_h200_in_query_blocks() -> None:
     assert plan.solver.solve_s < 5
 
 
-@pytest.mark.parametrize(("seq_len", "tile", "term"), [(524288, 0, TOKEN_WISE_TERM),
-                                                       (2_500_000, None, BOUNDARY_TERM)])
-def test_refusals_name_the_term_left_over(seq_len: int, tile: int | None, term: str) -> None:
+@pytest.mark.parametrize(("seq_len", "tile", "hardware", "term"), [
+    (524288, 0, "h200", TOKEN_WISE_TERM), (1_500_000, None, "a100-80g", ATTENTION_TERM)])
+def test_refusals_name_the_term_left_over(seq_len: int, tile: int | None, hardware: str,
+                                          term: str) -> None:
     with pytest.raises(PlanInfeasibleError) as err:
-        make_plan(_llama(seq_len, tile), H200, PlanRequest(time_limit_s=20, diagnose_s=1))
+        make_plan(_llama(seq_len, tile), HARDWARE_PRESETS[hardware],
+                  PlanRequest(time_limit_s=20, diagnose_s=1))
     text = str(err.value)
     assert f"largest term is {term}" in text and "--seq-len" in text
+
+
+def test_2m_tokens_plan_on_one_h200_with_the_hidden_state_past_2_31() -> None:
+    plan = make_plan(_llama(2_000_000, None), H200, PlanRequest(time_limit_s=20))
+    assert plan.attention_block_tokens > 0  # the whole layer in sequence tiles
+    assert 2_000_000 * 4096 >= 2**31  # [S, hidden] past int32 indexing: the tiles chunk it
+    assert plan.prediction.peak_gpu_bytes <= H200.gpu_memory_bytes
+
+
+def test_k_and_v_past_2_31_are_refused_by_name() -> None:
+    with pytest.raises(PlanInfeasibleError, match=r"K and V .*at or past 2\^31"):
+        make_plan(_llama(2_500_000, None), H200, PlanRequest(time_limit_s=20))
 
 
 @pytest.mark.parametrize("edge", [1, 2, 3, 7, 8, 9, 100, 1023, 1024])
