@@ -53,12 +53,17 @@ def hardware_for_backend(config: LazyTrainConfig, hardware: HardwareProfile
 
 def emulation_for(config: LazyTrainConfig, hardware: HardwareProfile) -> EmulationSettings | bool:
     """The emulated async device `config` asks for on a CPU (False: the synchronous one);
-    `emulate_links="profile"` throttles each link to `hardware`'s rate."""
+    `emulate_links="profile"` throttles each link to `hardware`'s rate, a hardware JSON
+    path to that profile's (the machine drifts from the profile the plan is made for)."""
     if not config.emulate_async:
         return False
-    rates = {} if config.emulate_links == "off" else {
-        "h2d": hardware.h2d_bytes_per_s, "d2h": hardware.d2h_bytes_per_s,
-        "nvme_read": hardware.nvme_read_bytes_per_s, "nvme_write": hardware.nvme_write_bytes_per_s}
+    if config.emulate_links == "off":
+        return EmulationSettings(seed=config.emulate_seed)
+    links = hardware if config.emulate_links == "profile" else HardwareProfile.load(
+        config.emulate_links)
+    rates = {"h2d": links.h2d_bytes_per_s, "d2h": links.d2h_bytes_per_s,
+             "nvme_read": links.nvme_read_bytes_per_s,
+             "nvme_write": links.nvme_write_bytes_per_s}
     return EmulationSettings(seed=config.emulate_seed, link_bytes_per_s=rates)
 
 
@@ -128,13 +133,13 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
         return plan
     strategy = "lazytrain" if config.plan == "auto" else config.plan
     resident_update = resident_update or config.resident_update
-    budgets = Budgets.from_hardware(hardware, gpu_memory_limit_gb=config.gpu_memory_limit_gb,
-                                    cpu_memory_limit_gb=config.cpu_memory_limit_gb,
-                                    nvme_limit_gb=config.nvme_limit_gb)
+    budgets = budgets_for(config, hardware)
+    # the rates too (the fingerprint leaves them out): a calibrated profile plans anew
+    rates = {k: v for k, v in hardware.to_dict().items() if k.endswith("_per_s")}
     key = json.dumps([fingerprint, strategy, budgets.gpu_bytes, budgets.cpu_bytes,
                       budgets.nvme_bytes, config.max_recompute_block,
-                      config.loss_chunk_tokens, config.optimizer.value, resident_update],
-                     sort_keys=True)
+                      config.loss_chunk_tokens, config.optimizer.value, resident_update,
+                      rates], sort_keys=True)
     cache_path = Path(config.cache_dir) / "plans" / f"{_short_hash(key)}.json"
     if cache_path.is_file():
         try:
@@ -161,11 +166,9 @@ def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
     from lazytrain_accel.planning import PlanInfeasibleError, make_plan
     from lazytrain_accel.planning.infeasible import with_largest_batch
 
-    kwargs = dict(strategy=strategy, budgets=budgets,
-                  max_recompute_block=config.max_recompute_block,
-                  time_limit_s=config.solver_time_limit_s, resident_update=resident_update,
-                  include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT)
-    try:  # the prediction includes the host update where the hybrid 8-bit one runs it
+    kwargs = _plan_kwargs(config, strategy=strategy, budgets=budgets,
+                          resident_update=resident_update)
+    try:
         return make_plan(model_profile, hardware, **kwargs)
     except PlanInfeasibleError as err:
         def profile_at(batch_size: int) -> ModelProfile:
@@ -177,6 +180,35 @@ def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
 
         raise with_largest_batch(err, profile_at, hardware, batch_size=model_profile.batch_size,
                                  seq_len=model_profile.seq_len, **kwargs) from None
+
+
+def _plan_kwargs(config: LazyTrainConfig, *, strategy: str, budgets: Budgets,
+                 resident_update: str) -> dict:
+    """`make_plan`'s settings from `config` (the prediction includes the host update
+    where the hybrid 8-bit one runs it)."""
+    return dict(strategy=strategy, budgets=budgets,
+                max_recompute_block=config.max_recompute_block,
+                time_limit_s=config.solver_time_limit_s, resident_update=resident_update,
+                include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT)
+
+
+def budgets_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Budgets:
+    """The planner's budgets: the config's limits, else `hardware`'s capacities."""
+    return Budgets.from_hardware(hardware, gpu_memory_limit_gb=config.gpu_memory_limit_gb,
+                                 cpu_memory_limit_gb=config.cpu_memory_limit_gb,
+                                 nvme_limit_gb=config.nvme_limit_gb)
+
+
+def solve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
+               hardware: HardwareProfile, *, resident_update: str) -> Plan:
+    """A new plan of `config`'s strategy on `hardware` (no cache, no refusal search): what
+    the re-planner solves on its thread. Raises `PlanInfeasibleError` when none fits."""
+    from lazytrain_accel.planning import make_plan
+
+    strategy = "lazytrain" if config.plan == "auto" else config.plan
+    return make_plan(model_profile, hardware, **_plan_kwargs(
+        config, strategy=strategy, budgets=budgets_for(config, hardware),
+        resident_update=resident_update))
 
 
 def _short_hash(text: str) -> str:

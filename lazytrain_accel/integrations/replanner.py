@@ -1,0 +1,244 @@
+"""`Replanner`: the plan follows the machine it runs on (`replan="auto"`).
+
+Called once per optimizer step, at its boundary (`on_step`), it
+
+1. takes the step's measurements as differences of the engine's run totals
+   (`StreamingEngine.total_stats`, untouched by the progress lines' resets), skipping the
+   first `warmup_steps` (allocation, page faults, lazy init);
+2. keeps the median of each rate over recent steps (`profiling/calibration.py`) and a
+   calibrated profile once those medians have settled;
+3. when a calibrated rate differs from the one the running plan was made with by more
+   than the estimate's tolerance, solves for the calibrated profile on a background
+   thread (the solver's time limit applies there; training goes on);
+4. at the first step boundary after the solve ends, simulates both plans on the
+   calibrated profile and switches (`StreamingEngine.set_plan`) only when the new one is
+   predicted `min_gain` faster and fits the budgets; at most one switch per
+   `min_steps_between_switches` steps.
+
+A plan changes where boundaries live, never the math: losses stay bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
+
+from lazytrain_accel.engine.stats import StepStats
+from lazytrain_accel.integrations.setup import PreparedRun
+from lazytrain_accel.planning import Budgets, Plan, PlanInfeasibleError
+from lazytrain_accel.planning.simulate import simulate
+from lazytrain_accel.profiling.calibration import (
+    RateEstimate,
+    StepSample,
+    calibrate,
+    drifts,
+    format_rate,
+    ratio,
+    step_rates,
+)
+from lazytrain_accel.profiling.hardware import HardwareProfile
+
+if TYPE_CHECKING:
+    import torch
+
+    from lazytrain_accel.config import LazyTrainConfig
+
+logger = logging.getLogger("lazytrain_accel")
+
+#: Steps measured before any rate is trusted.
+WARMUP_STEPS = 3
+#: Switches are at least this many steps apart.
+MIN_STEPS_BETWEEN_SWITCHES = 20
+
+
+class ReplannedEngine(Protocol):
+    """What the re-planner needs of the engine (`StreamingEngine`)."""
+
+    plan: Plan
+
+    def total_stats(self) -> StepStats: ...
+
+    def set_plan(self, plan: Plan) -> None: ...
+
+
+class Replanner:
+    def __init__(self, *, engine: ReplannedEngine, run: PreparedRun, budgets: Budgets,
+                 solve: Callable[[PreparedRun], Plan], min_gain: float,
+                 include_optimizer: bool, adopt: Callable[[PreparedRun], None] | None = None,
+                 save_profile: Callable[[HardwareProfile], None] | None = None,
+                 warmup_steps: int = WARMUP_STEPS,
+                 min_steps_between_switches: int = MIN_STEPS_BETWEEN_SWITCHES,
+                 estimate: RateEstimate | None = None) -> None:
+        """`solve(run)` makes a plan for `run.model_profile` on `run.hardware`; `adopt(run)`
+        is told the run after a switch; `save_profile` keeps a calibrated profile."""
+        self._engine, self.run, self._budgets = engine, run, budgets
+        self._solve, self._adopt, self._save = solve, adopt, save_profile
+        self.min_gain, self._include_optimizer = min_gain, include_optimizer
+        self.warmup_steps = warmup_steps
+        self.min_steps_between_switches = min_steps_between_switches
+        self.estimate = estimate or RateEstimate()
+        self.steps = 0  # step boundaries seen
+        self.switches: list[int] = []  # the steps at which a new plan took over
+        self.calibrated: HardwareProfile | None = None  # the latest settled profile
+        self.step_s: list[float] = []  # wall seconds between boundaries, per step
+        self._last: tuple[float, StepStats] | None = None
+        self._solved_on: HardwareProfile | None = None  # the profile of the latest solve
+        self._pending: Future[Plan] | None = None
+        self._pending_on: tuple[HardwareProfile, Plan] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._predicted: tuple[HardwareProfile, Plan, float] | None = None
+
+    # ---- the step boundary -----------------------------------------------------------
+    def on_step(self) -> None:
+        """One optimizer step ended (skipped ones too): measure, maybe solve or switch."""
+        now_s, totals = time.perf_counter(), self._engine.total_stats()
+        last, self._last = self._last, (now_s, totals)
+        self.steps += 1
+        if last is not None:
+            self.step_s.append(now_s - last[0])
+        if self.steps <= self.warmup_steps:
+            return
+        self.estimate.add(step_rates(self._sample(last[1] if last else StepStats(), totals)))
+        if self._pending is not None:
+            if self._pending.done():
+                self._finish_solve()
+            return
+        if not self.estimate.settled():
+            return
+        self.calibrated = calibrate(self.run.hardware, self.estimate.medians(),
+                                    where="the engine's measurements of this run")
+        if self._too_soon() or not self._drifted_from(self._solved_on or self.run.hardware):
+            return
+        if self._save is not None:
+            self._save(self.calibrated)
+        logger.debug("lazytrain: step %d: measured rates drifted from the plan's (%s); "
+                     "solving for them", self.steps, self.calibrated.source)
+        self._start_solve(self.calibrated)
+
+    def _sample(self, before: StepStats, after: StepStats) -> StepSample:
+        model = self.run.model_profile
+        runs = {k: getattr(after, k) - getattr(before, k)
+                for k in ("layer_forwards", "layer_recomputes", "layer_backwards")}
+        flops = ((runs["layer_forwards"] + runs["layer_recomputes"] + runs["layer_backwards"])
+                 * model.layer_fwd_flops + runs["layer_backwards"] * model.layer_bwd_flops)
+        updated = model.trainable_param_count - (
+            model.resident_trainable_param_count if self._engine.plan.resident_update
+            == "device" else 0)
+        return StepSample(
+            transfer_s={k: v - before.transfer_s[k] for k, v in after.transfer_s.items()},
+            transfer_bytes={k: v - before.transfer_bytes[k]
+                            for k, v in after.transfer_bytes.items()},
+            layer_compute_s=(after.compute_s + after.recompute_s
+                             - before.compute_s - before.recompute_s),
+            layer_flops=flops, optimizer_update_s=after.optimizer_update_s
+            - before.optimizer_update_s, updated_param_count=updated)
+
+    def _too_soon(self) -> bool:
+        return bool(self.switches) and (self.steps - self.switches[-1]
+                                        < self.min_steps_between_switches)
+
+    def _drifted_from(self, planned: HardwareProfile) -> bool:
+        """Whether a calibrated rate is farther from `planned`'s than the estimate's noise."""
+        return any(ratio(new, old) > 1 + self.estimate.tolerance
+                   for _, old, new in drifts(planned, self.calibrated))
+
+    # ---- the solve and the switch ----------------------------------------------------
+    def _start_solve(self, hardware: HardwareProfile) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1,
+                                                thread_name_prefix="lazytrain-replan")
+        run = replace(self.run, hardware=hardware)
+        self._pending_on = (hardware, self._engine.plan)
+        self._pending = self._executor.submit(self._solve, run)
+
+    def _finish_solve(self) -> None:
+        future, self._pending = self._pending, None
+        hardware, was_running = self._pending_on
+        self._solved_on = hardware
+        try:
+            plan = future.result()
+        except PlanInfeasibleError as err:
+            logger.warning("lazytrain: no plan fits at the measured rates (%s); keeping the "
+                           "running plan", err)
+            return
+        if self._engine.plan is not was_running:
+            return  # the run re-planned meanwhile (a longer batch): this solve is stale
+        old_s = self._step_on(was_running, hardware)
+        new_s = plan.prediction.step_s
+        if new_s > (1 - self.min_gain) * old_s or not self._fits(plan):
+            logger.debug("lazytrain: step %d: the plan for the measured rates predicts %.3f "
+                         "s, the running one %.3f s (fits the budgets: %s; solved in %.2f s, "
+                         "%s); keeping it", self.steps, new_s, old_s, self._fits(plan),
+                         plan.solver.solve_s, plan.solver.status)
+            return
+        self._engine.set_plan(plan)
+        planned_on = self.run.hardware
+        self.run = replace(self.run, hardware=hardware, plan=plan)
+        self.switches.append(self.steps)
+        if self._adopt is not None:
+            self._adopt(self.run)
+        rate, before, after = drifts(planned_on, hardware)[0]
+        logger.info("lazytrain: re-planned at step %d: the measured %s, the plan assumed "
+                    "%s; predicted step at the measured rates %.3f s with the new plan, "
+                    "%.3f s with the old one", self.steps, format_rate(rate, after),
+                    format_rate(rate, before), new_s, old_s)
+
+    def _fits(self, plan: Plan) -> bool:
+        """The simulated peaks within the budgets (as `make_plan` checks them)."""
+        p, b = plan.prediction, self._budgets
+        return (p.peak_gpu_bytes <= b.gpu_bytes and p.peak_cpu_bytes <= b.cpu_bytes
+                and p.peak_nvme_bytes <= b.nvme_bytes)
+
+    def _step_on(self, plan: Plan, hardware: HardwareProfile) -> float:
+        return simulate(plan, self.run.model_profile, hardware,
+                        include_optimizer=self._include_optimizer).step_s
+
+    # ---- what a progress line shows --------------------------------------------------
+    @property
+    def predicted_step_s(self) -> float:
+        """The running plan's step: on the calibrated profile once there is one, else its
+        own prediction."""
+        plan, hardware = self._engine.plan, self.calibrated
+        if hardware is None:
+            return plan.prediction.step_s
+        if (self._predicted is None or self._predicted[0] is not hardware
+                or self._predicted[1] is not plan):
+            self._predicted = (hardware, plan, self._step_on(plan, hardware))
+        return self._predicted[2]
+
+    def close(self) -> None:
+        """Let a running solve end on its own (bounded by the solver's time limit)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+def replanner_for(config: LazyTrainConfig, *, engine: ReplannedEngine, run: PreparedRun,
+                  adopt: Callable[[PreparedRun], None], device: torch.device) -> Replanner:
+    """The re-planner of a run of `config`; a profile measured on this machine
+    (`hardware="auto"`, links not emulated) is saved calibrated for the next run."""
+    from lazytrain_accel.config import OptimizerChoice
+    from lazytrain_accel.integrations import setup
+
+    save = None
+    if config.hardware == "auto" and not config.emulate_async:
+        from lazytrain_accel.profiling.measure import save_calibrated
+
+        def save(profile: HardwareProfile) -> None:
+            try:
+                save_calibrated(profile, cache_dir=config.cache_dir, nvme_dir=config.nvme_dir,
+                                device=device)
+            except OSError as err:  # a read-only cache must not stop training
+                logger.warning("lazytrain: could not keep the calibrated profile (%s)", err)
+
+    resident_update = engine.plan.resident_update
+    return Replanner(
+        engine=engine, run=run, budgets=setup.budgets_for(config, run.hardware),
+        solve=lambda r: setup.solve_plan(config, r.model_profile, r.hardware,
+                                         resident_update=resident_update),
+        min_gain=config.replan_min_gain, adopt=adopt, save_profile=save,
+        include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT)
