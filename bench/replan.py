@@ -36,7 +36,7 @@ from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
 #: Boundaries the GPU budget holds beside its fixed bytes, and the host budget beside its.
 GPU_BOUNDARIES, CPU_BOUNDARIES = 8, 3
 #: NVMe rates: as emulated (true) and as the profile claims (20x faster).
-TRUE_NVME_BYTES_PER_S = 5e5
+TRUE_NVME_BYTES_PER_S = 1e6
 CLAIMED_NVME_BYTES_PER_S = 20 * TRUE_NVME_BYTES_PER_S
 #: Steps averaged for the comparison (1-based, inclusive).
 MEASURED_STEPS = (8, 10)

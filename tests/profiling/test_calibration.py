@@ -60,3 +60,17 @@ def test_calibrate_replaces_the_measured_rates_only_and_drifts_names_the_largest
     assert again.name == "calibrated-h800" and again.source.count("| base:") == 1
     name, before, after = drifts(h800, calibrated)[0]
     assert (name, before, after) == ("nvme_read", h800.nvme_read_bytes_per_s, 1e8)
+
+
+def test_run_totals_survive_the_period_resets_other_readers_make() -> None:
+    from lazytrain_accel.engine.stats import Accounting
+
+    acct = Accounting()
+    acct.add_transfer("h2d", 0.5, 100)
+    acct.add("compute_s", 1.0)
+    acct.reset()  # a progress line's interval ended
+    acct.add_transfer("h2d", 0.25, 50)
+    assert acct.snapshot().transfer_bytes["h2d"] == 50
+    totals = acct.totals()
+    assert totals.transfer_bytes["h2d"] == 150 and totals.transfer_s["h2d"] == 0.75
+    assert totals.compute_s == 1.0 and acct.snapshot().compute_s == 0.0
