@@ -120,6 +120,14 @@ def calibrate(hardware: HardwareProfile, rates: Mapping[str, float], *,
                    source=f"calibrated by {where}: {measured} | base: {base}")
 
 
+def calibration_note(hardware: HardwareProfile) -> str | None:
+    """What calibrated `hardware` and the rates it measured (`calibrate`'s note), or None
+    for a profile no run calibrated."""
+    if not hardware.name.startswith("calibrated-"):
+        return None
+    return hardware.source.split(" | base: ", 1)[0]
+
+
 def drifts(planned: HardwareProfile, measured: HardwareProfile) -> list[tuple[str, float, float]]:
     """(rate, planned value, measured value) of every calibrated rate, the one that
     drifted most first."""
