@@ -6,9 +6,10 @@ same seeded steps, side by side in one process:
 
 * off: `replan="off"`, the plan for the claimed rates all along;
 * auto: `replan="auto"`, which measures the slow NVMe and switches plans;
-* true: the plan for the true rates from the start: the rates "auto" measured (the
-  emulated links deliver less than their throttle: each copy also pays the worker
-  thread's overhead and the GIL), with the emulated links as in the other two.
+* true: the plan for the true rates from the start: the rates "auto" measured and
+  re-planned for (the emulated links deliver less than their throttle: each copy also
+  pays the worker thread's overhead and the GIL), with the emulated links as in the
+  other two.
 
     python bench/replan.py [--steps 12]
 
@@ -86,7 +87,9 @@ class RunResult:
     step_s: list[float] = field(default_factory=list)
     switches: list[int] = field(default_factory=list)
     homes: list[str] = field(default_factory=list)  # the plan's at the end
-    calibrated: HardwareProfile | None = None  # the re-planner's latest, if any
+    calibrated: HardwareProfile | None = None  # the re-planner's latest settled, if any
+    planned_on: HardwareProfile | None = None  # the profile the plan at the end was made for
+    measured_rates: dict[str, float] = field(default_factory=dict)  # the medians at the end
 
     def mean_step_s(self, first: int, last: int) -> float:
         """Mean wall seconds of steps `first..last` (1-based, inclusive)."""
@@ -124,6 +127,7 @@ def run(*, hardware: HardwareProfile, links: HardwareProfile, replan: str, steps
     replanner = accelerator.lazytrain_replanner
     if replanner is not None:
         out.switches, out.calibrated = list(replanner.switches), replanner.calibrated
+        out.planned_on, out.measured_rates = replanner.run.hardware, replanner.estimate.medians()
     out.homes = [h.value for h in accelerator.lazytrain_engine.plan.homes]
     accelerator.end_training()
     return out
@@ -134,9 +138,9 @@ def compare(steps: int, workdir: Path) -> dict[str, RunResult]:
     truth, claimed = true_profile(), claimed_profile()
     runs = {name: run(hardware=claimed, links=truth, replan=name, steps=steps,
                       workdir=workdir / name) for name in ("off", "auto")}
-    if runs["auto"].calibrated is None:
-        raise RuntimeError(f"replan='auto' calibrated nothing in {steps} steps; run more")
-    runs["true"] = run(hardware=runs["auto"].calibrated, links=truth, replan="off",
+    if not runs["auto"].switches:
+        raise RuntimeError(f"replan='auto' did not re-plan in {steps} steps; run more")
+    runs["true"] = run(hardware=runs["auto"].planned_on, links=truth, replan="off",
                        steps=steps, workdir=workdir / "true")
     return runs
 

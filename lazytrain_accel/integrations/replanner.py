@@ -6,10 +6,15 @@ Called once per optimizer step, at its boundary (`on_step`), it
    (`StreamingEngine.total_stats`, untouched by the progress lines' resets), skipping the
    first `warmup_steps` (allocation, page faults, lazy init);
 2. keeps the median of each rate over recent steps (`profiling/calibration.py`) and a
-   calibrated profile once those medians have settled;
-3. when a calibrated rate differs from the one the running plan was made with by more
-   than the estimate's tolerance, solves for the calibrated profile on a background
-   thread (the solver's time limit applies there; training goes on);
+   calibrated profile once those medians have settled (`predicted_step_s` prices the
+   running plan on it);
+3. when a rate's median differs from the one the running plan was made with (or the
+   latest solve was) by more than `drift_factor`, and that rate has settled, solves for
+   the measured profile (every median, settled or not) on a background thread (the
+   solver's time limit applies there; training goes on: the solver runs without the GIL).
+   The solve is limited to about one step (`SOLVE_STEPS`), within the solver's own
+   limit: the MIP finds its best plan early and spends the rest proving it (8 layers: the
+   plan within 0.5 s, the proof at 2.9 s), and a switch can only wait for the solve;
 4. at the first step boundary after the solve ends, simulates both plans on the
    calibrated profile and switches (`StreamingEngine.set_plan`) only when the new one is
    predicted `min_gain` faster and fits the budgets; at most one switch per
@@ -21,6 +26,7 @@ A plan changes where boundaries live, never the math: losses stay bit for bit.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -53,6 +59,16 @@ logger = logging.getLogger("lazytrain_accel")
 WARMUP_STEPS = 3
 #: Switches are at least this many steps apart.
 MIN_STEPS_BETWEEN_SWITCHES = 20
+#: A solve starts when a measured rate is this factor off the plan's. A smaller drift is
+#: within what the rates of a busy machine swing by (the emulated links measured 1.1-2.3x
+#: below their throttle on a loaded 2-core VM) and seldom moves the best plan by
+#: `replan_min_gain`; each solve takes a core from training. The 20x drifts of a wrong
+#: preset or a contended NVMe are far beyond it.
+DRIFT_FACTOR = 1.5
+#: A re-plan's solve is limited to this many recent (median) steps' time.
+SOLVE_STEPS = 1.0
+#: ... and to at least this, seconds: a fast step must not starve the solver.
+MIN_SOLVE_S = 0.2
 
 
 class ReplannedEngine(Protocol):
@@ -67,19 +83,25 @@ class ReplannedEngine(Protocol):
 
 class Replanner:
     def __init__(self, *, engine: ReplannedEngine, run: PreparedRun, budgets: Budgets,
-                 solve: Callable[[PreparedRun], Plan], min_gain: float,
+                 solve: Callable[[PreparedRun, float], Plan], min_gain: float,
                  include_optimizer: bool, adopt: Callable[[PreparedRun], None] | None = None,
                  save_profile: Callable[[HardwareProfile], None] | None = None,
                  warmup_steps: int = WARMUP_STEPS,
                  min_steps_between_switches: int = MIN_STEPS_BETWEEN_SWITCHES,
+                 drift_factor: float = DRIFT_FACTOR,
                  estimate: RateEstimate | None = None) -> None:
-        """`solve(run)` makes a plan for `run.model_profile` on `run.hardware`; `adopt(run)`
+        """`solve(run, time_limit_s)` makes a plan for `run.model_profile` on `run.hardware`
+        (the solver's own limit, if lower, applies); `adopt(run)`
         is told the run after a switch; `save_profile` keeps a calibrated profile."""
         self._engine, self.run, self._budgets = engine, run, budgets
         self._solve, self._adopt, self._save = solve, adopt, save_profile
         self.min_gain, self._include_optimizer = min_gain, include_optimizer
         self.warmup_steps = warmup_steps
         self.min_steps_between_switches = min_steps_between_switches
+        if not drift_factor > 1:
+            raise ValueError(f"drift_factor={drift_factor} must be > 1 (a rate this factor "
+                             "off the plan's starts a solve)")
+        self.drift_factor = drift_factor
         self.estimate = estimate or RateEstimate()
         self.steps = 0  # step boundaries seen
         self.switches: list[int] = []  # the steps at which a new plan took over
@@ -107,17 +129,20 @@ class Replanner:
             if self._pending.done():
                 self._finish_solve()
             return
-        if not self.estimate.settled():
-            return
-        self.calibrated = calibrate(self.run.hardware, self.estimate.medians(),
-                                    where="the engine's measurements of this run")
-        if self._too_soon() or not self._drifted_from(self._solved_on or self.run.hardware):
+        measured = calibrate(self.run.hardware, self.estimate.medians(),
+                             where="the engine's measurements of this run")
+        if self.estimate.settled():
+            self.calibrated = measured
+        drifted = [name for name in self._drifted_from(self._solved_on or self.run.hardware,
+                                                       measured)
+                   if self.estimate.settled([name])]  # a rate still moving is no cause yet
+        if self._too_soon() or not drifted:
             return
         if self._save is not None:
-            self._save(self.calibrated)
-        logger.debug("lazytrain: step %d: measured rates drifted from the plan's (%s); "
-                     "solving for them", self.steps, self.calibrated.source)
-        self._start_solve(self.calibrated)
+            self._save(measured)
+        logger.debug("lazytrain: step %d: %s drifted from the plan's rates (%s); solving "
+                     "for them", self.steps, ", ".join(drifted), measured.source)
+        self._start_solve(measured)
 
     def _sample(self, before: StepStats, after: StepStats) -> StepSample:
         model = self.run.model_profile
@@ -141,10 +166,11 @@ class Replanner:
         return bool(self.switches) and (self.steps - self.switches[-1]
                                         < self.min_steps_between_switches)
 
-    def _drifted_from(self, planned: HardwareProfile) -> bool:
-        """Whether a calibrated rate is farther from `planned`'s than the estimate's noise."""
-        return any(ratio(new, old) > 1 + self.estimate.tolerance
-                   for _, old, new in drifts(planned, self.calibrated))
+    def _drifted_from(self, planned: HardwareProfile, measured: HardwareProfile) -> list[str]:
+        """The measured rates more than `drift_factor` off `planned`'s."""
+        medians = self.estimate.medians()
+        return [name for name, old, new in drifts(planned, measured)
+                if name in medians and ratio(new, old) > self.drift_factor]
 
     # ---- the solve and the switch ----------------------------------------------------
     def _start_solve(self, hardware: HardwareProfile) -> None:
@@ -153,7 +179,9 @@ class Replanner:
                                                 thread_name_prefix="lazytrain-replan")
         run = replace(self.run, hardware=hardware)
         self._pending_on = (hardware, self._engine.plan)
-        self._pending = self._executor.submit(self._solve, run)
+        recent_s = self.step_s[-self.estimate.window_steps:]
+        time_limit_s = max(SOLVE_STEPS * statistics.median(recent_s), MIN_SOLVE_S)
+        self._pending = self._executor.submit(self._solve, run, time_limit_s)
 
     def _finish_solve(self) -> None:
         future, self._pending = self._pending, None
@@ -217,6 +245,12 @@ class Replanner:
             self._executor = None
 
 
+def predicted_step_s(replanner: Replanner | None, plan: Plan) -> float:
+    """The step a progress line prints beside the measured one: the running plan's at the
+    calibrated rates once `replanner` has them, else the plan's own prediction."""
+    return plan.prediction.step_s if replanner is None else replanner.predicted_step_s
+
+
 def replanner_for(config: LazyTrainConfig, *, engine: ReplannedEngine, run: PreparedRun,
                   adopt: Callable[[PreparedRun], None], device: torch.device) -> Replanner:
     """The re-planner of a run of `config`; a profile measured on this machine
@@ -238,7 +272,8 @@ def replanner_for(config: LazyTrainConfig, *, engine: ReplannedEngine, run: Prep
     resident_update = engine.plan.resident_update
     return Replanner(
         engine=engine, run=run, budgets=setup.budgets_for(config, run.hardware),
-        solve=lambda r: setup.solve_plan(config, r.model_profile, r.hardware,
-                                         resident_update=resident_update),
+        solve=lambda r, time_limit_s: setup.solve_plan(
+            config, r.model_profile, r.hardware, resident_update=resident_update,
+            time_limit_s=min(time_limit_s, config.solver_time_limit_s)),
         min_gain=config.replan_min_gain, adopt=adopt, save_profile=save,
         include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT)

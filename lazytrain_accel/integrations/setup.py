@@ -200,15 +200,17 @@ def budgets_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Budgets:
 
 
 def solve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
-               hardware: HardwareProfile, *, resident_update: str) -> Plan:
-    """A new plan of `config`'s strategy on `hardware` (no cache, no refusal search): what
-    the re-planner solves on its thread. Raises `PlanInfeasibleError` when none fits."""
+               hardware: HardwareProfile, *, resident_update: str,
+               time_limit_s: float) -> Plan:
+    """A new plan of `config`'s strategy on `hardware` (no cache, no refusal search) within
+    `time_limit_s`: what the re-planner solves on its thread. Raises `PlanInfeasibleError`
+    when none fits."""
     from lazytrain_accel.planning import make_plan
 
     strategy = "lazytrain" if config.plan == "auto" else config.plan
-    return make_plan(model_profile, hardware, **_plan_kwargs(
-        config, strategy=strategy, budgets=budgets_for(config, hardware),
-        resident_update=resident_update))
+    kwargs = _plan_kwargs(config, strategy=strategy, budgets=budgets_for(config, hardware),
+                          resident_update=resident_update)
+    return make_plan(model_profile, hardware, **{**kwargs, "time_limit_s": time_limit_s})
 
 
 def _short_hash(text: str) -> str:

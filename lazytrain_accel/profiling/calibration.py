@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 
 from lazytrain_accel.profiling.hardware import HardwareProfile
@@ -91,15 +91,17 @@ class RateEstimate:
     def medians(self) -> dict[str, float]:
         return {name: statistics.median(values) for name, values in self._recent.items()}
 
-    def settled(self) -> bool:
-        """Whether each rate has a full window and its median stayed within `tolerance`
-        over the last `settle_steps` steps."""
-        if len(self._history) < self.settle_steps or not self._recent:
+    def settled(self, names: Collection[str] | None = None) -> bool:
+        """Whether each rate of `names` (default: every rate measured) has a full window and
+        its median stayed within `tolerance` over the last `settle_steps` steps."""
+        names = self._recent.keys() if names is None else names
+        if len(self._history) < self.settle_steps or not names:
             return False
-        if any(len(values) < self.window_steps for values in self._recent.values()):
+        if any(len(self._recent.get(name, ())) < self.window_steps for name in names):
             return False
-        return all(max(ratio(h.get(name, m), m) for h in self._history) <= 1 + self.tolerance
-                   for name, m in self._history[-1].items())
+        last = self._history[-1]
+        return all(max(ratio(h.get(name, last[name]), last[name]) for h in self._history)
+                   <= 1 + self.tolerance for name in names)
 
 
 def ratio(a: float, b: float) -> float:
