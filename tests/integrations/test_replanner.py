@@ -1,14 +1,19 @@
-"""The emulated device's drift tools the re-planner's tests use: a link's rate changed
-mid-run, links throttled to another profile than the plan's. Workload: bench/replan.py."""
+"""replan="auto" on the emulated async device (issue 24): a profile that matches what the
+engine measures is left alone; a link that slows mid-run gets exactly one re-plan, logged
+with the drifted rate. And the drift tools these use. Workload and runs: bench/replan.py
+(which also runs the 20x-wrong profile: off / auto / true-rate plan)."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from lazytrain_accel.profiling.calibration import calibrate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 replan = pytest.importorskip("replan")
@@ -20,6 +25,44 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def measured_profile(tmp_path_factory: pytest.TempPathFactory):
+    """The rates the engine measures on this machine, now: the emulated links deliver less
+    than their throttle (each copy also pays its worker thread and the GIL), so "links
+    equal to the profile" means equal to what a warm-up measured, not to the throttle."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        warmup = replan.run(hardware=replan.true_profile(), links=replan.true_profile(),
+                            replan="auto", steps=8,
+                            workdir=tmp_path_factory.mktemp("warmup"))
+    finally:
+        torch.set_num_threads(threads)
+    return calibrate(replan.true_profile(), warmup.measured_rates, where="a warm-up run")
+
+
+def test_a_profile_that_matches_the_measured_links_is_never_replanned(
+        tmp_path, measured_profile) -> None:
+    result = replan.run(hardware=measured_profile, links=replan.true_profile(),
+                        replan="auto", steps=30, workdir=tmp_path)
+    assert result.switches == [] and result.calibrated is not None
+
+
+def test_a_link_slowed_at_step_10_is_replanned_once_and_named(
+        tmp_path, caplog, measured_profile) -> None:
+    fast = {"nvme_read_bytes_per_s": replan.CLAIMED_NVME_BYTES_PER_S,
+            "nvme_write_bytes_per_s": replan.CLAIMED_NVME_BYTES_PER_S}
+    claimed = dataclasses.replace(measured_profile, **fast)
+    links = dataclasses.replace(replan.true_profile(), **fast)  # right until step 10
+    with caplog.at_level(logging.INFO, logger="lazytrain_accel"):
+        result = replan.run(hardware=claimed, links=links, replan="auto", steps=18,
+                            workdir=tmp_path,
+                            drift=(10, "nvme_write", replan.TRUE_NVME_BYTES_PER_S))
+    lines = [r.getMessage() for r in caplog.records if "re-planned" in r.getMessage()]
+    assert len(result.switches) == 1 and result.switches[0] > 10, result.switches
+    assert len(lines) == 1 and "the measured nvme_write 0.00" in lines[0], lines  # ~1 MB/s
 
 
 def test_set_link_rate_changes_the_throttle_of_the_next_copy() -> None:
