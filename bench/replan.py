@@ -11,16 +11,21 @@ same seeded steps, side by side in one process:
   pays the worker thread's overhead and the GIL), with the emulated links as in the
   other two.
 
-    python bench/replan.py [--steps 12]
+    python bench/replan.py [--steps 20]
 
-prints each run's mean step over steps 8-10 (1-based), its ratio to "off" and to "true",
-the step at which "auto" switched, and whether the losses are equal.
+prints each run's mean step over steps 8-10 (1-based: the issue's window) and over the
+steps from the second after "auto" switched to the last (`after_switch`; the same steps
+of every run), their ratios to "off" and to "true", each final plan's step as the simulator
+prices it on the profile "auto" calibrated over its measured step after the switch (how
+well the calibrated simulator ranks the plans), the steps at which "auto" switched (and
+went back), and whether the losses are equal.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -31,15 +36,18 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
 from lazytrain_accel.integrations import setup
+from lazytrain_accel.planning import Plan
 from lazytrain_accel.planning.problem import build_problem
+from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
+from lazytrain_accel.profiling.model import ModelProfile
 
 #: Boundaries the GPU budget holds beside its fixed bytes, and the host budget beside its.
 GPU_BOUNDARIES, CPU_BOUNDARIES = 8, 3
 #: NVMe rates: as emulated (true) and as the profile claims (20x faster).
 TRUE_NVME_BYTES_PER_S = 1e6
 CLAIMED_NVME_BYTES_PER_S = 20 * TRUE_NVME_BYTES_PER_S
-#: Steps averaged for the comparison (1-based, inclusive).
+#: Steps averaged for the comparison (1-based, inclusive): the issue's window.
 MEASURED_STEPS = (8, 10)
 
 
@@ -86,7 +94,10 @@ class RunResult:
     losses: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
     switches: list[int] = field(default_factory=list)
+    reverts: list[int] = field(default_factory=list)
     homes: list[str] = field(default_factory=list)  # the plan's at the end
+    plan: Plan | None = None  # the plan at the end
+    model_profile: ModelProfile | None = None
     calibrated: HardwareProfile | None = None  # the re-planner's latest settled, if any
     planned_on: HardwareProfile | None = None  # the profile the plan at the end was made for
     measured_rates: dict[str, float] = field(default_factory=dict)  # the medians at the end
@@ -94,6 +105,11 @@ class RunResult:
     def mean_step_s(self, first: int, last: int) -> float:
         """Mean wall seconds of steps `first..last` (1-based, inclusive)."""
         return sum(self.step_s[first - 1:last]) / (last - first + 1)
+
+    def median_step_s(self, first: int, last: int) -> float:
+        """Median wall seconds of steps `first..last` (1-based, inclusive): one step of a
+        burst of load on a shared machine moves it less than the mean."""
+        return statistics.median(self.step_s[first - 1:last])
 
 
 def run(*, hardware: HardwareProfile, links: HardwareProfile, replan: str, steps: int,
@@ -127,8 +143,11 @@ def run(*, hardware: HardwareProfile, links: HardwareProfile, replan: str, steps
     replanner = accelerator.lazytrain_replanner
     if replanner is not None:
         out.switches, out.calibrated = list(replanner.switches), replanner.calibrated
+        out.reverts = list(replanner.reverts)
         out.planned_on, out.measured_rates = replanner.run.hardware, replanner.estimate.medians()
-    out.homes = [h.value for h in accelerator.lazytrain_engine.plan.homes]
+    out.plan, out.model_profile = accelerator.lazytrain_engine.plan, \
+        accelerator.lazytrain_run.model_profile
+    out.homes = [h.value for h in out.plan.homes]
     accelerator.end_training()
     return out
 
@@ -145,22 +164,43 @@ def compare(steps: int, workdir: Path) -> dict[str, RunResult]:
     return runs
 
 
+def after_switch(runs: dict[str, RunResult]) -> tuple[int, int]:
+    """From the second step after "auto"'s first switch to the last (1-based, inclusive):
+    the first step on a new plan also moves boundaries between homes."""
+    return runs["auto"].switches[0] + 2, len(runs["auto"].step_s)
+
+
+def calibrated_step_s(result: RunResult, calibrated: HardwareProfile) -> float:
+    """`result`'s final plan's step as the simulator prices it on `calibrated`."""
+    return simulate(result.plan, result.model_profile, calibrated).step_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         runs = compare(args.steps, Path(tmp))
-    first, last = MEASURED_STEPS
-    mean = {name: r.mean_step_s(first, last) for name, r in runs.items()}
-    print(f"mean step over steps {first}-{last} (s), NVMe claimed "
-          f"{CLAIMED_NVME_BYTES_PER_S / 1e6:.0f} MB/s, emulated {TRUE_NVME_BYTES_PER_S / 1e6:.0f}"
-          " MB/s")
-    print(f"{'run':6s} {'step_s':>8s} {'/off':>6s} {'/true':>6s}  switches  homes at the end")
+    windows = {"8-10": MEASURED_STEPS, "after": after_switch(runs)}
+    if windows["after"][0] > args.steps:
+        raise SystemExit(f"auto switched at step {runs['auto'].switches[0]}: run more "
+                         "--steps")
+    mean = {(w, name): r.mean_step_s(*steps) for w, steps in windows.items()
+            for name, r in runs.items()}
+    print(f"mean step (s), NVMe claimed {CLAIMED_NVME_BYTES_PER_S / 1e6:.0f} MB/s, emulated "
+          f"{TRUE_NVME_BYTES_PER_S / 1e6:.0f} MB/s; after = steps "
+          f"{windows['after'][0]}-{windows['after'][1]}")
+    calibrated = runs["auto"].calibrated
+    print(f"{'run':6s} " + " ".join(f"{w + ' ' + c:>12s}" for w in windows
+                                     for c in ("s", "/off", "/true"))
+          + f" {'sim/meas':>8s}  switches  reverts  homes at the end")
     for name, r in runs.items():
-        print(f"{name:6s} {mean[name]:8.3f} {mean[name] / mean['off']:6.2f} "
-              f"{mean[name] / mean['true']:6.2f}  {r.switches!s:8s}  {' '.join(r.homes)}")
+        cells = " ".join(f"{mean[w, name]:12.3f} {mean[w, name] / mean[w, 'off']:12.2f} "
+                         f"{mean[w, name] / mean[w, 'true']:12.2f}" for w in windows)
+        sim = calibrated_step_s(r, calibrated) / mean["after", name]
+        print(f"{name:6s} {cells} {sim:8.2f}  {r.switches!s:8s}  {r.reverts!s:7s}  "
+              f"{' '.join(r.homes)}")
     equal = runs["auto"].losses == runs["off"].losses == runs["true"].losses
     print(f"losses equal across the three runs: {equal}")
 
