@@ -41,6 +41,7 @@ from lazytrain_accel.integrations.setup import PreparedRun
 from lazytrain_accel.planning import Budgets, Plan, PlanInfeasibleError
 from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.calibration import (
+    RATE_FIELDS,
     RateEstimate,
     StepSample,
     calibrate,
@@ -113,7 +114,10 @@ class Replanner:
         self._last: tuple[float, StepStats] | None = None
         self._solved_on: HardwareProfile | None = None  # the profile of the latest solve
         self._pending: Future[Plan] | None = None
-        self._pending_on: tuple[HardwareProfile, Plan] | None = None
+        self._pending_on: tuple[HardwareProfile, Plan, list[str]] | None = None
+        # A solved plan waiting for its rates to settle: (the profile it was solved on, the
+        # plan, the plan running then, the rates that drifted).
+        self._candidate: tuple[HardwareProfile, Plan, Plan, list[str]] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._predicted: tuple[HardwareProfile, Plan, float] | None = None
         # After a switch: (the median step before it, the plan and run it replaced).
@@ -132,24 +136,27 @@ class Replanner:
         self.estimate.add(step_rates(self._sample(last[1] if last else StepStats(), totals)))
         if self._guard is not None and self.steps - self.switches[-1] >= GUARD_STEPS:
             self._judge_switch()
-        if self._pending is not None:
-            if self._pending.done():
-                self._finish_solve()
-            return
         measured = calibrate(self.run.hardware, self.estimate.medians(),
                              where="the engine's measurements of this run")
         if self.estimate.settled():
             self.calibrated = measured
-        drifted = [name for name in self._drifted_from(self._solved_on or self.run.hardware,
-                                                       measured)
-                   if self.estimate.settled([name])]  # a rate still moving is no cause yet
+        if self._pending is not None:
+            if not self._pending.done():
+                return
+            self._collect_solve()
+        if self._candidate is not None:
+            self._consider_candidate(measured)
+            return
+        drifted = self._drifted_from(self._solved_on or self.run.hardware, measured)
         if self._too_soon() or not drifted:
             return
-        if self._save is not None:
+        # Solved at once, on the medians so far: a 20x drift shows in one step, and the
+        # solve (seconds) runs while the estimate settles; the switch waits for that.
+        if self._save is not None and self.estimate.settled(drifted):
             self._save(measured)
         logger.debug("lazytrain: step %d: %s drifted from the plan's rates (%s); solving "
                      "for them", self.steps, ", ".join(drifted), measured.source)
-        self._start_solve(measured)
+        self._start_solve(measured, drifted)
 
     def _sample(self, before: StepStats, after: StepStats) -> StepSample:
         model = self.run.model_profile
@@ -180,49 +187,90 @@ class Replanner:
                 if name in medians and ratio(new, old) > self.drift_factor]
 
     # ---- the solve and the switch ----------------------------------------------------
-    def _start_solve(self, hardware: HardwareProfile) -> None:
+    def _start_solve(self, hardware: HardwareProfile, drifted: list[str]) -> None:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="lazytrain-replan")
         run = replace(self.run, hardware=hardware)
-        self._pending_on = (hardware, self._engine.plan)
+        self._pending_on = (hardware, self._engine.plan, drifted)
         self._pending = self._executor.submit(self._solve, run)
 
-    def _finish_solve(self) -> None:
+    def _collect_solve(self) -> None:
+        """The background solve ended: its plan waits as the candidate (`_consider_candidate`)."""
         future, self._pending = self._pending, None
-        hardware, was_running = self._pending_on
-        self._solved_on = hardware
+        hardware, was_running, drifted = self._pending_on
         try:
             plan = future.result()
         except PlanInfeasibleError as err:
+            self._solved_on = hardware
             logger.warning("lazytrain: no plan fits at the measured rates (%s); keeping the "
                            "running plan", err)
             return
+        self._candidate = (hardware, plan, was_running, drifted)
+
+    def _consider_candidate(self, measured: HardwareProfile) -> None:
+        """Judge the solved plan on the medians now: switch when it is predicted `min_gain`
+        faster than the running one whatever the rates still moving turn out to be (priced
+        with them at their medians and at the values the plan assumed), keep the running
+        plan when it is not (a rate drifting from the profile of that solve solves again),
+        and wait while the answer depends on a rate still moving."""
+        hardware, plan, was_running, drifted = self._candidate
         if self._engine.plan is not was_running:
-            return  # the run re-planned meanwhile (a longer batch): this solve is stale
-        # Both plans priced by one simulator on one profile: the calibrated one.
-        old_s, new_s = self._step_on(was_running, hardware), self._step_on(plan, hardware)
+            self._candidate = None  # the run re-planned meanwhile (a longer batch): stale
+            return
+        if self._too_soon():
+            return
+        planned = self._solved_on or self.run.hardware  # what the drift was measured from
+        moving = [name for name in drifted if not self._firm(name, planned)
+                  and name in self._drifted_from(planned, measured)]
+        profiles = [measured]
+        if moving:  # the moving rates at the values the running plan assumed
+            profiles.append(replace(measured, **{RATE_FIELDS[name]: getattr(
+                planned, RATE_FIELDS[name]) for name in moving}))
+        priced = [(self._step_on(was_running, p), self._step_on(plan, p)) for p in profiles]
+        old_s, new_s = priced[0]
         unproven = (plan.solver.status not in ("optimal", "gaplimit")
                     and plan.solver.gap > self.min_gain)  # the incumbent of a limit hit
-        if new_s > (1 - self.min_gain) * old_s or not self._fits(plan) or unproven:
+        faster = all(new <= (1 - self.min_gain) * old for old, new in priced)
+        if not faster and moving:
+            return  # the estimates still move: no decision yet
+        self._candidate = None
+        if not faster or not self._fits(plan) or unproven:
+            self._solved_on = hardware
             logger.debug("lazytrain: step %d: the plan for the measured rates predicts %.3f "
                          "s, the running one %.3f s (fits the budgets: %s; solved in %.2f s, "
                          "%s, gap %.1f%%); keeping it", self.steps, new_s, old_s,
                          self._fits(plan), plan.solver.solve_s, plan.solver.status,
                          100 * plan.solver.gap)
             return
+        self._solved_on = measured
+        if self._save is not None:
+            self._save(measured)
         self._guard = (statistics.median(self.step_s[-GUARD_STEPS:]), was_running, self.run)
         self._engine.set_plan(plan)
         planned_on = self.run.hardware
-        self.run = replace(self.run, hardware=hardware, plan=plan)
+        self.run = replace(self.run, hardware=measured, plan=plan)
         self.switches.append(self.steps)
         if self._adopt is not None:
             self._adopt(self.run)
-        rate, before, after = drifts(planned_on, hardware)[0]
-        logger.info("lazytrain: re-planned at step %d: the measured %s, the plan assumed "
-                    "%s; predicted step at the measured rates %.3f s with the new plan, "
-                    "%.3f s with the old one", self.steps, format_rate(rate, after),
-                    format_rate(rate, before), new_s, old_s)
+        named = self._drifted_from(planned_on, measured) or drifted
+        rates = "; ".join(f"the measured {format_rate(name, new)}, the plan assumed "
+                          f"{format_rate(name, old)}" for name, old, new
+                          in drifts(planned_on, measured) if name in named)
+        logger.info("lazytrain: re-planned at step %d: %s; predicted step at the measured "
+                    "rates %.3f s with the new plan, %.3f s with the old one", self.steps,
+                    rates, new_s, old_s)
+
+    def _firm(self, name: str, reference: HardwareProfile) -> bool:
+        """Whether `name`'s drift from `reference` is no longer in doubt: its median has
+        settled, or every step of a full window measured it more than `drift_factor` off
+        `reference`'s rate, on the same side."""
+        if self.estimate.settled([name]):
+            return True
+        values, ref = self.estimate.recent(name), getattr(reference, RATE_FIELDS[name])
+        return (len(values) == self.estimate.window_steps
+                and (all(v > self.drift_factor * ref for v in values)
+                     or all(v * self.drift_factor < ref for v in values)))
 
     def _judge_switch(self) -> None:
         """Back to the plan before the latest switch when the new one measured more than

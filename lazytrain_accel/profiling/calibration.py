@@ -88,6 +88,10 @@ class RateEstimate:
             self._recent.setdefault(name, deque(maxlen=self.window_steps)).append(value)
         self._history.append(self.medians())
 
+    def recent(self, name: str) -> list[float]:
+        """`name`'s values over the window (oldest first; fewer before it is full)."""
+        return list(self._recent.get(name, ()))
+
     def medians(self) -> dict[str, float]:
         return {name: statistics.median(values) for name, values in self._recent.items()}
 
@@ -138,9 +142,12 @@ def drifts(planned: HardwareProfile, measured: HardwareProfile) -> list[tuple[st
 
 
 def format_rate(name: str, value: float) -> str:
-    """A rate in the units people read: GB/s, TFLOPS, M params/s."""
+    """A rate in the units people read: GB/s (MB/s, kB/s below 1 GB/s), TFLOPS,
+    M params/s."""
     if name == "compute":
         return f"compute {value / 1e12:.3g} TFLOPS"
     if name == "host_update":
         return f"host update {value / 1e6:.3g} M params/s"
-    return f"{name} {value / 1e9:.3g} GB/s"
+    scale, unit = next((s, u) for s, u in ((1e9, "GB/s"), (1e6, "MB/s"), (1e3, "kB/s"),
+                                           (0.0, "B/s")) if value >= s)
+    return f"{name} {value / (scale or 1):.3g} {unit}"

@@ -19,9 +19,10 @@ from lazytrain_accel.planning import Budgets, Plan, PlanRequest, make_plan
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 replan = pytest.importorskip("replan")
 
-#: What each fake step writes to NVMe, and how long that takes: 1 MB/s, 20x below the
-#: claimed profile's.
-WRITE_BYTES, WRITE_S = 100_000, 0.1
+#: What each fake step writes to NVMe, and how long that takes: the true rate, 20x below
+#: the claimed profile's.
+WRITE_BYTES = 100_000
+WRITE_S = WRITE_BYTES / replan.TRUE_NVME_BYTES_PER_S
 
 
 class FakeEngine:
