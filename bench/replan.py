@@ -190,8 +190,8 @@ def main() -> None:
     windows = {"8-10": MEASURED_STEPS, "after": after_switch(runs)}
     mean = {(w, name): r.mean_step_s(*steps) for w, steps in windows.items()
             for name, r in runs.items()}
-    print(f"mean step (s), NVMe claimed {CLAIMED_NVME_BYTES_PER_S / 1e6:.2f} MB/s, emulated "
-          f"{TRUE_NVME_BYTES_PER_S / 1e6:.2f} MB/s, PCIe {PCIE_BYTES_PER_S / 1e6:.2f} MB/s; "
+    print(f"mean step (s), NVMe claimed {CLAIMED_NVME_BYTES_PER_S / 1e3:.1f} kB/s, emulated "
+          f"{TRUE_NVME_BYTES_PER_S / 1e3:.1f} kB/s, PCIe {PCIE_BYTES_PER_S / 1e3:.0f} kB/s; "
           f"after = steps "
           f"{windows['after'][0]}-{windows['after'][1]}")
     calibrated = runs["auto"].calibrated

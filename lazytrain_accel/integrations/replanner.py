@@ -9,16 +9,17 @@ Called once per optimizer step, at its boundary (`on_step`), it
    calibrated profile once those medians have settled (`predicted_step_s` prices the
    running plan on it);
 3. when a rate's median differs from the one the running plan was made with (or the
-   latest solve was) by more than `drift_factor`, and that rate has settled, solves for
-   the measured profile (every median, settled or not) on a background thread, to
+   latest judged solve was) by more than `drift_factor`, solves for the measured profile
+   at once (a 20x drift shows in the first step measured) on a background thread, to
    optimality or the solver's gap within its own time limit (training goes on: the solver
    runs without the GIL). An earlier version cut the solve at about one step: it stopped
    14.5% from its bound on a plan that ran 1.24x slower than the one it replaced;
-4. at the first step boundary after the solve ends, prices both plans with the same
-   simulator on the calibrated profile and switches (`StreamingEngine.set_plan`) only
-   when the new one is predicted `min_gain` faster, fits the budgets, and is not a
-   time-limited incumbent more than `min_gain` from its bound; at most one switch per
-   `min_steps_between_switches` steps;
+4. at each step boundary after the solve ends, prices both plans with the same simulator
+   on the medians then and switches (`StreamingEngine.set_plan`) only when the new one is
+   predicted `min_gain` faster, fits the budgets, and is not a time-limited incumbent
+   more than `min_gain` from its bound; never while the answer depends on a rate still
+   moving (`_consider_candidate`); at most one switch per `min_steps_between_switches`
+   steps;
 5. `GUARD_STEPS` steps after a switch, compares their median with the median of the
    `GUARD_STEPS` before it: when the new plan measured more than `min_gain` slower (the
    simulator mispriced it on this machine), goes back to the previous plan, logged once.

@@ -62,6 +62,7 @@ def test_a_link_20x_slower_than_claimed_is_replanned_before_steps_8_to_10(tmp_pa
     assert auto.losses == off.losses == true.losses  # fp32: a plan moves data, not math
 
 
+@pytest.mark.slow
 def test_a_profile_that_matches_the_emulated_links_is_never_replanned(tmp_path) -> None:
     result = replan.run(hardware=replan.true_profile(), links=replan.true_profile(),
                         replan="auto", steps=30, workdir=tmp_path)
