@@ -47,14 +47,20 @@ LAST_SWITCH_STEP = WINDOW[0] - 1
 
 
 @pytest.mark.slow
-def test_a_link_20x_slower_than_claimed_is_replanned_before_steps_8_to_10(tmp_path) -> None:
+def test_a_link_20x_slower_than_claimed_is_replanned_before_steps_8_to_10(
+        tmp_path, caplog) -> None:
     """The emulated links' sleeps make most of each step (bench/replan.py), so the three
     runs differ by their plans, not by the machine's load: the off run's NVMe boundaries
-    take ~1 s each way, the true plan's step ~0.6-0.8 s."""
-    runs = replan.compare(WINDOW[1], tmp_path)
+    take ~2 s each way, the true plan's step ~1.3 s."""
+    with caplog.at_level(logging.DEBUG, logger="lazytrain_accel"):
+        runs = replan.compare(WINDOW[1], tmp_path)
     off, auto, true = runs["off"], runs["auto"], runs["true"]
+    why = [f"{r.relativeCreated / 1e3:.1f} s {r.getMessage()[:200]}" for r in caplog.records
+           if "drifted" in r.getMessage() or "re-planned" in r.getMessage()
+           or "keeping it" in r.getMessage()]
     assert "nvme" in off.homes and "nvme" not in auto.homes and "nvme" not in true.homes
-    assert len(auto.switches) == 1 and auto.switches[0] <= LAST_SWITCH_STEP, auto.switches
+    assert len(auto.switches) == 1 and auto.switches[0] <= LAST_SWITCH_STEP, (
+        auto.switches, [round(s, 2) for s in auto.step_s], why)
     assert auto.reverts == []
     off_s, auto_s, true_s = (r.mean_step_s(*WINDOW) for r in (off, auto, true))
     assert auto_s <= 0.85 * off_s, (auto.step_s, off.step_s)
@@ -80,8 +86,8 @@ def test_a_link_slowed_at_step_10_is_replanned_once_and_named(tmp_path, caplog) 
     assert len(result.switches) == 1 and result.switches[0] > 10, result.switches
     assert len(lines) == 1, lines
     measured = re.search(r"the measured nvme_write ([\d.]+) kB/s, the plan assumed "
-                         r"nvme_write 1.25 MB/s", lines[0])
-    assert measured and 45 <= float(measured.group(1)) <= 65, lines  # throttled: 62.5 kB/s
+                         r"nvme_write 625 kB/s", lines[0])
+    assert measured and 22 <= float(measured.group(1)) <= 33, lines  # throttled: 31.25 kB/s
 
 
 def test_set_link_rate_changes_the_throttle_of_the_next_copy() -> None:

@@ -7,14 +7,16 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from lazytrain_accel.engine.stats import StepStats
-from lazytrain_accel.integrations.replanner import GUARD_STEPS, Replanner
+from lazytrain_accel.integrations.replanner import GUARD_STEPS, WARMUP_STEPS, Replanner
 from lazytrain_accel.integrations.setup import PreparedRun, profile_for_run
 from lazytrain_accel.planning import Budgets, Plan, PlanRequest, make_plan
+from lazytrain_accel.profiling.calibration import WINDOW_STEPS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 replan = pytest.importorskip("replan")
@@ -26,16 +28,20 @@ WRITE_S = WRITE_BYTES / replan.TRUE_NVME_BYTES_PER_S
 
 
 class FakeEngine:
-    """Each step writes `WRITE_BYTES` to NVMe in `WRITE_S`; `set_plan` records plans."""
+    """Each step writes `WRITE_BYTES` to NVMe in `write_s(step)` (1-based; default
+    `WRITE_S`); `set_plan` records plans."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, write_s: Callable[[int], float] = lambda step: WRITE_S
+                 ) -> None:
         self.plan, self.plans, self._steps = plan, [plan], 0
+        self._write_s, self._total_s = write_s, 0.0
 
     def total_stats(self) -> StepStats:
         self._steps += 1
+        self._total_s += self._write_s(self._steps)
         stats = StepStats()
         stats.transfer_bytes["nvme_write"] = self._steps * WRITE_BYTES
-        stats.transfer_s["nvme_write"] = self._steps * WRITE_S
+        stats.transfer_s["nvme_write"] = self._total_s
         return stats
 
     def set_plan(self, plan: Plan) -> None:
@@ -60,10 +66,11 @@ def plans() -> tuple[PreparedRun, Budgets, Plan]:
 
 
 def drive(run: PreparedRun, budgets: Budgets, solved: Plan, *, before_s: float,
-          after_s: float, steps: int) -> tuple[Replanner, FakeEngine]:
+          after_s: float, steps: int, write_s: Callable[[int], float] = lambda step: WRITE_S
+          ) -> tuple[Replanner, FakeEngine]:
     """`steps` boundaries of a run whose steps take `before_s` on the first plan and
     `after_s` on any other; every solve returns `solved`."""
-    engine, now_s = FakeEngine(run.plan), [0.0]
+    engine, now_s = FakeEngine(run.plan, write_s), [0.0]
     replanner = Replanner(engine=engine, run=run, budgets=budgets, solve=lambda r: solved,
                           min_gain=0.05, include_optimizer=True, clock=lambda: now_s[0])
     for _ in range(steps):
@@ -97,3 +104,22 @@ def test_a_switch_that_measures_slower_is_reverted_once_and_logged(plans, caplog
     assert engine.plans == [run.plan, true, run.plan] and replanner.run.plan is run.plan
     lines = [r.getMessage() for r in caplog.records if "back to the earlier" in r.getMessage()]
     assert len(lines) == 1 and "measured 1.200 s a step, 1.000 s before it" in lines[0]
+
+
+def test_a_drift_is_solved_at_once_and_switched_when_its_window_confirms_it(plans) -> None:
+    """Solved after the first step measured (4, after the 3-step warm-up), switched at
+    the first boundary where each of the window's 3 steps measured the drift (6)."""
+    run, budgets, true = plans
+    replanner, engine = drive(run, budgets, true, before_s=1.0, after_s=0.8, steps=8)
+    assert replanner.switches == [WARMUP_STEPS + WINDOW_STEPS], replanner.switches
+    assert engine.plans == [run.plan, true]
+
+
+def test_one_slow_step_is_no_drift(plans) -> None:
+    """NVMe writes at the claimed rate but for one step 20x slower: the solve it starts
+    is judged on the medians, which never moved: no switch."""
+    run, budgets, true = plans
+    fast_s = WRITE_BYTES / replan.CLAIMED_NVME_BYTES_PER_S
+    replanner, engine = drive(run, budgets, true, before_s=1.0, after_s=0.8, steps=12,
+                              write_s=lambda step: WRITE_S if step == 5 else fast_s)
+    assert replanner.switches == [] and engine.plans == [run.plan]
