@@ -75,6 +75,7 @@ def test_a_profile_that_matches_the_emulated_links_is_never_replanned(tmp_path) 
     assert result.switches == [] and result.calibrated is not None
 
 
+@pytest.mark.slow
 def test_a_link_slowed_at_step_10_is_replanned_once_and_named(tmp_path, caplog) -> None:
     claimed = replan.claimed_profile()  # right until step 10: the links run at its rates
     with caplog.at_level(logging.INFO, logger="lazytrain_accel"):
