@@ -84,13 +84,19 @@ _DEFAULTS: dict[str, Any] = {
     "frozen_weights": "keep",
     "resident_update": "auto",
     "node_store": "auto",
+    "replan": "auto",
+    "replan_min_gain": 0.05,
 }
 
 #: `frozen_weights` values: keep frozen weights as loaded, or quantize them at `prepare`.
 FROZEN_WEIGHTS: tuple[str, ...] = ("keep", "nf4", "fp4", "int8")
 
-#: Link throttling modes of the emulated async device.
+#: Link throttling modes of the emulated async device (or the path of a hardware JSON
+#: whose rates the links run at).
 EMULATE_LINKS: tuple[str, ...] = ("profile", "off")
+
+#: `replan` values: re-plan on measured rates at a step boundary, or keep the first plan.
+REPLAN_CHOICES: tuple[str, ...] = ("auto", "off")
 
 #: `resident_update` values: where the embeddings', final norm's and head's update runs
 #: (planning/solve.py `make_plan`): the planner's choice, the host, or the GPU.
@@ -104,12 +110,22 @@ NODE_STORE_CHOICES: tuple[str, ...] = ("auto", "off")
 _CHOICES: dict[str, tuple[str, ...]] = {"emulate_links": EMULATE_LINKS,
                                         "frozen_weights": FROZEN_WEIGHTS,
                                         "resident_update": RESIDENT_UPDATE_CHOICES,
-                                        "node_store": NODE_STORE_CHOICES}
+                                        "node_store": NODE_STORE_CHOICES,
+                                        "replan": REPLAN_CHOICES}
+#: Choice fields that also take the path of a JSON file.
+_JSON_CHOICES: tuple[str, ...] = ("emulate_links",)
 
 
 def _check_choice(name: str, value: str) -> None:
+    if name in _JSON_CHOICES and _is_json_path(value):
+        if not Path(value).is_file():
+            raise ValueError(f"{name}={value!r}: no such hardware JSON file; write one with "
+                             "`lazytrain profile --hardware auto --save-hardware PATH`")
+        return
     if value not in _CHOICES[name]:
-        raise ValueError(f"{name}={value!r} is not valid: use one of {list(_CHOICES[name])}")
+        also = " or the path of a hardware JSON file" if name in _JSON_CHOICES else ""
+        raise ValueError(f"{name}={value!r} is not valid: use one of "
+                         f"{list(_CHOICES[name])}{also}")
 
 
 @dataclass(kw_only=True)
@@ -146,7 +162,9 @@ class LazyTrainConfig:
             streams, poisoned destinations; docs/engine.md "Emulated async device").
         emulate_seed: seed of the emulation's random delays (a failure names it).
         emulate_links: "profile" throttles the emulated links to the hardware profile's
-            H2D, D2H and NVMe rates; "off" leaves them unthrottled.
+            H2D, D2H and NVMe rates; "off" leaves them unthrottled; the path of a hardware
+            JSON throttles them to that profile's rates while the plan uses `hardware` (a
+            machine that differs from its profile, on a CPU).
         threads: torch intra-op threads (also the update kernel's); 0 sizes them by the
             rule of `lazytrain_accel/threads.py` at `prepare`, N > 0 uses N.
         overlap_step: with optimizer="hybrid8bit", `optimizer.step()` starts the update
@@ -164,6 +182,12 @@ class LazyTrainConfig:
             copy of the parameters per node from shared memory and splits the update
             across the local ranks (docs/user_guide.md "Several GPUs"); "off" keeps a full
             copy and the whole update on every rank, gradients all-reduced.
+        replan: "auto" (default) fits the profile's rates to what the engine measures
+            after a warm-up and, when the plan for those rates is predicted
+            `replan_min_gain` faster than the running one, switches to it at a step
+            boundary (docs/planner.md "Re-planning"); "off" keeps the first plan.
+        replan_min_gain: the predicted gain (a fraction of the step, default 0.05) a new
+            plan must bring for `replan="auto"` to switch to it.
     """
 
     plan: str | None = None
@@ -188,6 +212,8 @@ class LazyTrainConfig:
     frozen_weights: str | None = None
     resident_update: str | None = None
     node_store: str | None = None
+    replan: str | None = None
+    replan_min_gain: float | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _from_env: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
@@ -251,6 +277,9 @@ class LazyTrainConfig:
             raise ValueError(f"solver_time_limit_s={self.solver_time_limit_s} must be > 0")
         if self.max_nonfinite_skips < 1:
             raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips} must be >= 1")
+        if not 0 < self.replan_min_gain < 1:
+            raise ValueError(f"replan_min_gain={self.replan_min_gain} must be between 0 and 1 "
+                             "(a fraction of the step, e.g. 0.05 for 5%)")
         if self.threads < 0:
             raise ValueError(f"threads={self.threads} must be >= 0 (0 = sized for this "
                              "machine's free cores, see docs/user_guide.md \"threads\")")
@@ -291,7 +320,7 @@ def _is_json_path(value: str) -> bool:
 
 
 _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
-                 "solver_time_limit_s")
+                 "solver_time_limit_s", "replan_min_gain")
 _INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens",
                "batch_size", "seq_len", "emulate_seed", "threads")
 _AUTO_FIELDS = ("loss_chunk_tokens",)  # also accept "auto"
@@ -354,6 +383,6 @@ def _coerce(name: str, value: Any) -> Any:
         raise ValueError(f"{name}={value!r} must be a non-empty string")
     value = value.strip()
     if name in ("plan", "hardware", "emulate_links", "frozen_weights",
-                "resident_update", "node_store") and not _is_json_path(value):
+                "resident_update", "node_store", "replan") and not _is_json_path(value):
         return value.lower()  # names ("auto", strategies, presets) are case-insensitive
     return os.path.expanduser(value) if name in ("nvme_dir", "cache_dir") else value

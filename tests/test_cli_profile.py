@@ -98,3 +98,18 @@ def test_a_qlora_layer_pays_its_dequantization(capsys) -> None:
     assert extra_s > 0
     assert seconds["nf4"]["layer_bwd_s"] - seconds["bf16"]["layer_bwd_s"] == pytest.approx(extra_s)
     assert extra_s * hardware.dequant_bytes_per_s > 8 * 4096**2  # > one hidden^2 matrix moved
+
+
+def test_a_calibrated_profile_shows_the_rates_a_run_measured(tmp_path, capsys) -> None:
+    """A run's calibration (kept for `--hardware auto`) gets a row naming what measured it;
+    a preset gets none."""
+    from lazytrain_accel.profiling.calibration import calibrate
+
+    calibrated = calibrate(HARDWARE_PRESETS["h800"], {"h2d": 5e9}, where="a test run")
+    calibrated.save(tmp_path / "calibrated.json")
+    assert main([*_PAPER_ARGS[:3], "--hardware", str(tmp_path / "calibrated.json")]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated by a test run: h2d 5 GB/s" in " ".join(out.split())
+    assert "5.00 / 12.00 GB/s" in out  # H2D / D2H
+    assert main(_PAPER_ARGS) == 0
+    assert "calibrated" not in capsys.readouterr().out

@@ -65,6 +65,8 @@ ENV_VALUES = {
     "frozen_weights": ("NF4", "nf4"),
     "resident_update": ("Device", "device"),
     "node_store": ("OFF", "off"),
+    "replan": ("OFF", "off"),
+    "replan_min_gain": ("0.1", 0.1),
 }
 
 
@@ -114,6 +116,8 @@ ARGUMENTS = {
     "frozen_weights": ("int8", "int8"),
     "resident_update": ("host", "host"),
     "node_store": ("auto", "auto"),
+    "replan": ("auto", "auto"),
+    "replan_min_gain": (0.2, 0.2),
 }
 
 
@@ -177,6 +181,10 @@ BAD = [
     ("frozen_weights", "nf3", ["frozen_weights='nf3'", "keep", "nf4", "int8"]),
     ("resident_update", "gpu", ["resident_update='gpu'", "auto", "host", "device"]),
     ("node_store", "on", ["node_store='on'", "auto", "off"]),
+    ("replan", "always", ["replan='always'", "auto", "off"]),
+    ("replan_min_gain", 1.5, ["replan_min_gain=1.5", "between 0 and 1"]),
+    ("emulate_links", "/nowhere/links.json", ["emulate_links='/nowhere/links.json'",
+                                              "no such hardware JSON"]),
 ]
 
 
@@ -207,6 +215,14 @@ def test_json_paths_are_accepted_when_they_exist(tmp_path) -> None:
     plan_path.write_text("{}")
     config = LazyTrainConfig(hardware=str(hw_path), plan=str(plan_path))
     assert config.hardware == str(hw_path) and config.plan == str(plan_path)  # case kept
+
+
+def test_emulate_links_takes_a_hardware_json(tmp_path) -> None:
+    from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+
+    path = tmp_path / "Links.json"
+    HARDWARE_PRESETS["rtx3090"].save(path)
+    assert LazyTrainConfig(emulate_links=str(path)).emulate_links == str(path)  # case kept
 
 
 def test_default_dirs_follow_their_env_vars(monkeypatch, tmp_path) -> None:

@@ -10,6 +10,7 @@ from lazytrain_accel.cli import CliError, help_of
 from lazytrain_accel.cli.args import add_lora_args, add_loss_chunk_arg, positive_int
 from lazytrain_accel.cli.lora import lora_weights
 from lazytrain_accel.config import env_setting
+from lazytrain_accel.profiling.calibration import calibration_note
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
 from lazytrain_accel.profiling.hardware_spec import load_hardware
 from lazytrain_accel.profiling.model import ModelProfile
@@ -111,8 +112,10 @@ def _split_rows(model: ModelProfile) -> list[tuple[str, str]]:
 
 def _hardware_rows(hw: HardwareProfile, seconds: dict[str, float]) -> list[tuple[str, str]]:
     ms = {k: f"{v * 1e3:.2f} ms" for k, v in seconds.items()}
+    note = calibration_note(hw)  # a run's measured rates, kept for hardware="auto"
     return [
         ("hardware", f"{hw.name} ({hw.gpu_name})"),
+        *([("calibrated", note)] if note else []),
         ("GPU / host / NVMe", f"{hw.gpu_memory_bytes / _GIB:.1f} / "
                               f"{hw.cpu_memory_bytes / _GIB:.0f} / {hw.nvme_bytes / 1e12:.2f} TB"
                               " (GiB, GiB, TB)"),

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch.profiler import ProfilerActivity, profile
 
 from lazytrain_accel.engine.fidelity import FidelityMonitor
+from lazytrain_accel.integrations.replanner import predicted_step_s
 from lazytrain_accel.progress import PlainProgress
 
 
@@ -82,8 +83,7 @@ def train(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optim
     traced_step = min(1, steps - 1)
     step_times_s, loss_value, stall_s, tokens = [], float("nan"), 0.0, 0
     # A bar on a terminal; in a log (not a terminal) a plain line every few steps.
-    plain = None if console.is_terminal else PlainProgress(
-        total_steps=steps, predicted_step_s=accelerator.lazytrain_run.plan.prediction.step_s)
+    plain = None if console.is_terminal else PlainProgress(total_steps=steps)
     model.train()
     fidelity = FidelityMonitor(interval_steps=max(steps // 5, 1))  # engine/fidelity.py
     with _progress_bar(console, steps, enabled=plain is None) as update:
@@ -106,8 +106,10 @@ def train(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optim
             tokens = batch["input_ids"].numel()
             update(f"loss {loss_value:.3f}  {tokens / step_s:,.0f} tok/s  "
                    f"stall {step_stall_s * 1e3:.1f} ms")
-            line = plain and plain.step_done(step + 1, step_s=step_s, stall_s=step_stall_s,
-                                             tokens=tokens, loss=loss_value)
+            line = plain and plain.step_done(
+                step + 1, step_s=step_s, stall_s=step_stall_s, tokens=tokens, loss=loss_value,
+                predicted_step_s=predicted_step_s(accelerator.lazytrain_replanner,
+                                                  engine.plan))
             if line:
                 console.print(line, highlight=False, markup=False)
     # The first step fills caches and the traced one pays the profiler: neither is typical.

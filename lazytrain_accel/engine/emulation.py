@@ -32,7 +32,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -99,6 +99,7 @@ class _Worker:
         self._done = threading.Condition()
         self.enqueued = 0  # ops enqueued so far (an event's seq is this count)
         self.completed = 0
+        self.jitter_slept_s = 0.0  # jitter so far: left out of the intervals it falls in
         self.error: BaseException | None = None
         self._rng, self._jitter_s = rng, jitter_s
         self._thread = threading.Thread(target=self._run, name=f"lazytrain-emulated-{name}",
@@ -114,7 +115,9 @@ class _Worker:
         while (item := self._queue.get()) is not None:
             op, jitter = item
             if jitter and self._jitter_s:
-                time.sleep(self._rng.random() * self._jitter_s)
+                delay_s = self._rng.random() * self._jitter_s
+                time.sleep(delay_s)
+                self.jitter_slept_s += delay_s
             try:
                 if self.error is None:
                     op()
@@ -312,19 +315,38 @@ class EmulatedStreams:
         if rate:
             _sleep_until(start + nbytes / rate)
 
+    def set_link_rate(self, link: str, bytes_per_s: float | None) -> None:
+        """Throttle `link` ("h2d", "d2h", "nvme_read", "nvme_write") to `bytes_per_s` from
+        the next copy it issues on (None: unthrottled): a machine that drifts mid-run."""
+        if link not in (*self._workers, *self._io_rngs):
+            raise ValueError(f"link={link!r} is not one of "
+                             f"{[*self._workers, *self._io_rngs]}")
+        if bytes_per_s is not None and not bytes_per_s > 0:
+            raise ValueError(f"bytes_per_s={bytes_per_s} must be > 0 (None: unthrottled)")
+        rates = {k: v for k, v in self.settings.link_bytes_per_s.items() if k != link}
+        if bytes_per_s is not None:
+            rates[link] = float(bytes_per_s)
+        self.settings = replace(self.settings, link_bytes_per_s=rates)
+
     def start_interval(self) -> Callable[[], Interval]:
         """On a side stream: timestamps taken by its worker when it reaches each end
-        (unjittered markers); on the compute stream (the host thread): the wall clock."""
+        (unjittered markers), less the jitter it slept between them (a GPU's copy engine
+        is not late on purpose: the link's own time is what a CUDA event pair sees); on
+        the compute stream (the host thread): the wall clock."""
         worker = self._current()
         if worker is None:
             start_s = time.perf_counter()
             return lambda: ElapsedInterval(time.perf_counter() - start_s)
         marks: list[float] = []
-        worker.submit(lambda: marks.append(time.perf_counter()), jitter=False)
+
+        def mark() -> None:
+            marks.append(time.perf_counter() - worker.jitter_slept_s)
+
+        worker.submit(mark, jitter=False)
 
         def stop() -> Interval:
-            seq = worker.submit(lambda: marks.append(time.perf_counter()), jitter=False)
-            return _WorkerInterval(EmulatedEvent(worker, seq), marks)
+            return _WorkerInterval(EmulatedEvent(worker, worker.submit(mark, jitter=False)),
+                                   marks)
 
         return stop
 

@@ -361,6 +361,10 @@ class StreamingEngine:
     def reset_stats(self) -> None:
         self.acct.reset()
 
+    def total_stats(self) -> StepStats:
+        """What the engine measured since attach; `reset_stats()` leaves it alone."""
+        return self.acct.totals()
+
     def boundary_tiers(self) -> dict[int, set[str]]:
         """Where each boundary stored by the latest forward awaiting backward lives now."""
         state = self._latest() if self._latest is not None else None

@@ -92,31 +92,47 @@ class StepStats:
 
 class Accounting:
     """Thread-safe counters behind `StepStats` (the NVMe worker reports from its thread);
-    `timed` and `timed_transfer` measure with `clock` (default: the host's)."""
+    `timed` and `timed_transfer` measure with `clock` (default: the host's).
+
+    Two views of the same counts: the period since `reset()` (`snapshot`, what progress
+    lines and the fidelity monitor read and reset) and the run's totals, never reset
+    (`totals`, which a reader takes differences of, as the re-planner does per step)."""
 
     def __init__(self, clock: Clock | None = None) -> None:
         self._lock = threading.Lock()
         self._stats = StepStats()
+        self._totals = StepStats()
         self._clock: Clock = clock if clock is not None else WallClock()
-        # (scalar field or transfer kind, is a transfer, interval) not yet completed
-        self._pending: list[tuple[str, bool, Interval]] = []
+        self._period = 0  # reset() count: a pending interval of an earlier period is
+        # added to the totals only
+        # (scalar field or transfer kind, is a transfer, interval, period) not yet completed
+        self._pending: list[tuple[str, bool, Interval, int]] = []
 
     def reset(self) -> None:
         with self._lock:
             current = dict(self._stats.current_bytes)
             self._stats = StepStats(current_bytes=current, peak_bytes=dict(current))
-            self._pending = []  # intervals of the period before: not this one's
+            self._period += 1  # pending intervals of the period before: not this one's
 
     def snapshot(self) -> StepStats:
+        """The counts since the last `reset()` (waits for pending intervals)."""
+        return self._copy(lambda: self._stats)
+
+    def totals(self) -> StepStats:
+        """The counts since this accounting was made, whatever was reset since (waits for
+        pending intervals); peaks and current bytes are the period's."""
+        return self._copy(lambda: self._totals)
+
+    def _copy(self, which: Callable[[], StepStats]) -> StepStats:
         self._settle(block=True)
         with self._lock:
-            s = self._stats
+            s, now = which(), self._stats
             return StepStats(
                 compute_s=s.compute_s, recompute_s=s.recompute_s, stall_s=s.stall_s,
                 optimizer_wait_s=s.optimizer_wait_s, optimizer_update_s=s.optimizer_update_s,
                 device_update_s=s.device_update_s, transfer_s=dict(s.transfer_s),
                 transfer_bytes=dict(s.transfer_bytes),
-                peak_bytes=dict(s.peak_bytes), current_bytes=dict(s.current_bytes),
+                peak_bytes=dict(now.peak_bytes), current_bytes=dict(now.current_bytes),
                 layer_forwards=s.layer_forwards, layer_backwards=s.layer_backwards,
                 layer_recomputes=s.layer_recomputes,
             )
@@ -132,13 +148,15 @@ class Accounting:
 
     def add_transfer(self, kind: str, seconds: float, nbytes: int) -> None:
         with self._lock:
-            self._stats.transfer_s[kind] += seconds
-            self._stats.transfer_bytes[kind] += nbytes
+            for stats in (self._stats, self._totals):
+                stats.transfer_s[kind] += seconds
+                stats.transfer_bytes[kind] += nbytes
 
     def add(self, name: str, amount: float) -> None:
         """Add to a scalar field: compute_s, recompute_s, stall_s or a layer counter."""
         with self._lock:
-            setattr(self._stats, name, getattr(self._stats, name) + amount)
+            for stats in (self._stats, self._totals):
+                setattr(stats, name, getattr(stats, name) + amount)
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
@@ -163,7 +181,7 @@ class Accounting:
 
     def _add_interval(self, name: str, transfer: bool, interval: Interval) -> None:
         with self._lock:
-            self._pending.append((name, transfer, interval))
+            self._pending.append((name, transfer, interval, self._period))
         self._settle(block=False)
 
     def _settle(self, *, block: bool) -> None:
@@ -174,10 +192,13 @@ class Accounting:
                 (ready if block or entry[2].query() else waiting).append(entry)
             self._pending = waiting
         # resolved outside the lock: waiting on a stream must not hold up other threads
-        resolved = [(name, transfer, interval.seconds()) for name, transfer, interval in ready]
+        resolved = [(name, transfer, interval.seconds(), period)
+                    for name, transfer, interval, period in ready]
         with self._lock:
-            for name, transfer, seconds in resolved:
-                if transfer:
-                    self._stats.transfer_s[name] += seconds
-                else:
-                    setattr(self._stats, name, getattr(self._stats, name) + seconds)
+            for name, transfer, seconds, period in resolved:
+                for stats in (self._totals, self._stats) if period == self._period \
+                        else (self._totals,):
+                    if transfer:
+                        stats.transfer_s[name] += seconds
+                    else:
+                        setattr(stats, name, getattr(stats, name) + seconds)

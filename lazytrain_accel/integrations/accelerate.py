@@ -31,6 +31,7 @@ from lazytrain_accel.integrations import (
 )
 from lazytrain_accel.integrations.checkpoint import atomic_directory, recover
 from lazytrain_accel.integrations.data_parallel import GradientAllReducer
+from lazytrain_accel.integrations.replanner import Replanner, replanner_for
 from lazytrain_accel.integrations.step_guard import StepGuard
 
 if TYPE_CHECKING:
@@ -57,6 +58,8 @@ class Accelerator(accelerate.Accelerator):
         self.lazytrain_run: setup.PreparedRun | None = None
         self.lazytrain_engine: StreamingEngine | None = None
         self.lazytrain_guard: StepGuard | None = None
+        #: fits the profile to measured rates and switches plans (replan="auto")
+        self.lazytrain_replanner: Replanner | None = None
         self._lazytrain_optimizer: torch.optim.Optimizer | None = None
         self._lazytrain_reducer: GradientAllReducer | split_update.ShareReducer | None = None
         #: one host copy per node, mapped by every local rank (None: each rank its own)
@@ -118,13 +121,17 @@ class Accelerator(accelerate.Accelerator):
         return prepared
 
     def _lazytrain_stepped(self, prepared: Any, skipped: bool) -> None:
-        # `step_was_skipped` is what accelerate's schedulers and the Trainer consult.
+        """A step boundary: tell accelerate whether the step was skipped (its schedulers
+        and the Trainer consult `step_was_skipped`); publish this rank's share to its
+        peers; the re-planner may switch plans."""
         prepared._is_overflow = skipped
         peers = self.lazytrain_engine.steps.peers if self.lazytrain_engine else None
         if peers is not None and not skipped and getattr(
                 self._lazytrain_optimizer, "step_runner", None) is None:
             peers.begin_step()  # an inline step updated this rank's share whole
             peers.publish_all()
+        if self.lazytrain_replanner is not None:
+            self.lazytrain_replanner.on_step()
 
     def _lazytrain_overlap(self, optimizer: torch.optim.Optimizer) -> None:
         """With the hybrid operator (and `overlap_step`), `optimizer.step()` starts the
@@ -183,6 +190,10 @@ class Accelerator(accelerate.Accelerator):
                                        emulation=setup.emulation_for(plugin, hardware))
         if not setup.is_plan_file(plugin):  # a plan file is the user's: never re-planned
             self.lazytrain_engine.replan = lambda b, s: self._lazytrain_replan(model, b, s)
+            if plugin.replan == "auto" and self.num_processes == 1:
+                self.lazytrain_replanner = replanner_for(
+                    plugin, engine=self.lazytrain_engine, run=self.lazytrain_run,
+                    adopt=lambda run: setattr(self, "lazytrain_run", run), device=self.device)
         self.lazytrain_guard = StepGuard(model=model, engine=self.lazytrain_engine,
                                          max_nonfinite_skips=plugin.max_nonfinite_skips,
                                          raise_on_interrupt=self._lazytrain_interrupt_raises)
@@ -263,6 +274,8 @@ class Accelerator(accelerate.Accelerator):
         preflight.check_nvme_dir(self.lazytrain_plugin.nvme_dir,
                                  preflight.nvme_need_bytes(run.plan))
         self.lazytrain_sizing, self.lazytrain_run = sizing, run
+        if self.lazytrain_replanner is not None:
+            self.lazytrain_replanner.run = run  # measured rates now price this shape
         return run.plan
 
     # ---- the training step ----------------------------------------------------------
@@ -387,6 +400,9 @@ class Accelerator(accelerate.Accelerator):
     def end_training(self) -> None:
         if self.lazytrain_guard is not None:
             self.lazytrain_guard.restore_sigint()
+        if self.lazytrain_replanner is not None:
+            self.lazytrain_replanner.close()
+            self.lazytrain_replanner = None
         if self.lazytrain_engine is not None:
             self.lazytrain_engine.detach()  # waits for a running update first
             self.lazytrain_engine = None

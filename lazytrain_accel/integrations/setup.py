@@ -16,9 +16,10 @@ from torch import nn
 
 from lazytrain_accel.config import STRATEGIES, LazyTrainConfig, OptimizerChoice
 from lazytrain_accel.engine.emulation import EmulationSettings
-from lazytrain_accel.planning import Budgets, Plan
+from lazytrain_accel.planning import Budgets, Plan, PlanRequest
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
+from lazytrain_accel.profiling.hardware_spec import load_hardware
 from lazytrain_accel.profiling.live import geometry_from_model, weight_split_from_model
 from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
 from lazytrain_accel.profiling.models import FAMILIES, geometry_from_config, profile_model
@@ -53,12 +54,17 @@ def hardware_for_backend(config: LazyTrainConfig, hardware: HardwareProfile
 
 def emulation_for(config: LazyTrainConfig, hardware: HardwareProfile) -> EmulationSettings | bool:
     """The emulated async device `config` asks for on a CPU (False: the synchronous one);
-    `emulate_links="profile"` throttles each link to `hardware`'s rate."""
+    `emulate_links="profile"` throttles each link to `hardware`'s rate, a hardware JSON
+    path to that profile's (the machine drifts from the profile the plan is made for)."""
     if not config.emulate_async:
         return False
-    rates = {} if config.emulate_links == "off" else {
-        "h2d": hardware.h2d_bytes_per_s, "d2h": hardware.d2h_bytes_per_s,
-        "nvme_read": hardware.nvme_read_bytes_per_s, "nvme_write": hardware.nvme_write_bytes_per_s}
+    if config.emulate_links == "off":
+        return EmulationSettings(seed=config.emulate_seed)
+    links = hardware if config.emulate_links == "profile" else load_hardware(
+        config.emulate_links)
+    rates = {"h2d": links.h2d_bytes_per_s, "d2h": links.d2h_bytes_per_s,
+             "nvme_read": links.nvme_read_bytes_per_s,
+             "nvme_write": links.nvme_write_bytes_per_s}
     return EmulationSettings(seed=config.emulate_seed, link_bytes_per_s=rates)
 
 
@@ -131,14 +137,13 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
         return plan
     strategy = "lazytrain" if config.plan == "auto" else config.plan
     resident_update = resident_update or config.resident_update
-    budgets = Budgets.from_hardware(hardware, gpu_memory_limit_gb=config.gpu_memory_limit_gb,
-                                    cpu_memory_limit_gb=config.cpu_memory_limit_gb,
-                                    nvme_limit_gb=config.nvme_limit_gb)
+    budgets = budgets_for(config, hardware)
+    # the rates too (the fingerprint leaves them out): a calibrated profile plans anew
+    rates = {k: v for k, v in hardware.to_dict().items() if k.endswith("_per_s")}
     key = json.dumps([fingerprint, strategy, budgets.gpu_bytes, budgets.cpu_bytes,
                       budgets.nvme_bytes, config.max_recompute_block,
                       config.loss_chunk_tokens, config.optimizer.value, resident_update,
-                      gpus_per_node],
-                     sort_keys=True)
+                      gpus_per_node, rates], sort_keys=True)
     cache_path = Path(config.cache_dir) / "plans" / f"{_short_hash(key)}.json"
     if cache_path.is_file():
         try:
@@ -163,15 +168,11 @@ def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
                      hardware: HardwareProfile, *, strategy: str, budgets: Budgets,
                      resident_update: str, gpus_per_node: int) -> Plan:
     """`make_plan`, or a `BatchInfeasibleError` that also names the largest batch that fits."""
-    from lazytrain_accel.planning import PlanInfeasibleError, PlanRequest, make_plan
+    from lazytrain_accel.planning import PlanInfeasibleError, make_plan
     from lazytrain_accel.planning.infeasible import with_largest_batch
 
-    # The prediction includes the host update where the hybrid 8-bit one runs it.
-    request = PlanRequest(strategy=strategy, budgets=budgets,
-                          max_recompute_block=config.max_recompute_block,
-                          time_limit_s=config.solver_time_limit_s,
-                          include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT,
-                          resident_update=resident_update, gpus_per_node=gpus_per_node)
+    request = plan_request(config, strategy=strategy, budgets=budgets,
+                           resident_update=resident_update, gpus_per_node=gpus_per_node)
     try:
         return make_plan(model_profile, hardware, request)
     except PlanInfeasibleError as err:
@@ -185,6 +186,41 @@ def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
         raise with_largest_batch(err, profile_at, hardware, request,
                                  batch_size=model_profile.batch_size,
                                  seq_len=model_profile.seq_len) from None
+
+
+def plan_request(config: LazyTrainConfig, *, strategy: str, budgets: Budgets,
+                 resident_update: str, gpus_per_node: int = 1,
+                 time_limit_s: float | None = None) -> PlanRequest:
+    """`make_plan`'s request from `config` (the prediction includes the host update where
+    the hybrid 8-bit one runs it); `time_limit_s` overrides the config's solver limit."""
+    return PlanRequest(strategy=strategy, budgets=budgets,
+                       max_recompute_block=config.max_recompute_block,
+                       time_limit_s=(config.solver_time_limit_s if time_limit_s is None
+                                     else time_limit_s),
+                       include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT,
+                       resident_update=resident_update, gpus_per_node=gpus_per_node)
+
+
+def budgets_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Budgets:
+    """The planner's budgets: the config's limits, else `hardware`'s capacities."""
+    return Budgets.from_hardware(hardware, gpu_memory_limit_gb=config.gpu_memory_limit_gb,
+                                 cpu_memory_limit_gb=config.cpu_memory_limit_gb,
+                                 nvme_limit_gb=config.nvme_limit_gb)
+
+
+def solve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
+               hardware: HardwareProfile, *, resident_update: str,
+               time_limit_s: float, gpus_per_node: int = 1) -> Plan:
+    """A new plan of `config`'s strategy on `hardware` (no cache, no refusal search) within
+    `time_limit_s`: what the re-planner solves on its thread. Raises `PlanInfeasibleError`
+    when none fits."""
+    from lazytrain_accel.planning import make_plan
+
+    strategy = "lazytrain" if config.plan == "auto" else config.plan
+    request = plan_request(config, strategy=strategy, budgets=budgets_for(config, hardware),
+                           resident_update=resident_update, gpus_per_node=gpus_per_node,
+                           time_limit_s=time_limit_s)
+    return make_plan(model_profile, hardware, request)
 
 
 def _short_hash(text: str) -> str:

@@ -19,6 +19,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from lazytrain_accel.engine.fidelity import FidelityMonitor, StepTerms
 from lazytrain_accel.integrations import setup
+from lazytrain_accel.integrations.replanner import predicted_step_s
 from lazytrain_accel.progress import PlainProgress, is_terminal
 
 if TYPE_CHECKING:
@@ -123,14 +124,15 @@ class LazyTrainCallback(TrainerCallback):
             return
         accum = args.gradient_accumulation_steps
         if self._plain is None:
-            self._plain = PlainProgress(total_steps=state.max_steps or None,
-                                        predicted_step_s=run.plan.prediction.step_s * accum)
+            self._plain = PlainProgress(total_steps=state.max_steps or None)
         stall_s = engine.stats().stall_s  # since the last log's reset
         due = self._plain.due(state.global_step)  # read the loss (a device sync) only then
         line = self._plain.step_done(
             state.global_step, step_s=step_s, stall_s=stall_s - self._stall_seen_s,
             tokens=run.plan.batch_size * run.plan.seq_len * accum,
-            loss=mean_loss_since_log(self._trainer, state) if due else None)
+            loss=mean_loss_since_log(self._trainer, state) if due else None,
+            predicted_step_s=accum * predicted_step_s(
+                getattr(self._trainer.accelerator, "lazytrain_replanner", None), engine.plan))
         self._stall_seen_s = stall_s
         if line:
             print(f"lazytrain: {line}", flush=True)

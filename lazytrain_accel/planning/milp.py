@@ -324,7 +324,9 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
     if node_limit is not None:
         m.setParam("limits/nodes", node_limit)
     start = time.perf_counter()
-    m.optimize()
+    # Without the GIL: the re-planner solves on a background thread while training goes
+    # on, and the model has no Python callbacks that would need it.
+    m.optimizeNogil()
     solve_s = time.perf_counter() - start
     status = m.getStatus()
     if m.getNSols() == 0:

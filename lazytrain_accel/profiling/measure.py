@@ -221,19 +221,47 @@ def measure_hardware(*, cache_dir: str, nvme_dir: str, refresh: bool = False,
                      probe_bytes: int = 256 * _MIB) -> HardwareProfile:
     """Measure this machine (or read the cached measurement) as a `HardwareProfile`.
 
-    `device` defaults to the first CUDA device, else the CPU. `refresh=True` ignores and
-    overwrites the cache. `probe_bytes` sizes the copy and NVMe probes.
+    `device` defaults to the first CUDA device, else the CPU. A profile a run calibrated
+    (`save_calibrated`) is preferred to the measured one. `refresh=True` ignores both and
+    overwrites the measured one (the calibrated one is dropped). `probe_bytes` sizes the
+    copy and NVMe probes.
     """
-    if device is None:
-        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    nvme_path = Path(nvme_dir).expanduser()
-    nvme_path.mkdir(parents=True, exist_ok=True)
-    cache = Path(cache_dir).expanduser() / f"hardware-{_machine_key(device, nvme_path)}.json"
-    if cache.is_file() and not refresh:
-        try:
-            return HardwareProfile.load(cache)
-        except ValueError:
-            pass  # a cache from another release or a torn write: measure again
-    profile = _measure(device, nvme_path, probe_bytes)
-    profile.save(cache)
+    measured = _cache_path("hardware", cache_dir, nvme_dir, device)
+    calibrated = _cache_path("calibrated", cache_dir, nvme_dir, device)
+    for cache in (calibrated, measured):
+        if cache.is_file() and not refresh:
+            try:
+                return HardwareProfile.load(cache)
+            except ValueError:
+                pass  # a cache from another release or a torn write: measure again
+    calibrated.unlink(missing_ok=True)
+    profile = _measure(_device_or_default(device), _nvme_path(nvme_dir), probe_bytes)
+    profile.save(measured)
     return profile
+
+
+def save_calibrated(profile: HardwareProfile, *, cache_dir: str, nvme_dir: str,
+                    device: torch.device | None = None) -> Path:
+    """Keep `profile` (a run's calibration, `profiling/calibration.py`) as this machine's:
+    the next `measure_hardware` returns it."""
+    path = _cache_path("calibrated", cache_dir, nvme_dir, device)
+    profile.save(path)
+    return path
+
+
+def _device_or_default(device: torch.device | None) -> torch.device:
+    if device is not None:
+        return device
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _nvme_path(nvme_dir: str) -> Path:
+    path = Path(nvme_dir).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _cache_path(kind: str, cache_dir: str, nvme_dir: str,
+                device: torch.device | None) -> Path:
+    key = _machine_key(_device_or_default(device), _nvme_path(nvme_dir))
+    return Path(cache_dir).expanduser() / f"{kind}-{key}.json"

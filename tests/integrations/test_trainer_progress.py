@@ -15,7 +15,7 @@ from lazytrain_accel.progress import PROGRESS_EVERY_STEPS
 
 def _trainer(stall_s: list[float]) -> SimpleNamespace:
     plan = SimpleNamespace(batch_size=4, seq_len=16, prediction=SimpleNamespace(step_s=0.5))
-    engine = SimpleNamespace(stats=lambda: SimpleNamespace(stall_s=stall_s[0]))
+    engine = SimpleNamespace(stats=lambda: SimpleNamespace(stall_s=stall_s[0]), plan=plan)
     accelerator = SimpleNamespace(lazytrain_run=SimpleNamespace(plan=plan),
                                   lazytrain_engine=engine)
     # The Trainer's loss accumulator since its last log (what its next log reports).

@@ -1,0 +1,355 @@
+"""`Replanner`: the plan follows the machine it runs on (`replan="auto"`).
+
+Called once per optimizer step, at its boundary (`on_step`), it
+
+1. takes the step's measurements as differences of the engine's run totals
+   (`StreamingEngine.total_stats`, untouched by the progress lines' resets), skipping the
+   first `warmup_steps` (allocation, page faults, lazy init);
+2. keeps the median of each rate over recent steps (`profiling/calibration.py`) and a
+   calibrated profile once those medians have settled (`predicted_step_s` prices the
+   running plan on it);
+3. when a rate's median differs from the one the running plan was made with (or the
+   latest judged solve was) by more than `drift_factor`, solves for the measured profile
+   at once (a 20x drift shows in the first step measured) on a background thread, to
+   optimality or the solver's gap within its own time limit (training goes on: the solver
+   runs without the GIL). An earlier version cut the solve at about one step: it stopped
+   14.5% from its bound on a plan that ran 1.24x slower than the one it replaced;
+4. at each step boundary after the solve ends, prices both plans with the same simulator
+   on the medians then and switches (`StreamingEngine.set_plan`) only when the new one is
+   predicted `min_gain` faster, fits the budgets, and is not a time-limited incumbent
+   more than `min_gain` from its bound; never while the answer depends on a rate still
+   moving (`_consider_candidate`); at most one switch per `min_steps_between_switches`
+   steps;
+5. `GUARD_STEPS` steps after a switch, compares their median with the median of the
+   `GUARD_STEPS` before it: when the new plan measured more than `min_gain` slower (the
+   simulator mispriced it on this machine), goes back to the previous plan, logged once.
+
+A plan changes where boundaries live, never the math: losses stay bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol
+
+from lazytrain_accel.engine.stats import StepStats
+from lazytrain_accel.integrations.setup import PreparedRun
+from lazytrain_accel.planning import Budgets, Plan, PlanInfeasibleError
+from lazytrain_accel.planning.simulate import simulate
+from lazytrain_accel.profiling.calibration import (
+    RATE_FIELDS,
+    RateEstimate,
+    StepSample,
+    calibrate,
+    drifts,
+    format_rate,
+    ratio,
+    step_rates,
+)
+from lazytrain_accel.profiling.hardware import HardwareProfile
+
+if TYPE_CHECKING:
+    import torch
+
+    from lazytrain_accel.config import LazyTrainConfig
+
+logger = logging.getLogger("lazytrain_accel")
+
+#: Steps measured before any rate is trusted.
+WARMUP_STEPS = 3
+#: Switches are at least this many steps apart.
+MIN_STEPS_BETWEEN_SWITCHES = 20
+#: A solve starts when a measured rate is this factor off the plan's. A smaller drift is
+#: within what the rates of a busy machine swing by (the emulated links measured 1.1-2.3x
+#: below their throttle on a loaded 2-core VM) and seldom moves the best plan by
+#: `replan_min_gain`; each solve takes a core from training. The 20x drifts of a wrong
+#: preset or a contended NVMe are far beyond it.
+DRIFT_FACTOR = 1.5
+#: Steps a new plan runs before its measured step is compared with the old plan's.
+GUARD_STEPS = 3
+
+
+class ReplannedEngine(Protocol):
+    """What the re-planner needs of the engine (`StreamingEngine`)."""
+
+    plan: Plan
+
+    def total_stats(self) -> StepStats: ...
+
+    def set_plan(self, plan: Plan) -> None: ...
+
+
+class Replanner:
+    def __init__(self, *, engine: ReplannedEngine, run: PreparedRun, budgets: Budgets,
+                 solve: Callable[[PreparedRun], Plan], min_gain: float,
+                 include_optimizer: bool, adopt: Callable[[PreparedRun], None] | None = None,
+                 save_profile: Callable[[HardwareProfile], None] | None = None,
+                 warmup_steps: int = WARMUP_STEPS,
+                 min_steps_between_switches: int = MIN_STEPS_BETWEEN_SWITCHES,
+                 drift_factor: float = DRIFT_FACTOR,
+                 estimate: RateEstimate | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """`solve(run)` makes a plan for `run.model_profile` on `run.hardware`; `adopt(run)`
+        is told the run after a switch; `save_profile` keeps a calibrated profile; `clock`
+        times the steps (seconds)."""
+        self._engine, self.run, self._budgets = engine, run, budgets
+        self._solve, self._adopt, self._save = solve, adopt, save_profile
+        self.min_gain, self._include_optimizer = min_gain, include_optimizer
+        self.warmup_steps = warmup_steps
+        self.min_steps_between_switches = min_steps_between_switches
+        if not drift_factor > 1:
+            raise ValueError(f"drift_factor={drift_factor} must be > 1 (a rate this factor "
+                             "off the plan's starts a solve)")
+        self.drift_factor = drift_factor
+        self.estimate, self._clock = estimate or RateEstimate(), clock
+        self.steps = 0  # step boundaries seen
+        self.switches: list[int] = []  # the steps at which a new plan took over
+        self.reverts: list[int] = []  # the steps at which the guard went back (step 5)
+        self.calibrated: HardwareProfile | None = None  # the latest settled profile
+        self.step_s: list[float] = []  # wall seconds between boundaries, per step
+        self._last: tuple[float, StepStats] | None = None
+        self._solved_on: HardwareProfile | None = None  # the profile of the latest solve
+        self._pending: Future[Plan] | None = None
+        self._pending_on: tuple[HardwareProfile, Plan, list[str]] | None = None
+        # A solved plan waiting for its rates to settle: (the profile it was solved on, the
+        # plan, the plan running then, the rates that drifted).
+        self._candidate: tuple[HardwareProfile, Plan, Plan, list[str]] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._predicted: tuple[HardwareProfile, Plan, float] | None = None
+        # After a switch: (the median step before it, the plan and run it replaced).
+        self._guard: tuple[float, Plan, PreparedRun] | None = None
+
+    # ---- the step boundary -----------------------------------------------------------
+    def on_step(self) -> None:
+        """One optimizer step ended (skipped ones too): measure, maybe solve or switch."""
+        now_s, totals = self._clock(), self._engine.total_stats()
+        last, self._last = self._last, (now_s, totals)
+        self.steps += 1
+        if last is not None:
+            self.step_s.append(now_s - last[0])
+        if self.steps <= self.warmup_steps:
+            return
+        self.estimate.add(step_rates(self._sample(last[1] if last else StepStats(), totals)))
+        if self._guard is not None and self.steps - self.switches[-1] >= GUARD_STEPS:
+            self._judge_switch()
+        measured = calibrate(self.run.hardware, self.estimate.medians(),
+                             where="the engine's measurements of this run")
+        if self.estimate.settled():
+            self.calibrated = measured
+        if self._pending is not None:
+            if not self._pending.done():
+                return
+            self._collect_solve()
+        if self._candidate is not None:
+            self._consider_candidate(measured)
+            return
+        drifted = self._drifted_from(self._solved_on or self.run.hardware, measured)
+        if self._too_soon() or not drifted:
+            return
+        # Solved at once, on the medians so far: a 20x drift shows in one step, and the
+        # solve (seconds) runs while the estimate settles; the switch waits for that.
+        if self._save is not None and self.estimate.settled(drifted):
+            self._save(measured)
+        logger.debug("lazytrain: step %d: %s drifted from the plan's rates (%s); solving "
+                     "for them", self.steps, ", ".join(drifted), measured.source)
+        self._start_solve(measured, drifted)
+
+    def _sample(self, before: StepStats, after: StepStats) -> StepSample:
+        model = self.run.model_profile
+        runs = {k: getattr(after, k) - getattr(before, k)
+                for k in ("layer_forwards", "layer_recomputes", "layer_backwards")}
+        flops = ((runs["layer_forwards"] + runs["layer_recomputes"] + runs["layer_backwards"])
+                 * model.layer_fwd_flops + runs["layer_backwards"] * model.layer_bwd_flops)
+        updated = model.trainable_param_count - (
+            model.resident_trainable_param_count if self._engine.plan.resident_update
+            == "device" else 0)
+        return StepSample(
+            transfer_s={k: v - before.transfer_s[k] for k, v in after.transfer_s.items()},
+            transfer_bytes={k: v - before.transfer_bytes[k]
+                            for k, v in after.transfer_bytes.items()},
+            layer_compute_s=(after.compute_s + after.recompute_s
+                             - before.compute_s - before.recompute_s),
+            layer_flops=flops, optimizer_update_s=after.optimizer_update_s
+            - before.optimizer_update_s, updated_param_count=updated)
+
+    def _too_soon(self) -> bool:
+        changes = self.switches + self.reverts
+        return bool(changes) and (self.steps - max(changes) < self.min_steps_between_switches)
+
+    def _drifted_from(self, planned: HardwareProfile, measured: HardwareProfile) -> list[str]:
+        """The measured rates more than `drift_factor` off `planned`'s."""
+        medians = self.estimate.medians()
+        return [name for name, old, new in drifts(planned, measured)
+                if name in medians and ratio(new, old) > self.drift_factor]
+
+    # ---- the solve and the switch ----------------------------------------------------
+    def _start_solve(self, hardware: HardwareProfile, drifted: list[str]) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1,
+                                                thread_name_prefix="lazytrain-replan")
+        run = replace(self.run, hardware=hardware)
+        self._pending_on = (hardware, self._engine.plan, drifted)
+        self._pending = self._executor.submit(self._solve, run)
+
+    def _collect_solve(self) -> None:
+        """The background solve ended: its plan waits as the candidate (`_consider_candidate`)."""
+        future, self._pending = self._pending, None
+        hardware, was_running, drifted = self._pending_on
+        try:
+            plan = future.result()
+        except PlanInfeasibleError as err:
+            self._solved_on = hardware
+            logger.warning("lazytrain: no plan fits at the measured rates (%s); keeping the "
+                           "running plan", err)
+            return
+        self._candidate = (hardware, plan, was_running, drifted)
+
+    def _consider_candidate(self, measured: HardwareProfile) -> None:
+        """Judge the solved plan on the medians now: switch when it is predicted `min_gain`
+        faster than the running one whatever the rates still moving turn out to be (priced
+        with them at their medians and at the values the plan assumed), keep the running
+        plan when it is not (a rate drifting from the profile of that solve solves again),
+        and wait while the answer depends on a rate still moving."""
+        hardware, plan, was_running, drifted = self._candidate
+        if self._engine.plan is not was_running:
+            self._candidate = None  # the run re-planned meanwhile (a longer batch): stale
+            return
+        if self._too_soon():
+            return
+        planned = self._solved_on or self.run.hardware  # what the drift was measured from
+        moving = [name for name in drifted if not self._firm(name, planned)
+                  and name in self._drifted_from(planned, measured)]
+        profiles = [measured]
+        if moving:  # the moving rates at the values the running plan assumed
+            profiles.append(replace(measured, **{RATE_FIELDS[name]: getattr(
+                planned, RATE_FIELDS[name]) for name in moving}))
+        priced = [(self._step_on(was_running, p), self._step_on(plan, p)) for p in profiles]
+        old_s, new_s = priced[0]
+        unproven = (plan.solver.status not in ("optimal", "gaplimit")
+                    and plan.solver.gap > self.min_gain)  # the incumbent of a limit hit
+        faster = all(new <= (1 - self.min_gain) * old for old, new in priced)
+        if not faster and moving:
+            return  # the estimates still move: no decision yet
+        self._candidate = None
+        if not faster or not self._fits(plan) or unproven:
+            self._solved_on = hardware
+            logger.debug("lazytrain: step %d: the plan for the measured rates predicts %.3f "
+                         "s, the running one %.3f s (fits the budgets: %s; solved in %.2f s, "
+                         "%s, gap %.1f%%); keeping it", self.steps, new_s, old_s,
+                         self._fits(plan), plan.solver.solve_s, plan.solver.status,
+                         100 * plan.solver.gap)
+            return
+        self._solved_on = measured
+        if self._save is not None:
+            self._save(measured)
+        self._guard = (statistics.median(self.step_s[-GUARD_STEPS:]), was_running, self.run)
+        self._engine.set_plan(plan)
+        planned_on = self.run.hardware
+        self.run = replace(self.run, hardware=measured, plan=plan)
+        self.switches.append(self.steps)
+        if self._adopt is not None:
+            self._adopt(self.run)
+        named = self._drifted_from(planned_on, measured) or drifted
+        rates = "; ".join(f"the measured {format_rate(name, new)}, the plan assumed "
+                          f"{format_rate(name, old)}" for name, old, new
+                          in drifts(planned_on, measured) if name in named)
+        logger.info("lazytrain: re-planned at step %d: %s; predicted step at the measured "
+                    "rates %.3f s with the new plan, %.3f s with the old one", self.steps,
+                    rates, new_s, old_s)
+
+    def _firm(self, name: str, reference: HardwareProfile) -> bool:
+        """Whether `name`'s drift from `reference` is no longer in doubt: its median has
+        settled, or every step of a full window measured it more than `drift_factor` off
+        `reference`'s rate, on the same side."""
+        if self.estimate.settled([name]):
+            return True
+        values, ref = self.estimate.recent(name), getattr(reference, RATE_FIELDS[name])
+        return (len(values) == self.estimate.window_steps
+                and (all(v > self.drift_factor * ref for v in values)
+                     or all(v * self.drift_factor < ref for v in values)))
+
+    def _judge_switch(self) -> None:
+        """Back to the plan before the latest switch when the new one measured more than
+        `min_gain` slower over its first `GUARD_STEPS` steps."""
+        before_s, old_plan, old_run = self._guard
+        self._guard = None
+        after_s = statistics.median(self.step_s[-GUARD_STEPS:])
+        if after_s <= (1 + self.min_gain) * before_s or self._engine.plan is not self.run.plan:
+            return
+        self._engine.set_plan(old_plan)
+        self.run = old_run
+        self.reverts.append(self.steps)
+        if self._adopt is not None:
+            self._adopt(self.run)
+        logger.warning("lazytrain: step %d: the plan taken at step %d measured %.3f s a step, "
+                       "%.3f s before it; back to the earlier plan (the simulator mispriced "
+                       "the new one on this machine: please report it with `lazytrain "
+                       "profile`)", self.steps, self.switches[-1], after_s, before_s)
+
+    def _fits(self, plan: Plan) -> bool:
+        """The simulated peaks within the budgets (as `make_plan` checks them)."""
+        p, b = plan.prediction, self._budgets
+        return (p.peak_gpu_bytes <= b.gpu_bytes and p.peak_cpu_bytes <= b.cpu_bytes
+                and p.peak_nvme_bytes <= b.nvme_bytes)
+
+    def _step_on(self, plan: Plan, hardware: HardwareProfile) -> float:
+        return simulate(plan, self.run.model_profile, hardware,
+                        include_optimizer=self._include_optimizer).step_s
+
+    # ---- what a progress line shows --------------------------------------------------
+    @property
+    def predicted_step_s(self) -> float:
+        """The running plan's step: on the calibrated profile once there is one, else its
+        own prediction."""
+        plan, hardware = self._engine.plan, self.calibrated
+        if hardware is None:
+            return plan.prediction.step_s
+        if (self._predicted is None or self._predicted[0] is not hardware
+                or self._predicted[1] is not plan):
+            self._predicted = (hardware, plan, self._step_on(plan, hardware))
+        return self._predicted[2]
+
+    def close(self) -> None:
+        """Let a running solve end on its own (bounded by the solver's time limit)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+
+def predicted_step_s(replanner: Replanner | None, plan: Plan) -> float:
+    """The step a progress line prints beside the measured one: the running plan's at the
+    calibrated rates once `replanner` has them, else the plan's own prediction."""
+    return plan.prediction.step_s if replanner is None else replanner.predicted_step_s
+
+
+def replanner_for(config: LazyTrainConfig, *, engine: ReplannedEngine, run: PreparedRun,
+                  adopt: Callable[[PreparedRun], None], device: torch.device) -> Replanner:
+    """The re-planner of a run of `config`; a profile measured on this machine
+    (`hardware="auto"`, links not emulated) is saved calibrated for the next run."""
+    from lazytrain_accel.config import OptimizerChoice
+    from lazytrain_accel.integrations import setup
+
+    save = None
+    if config.hardware == "auto" and not config.emulate_async:
+        from lazytrain_accel.profiling.measure import save_calibrated
+
+        def save(profile: HardwareProfile) -> None:
+            try:
+                save_calibrated(profile, cache_dir=config.cache_dir, nvme_dir=config.nvme_dir,
+                                device=device)
+            except OSError as err:  # a read-only cache must not stop training
+                logger.warning("lazytrain: could not keep the calibrated profile (%s)", err)
+
+    resident_update = engine.plan.resident_update
+    return Replanner(
+        engine=engine, run=run, budgets=setup.budgets_for(config, run.hardware),
+        solve=lambda r: setup.solve_plan(config, r.model_profile, r.hardware,
+                                         resident_update=resident_update,
+                                         time_limit_s=config.solver_time_limit_s),
+        min_gain=config.replan_min_gain, adopt=adopt, save_profile=save,
+        include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT)

@@ -1,0 +1,43 @@
+"""`lazytrain demo` with replan="auto" (the default): once the profile is calibrated to
+what this machine measures, the printed prediction tracks the measured step (issue 24),
+whether or not the plan changes."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+
+from lazytrain_accel.cli import main
+from lazytrain_accel.progress import PROGRESS_EVERY_STEPS
+
+STEPS = 3 * PROGRESS_EVERY_STEPS
+#: Progress lines before this step average steps the re-planner had not calibrated yet
+#: (warm-up, then a window of medians).
+CALIBRATED_BY_STEP = PROGRESS_EVERY_STEPS
+_LINE = re.compile(r"^step (\d+)/\d+ .* step ([\d.]+) s \(predicted ([\d.]+) s\)$")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the measured step is 1.17-1.42x the calibrated prediction (6 progress lines "
+    "after step 10, two runs, load 2-5): calibration fits the layers' compute rate, and "
+    "~0.02-0.03 s a step spent outside the timed layer runs and copies is in no term of "
+    "the simulator; a fitted per-layer-run overhead is the next step (issue 24)"))
+def test_the_calibrated_prediction_tracks_the_measured_step(
+        tmp_path: Path, hardware_json: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LAZYTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LAZYTRAIN_REPLAN", "auto")
+    monkeypatch.setenv("LAZYTRAIN_THREADS", "1")  # two spin on a busy 2-core machine
+    code = main(["demo", "--steps", str(STEPS), "--batch-size", "4", "--eval-count", "4",
+                 "--hardware", str(hardware_json), "--nvme-dir", str(tmp_path / "nvme"),
+                 "--output-dir", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = [m.groups() for m in map(_LINE.match, out.splitlines()) if m]
+    ratios = [float(measured_s) / float(predicted_s)
+              for step, measured_s, predicted_s in lines if int(step) > CALIBRATED_BY_STEP]
+    assert len(ratios) == 2, out  # the lines of steps 20 and 30
+    assert abs(statistics.median(ratios) - 1) <= 0.15, (ratios, out)

@@ -1,0 +1,125 @@
+"""The re-planner's switch policy on a fake engine (no training): it never switches to a
+time-limited incumbent far from its bound, prices both plans on the calibrated profile,
+and goes back when the new plan measures slower than the old one did (issue 24)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from lazytrain_accel.engine.stats import StepStats
+from lazytrain_accel.integrations.replanner import GUARD_STEPS, WARMUP_STEPS, Replanner
+from lazytrain_accel.integrations.setup import PreparedRun, profile_for_run
+from lazytrain_accel.planning import Budgets, Plan, PlanRequest, make_plan
+from lazytrain_accel.profiling.calibration import WINDOW_STEPS
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+replan = pytest.importorskip("replan")
+
+#: What each fake step writes to NVMe, and how long that takes: the true rate, 20x below
+#: the claimed profile's.
+WRITE_BYTES = 100_000
+WRITE_S = WRITE_BYTES / replan.TRUE_NVME_BYTES_PER_S
+
+
+class FakeEngine:
+    """Each step writes `WRITE_BYTES` to NVMe in `write_s(step)` (1-based; default
+    `WRITE_S`); `set_plan` records plans."""
+
+    def __init__(self, plan: Plan, write_s: Callable[[int], float] = lambda step: WRITE_S
+                 ) -> None:
+        self.plan, self.plans, self._steps = plan, [plan], 0
+        self._write_s, self._total_s = write_s, 0.0
+
+    def total_stats(self) -> StepStats:
+        self._steps += 1
+        self._total_s += self._write_s(self._steps)
+        stats = StepStats()
+        stats.transfer_bytes["nvme_write"] = self._steps * WRITE_BYTES
+        stats.transfer_s["nvme_write"] = self._total_s
+        return stats
+
+    def set_plan(self, plan: Plan) -> None:
+        self.plan = plan
+        self.plans.append(plan)
+
+
+@pytest.fixture(scope="module")
+def plans() -> tuple[PreparedRun, Budgets, Plan]:
+    """The run planned on the claimed (fast NVMe) profile, its budgets, and the plan for
+    the true rates."""
+    model = profile_for_run(replan.tiny_model(), batch_size=4, seq_len=64, compute_dtype=None,
+                            loss_chunk_tokens=0)
+    budgets = Budgets.from_hardware(replan.claimed_profile(), **replan.budget_limits_gb())
+    request = PlanRequest(budgets=budgets, resident_update="host")
+    claimed = make_plan(model, replan.claimed_profile(), request)
+    true = make_plan(model, replan.true_profile(), request)
+    assert "nvme" in [h.value for h in claimed.homes]
+    assert "nvme" not in [h.value for h in true.homes]
+    return PreparedRun(model_profile=model, hardware=replan.claimed_profile(), plan=claimed), \
+        budgets, true
+
+
+def drive(run: PreparedRun, budgets: Budgets, solved: Plan, *, before_s: float,
+          after_s: float, steps: int, write_s: Callable[[int], float] = lambda step: WRITE_S
+          ) -> tuple[Replanner, FakeEngine]:
+    """`steps` boundaries of a run whose steps take `before_s` on the first plan and
+    `after_s` on any other; every solve returns `solved`."""
+    engine, now_s = FakeEngine(run.plan, write_s), [0.0]
+    replanner = Replanner(engine=engine, run=run, budgets=budgets, solve=lambda r: solved,
+                          min_gain=0.05, include_optimizer=True, clock=lambda: now_s[0])
+    for _ in range(steps):
+        replanner.on_step()
+        time.sleep(0.02)  # the solve's future completes on its thread
+        now_s[0] += before_s if engine.plan is run.plan else after_s
+    replanner.close()
+    return replanner, engine
+
+
+def test_a_time_limited_incumbent_far_from_its_bound_is_not_taken(plans) -> None:
+    run, budgets, true = plans
+    incumbent = dataclasses.replace(true, solver=dataclasses.replace(
+        true.solver, status="timelimit", gap=0.145))
+    replanner, engine = drive(run, budgets, incumbent, before_s=1.0, after_s=0.8, steps=12)
+    assert replanner.switches == [] and engine.plans == [run.plan]
+
+
+def test_a_plan_predicted_faster_is_taken_and_kept_when_it_measures_faster(plans) -> None:
+    run, budgets, true = plans
+    replanner, engine = drive(run, budgets, true, before_s=1.0, after_s=0.8, steps=16)
+    assert len(replanner.switches) == 1 and replanner.reverts == []
+    assert engine.plans == [run.plan, true]
+
+
+def test_a_switch_that_measures_slower_is_reverted_once_and_logged(plans, caplog) -> None:
+    run, budgets, true = plans
+    replanner, engine = drive(run, budgets, true, before_s=1.0, after_s=1.2, steps=16)
+    (switch,) = replanner.switches
+    assert replanner.reverts == [switch + GUARD_STEPS]
+    assert engine.plans == [run.plan, true, run.plan] and replanner.run.plan is run.plan
+    lines = [r.getMessage() for r in caplog.records if "back to the earlier" in r.getMessage()]
+    assert len(lines) == 1 and "measured 1.200 s a step, 1.000 s before it" in lines[0]
+
+
+def test_a_drift_is_solved_at_once_and_switched_when_its_window_confirms_it(plans) -> None:
+    """Solved after the first step measured (4, after the 3-step warm-up), switched at
+    the first boundary where each of the window's 3 steps measured the drift (6)."""
+    run, budgets, true = plans
+    replanner, engine = drive(run, budgets, true, before_s=1.0, after_s=0.8, steps=8)
+    assert replanner.switches == [WARMUP_STEPS + WINDOW_STEPS], replanner.switches
+    assert engine.plans == [run.plan, true]
+
+
+def test_one_slow_step_is_no_drift(plans) -> None:
+    """NVMe writes at the claimed rate but for one step 20x slower: the solve it starts
+    is judged on the medians, which never moved: no switch."""
+    run, budgets, true = plans
+    fast_s = WRITE_BYTES / replan.CLAIMED_NVME_BYTES_PER_S
+    replanner, engine = drive(run, budgets, true, before_s=1.0, after_s=0.8, steps=12,
+                              write_s=lambda step: WRITE_S if step == 5 else fast_s)
+    assert replanner.switches == [] and engine.plans == [run.plan]
