@@ -35,7 +35,11 @@ class Runtime:
     def __init__(self, *, plan: Plan, layers: list[nn.Module],
                  originals: list[Callable[..., Any]],
                  trainable: list[list[nn.Parameter]], streams: Streams, acct: Accounting,
-                 spill: NvmeSpill, pool: WeightPool, sink: GradSink) -> None:
+                 spill: NvmeSpill, pool: WeightPool, sink: GradSink,
+                 whole_layer_reason: str = "") -> None:
+        """`whole_layer_reason`: why the model's layers cannot run in sequence tiles, from
+        its config (`profiling.whole_layers.whole_layer_reason`, which the planner's
+        working set reads too; "" = they can): they then run whole from the first call."""
         self.plan = plan
         self.streams = streams
         self.acct = acct
@@ -48,7 +52,10 @@ class Runtime:
         self._mlps = [tiles.find_token_mlp(layer) for layer in layers]  # None: untiled
         self._attention_configs = query_blocks.check_layers(layers, plan.attention_block_tokens)
         self._untiled_said = False
-        self._layer_tiles_ok = [True] * len(layers)  # False once a layer proved it cannot
+        # False where the config says the layers run whole, or once a layer proved it cannot
+        self._whole_reason = whole_layer_reason
+        self._whole_said = False
+        self._layer_tiles_ok = [not whole_layer_reason] * len(layers)
         # the input gradient a sequence-tiled backward last handed out: autograd passes it
         # on to the layer below as its output gradient, which overwrites it in place
         self._owned: weakref.ref[torch.Tensor] | None = None
@@ -74,6 +81,12 @@ class Runtime:
                 tiles.tiled(self._token_mlp(layer, tile_tokens), tile_tokens):
             yield
 
+    def tiles_layer(self, layer: int, hidden: torch.Tensor) -> bool:
+        """Whether a call of `layer` on `hidden` under the current plan may run the whole
+        layer in sequence tiles (not where the config or an earlier call said it runs whole)."""
+        return (layer_tiles.applies(hidden, self.plan.attention_block_tokens)
+                and self._layer_tiles_ok[layer - 1])
+
     def _layer_tiled(self, layer: int, hidden: torch.Tensor, block_tokens: int,
                      pos: LayerPosition | None, counter: str) -> bool:
         """Whether this call of `layer` runs the whole layer in sequence tiles: a re-run
@@ -82,8 +95,14 @@ class Runtime:
         kwarg needs a gradient."""
         if pos is not None and counter != "layer_forwards":
             return pos.layer_tiled
-        return (layer_tiles.applies(hidden, block_tokens) and self._layer_tiles_ok[layer - 1]
-                and (pos is None or not pos.extra_ids))
+        if not layer_tiles.applies(hidden, block_tokens):
+            return False
+        if self._whole_reason and not self._whole_said:
+            self._whole_said = True
+            logger.info("lazytrain: the decoder layers (%s) cannot run in sequence tiles (%s); "
+                        "they run whole, their attention in query blocks, as the plan sized "
+                        "them", type(self._layers[layer - 1]).__name__, self._whole_reason)
+        return self._layer_tiles_ok[layer - 1] and (pos is None or not pos.extra_ids)
 
     def _run_layer_tiled(self, layer: int, hidden: torch.Tensor, kwargs: dict[str, Any], *,
                          tile_tokens: int, block_tokens: int, pos: LayerPosition | None
@@ -97,9 +116,11 @@ class Runtime:
                     configs=self._attention_configs[layer - 1])
         except layer_tiles.Unsupported as why:
             self._layer_tiles_ok[layer - 1] = False
-            logger.info("lazytrain: decoder layer %d (%s) cannot run in sequence tiles (%s); "
-                        "it runs whole, its attention in query blocks", layer,
-                        type(self._layers[layer - 1]).__name__, why)
+            logger.warning("lazytrain: decoder layer %d (%s) cannot run in sequence tiles (%s); "
+                           "it runs whole, its attention in query blocks: its backward "
+                           "working set is the untiled one, larger than the plan's (which "
+                           "sized it as tiled from its config)", layer,
+                           type(self._layers[layer - 1]).__name__, why)
             if pos is not None:
                 pos.layer_tiled = False
             return False, None
