@@ -162,6 +162,7 @@ def _summary(plan: Plan, numbers: Any, geometry: ModelGeometry) -> dict[str, Any
         "resident_update": plan.resident_update,
         "tile_tokens": plan.tile_tokens,
         "attention_block_tokens": plan.attention_block_tokens,
+        "layers_run_whole": geometry.whole_layer_reason,
         "int32_index_exceeded": overflow is not None,
         "int32_index_overflow": overflow,
         "hidden_state_past_int32": exceeds_int32_index(
@@ -212,7 +213,11 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
 def _print_tiles(summary: dict[str, Any]) -> None:
     tile, block = summary["tile_tokens"], summary["attention_block_tokens"]
     mlp = f"its MLP in tiles of {tile} tokens" if tile else "its MLP whole"
-    if block and block < summary["seq_len"]:
+    whole = summary.get("layers_run_whole")
+    if block and block < summary["seq_len"] and whole:
+        print(f"  layers: run whole ({whole}), attention in query blocks of {block} tokens, "
+              f"{mlp}")
+    elif block and block < summary["seq_len"]:
         print(f"  layers: the whole layer in sequence tiles of {block} tokens (attention as "
               f"query blocks against the key prefix), {mlp}")
     else:

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lazytrain_accel.engine import hf_checkpointing, layer_tiles, long_sequence, quantized
+from lazytrain_accel.engine import hf_checkpointing, long_sequence, quantized
 from lazytrain_accel.engine.backends import make_streams
 from lazytrain_accel.engine.binding import bind_call, drop_cache
 from lazytrain_accel.engine.discovery import find_decoder_layers
@@ -62,6 +62,7 @@ from lazytrain_accel.engine.stats import Accounting, StepStats
 from lazytrain_accel.engine.step import StepCoordinator
 from lazytrain_accel.planning.plan import Home, Plan
 from lazytrain_accel.planning.slots import weight_slots
+from lazytrain_accel.profiling.whole_layers import whole_layer_reason
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -149,7 +150,9 @@ class StreamingEngine:
         self.runtime = Runtime(plan=self.plan, layers=self._layers, originals=self._originals,
                                trainable=trainable,
                                streams=self.streams, acct=self.acct, spill=self.spill,
-                               pool=self.pool, sink=self.sink)
+                               pool=self.pool, sink=self.sink,
+                               whole_layer_reason=whole_layer_reason(
+                                   getattr(self.model, "config", None) or {}))
         self._state: ForwardState | None = None
         self._open: weakref.WeakSet[ForwardState] = weakref.WeakSet()
         self._latest: weakref.ref[ForwardState] | None = None
@@ -210,8 +213,7 @@ class StreamingEngine:
             long_sequence.check_call(hidden, call_kwargs, verdicts=self._mask_verdicts,
                                      attn_implementation=getattr(config, "_attn_implementation",
                                                                  None),
-                                     tiled=layer_tiles.applies(
-                                         hidden, self.runtime.plan.attention_block_tokens))
+                                     tiled=self.runtime.tiles_layer(index, hidden))
         except long_sequence.LongSequenceError:
             if not self._open:
                 self.residents.swap_out()  # masters back in place (`_after_model` won't run)

@@ -35,7 +35,11 @@ class Runtime:
     def __init__(self, *, plan: Plan, layers: list[nn.Module],
                  originals: list[Callable[..., Any]],
                  trainable: list[list[nn.Parameter]], streams: Streams, acct: Accounting,
-                 spill: NvmeSpill, pool: WeightPool, sink: GradSink) -> None:
+                 spill: NvmeSpill, pool: WeightPool, sink: GradSink,
+                 whole_layer_reason: str = "") -> None:
+        """`whole_layer_reason`: why the model's layers cannot run in sequence tiles, from
+        its config (`profiling.whole_layers.whole_layer_reason`, which the planner's
+        working set reads too; "" = they can): they then run whole from the first call."""
         self.plan = plan
         self.streams = streams
         self.acct = acct
@@ -48,7 +52,11 @@ class Runtime:
         self._mlps = [tiles.find_token_mlp(layer) for layer in layers]  # None: untiled
         self._attention_configs = query_blocks.check_layers(layers, plan.attention_block_tokens)
         self._untiled_said = False
-        self._layer_tiles_ok = [True] * len(layers)  # False once a layer proved it cannot
+        # False where the config says the layers run whole, or once a layer proved it cannot
+        self._whole_reason = whole_layer_reason
+        self._whole_said = False
+        self._unplanned_said: set[int] = set()  # layers warned about running whole
+        self._layer_tiles_ok = [not whole_layer_reason] * len(layers)
         # the input gradient a sequence-tiled backward last handed out: autograd passes it
         # on to the layer below as its output gradient, which overwrites it in place
         self._owned: weakref.ref[torch.Tensor] | None = None
@@ -74,6 +82,12 @@ class Runtime:
                 tiles.tiled(self._token_mlp(layer, tile_tokens), tile_tokens):
             yield
 
+    def tiles_layer(self, layer: int, hidden: torch.Tensor) -> bool:
+        """Whether a call of `layer` on `hidden` under the current plan may run the whole
+        layer in sequence tiles (not where the config or an earlier call said it runs whole)."""
+        return (layer_tiles.applies(hidden, self.plan.attention_block_tokens)
+                and self._layer_tiles_ok[layer - 1])
+
     def _layer_tiled(self, layer: int, hidden: torch.Tensor, block_tokens: int,
                      pos: LayerPosition | None, counter: str) -> bool:
         """Whether this call of `layer` runs the whole layer in sequence tiles: a re-run
@@ -82,8 +96,28 @@ class Runtime:
         kwarg needs a gradient."""
         if pos is not None and counter != "layer_forwards":
             return pos.layer_tiled
-        return (layer_tiles.applies(hidden, block_tokens) and self._layer_tiles_ok[layer - 1]
-                and (pos is None or not pos.extra_ids))
+        if not layer_tiles.applies(hidden, block_tokens):
+            return False
+        if self._whole_reason and not self._whole_said:
+            self._whole_said = True
+            logger.info("lazytrain: the decoder layers (%s) cannot run in sequence tiles (%s); "
+                        "they run whole, their attention in query blocks, as the plan sized "
+                        "them", type(self._layers[layer - 1]).__name__, self._whole_reason)
+        if pos is not None and pos.extra_ids and self._layer_tiles_ok[layer - 1]:
+            self._unplanned_whole(layer, "a kwarg of its call needs a gradient")
+            return False
+        return self._layer_tiles_ok[layer - 1]
+
+    def _unplanned_whole(self, layer: int, why: str, *, how: str = "its attention in query "
+                         "blocks") -> None:
+        """Say once per layer that `layer` runs whole though the plan sized it in tiles."""
+        if layer in self._unplanned_said:
+            return
+        self._unplanned_said.add(layer)
+        logger.warning("lazytrain: decoder layer %d (%s) cannot run in sequence tiles (%s); "
+                       "it runs whole, %s: its backward working set is the untiled one, "
+                       "larger than the plan's (which sized it as tiled from its config)",
+                       layer, type(self._layers[layer - 1]).__name__, why, how)
 
     def _run_layer_tiled(self, layer: int, hidden: torch.Tensor, kwargs: dict[str, Any], *,
                          tile_tokens: int, block_tokens: int, pos: LayerPosition | None
@@ -97,9 +131,7 @@ class Runtime:
                     configs=self._attention_configs[layer - 1])
         except layer_tiles.Unsupported as why:
             self._layer_tiles_ok[layer - 1] = False
-            logger.info("lazytrain: decoder layer %d (%s) cannot run in sequence tiles (%s); "
-                        "it runs whole, its attention in query blocks", layer,
-                        type(self._layers[layer - 1]).__name__, why)
+            self._unplanned_whole(layer, str(why))
             if pos is not None:
                 pos.layer_tiled = False
             return False, None
@@ -138,6 +170,9 @@ class Runtime:
                                                                    self.streams.device)
         shape = self.plan if pos is None else pos  # a recompute runs as its forward ran
         # the stock-grad path keeps the layer's own grad-mode-dependent forward: whole
+        if stock_grad and self.tiles_layer(layer, hidden):
+            self._unplanned_whole(layer, "its forward depends on the grad mode",
+                                  how="untiled, attention over the whole sequence")
         tile_tokens = 0 if stock_grad else shape.tile_tokens
         block_tokens = 0 if stock_grad else shape.attention_block_tokens
         self._acquire(layer, prefetch)

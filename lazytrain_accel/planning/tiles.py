@@ -5,7 +5,9 @@ At long sequence one layer's backward working set outgrows the GPU: its token-wi
 dO, dQ and fp32 dQ accumulator and the norms' [S, hidden] outputs. Tiles shrink the first
 to one tile's; query blocks run the whole layer in sequence tiles (`engine/layer_tiles.py`),
 which leaves K, V, their gradients and one [S, hidden] gradient whole
-(`profiling/working_set.py`). Candidates whose kernels would index a tensor of 2^31
+(`profiling/working_set.py`); for a model whose layers run whole
+(`profiling/whole_layers.py`) the same candidates are sized as they run: untiled, attention
+in query blocks. Candidates whose kernels would index a tensor of 2^31
 elements or more (`working_set.int32_index_overflow`) are dropped; when all would, the
 refusal names the tensor. Each extra tile or block
 costs a kernel re-launch (`working_set.TILE_LAUNCH_S`), so the planner takes the fastest
@@ -77,10 +79,13 @@ def plan_tiles(model: ModelProfile, hardware: HardwareProfile,
     candidates = list(tile_candidates(model))
     overflows = [index_overflow(c) for c in candidates]
     if all(overflows):
+        whole = model.geometry.whole_layer_reason
+        how = (f"its layers run whole ({whole}), attention in query blocks" if whole
+               else "even with the whole layer in sequence tiles")
         raise PlanInfeasibleError(
             f"at batch {model.batch_size} x seq {model.seq_len} {overflows[-1]}, at or past "
-            "2^31, where kernels' int32 index math overflows, even with the whole layer in "
-            "sequence tiles: shorten --seq-len or the micro-batch.", {})
+            f"2^31, where kernels' int32 index math overflows, {how}: shorten --seq-len or "
+            "the micro-batch.", {})
     candidates = [c for c, over in zip(candidates, overflows, strict=True) if over is None]
     fitting = [c for c in candidates
                if may_fit(c, hardware, budgets, max_recompute_block=max_recompute_block)]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lazytrain_accel.profiling.model import ModelGeometry
+from lazytrain_accel.profiling.whole_layers import whole_layer_reason
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -258,4 +259,5 @@ def geometry_from_config(config: dict[str, Any], name: str = "") -> ModelGeometr
         final_norm_param_count=counts.final_norm,
         gated_mlp=counts.gated_mlp,
         active_layer_param_count=counts.active_layer,
+        whole_layer_reason=whole_layer_reason(config),
     )

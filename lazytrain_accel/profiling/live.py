@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lazytrain_accel.profiling.model import QUANTIZED_FORMATS, ModelGeometry, WeightSplit
+from lazytrain_accel.profiling.whole_layers import EXPERTS_KEYS, whole_layer_reason
 
 #: Config keys naming the same shape across HF families, most common first.
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
@@ -27,7 +28,7 @@ _KV_HEADS_KEYS = ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"
 _INTERMEDIATE_KEYS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size",
                       "moe_intermediate_size")
 _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
-_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_EXPERTS_KEYS = EXPERTS_KEYS
 #: Parameter-name parts that only gated MLPs (SwiGLU/GeGLU: gate, up, down) have.
 _GATED_NAMES = ("gate_proj", "gate_up_proj", "up_proj", "w3")
 
@@ -162,6 +163,7 @@ def geometry_from_model(model: nn.Module, layers: Sequence[nn.Module]) -> ModelG
         head_param_count=head,
         final_norm_param_count=rest,
         gated_mlp=any(c[2] for c in counts),
+        whole_layer_reason=whole_layer_reason(config),
     )
 
 

@@ -33,6 +33,9 @@ class ModelGeometry:
     # Parameters one token's FLOPs go through in a layer: an MoE layer streams all its
     # experts (layer_param_count) but computes with top_k of them. None = dense.
     active_layer_param_count: int | None = None
+    # Why the layers run whole rather than in sequence tiles (`whole_layers.py`, from the
+    # config: MoE router logits recorded, non-causal attention); "" = they can run in tiles.
+    whole_layer_reason: str = ""
 
     @property
     def layer_flops_param_count(self) -> int:
@@ -49,6 +52,8 @@ class ModelGeometry:
         out = asdict(self)
         if out["active_layer_param_count"] is None:  # dense: plan fingerprints stay as before
             del out["active_layer_param_count"]
+        if not out["whole_layer_reason"]:  # tileable: plan fingerprints stay as before
+            del out["whole_layer_reason"]
         return out
 
 

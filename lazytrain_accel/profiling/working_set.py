@@ -125,24 +125,43 @@ def layer_working_set(g: ModelGeometry, *, batch_size: int, seq_len: int,
                       ) -> LayerWorkingSet:
     """One layer's backward working set at `batch_size` x `seq_len`, its token-wise parts
     in tiles of `tile_tokens` (0: untiled) and its attention in query blocks of
-    `attention_block_tokens` per sequence (0: one call over the whole sequence)."""
+    `attention_block_tokens` per sequence (0: one call over the whole sequence). Query
+    blocks shorter than the sequence run the whole layer in sequence tiles
+    (`_sequence_tiled`) unless `g` says its layers run whole (`runs_in_tiles`); those
+    are sized as they run: untiled, the MLP in tiles and attention in query blocks, q, o,
+    dO, dQ of the whole sequence."""
     for name, value in (("tile_tokens", tile_tokens),
                         ("attention_block_tokens", attention_block_tokens)):
         if value < 0:
             raise ValueError(f"{name}={value} must be >= 0 (0: untiled)")
     tokens = batch_size * seq_len
-    if attention_block_tokens and attention_block_tokens < seq_len:
+    blocked = bool(attention_block_tokens) and attention_block_tokens < seq_len
+    if blocked and runs_in_tiles(g):
         return _sequence_tiled(g, batch_size=batch_size, seq_len=seq_len,
                                bytes_per_elem=bytes_per_elem, weights=weights,
                                tile_tokens=tile_tokens, block_tokens=attention_block_tokens)
     tile = min(tile_tokens or tokens, tokens)
     token_wise = tile * token_wise_bytes_per_token(g, bytes_per_elem)
     boundary = tokens * boundary_bytes_per_token(g, bytes_per_elem)
-    attention = tokens * (key_side_bytes_per_token(g, bytes_per_elem, blocked=False)
-                          + query_side_bytes_per_token(g, bytes_per_elem))
+    if blocked:  # a layer run whole, its attention in query blocks (`query_blocks.py`)
+        whole_query = 4 * g.num_attention_heads * g.head_dim * bytes_per_elem  # q, o, dO, dQ
+        attention = (tokens * (whole_query
+                               + key_side_bytes_per_token(g, bytes_per_elem, blocked=True))
+                     + batch_size * attention_block_tokens
+                     * query_side_bytes_per_token(g, bytes_per_elem))
+    else:
+        attention = tokens * (key_side_bytes_per_token(g, bytes_per_elem, blocked=False)
+                              + query_side_bytes_per_token(g, bytes_per_elem))
     return LayerWorkingSet(attention_bytes=attention, token_wise_bytes=token_wise,
                            boundary_bytes=boundary,
                            weight_grad_bytes=_grad_elems(g, weights) * bytes_per_elem)
+
+
+def runs_in_tiles(g: ModelGeometry) -> bool:
+    """Whether `g`'s layers run in sequence tiles when the plan has query blocks: not where
+    the config says they run whole (`whole_layers.whole_layer_reason`, which the engine
+    reads too)."""
+    return not g.whole_layer_reason
 
 
 def _grad_elems(g: ModelGeometry, weights: WeightSplit | None) -> int:
@@ -197,7 +216,7 @@ def key_pass_flops(g: ModelGeometry, *, batch_size: int, seq_len: int,
                    attention_block_tokens: int) -> int:
     """FLOPs a sequence-tiled layer's backward adds (`engine/layer_tiles.py`): its key pass
     re-runs each tile up to attention, the q, k, v projections the largest part of it."""
-    if not attention_block_tokens or attention_block_tokens >= seq_len:
+    if not attention_block_tokens or attention_block_tokens >= seq_len or not runs_in_tiles(g):
         return 0
     qkv = g.hidden_size * (g.num_attention_heads + 2 * g.num_kv_heads) * g.head_dim
     return 2 * batch_size * seq_len * qkv
@@ -217,7 +236,7 @@ def int32_index_overflow(g: ModelGeometry, *, batch_size: int, seq_len: int, til
     MLP's [tokens, intermediate] (per tile when tiled)."""
     tokens = batch_size * seq_len
     kv = g.num_kv_heads * g.head_dim
-    if attention_block_tokens and attention_block_tokens < seq_len:
+    if attention_block_tokens and attention_block_tokens < seq_len and runs_in_tiles(g):
         tile = batch_size * attention_block_tokens
         mlp = min(tile_tokens or tile, tile)
         widths = [(f"K and V ([batch x sequence, {kv}])", tokens, kv),

@@ -16,6 +16,18 @@ from engine_helpers import batches, build_model, make_plan, twin
 from lazytrain_accel.engine import attach, layer_tiles
 from lazytrain_accel.engine.long_sequence import LongSequenceError
 from lazytrain_accel.engine.query_blocks import BLOCKED_IMPLEMENTATION
+from lazytrain_accel.integrations.setup import profile_for_run
+from lazytrain_accel.planning.tiles import tile_candidates
+from lazytrain_accel.profiling.working_set import (
+    LayerWorkingSet,
+    boundary_bytes_per_token,
+    key_pass_flops,
+    key_side_bytes_per_token,
+    layer_working_set,
+    query_side_bytes_per_token,
+    runs_in_tiles,
+    token_wise_bytes_per_token,
+)
 
 CPU = torch.device("cpu")
 BLOCK = 5  # 16 positions: tiles of 5, 5, 5, 1
@@ -105,6 +117,60 @@ def test_an_moe_layer_runs_in_tiles_and_falls_back_whole_when_it_records_router_
             assert reuses == [True] * 3 and calls
         engine.detach()
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("record", [False, True])
+def test_the_planner_sizes_a_layer_that_runs_whole_as_untiled_and_the_engine_agrees(
+        record, tmp_path, monkeypatch) -> None:
+    """Mixtral recording its router logits runs its layers whole (`whole_layers.py`, from the
+    config): every query-blocked candidate the planner weighs has the untiled working set
+    (q, o, dO, dQ, norms and residual of the whole sequence, attention in query blocks, the
+    MLP in its tiles) and no key pass; without router logits, the sequence-tiled one. The
+    engine, attached with such a plan, runs the layers as the planner sized them: whole
+    without ever trying tiles, or in tiles."""
+    ref = _sdpa_model("mixtral", output_router_logits=record)
+    model = twin(ref)
+    batch, seq = 2, 4096  # planned at a length the planner's tiles (1K and up) divide
+    profile = profile_for_run(model, batch_size=batch, seq_len=seq, compute_dtype=None)
+    g = profile.geometry
+    assert bool(g.whole_layer_reason) == record and runs_in_tiles(g) == (not record)
+    assert ("router logits" in g.whole_layer_reason) == record
+    blocked = [c for c in tile_candidates(profile) if c.attention_block_tokens]
+    assert blocked
+    for c in blocked:
+        tile, block = c.tile_tokens, c.attention_block_tokens
+        tokens, elem = batch * seq, 4
+        untiled = LayerWorkingSet(
+            attention_bytes=tokens * (4 * g.num_attention_heads * g.head_dim * elem
+                                      + key_side_bytes_per_token(g, elem, blocked=True))
+            + batch * block * query_side_bytes_per_token(g, elem),
+            token_wise_bytes=min(tile, tokens) * token_wise_bytes_per_token(g, elem),
+            boundary_bytes=tokens * boundary_bytes_per_token(g, elem),
+            weight_grad_bytes=g.layer_param_count * elem)
+        tiled = layer_working_set(dataclasses.replace(g, whole_layer_reason=""),
+                                  batch_size=batch, seq_len=seq, bytes_per_elem=elem,
+                                  weights=None, tile_tokens=tile, attention_block_tokens=block)
+        assert tiled.sequence_tiled and tiled.total_bytes < untiled.total_bytes
+        want = untiled if record else tiled
+        assert c.layer_working_bytes == want.total_bytes
+        assert c.layer_working_terms == want.terms()
+        assert (key_pass_flops(g, batch_size=batch, seq_len=seq, attention_block_tokens=block)
+                == 0) == record
+    tries: list[int] = []
+    forward = layer_tiles.forward
+
+    def counted(*args: object, **kwargs: object) -> object:
+        tries.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(layer_tiles, "forward", counted)
+    ids = batches(1)[0]
+    engine = _run(ref, model, {"input_ids": ids, "labels": ids}, tmp_path, 0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    _assert_grads_equal(ref, model)
+    assert engine.runtime._layer_tiles_ok == [runs_in_tiles(g)] * 3
+    assert (not tries) == record  # whole from the config: tiles never tried, never refused
+    engine.detach()
 
 
 @pytest.mark.parametrize("mask_elems", [layer_tiles.MASK_ELEMS, 7])
