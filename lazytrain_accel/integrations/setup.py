@@ -119,11 +119,11 @@ def engine_loss_chunk_tokens(config: LazyTrainConfig) -> int | str:
 
 def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
                  hardware: HardwareProfile, *, resident_update: str | None = None,
-                 gpus_per_node: int = 1) -> Plan:
+                 gpus_per_node: int = 1, nodes: int = 1) -> Plan:
     """The plan named by `config.plan`, solved or loaded from the cache, fingerprint-checked;
     `resident_update` overrides the config's (a re-plan passes its engine's);
     `gpus_per_node`: the local ranks sharing this host's copy (a node store), planned as
-    one node (`planning/node.py`)."""
+    one node (`planning/node.py`), of `nodes` such nodes."""
     fingerprint = run_fingerprint(model_profile, hardware)
     if is_plan_file(config):
         plan = Plan.load(config.plan)
@@ -137,7 +137,7 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
     key = json.dumps([fingerprint, strategy, budgets.gpu_bytes, budgets.cpu_bytes,
                       budgets.nvme_bytes, config.max_recompute_block,
                       config.loss_chunk_tokens, config.optimizer.value, resident_update,
-                      gpus_per_node],
+                      gpus_per_node, nodes],
                      sort_keys=True)
     cache_path = Path(config.cache_dir) / "plans" / f"{_short_hash(key)}.json"
     if cache_path.is_file():
@@ -150,7 +150,7 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
             logger.warning("lazytrain: ignoring cached plan %s (%s)", cache_path, err)
     plan = _make_or_explain(config, model_profile, hardware, strategy=strategy,
                             budgets=budgets, resident_update=resident_update,
-                            gpus_per_node=gpus_per_node)
+                            gpus_per_node=gpus_per_node, nodes=nodes)
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         plan.save(cache_path)
@@ -161,7 +161,7 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
 
 def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
                      hardware: HardwareProfile, *, strategy: str, budgets: Budgets,
-                     resident_update: str, gpus_per_node: int) -> Plan:
+                     resident_update: str, gpus_per_node: int, nodes: int) -> Plan:
     """`make_plan`, or a `BatchInfeasibleError` that also names the largest batch that fits."""
     from lazytrain_accel.planning import PlanInfeasibleError, PlanRequest, make_plan
     from lazytrain_accel.planning.infeasible import with_largest_batch
@@ -171,7 +171,8 @@ def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
                           max_recompute_block=config.max_recompute_block,
                           time_limit_s=config.solver_time_limit_s,
                           include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT,
-                          resident_update=resident_update, gpus_per_node=gpus_per_node)
+                          resident_update=resident_update, gpus_per_node=gpus_per_node,
+                          nodes=nodes)
     try:
         return make_plan(model_profile, hardware, request)
     except PlanInfeasibleError as err:

@@ -189,7 +189,7 @@ def test_the_split_update_gives_each_rank_the_planners_share(monkeypatch) -> Non
     for name, value in (("get_world_size", 2), ("get_rank", 0), ("get_backend", "gloo")):
         monkeypatch.setattr(split_update.dist, name, lambda value=value: value)
     monkeypatch.setattr(split_update.dist, "all_gather_object",
-                        lambda out, pid: out.__setitem__(slice(None), [pid, pid]))
+                        lambda out, pid, group=None: out.__setitem__(slice(None), [pid, pid]))
     engine = Engine()
     split_update.start_split_update(engine, generations=torch.zeros(6, dtype=torch.int64),
                                     shared_bytes=torch.zeros(1, dtype=torch.uint8),
