@@ -9,7 +9,8 @@ writes each rank's final weights checksum, learning rate, skipped-step count and
 plan's node shape; `--pss-out` each rank's proportional set size
 (/proc/self/smaps_rollup) with the runtime loaded and no model yet ("runtime": the
 Accelerator, its process group and a data loader's prepare come first in that mode), just
-before `prepare` (model built) and after training.
+before `prepare` (model built) and after training, and the engine's device bytes then
+(on a CPU device, host pages that stand for GPU memory).
 """
 
 from __future__ import annotations
@@ -77,9 +78,6 @@ def main() -> None:
     p.add_argument("--pss-out", default=None, help="per-rank JSON file prefix")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--reverse-rows", action="store_true",
-                   help="each batch's rows in reverse order: the same batch, summed in "
-                        "another order")
     p.add_argument("--kill-rank", type=int, default=None, help="SIGKILL itself mid-step")
     p.add_argument("--kill-step", type=int, default=None)
     args = p.parse_args()
@@ -124,8 +122,6 @@ def main() -> None:
                     else loader)
     while step < args.steps:
         for (ids,) in epoch_loader:
-            if args.reverse_rows:
-                ids = ids.flip(0)
             with accelerator.accumulate(model):
                 out = model(input_ids=ids, labels=ids)
                 poisoned = (accelerator.process_index == args.poison_rank
@@ -168,8 +164,13 @@ def main() -> None:
     if args.pss_out:
         accelerator.wait_for_everyone()
         with open(f"{args.pss_out}{accelerator.process_index}.json", "w") as f:
+            engine = accelerator.lazytrain_engine if args.lazytrain else None
             json.dump({"runtime": pss_runtime, "before_prepare": pss_before_prepare,
-                       "end": pss_bytes()}, f)
+                       "end": pss_bytes(),
+                       # on a CPU device the engine's "device" buffers (its weight slots)
+                       # are host pages standing for GPU memory
+                       "device": engine.stats().current_bytes["device"]
+                       if engine is not None and engine.device.type == "cpu" else 0}, f)
     # All ranks reach the process-group teardown together: a rank still tearing down
     # after rank 0 (which hosts the rendezvous store) has exited can wait forever.
     accelerator.wait_for_everyone()
