@@ -7,7 +7,10 @@ infinite at step S (a local overflow); `--kill-rank R --kill-step S` kills rank 
 (SIGKILL) after its backward of step S (the time in <losses>.killed_at); `--state-out`
 writes each rank's final weights checksum, learning rate, skipped-step count and the
 plan's node shape; `--pss-out` each rank's proportional set size
-(/proc/self/smaps_rollup) just before `prepare` (model built) and after training.
+(/proc/self/smaps_rollup) with the runtime loaded and no model yet ("runtime": the
+Accelerator, its process group and a data loader's prepare come first in that mode), just
+before `prepare` (model built) and after training, and the engine's device bytes then
+(on a CPU device, host pages that stand for GPU memory).
 """
 
 from __future__ import annotations
@@ -67,6 +70,15 @@ def digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
             "lr": repr(inner.param_groups[0]["lr"])}
 
 
+def make_accelerator(args: argparse.Namespace, plugin: LazyTrainPlugin | None
+                     ) -> Accelerator:
+    # A seedable sampler makes the data order a function of (seed, epoch), so a resumed
+    # run can skip the batches it already saw and see the same ones after.
+    return Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.grad_accum,
+                       dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
+                       plugin=plugin)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--lazytrain", action="store_true")
@@ -85,6 +97,7 @@ def main() -> None:
     p.add_argument("--state-out", default=None, help="per-rank JSON file prefix")
     p.add_argument("--pss-out", default=None, help="per-rank JSON file prefix")
     p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--kill-rank", type=int, default=None, help="SIGKILL itself mid-step")
     p.add_argument("--kill-step", type=int, default=None)
     p.add_argument("--masters-out", default=None, help="rank 0's masters at --save-at")
@@ -93,28 +106,28 @@ def main() -> None:
     faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True)
 
     set_seed(0)
-    config = Qwen2Config(vocab_size=128, hidden_size=args.hidden_size,
-                         intermediate_size=2 * args.hidden_size,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=64, tie_word_embeddings=False)
-    model = Qwen2ForCausalLM(config)
-    data = build_data(64, 16, config.vocab_size)
-    loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / 100)
-
     plugin = None
     if args.lazytrain:
         kwargs = {k: v for k, v in (("plan", args.plan), ("optimizer", args.optimizer)) if v}
         plugin = LazyTrainPlugin(**kwargs)
-    # A seedable sampler makes the data order a function of (seed, epoch), so a resumed
-    # run can skip the batches it already saw and see the same ones after.
-    accelerator = Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.grad_accum,
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
-                              plugin=plugin)
-    if args.pss_out:  # the runtime first: a multi-process loader's prepare adds ~60 MB of
-        # it per rank (measured, CPU, gloo), which is no training state
+    data = build_data(64, 16, 128)
+    accelerator = pss_runtime = None
+    if args.pss_out:  # the runtime first, then the model: a multi-process loader's prepare
+        # adds ~60 MB of PSS per rank (measured, CPU, gloo), which is no training state
+        accelerator = make_accelerator(args, plugin)
         accelerator.prepare_data_loader(torch.utils.data.DataLoader(data, batch_size=2))
+        pss_runtime = pss_bytes()
+    set_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=args.hidden_size,
+                         intermediate_size=2 * args.hidden_size,
+                         num_hidden_layers=args.layers, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(config)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / 100)
+    accelerator = accelerator or make_accelerator(args, plugin)
     pss_before_prepare = pss_bytes()
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
                                                               scheduler)
@@ -180,7 +193,13 @@ def main() -> None:
     if args.pss_out:
         accelerator.wait_for_everyone()
         with open(f"{args.pss_out}{accelerator.process_index}.json", "w") as f:
-            json.dump({"before_prepare": pss_before_prepare, "end": pss_bytes()}, f)
+            engine = accelerator.lazytrain_engine if args.lazytrain else None
+            json.dump({"runtime": pss_runtime, "before_prepare": pss_before_prepare,
+                       "end": pss_bytes(),
+                       # on a CPU device the engine's "device" buffers (its weight slots)
+                       # are host pages standing for GPU memory
+                       "device": engine.stats().current_bytes["device"]
+                       if engine is not None and engine.device.type == "cpu" else 0}, f)
     # All ranks reach the process-group teardown together: a rank still tearing down
     # after rank 0 (which hosts the rendezvous store) has exited can wait forever.
     accelerator.wait_for_everyone()

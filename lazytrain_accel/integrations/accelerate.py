@@ -66,6 +66,8 @@ class Accelerator(accelerate.Accelerator):
         self.lazytrain_store: node_store.NodeStore | None = None
         #: the local ranks planned as one node sharing that copy (1: this rank alone)
         self.lazytrain_node_ranks = 1
+        #: the nodes of the launch, each with its own copy (`lazytrain_node_ranks` ranks)
+        self.lazytrain_nodes = 1
         self._lazytrain_model: nn.Module | None = None
         #: the shape the plan is sized for (provisional until the first batch without a loader)
         self.lazytrain_sizing: batch_shape.Sizing | None = None
@@ -199,9 +201,13 @@ class Accelerator(accelerate.Accelerator):
                                          raise_on_interrupt=self._lazytrain_interrupt_raises)
         self.lazytrain_guard.install_sigint()
         if self.lazytrain_store is not None:
+            _, node_id = node_store.launch_identity(os.environ)
+            layout = split_update.node_groups(local_rank=self.local_process_index,
+                                              local_world_size=self.lazytrain_node_ranks,
+                                              node_id=node_id)
             self._lazytrain_reducer = split_update.start_split_update(
                 self.lazytrain_engine, generations=self.lazytrain_store.generations,
-                shared_bytes=self.lazytrain_store.bytes,
+                shared_bytes=self.lazytrain_store.bytes, layout=layout,
                 should_reduce=lambda: self.sync_gradients)
             self.lazytrain_guard.global_finite = self._lazytrain_global_finite
         elif self.num_processes > 1:
@@ -214,14 +220,17 @@ class Accelerator(accelerate.Accelerator):
         self._models.append(model)
 
     def _lazytrain_node_ranks(self) -> int:
-        """The local ranks that will share one host copy (the node store): the launch's
-        processes with `node_store="auto"` on one node, else 1 (each rank its own copy)."""
+        """The local ranks that will share one host copy (the node store): a node's
+        processes (LOCAL_WORLD_SIZE) with `node_store="auto"`, each node its own copy
+        (`lazytrain_nodes` of them), else 1 (each rank its own copy)."""
         if self.num_processes == 1:
             return 1
         why_not = node_store.unusable_because(self.lazytrain_plugin.node_store,
                                               num_processes=self.num_processes, env=os.environ)
         if why_not is None:
-            return self.num_processes
+            local = int(os.environ["LOCAL_WORLD_SIZE"])
+            self.lazytrain_nodes = self.num_processes // local
+            return local
         if self.is_main_process:
             logger.info("lazytrain: each rank keeps its own host copy and the whole "
                         "update (gradients all-reduced): %s", why_not)
@@ -253,7 +262,7 @@ class Accelerator(accelerate.Accelerator):
             loss_chunk_tokens=plugin.loss_chunk_tokens)
         plan = setup.resolve_plan(plugin, model_profile, hardware, resident_update=(
             self.lazytrain_engine.plan.resident_update if replan else None),
-            gpus_per_node=self.lazytrain_node_ranks)
+            gpus_per_node=self.lazytrain_node_ranks, nodes=self.lazytrain_nodes)
         if self.is_main_process and not sizing.provisional:
             logger.info("%s (sized from %s)", setup.format_plan_summary(plan), sizing.source)
         return setup.PreparedRun(model_profile=model_profile, hardware=hardware, plan=plan)

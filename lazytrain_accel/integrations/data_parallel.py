@@ -7,7 +7,8 @@ backward of layer j-1. Before the optimizer step `finish()` waits for all of the
 averages. Optimizer state is replicated: every rank applies the same update to the same
 masters. This is the fallback of the node store (`node_store.py`, `split_update.py`), which
 shares one host copy per node and splits the update across the local ranks:
-`node_store="off"` and launches over several nodes use this path.
+`node_store="off"`, and launchers that give no `LOCAL_WORLD_SIZE` dividing the processes
+into nodes, use this path.
 Works with gloo (CPU tensors) and NCCL alike because the reduced tensors are host copies
 under gloo and device copies under NCCL.
 """

@@ -74,13 +74,14 @@ def launch_identity(env: Mapping[str, str]) -> tuple[str, str]:
 def unusable_because(setting: str, *, num_processes: int, env: Mapping[str, str]
                      ) -> str | None:
     """Why the node store cannot serve this launch (then every rank keeps its own copy
-    and all-reduces), or None when it can."""
+    and all-reduces), or None when it can: one node of `num_processes` local ranks, or
+    several nodes of LOCAL_WORLD_SIZE each (one copy per node)."""
     if setting == "off":
         return "node_store='off'"
     local = env.get("LOCAL_WORLD_SIZE", "")
-    if local != str(num_processes):
-        return (f"{num_processes} processes over several nodes (LOCAL_WORLD_SIZE="
-                f"{local or 'unset'}): one copy per node across nodes is not built yet")
+    if not local.isdigit() or int(local) < 1 or num_processes % int(local):
+        return (f"LOCAL_WORLD_SIZE={local or 'unset'} does not divide the {num_processes} "
+                "processes into nodes (launch with torchrun or accelerate launch)")
     if not SHM_DIR.is_dir():
         return f"{SHM_DIR} does not exist on this host"
     return None

@@ -125,11 +125,11 @@ def engine_loss_chunk_tokens(config: LazyTrainConfig) -> int | str:
 
 def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
                  hardware: HardwareProfile, *, resident_update: str | None = None,
-                 gpus_per_node: int = 1) -> Plan:
+                 gpus_per_node: int = 1, nodes: int = 1) -> Plan:
     """The plan named by `config.plan`, solved or loaded from the cache, fingerprint-checked;
     `resident_update` overrides the config's (a re-plan passes its engine's);
     `gpus_per_node`: the local ranks sharing this host's copy (a node store), planned as
-    one node (`planning/node.py`)."""
+    one node (`planning/node.py`), of `nodes` such nodes."""
     fingerprint = run_fingerprint(model_profile, hardware)
     if is_plan_file(config):
         plan = Plan.load(config.plan)
@@ -143,7 +143,7 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
     key = json.dumps([fingerprint, strategy, budgets.gpu_bytes, budgets.cpu_bytes,
                       budgets.nvme_bytes, config.max_recompute_block,
                       config.loss_chunk_tokens, config.optimizer.value, resident_update,
-                      gpus_per_node, rates], sort_keys=True)
+                      gpus_per_node, nodes, rates], sort_keys=True)
     cache_path = Path(config.cache_dir) / "plans" / f"{_short_hash(key)}.json"
     if cache_path.is_file():
         try:
@@ -155,7 +155,7 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
             logger.warning("lazytrain: ignoring cached plan %s (%s)", cache_path, err)
     plan = _make_or_explain(config, model_profile, hardware, strategy=strategy,
                             budgets=budgets, resident_update=resident_update,
-                            gpus_per_node=gpus_per_node)
+                            gpus_per_node=gpus_per_node, nodes=nodes)
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         plan.save(cache_path)
@@ -166,13 +166,14 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
 
 def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
                      hardware: HardwareProfile, *, strategy: str, budgets: Budgets,
-                     resident_update: str, gpus_per_node: int) -> Plan:
+                     resident_update: str, gpus_per_node: int, nodes: int) -> Plan:
     """`make_plan`, or a `BatchInfeasibleError` that also names the largest batch that fits."""
     from lazytrain_accel.planning import PlanInfeasibleError, make_plan
     from lazytrain_accel.planning.infeasible import with_largest_batch
 
     request = plan_request(config, strategy=strategy, budgets=budgets,
-                           resident_update=resident_update, gpus_per_node=gpus_per_node)
+                           resident_update=resident_update, gpus_per_node=gpus_per_node,
+                           nodes=nodes)
     try:
         return make_plan(model_profile, hardware, request)
     except PlanInfeasibleError as err:
@@ -189,7 +190,7 @@ def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
 
 
 def plan_request(config: LazyTrainConfig, *, strategy: str, budgets: Budgets,
-                 resident_update: str, gpus_per_node: int = 1,
+                 resident_update: str, gpus_per_node: int = 1, nodes: int = 1,
                  time_limit_s: float | None = None) -> PlanRequest:
     """`make_plan`'s request from `config` (the prediction includes the host update where
     the hybrid 8-bit one runs it); `time_limit_s` overrides the config's solver limit."""
@@ -198,7 +199,8 @@ def plan_request(config: LazyTrainConfig, *, strategy: str, budgets: Budgets,
                        time_limit_s=(config.solver_time_limit_s if time_limit_s is None
                                      else time_limit_s),
                        include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT,
-                       resident_update=resident_update, gpus_per_node=gpus_per_node)
+                       resident_update=resident_update, gpus_per_node=gpus_per_node,
+                       nodes=nodes)
 
 
 def budgets_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Budgets:

@@ -16,6 +16,14 @@ holds gradients of its share only. The global squared norm (clipping, the non-fi
 guard) is one `all_reduce` of the owners' sums, so every rank clips by the same
 coefficient and skips a non-finite step together.
 
+Several nodes (`NodeGroups`, 2-D process groups): every node holds its own copy and the
+same ownership, so local rank l owns the same share on every node. A share's gradients
+are reduced within the node to its owner (the node's group), then all-reduced across the
+nodes' owners of that share (local rank l's group across the nodes), launched as soon as
+the node's reduce of that layer has completed; each node's owner then updates its node's
+copy with the same summed gradient, so the copies stay bit-identical. The global norm
+counts the first node's owners only.
+
 Waits (`PeerUpdates`): the owner of group g raises `generations[g]` in the node store
 after updating it; the next forward of group g on any rank waits until it reaches the
 number of applied steps (`begin_step`), so a layer is never read before its owner's
@@ -32,7 +40,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -56,6 +65,59 @@ _POLL_MAX_S = 1e-3
 OWNER_WAIT_TIMEOUT_S = 1800.0
 #: How often a waiter checks that the owner it waits for still runs.
 LIVENESS_CHECK_S = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeGroups:
+    """The launch as nodes x local ranks. `node_ranks[l]`: the global rank of this node's
+    local rank l; `intra`: this node's process group, `cross`: this local rank's group
+    across the nodes (None, the default group and no cross group, with one node)."""
+
+    local_rank: int
+    node: int
+    nodes: int
+    node_ranks: tuple[int, ...]
+    intra: Any = None
+    cross: Any = None
+
+    @property
+    def local_size(self) -> int:
+        return len(self.node_ranks)
+
+
+def node_groups(*, local_rank: int, local_world_size: int, node_id: str) -> NodeGroups:
+    """This rank's place in the launch and its 2-D process groups. Nodes are told apart by
+    `node_id` (`node_store.launch_identity`, the name the segment is keyed by), numbered
+    in order of their lowest global rank; every node must hold local ranks
+    0..`local_world_size`-1. Every rank calls this (`new_group` is collective)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if local_world_size == world:  # one node: the default group, no second stage
+        return NodeGroups(local_rank=rank, node=0, nodes=1, node_ranks=tuple(range(world)))
+    if world % local_world_size:
+        raise ValueError(f"{world} processes do not split into nodes of LOCAL_WORLD_SIZE="
+                         f"{local_world_size}")
+    places: list[tuple[str, int] | None] = [None] * world
+    dist.all_gather_object(places, (node_id, local_rank))
+    members: dict[str, list[int | None]] = {}
+    for r, (node, local) in enumerate(places):
+        ranks = members.setdefault(node, [None] * local_world_size)
+        if not 0 <= local < local_world_size or ranks[local] is not None:
+            raise ValueError(f"rank {r} reports local rank {local} on node {node!r}, which "
+                             f"is out of 0..{local_world_size - 1} or taken: the launcher's "
+                             "LOCAL_RANK/LOCAL_WORLD_SIZE/node ranks disagree")
+        ranks[local] = r
+    nodes = list(members)  # insertion order: by lowest global rank
+    intra = cross = None
+    for node in nodes:  # every rank creates every group, in the same order
+        group = dist.new_group(members[node])
+        if node == node_id:
+            intra = group
+    for local in range(local_world_size):
+        group = dist.new_group([members[node][local] for node in nodes])
+        if local == local_rank:
+            cross = group
+    return NodeGroups(local_rank=local_rank, node=nodes.index(node_id), nodes=len(nodes),
+                      node_ranks=tuple(members[node_id]), intra=intra, cross=cross)
 
 
 class PeerUpdates:
@@ -140,16 +202,22 @@ class ShareReducer:
     """Overlapped per-layer gradient reduce to each group's owner (module docstring)."""
 
     def __init__(self, engine: ShareHooks, groups: Sequence[Sequence[nn.Parameter]],
-                 owners: Sequence[int], *, peers: PeerUpdates,
+                 owners: Sequence[int], *, peers: PeerUpdates, layout: NodeGroups,
                  should_reduce: Callable[[], bool]) -> None:
-        self._world_size, self._rank = dist.get_world_size(), dist.get_rank()
+        self._world_size = dist.get_world_size()
+        self._layout = layout
+        self._rank = layout.local_rank  # owners are local ranks
         self._engine = engine
         self._peers = peers  # names a dead rank when a collective fails
         self._groups = [list(g) for g in groups]
         self._owner_of = {p: owner for g, owner in zip(groups, owners, strict=True)
                           for p in g}
         self._should_reduce = should_reduce
+        # (work, flat, params, owner) in launch order; `_crossed` of them have had their
+        # second stage (across the nodes) launched where this rank owns them.
         self._pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter], int]] = []
+        self._crossed = 0
+        self._across: list[dist.Work] = []
         self._reduced: set[nn.Parameter] = set()
         self._global_sq_norm: float | None = None
         self._backend_device = reduce_device()
@@ -158,6 +226,7 @@ class ShareReducer:
     def _on_layer_grads(self, params: list[nn.Parameter]) -> None:
         if self._should_reduce():
             self._launch([p for p in params if p.grad is not None])
+            self._cross_nodes(block=False)
 
     def _launch(self, params: list[nn.Parameter]) -> None:
         by_owner: dict[int, list[nn.Parameter]] = {}
@@ -165,12 +234,36 @@ class ShareReducer:
             by_owner.setdefault(self._owner_of.get(p, EVERY_RANK), []).append(p)
         for owner, ps in by_owner.items():
             flat = flat_grads(ps, self._backend_device)
-            if owner == EVERY_RANK:
+            if owner == EVERY_RANK:  # every rank of every node: one all-reduce
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
             else:
-                work = dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, async_op=True)
+                work = dist.reduce(flat, dst=self._layout.node_ranks[owner],
+                                   op=dist.ReduceOp.SUM, group=self._layout.intra,
+                                   async_op=True)
             self._pending.append((work, flat, ps, owner))
             self._reduced.update(ps)
+
+    def _cross_nodes(self, *, block: bool) -> None:
+        """Launch, in launch order, the across-nodes all-reduce of each of this rank's
+        groups whose reduce within the node has completed (all of them when `block`):
+        the owners of a share on every node issue the same collectives in the same order."""
+        if self._layout.nodes == 1:
+            return
+        while self._crossed < len(self._pending):
+            work, flat, _, owner = self._pending[self._crossed]
+            if owner == self._rank:
+                if not block and not work.is_completed():
+                    return
+                self._wait(work)
+                self._across.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM,
+                                                    group=self._layout.cross, async_op=True))
+            self._crossed += 1
+
+    def _wait(self, work: dist.Work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as err:
+            raise self._peers.named_failure(err) from err
 
     def finish(self) -> None:
         """Reduce what the hooks did not cover (residents), wait; owners average into
@@ -178,11 +271,11 @@ class ShareReducer:
         groups_rest = [p for g in self._groups for p in g
                        if p.grad is not None and p not in self._reduced]
         self._launch(groups_rest)
+        self._cross_nodes(block=True)
+        for work in self._across:
+            self._wait(work)
         for work, flat, params, owner in self._pending:
-            try:
-                work.wait()
-            except RuntimeError as err:
-                raise self._peers.named_failure(err) from err
+            self._wait(work)
             if owner not in (self._rank, EVERY_RANK):
                 for p in params:
                     p.grad = None
@@ -190,17 +283,22 @@ class ShareReducer:
             write_mean_grads(flat, params, self._world_size)
             self._engine.refresh_grad_sq_norms(params)
         self._pending.clear()
+        self._across.clear()
+        self._crossed = 0
         self._reduced.clear()
         self._global_sq_norm = None
 
     def global_grad_sq_norm(self) -> float:
         """Squared L2 norm of the whole reduced gradient (one all_reduce per step, made
-        by the first caller after `finish`; every rank calls at the same point)."""
+        by the first caller after `finish`; every rank calls at the same point). Each
+        node's owners hold the same reduced share: the first node's count."""
         if self._global_sq_norm is None:
             known = self._engine.grad_sq_norms()  # measured as gradients landed
             local = 0.0
+            first_node = self._layout.node == 0
             for p, owner in self._owner_of.items():
-                counted = owner == self._rank or (owner == EVERY_RANK and self._rank == 0)
+                counted = first_node and (owner == self._rank or (
+                    owner == EVERY_RANK and self._rank == 0))
                 if counted and p.grad is not None:
                     sq = known.get(p)
                     local += sq if sq is not None else float(p.grad.float().square().sum())
@@ -222,21 +320,26 @@ class SplitEngine(ShareHooks, Protocol):
 
 
 def start_split_update(engine: SplitEngine, *, generations: torch.Tensor,
-                       shared_bytes: torch.Tensor, should_reduce: Callable[[], bool]
-                       ) -> ShareReducer:
-    """Give this rank its share (`owner_of_groups`, by trainable bytes), make the engine's
-    update skip and wait for the other shares, route gradients to their owners."""
+                       shared_bytes: torch.Tensor, should_reduce: Callable[[], bool],
+                       layout: NodeGroups | None = None) -> ShareReducer:
+    """Give this rank its share (`owner_of_groups` over the node's local ranks, by
+    trainable bytes), make the engine's update skip and wait for the other shares, route
+    gradients to their owners (`layout`: the launch's nodes; None: one node)."""
+    if layout is None:
+        layout = NodeGroups(local_rank=dist.get_rank(), node=0, nodes=1,
+                            node_ranks=tuple(range(dist.get_world_size())))
     groups = engine.steps.update_groups
     # Device-homed residents have a master per GPU; on a CPU device they stay shared.
     on_gpus = engine.steps.device_groups if engine.device.type != "cpu" else ()
     owners = owner_of_groups([sum(p.numel() * p.element_size() for p in g if p.requires_grad)
-                              for g in groups], dist.get_world_size(), every_rank=on_gpus)
-    pids: list[int | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(pids, os.getpid())
-    peers = PeerUpdates(generations, owners, dist.get_rank(), pids=pids)
+                              for g in groups], layout.local_size, every_rank=on_gpus)
+    pids: list[int | None] = [None] * layout.local_size
+    dist.all_gather_object(pids, os.getpid(), group=layout.intra)
+    peers = PeerUpdates(generations, owners, layout.local_rank, pids=pids)
     engine.steps.peers = peers
     engine.streams.register_pinned(shared_bytes)
-    return ShareReducer(engine, groups, owners, peers=peers, should_reduce=should_reduce)
+    return ShareReducer(engine, groups, owners, peers=peers, layout=layout,
+                        should_reduce=should_reduce)
 
 
 def clip_shares(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float,

@@ -189,7 +189,7 @@ def test_the_split_update_gives_each_rank_the_planners_share(monkeypatch) -> Non
     for name, value in (("get_world_size", 2), ("get_rank", 0), ("get_backend", "gloo")):
         monkeypatch.setattr(split_update.dist, name, lambda value=value: value)
     monkeypatch.setattr(split_update.dist, "all_gather_object",
-                        lambda out, pid: out.__setitem__(slice(None), [pid, pid]))
+                        lambda out, pid, group=None: out.__setitem__(slice(None), [pid, pid]))
     engine = Engine()
     split_update.start_split_update(engine, generations=torch.zeros(6, dtype=torch.int64),
                                     shared_bytes=torch.zeros(1, dtype=torch.uint8),
@@ -226,3 +226,36 @@ def test_a_waiter_returns_once_a_live_owner_publishes() -> None:
     assert not peers.is_ready(1)
     generations[1] = 1  # the owner's publish, as seen through the segment
     peers.wait(1)
+
+
+def test_a_launch_over_nodes_uses_the_store_per_node() -> None:
+    one_node = {"LOCAL_WORLD_SIZE": "4"}
+    assert node_store.unusable_because("auto", num_processes=4, env=one_node) is None
+    assert node_store.unusable_because("auto", num_processes=8, env=one_node) is None
+    assert "does not divide" in node_store.unusable_because("auto", num_processes=6,
+                                                            env=one_node)
+    assert "unset" in node_store.unusable_because("auto", num_processes=2, env={})
+    assert node_store.unusable_because("off", num_processes=4, env=one_node) is not None
+
+
+def test_node_groups_are_the_launchs_nodes_and_local_ranks(monkeypatch) -> None:
+    """Rank 3 of 2 nodes x 2 (node "b" holds global ranks 1 and 3, in the launcher's
+    order): its node's group, its local rank's group across the nodes, the node's ranks."""
+    places = [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    created: list[list[int]] = []
+    monkeypatch.setattr(split_update.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(split_update.dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(split_update.dist, "all_gather_object",
+                        lambda out, _: out.__setitem__(slice(None), places))
+    monkeypatch.setattr(split_update.dist, "new_group",
+                        lambda ranks: created.append(list(ranks)) or tuple(ranks))
+    layout = split_update.node_groups(local_rank=1, local_world_size=2, node_id="b")
+    assert created == [[0, 2], [1, 3], [0, 1], [2, 3]]  # every rank creates every group
+    assert (layout.node, layout.nodes, layout.local_rank) == (1, 2, 1)
+    assert layout.node_ranks == (1, 3) and layout.intra == (1, 3)
+    assert layout.cross == (2, 3)  # local rank 1 on node "a" (rank 2) and on "b" (rank 3)
+    bad = [("a", 0), ("a", 0), ("b", 0), ("b", 1)]
+    monkeypatch.setattr(split_update.dist, "all_gather_object",
+                        lambda out, _: out.__setitem__(slice(None), bad))
+    with pytest.raises(ValueError, match="taken"):
+        split_update.node_groups(local_rank=1, local_world_size=2, node_id="b")
