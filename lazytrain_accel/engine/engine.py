@@ -87,6 +87,7 @@ class StreamingEngine:
         self._checkpointing_patched = hf_checkpointing.keep_off(model, self._absorb_checkpointing)
         self.compute_dtype = compute_dtype or torch.float32
         self._layers = list(layers)
+        self._stack_signature = inspect.signature(parent.forward)
         self._layer_params = [list(layer.parameters()) for layer in self._layers]
         in_layers = {id(p) for ps in self._layer_params for p in ps}
         resident = [p for p in model.parameters() if id(p) not in in_layers]
@@ -199,6 +200,22 @@ class StreamingEngine:
 
     def end_pass(self) -> None:
         self._state = None
+
+    def check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The decoder stack's call, before it builds its masks: refuse the inputs from
+        which it would build an S x S one (`long_sequence.check_inputs`)."""
+        try:
+            arguments = self._stack_signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:
+            return  # the stack's own forward raises the precise error
+        config = getattr(self.model, "config", None)
+        try:
+            long_sequence.check_inputs(arguments, attn_implementation=getattr(
+                config, "_attn_implementation", None))
+        except long_sequence.LongSequenceError:
+            if not self._open:
+                self.residents.swap_out()  # masters back in place (`after_model` won't run)
+            raise
 
     # ---- layer calls -----------------------------------------------------------------
     def call_layer(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -4,7 +4,17 @@ From `LONG_SEQ_TOKENS` tokens per sequence a streamed layer call must not build 
 attention runs through SDPA's fused kernels (flash or memory-efficient on CUDA, the flash
 CPU kernel on a CPU) with `is_causal` and no mask. Transformers (`masking_utils.sdpa_mask`)
 already passes no mask to sdpa attention when the 2-D attention mask is absent or all ones;
-what still reaches a layer is handled here, once per layer call (`check_call`):
+what would make the model build one is refused before it does, once per pass, on the
+decoder stack's inputs (`check_inputs`):
+
+* eager attention (transformers builds a 4-D mask for it even with no mask given);
+* a 2-D attention mask with zeros (padding): transformers turns it into a 4-D
+  [batch, 1, S, S] mask for sdpa;
+* `position_ids` that restart inside a row (packed samples) with no mask: transformers
+  builds a block-diagonal S x S mask for sdpa from them (flash attention takes them as
+  sequence boundaries instead, and passes).
+
+What still reaches a layer is handled there, once per layer call (`check_call`):
 
 * eager attention (it materializes [batch, heads, S, S] scores): refused, naming
   `attn_implementation="sdpa"`;
@@ -46,6 +56,41 @@ def sequence_tokens(hidden: torch.Tensor) -> int:
     return hidden.shape[-2] if hidden.dim() >= 2 else 1
 
 
+def check_inputs(arguments: dict[str, Any], *, attn_implementation: str | None) -> None:
+    """Refuse, before the decoder stack builds its masks, the inputs from which it would
+    build an S x S one (see module doc); `arguments` are the stack's call arguments."""
+    ids, embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
+    if isinstance(ids, torch.Tensor) and ids.dim() >= 1:
+        seq = ids.shape[-1]
+    elif isinstance(embeds, torch.Tensor) and embeds.dim() >= 2:
+        seq = embeds.shape[-2]
+    else:
+        return
+    if seq < LONG_SEQ_TOKENS:
+        return
+    if attn_implementation == "eager":
+        raise _eager_error(seq)
+    mask, positions = arguments.get("attention_mask"), arguments.get("position_ids")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+        raise LongSequenceError(
+            f"a padded 2-D attention mask at {seq} tokens per sequence: transformers would "
+            f"build a [batch, 1, {seq}, {seq}] mask from it. Train one unpadded sample per "
+            "batch (batch 1, or TRL's padding_free=True) with an all-ones mask or none")
+    if (mask is None and isinstance(positions, torch.Tensor) and positions.dim() >= 1
+            and attn_implementation == "sdpa" and _restarts(positions)):
+        raise LongSequenceError(
+            f"position_ids restart inside a row of {seq} tokens (packed samples) and there is "
+            f"no attention mask: transformers would build a block-diagonal [{seq}, {seq}] "
+            "mask for sdpa attention. Train one sample per row (TRL: "
+            "packing=False), or use attn_implementation='flash_attention_2' on a GPU, which "
+            "takes the samples' boundaries from position_ids")
+
+
+def _restarts(positions: torch.Tensor) -> bool:
+    """Whether position ids stop counting up by one somewhere inside a row."""
+    return bool((positions[..., 1:] - positions[..., :-1] != 1).any())
+
+
 def check_call(hidden: torch.Tensor, kwargs: dict[str, Any], *, attn_implementation: str | None,
                verdicts: dict[tuple[int, int], bool], tiled: bool = False) -> None:
     """Refuse or fix a decoder-layer call at long sequence (in place on `kwargs`).
@@ -63,10 +108,7 @@ def check_call(hidden: torch.Tensor, kwargs: dict[str, Any], *, attn_implementat
     if seq < LONG_SEQ_TOKENS:
         return
     if attn_implementation == "eager":
-        raise LongSequenceError(
-            f"eager attention at {seq} tokens per sequence materializes [batch, heads, {seq}, "
-            f"{seq}] scores: load the model with attn_implementation='sdpa' (or "
-            "'flash_attention_2' on a GPU)")
+        raise _eager_error(seq)
     mask = kwargs.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] != seq:
         return
@@ -81,6 +123,13 @@ def check_call(hidden: torch.Tensor, kwargs: dict[str, Any], *, attn_implementat
             "batch with no attention_mask (or an all-ones one), set config.sliding_window="
             "None, or use shorter sequences")
     kwargs["attention_mask"] = None  # sdpa then runs `is_causal`
+
+
+def _eager_error(seq: int) -> LongSequenceError:
+    return LongSequenceError(
+        f"eager attention at {seq} tokens per sequence materializes [batch, heads, {seq}, "
+        f"{seq}] scores: load the model with attn_implementation='sdpa' (or "
+        "'flash_attention_2' on a GPU)")
 
 
 def _is_plain_causal(mask: torch.Tensor) -> bool:

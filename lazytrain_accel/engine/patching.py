@@ -30,6 +30,10 @@ class PatchedEngine(Protocol):
     def before_model(self) -> None: ...
     def after_model(self) -> None: ...
     def new_pass(self) -> None: ...
+    def check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Refuse the decoder stack's inputs before it builds its masks."""
+        ...
+
     def end_pass(self) -> None: ...
     def before_head(self) -> None: ...
 
@@ -73,6 +77,12 @@ def _on(method: str) -> Any:
     return hook
 
 
+def _check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    link = module.__dict__.get(_LINK)
+    if link is not None:
+        link.engine.check_inputs(args, kwargs)
+
+
 def _streamed_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     link = layer.__dict__.get(_LINK)
     if link is None:
@@ -98,6 +108,7 @@ class ModelPatch:
             model.register_forward_pre_hook(_on("before_model")),
             model.register_forward_hook(_on("after_model")),
             parent.register_forward_pre_hook(_on("new_pass")),
+            parent.register_forward_pre_hook(_check_inputs, with_kwargs=True),
             parent.register_forward_hook(_on("end_pass")),
             # masters must not be read or written while the layer-wise update runs
             model.register_state_dict_pre_hook(_on("synchronize")),

@@ -73,7 +73,8 @@ def profile_for_run(model: nn.Module, *, batch_size: int, seq_len: int,
                     loss_chunk_tokens: int | str = 0) -> ModelProfile:
     """The model's profile at the run's shape; `loss_chunk_tokens` (the config's) sizes
     the head's working bytes: full logits at 0, one chunk of them with the fused loss,
-    the planner's choice at "auto"."""
+    the planner's choice at "auto". The layers' tiles and attention query blocks are the
+    planner's choice (`tile_tokens=None`): untiled where the untiled working set fits."""
     from lazytrain_accel.engine.discovery import find_decoder_layers
 
     elem_bytes = 4 if compute_dtype is None else torch.empty((), dtype=compute_dtype).element_size()
@@ -81,7 +82,7 @@ def profile_for_run(model: nn.Module, *, batch_size: int, seq_len: int,
     return profile_model(geometry_for_run(model), batch_size=batch_size, seq_len=seq_len,
                          compute_bytes_per_elem=elem_bytes,
                          loss_chunk_tokens=None if loss_chunk_tokens == "auto"
-                         else loss_chunk_tokens, weights=weights)
+                         else loss_chunk_tokens, weights=weights, tile_tokens=None)
 
 
 def geometry_for_run(model: nn.Module) -> ModelGeometry:

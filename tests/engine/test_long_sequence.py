@@ -1,6 +1,7 @@
 """Attention at long sequence (`engine/long_sequence.py`): SDPA's flash CPU kernel with
 `is_causal`, no S x S tensor; 4-D masks dropped when plain causal, else refused; eager
-attention, attention dropout and int32 index overflow refused with what to do."""
+attention, padded 2-D masks and packed position ids refused before transformers builds an
+S x S mask from them; attention dropout and int32 index overflow refused with what to do."""
 
 from __future__ import annotations
 
@@ -91,10 +92,32 @@ def test_a_padded_4d_mask_is_refused_with_what_to_do(tmp_path):
         model(input_ids=ids, labels=ids, attention_mask=mask)
 
 
-def test_eager_attention_is_refused_at_long_sequence(tmp_path):
+def test_eager_attention_is_refused_at_long_sequence_before_its_mask_is_built(tmp_path):
     model = _attached(_model(attn="eager"), tmp_path)
-    with pytest.raises(LongSequenceError, match="attn_implementation='sdpa'"):
+    with pytest.raises(LongSequenceError, match="attn_implementation='sdpa'"), \
+            _Largest() as seen:
         model(input_ids=_ids(), labels=_ids())
+    assert seen.most < SEQ * SEQ // 16
+
+
+def test_a_padded_2d_mask_is_refused_before_the_model_builds_a_4d_one(tmp_path):
+    model = _attached(_model(), tmp_path)
+    mask = torch.ones(1, SEQ, dtype=torch.long)
+    mask[:, -7:] = 0  # right padding, as a collator gives
+    with pytest.raises(LongSequenceError, match=r"padded 2-D attention mask.*padding_free"), \
+            _Largest() as seen:
+        model(input_ids=_ids(), labels=_ids(), attention_mask=mask)
+    assert seen.most < SEQ * SEQ // 16
+
+
+def test_packed_position_ids_are_refused_before_a_block_diagonal_mask_is_built(tmp_path):
+    model = _attached(_model(), tmp_path)
+    half = torch.arange(SEQ // 2)
+    positions = torch.cat([half, half])[None]  # two samples packed in one row
+    with pytest.raises(LongSequenceError, match=r"restart inside a row.*packing=False"), \
+            _Largest() as seen:
+        model(input_ids=_ids(), labels=_ids(), position_ids=positions)
+    assert seen.most < SEQ * SEQ // 16
 
 
 def test_attention_dropout_is_refused_not_run_on_the_math_kernel(tmp_path):
