@@ -103,24 +103,41 @@ class _Probe:
         return forward_s, forward_compute_s, backward_s, backward_compute_s
 
 
+class LayerOverheadProbe:
+    """The probe's two engines, kept for repeated measurements (`bench/fidelity.py`
+    measures once per round); `close()` detaches them."""
+
+    def __init__(self, device: torch.device, *, emulation=False) -> None:
+        self.small, self.large = (_Probe(n, device, emulation) for n in PROBE_LAYERS)
+        for probe in (self.small, self.large):  # warm-up: lazy init, allocator
+            for _ in range(3):
+                probe.step()
+
+    def measure(self, repeats: int = 15) -> LayerOverheads:
+        """Medians of `repeats` interleaved steps of both engines."""
+        forward, backward = [], []
+        extra = PROBE_LAYERS[1] - PROBE_LAYERS[0]
+        for _ in range(repeats):
+            a, b = self.small.step(), self.large.step()
+            forward.append(((b[0] - b[1]) - (a[0] - a[1])) / extra)
+            backward.append(((b[2] - b[3]) - (a[2] - a[3])) / extra)
+        return LayerOverheads(forward_s=max(statistics.median(forward), 0.0),
+                              backward_s=max(statistics.median(backward), 0.0))
+
+    def close(self) -> None:
+        for probe in (self.small, self.large):
+            probe.engine.detach()
+
+
 def measure_layer_overheads(device: torch.device, *, emulation=False,
                             repeats: int = 15) -> LayerOverheads:
     """The engine's per-layer-run overhead on `device` (`emulation`: the engine's backend
     on a CPU, as `attach` takes it)."""
-    small, large = (_Probe(n, device, emulation) for n in PROBE_LAYERS)
-    for probe in (small, large):  # warm-up: lazy init, allocator
-        for _ in range(3):
-            probe.step()
-    forward, backward = [], []
-    extra = PROBE_LAYERS[1] - PROBE_LAYERS[0]
-    for _ in range(repeats):
-        a, b = small.step(), large.step()
-        forward.append(((b[0] - b[1]) - (a[0] - a[1])) / extra)
-        backward.append(((b[2] - b[3]) - (a[2] - a[3])) / extra)
-    for probe in (small, large):
-        probe.engine.detach()
-    return LayerOverheads(forward_s=max(statistics.median(forward), 0.0),
-                          backward_s=max(statistics.median(backward), 0.0))
+    probe = LayerOverheadProbe(device, emulation=emulation)
+    try:
+        return probe.measure(repeats)
+    finally:
+        probe.close()
 
 
 def main() -> None:

@@ -28,9 +28,10 @@ def _one_thread():
 
 
 def test_compute_is_measured_per_term():
-    compute = fidelity.measure_compute(TINY, 2, 16, steps=1)
+    compute, overhead = fidelity.measure_compute(TINY, 2, 16, steps=1)
     assert set(compute) == {"fwd_s", "bwd_s", "rest_s"}
     assert compute["fwd_s"] > 0 and compute["bwd_s"] > 0
+    assert overhead.forward_s >= 0 and overhead.backward_s >= 0
 
 
 def test_rates_plans_and_one_round(tmp_path):
