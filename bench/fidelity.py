@@ -122,8 +122,8 @@ class _Case:
 
 class _Calibration:
     """The synchronous engine, every boundary on the device: this CPU's compute; its
-    rest of the step leaves out the engine's per-layer-run overhead (`overhead`, that
-    backend's, measured beside it), which the simulator adds per layer run."""
+    rest of the step leaves out the engine's per-layer-run and per-step overhead
+    (`overhead`, that backend's, measured beside it), which the simulator adds."""
 
     def __init__(self, config: dict, batch: int, seq: int) -> None:
         self.model = _model(config)
@@ -137,7 +137,7 @@ class _Calibration:
     def measure(self, ids: torch.Tensor, overhead: LayerOverheads | None = None
                 ) -> dict[str, float]:
         """Seconds of one layer forward, one layer backward (re-run included), the rest
-        (less the layer runs' `overhead`)."""
+        (less the layer runs' and the step's `overhead`)."""
         self.engine.reset_stats()
         start = time.perf_counter()
         loss = self.model(input_ids=ids, labels=ids).loss
@@ -145,8 +145,8 @@ class _Calibration:
         loss.backward()
         wall_s, total_s = time.perf_counter() - start, self.engine.stats().compute_s
         self.model.zero_grad(set_to_none=True)
-        runs_s = 0.0 if overhead is None else self.layers * (overhead.forward_s
-                                                             + overhead.backward_s)
+        runs_s = 0.0 if overhead is None else overhead.step_s + self.layers * (
+            overhead.forward_s + overhead.backward_s)
         return {"fwd_s": forward_s / self.layers,
                 "bwd_s": (total_s - 2 * forward_s) / self.layers,
                 "rest_s": max(wall_s - total_s - runs_s, 0.0)}
@@ -198,7 +198,7 @@ def measured_profile(config: dict, batch: int, seq: int, compute: dict[str, floa
 
 def _hardware(h2d: float, d2h: float, nvme: float, optimizer_params_per_s: float,
               overhead: LayerOverheads | None = None) -> HardwareProfile:
-    overhead = overhead or LayerOverheads(forward_s=0.0, backward_s=0.0)
+    overhead = overhead or LayerOverheads(forward_s=0.0, backward_s=0.0, step_s=0.0)
     return HardwareProfile(
         name="cpu-emulated", gpu_name="emulated async device", gpu_memory_bytes=64 * GIB,
         cpu_memory_bytes=64 * GIB, nvme_bytes=64 * GIB,
@@ -208,7 +208,7 @@ def _hardware(h2d: float, d2h: float, nvme: float, optimizer_params_per_s: float
         # the device is this CPU: residents updated "on the device" take the host kernel
         gpu_optimizer_params_per_s=optimizer_params_per_s, device_runs_async=False,
         layer_forward_overhead_s=overhead.forward_s,
-        layer_backward_overhead_s=overhead.backward_s,
+        layer_backward_overhead_s=overhead.backward_s, step_overhead_s=overhead.step_s,
         source="bench/fidelity.py: compute measured on this CPU, links chosen against it")
 
 
@@ -287,7 +287,8 @@ def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, roun
         row: dict = {"compute": calibration.median(ids, steps, sync), "overhead": emulated,
                      "optimizer_rate": optimizer.rate(steps)}
         forward_runs = runs - plan.num_layers
-        runs_s = forward_runs * emulated.forward_s + plan.num_layers * emulated.backward_s
+        runs_s = (forward_runs * emulated.forward_s + plan.num_layers * emulated.backward_s
+                  + emulated.step_s)
         for name, case in cases.items():
             row[name], row[f"{name}_layers"], row[f"{name}_update"] = case.steady_steps(
                 ids, steps)
@@ -314,7 +315,8 @@ def predict(plan, config: dict, batch: int, seq: int, compute: dict[str, float],
     profile = measured_profile(config, batch, seq, compute)
     if overhead is not None:  # the round's, of the emulated backend
         hw = dataclasses.replace(hw, layer_forward_overhead_s=overhead.forward_s,
-                                 layer_backward_overhead_s=overhead.backward_s)
+                                 layer_backward_overhead_s=overhead.backward_s,
+                                 step_overhead_s=overhead.step_s)
     if optimizer_params_per_s is not None:
         hw = dataclasses.replace(hw, cpu_optimizer_params_per_s=optimizer_params_per_s,
                                  gpu_optimizer_params_per_s=optimizer_params_per_s)
@@ -417,7 +419,8 @@ def main() -> None:
               f"{profile.num_layers} layers, batch {batch} x {seq}; measured layer fwd "
               f"{compute['fwd_s'] * 1e3:.1f} ms, bwd {compute['bwd_s'] * 1e3:.1f} ms, rest "
               f"{compute['rest_s'] * 1e3:.0f} ms, layer run overhead "
-              f"{overhead.forward_s * 1e3:.1f} / {overhead.backward_s * 1e3:.1f} ms; links H2D "
+              f"{overhead.forward_s * 1e3:.1f} / {overhead.backward_s * 1e3:.1f} ms, step "
+              f"{overhead.step_s * 1e3:.0f} ms; links H2D "
               f"{hw.h2d_bytes_per_s / 1e6:.0f}, "
               f"D2H {hw.d2h_bytes_per_s / 1e6:.0f}, NVMe {hw.nvme_read_bytes_per_s / 1e6:.1f} "
               f"MB/s; optimizer {hw.cpu_optimizer_params_per_s / 1e6:.0f}M params/s", flush=True)

@@ -10,8 +10,9 @@ same code returns floats for a fixed plan and linear expressions for the MIP's v
 * Windows (plan.py indexing): F_1..F_L then B_L..B_1. F_j lasts one layer forward run;
   B_j lasts the layer's backward run (its forward re-run plus its backward), plus the
   block's recompute runs when j ends a recompute block; B_L also holds the head (final
-  norm, lm_head, loss). Every layer run also costs the engine's per-run overhead
-  (`fwd_overhead_s`, `bwd_overhead_s`: `HardwareProfile.layer_*_overhead_s`).
+  norm, lm_head, loss) and the step's own overhead (`step_overhead_s`). Every layer run
+  also costs the engine's per-run overhead (`fwd_overhead_s`, `bwd_overhead_s`); the
+  three come from `HardwareProfile` (`layer_*_overhead_s`, `step_overhead_s`).
 * Mandatory traffic per window: the next window's layer weights (H2D), the previous
   backward layer's weight gradients (D2H), and the weight re-stream of recompute.
 * Activation traffic: boundary i homed off the GPU is offloaded (D2H) in F_{i+1}..F_L and
@@ -133,6 +134,9 @@ class Problem:
     # a recompute re-run) and a backward run (re-run with grad + backward).
     fwd_overhead_s: float = 0.0
     bwd_overhead_s: float = 0.0
+    # What a step costs once besides its layer runs and the head's FLOPs (embedding,
+    # masks, loss and optimizer calls), charged in B_L beside the head.
+    step_overhead_s: float = 0.0
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
     nvme_read_bytes_per_s: float
@@ -187,17 +191,17 @@ class Problem:
         return self.fwd_s + self.bwd_s + self.bwd_overhead_s
 
     def overhead_s(self, recompute_runs: int = 0) -> float:
-        """The per-run overhead of a step: L forward runs, L backward runs and
-        `recompute_runs` re-runs (part of the windows' durations)."""
+        """The overhead of a step (part of the windows' durations): L forward runs, L
+        backward runs, `recompute_runs` re-runs, and the step's own."""
         return (self.num_layers + recompute_runs) * self.fwd_overhead_s \
-            + self.num_layers * self.bwd_overhead_s
+            + self.num_layers * self.bwd_overhead_s + self.step_overhead_s
 
     def base_duration_s(self, window: int) -> float:
         """Compute seconds of a window without recompute."""
         L = self.num_layers
         if window < L:
             return self.fwd_run_s
-        return self.bwd_run_s + (self.head_s if window == L else 0.0)
+        return self.bwd_run_s + (self.head_s + self.step_overhead_s if window == L else 0.0)
 
     def recompute_s(self, s: int, e: int) -> float:
         """R[s,e]: re-running layers s+1..e-1 forward, at the start of window B_e."""
@@ -424,6 +428,7 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         head_s=3.0 * model.head_fwd_flops / flops_per_s,  # backward ~ 2x forward
         fwd_overhead_s=hardware.layer_forward_overhead_s,
         bwd_overhead_s=hardware.layer_backward_overhead_s,
+        step_overhead_s=hardware.step_overhead_s,
         h2d_bytes_per_s=link_bytes_per_s(hardware.h2d_bytes_per_s, hardware, gpus_per_node),
         d2h_bytes_per_s=link_bytes_per_s(hardware.d2h_bytes_per_s, hardware, gpus_per_node),
         nvme_read_bytes_per_s=hardware.nvme_read_bytes_per_s,

@@ -152,7 +152,7 @@ class _StepBuilder:
     def backward(self, j: int) -> None:
         p, w = self.p, backward_window(j, self.L)
         if j == self.L:
-            self.head = self.compute("head", p.head_s, w, [])
+            self.head = self.compute("head", p.head_s + p.step_overhead_s, w, [])
         s, e = self.plan.block_of(j - 1)
         if e == j and e - s >= 2:
             for k in range(s + 1, e):

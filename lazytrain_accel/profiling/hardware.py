@@ -40,8 +40,13 @@ DEVICE_UPDATE_BYTES_PER_PARAM = 507
 #: hand-off) about twice that. The rest of the host's work overlaps the device's.
 GPU_LAYER_FORWARD_OVERHEAD_S = 1e-4
 GPU_LAYER_BACKWARD_OVERHEAD_S = 2e-4
+#: The same for the step's own work besides its layers (`step_overhead_s`): the model's
+#: embedding, mask, head and loss calls and the optimizer call, a few hundred launches'
+#: worth of host time, mostly hidden behind the device's work: an estimate.
+GPU_STEP_OVERHEAD_S = 1e-3
 #: Fields that may be 0 (a cost that a machine may not have); every other number is > 0.
-_MAY_BE_ZERO = frozenset({"layer_forward_overhead_s", "layer_backward_overhead_s"})
+_MAY_BE_ZERO = frozenset({"layer_forward_overhead_s", "layer_backward_overhead_s",
+                          "step_overhead_s"})
 
 
 def device_update_params_per_s(memory_bytes_per_s: float) -> float:
@@ -88,6 +93,10 @@ class HardwareProfile:
     # without them take the GPU estimate above.
     layer_forward_overhead_s: float = GPU_LAYER_FORWARD_OVERHEAD_S
     layer_backward_overhead_s: float = GPU_LAYER_BACKWARD_OVERHEAD_S
+    # Seconds a step costs once besides its layer runs and the FLOPs of its head: the
+    # model's own calls around the layers (embedding, masks, head, loss), the engine's
+    # per-pass hooks and the optimizer call on the training thread. Same sources.
+    step_overhead_s: float = GPU_STEP_OVERHEAD_S
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -194,8 +203,9 @@ _WORKSTATION_DDR4_HOST = ("host DRAM 204.8 GB/s: 8 channels DDR4-3200 (AMD Ryzen
 _WORKSTATION_DDR5_HOST = ("host DRAM 166.4 GB/s: 4 channels DDR5-5200 (AMD Ryzen Threadripper "
                           "7000 product page) x 8 bytes, an assumed workstation")
 _LAYER_OVERHEAD = (f"layer run overhead {GPU_LAYER_FORWARD_OVERHEAD_S * 1e3:.1f} ms forward, "
-                   f"{GPU_LAYER_BACKWARD_OVERHEAD_S * 1e3:.1f} ms backward: an estimate (the "
-                   "first kernel launches of each run and the engine's Python around it)")
+                   f"{GPU_LAYER_BACKWARD_OVERHEAD_S * 1e3:.1f} ms backward, step overhead "
+                   f"{GPU_STEP_OVERHEAD_S * 1e3:.0f} ms: estimates (the first kernel "
+                   "launches of each run and the Python around it)")
 _DEQUANT = ("dequantization {rate:.0f} GB/s moved: {eff} x the {bw:.0f} GB/s memory "
             "bandwidth of the same vendor sheet (a bandwidth-bound estimate of bitsandbytes' "
             "dequantize kernel: packed read + bf16 write)")

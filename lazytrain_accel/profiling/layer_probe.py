@@ -2,19 +2,24 @@
 
     python -m lazytrain_accel.profiling.layer_probe [--device cpu] [--threads N]
 
-prints `{"forward_s": ..., "backward_s": ...}`: the seconds a layer's forward run (a
-forward or a recompute re-run) and its backward run (re-run with grad + backward) cost
-beyond the time the engine times as that layer's compute (`StepStats.compute_s`). That is
-the engine's work around each layer (weight acquire and prefetch issue, boundary
-placement, the autograd Function, the gradient hand-off) and the Python between layers:
-work no FLOP count prices, which `HardwareProfile.layer_forward_overhead_s` /
-`layer_backward_overhead_s` carry into the cost model (`planning/problem.py`).
+prints `{"forward_s": ..., "backward_s": ..., "step_s": ...}`: the seconds a layer's
+forward run (a forward or a recompute re-run) and its backward run (re-run with grad +
+backward) cost beyond the time the engine times as that layer's compute
+(`StepStats.compute_s`): the engine's work around each layer (weight acquire and
+prefetch issue, boundary placement, the autograd Function, the gradient hand-off) and
+the Python between layers; and what a step costs besides its layers and their FLOPs
+(the model's embedding, masks, head and loss calls, the engine's per-pass hooks, the
+optimizer call on the training thread). No FLOP count prices that work;
+`HardwareProfile.layer_forward_overhead_s` / `layer_backward_overhead_s` /
+`step_overhead_s` carry it into the cost model (`planning/problem.py`).
 
 How: two models of tiny decoder layers (hidden 16, 4 tokens: their compute is almost
-nothing) run a training step through the real engine (`attach`, every boundary on the
-device, no recompute) on `device`; the difference of the two models' forward (and
-backward) wall time minus the difference of their timed layer compute, per extra layer,
-is the overhead. Medians of interleaved repeats, so a change of machine load hits both.
+nothing) run training steps through the real engine (`attach`, every boundary on the
+device, no recompute; HybridAdamW8bit through `step_layerwise`) on `device`; the
+difference of the two models' forward (and backward) wall time minus the difference of
+their timed layer compute, per extra layer, is the per-run overhead; the smaller
+model's step less its layers' compute and runs is the step's. Medians of interleaved
+repeats, so a change of machine load hits both.
 
 A program, not an import of `measure.py`: the engine imports the planner, which imports
 `profiling`, so `profiling/measure.py` runs this module in a subprocess (nothing in the
@@ -31,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lazytrain_accel.optim import HybridAdamW8bit
+
 #: Decoder depths of the probe's two models; the overhead is their difference per layer.
 PROBE_LAYERS = (2, 8)
 _GIB = 2**30
@@ -40,6 +47,7 @@ _GIB = 2**30
 class LayerOverheads:
     forward_s: float  # one forward run of a layer (forward or recompute re-run)
     backward_s: float  # one backward run (its re-run with grad and the backward)
+    step_s: float = 0.0  # once per step, besides the layers (embedding, head, optimizer call)
 
 
 def _tiny_model(layers: int):
@@ -80,6 +88,7 @@ class _Probe:
                                 batch_size=1, seq_len=4, compute_bytes_per_elem=4)
         plan = make_plan(profile, _probe_hardware(), PlanRequest(strategy="checkpoint_all"))
         self.engine = attach(self.model, plan, device=device, emulation=emulation)
+        self.optimizer = HybridAdamW8bit(self.model.parameters(), lr=1e-4)
         self.device = device
         self.ids = torch.randint(0, 64, (1, 4), device=device)
 
@@ -87,8 +96,9 @@ class _Probe:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def step(self) -> tuple[float, float, float, float]:
-        """(forward wall s, its timed layer compute s, backward wall s, its compute s)."""
+    def step(self) -> tuple[float, float, float, float, float]:
+        """(forward wall s, its timed layer compute s, backward wall s, its compute s,
+        the optimizer call's wall s); the update itself is waited for after it."""
         self.engine.reset_stats()
         start = time.perf_counter()
         loss = self.model(input_ids=self.ids, labels=self.ids).loss
@@ -99,8 +109,12 @@ class _Probe:
         self._sync()
         backward_s = time.perf_counter() - start
         backward_compute_s = self.engine.stats().compute_s - forward_compute_s
-        self.model.zero_grad(set_to_none=True)
-        return forward_s, forward_compute_s, backward_s, backward_compute_s
+        start = time.perf_counter()
+        self.engine.step_layerwise(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        optimizer_s = time.perf_counter() - start
+        self.engine.synchronize()  # the update's own run is the optimizer rate's, not this
+        return forward_s, forward_compute_s, backward_s, backward_compute_s, optimizer_s
 
 
 class LayerOverheadProbe:
@@ -115,14 +129,18 @@ class LayerOverheadProbe:
 
     def measure(self, repeats: int = 15) -> LayerOverheads:
         """Medians of `repeats` interleaved steps of both engines."""
-        forward, backward = [], []
+        forward, backward, outside = [], [], []
         extra = PROBE_LAYERS[1] - PROBE_LAYERS[0]
         for _ in range(repeats):
             a, b = self.small.step(), self.large.step()
             forward.append(((b[0] - b[1]) - (a[0] - a[1])) / extra)
             backward.append(((b[2] - b[3]) - (a[2] - a[3])) / extra)
-        return LayerOverheads(forward_s=max(statistics.median(forward), 0.0),
-                              backward_s=max(statistics.median(backward), 0.0))
+            outside.append((a[0] - a[1]) + (a[2] - a[3]) + a[4])  # the small step's rest
+        forward_s = max(statistics.median(forward), 0.0)
+        backward_s = max(statistics.median(backward), 0.0)
+        runs_s = PROBE_LAYERS[0] * (forward_s + backward_s)
+        return LayerOverheads(forward_s=forward_s, backward_s=backward_s,
+                              step_s=max(statistics.median(outside) - runs_s, 0.0))
 
     def close(self) -> None:
         for probe in (self.small, self.large):
@@ -149,7 +167,8 @@ def main() -> None:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     result = measure_layer_overheads(torch.device(args.device), repeats=args.repeats)
-    print(json.dumps({"forward_s": result.forward_s, "backward_s": result.backward_s}))
+    print(json.dumps({"forward_s": result.forward_s, "backward_s": result.backward_s,
+                      "step_s": result.step_s}))
 
 
 if __name__ == "__main__":

@@ -157,8 +157,8 @@ def _measure_dequant(device: torch.device, side: int = 2048) -> tuple[float, str
     return moved / seconds, f"bitsandbytes dequantize_4bit of a {side}x{side} nf4 matrix"
 
 
-def _measure_layer_overheads(device: torch.device) -> tuple[float, float]:
-    """(forward, backward) seconds of the engine's per-layer-run overhead on `device`:
+def _measure_layer_overheads(device: torch.device) -> tuple[float, float, float]:
+    """(forward, backward, step) seconds of the engine's overhead on `device`:
     `layer_probe.py` run as a program (the engine imports the planner, which imports this
     package, so it cannot be imported here), at this process's thread count."""
     command = [sys.executable, "-m", "lazytrain_accel.profiling.layer_probe",
@@ -167,7 +167,8 @@ def _measure_layer_overheads(device: torch.device) -> tuple[float, float]:
         out = subprocess.run(command, capture_output=True, text=True, check=True,
                              timeout=600).stdout
         result = json.loads(out.strip().splitlines()[-1])
-        return float(result["forward_s"]), float(result["backward_s"])
+        return (float(result["forward_s"]), float(result["backward_s"]),
+                float(result["step_s"]))
     except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError) as err:
         raise RuntimeError(f"measuring the engine's per-layer overhead failed ({err}): run "
                            f"`{' '.join(command)}` to see why") from None
@@ -214,7 +215,7 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
     matmul = _measure_matmul(device)
     dequant, dequant_how = _measure_dequant(device)
     host_update = _measure_optimizer(device)
-    layer_forward_s, layer_backward_s = _measure_layer_overheads(device)
+    layer_forward_s, layer_backward_s, step_s = _measure_layer_overheads(device)
     gpu_name = _gpu_name(device)
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return HardwareProfile(
@@ -229,6 +230,7 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
         device_runs_async=device.type == "cuda",
         dequant_bytes_per_s=dequant,
         layer_forward_overhead_s=layer_forward_s, layer_backward_overhead_s=layer_backward_s,
+        step_overhead_s=step_s,
         source=(f"measured by lazytrain_accel on {platform.node()} at {when} with torch "
                 f"{torch.__version__}: {link_bytes // _MIB} MiB host<->device copies, a "
                 f"{probe_bytes // _MIB} MiB file in {nvme_dir}, a square matmul "
