@@ -9,23 +9,27 @@ boundaries on NVMe):
    backend, every boundary on the device) is timed forward and backward; a layer's forward
    seconds, its backward seconds (re-run included) and the rest of the step (embeddings,
    head, loss, weight copies) become the model profile's FLOPs at a nominal 1 TFLOP/s.
-   Residents are used in place on a CPU, so the profile streams none.
+   Residents are used in place on a CPU, so the profile streams none. The engine's
+   per-layer-run overhead (profiling/layer_probe.py: tiny layers through the engine) is
+   measured beside it, on the synchronous backend (taken out of the rest) and on the
+   emulated one the plans run on (the hardware profile's `layer_*_overhead_s`).
 2. Links get rates that make transfers comparable to that compute (H2D: a layer's weights
    in `H2D_FORWARDS` layer forwards, ...); the hardware profile holds them, the plans are
    made for it and the emulation throttles each link to exactly that rate (no jitter).
 3. Each plan runs on the emulated device in rounds; a round times, back to back, the
-   compute (step 1 again), the serial HybridAdamW8bit update of the model (the round's
-   host optimizer rate), the plan on throttled links, and the same with HybridAdamW8bit
-   overlapped by `step_layerwise`, each as the median of `--steps` runs (one run moves by
-   10-15% on this 2-core machine). The prediction of a round simulates the plan on that
-   round's compute and update rate, so a change of machine load between rounds moves both
-   sides; the row shown is the round with the median step ratio (the spread of both
-   ratios over the rounds follows it). "update" is the host update's seconds: simulated,
-   and as its thread ran inside the step (beside the compute on the same CPU cores,
-   which a GPU run does not share). A step's measured compute is
-   its layers' compute as the engine timed it inside that step plus the round's
-   calibrated rest; exposed = step - compute; optimizer exposure = the exposed time the
-   optimizer adds (with minus without).
+   compute (step 1 again) and both overheads, the serial HybridAdamW8bit update of the
+   model (the round's host optimizer rate), the plan on throttled links, and the same
+   with HybridAdamW8bit overlapped by `step_layerwise`, each as the median of `--steps`
+   runs (one run moves by 10-15% on this 2-core machine). The prediction of a round
+   simulates the plan on that round's compute, overhead and update rate, so a change of
+   machine load between rounds moves both sides; the row shown is the round with the
+   median step ratio (the spread of both ratios over the rounds follows it). "update" is
+   the host update's seconds: simulated, and as its thread ran inside the step (beside
+   the compute on the same CPU cores, which a GPU run does not share). A step's measured
+   compute is its layers' compute as the engine timed it inside that step plus the
+   round's calibrated rest and the plan's layer runs at the round's emulated overhead
+   (the predicted compute holds them too); exposed = step - compute; optimizer exposure
+   = the exposed time the optimizer adds (with minus without).
 
     python bench/fidelity.py [--models demo,large] [--plans auto,megatrain,...] [--rounds 3]
                               [--steps 3]
@@ -54,6 +58,7 @@ from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.simulate import is_optimizer_lane
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
+from lazytrain_accel.profiling.layer_probe import LayerOverheadProbe, LayerOverheads
 from lazytrain_accel.profiling.model import ModelProfile
 from lazytrain_accel.profiling.models import geometry_from_config, profile_model
 
@@ -116,7 +121,9 @@ class _Case:
 
 
 class _Calibration:
-    """The synchronous engine, every boundary on the device: this CPU's compute."""
+    """The synchronous engine, every boundary on the device: this CPU's compute; its
+    rest of the step leaves out the engine's per-layer-run and per-step overhead
+    (`overhead`, that backend's, measured beside it), which the simulator adds."""
 
     def __init__(self, config: dict, batch: int, seq: int) -> None:
         self.model = _model(config)
@@ -127,8 +134,10 @@ class _Calibration:
         self.engine = attach(self.model, plan, device=torch.device("cpu"), emulation=False)
         self.layers = base.num_layers
 
-    def measure(self, ids: torch.Tensor) -> dict[str, float]:
-        """Seconds of one layer forward, one layer backward (re-run included), the rest."""
+    def measure(self, ids: torch.Tensor, overhead: LayerOverheads | None = None
+                ) -> dict[str, float]:
+        """Seconds of one layer forward, one layer backward (re-run included), the rest
+        (less the layer runs' and the step's `overhead`)."""
         self.engine.reset_stats()
         start = time.perf_counter()
         loss = self.model(input_ids=ids, labels=ids).loss
@@ -136,24 +145,44 @@ class _Calibration:
         loss.backward()
         wall_s, total_s = time.perf_counter() - start, self.engine.stats().compute_s
         self.model.zero_grad(set_to_none=True)
+        runs_s = 0.0 if overhead is None else overhead.step_s + self.layers * (
+            overhead.forward_s + overhead.backward_s)
         return {"fwd_s": forward_s / self.layers,
-                "bwd_s": (total_s - 2 * forward_s) / self.layers, "rest_s": wall_s - total_s}
+                "bwd_s": (total_s - 2 * forward_s) / self.layers,
+                "rest_s": max(wall_s - total_s - runs_s, 0.0)}
 
-
-    def median(self, ids: torch.Tensor, steps: int) -> dict[str, float]:
+    def median(self, ids: torch.Tensor, steps: int, overhead: LayerOverheads | None = None
+               ) -> dict[str, float]:
         """The median of `steps` measurements, per term."""
-        runs = [self.measure(ids) for _ in range(steps)]
+        runs = [self.measure(ids, overhead) for _ in range(steps)]
         return {term: statistics.median(run[term] for run in runs) for term in runs[0]}
 
 
-def measure_compute(config: dict, batch: int, seq: int, steps: int) -> dict[str, float]:
-    """The median of `steps` calibration steps, per term (after one warm-up)."""
+#: Interleaved probe steps per overhead measurement (their median is taken).
+PROBE_REPEATS = 9
+
+
+def _emulated() -> EmulationSettings:
+    """The emulated device the plans run on, links unthrottled (the probe's layers move
+    a few bytes)."""
+    return EmulationSettings(seed=0, jitter_s=0.0)
+
+
+def measure_compute(config: dict, batch: int, seq: int, steps: int
+                    ) -> tuple[dict[str, float], LayerOverheads]:
+    """The median of `steps` calibration steps, per term (after one warm-up), and the
+    per-layer-run overhead of the emulated backend the plans run on."""
     calibration = _Calibration(config, batch, seq)
+    probes = (LayerOverheadProbe(torch.device("cpu")),
+              LayerOverheadProbe(torch.device("cpu"), emulation=_emulated()))
     ids = torch.randint(0, config["vocab_size"], (batch, seq))
     calibration.measure(ids)
-    compute = calibration.median(ids, steps)
+    sync, emulated = (probe.measure(PROBE_REPEATS) for probe in probes)
+    compute = calibration.median(ids, steps, sync)
     calibration.engine.detach()
-    return compute
+    for probe in probes:
+        probe.close()
+    return compute, emulated
 
 
 def measured_profile(config: dict, batch: int, seq: int, compute: dict[str, float]
@@ -167,8 +196,9 @@ def measured_profile(config: dict, batch: int, seq: int, compute: dict[str, floa
                                resident_param_bytes=0)
 
 
-def _hardware(h2d: float, d2h: float, nvme: float, optimizer_params_per_s: float
-              ) -> HardwareProfile:
+def _hardware(h2d: float, d2h: float, nvme: float, optimizer_params_per_s: float,
+              overhead: LayerOverheads | None = None) -> HardwareProfile:
+    overhead = overhead or LayerOverheads(forward_s=0.0, backward_s=0.0, step_s=0.0)
     return HardwareProfile(
         name="cpu-emulated", gpu_name="emulated async device", gpu_memory_bytes=64 * GIB,
         cpu_memory_bytes=64 * GIB, nvme_bytes=64 * GIB,
@@ -177,6 +207,8 @@ def _hardware(h2d: float, d2h: float, nvme: float, optimizer_params_per_s: float
         nvme_write_bytes_per_s=nvme, cpu_optimizer_params_per_s=optimizer_params_per_s,
         # the device is this CPU: residents updated "on the device" take the host kernel
         gpu_optimizer_params_per_s=optimizer_params_per_s, device_runs_async=False,
+        layer_forward_overhead_s=overhead.forward_s,
+        layer_backward_overhead_s=overhead.backward_s, step_overhead_s=overhead.step_s,
         source="bench/fidelity.py: compute measured on this CPU, links chosen against it")
 
 
@@ -208,12 +240,13 @@ def optimizer_rate(config: dict, steps: int) -> float:
 
 
 def link_hardware(profile: ModelProfile, compute: dict[str, float],
-                  optimizer_params_per_s: float) -> HardwareProfile:
+                  optimizer_params_per_s: float, overhead: LayerOverheads | None = None
+                  ) -> HardwareProfile:
     fwd_s, bwd_s = compute["fwd_s"], compute["bwd_s"]
     return _hardware(h2d=profile.layer_param_bytes / (H2D_FORWARDS * fwd_s),
                      d2h=profile.layer_grad_bytes / (D2H_BACKWARDS * (fwd_s + bwd_s)),
                      nvme=profile.boundary_bytes / (NVME_FORWARDS * fwd_s),
-                     optimizer_params_per_s=optimizer_params_per_s)
+                     optimizer_params_per_s=optimizer_params_per_s, overhead=overhead)
 
 
 def plans(profile: ModelProfile, hw: HardwareProfile) -> dict[str, object]:
@@ -242,26 +275,37 @@ def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, roun
              "nvme_read": hw.nvme_read_bytes_per_s, "nvme_write": hw.nvme_write_bytes_per_s}
     ids = torch.randint(0, config["vocab_size"], (batch, seq))
     calibration, optimizer = _Calibration(config, batch, seq), _OptimizerCalibration(config)
+    probes = (LayerOverheadProbe(torch.device("cpu")),
+              LayerOverheadProbe(torch.device("cpu"), emulation=_emulated()))
+    runs = 2 * plan.num_layers + sum(max(e - s - 1, 0) for s, e in plan.blocks)
     cases = {"step": _Case(config, plan, rates, with_optimizer=False, nvme_dir=tmp),
              "step_opt": _Case(config, plan, rates, with_optimizer=True, nvme_dir=tmp)}
     out = []
     for _ in range(rounds + 1):  # the first round warms up
         calibration.measure(ids)
-        row: dict = {"compute": calibration.median(ids, steps),
+        sync, emulated = (probe.measure(PROBE_REPEATS) for probe in probes)
+        row: dict = {"compute": calibration.median(ids, steps, sync), "overhead": emulated,
                      "optimizer_rate": optimizer.rate(steps)}
+        forward_runs = runs - plan.num_layers
+        runs_s = (forward_runs * emulated.forward_s + plan.num_layers * emulated.backward_s
+                  + emulated.step_s)
         for name, case in cases.items():
             row[name], row[f"{name}_layers"], row[f"{name}_update"] = case.steady_steps(
                 ids, steps)
-            # the step's compute: its layers as timed in it, the rest as calibrated
-            row[f"{name}_compute"] = row[f"{name}_layers"] + row["compute"]["rest_s"]
+            # the step's compute: its layers as timed in it, the rest as calibrated, the
+            # layer runs' overhead as measured on the emulated backend
+            row[f"{name}_compute"] = row[f"{name}_layers"] + row["compute"]["rest_s"] + runs_s
         out.append(row)
     for engine in [calibration.engine, *(case.engine for case in cases.values())]:
         engine.detach()
+    for probe in probes:
+        probe.close()
     return out[1:]
 
 
 def predict(plan, config: dict, batch: int, seq: int, compute: dict[str, float],
-            hw: HardwareProfile, *, optimizer_params_per_s: float | None = None):
+            hw: HardwareProfile, *, optimizer_params_per_s: float | None = None,
+            overhead: LayerOverheads | None = None):
     """`plan`'s simulated step on `compute`'s profile, with the host update at
     `optimizer_params_per_s` (None: without it).
 
@@ -269,6 +313,10 @@ def predict(plan, config: dict, batch: int, seq: int, compute: dict[str, float],
     round's compute, so its fingerprint is renewed for that profile (same model, batch
     and links; only the measured seconds differ)."""
     profile = measured_profile(config, batch, seq, compute)
+    if overhead is not None:  # the round's, of the emulated backend
+        hw = dataclasses.replace(hw, layer_forward_overhead_s=overhead.forward_s,
+                                 layer_backward_overhead_s=overhead.backward_s,
+                                 step_overhead_s=overhead.step_s)
     if optimizer_params_per_s is not None:
         hw = dataclasses.replace(hw, cpu_optimizer_params_per_s=optimizer_params_per_s,
                                  gpu_optimizer_params_per_s=optimizer_params_per_s)
@@ -290,17 +338,19 @@ def predictions(plan, config: dict, batch: int, seq: int, meas: dict, hw: Hardwa
                 params: int) -> dict:
     """A round's predictions: on its calibrated compute and serial update rate, and on
     the durations timed inside its steps (layer compute; the update's own run time)."""
-    update_s = meas["step_opt_update"]
+    update_s, overhead = meas["step_opt_update"], meas.get("overhead")
     return {
-        "step": predict(plan, config, batch, seq, meas["compute"], hw),
+        "step": predict(plan, config, batch, seq, meas["compute"], hw, overhead=overhead),
         "opt": predict(plan, config, batch, seq, meas["compute"], hw,
-                       optimizer_params_per_s=meas["optimizer_rate"]),
+                       optimizer_params_per_s=meas["optimizer_rate"], overhead=overhead),
         "step_in": predict(plan, config, batch, seq,
-                           in_step(plan, meas["compute"], meas["step_layers"]), hw),
+                           in_step(plan, meas["compute"], meas["step_layers"]), hw,
+                           overhead=overhead),
         "opt_in": predict(plan, config, batch, seq,
                           in_step(plan, meas["compute"], meas["step_opt_layers"]), hw,
                           optimizer_params_per_s=(params / update_s if update_s > 0
-                                                  else meas["optimizer_rate"])),
+                                                  else meas["optimizer_rate"]),
+                          overhead=overhead),
     }
 
 
@@ -362,13 +412,16 @@ def main() -> None:
     print(HEADER)
     for name in args.models.split(","):
         config, batch, seq = MODELS[name]
-        compute = measure_compute(config, batch, seq, args.steps)
+        compute, overhead = measure_compute(config, batch, seq, args.steps)
         profile = measured_profile(config, batch, seq, compute)
-        hw = link_hardware(profile, compute, optimizer_rate(config, args.steps))
+        hw = link_hardware(profile, compute, optimizer_rate(config, args.steps), overhead)
         print(f"# {name}: {profile.geometry.total_param_count / 1e6:.0f}M parameters, "
               f"{profile.num_layers} layers, batch {batch} x {seq}; measured layer fwd "
               f"{compute['fwd_s'] * 1e3:.1f} ms, bwd {compute['bwd_s'] * 1e3:.1f} ms, rest "
-              f"{compute['rest_s'] * 1e3:.0f} ms; links H2D {hw.h2d_bytes_per_s / 1e6:.0f}, "
+              f"{compute['rest_s'] * 1e3:.0f} ms, layer run overhead "
+              f"{overhead.forward_s * 1e3:.1f} / {overhead.backward_s * 1e3:.1f} ms, step "
+              f"{overhead.step_s * 1e3:.0f} ms; links H2D "
+              f"{hw.h2d_bytes_per_s / 1e6:.0f}, "
               f"D2H {hw.d2h_bytes_per_s / 1e6:.0f}, NVMe {hw.nvme_read_bytes_per_s / 1e6:.1f} "
               f"MB/s; optimizer {hw.cpu_optimizer_params_per_s / 1e6:.0f}M params/s", flush=True)
         for plan_name, plan in plans(profile, hw).items():

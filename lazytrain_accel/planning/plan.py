@@ -98,6 +98,9 @@ class Prediction:
     # The host optimizer's update overlapped with the next step (0 when not simulated):
     # seconds the next forward waited for it, included in step_s and exposed_s.
     optimizer_exposed_s: float = 0.0
+    # The engine's per-layer-run overhead (hooks, weight acquire, gradient hand-off, the
+    # Python between layers), in step_s, not in compute_s or recompute_s.
+    overhead_s: float = 0.0
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -7,9 +7,12 @@ depend on the plan's choices take the edge weights (`{(s, e): x}`) or tier count
 same code returns floats for a fixed plan and linear expressions for the MIP's variables
 (see docs/planner.md):
 
-* Windows (plan.py indexing): F_1..F_L then B_L..B_1. F_j lasts one layer forward;
-  B_j lasts the layer's forward re-run plus its backward, plus the block's recompute
-  when j ends a recompute block; B_L also holds the head (final norm, lm_head, loss).
+* Windows (plan.py indexing): F_1..F_L then B_L..B_1. F_j lasts one layer forward run;
+  B_j lasts the layer's backward run (its forward re-run plus its backward), plus the
+  block's recompute runs when j ends a recompute block; B_L also holds the head (final
+  norm, lm_head, loss) and the step's own overhead (`step_overhead_s`). Every layer run
+  also costs the engine's per-run overhead (`fwd_overhead_s`, `bwd_overhead_s`); the
+  three come from `HardwareProfile` (`layer_*_overhead_s`, `step_overhead_s`).
 * Mandatory traffic per window: the next window's layer weights (H2D), the previous
   backward layer's weight gradients (D2H), and the weight re-stream of recompute.
 * Activation traffic: boundary i homed off the GPU is offloaded (D2H) in F_{i+1}..F_L and
@@ -131,6 +134,13 @@ class Problem:
     fwd_s: float  # one layer forward (with the dequantization of packed weights, if any)
     bwd_s: float  # one layer backward proper (its forward re-run is added separately)
     head_s: float  # final norm + head + loss, forward and backward
+    # The engine's overhead per layer run beyond its compute: a forward run (a forward or
+    # a recompute re-run) and a backward run (re-run with grad + backward).
+    fwd_overhead_s: float = 0.0
+    bwd_overhead_s: float = 0.0
+    # What a step costs once besides its layer runs and the head's FLOPs (embedding,
+    # masks, loss and optimizer calls), charged in B_L beside the head.
+    step_overhead_s: float = 0.0
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
     nvme_read_bytes_per_s: float
@@ -172,21 +182,39 @@ class Problem:
     def num_windows(self) -> int:
         return 2 * self.num_layers
 
+    @property
+    def fwd_run_s(self) -> float:
+        """One forward run of a layer (a forward or a recompute re-run): its compute and
+        the engine's per-run overhead."""
+        return self.fwd_s + self.fwd_overhead_s
+
+    @property
+    def bwd_run_s(self) -> float:
+        """One backward run of a layer: its forward re-run with grad, its backward, and
+        the engine's per-run overhead."""
+        return self.fwd_s + self.bwd_s + self.bwd_overhead_s
+
+    def overhead_s(self, recompute_runs: int = 0) -> float:
+        """The overhead of a step (part of the windows' durations): L forward runs, L
+        backward runs, `recompute_runs` re-runs, and the step's own."""
+        return (self.num_layers + recompute_runs) * self.fwd_overhead_s \
+            + self.num_layers * self.bwd_overhead_s + self.step_overhead_s
+
     def base_duration_s(self, window: int) -> float:
         """Compute seconds of a window without recompute."""
         L = self.num_layers
         if window < L:
-            return self.fwd_s
-        return self.fwd_s + self.bwd_s + (self.head_s if window == L else 0.0)
+            return self.fwd_run_s
+        return self.bwd_run_s + (self.head_s + self.step_overhead_s if window == L else 0.0)
 
     def recompute_s(self, s: int, e: int) -> float:
         """R[s,e]: re-running layers s+1..e-1 forward, at the start of window B_e."""
-        return (e - s - 1) * self.fwd_s
+        return (e - s - 1) * self.fwd_run_s
 
     def restream_stall_s(self, s: int, e: int) -> float:
         """Recompute waits for weights: layer k+1's re-stream starts with layer k's re-run,
         so each of the last n-2 re-runs waits max(0, P/h2d - f)."""
-        stall = self.layer_param_bytes / self.h2d_bytes_per_s - self.fwd_s
+        stall = self.layer_param_bytes / self.h2d_bytes_per_s - self.fwd_run_s
         return max(e - s - 2, 0) * max(stall, 0.0)
 
     def block_cost_s(self, s: int, e: int) -> float:
@@ -405,6 +433,9 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
             attention_block_tokens=model.attention_block_tokens)) / flops_per_s
         + dequant_s + tile_bwd_s,
         head_s=3.0 * model.head_fwd_flops / flops_per_s,  # backward ~ 2x forward
+        fwd_overhead_s=hardware.layer_forward_overhead_s,
+        bwd_overhead_s=hardware.layer_backward_overhead_s,
+        step_overhead_s=hardware.step_overhead_s,
         h2d_bytes_per_s=link_bytes_per_s(hardware.h2d_bytes_per_s, hardware, gpus_per_node),
         d2h_bytes_per_s=link_bytes_per_s(hardware.d2h_bytes_per_s, hardware, gpus_per_node),
         nvme_read_bytes_per_s=hardware.nvme_read_bytes_per_s,

@@ -86,6 +86,9 @@ class SimulationResult:
     peak_cpu_bytes: int
     peak_nvme_bytes: int
     optimizer_exposed_s: float  # next forward waiting for an update (0 without it)
+    # The engine's per-layer-run overhead (`Problem.overhead_s`), which compute_s and
+    # recompute_s leave out: step_s = compute_s + recompute_s + overhead_s + exposed_s.
+    overhead_s: float = 0.0
     ops: list[SimOp] = field(default_factory=list)
     memory_bytes: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
 
@@ -96,7 +99,8 @@ class SimulationResult:
             exposed_s=self.exposed_s, exposed_by_link_s=dict(self.exposed_by_link_s),
             peak_gpu_bytes=self.peak_gpu_bytes, peak_cpu_bytes=self.peak_cpu_bytes,
             peak_nvme_bytes=self.peak_nvme_bytes, tokens_per_s=self.tokens_per_s,
-            tflops=self.tflops, optimizer_exposed_s=self.optimizer_exposed_s)
+            tflops=self.tflops, optimizer_exposed_s=self.optimizer_exposed_s,
+            overhead_s=self.overhead_s)
 
 
 class _StepBuilder:
@@ -140,7 +144,7 @@ class _StepBuilder:
 
     def forward(self, j: int) -> None:
         w = forward_window(j, self.L)
-        self.fwd[j] = self.compute(f"F{j}", self.p.fwd_s, w, [self.weights["layer", j]], j)
+        self.fwd[j] = self.compute(f"F{j}", self.p.fwd_run_s, w, [self.weights["layer", j]], j)
         if j == self.L:
             self.slots.forget_all_but(j)
         self.issue(w, next_layer=j + 1 if j < self.L else j)  # B_L runs on F_L's buffer
@@ -148,18 +152,18 @@ class _StepBuilder:
     def backward(self, j: int) -> None:
         p, w = self.p, backward_window(j, self.L)
         if j == self.L:
-            self.head = self.compute("head", p.head_s, w, [])
+            self.head = self.compute("head", p.head_s + p.step_overhead_s, w, [])
         s, e = self.plan.block_of(j - 1)
         if e == j and e - s >= 2:
             for k in range(s + 1, e):
-                self.recompute[k] = self.compute(f"R{k}", p.fwd_s, w,
+                self.recompute[k] = self.compute(f"R{k}", p.fwd_run_s, w,
                                                  [self.weights["recompute", k]], k)
                 if k + 1 < e:
                     self.weight(("recompute", k + 1), [self.recompute[k]], w)
         deps = [self.weights["layer", j], *self.moves.get((j - 1, TransferKind.H2D), [])]
         if j + 2 in self.grad:
             deps.append(self.grad[j + 2])  # two gradient buffers
-        self.bwd[j] = self.compute(f"B{j}", p.fwd_s + p.bwd_s, w, deps, j)
+        self.bwd[j] = self.compute(f"B{j}", p.bwd_run_s, w, deps, j)
         if j < self.L:  # the previous layer's gradients leave while this window computes
             self.gradients(j + 1, [self.window_start[w]], w)
         self.issue(w, next_layer=j - 1 if j > 1 else None)
@@ -353,9 +357,9 @@ def _optimizer_exposed_s(b: _StepBuilder, updates: list[int], step_s: float) -> 
     ops, p = b.q.ops, b.p
     first, *rest = (ops[u].end_s - step_s for u in updates)
     layers = rest[:b.L]
-    late_s = [first] + [end_s - j * p.fwd_s for j, end_s in enumerate(layers)]
+    late_s = [first] + [end_s - j * p.fwd_run_s for j, end_s in enumerate(layers)]
     if len(rest) > b.L:  # U_head
-        late_s.append(rest[b.L] - p.prologue_s - b.L * p.fwd_s)
+        late_s.append(rest[b.L] - p.prologue_s - b.L * p.fwd_run_s)
     return max([0.0, *late_s])
 
 
@@ -391,12 +395,19 @@ def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,
     for tier, static in (("gpu", p.static_gpu_bytes), ("cpu", p.static_cpu_bytes),
                          ("nvme", 0)):
         peaks[tier], curves[tier] = _peak(static, events[tier])
-    recompute_s = sum(q.ops[k].duration_s for k in b.recompute.values())
-    compute_s = sum(q.ops[k].duration_s for k in q.queues["compute"]) - recompute_s
+    # The compute queue's seconds split as the engine times them: layer compute (with the
+    # head), recompute, and the per-run overhead outside the engine's layer timer.
+    runs = len(b.recompute)
+    overhead_s = p.overhead_s(runs)
+    recompute_s = sum(q.ops[k].duration_s for k in b.recompute.values()) \
+        - runs * p.fwd_overhead_s
+    compute_s = sum(q.ops[k].duration_s for k in q.queues["compute"]) - recompute_s \
+        - overhead_s
     return SimulationResult(
         step_s=step_s, compute_s=compute_s, recompute_s=recompute_s,
         exposed_s=sum(by_link.values()) + optimizer_s, exposed_by_link_s=by_link,
         tokens_per_s=p.tokens_per_step / step_s,
         tflops=6.0 * p.param_count * p.tokens_per_step / step_s / 1e12,
         peak_gpu_bytes=peaks["gpu"], peak_cpu_bytes=peaks["cpu"], peak_nvme_bytes=peaks["nvme"],
-        optimizer_exposed_s=optimizer_s, ops=q.ops, memory_bytes=curves)
+        optimizer_exposed_s=optimizer_s, overhead_s=overhead_s, ops=q.ops,
+        memory_bytes=curves)

@@ -31,6 +31,22 @@ HOST_UPDATE_BYTES_PER_PARAM = 18
 #: reads and writes per parameter: its 76 elementwise and per-block ops counted tensor by
 #: tensor (bf16 gradient, clipped; tests/optim/test_device_update.py counts them again).
 DEVICE_UPDATE_BYTES_PER_PARAM = 507
+#: A GPU's per-layer-run overhead (`HardwareProfile.layer_forward_overhead_s`,
+#: `layer_backward_overhead_s`) where none was measured: an estimate, not a measurement.
+#: The engine waits on an event before each layer run (its weights), so the device idles
+#: while the host issues the run's first kernels: about ten launches at the few
+#: microseconds of host time a CUDA kernel launch costs, plus the engine's Python around
+#: the run; a backward run (its re-run with grad, then the backward and the gradient
+#: hand-off) about twice that. The rest of the host's work overlaps the device's.
+GPU_LAYER_FORWARD_OVERHEAD_S = 1e-4
+GPU_LAYER_BACKWARD_OVERHEAD_S = 2e-4
+#: The same for the step's own work besides its layers (`step_overhead_s`): the model's
+#: embedding, mask, head and loss calls and the optimizer call, a few hundred launches'
+#: worth of host time, mostly hidden behind the device's work: an estimate.
+GPU_STEP_OVERHEAD_S = 1e-3
+#: Fields that may be 0 (a cost that a machine may not have); every other number is > 0.
+_MAY_BE_ZERO = frozenset({"layer_forward_overhead_s", "layer_backward_overhead_s",
+                          "step_overhead_s"})
 
 
 def device_update_params_per_s(memory_bytes_per_s: float) -> float:
@@ -69,6 +85,18 @@ class HardwareProfile:
     # "device" is this CPU: its work, the residents' update included, runs on the training
     # thread, so the host's layer update starts only after it.
     device_runs_async: bool = True
+    # Seconds a layer's forward run (a forward or a recompute re-run) and its backward run
+    # (re-run with grad + backward) cost beyond the compute the engine times for it: the
+    # engine's work around each run (weights acquired, prefetch issued, boundary placed,
+    # gradients handed off) and the Python between layers, which no FLOP count prices.
+    # Measured on this machine by `profiling/layer_probe.py`; presets and profiles written
+    # without them take the GPU estimate above.
+    layer_forward_overhead_s: float = GPU_LAYER_FORWARD_OVERHEAD_S
+    layer_backward_overhead_s: float = GPU_LAYER_BACKWARD_OVERHEAD_S
+    # Seconds a step costs once besides its layer runs and the FLOPs of its head: the
+    # model's own calls around the layers (embedding, masks, head, loss), the engine's
+    # per-pass hooks and the optimizer call on the training thread. Same sources.
+    step_overhead_s: float = GPU_STEP_OVERHEAD_S
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -87,6 +115,11 @@ class HardwareProfile:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"hardware profile field {f.name}={value!r} must be a number")
+            if f.name in _MAY_BE_ZERO:
+                if not math.isfinite(value) or value < 0:
+                    raise ValueError(f"hardware profile {self.name!r}: {f.name}={value!r} "
+                                     "must be a finite number >= 0")
+                continue
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"hardware profile {self.name!r}: {f.name}={value!r} must be "
                                  "a finite number > 0")
@@ -169,6 +202,10 @@ _WORKSTATION_DDR4_HOST = ("host DRAM 204.8 GB/s: 8 channels DDR4-3200 (AMD Ryzen
                           "takes 8 DIMMs)")
 _WORKSTATION_DDR5_HOST = ("host DRAM 166.4 GB/s: 4 channels DDR5-5200 (AMD Ryzen Threadripper "
                           "7000 product page) x 8 bytes, an assumed workstation")
+_LAYER_OVERHEAD = (f"layer run overhead {GPU_LAYER_FORWARD_OVERHEAD_S * 1e3:.1f} ms forward, "
+                   f"{GPU_LAYER_BACKWARD_OVERHEAD_S * 1e3:.1f} ms backward, step overhead "
+                   f"{GPU_STEP_OVERHEAD_S * 1e3:.0f} ms: estimates (the first kernel "
+                   "launches of each run and the Python around it)")
 _DEQUANT = ("dequantization {rate:.0f} GB/s moved: {eff} x the {bw:.0f} GB/s memory "
             "bandwidth of the same vendor sheet (a bandwidth-bound estimate of bitsandbytes' "
             "dequantize kernel: packed read + bf16 write)")
@@ -195,7 +232,8 @@ def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb
         source="; ".join([*source, _OPTIMIZER.format(rate=optimizer_params_per_s),
                           _DEVICE_UPDATE.format(rate=device_update, eff=DEQUANT_EFFICIENCY),
                           _DEQUANT.format(rate=DEQUANT_EFFICIENCY * memory_gbps,
-                                          eff=DEQUANT_EFFICIENCY, bw=memory_gbps)]))
+                                          eff=DEQUANT_EFFICIENCY, bw=memory_gbps),
+                          _LAYER_OVERHEAD]))
 
 
 #: Known machines; GPU memory is what `torch.cuda.get_device_properties().total_memory`

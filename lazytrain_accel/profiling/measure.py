@@ -15,6 +15,8 @@ import json
 import os
 import platform
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -155,6 +157,23 @@ def _measure_dequant(device: torch.device, side: int = 2048) -> tuple[float, str
     return moved / seconds, f"bitsandbytes dequantize_4bit of a {side}x{side} nf4 matrix"
 
 
+def _measure_layer_overheads(device: torch.device) -> tuple[float, float, float]:
+    """(forward, backward, step) seconds of the engine's overhead on `device`:
+    `layer_probe.py` run as a program (the engine imports the planner, which imports this
+    package, so it cannot be imported here), at this process's thread count."""
+    command = [sys.executable, "-m", "lazytrain_accel.profiling.layer_probe",
+               "--device", str(device), "--threads", str(torch.get_num_threads())]
+    try:
+        out = subprocess.run(command, capture_output=True, text=True, check=True,
+                             timeout=600).stdout
+        result = json.loads(out.strip().splitlines()[-1])
+        return (float(result["forward_s"]), float(result["backward_s"]),
+                float(result["step_s"]))
+    except (OSError, subprocess.SubprocessError, ValueError, KeyError, IndexError) as err:
+        raise RuntimeError(f"measuring the engine's per-layer overhead failed ({err}): run "
+                           f"`{' '.join(command)}` to see why") from None
+
+
 def _gpu_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -167,9 +186,10 @@ def _vendor_peak_flops_per_s(gpu_name: str, measured: float) -> float:
     return measured if preset is None else preset.peak_bf16_flops_per_s
 
 
-#: What `_measure_optimizer` times; in the cache key, so a cache made with another probe
-#: (torch's fused AdamW, before) is measured again.
-_OPTIMIZER_PROBE = "hybrid_adamw8bit+device_residents"
+#: What the probes measure beyond rates (the optimizer's kernel, the residents' device
+#: update, the engine's layer overhead); in the cache key, so a cache made by an earlier
+#: release's probes is measured again.
+_OPTIMIZER_PROBE = "hybrid_adamw8bit+device_residents+layer_overhead"
 
 
 def _machine_key(device: torch.device, nvme_dir: Path) -> str:
@@ -195,6 +215,7 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
     matmul = _measure_matmul(device)
     dequant, dequant_how = _measure_dequant(device)
     host_update = _measure_optimizer(device)
+    layer_forward_s, layer_backward_s, step_s = _measure_layer_overheads(device)
     gpu_name = _gpu_name(device)
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return HardwareProfile(
@@ -208,11 +229,14 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
         gpu_optimizer_params_per_s=_measure_device_optimizer(device, host_update),
         device_runs_async=device.type == "cuda",
         dequant_bytes_per_s=dequant,
+        layer_forward_overhead_s=layer_forward_s, layer_backward_overhead_s=layer_backward_s,
+        step_overhead_s=step_s,
         source=(f"measured by lazytrain_accel on {platform.node()} at {when} with torch "
                 f"{torch.__version__}: {link_bytes // _MIB} MiB host<->device copies, a "
                 f"{probe_bytes // _MIB} MiB file in {nvme_dir}, a square matmul "
                 f"({'bf16' if device.type == 'cuda' else 'fp32'}), a HybridAdamW8bit step of 10M "
-                f"params (and of 16M on the device), {dequant_how}"),
+                f"params (and of 16M on the device), {dequant_how}, tiny decoder layers "
+                f"through the engine (profiling/layer_probe.py)"),
     )
 
 

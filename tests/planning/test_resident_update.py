@@ -80,12 +80,12 @@ def _closed_form_step_s(model, plan) -> float:
     waits: residents / host rate + L u - prologue - L f."""
     p = build_problem(model, H800, resident_update=plan.resident_update)
     u = model.layer_trainable_param_count / H800.cpu_optimizer_params_per_s
-    assert u > p.fwd_s and p.device_update_s < p.num_layers * u  # where the form holds
+    assert u > p.fwd_run_s and p.device_update_s < p.num_layers * u  # where the form holds
     L, base_s = p.num_layers, p.step_floor_s() + plan.solver.objective_s
     if plan.resident_update == "device":
-        return base_s + L * u - (L - 1) * p.fwd_s
+        return base_s + L * u - (L - 1) * p.fwd_run_s
     residents_s = model.resident_trainable_param_count / H800.cpu_optimizer_params_per_s
-    return base_s + residents_s + L * u - p.prologue_s - L * p.fwd_s
+    return base_s + residents_s + L * u - p.prologue_s - L * p.fwd_run_s
 
 
 def test_a_gpu_without_room_for_them_keeps_the_residents_on_the_host() -> None:

@@ -49,8 +49,8 @@ def test_packed_weights_pay_a_dequantization_per_pass(fmt: str) -> None:
     assert p.fwd_s == pytest.approx(fwd_s + dequant_s)
     assert p.bwd_s == pytest.approx(bwd_s + dequant_s)
     # the backward window re-runs the forward: two dequantizations per layer there
-    assert p.base_duration_s(p.num_layers + 1) == pytest.approx(fwd_s + bwd_s
-                                                                + 2 * dequant_s)
+    assert p.base_duration_s(p.num_layers + 1) == pytest.approx(
+        fwd_s + bwd_s + 2 * dequant_s + RTX4090.layer_backward_overhead_s)
     # llama3-8b at 1 x 1024 on an RTX 4090: 3 passes = 19% (nf4) / 22% (int8) of fwd + bwd
     assert 0.1 < 3 * dequant_s / (fwd_s + bwd_s) < 0.3
 

@@ -33,6 +33,11 @@ def test_measured_profile_is_plausible_for_a_cpu(measured) -> None:
     assert profile.cpu_optimizer_params_per_s > 1e6
     assert profile.dequant_bytes_per_s > 1e7  # bitsandbytes' CPU nf4 kernel, measured
     assert nvme in profile.source and "dequantize_4bit" in profile.source
+    # the engine's per-layer-run overhead, measured through the engine (layer_probe.py)
+    # (medians of differences: on a busy machine they move; plausibility only)
+    runs_s = profile.layer_forward_overhead_s + profile.layer_backward_overhead_s
+    assert 0 <= runs_s < 1.0 and 0 <= profile.step_overhead_s < 1.0
+    assert "layer_probe.py" in profile.source
 
 
 def test_cache_is_reused_without_measuring(measured, monkeypatch) -> None:
