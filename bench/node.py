@@ -22,7 +22,10 @@ Measured per launch:
 * step time: the timed steps' wall time on rank 0, per step (after a warm-up step);
 * update time per rank: the optimizer's update of the rank's share, per step (the
   layer-wise update's own time on its thread for the hybrid operator, which overlaps the
-  next forward; `optimizer.step()` otherwise), the mean over the ranks.
+  next forward; `optimizer.step()` otherwise), the mean over the ranks;
+* for LazyTrain, the ranks' summed peak of the engine's "device" tier (streamed weight
+  copies, gradient staging, activation boundaries): on a CPU run the device is this host,
+  so those bytes are in the host figure; on a GPU node they would be GPU memory.
 
 Prints a table and, per N, the ratios lazytrain / FSDP2. The issue's bar: host bytes at
 most FSDP2's at the same N. Timings on a shared 2-core machine are noisy; the ratios
@@ -30,7 +33,10 @@ come from launches of the same run.
 
     python bench/node.py [--ranks 1 2 4] [--steps 2] [--systems lazytrain lazytrain-keep fsdp2]
 
-Each rank gets cores // N torch threads (OMP_NUM_THREADS), both systems alike.
+Each rank gets cores // N torch threads (OMP_NUM_THREADS) and a fixed
+MALLOC_MMAP_THRESHOLD_ (128 KiB: freed tensors go back to the system, as in the PSS
+tests, so the figure is the bytes held, not glibc's retention), both systems alike. A
+launch that fails is said and tried once more (`--tries`).
 """
 
 from __future__ import annotations
@@ -156,6 +162,9 @@ def worker(args: argparse.Namespace) -> None:
         losses.append(float(loss.detach()))
     synchronize()
     train_end = time.time()
+    # what the engine itself counts at its peak per memory tier: on a CPU "device" is
+    # this same host memory (on a GPU those bytes would not be the host's)
+    tiers = dict(engine.stats().peak_bytes) if engine is not None else {}
     if engine is not None and engine.stats().optimizer_update_s > 0:
         # the hybrid operator's update ran on its thread, overlapped: its own run time
         update_s = [engine.stats().optimizer_update_s / args.steps]
@@ -163,6 +172,7 @@ def worker(args: argparse.Namespace) -> None:
         "runtime_pss": runtime_pss, "train_start": train_start, "train_end": train_end,
         "step_s": (train_end - train_start) / args.steps,
         "update_s": sum(update_s) / len(update_s), "losses": losses, "step_pss": step_pss,
+        "tiers": tiers,
         "params": sum(p.numel() for p in model.parameters()) if engine is not None
         else sum(p.full_tensor().numel() for p in model.parameters())}))
     if accelerator is not None:
@@ -181,7 +191,7 @@ def free_port() -> int:
 def launch(system: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict:
     """One launch of `ranks` processes; the ranks' results and the summed-PSS samples."""
     out = workdir / f"{system}-{ranks}"
-    out.mkdir()
+    out.mkdir(parents=True)
     port = free_port()
     if ranks == 1:
         launcher = ["--cpu", "--num_processes", "1"]
@@ -195,6 +205,8 @@ def launch(system: str, ranks: int, args: argparse.Namespace, workdir: Path) -> 
            "--worker", system, "--out", str(out), "--port", str(port), *model_args]
     threads = max(1, (os.cpu_count() or 1) // ranks)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads),
+           **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold
+              else {}),
            "LAZYTRAIN_HARDWARE": "h800", "LAZYTRAIN_CACHE_DIR": str(workdir / "cache"),
            "LAZYTRAIN_NVME_DIR": str(workdir / "nvme")}
     log = (out / "log.txt").open("w")
@@ -229,7 +241,8 @@ def launch(system: str, ranks: int, args: argparse.Namespace, workdir: Path) -> 
             "state": max(window) - runtime, "runtime": runtime, "samples": len(window) - args.steps,
             "step_s": results[0]["step_s"],
             "update_s": sum(r["update_s"] for r in results) / ranks,
-            "loss0": results[0]["losses"][0], "params": results[0]["params"]}
+            "loss0": results[0]["losses"][0], "params": results[0]["params"],
+            "device_tier": sum(r["tiers"].get("device", 0) for r in results)}
 
 
 def main() -> None:
@@ -246,6 +259,9 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--mmap-threshold", type=int, default=131072,
+                   help="MALLOC_MMAP_THRESHOLD_ of every rank (0: glibc's dynamic one)")
+    p.add_argument("--tries", type=int, default=2, help="launches of a row before it fails")
     args = p.parse_args()
     if args.worker:
         worker(args)
@@ -257,12 +273,27 @@ def main() -> None:
             if args.global_batch % ranks:
                 raise SystemExit(f"--global-batch {args.global_batch} does not split {ranks} ways")
             for system in args.systems:
-                row = launch(system, ranks, args, Path(tmp))
+                row = None
+                for attempt in range(1, args.tries + 1):
+                    try:
+                        row = launch(system, ranks, args, Path(tmp) / str(attempt))
+                        break
+                    except RuntimeError as err:  # said, then tried again
+                        lines = str(err).splitlines()
+                        why = [ln for ln in lines if "terminate called" in ln
+                               or "exitcode" in ln or "Error" in ln][:4]
+                        print(f"{system:15s} N={ranks}: launch {attempt} failed: "
+                              f"{lines[0]}; " + " | ".join(w.strip() for w in why),
+                              flush=True)
+                if row is None:
+                    continue
                 rows.append(row)
                 print(f"{system:15s} N={ranks}: host {row['host'] / MB:7.0f} MB (runtime "
                       f"{row['runtime'] / MB:5.0f}, state {row['state'] / MB:6.0f}), step "
                       f"{row['step_s']:6.2f} s, update/rank {row['update_s']:6.3f} s, first "
-                      f"loss {row['loss0']:.4f}", flush=True)
+                      f"loss {row['loss0']:.4f}" + (
+                          f", engine device tier {row['device_tier'] / MB:.0f} MB"
+                          if row["device_tier"] else ""), flush=True)
     params = rows[0]["params"]
     print(f"\nLlama {params / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} "
           f"layers, vocab {args.vocab}), global batch {args.global_batch} x "
