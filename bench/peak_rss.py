@@ -3,6 +3,8 @@ memory tests share.
 
 `start_peak()` resets the peak (VmHWM := VmRSS, through /proc/self/clear_refs) and returns
 the resident bytes now; `peak_growth_bytes(baseline)` is the peak since, above them.
+`pss_bytes(pid)` is a process's proportional set size (shared pages count 1/N in each of
+the N processes that map them), so the PSS of several processes sums to their bytes.
 """
 
 from __future__ import annotations
@@ -27,3 +29,12 @@ def start_peak() -> int:
 def peak_growth_bytes(baseline_bytes: int) -> int:
     """The peak resident set since `start_peak()`, above its `baseline_bytes`."""
     return status_bytes("VmHWM") - baseline_bytes
+
+
+def pss_bytes(pid: int | str = "self") -> int:
+    """The proportional set size of process `pid` (default: this one), from
+    /proc/<pid>/smaps_rollup."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no Pss in /proc/{pid}/smaps_rollup: this measurement needs Linux")

@@ -3,6 +3,9 @@
 Tiny Qwen2 from a config, a counting-sequence data set, HfArgumentParser over the stock
 TrainingArguments plus one dataclass of its own. Writes the logged losses and the class
 of the optimizer that stepped to --summary (JSON), so tests can compare launches.
+`--rank_out PREFIX` writes each rank's proportional set size (/proc/self/smaps_rollup)
+just before `train()` and after it, and what the accelerator it ran with reports (read
+with getattr: this script knows nothing of LazyTrain), to PREFIX<rank>.json.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class ScriptArguments:
     summary: str = field(metadata={"help": "where to write the JSON summary"})
     num_samples: int = 64
     seq_len: int = 16
+    hidden_size: int = 64
+    rank_out: str | None = None
 
 
 class CountingDataset(torch.utils.data.Dataset):
@@ -43,17 +48,41 @@ class CountingDataset(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+def pss_bytes() -> int:
+    """This process's proportional set size: shared pages count 1/N in each of N."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss line in /proc/self/smaps_rollup")
+
+
 def main() -> None:
     parser = HfArgumentParser((ScriptArguments, TrainingArguments))
     script_args, training_args = parser.parse_args_into_dataclasses()
     set_seed(training_args.seed)
-    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+    hidden = script_args.hidden_size
+    config = Qwen2Config(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=64, tie_word_embeddings=False)
     model = Qwen2ForCausalLM(config)
     data = CountingDataset(script_args.num_samples, script_args.seq_len, config.vocab_size)
     trainer = Trainer(model=model, args=training_args, train_dataset=data)
+    if script_args.rank_out:  # the runtime first: a multi-process loader's prepare adds
+        # some of it per rank, which is no training state
+        trainer.get_train_dataloader()
+    pss_before_train = pss_bytes()
     trainer.train()
+    if script_args.rank_out:
+        accelerator = trainer.accelerator
+        run = getattr(accelerator, "lazytrain_run", None)
+        with open(f"{script_args.rank_out}{training_args.process_index}.json", "w") as f:
+            json.dump({"before_train": pss_before_train, "end": pss_bytes(),
+                       "world_size": training_args.world_size,
+                       "node_store": getattr(accelerator, "lazytrain_store", None) is not None,
+                       "gpus_per_node": run.plan.gpus_per_node if run is not None else None,
+                       "weights_sum": sum(float(p.detach().double().sum())
+                                          for p in model.parameters())}, f)
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     summary = {
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],

@@ -105,8 +105,19 @@ class NvmeSpill:
         # else: its write failed (and removed it) before the bytes were accounted
 
     def flush(self) -> None:
-        """Wait for every queued write, read and removal."""
-        self._io.submit(lambda: None).result()
+        """Wait for every queued write, read and removal.
+
+        A shut-down executor has nothing queued: `close()` waited for it, and at
+        interpreter exit concurrent.futures' own hook (run before `atexit`'s, so before
+        `ranks.register_exit_teardown`'s wait for the engine) let its worker run every
+        queued item, then joined it and marked the executor shut down."""
+        try:
+            done = self._io.submit(lambda: None)
+        except RuntimeError:
+            if not self._io._shutdown:  # not the executor's own refusal to take more
+                raise
+            return
+        done.result()
 
     def close(self) -> None:
         self._closed = True

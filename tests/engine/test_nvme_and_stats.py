@@ -111,3 +111,31 @@ def test_stats_follow_the_plan(tmp_path):
     # block for their backward (two of blocks (3,6) and (6,10), one of block (1,3))
     loads, rest = divmod(stats.transfer_bytes["weights_h2d"], layer_bytes)
     assert rest == 0 and loads == 10 + 10 + 6 - 1 - 2 - 2 - 1
+
+
+def test_flush_at_interpreter_exit_is_a_no_op(tmp_path):
+    """A multi-process run's exit teardown (`ranks.register_exit_teardown`, an `atexit`
+    hook) waits for the engine after concurrent.futures' exit hook shut the spill's
+    executor down: the flush finds its queue drained instead of failing ("cannot schedule
+    new futures after shutdown")."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import atexit
+        from lazytrain_accel.engine.nvme import NvmeSpill
+        from lazytrain_accel.engine.stats import Accounting
+        import torch
+
+        spill = NvmeSpill({str(tmp_path)!r}, Accounting())
+        spill.write("a.bin", torch.ones(4))
+        def at_exit():
+            spill.flush()
+            print("flushed", flush=True)
+        atexit.register(at_exit)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "flushed" in proc.stdout, proc.stderr[-3000:]
