@@ -21,13 +21,18 @@ import hashlib
 import json
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import torch
 from accelerate.utils import DataLoaderConfiguration, set_seed
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from peak_rss import pss_bytes  # bench/ is not a package
 
 #: A run takes ~10 s: past this a rank is hung; it prints every thread's stack and exits
 #: 1, so the launching test fails with where it hung instead of at its own timeout.
@@ -40,15 +45,6 @@ def build_data(num_samples: int, seq_len: int, vocab: int) -> torch.utils.data.T
     start = torch.randint(0, vocab, (num_samples, 1), generator=g)
     ids = (start + torch.arange(seq_len)) % vocab
     return torch.utils.data.TensorDataset(ids)
-
-
-def pss_bytes() -> int:
-    """This process's proportional set size: shared pages count 1/N in each of N."""
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no Pss line in /proc/self/smaps_rollup")
 
 
 def digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:

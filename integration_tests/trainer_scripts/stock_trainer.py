@@ -11,7 +11,9 @@ with getattr: this script knows nothing of LazyTrain), to PREFIX<rank>.json.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -22,6 +24,9 @@ from transformers import (
     TrainingArguments,
     set_seed,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from peak_rss import pss_bytes  # bench/ is not a package
 
 
 @dataclass
@@ -46,15 +51,6 @@ class CountingDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def pss_bytes() -> int:
-    """This process's proportional set size: shared pages count 1/N in each of N."""
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no Pss line in /proc/self/smaps_rollup")
 
 
 def main() -> None:
