@@ -83,3 +83,36 @@ def test_two_trainer_processes_share_one_copy_and_train_as_one(tmp_path: Path, o
     grown_one = one["end"] - one["before_train"]
     grown_two = sum(r["end"] - r["before_train"] for r in two)
     assert grown_two <= PSS_BAR * grown_one, (grown_two, grown_one)
+
+
+def test_a_trainer_checkpoint_under_the_store_resumes_as_the_uninterrupted_run(
+        tmp_path: Path) -> None:
+    """Issue 22 for the Trainer's own checkpoints: 2 ranks sharing one host copy, hybrid
+    8-bit, 4 steps saving at step 2 (the uninterrupted run); a fresh launch resumes from
+    checkpoint-2 and trains to step 4: the same losses and final weights, bit for bit.
+    The checkpoint holds every rank's share of the optimizer state, no optimizer.pt (rank
+    0's share only), and a model.safetensors with every weight."""
+    from safetensors import safe_open
+
+    from lazytrain_accel.integrations import share_checkpoint as sc
+
+    config = json.dumps({"plan": "offload_all", "optimizer": "hybrid8bit"})
+    extra = ("--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2")
+    whole_losses, whole = _train(tmp_path, "whole", 2, config, *extra)
+    checkpoint = tmp_path / "whole" / "checkpoint-2"
+    files = {p.name for p in checkpoint.iterdir()}
+    assert {sc.MANIFEST, sc.share_file(0), sc.share_file(1), "model.safetensors",
+            "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth",
+            "trainer_state.json"} <= files, files
+    assert "optimizer.pt" not in files
+    manifest = sc.read_manifest(checkpoint)
+    assert manifest["world_size"] == 2
+    assert all(share["params"] for share in manifest["shares"])  # both shares hold state
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+        assert len(list(f.keys())) == 39  # every tensor of the untied model
+    resumed_losses, resumed = _train(tmp_path, "resumed", 2, config, *extra,
+                                     "--resume_from_checkpoint", str(checkpoint))
+    assert [r["node_store"] for r in resumed] == [True, True]
+    assert len(whole_losses) == 4
+    assert resumed_losses == whole_losses
+    assert {r["weights_sha256"] for r in resumed} == {whole[0]["weights_sha256"]}

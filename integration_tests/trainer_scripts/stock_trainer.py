@@ -10,6 +10,7 @@ with getattr: this script knows nothing of LazyTrain), to PREFIX<rank>.json.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from dataclasses import dataclass, field
@@ -36,6 +37,15 @@ class ScriptArguments:
     seq_len: int = 16
     hidden_size: int = 64
     rank_out: str | None = None
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of every parameter's bytes, in order: equal exactly when bit-identical."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(p.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 class CountingDataset(torch.utils.data.Dataset):
@@ -68,7 +78,7 @@ def main() -> None:
         # some of it per rank, which is no training state
         trainer.get_train_dataloader()
     pss_before_train = pss_bytes()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if script_args.rank_out:
         accelerator = trainer.accelerator
         run = getattr(accelerator, "lazytrain_run", None)
@@ -78,7 +88,8 @@ def main() -> None:
                        "node_store": getattr(accelerator, "lazytrain_store", None) is not None,
                        "gpus_per_node": run.plan.gpus_per_node if run is not None else None,
                        "weights_sum": sum(float(p.detach().double().sum())
-                                          for p in model.parameters())}, f)
+                                          for p in model.parameters()),
+                       "weights_sha256": weights_digest(model)}, f)
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     summary = {
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],

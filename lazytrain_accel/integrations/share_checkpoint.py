@@ -419,9 +419,12 @@ def _no_automatic_naming(accelerator: Any) -> Iterator[None]:
         config.automatic_checkpoint_naming = automatic
 
 
-def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], None]) -> None:
+def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], None], *,
+                weights: bool = True, optimizer_state: bool = True) -> None:
     """Write the checkpoint at `final` from every rank of a split update (module
-    docstring); every rank calls it at the same point, after the step's update."""
+    docstring); every rank calls it at the same point, after the step's update.
+    `weights=False`: `write_stock` writes the weights (the Trainer's `save_model`);
+    `optimizer_state=False`: no share files (the Trainer's `save_only_model`)."""
     import torch.distributed as dist
 
     from lazytrain_accel.integrations.checkpoint import atomic_directory
@@ -429,6 +432,8 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = accelerator.lazytrain_engine
     model, optimizer = accelerator._lazytrain_model, accelerator._lazytrain_optimizer
+    if not optimizer_state:
+        optimizer = None
     groups = engine.steps.update_groups
     peers = engine.steps.peers
     owned = [g for g in range(len(groups)) if peers.owns(g)]
@@ -451,7 +456,8 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
     tmp = Path(opened[0])
     try:
         report = _write_rank_files(accelerator, tmp, rank=rank, mine=mine,
-                                   write_stock=write_stock)
+                                   write_stock=write_stock, weights=weights,
+                                   optimizer=optimizer)
         reports: list[tuple[str, Any] | None] = [None] * world
         dist.all_gather_object(reports, report)
     except BaseException as err:  # a rank died mid-save: no temporary directory is left
@@ -483,10 +489,11 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
 
 
 def _write_rank_files(accelerator: Any, tmp: Path, *, rank: int, mine: Sequence[int],
-                      write_stock: Callable[[Path], None]) -> tuple[str, Any]:
+                      write_stock: Callable[[Path], None], weights: bool,
+                      optimizer: torch.optim.Optimizer | None) -> tuple[str, Any]:
     """This rank's files (its share; rank 0 the weights too): ("ok", the manifest's
     entry for the share) or ("error", what failed), for rank 0 to hear either way."""
-    model, optimizer = accelerator._lazytrain_model, accelerator._lazytrain_optimizer
+    model = accelerator._lazytrain_model
     groups = accelerator.lazytrain_engine.steps.update_groups
     try:
         share: dict[str, Any] = {"rank": rank, "groups": list(mine), "file": None,
@@ -497,7 +504,7 @@ def _write_rank_files(accelerator: Any, tmp: Path, *, rank: int, mine: Sequence[
             share["params"] = write_share(tmp / share_file(rank), optimizer, params,
                                           param_names(model))
             share["optimizer_steps"] = max_step(optimizer, params)
-        if rank == 0:
+        if rank == 0 and weights:
             write_weights(tmp, model)
         write_stock(tmp)
     except Exception as err:  # reported to rank 0, raised on every rank
@@ -550,3 +557,88 @@ def load_shares(accelerator: Any, directory: Path, manifest: Mapping[str, Any] |
             load_stock_optimizer(optimizer, directory / STOCK_OPTIMIZER, owned)
     if distributed and world > 1:
         dist.barrier()  # every owner's masters are in place before any rank reads them
+
+
+def load_optimizer_shares(accelerator: Any, directory: Path, manifest: Mapping[str, Any] | None,
+                          stock_file: str) -> None:
+    """The optimizer state this rank owns (all of it without a split update) from a
+    share checkpoint (`manifest`) or, None, from the one-process state dict `stock_file`
+    (the Trainer's `optimizer.pt`); the weights are loaded elsewhere (the Trainer loads
+    them before `prepare`). What cannot load is refused, never skipped."""
+    import torch.distributed as dist
+
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    model, optimizer = accelerator._lazytrain_model, accelerator._lazytrain_optimizer
+    if optimizer is None:
+        return
+    mine = owned_params(accelerator.lazytrain_engine)
+    owned_ids = None if mine is None else {id(p) for p in mine}
+
+    def owned(p: torch.Tensor) -> bool:
+        return owned_ids is None or id(p) in owned_ids
+
+    if manifest is not None:
+        check_layout(manifest, model, world_size=world)
+        if manifest["optimizer"] is None:
+            raise ValueError(f"{directory} holds no optimizer state (saved with "
+                             "save_only_model); resuming from it would restart the moments")
+        if manifest["world_size"] != world and (not distributed or dist.get_rank() == 0):
+            logger.info("lazytrain: re-sharding a checkpoint written by %d ranks onto %d",
+                        manifest["world_size"], world)
+        load_optimizer(optimizer, directory, manifest, param_names(model), owned,
+                       world_size=world)
+        return
+    path = directory / stock_file
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory} has neither {MANIFEST} nor {stock_file}: no "
+                                "optimizer state to resume from")
+    load_stock_optimizer(optimizer, path, owned)
+    trainable = [p for g in optimizer.param_groups for p in g["params"]
+                 if owned(p) and p.requires_grad]
+    lacking = [p for p in trainable if not optimizer.state.get(p)]
+    if optimizer.state and lacking:
+        names = param_names(model)
+        raise ValueError(f"{path} holds no state for {len(lacking)} of the {len(trainable)} "
+                         f"parameters this rank (of {world}) owns (first: "
+                         f"{names.get(lacking[0], '?')}): it holds one share only (written "
+                         "under the node store by a version without share checkpoints); "
+                         "resuming would restart their moments")
+
+
+def saved_elements(directory: Path) -> int | None:
+    """How many elements the safetensors weights in `directory` hold (`model.safetensors`
+    or the shards an index names), read from the headers only; None without either."""
+    directory = Path(directory)
+    index = directory / f"{WEIGHTS}.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / WEIGHTS).is_file():
+        files = [WEIGHTS]
+    else:
+        return None
+    total = 0
+    for name in files:
+        with open(directory / name, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        for key, entry in header.items():
+            if key != "__metadata__":
+                numel = 1
+                for dim in entry["shape"]:
+                    numel *= dim
+                total += numel
+    return total
+
+
+def check_weights_complete(directory: Path, model: nn.Module) -> None:
+    """Raise if the weights written to `directory` hold fewer elements than the model's
+    state (each tensor once): a writer that de-duplicated by storage, as accelerate's does
+    for the node store's one shared buffer, would have dropped weights."""
+    saved = saved_elements(directory)
+    if saved is None:
+        return
+    expected = sum(t.numel() for _, t in unique_state(model))
+    if saved < expected:
+        raise ValueError(f"the weights written to {directory} hold {saved} elements, the "
+                         f"model {expected}: weights were dropped (storage de-duplication "
+                         "under the node store?); refusing to publish the checkpoint")

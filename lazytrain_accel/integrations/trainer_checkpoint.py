@@ -6,6 +6,16 @@ the latest. Under LazyTrain each save goes to a staging folder beside it, is flu
 the disk, then renamed into place (`integrations.checkpoint` flushes); checkpoint
 rotation runs only after the rename, so an older checkpoint is never deleted before the
 new one is complete.
+
+Under the node store (several local ranks, one host copy, each rank holding the optimizer
+state of its share) the save goes through `share_checkpoint.save_shares`: every rank
+checks it names the same `checkpoint-<step>`, rank 0 opens the temporary directory, every
+rank runs the stock save into a folder of its own inside it (rank 0: the weights through
+`save_model`, `scheduler.pt`, `trainer_state.json`...; every rank its `rng_state_<r>.pth`)
+and writes `optimizer_share_<r>.safetensors`; rank 0 checks the weights file holds every
+weight, writes `lazytrain_shares.json` and publishes. No `optimizer.pt`: rank 0's
+`optimizer.state_dict()` would hold its share only. `resume_from_checkpoint` loads each
+rank's share (re-sharding onto another world size) in `_load_optimizer_and_scheduler`.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from transformers import Trainer
-from transformers.trainer_utils import rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from lazytrain_accel.integrations.checkpoint import fsync_dir, fsync_tree, owner_alive
 
@@ -33,6 +43,12 @@ def make_checkpoints_atomic(trainer: Trainer) -> None:
     stock_save = trainer._save_checkpoint
 
     def save_checkpoint(model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
+        accelerator = trainer.accelerator
+        synchronize = getattr(accelerator, "_lazytrain_synchronize", None)
+        if synchronize is not None:  # the weights saved are the whole step's update
+            synchronize()
+        if getattr(accelerator, "lazytrain_store", None) is not None:
+            return _save_shared_checkpoint(trainer, stock_save, model, trial, *args, **kwargs)
         run_dir = Path(trainer._get_output_dir(trial=trial))
         if not trainer.args.should_save:  # other ranks write nothing of their own
             return stock_save(model, trial, *args, **kwargs)
@@ -63,14 +79,103 @@ def make_checkpoints_atomic(trainer: Trainer) -> None:
     remove_dead_staging(trainer.args.output_dir)
 
 
+def _save_shared_checkpoint(trainer: Trainer, stock_save: Any, model: Any, trial: Any,
+                            *args: Any, **kwargs: Any) -> None:
+    """The Trainer's checkpoint under the node store (module docstring), on every rank."""
+    import torch.distributed as dist
+
+    from lazytrain_accel.integrations import share_checkpoint
+
+    accelerator = trainer.accelerator
+    run_dir = Path(os.path.abspath(trainer._get_output_dir(trial=trial)))
+    final = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    rank = dist.get_rank()
+    named: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(named, str(final))
+    if len(set(named)) > 1:
+        raise RuntimeError("the ranks would save the Trainer's checkpoint to different "
+                           f"folders ({', '.join(f'rank {r}: {n}' for r, n in enumerate(named))}"
+                           "): give every rank the same output_dir and step")
+
+    def write_stock(tmp: Path) -> None:
+        staging = tmp / f"{STAGING_PREFIX}{rank}"
+        staging.mkdir()
+        trainer._lazytrain_saving_shares = True
+        try:
+            with _redirected(trainer, staging, final=run_dir):
+                stock_save(model, trial, *args, **kwargs)
+        finally:
+            trainer._lazytrain_saving_shares = False
+        # checkpoint-<global_step>; none when this rank had nothing to write
+        for item in (i for folder in staging.iterdir() for i in folder.iterdir()):
+            if (tmp / item.name).exists():
+                raise RuntimeError(f"two ranks wrote {item.name} into the checkpoint")
+            item.rename(tmp / item.name)
+        shutil.rmtree(staging)
+        if rank == 0:  # save_model wrote them: every weight, none de-duplicated away
+            share_checkpoint.check_weights_complete(tmp, accelerator._lazytrain_model)
+
+    share_checkpoint.save_shares(accelerator, final, write_stock, weights=False,
+                                 optimizer_state=not trainer.args.save_only_model)
+    if trainer.state.best_model_checkpoint:  # stock named the folder inside the staging
+        best = Path(trainer.state.best_model_checkpoint)
+        trainer.state.best_model_checkpoint = str(run_dir / best.name)
+    if trainer.args.should_save:
+        rotate_checkpoints(output_dir=str(run_dir), save_total_limit=trainer.args.save_total_limit,
+                           best_model_checkpoint=trainer.state.best_model_checkpoint,
+                           use_mtime=True)
+
+
+def save_scheduler(trainer: Trainer, output_dir: str) -> None:
+    """`_save_optimizer_and_scheduler` under the node store: the scheduler only (rank 0);
+    the optimizer state goes to the share files. Outside the coordinated checkpoint save
+    the shares would not be written: refused."""
+    import warnings
+
+    import torch
+    from transformers.trainer import SCHEDULER_NAME
+    from transformers.trainer_pt_utils import reissue_pt_warnings
+
+    if not getattr(trainer, "_lazytrain_saving_shares", False):
+        raise RuntimeError("under the node store each rank holds its share of the optimizer "
+                           "state: it is saved by the Trainer's checkpoint save "
+                           "(_save_checkpoint) or accelerator.save_state on every rank, not "
+                           "by _save_optimizer_and_scheduler alone")
+    if trainer.args.should_save:
+        with warnings.catch_warnings(record=True) as caught:
+            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir,
+                                                                      SCHEDULER_NAME))
+        reissue_pt_warnings(caught)
+
+
+def load_shared_optimizer(trainer: Trainer, checkpoint: str) -> None:
+    """`_load_optimizer_and_scheduler` of a share checkpoint (or of any checkpoint under
+    the node store): this rank's share of the optimizer state, the scheduler."""
+    import torch
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+    from lazytrain_accel.integrations import share_checkpoint
+
+    accelerator = trainer.accelerator
+    directory = Path(checkpoint)
+    accelerator._lazytrain_synchronize()  # no update may write the state being loaded
+    manifest = share_checkpoint.read_manifest(directory)
+    share_checkpoint.load_optimizer_shares(accelerator, directory, manifest, OPTIMIZER_NAME)
+    scheduler = directory / SCHEDULER_NAME
+    if not scheduler.is_file():
+        raise FileNotFoundError(f"{checkpoint} has no {SCHEDULER_NAME}: the learning rate "
+                                "schedule cannot resume")
+    trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
 class _redirected(logging.Filter):
     """While the stock save runs, its run dir is the staging folder; its log messages
     ("Saving model checkpoint to ...") name the folder the checkpoint ends up in."""
 
-    def __init__(self, trainer: Trainer, staging: Path) -> None:
+    def __init__(self, trainer: Trainer, staging: Path, final: Path | None = None) -> None:
         super().__init__()
         self._trainer, self._staging = trainer, staging
-        self._final = str(staging.parent)
+        self._final = str(final or staging.parent)
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()

@@ -33,7 +33,11 @@ from lazytrain_accel.config import LazyTrainConfig, OptimizerChoice
 from lazytrain_accel.integrations.batch_shape import seq_bound_of
 from lazytrain_accel.integrations.trainer_accelerator import TrainerAccelerator
 from lazytrain_accel.integrations.trainer_callback import LazyTrainCallback, quiet_console
-from lazytrain_accel.integrations.trainer_checkpoint import make_checkpoints_atomic
+from lazytrain_accel.integrations.trainer_checkpoint import (
+    load_shared_optimizer,
+    make_checkpoints_atomic,
+    save_scheduler,
+)
 from lazytrain_accel.integrations.trainer_config import load_lazytrain_config
 
 logger = logging.getLogger("lazytrain_accel")
@@ -260,13 +264,24 @@ def _save_plan_with_checkpoints(trainer: Trainer) -> None:
     stock_load = trainer._load_optimizer_and_scheduler
 
     def save(output_dir: str) -> None:
-        stock_save(output_dir)
+        if getattr(trainer.accelerator, "lazytrain_store", None) is not None:
+            save_scheduler(trainer, output_dir)  # the optimizer: one share file per rank
+        else:
+            stock_save(output_dir)
         run = trainer.accelerator.lazytrain_run
         if run is not None and trainer.args.should_save:
             run.plan.save(Path(output_dir) / PLAN_FILE)
 
     def load(checkpoint: str | None) -> None:
-        stock_load(checkpoint)
+        from lazytrain_accel.integrations.share_checkpoint import MANIFEST
+
+        accelerator = trainer.accelerator
+        if checkpoint and getattr(accelerator, "_lazytrain_optimizer", None) is not None and (
+                getattr(accelerator, "lazytrain_store", None) is not None
+                or (Path(checkpoint) / MANIFEST).is_file()):
+            load_shared_optimizer(trainer, checkpoint)  # per share, re-sharded
+        else:
+            stock_load(checkpoint)
         run = trainer.accelerator.lazytrain_run
         saved = Path(checkpoint) / PLAN_FILE if checkpoint else None
         if run is None or saved is None or not saved.is_file():

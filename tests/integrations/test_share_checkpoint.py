@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -196,7 +197,6 @@ def one_rank_group(tmp_path: Path):
 
 
 def _fake_accelerator(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-    from types import SimpleNamespace
 
     params = list(model.parameters())
     peers = SimpleNamespace(owns=lambda g: True)
@@ -234,7 +234,6 @@ def test_a_save_is_atomic_and_loads_back(tmp_path: Path, one_rank_group: None) -
 
 
 def test_automatic_naming_picks_the_next_folder_and_rotates(tmp_path: Path) -> None:
-    from types import SimpleNamespace
 
     config = SimpleNamespace(automatic_checkpoint_naming=True, total_limit=2)
     accelerator = SimpleNamespace(project_configuration=config, project_dir=str(tmp_path),
@@ -248,3 +247,55 @@ def test_automatic_naming_picks_the_next_folder_and_rotates(tmp_path: Path) -> N
     assert sc.target_directory(accelerator, "x") == Path("x")
     with pytest.raises(ValueError, match="needs an output_dir"):
         sc.target_directory(accelerator, None)
+
+
+def test_the_weights_check_counts_every_element_of_the_written_files(tmp_path: Path) -> None:
+    model = _model(tied=True)
+    _into_one_storage(model)
+    assert sc.saved_elements(tmp_path) is None  # nothing written: nothing to check
+    sc.check_weights_complete(tmp_path, model)
+    model.save_pretrained(tmp_path)  # the Trainer's save_model path, one storage
+    expected = sum(t.numel() for _, t in sc.unique_state(model))
+    assert sc.saved_elements(tmp_path) == expected
+    sc.check_weights_complete(tmp_path, model)
+    from safetensors.torch import save_file  # a de-duplicating writer kept one tensor
+    save_file({"model.embed_tokens.weight": model.model.embed_tokens.weight.detach().clone()},
+              tmp_path / sc.WEIGHTS)
+    with pytest.raises(ValueError, match="weights were dropped"):
+        sc.check_weights_complete(tmp_path, model)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="20KB")
+    assert (sharded / f"{sc.WEIGHTS}.index.json").is_file()
+    assert sc.saved_elements(sharded) == expected
+
+
+def test_the_trainer_resume_loads_the_shares_and_refuses_a_one_share_file(
+        tmp_path: Path) -> None:
+    model, optimizer = _trained(HybridAdamW8bit)
+    _save(tmp_path / "ckpt", model, optimizer, 2)
+    fresh = _model(seed=5)
+    _into_one_storage(fresh)
+    fresh.load_state_dict(model.state_dict())
+    new = HybridAdamW8bit(fresh.parameters(), lr=1.0, backend="torch")
+    accelerator = SimpleNamespace(lazytrain_engine=None, _lazytrain_model=fresh,
+                                  _lazytrain_optimizer=new)
+    sc.load_optimizer_shares(accelerator, tmp_path / "ckpt",
+                             sc.read_manifest(tmp_path / "ckpt"), "optimizer.pt")
+    saved, loaded = _state_bytes(optimizer, model), _state_bytes(new, fresh)
+    assert saved.keys() == loaded.keys()  # both shares, re-sharded 2 -> 1
+    assert all(torch.equal(v, loaded[k]) if isinstance(v, torch.Tensor) else v == loaded[k]
+               for k, v in saved.items())
+    # An optimizer.pt written by rank 0 of a store before share checkpoints: its share only
+    params = list(model.parameters())
+    state = optimizer.state_dict()
+    first = set(range(len(params) // 2))
+    (tmp_path / "old").mkdir()
+    torch.save({**state, "state": {i: s for i, s in state["state"].items() if i in first}},
+               tmp_path / "old" / "optimizer.pt")
+    with pytest.raises(ValueError, match="one share only"):
+        sc.load_optimizer_shares(accelerator, tmp_path / "old", None, "optimizer.pt")
+    with pytest.raises(FileNotFoundError, match="no optimizer state"):
+        sc.load_optimizer_shares(accelerator, tmp_path, None, "optimizer.pt")
+    manifest = {**sc.read_manifest(tmp_path / "ckpt"), "optimizer": None}
+    with pytest.raises(ValueError, match="save_only_model"):
+        sc.load_optimizer_shares(accelerator, tmp_path / "ckpt", manifest, "optimizer.pt")
