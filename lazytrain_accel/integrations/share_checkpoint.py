@@ -420,11 +420,13 @@ def _no_automatic_naming(accelerator: Any) -> Iterator[None]:
 
 
 def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], None], *,
-                weights: bool = True, optimizer_state: bool = True) -> None:
+                weights: bool = True, optimizer_state: bool = True,
+                label: str = "save_state") -> None:
     """Write the checkpoint at `final` from every rank of a split update (module
     docstring); every rank calls it at the same point, after the step's update.
     `weights=False`: `write_stock` writes the weights (the Trainer's `save_model`);
-    `optimizer_state=False`: no share files (the Trainer's `save_only_model`)."""
+    `optimizer_state=False`: no share files (the Trainer's `save_only_model`); `label`
+    names the save in errors."""
     import torch.distributed as dist
 
     from lazytrain_accel.integrations.checkpoint import atomic_directory
@@ -451,7 +453,7 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
             opened[1] = _error(err)
     dist.broadcast_object_list(opened, src=0)
     if opened[1] is not None:
-        raise RuntimeError(f"save_state({final}): rank 0 could not open the checkpoint's "
+        raise RuntimeError(f"{label}({final}): rank 0 could not open the checkpoint's "
                            f"temporary directory: {opened[1]}")
     tmp = Path(opened[0])
     try:
@@ -484,7 +486,7 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
             outcome[0] = _error(err)
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
-        raise RuntimeError(f"save_state({final}) failed, the previous checkpoint (if any) "
+        raise RuntimeError(f"{label}({final}) failed, the previous checkpoint (if any) "
                            f"is kept: {outcome[0]}")
 
 

@@ -116,7 +116,8 @@ def _save_shared_checkpoint(trainer: Trainer, stock_save: Any, model: Any, trial
             share_checkpoint.check_weights_complete(tmp, accelerator._lazytrain_model)
 
     share_checkpoint.save_shares(accelerator, final, write_stock, weights=False,
-                                 optimizer_state=not trainer.args.save_only_model)
+                                 optimizer_state=not trainer.args.save_only_model,
+                                 label="Trainer._save_checkpoint")
     if trainer.state.best_model_checkpoint:  # stock named the folder inside the staging
         best = Path(trainer.state.best_model_checkpoint)
         trainer.state.best_model_checkpoint = str(run_dir / best.name)

@@ -64,3 +64,14 @@ def test_the_gradient_checkpointing_enable_path_goes_through_the_patched_method(
     assert "self._set_gradient_checkpointing(" in source, (
         "PreTrainedModel no longer enables checkpointing through _set_gradient_checkpointing: "
         "engine/hf_checkpointing.py would not see later enables")
+
+
+def test_the_checkpoint_file_names_the_node_store_save_uses_still_exist():
+    """integrations/trainer_checkpoint.py writes the scheduler and reads `optimizer.pt`
+    under the names the Trainer uses (the node store's checkpoint writes no optimizer.pt)."""
+    from transformers import trainer, trainer_pt_utils, trainer_utils
+
+    assert trainer.SCHEDULER_NAME == "scheduler.pt"
+    assert trainer.OPTIMIZER_NAME == "optimizer.pt"
+    assert trainer_utils.PREFIX_CHECKPOINT_DIR == "checkpoint"
+    assert callable(trainer_pt_utils.reissue_pt_warnings)
