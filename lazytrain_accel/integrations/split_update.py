@@ -10,9 +10,16 @@ are all-reduced and each rank updates its own.
 
 Gradients (`ShareReducer`): as a layer's gradients land on the host (the engine's
 grad-ready hook) an asynchronous `reduce` sends their sum to the owner, overlapped with
-the backward of the layers below; `finish()` waits, and the owner averages into its
-`.grad` while the other ranks drop theirs (`p.grad = None`): after the step each rank
-holds gradients of its share only. The global squared norm (clipping, the non-finite
+the backward of the layers below. The send buffer is a flattened copy, so every rank
+drops the layer's `.grad` as soon as it is taken (`p.grad = None`): a rank that does not
+own the layer keeps only that buffer, freed once the reduce has completed, and never
+more than `MAX_FOREIGN_IN_FLIGHT` of them (it waits for the oldest); the owner keeps its
+buffer, which receives the sum. `finish()` waits, and the owner's `.grad` becomes its
+slices of that buffer divided by the world size. So during the backward a rank holds
+its share's gradients once plus a few layers in flight, not every layer's gradients
+twice (`.grad` and the buffer): what FSDP2's per-layer reduce-scatter holds. A layer
+reduced twice in one step (a second backward before the step) sends what it gathered
+since the first, and the owner adds the two sums. The global squared norm (clipping, the non-finite
 guard) is one `all_reduce` of the owners' sums, so every rank clips by the same
 coefficient and skips a non-finite step together.
 
@@ -51,6 +58,7 @@ from lazytrain_accel.engine.step import StepCoordinator
 from lazytrain_accel.engine.streams import Streams
 from lazytrain_accel.integrations.data_parallel import (
     GradReadyHooks,
+    adopt_mean_grads,
     flat_grads,
     reduce_device,
     write_mean_grads,
@@ -65,6 +73,9 @@ _POLL_MAX_S = 1e-3
 OWNER_WAIT_TIMEOUT_S = 1800.0
 #: How often a waiter checks that the owner it waits for still runs.
 LIVENESS_CHECK_S = 0.5
+#: Reduces of layers another rank owns that may be in flight at once on a rank: each
+#: holds that layer's flattened fp32 gradients until it completes.
+MAX_FOREIGN_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,9 +224,11 @@ class ShareReducer:
         self._owner_of = {p: owner for g, owner in zip(groups, owners, strict=True)
                           for p in g}
         self._should_reduce = should_reduce
-        # (work, flat, params, owner) in launch order; `_crossed` of them have had their
-        # second stage (across the nodes) launched where this rank owns them.
+        # (work, flat, params, owner) in launch order for the groups this rank owns (and
+        # every-rank groups); `_crossed` of them have had their second stage (across the
+        # nodes) launched. `_foreign`: reduces of other ranks' groups still in flight.
         self._pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter], int]] = []
+        self._foreign: list[tuple[dist.Work, torch.Tensor]] = []
         self._crossed = 0
         self._across: list[dist.Work] = []
         self._reduced: set[nn.Parameter] = set()
@@ -236,12 +249,37 @@ class ShareReducer:
             flat = flat_grads(ps, self._backend_device)
             if owner == EVERY_RANK:  # every rank of every node: one all-reduce
                 work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+                self._pending.append((work, flat, ps, owner))
+                self._reduced.update(ps)
+                continue
+            for p in ps:  # `flat` holds them now (a copy): no second copy in flight
+                p.grad = None
+            work = dist.reduce(flat, dst=self._layout.node_ranks[owner],
+                               op=dist.ReduceOp.SUM, group=self._layout.intra,
+                               async_op=True)
+            if owner == self._rank:
+                self._pending.append((work, flat, ps, owner))
             else:
-                work = dist.reduce(flat, dst=self._layout.node_ranks[owner],
-                                   op=dist.ReduceOp.SUM, group=self._layout.intra,
-                                   async_op=True)
-            self._pending.append((work, flat, ps, owner))
+                self._foreign.append((work, flat))
             self._reduced.update(ps)
+        self._release_foreign(keep=MAX_FOREIGN_IN_FLIGHT)
+
+    def _release_foreign(self, *, keep: int) -> None:
+        """Drop the send buffers of other ranks' groups whose reduce has completed,
+        oldest first, waiting while more than `keep` are in flight."""
+        while self._foreign:
+            work, _ = self._foreign[0]
+            if len(self._foreign) <= keep and not work.is_completed():
+                return
+            self._wait(work)
+            del self._foreign[0]
+
+    def held_grad_bytes(self) -> int:
+        """Bytes of the flattened gradients this reducer holds now (its own groups'
+        buffers awaiting `finish`, other ranks' in flight)."""
+        return sum(flat.numel() * flat.element_size()
+                   for flat in [f for _, f, _, _ in self._pending]
+                   + [f for _, f in self._foreign])
 
     def _cross_nodes(self, *, block: bool) -> None:
         """Launch, in launch order, the across-nodes all-reduce of each of this rank's
@@ -266,21 +304,21 @@ class ShareReducer:
             raise self._peers.named_failure(err) from err
 
     def finish(self) -> None:
-        """Reduce what the hooks did not cover (residents), wait; owners average into
-        `.grad` and re-measure the engine's norms, the others drop their gradients."""
+        """Reduce what the hooks did not cover (residents), wait; owners take the mean
+        as `.grad` and re-measure the engine's norms; the others hold no gradients."""
         groups_rest = [p for g in self._groups for p in g
                        if p.grad is not None and p not in self._reduced]
         self._launch(groups_rest)
         self._cross_nodes(block=True)
         for work in self._across:
             self._wait(work)
+        self._release_foreign(keep=0)
         for work, flat, params, owner in self._pending:
             self._wait(work)
-            if owner not in (self._rank, EVERY_RANK):
-                for p in params:
-                    p.grad = None
-                continue
-            write_mean_grads(flat, params, self._world_size)
+            if owner == EVERY_RANK:
+                write_mean_grads(flat, params, self._world_size)
+            else:
+                adopt_mean_grads(flat, params, self._world_size)
             self._engine.refresh_grad_sq_norms(params)
         self._pending.clear()
         self._across.clear()

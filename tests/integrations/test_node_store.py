@@ -259,3 +259,82 @@ def test_node_groups_are_the_launchs_nodes_and_local_ranks(monkeypatch) -> None:
                         lambda out, _: out.__setitem__(slice(None), bad))
     with pytest.raises(ValueError, match="taken"):
         split_update.node_groups(local_rank=1, local_world_size=2, node_id="b")
+
+
+def test_a_rank_holds_only_its_shares_gradients_and_a_few_in_flight(monkeypatch) -> None:
+    """Issue 22: during the backward a rank held every layer's fp32 gradients twice
+    (`.grad` and the reduce's flattened copy) until the step. Now each layer's `.grad` is
+    dropped once flattened, another rank's layer's buffer once its reduce completed (at
+    most `MAX_FOREIGN_IN_FLIGHT` in flight), and the owner's `.grad` is its buffer's mean:
+    the same values as before."""
+    torch.manual_seed(0)
+    layers = [[nn.Parameter(torch.zeros(64, 8)), nn.Parameter(torch.zeros(8))]
+              for _ in range(6)]
+    owners = [0, 0, 0, 1, 1, 1]  # this process is local rank 0: layers 3..5 are foreign
+    launched: list[tuple[torch.Tensor, int]] = []
+
+    class Work:
+        def __init__(self) -> None:
+            self.done = False
+
+        def is_completed(self) -> bool:
+            return self.done
+
+        def wait(self) -> None:
+            self.done = True
+
+    works: list[Work] = []
+
+    def reduce(flat, dst, op, group, async_op):  # the peer's gradients: the same again
+        launched.append((flat, dst))
+        works.append(Work())
+        if dst == 0:
+            flat.mul_(2)
+        return works[-1]
+
+    class Engine:
+        def __init__(self) -> None:
+            self.hooks: list = []
+            self.refreshed: list = []
+
+        def register_grad_ready_hook(self, hook) -> None:
+            self.hooks.append(hook)
+
+        def refresh_grad_sq_norms(self, params) -> None:
+            self.refreshed += params
+
+        def grad_sq_norms(self) -> dict:
+            return {}
+
+    for name, value in (("get_world_size", 2), ("get_rank", 0), ("get_backend", "gloo")):
+        monkeypatch.setattr(split_update.dist, name, lambda value=value: value)
+    monkeypatch.setattr(split_update.dist, "reduce", reduce)
+    engine = Engine()
+    peers = split_update.PeerUpdates(torch.zeros(6, dtype=torch.int64), owners, 0,
+                                     pids=[os.getpid()] * 2)
+    reducer = split_update.ShareReducer(
+        engine, layers, owners, peers=peers,
+        layout=split_update.NodeGroups(local_rank=0, node=0, nodes=1, node_ranks=(0, 1)),
+        should_reduce=lambda: True)
+    layer_bytes = sum(p.numel() * 4 for p in layers[0])
+    grads = {}
+    for j in reversed(range(6)):  # the backward: last layer first
+        for p in layers[j]:
+            p.grad = grads[p] = torch.randn_like(p)
+        engine.hooks[0](layers[j])
+        assert all(p.grad is None for p in layers[j])  # the flat buffer took them
+        in_flight = sum(not w.done for w, (_, dst) in zip(works, launched, strict=True)
+                        if dst == 1)
+        assert in_flight <= split_update.MAX_FOREIGN_IN_FLIGHT
+        owned_so_far = sum(1 for k in range(j, 6) if owners[k] == 0)
+        assert reducer.held_grad_bytes() <= layer_bytes * (
+            owned_so_far + split_update.MAX_FOREIGN_IN_FLIGHT)
+    reducer.finish()
+    assert reducer.held_grad_bytes() == 0 and all(w.done for w in works)
+    for j, owner in enumerate(owners):
+        for p in layers[j]:
+            if owner == 0:  # (g + g) / 2, bit for bit
+                assert torch.equal(p.grad, grads[p]) and p.grad.shape == p.shape
+            else:
+                assert p.grad is None
+    assert {id(p) for p in engine.refreshed} == {id(p) for j in (0, 1, 2) for p in layers[j]}
