@@ -7,7 +7,9 @@ Called once per optimizer step, at its boundary (`on_step`), it
    first `warmup_steps` (allocation, page faults, lazy init);
 2. keeps the median of each rate over recent steps (`profiling/calibration.py`) and a
    calibrated profile once those medians have settled (`predicted_step_s` prices the
-   running plan on it);
+   running plan on it); the step's own overhead (`step_overhead_s`), which no rate
+   prices, is fitted there as the median of the measured step less the simulated one
+   (`StepOverheadFit`), so the MIP and the simulator both see it;
 3. when a rate's median differs from the one the running plan was made with (or the
    latest judged solve was) by more than `drift_factor`, solves for the measured profile
    at once (a 20x drift shows in the first step measured) on a background thread, to
@@ -44,12 +46,14 @@ from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.calibration import (
     RATE_FIELDS,
     RateEstimate,
+    StepOverheadFit,
     StepSample,
     calibrate,
     drifts,
     format_rate,
     ratio,
     step_rates,
+    with_step_overhead,
 )
 from lazytrain_accel.profiling.hardware import HardwareProfile
 
@@ -107,6 +111,7 @@ class Replanner:
                              "off the plan's starts a solve)")
         self.drift_factor = drift_factor
         self.estimate, self._clock = estimate or RateEstimate(), clock
+        self.overhead_fit = StepOverheadFit(window_steps=self.estimate.window_steps)
         self.steps = 0  # step boundaries seen
         self.switches: list[int] = []  # the steps at which a new plan took over
         self.reverts: list[int] = []  # the steps at which the guard went back (step 5)
@@ -137,9 +142,10 @@ class Replanner:
         self.estimate.add(step_rates(self._sample(last[1] if last else StepStats(), totals)))
         if self._guard is not None and self.steps - self.switches[-1] >= GUARD_STEPS:
             self._judge_switch()
-        measured = calibrate(self.run.hardware, self.estimate.medians(),
-                             where="the engine's measurements of this run")
-        if self.estimate.settled():
+        measured = self._with_fitted_overhead(calibrate(
+            self.run.hardware, self.estimate.medians(),
+            where="the engine's measurements of this run"))
+        if self.estimate.settled() and self.overhead_fit.full():
             self.calibrated = measured
         if self._pending is not None:
             if not self._pending.done():
@@ -158,6 +164,19 @@ class Replanner:
         logger.debug("lazytrain: step %d: %s drifted from the plan's rates (%s); solving "
                      "for them", self.steps, ", ".join(drifted), measured.source)
         self._start_solve(measured, drifted)
+
+    def _with_fitted_overhead(self, measured: HardwareProfile) -> HardwareProfile:
+        """`measured` with the step overhead fitted to this step and the ones before: the
+        step's wall seconds less the running plan's simulated step at `measured`'s rates
+        without the term."""
+        if not self.step_s:
+            return measured
+        bare = replace(measured, step_overhead_s=0.0)
+        modeled_s = self._step_on(self._engine.plan, bare)
+        self.overhead_fit.add(self.step_s[-1], modeled_s)
+        logger.debug("lazytrain: step %d: measured %.4f s, simulated %.4f s without the step "
+                     "overhead", self.steps, self.step_s[-1], modeled_s)
+        return with_step_overhead(measured, self.overhead_fit.step_overhead_s())
 
     def _sample(self, before: StepStats, after: StepStats) -> StepSample:
         model = self.run.model_profile

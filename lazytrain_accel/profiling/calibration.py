@@ -7,6 +7,12 @@ the achieved compute rate; the layer-wise update's seconds against the parameter
 updated give the host optimizer's rate. One step's figures are noisy (jitter, other
 processes), so `RateEstimate` keeps the median of the recent steps and says when those
 medians have settled; `calibrate` writes them into a copy of the profile.
+
+What no rate prices is fitted as a time: the step's own overhead (`step_overhead_s`) is
+the median of the measured step less the simulated step of the running plan at the
+calibrated rates without it (`StepOverheadFit`). It holds what the layer probe's terms
+miss on this machine: the issue and bookkeeping of the boundaries' copies on the training
+thread, data loading, the optimizer call, the Python between passes.
 """
 
 from __future__ import annotations
@@ -106,6 +112,41 @@ class RateEstimate:
         last = self._history[-1]
         return all(max(ratio(h.get(name, last[name]), last[name]) for h in self._history)
                    <= 1 + self.tolerance for name in names)
+
+
+class StepOverheadFit:
+    """The step's own overhead, fitted: the median over the last `window_steps` steps of
+    (measured step - simulated step of the plan it ran, at the calibrated rates and with
+    no step overhead), floored at 0."""
+
+    def __init__(self, *, window_steps: int = WINDOW_STEPS) -> None:
+        if window_steps < 1:
+            raise ValueError(f"window_steps={window_steps} must be >= 1")
+        self._residuals: deque[float] = deque(maxlen=window_steps)
+
+    def add(self, measured_step_s: float, modeled_step_s: float) -> None:
+        """One step: its wall seconds, and the simulator's for its plan without the term."""
+        self._residuals.append(measured_step_s - modeled_step_s)
+
+    def recent(self) -> list[float]:
+        return list(self._residuals)
+
+    def full(self) -> bool:
+        return len(self._residuals) == self._residuals.maxlen
+
+    def step_overhead_s(self) -> float | None:
+        """The fitted term, or None before any step."""
+        if not self._residuals:
+            return None
+        return max(statistics.median(self._residuals), 0.0)
+
+
+def with_step_overhead(hardware: HardwareProfile, step_overhead_s: float) -> HardwareProfile:
+    """`hardware` (calibrated) with a fitted step overhead, noted in its source."""
+    note = f", step overhead {step_overhead_s * 1e3:.3g} ms (fitted)"
+    head, sep, base = hardware.source.partition(" | base: ")
+    return replace(hardware, step_overhead_s=float(step_overhead_s),
+                   source=f"{head}{note}{sep}{base}")
 
 
 def ratio(a: float, b: float) -> float:

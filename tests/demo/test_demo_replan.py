@@ -1,6 +1,8 @@
 """`lazytrain demo` with replan="auto" (the default): once the profile is calibrated to
 what this machine measures, the printed prediction tracks the measured step (issue 24),
-whether or not the plan changes."""
+whether or not the plan changes. The fixture's profile carries the GPU estimates of the
+overhead terms (far below this CPU's): what is left beyond the calibrated rates is fitted
+as the step's own overhead (`StepOverheadFit`), as a real run fits it."""
 
 from __future__ import annotations
 
@@ -13,18 +15,13 @@ import pytest
 from lazytrain_accel.cli import main
 from lazytrain_accel.progress import PROGRESS_EVERY_STEPS
 
-STEPS = 3 * PROGRESS_EVERY_STEPS
+STEPS = 4 * PROGRESS_EVERY_STEPS
 #: Progress lines before this step average steps the re-planner had not calibrated yet
 #: (warm-up, then a window of medians).
 CALIBRATED_BY_STEP = PROGRESS_EVERY_STEPS
 _LINE = re.compile(r"^step (\d+)/\d+ .* step ([\d.]+) s \(predicted ([\d.]+) s\)$")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the measured step is 1.17-1.42x the calibrated prediction (6 progress lines "
-    "after step 10, two runs, load 2-5): calibration fits the layers' compute rate, and "
-    "~0.02-0.03 s a step spent outside the timed layer runs and copies is in no term of "
-    "the simulator; a fitted per-layer-run overhead is the next step (issue 24)"))
 def test_the_calibrated_prediction_tracks_the_measured_step(
         tmp_path: Path, hardware_json: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -39,5 +36,6 @@ def test_the_calibrated_prediction_tracks_the_measured_step(
     lines = [m.groups() for m in map(_LINE.match, out.splitlines()) if m]
     ratios = [float(measured_s) / float(predicted_s)
               for step, measured_s, predicted_s in lines if int(step) > CALIBRATED_BY_STEP]
-    assert len(ratios) == 2, out  # the lines of steps 20 and 30
+    assert len(ratios) == 3, out  # the lines of steps 20, 30 and 40
+    print("measured/predicted", ratios)
     assert abs(statistics.median(ratios) - 1) <= 0.15, (ratios, out)

@@ -123,3 +123,17 @@ def test_one_slow_step_is_no_drift(plans) -> None:
     replanner, engine = drive(run, budgets, true, before_s=1.0, after_s=0.8, steps=12,
                               write_s=lambda step: WRITE_S if step == 5 else fast_s)
     assert replanner.switches == [] and engine.plans == [run.plan]
+
+
+def test_the_step_overhead_is_fitted_so_the_calibrated_prediction_is_the_measured_step(
+        plans) -> None:
+    """Steps of 10 s, far above what the rates price (~5 s): the step overhead is fitted
+    to the rest, so the running plan's calibrated prediction is the measured step."""
+    run, budgets, _ = plans
+    replanner, engine = drive(run, budgets, run.plan, before_s=10.0, after_s=10.0, steps=10)
+    calibrated = replanner.calibrated
+    assert calibrated is not None and engine.plans == [run.plan]
+    bare = dataclasses.replace(calibrated, step_overhead_s=0.0)
+    modeled_s = replanner._step_on(run.plan, bare)
+    assert 0 < calibrated.step_overhead_s == pytest.approx(10.0 - modeled_s, rel=1e-6)
+    assert replanner.predicted_step_s == pytest.approx(10.0, rel=0.02)

@@ -74,3 +74,22 @@ def test_run_totals_survive_the_period_resets_other_readers_make() -> None:
     totals = acct.totals()
     assert totals.transfer_bytes["h2d"] == 150 and totals.transfer_s["h2d"] == 0.75
     assert totals.compute_s == 1.0 and acct.snapshot().compute_s == 0.0
+
+
+def test_the_step_overhead_is_the_median_residual_of_the_window_and_never_negative() -> None:
+    from lazytrain_accel.profiling.calibration import StepOverheadFit, with_step_overhead
+
+    fit = StepOverheadFit(window_steps=3)
+    assert fit.step_overhead_s() is None and not fit.full()
+    for measured_s, modeled_s in ((1.0, 0.7), (1.5, 0.7), (0.9, 0.7), (1.0, 0.8)):
+        fit.add(measured_s, modeled_s)
+    assert fit.full() and fit.recent() == pytest.approx([0.8, 0.2, 0.2])
+    assert fit.step_overhead_s() == pytest.approx(0.2)  # the 0.3 left the window
+    for _ in range(3):
+        fit.add(0.5, 0.7)  # the simulator above the measured step: no negative overhead
+    assert fit.step_overhead_s() == 0.0
+    calibrated = calibrate(HARDWARE_PRESETS["rtx3090"], {"compute": 1e13}, where="a test")
+    fitted = with_step_overhead(calibrated, 0.0123)
+    assert fitted.step_overhead_s == 0.0123
+    assert "step overhead 12.3 ms (fitted)" in fitted.source
+    assert fitted.source.endswith(calibrated.source.split(" | base: ")[1])
