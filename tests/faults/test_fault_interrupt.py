@@ -24,6 +24,16 @@ from lazytrain_accel.integrations.transformers import (
 from lazytrain_accel.planning.plan import Home
 
 
+@pytest.fixture(autouse=True)
+def python_sigint_handler():
+    """Python's own SIGINT handler during each test, whatever the runner inherited: a
+    process started in the background by a non-interactive shell (nohup, `cmd &`) begins
+    with SIGINT ignored, and the guard restores the handler it found."""
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, inherited)
+
+
 def _nvme_run(tmp_path: Path, model: torch.nn.Module) -> tuple[Accelerator, object, object]:
     plugin = LazyTrainPlugin(plan=plan_json(tmp_path, model, Home.NVME), hardware="h800",
                              cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"))
