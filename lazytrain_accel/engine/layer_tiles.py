@@ -49,11 +49,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lazytrain_accel.engine import captures
 from lazytrain_accel.engine.long_sequence import INDEX_LIMIT_ELEMENTS, LongSequenceError
-from lazytrain_accel.engine.query_blocks import (
-    _UNSUPPORTED_KWARGS,
-    QueryBlockError,
-    _block_attention,
-)
+from lazytrain_accel.engine.query_blocks import _block_attention, refuse_unsupported
 from lazytrain_accel.engine.replay import ReplayState, capture, replaying
 
 #: The attention implementation name a sequence-tiled layer runs under.
@@ -373,12 +369,7 @@ def tiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, is_causal=is_causal,
                                       **kwargs)
-    set_kwargs = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
-    if dropout or set_kwargs:
-        raise QueryBlockError(
-            f"sequence-tiled attention got dropout={dropout} and {set_kwargs or 'no'} "
-            "unsupported arguments (logit soft-capping, a position bias, attention sinks): "
-            "set the attention dropout to 0, or plan with attention_block_tokens=0")
+    refuse_unsupported("sequence-tiled", dropout, kwargs)
     tiles.calls += 1
     length = tiles.end - tiles.start
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

@@ -42,6 +42,19 @@ BLOCKED_IMPLEMENTATION = "sdpa"
 #: Attention-function kwargs that change the math beyond a mask (refused when set).
 _UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux", "sinks")
 
+
+
+def refuse_unsupported(kind: str, dropout: float, kwargs: dict[str, Any]) -> None:
+    """Raise `QueryBlockError` when `kind` attention (query-blocked, sequence-tiled) got
+    dropout or an argument that changes the math beyond a mask."""
+    set_kwargs = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
+    if dropout or set_kwargs:
+        raise QueryBlockError(
+            f"{kind} attention got dropout={dropout} and {set_kwargs or 'no'} "
+            "unsupported arguments (logit soft-capping, a position bias, attention sinks): "
+            "set the attention dropout to 0, or plan with attention_block_tokens=0")
+
+
 _block_tokens: ContextVar[int] = ContextVar("lazytrain_attention_block_tokens", default=0)
 
 
@@ -169,12 +182,7 @@ def blocked_attention_forward(module: nn.Module, query: torch.Tensor, key: torch
         return sdpa_attention_forward(  # one block, a cache, or no causal structure: stock
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             is_causal=is_causal, **kwargs)
-    set_kwargs = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
-    if dropout or set_kwargs:
-        raise QueryBlockError(
-            f"query-blocked attention got dropout={dropout} and {set_kwargs or 'no'} "
-            "unsupported arguments (logit soft-capping, a position bias, attention sinks): "
-            "set the attention dropout to 0, or plan with attention_block_tokens=0")
+    refuse_unsupported("query-blocked", dropout, kwargs)
     out = _BlockedAttention.apply(block, scaling, attention_mask, query, key, value)
     return out.transpose(1, 2).contiguous(), None
 
