@@ -43,11 +43,14 @@ def _tokenizer() -> PreTrainedTokenizerFast:
                                    eos_token="w2", model_max_length=SEQ)
 
 
-def _model() -> transformers.PreTrainedModel:
+def _model(*, hidden: int = 128, intermediate: int = 512, heads: int = 2, head_dim: int = 16,
+           positions: int = SEQ) -> transformers.PreTrainedModel:
+    """A 2-layer Llama (SDPA), seeded."""
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=SEQ, use_cache=False, pad_token_id=0, eos_token_id=2)
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=heads,
+        head_dim=head_dim, max_position_embeddings=positions, use_cache=False,
+        pad_token_id=0, eos_token_id=2)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(config)
@@ -167,13 +170,7 @@ def test_trl_sft_takes_one_sample_of_a_million_tokens_with_no_s_by_s_tensor(tmp_
     buffer) and 10 min wall (3 min CPU) at 2^20 tokens under a load average of 11 on 2
     cores; CI runs 2^18 tokens (see RUN_MILLION)."""
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _stub_attention)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=1, num_key_value_heads=1, head_dim=8,
-        max_position_embeddings=tokens, use_cache=False, pad_token_id=0, eos_token_id=2)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = _model(hidden=8, intermediate=16, heads=1, head_dim=8, positions=tokens)
     ids = torch.randint(3, VOCAB, (tokens,), generator=torch.Generator().manual_seed(1))
     args = SFTConfig(output_dir=str(tmp_path / "out"), max_steps=1,
                      per_device_train_batch_size=1, learning_rate=1e-3, logging_steps=1,
