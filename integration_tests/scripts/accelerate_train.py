@@ -2,7 +2,12 @@
 
 Tiny Qwen2 from a config, synthetic token data, AdamW, a linear LR schedule, gradient
 accumulation, clipping. Writes the per-step losses to --losses (JSON) so tests can compare
-runs launched in different ways. `--poison-rank R --poison-step S` makes rank R's loss
+runs launched in different ways: each step's loss is the mean over the global batch (the
+ranks' mean of their micro-batches' mean; `mean_loss`), so N ranks of batch B log what
+one process accumulating N micro-batches of B logs, and `--samples-out` writes which
+sequences (their first token) each step trained on, in rank then micro-batch order. The
+learning-rate schedule counts optimizer steps whatever the world size (`linear_decay`).
+`--poison-rank R --poison-step S` makes rank R's loss
 infinite at step S (a local overflow); `--kill-rank R --kill-step S` kills rank R
 (SIGKILL) after its backward of step S (the time in <losses>.killed_at); `--state-out`
 writes each rank's final weights checksum, learning rate, skipped-step count and the
@@ -23,6 +28,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -66,6 +72,24 @@ def digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
             "lr": repr(inner.param_groups[0]["lr"])}
 
 
+def mean_loss(micro_losses: list[torch.Tensor]) -> torch.Tensor:
+    """The mean of one optimizer step's micro-batch losses, summed in order then divided:
+    with 2 micro-batches the very value 2 ranks' `reduce(loss, "mean")` gives
+    ((l0 + l1) / 2, addition being commutative); with 4 gloo may add in another order."""
+    total = micro_losses[0]
+    for loss in micro_losses[1:]:
+        total = total + loss
+    return total / len(micro_losses)
+
+
+def linear_decay(processes: int) -> Callable[[int], float]:
+    """1 - step / 100 per optimizer step. A prepared scheduler is stepped once per
+    process at each optimizer step (accelerate's convention, split_batches=False), so N
+    ranks count N per step: N * k / (100 * N) is the same double as k / 100, and N ranks
+    follow the one-process schedule bit for bit."""
+    return lambda count: 1.0 - count / (100 * processes)
+
+
 def make_accelerator(args: argparse.Namespace, plugin: LazyTrainPlugin | None
                      ) -> Accelerator:
     # A seedable sampler makes the data order a function of (seed, epoch), so a resumed
@@ -98,6 +122,7 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=None)
     p.add_argument("--masters-out", default=None, help="rank 0's masters at --save-at")
     p.add_argument("--digest-out", default=None, help="per-rank JSON file prefix")
+    p.add_argument("--samples-out", default=None, help="each step's sequences (JSON)")
     args = p.parse_args()
     faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True)
 
@@ -122,14 +147,17 @@ def main() -> None:
     model = Qwen2ForCausalLM(config)
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size, shuffle=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / 100)
     accelerator = accelerator or make_accelerator(args, plugin)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  linear_decay(accelerator.num_processes))
     pss_before_prepare = pss_bytes()
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
                                                               scheduler)
     if args.resume_from:
         accelerator.load_state(args.resume_from)
     losses: list[float] = []
+    micro_losses: list[torch.Tensor] = []
+    samples: list[list[int]] = []  # per step: each sequence's first token
     step = 0
     skip_batches = 0
     if args.resume_from:
@@ -154,9 +182,15 @@ def main() -> None:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            loss = accelerator.reduce(out.loss.detach(), reduction="mean")
+            micro_losses.append(out.loss.detach())
+            if args.samples_out:
+                if not micro_losses[1:]:
+                    samples.append([])
+                samples[-1].extend(accelerator.gather(ids[:, 0]).tolist())
             if accelerator.sync_gradients:
-                losses.append(float(loss))
+                losses.append(float(accelerator.reduce(mean_loss(micro_losses),
+                                                       reduction="mean")))
+                micro_losses.clear()
                 step += 1
                 if args.save_at is not None and step == args.save_at:
                     accelerator.save_state(args.ckpt_dir)
@@ -172,6 +206,9 @@ def main() -> None:
     if accelerator.is_main_process:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
+        if args.samples_out:
+            with open(args.samples_out, "w") as f:
+                json.dump(samples, f)
     if args.state_out:
         accelerator.wait_for_everyone()  # a running layer-wise update has ended
         with open(f"{args.state_out}{accelerator.process_index}.json", "w") as f:

@@ -145,7 +145,7 @@ class Accelerator(accelerate.Accelerator):
         optimizer.register_state_dict_pre_hook(lambda _: self._lazytrain_synchronize())
         optimizer.register_load_state_dict_pre_hook(lambda *_: self._lazytrain_synchronize())
         if isinstance(optimizer, HybridAdamW8bit) and self.lazytrain_store is not None:
-            optimizer.global_grad_sq_norm = self._lazytrain_reducer.global_grad_sq_norm
+            optimizer.gather_grad_norms = self._lazytrain_reducer.grad_norm_tables
         if not isinstance(optimizer, HybridAdamW8bit) or not self.lazytrain_plugin.overlap_step:
             return  # optimizer="keep" (any torch optimizer) steps serially, inline
 
@@ -315,7 +315,7 @@ class Accelerator(accelerate.Accelerator):
             return optimizer.grad_norm()
         if self.lazytrain_store is not None:  # each rank holds its share's gradients
             return split_update.clip_shares(parameters, max_norm, norm_type,
-                                            self._lazytrain_reducer.global_grad_sq_norm)
+                                            self._lazytrain_reducer)
         return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
     def wait_for_everyone(self) -> None:

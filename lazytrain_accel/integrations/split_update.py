@@ -19,9 +19,15 @@ slices of that buffer divided by the world size. So during the backward a rank h
 its share's gradients once plus a few layers in flight, not every layer's gradients
 twice (`.grad` and the buffer): what FSDP2's per-layer reduce-scatter holds. A layer
 reduced twice in one step (a second backward before the step) sends what it gathered
-since the first, and the owner adds the two sums. The global squared norm (clipping, the non-finite
-guard) is one `all_reduce` of the owners' sums, so every rank clips by the same
-coefficient and skips a non-finite step together.
+since the first, and the owner adds the two sums.
+
+The global norm (clipping, the non-finite guard) is that of one process, bit for bit:
+each owner contributes its parameters' norms (`gather`: one `all_reduce` of a vector
+with one entry per parameter, written by its owner only, so the sum is that value
+exactly) and every rank combines them in the one-process order (`clipping.
+combine_norms`); a sum of per-share sums would round differently, and a clip
+coefficient off in its last bit makes every weight differ. So every rank clips by the
+same coefficient and skips a non-finite step together.
 
 Several nodes (`NodeGroups`, 2-D process groups): every node holds its own copy and the
 same ownership, so local rank l owns the same share on every node. A share's gradients
@@ -46,7 +52,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,7 +70,7 @@ from lazytrain_accel.integrations.data_parallel import (
     write_mean_grads,
 )
 from lazytrain_accel.integrations.node_store import pid_alive
-from lazytrain_accel.optim.clipping import clip_coefficient
+from lazytrain_accel.optim.clipping import clip_coefficient, combine_norms, tensor_norms
 from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
 
 #: Longest sleep between two polls of a peer's generation.
@@ -232,7 +238,8 @@ class ShareReducer:
         self._crossed = 0
         self._across: list[dist.Work] = []
         self._reduced: set[nn.Parameter] = set()
-        self._global_sq_norm: float | None = None
+        self._norm_tables: tuple[dict[nn.Parameter, float], dict[nn.Parameter, float]
+                                 ] | None = None
         self._backend_device = reduce_device()
         engine.register_grad_ready_hook(self._on_layer_grads)
 
@@ -324,29 +331,65 @@ class ShareReducer:
         self._across.clear()
         self._crossed = 0
         self._reduced.clear()
-        self._global_sq_norm = None
+        self._norm_tables = None
+
+    def _counts(self, p: nn.Parameter) -> bool:
+        """Whether this rank contributes `p` to the global norm: its owner on the first
+        node (each node's owners hold the same reduced share); rank 0 for every-rank
+        groups."""
+        owner = self._owner_of[p]
+        return self._layout.node == 0 and (
+            owner == self._rank or (owner == EVERY_RANK and self._rank == 0))
+
+    def gather(self, *tables: Mapping[nn.Parameter, float]
+               ) -> list[dict[nn.Parameter, float]]:
+        """Every rank's `tables` (per-parameter values of the gradients it holds) merged,
+        on every rank: one `all_reduce` of a float64 vector holding, per parameter, which
+        table has it (1-based, 0: none) and its value, written by the rank that counts it
+        (`_counts`) and 0 on the others, so each sum is that rank's value exactly (inf and
+        nan included). Every rank calls at the same point."""
+        params = list(self._owner_of)
+        which = torch.zeros(len(params), dtype=torch.float64)
+        values = torch.zeros(len(params), dtype=torch.float64)
+        for i, p in enumerate(params):
+            for t, table in enumerate(tables):
+                if p in table and self._counts(p):
+                    which[i], values[i] = t + 1, table[p]
+        both = torch.cat([which, values]).to(self._backend_device)
+        try:
+            dist.all_reduce(both, op=dist.ReduceOp.SUM)
+        except RuntimeError as err:
+            raise self._peers.named_failure(err) from err
+        which, values = both.cpu().view(2, -1).tolist()
+        if any(w not in range(len(tables) + 1) for w in which):
+            raise RuntimeError("two ranks counted the same parameter's gradient norm: the "
+                               "ranks disagree on the parameter owners")
+        merged: list[dict[nn.Parameter, float]] = [{} for _ in tables]
+        for p, w, value in zip(params, which, values, strict=True):
+            if w:
+                merged[int(w) - 1][p] = value
+        return merged
+
+    def grad_norm_tables(self) -> tuple[dict[nn.Parameter, float],
+                                        dict[nn.Parameter, float]]:
+        """(norms measured now, squared norms the engine measured as they landed) of every
+        parameter's reduced gradient, from its owner: what one process's clipping
+        (`HybridAdamW8bit.grad_norm`) reads. Gathered once per step, by the first caller
+        after `finish`."""
+        if self._norm_tables is None:
+            known = self._engine.grad_sq_norms()
+            mine = [p for p in self._owner_of if p.grad is not None and self._counts(p)]
+            sq = {p: known[p] for p in mine if p in known}
+            to_measure = [p for p in mine if p not in known]
+            measured = {p: float(n) for p, n in zip(
+                to_measure, tensor_norms([p.grad for p in to_measure]), strict=True)}
+            self._norm_tables = tuple(self.gather(measured, sq))
+        return self._norm_tables
 
     def global_grad_sq_norm(self) -> float:
-        """Squared L2 norm of the whole reduced gradient (one all_reduce per step, made
-        by the first caller after `finish`; every rank calls at the same point). Each
-        node's owners hold the same reduced share: the first node's count."""
-        if self._global_sq_norm is None:
-            known = self._engine.grad_sq_norms()  # measured as gradients landed
-            local = 0.0
-            first_node = self._layout.node == 0
-            for p, owner in self._owner_of.items():
-                counted = first_node and (owner == self._rank or (
-                    owner == EVERY_RANK and self._rank == 0))
-                if counted and p.grad is not None:
-                    sq = known.get(p)
-                    local += sq if sq is not None else float(p.grad.float().square().sum())
-            total = torch.tensor([local], dtype=torch.float64, device=self._backend_device)
-            try:
-                dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            except RuntimeError as err:
-                raise self._peers.named_failure(err) from err
-            self._global_sq_norm = float(total.item())
-        return self._global_sq_norm
+        """Squared L2 norm of the whole reduced gradient (the non-finite guard's)."""
+        measured, sq = self.grad_norm_tables()
+        return sum(n * n for n in measured.values()) + sum(sq.values())
 
 
 class SplitEngine(ShareHooks, Protocol):
@@ -381,14 +424,22 @@ def start_split_update(engine: SplitEngine, *, generations: torch.Tensor,
 
 
 def clip_shares(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float,
-                global_grad_sq_norm: Callable[[], float]) -> torch.Tensor:
-    """`clip_grad_norm_` where this rank holds only its share's gradients: the global
-    norm from every rank's share, the same coefficient applied to the local share."""
+                reducer: ShareReducer) -> torch.Tensor:
+    """`clip_grad_norm_` where this rank holds only its share's gradients: each
+    gradient's norm from its owner (`ShareReducer.gather`), combined in the order of
+    `parameters` as `torch.nn.utils.clip_grad_norm_` does on one process (so the same
+    norm and coefficient, bit for bit), the coefficient applied to the local share."""
     if norm_type != 2:
         raise ValueError(f"norm_type={norm_type}: a split update clips by the L2 norm only; "
                          "use norm_type=2 or LazyTrainPlugin(node_store='off')")
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.tensor(global_grad_sq_norm(), dtype=torch.float64).sqrt().to(torch.float32)
+    params = list(parameters)
+    local = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in local]
+    # torch's own per-tensor norms (clip_grad_norm_'s call), as one process computes them
+    norms = torch._foreach_norm(grads, 2.0) if grads else []
+    (every,) = reducer.gather({p: float(n) for p, n in zip(local, norms, strict=True)})
+    norm = combine_norms([torch.tensor(every[p], dtype=torch.float32) for p in params
+                          if p in every])
     coef = clip_coefficient(norm, float(max_norm))
     if grads:
         torch._foreach_mul_(grads, coef)

@@ -21,6 +21,11 @@ def total_grad_norm(
     grads: Sequence[torch.Tensor], precomputed_sq_norms: Sequence[float] = ()
 ) -> torch.Tensor:
     """fp32 L2 norm over `grads` and over tensors whose squared norms are precomputed."""
+    return combine_norms(tensor_norms(grads), precomputed_sq_norms)
+
+
+def tensor_norms(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's fp32 L2 norm (foreach, per device), in the order given."""
     per_tensor: list[torch.Tensor] = []
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for grad in grads:
@@ -28,6 +33,16 @@ def total_grad_norm(
     for device_grads in by_device.values():
         norms = torch._foreach_norm(device_grads, 2.0, dtype=torch.float32)
         per_tensor.extend(norm.cpu() for norm in norms)
+    return per_tensor
+
+
+def combine_norms(norms: Sequence[torch.Tensor], precomputed_sq_norms: Sequence[float] = ()
+                  ) -> torch.Tensor:
+    """The fp32 L2 norm of the vector of per-tensor `norms` followed by the square roots
+    of `precomputed_sq_norms`. The order of the entries is part of the result's last bit
+    (`vector_norm` sums them vectorized): a caller that must equal another computation
+    bit for bit lists the same values in the same order."""
+    per_tensor = list(norms)
     if precomputed_sq_norms:
         squares = torch.tensor(list(precomputed_sq_norms), dtype=torch.float32)
         per_tensor.extend(squares.sqrt().unbind())
@@ -56,3 +71,19 @@ def split_precomputed(
         else:
             to_measure.append(param.grad)
     return to_measure, known
+
+
+def ordered_total_norm(
+    params: Sequence[torch.nn.Parameter],
+    measured_norms: Mapping[torch.nn.Parameter, float],
+    sq_norms: Mapping[torch.nn.Parameter, float],
+) -> torch.Tensor:
+    """`total_grad_norm(*split_precomputed(params, sq_norms))` from per-parameter values
+    gathered from the processes that hold the gradients (a split update): `measured_norms`
+    for the gradients without a precomputed squared norm (`tensor_norms`), the
+    precomputed `sq_norms` for the others. The same entries in the same order (measured
+    first, then precomputed, each in `params` order): the same fp32 norm, bit for bit."""
+    return combine_norms(
+        [torch.tensor(measured_norms[p], dtype=torch.float32) for p in params
+         if p in measured_norms],
+        [sq_norms[p] for p in params if p in sq_norms])

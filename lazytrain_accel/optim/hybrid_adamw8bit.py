@@ -27,7 +27,12 @@ import torch
 
 from lazytrain_accel.device_update import DEVICE_UPDATE_CHUNK_ELEMENTS
 from lazytrain_accel.optim import native, reference
-from lazytrain_accel.optim.clipping import clip_coefficient, split_precomputed, total_grad_norm
+from lazytrain_accel.optim.clipping import (
+    clip_coefficient,
+    ordered_total_norm,
+    split_precomputed,
+    total_grad_norm,
+)
 from lazytrain_accel.optim.codes import num_blocks
 from lazytrain_accel.optim.state_io import check_loaded_state, load_state_keeping_codes
 
@@ -99,10 +104,12 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         #: Who runs `step()`'s begin_step / step_params / end_step: None runs them here;
         #: the LazyTrain Accelerator sets the engine's overlapped layer-wise update.
         self.step_runner: Callable[[HybridAdamW8bit], None] | None = None
-        #: The squared norm of the whole gradient where this process holds only its share
-        #: of it (a node store's split update: one all_reduce over the ranks); None: the
-        #: gradients this optimizer sees are all of them.
-        self.global_grad_sq_norm: Callable[[], float] | None = None
+        #: Where this process holds only its share of the gradients (a node store's split
+        #: update): every parameter's (measured norm, precomputed squared norm) gathered
+        #: from the ranks holding them (`ShareReducer.grad_norm_tables`), so the global
+        #: norm is the one-process one bit for bit; None: this optimizer sees them all.
+        self.gather_grad_norms: Callable[[], tuple[
+            Mapping[torch.nn.Parameter, float], Mapping[torch.nn.Parameter, float]]] | None = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -131,13 +138,13 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         Cached until `zero_grad()`, `end_step()` or `set_grad_sq_norms()`: call it after
         the step's last backward.
         """
-        if self._grad_norm_cache is None and self.global_grad_sq_norm is not None:
-            total = torch.tensor(self.global_grad_sq_norm(), dtype=torch.float64)
-            self._grad_norm_cache = total.sqrt().to(torch.float32)
         if self._grad_norm_cache is None:
             params = [p for group in self.param_groups for p in group["params"]]
-            to_measure, known = split_precomputed(params, self._precomputed_sq_norms)
-            self._grad_norm_cache = total_grad_norm(to_measure, known)
+            if self.gather_grad_norms is not None:
+                self._grad_norm_cache = ordered_total_norm(params, *self.gather_grad_norms())
+            else:
+                to_measure, known = split_precomputed(params, self._precomputed_sq_norms)
+                self._grad_norm_cache = total_grad_norm(to_measure, known)
         return self._grad_norm_cache
 
     def zero_grad(self, set_to_none: bool = True) -> None:
