@@ -9,6 +9,7 @@ import re
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -42,78 +43,116 @@ def _pss_state(directory: Path, name: str, ranks: int) -> int:
     return sum(s["end"] - s["runtime"] - s["device"] for s in states)
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory: pytest.TempPathFactory
-                ) -> Callable[..., tuple[list[float], int]]:
-    """The one-process reference on the global batch of 8, launched once per set of
-    arguments for the tests of this module: (losses, PSS growth)."""
-    runs: dict[tuple[str, ...], tuple[list[float], int]] = {}
+@dataclass(frozen=True)
+class Run:
+    """One launch's record: the logged losses (the global batch's mean per step), the
+    sequences each step trained on, every rank's weights digest and `--state-out`
+    record, and the training state's host bytes (`_pss_state`)."""
 
-    def run(*args: str) -> tuple[list[float], int]:
-        if args not in runs:
-            directory = tmp_path_factory.mktemp("one")
-            losses = _launch(directory, "one", *args, "--batch-size", "8", "--pss-out",
-                             str(directory / "one_"), env=PSS_ENV)
-            runs[args] = (losses, _pss_state(directory, "one", 1))
-        return runs[args]
+    losses: list[float]
+    samples: list[list[int]]
+    weights: list[str]
+    states: list[dict]
+    pss_state: int
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
+    """`launch(*args, processes=P, micro_batches=M, store=...)`: P ranks, each
+    accumulating M micro-batches of 8 // (P * M) sequences per step (the global batch is
+    8 in every run), once per module for each set of arguments: the one-process
+    references and the two-rank runs are shared by the tests that compare them."""
+    runs: dict[tuple, Run] = {}
+
+    def run(*args: str, processes: int = 1, micro_batches: int = 1, store: str = "auto",
+            nodes: int = 1) -> Run:
+        key = (args, processes, micro_batches, store, nodes)
+        if key not in runs:
+            d = tmp_path_factory.mktemp(f"p{processes}m{micro_batches}{store}")
+            outputs = ("--batch-size", str(8 // (processes * micro_batches)),
+                       "--grad-accum", str(micro_batches), "--state-out", str(d / "state_"),
+                       "--digest-out", str(d / "digest_"), "--pss-out", str(d / "pss_"),
+                       "--samples-out", str(d / "samples.json"))
+            env = {**PSS_ENV, "LAZYTRAIN_NODE_STORE": store}
+            if nodes == 1:
+                losses = _launch(d, "run", *args, *outputs, num_processes=processes, env=env)
+            else:
+                losses = _launch_nodes(d, "run", *args, *outputs, nodes=nodes,
+                                       ranks_per_node=processes // nodes, env=env)
+            runs[key] = Run(
+                losses=losses, samples=json.loads((d / "samples.json").read_text()),
+                weights=[json.loads((d / f"digest_{r}.json").read_text())["weights"]
+                         for r in range(processes)],
+                states=[json.loads((d / f"state_{r}.json").read_text())
+                        for r in range(processes)],
+                pss_state=_pss_state(d, "pss", processes))
+        return runs[key]
 
     return run
 
 
-@pytest.mark.parametrize(("optimizer", "plan"), [("keep", "checkpoint_all"),
-                                                  ("hybrid8bit", "offload_all")])
-def test_split_update_equals_the_replicated_one_and_one_process(
-        tmp_path: Path, one_process: Callable[..., tuple[list[float], int]], optimizer: str,
-        plan: str) -> None:
-    args = (*STEPS, "--plan", plan, "--optimizer", optimizer)
+def _assert_equal_to_accumulation(ranks: Run, one: Run) -> None:
+    """N ranks of batch B equal one process accumulating N micro-batches of B on the
+    same sequences, bit for bit: losses at every step and the final weights."""
+    assert ranks.samples == one.samples  # rank r's batch is micro-batch r of the step
+    assert ranks.losses == one.losses
+    assert set(ranks.weights) == {one.weights[0]}
+
+
+@pytest.mark.parametrize("optimizer", ["keep", "hybrid8bit"])
+def test_split_update_equals_one_process_accumulating_the_global_batch(
+        launch: Callable[..., Run], optimizer: str) -> None:
+    """2 ranks x batch 4 under the node store (the split update), the same 2 ranks
+    replicated (LAZYTRAIN_NODE_STORE=off: all-reduce), and one process accumulating 2
+    micro-batches of 4: the same sequences per step, the same losses and final weights,
+    bit for bit. Why exact: accelerate's backward scales an accumulating loss by 1/2 and
+    the ranks' mean divides the summed gradients by 2, both exact in fp32 (a power of
+    two), and a + b is b + a; the clip coefficient is one process's because the global
+    norm is combined in one process's order (`ShareReducer.gather`). One process on a
+    batch of 8 instead sums each GEMM over 8 samples at once: 1e-7 apart at first, then
+    Adam amplifies (test_accelerate_launch.py compares that run). keep: the small
+    model; hybrid8bit: the host-bytes model (hidden 512), shared with the PSS test."""
+    args = ((*STEPS, "--plan", "checkpoint_all", "--optimizer", "keep")
+            if optimizer == "keep" else PSS_ARGS)
     segments = _segments()
-    one, _ = one_process(*args)
-    split = _launch(tmp_path, "split", *args, "--batch-size", "4", "--state-out",
-                    str(tmp_path / "split_"), num_processes=2)
-    replicated = _launch(tmp_path, "replicated", *args, "--batch-size", "4", "--state-out",
-                         str(tmp_path / "replicated_"), num_processes=2,
-                         env={"LAZYTRAIN_NODE_STORE": "off"})
+    one = launch(*args, micro_batches=2)
+    split = launch(*args, processes=2)
+    replicated = launch(*args, processes=2, store="off")
     assert _segments() == segments  # nothing left under /dev/shm
     # The store's ranks planned as one node of 2 (host bytes, bandwidth, the split
     # update); each replicated rank alone.
-    for name, ranks in (("split", 2), ("replicated", 1)):
-        states = [json.loads((tmp_path / f"{name}_{r}.json").read_text()) for r in (0, 1)]
-        assert [s["gpus_per_node"] for s in states] == [ranks, ranks], name
-    # The same averaged gradients, the same update math, split or not: bit for bit.
-    assert split == replicated
-    # One process on the global batch sums the gradients in another order: the first
-    # steps agree to fp32 precision; Adam amplifies the 1e-7 differences later (the
-    # all-reduce path shows the same ~1e-4, test_accelerate_launch.py).
-    assert split[:2] == pytest.approx(one[:2], rel=1e-5)
-    assert split == pytest.approx(one, rel=1e-3)
+    assert [s["gpus_per_node"] for s in split.states] == [2, 2]
+    assert [s["gpus_per_node"] for s in replicated.states] == [1, 1]
+    _assert_equal_to_accumulation(split, one)
+    _assert_equal_to_accumulation(replicated, one)
 
 
-def test_four_processes_match_one_process(
-        tmp_path: Path, one_process: Callable[..., tuple[list[float], int]]) -> None:
+def test_four_processes_match_one_process(launch: Callable[..., Run]) -> None:
+    """4 ranks x batch 2 against one process accumulating 4 micro-batches of 2: the same
+    sequences; gloo sums the 4 ranks' gradients (and the logged losses) in its own order
+    ((a + b) + (c + d), or ring chunks), not the accumulation's ((a + b) + c) + d, so the
+    weights differ in their last bits. Measured (keep, 4 steps): losses 1.0e-7 apart
+    (one fp32 ulp) at steps 1, 2 and 4, equal at step 3."""
     args = (*STEPS, "--plan", "checkpoint_all", "--optimizer", "keep")
-    one, _ = one_process(*args)
-    four = _launch(tmp_path, "four", *args, "--batch-size", "2", num_processes=4)
-    assert four[:2] == pytest.approx(one[:2], rel=1e-5)
-    assert four == pytest.approx(one, rel=1e-3)
+    one = launch(*args, micro_batches=4)
+    four = launch(*args, processes=4)
+    assert four.samples == one.samples
+    assert four.losses == pytest.approx(one.losses, rel=1e-6)
 
 
-def test_ranks_share_one_copy_of_the_masters(
-        tmp_path: Path, one_process: Callable[..., tuple[list[float], int]]) -> None:
+def test_ranks_share_one_copy_of_the_masters(launch: Callable[..., Run]) -> None:
     """The training state's host bytes (`_pss_state`: the ranks' summed PSS at the end
     minus each one's runtime and its CPU-"device" weight slots), 2 ranks against one
     process on the global batch (issue 22: at most 1.3x). Measured (hidden 512, 4
     layers, 3 steps, hybrid 8-bit, 2 loaded cores): one 75.9 MB (masters 38.5, moments
     19.2, heap), store 82.9 MB (1.09x: masters and moments once, each rank its heap);
-    with the slots counted 94.8 and 96.4-120.7 MB (1.03-1.27x); off about twice one."""
-    _, one = one_process(*PSS_ARGS)
-    state = {"one": one}
-    for name, store in (("store", "auto"), ("off", "off")):
-        _launch(tmp_path, name, *PSS_ARGS, "--batch-size", "4", "--pss-out",
-                str(tmp_path / f"{name}_"), num_processes=2,
-                env={**PSS_ENV, "LAZYTRAIN_NODE_STORE": store})
-        state[name] = _pss_state(tmp_path, name, 2)
-    assert state["store"] <= 1.3 * state["one"], state
-    assert state["store"] < state["off"], state
+    with the slots counted 94.8 and 96.4-120.7 MB (1.03-1.27x); off about twice one.
+    The launches are the parity test's (`launch` runs each once)."""
+    one = launch(*PSS_ARGS, micro_batches=2).pss_state
+    store = launch(*PSS_ARGS, processes=2).pss_state
+    off = launch(*PSS_ARGS, processes=2, store="off").pss_state
+    assert store <= 1.3 * one, (store, one, off)
+    assert store < off, (store, one, off)
 
 
 def test_a_rank_killed_mid_step_stops_the_others_naming_it(tmp_path: Path) -> None:
@@ -157,32 +196,24 @@ def _launch_nodes(tmp_path: Path, name: str, *script_args: str, nodes: int = 2,
 
 
 @pytest.mark.parametrize("optimizer", ["keep", "hybrid8bit"])
-def test_two_nodes_of_two_ranks(tmp_path: Path,
-                                one_process: Callable[..., tuple[list[float], int]],
-                                optimizer: str) -> None:
+def test_two_nodes_of_two_ranks(launch: Callable[..., Run], optimizer: str) -> None:
     """Two simulated nodes x 2 ranks on this host (issue 22 item 3): each node maps its
     own copy, each share is reduced within the node to its owner, then across the two
     nodes' owners of it, and both owners apply the same update, so the four ranks end
-    with the same weights bit for bit; the losses are those of one process on the global
-    batch to 1e-5 over the first two steps. After that the summation order shows: keep
-    (hidden 64) 3e-4 at step 3; hybrid8bit (hidden 512), whose 8-bit moments turn 1e-7
-    differences into other codes, 6.8e-3 (one node of 2 ranks: 2.2e-3). The hybrid run
-    also measures the state (`_pss_state`): the four ranks' at most 2.6x one process's
-    (measured 2.22x: a copy per node, each rank its heap; 2.54-2.74x with each rank's
-    CPU-"device" weight slots counted)."""
+    with the same weights bit for bit. Against one process accumulating 4 micro-batches
+    of 2 (the same sequences): the sums run ((a + b) + (c + d)) against the
+    accumulation's ((a + b) + c) + d, so the last bits differ; measured: MEASURED.
+    The hybrid run also measures the state (`_pss_state`): the four ranks' at most 2.6x
+    one process's (the accumulating reference's)."""
     segments = _segments()
-    args, later = (((*STEPS, "--plan", "checkpoint_all", "--optimizer", "keep"), 1e-3)
-                   if optimizer == "keep" else (PSS_ARGS, 2e-2))
-    one, one_state = one_process(*args)
-    nodes = _launch_nodes(tmp_path, "nodes", *args, "--batch-size", "2", "--state-out",
-                          str(tmp_path / "nodes_"), "--pss-out", str(tmp_path / "pss_"),
-                          env=PSS_ENV)
+    args = ((*STEPS, "--plan", "checkpoint_all", "--optimizer", "keep")
+            if optimizer == "keep" else PSS_ARGS)
+    one = launch(*args, micro_batches=4)
+    nodes = launch(*args, processes=4, nodes=2)
     assert _segments() == segments
-    states = [json.loads((tmp_path / f"nodes_{r}.json").read_text()) for r in range(4)]
-    assert [s["gpus_per_node"] for s in states] == [2] * 4  # a node store per node
-    assert len({s["weights_sum"] for s in states}) == 1, states  # the nodes' copies agree
-    assert nodes[:2] == pytest.approx(one[:2], rel=1e-5)
-    assert nodes == pytest.approx(one, rel=later)
+    assert [s["gpus_per_node"] for s in nodes.states] == [2] * 4  # a node store per node
+    assert len(set(nodes.weights)) == 1, nodes.weights  # the nodes' copies agree
+    assert nodes.samples == one.samples
+    assert nodes.losses == pytest.approx(one.losses, rel=1e-5 if optimizer == "keep" else 1e-4)
     if optimizer == "hybrid8bit":
-        state = _pss_state(tmp_path, "pss", 4)
-        assert state <= 2.6 * one_state, (state, one_state)
+        assert nodes.pss_state <= 2.6 * one.pss_state, (nodes.pss_state, one.pss_state)

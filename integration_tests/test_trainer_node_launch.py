@@ -1,8 +1,8 @@
 """A stock Trainer script under `accelerate launch --multi_gpu --num_processes 2 -m
 lazytrain_accel.launch ... --lazytrain` (issue 22, "the same for a Trainer script"): the
 Trainer's accelerator prepares through the plugin, so its ranks map one host copy (the
-node store) and split the update; losses as one process on the global batch; the ranks'
-summed PSS growth as one process's."""
+node store) and split the update; losses and weights as one process accumulating the
+same global batch, bit for bit; the training state's host bytes as one process's."""
 
 from __future__ import annotations
 
@@ -17,20 +17,26 @@ import pytest
 
 SCRIPT = Path(__file__).parent / "trainer_scripts" / "stock_trainer.py"
 LAUNCH = ["-m", "lazytrain_accel.launch"]
-#: The ranks' summed PSS growth against one process's: the issue's bar is 1.3x; the bar
-#: asserted is the plugin's (test_node_store_launch.py), whose ~16 MB a rank beyond the
-#: formula is not yet attributed.
-PSS_BAR = 1.7
 
 
 def _segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("lazytrain-")}
 
 
-def _train(tmp_path: Path, name: str, processes: int, config: str, *extra: str
+def _pss_state(ranks: list[dict]) -> int:
+    """The training state's host bytes (as test_node_store_launch.py's `_pss_state`): the
+    ranks' summed PSS at the end minus each one's runtime (measured before the model is
+    built) and its engine's CPU-"device" bytes (host pages standing for GPU memory)."""
+    return sum(r["end"] - r["runtime"] - r["device"] for r in ranks)
+
+
+def _train(tmp_path: Path, name: str, processes: int, config: str, *extra: str,
+           micro_batches: int = 1, env: dict[str, str] | None = None
            ) -> tuple[list[float], list[dict]]:
-    """One launch of the stock script on the global batch 8; its logged losses (the
-    ranks' mean) and each rank's `--rank_out` record."""
+    """One launch of the stock script on the global batch 8 (each rank accumulating
+    `micro_batches` of 8 // (processes * micro_batches)); its logged losses (the
+    ranks' mean of the accumulated micro-batches' mean) and each rank's `--rank_out`
+    record."""
     if processes == 1:
         prefix = [sys.executable, *LAUNCH]
     else:
@@ -44,12 +50,13 @@ def _train(tmp_path: Path, name: str, processes: int, config: str, *extra: str
     args = [str(SCRIPT), "--lazytrain", "--lazytrain_config", config,
             "--summary", str(tmp_path / f"{name}.json"), "--rank_out", str(tmp_path / f"{name}_"),
             "--output_dir", str(tmp_path / name), "--per_device_train_batch_size",
-            str(8 // processes), "--learning_rate", "3e-3", "--logging_steps", "1",
+            str(8 // (processes * micro_batches)), "--gradient_accumulation_steps",
+            str(micro_batches), "--learning_rate", "3e-3", "--logging_steps", "1",
             "--save_strategy", "no", "--report_to", "none", "--use_cpu", "--seed", "0", *extra]
     env = {**os.environ, "LAZYTRAIN_CACHE_DIR": str(tmp_path / "cache"),
            "LAZYTRAIN_HARDWARE": "h800", "LAZYTRAIN_NVME_DIR": str(tmp_path / "nvme"),
            # freed tensors go back to the system in every run (as the plugin's PSS test)
-           "MALLOC_MMAP_THRESHOLD_": "131072"}
+           "MALLOC_MMAP_THRESHOLD_": "131072", **(env or {})}
     proc = subprocess.run([*prefix, *args], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -58,31 +65,32 @@ def _train(tmp_path: Path, name: str, processes: int, config: str, *extra: str
     return json.loads((tmp_path / f"{name}.json").read_text())["losses"], ranks
 
 
-@pytest.mark.parametrize(("optimizer", "plan", "rel"), [("hybrid8bit", "offload_all", 1e-4),
-                                                         ("keep", "checkpoint_all", 1e-5)])
+@pytest.mark.parametrize(("optimizer", "plan"), [("hybrid8bit", "offload_all"),
+                                                  ("keep", "checkpoint_all")])
 def test_two_trainer_processes_share_one_copy_and_train_as_one(tmp_path: Path, optimizer: str,
-                                                               plan: str, rel: float) -> None:
-    """Measured (hidden 512, 3 steps, 2 loaded cores), hybrid8bit: one process's PSS grew
-    by 50.0 MB and 23.0 MB in two runs, the two ranks' by 51.2 MB and 33.0 MB together
-    (1.02x, 1.44x), 96.6 MB with LAZYTRAIN_NODE_STORE=off; losses within 1e-7 of one
-    process's (keep and hybrid8bit)."""
+                                                               plan: str) -> None:
+    """2 ranks x batch 4 against one process accumulating 2 micro-batches of 4
+    (`--gradient_accumulation_steps 2`): the Trainer logs the mean over the accumulated
+    micro-batches, the ranks' mean of theirs, and both sum the same gradients (see
+    test_node_store_launch.py): the same losses and weights, bit for bit. The training
+    state's host bytes (`_pss_state`), two ranks against one process: at most 1.3x
+    (issue 22). Measured (hidden 512, 3 steps, hybrid8bit, 2 loaded cores): MEASURED."""
     config = json.dumps({"plan": plan, "optimizer": optimizer})
     extra = ("--max_steps", "3", "--hidden_size", "512")
     segments = _segments()
-    one_losses, (one,) = _train(tmp_path, "one", 1, config, *extra)
+    one_losses, (one,) = _train(tmp_path, "one", 1, config, *extra, micro_batches=2)
     two_losses, two = _train(tmp_path, "two", 2, config, *extra)
     assert _segments() == segments  # nothing left under /dev/shm
     # The Trainer's accelerator went through the plugin's prepare: one store, the ranks
     # planned as one node of 2, the same weights on both after the split update.
     assert [r["node_store"] for r in two] == [True, True]
     assert [r["gpus_per_node"] for r in two] == [2, 2]
-    assert two[0]["weights_sum"] == two[1]["weights_sum"]
     assert not one["node_store"]
     assert len(two_losses) == 3
-    assert two_losses == pytest.approx(one_losses, rel=rel)
-    grown_one = one["end"] - one["before_train"]
-    grown_two = sum(r["end"] - r["before_train"] for r in two)
-    assert grown_two <= PSS_BAR * grown_one, (grown_two, grown_one)
+    assert two_losses == one_losses
+    assert {r["weights_sha256"] for r in two} == {one["weights_sha256"]}
+    state_one, state_two = _pss_state([one]), _pss_state(two)
+    assert state_two <= 1.3 * state_one, (state_two, state_one)
 
 
 def test_a_trainer_checkpoint_under_the_store_resumes_as_the_uninterrupted_run(
@@ -113,6 +121,31 @@ def test_a_trainer_checkpoint_under_the_store_resumes_as_the_uninterrupted_run(
     resumed_losses, resumed = _train(tmp_path, "resumed", 2, config, *extra,
                                      "--resume_from_checkpoint", str(checkpoint))
     assert [r["node_store"] for r in resumed] == [True, True]
+    assert len(whole_losses) == 4
+    assert resumed_losses == whole_losses
+    assert {r["weights_sha256"] for r in resumed} == {whole[0]["weights_sha256"]}
+
+
+def test_replicated_ranks_save_one_whole_checkpoint_and_resume(tmp_path: Path) -> None:
+    """2 replicated ranks (LAZYTRAIN_NODE_STORE=off), 4 steps saving at step 2: every
+    rank's stock save goes into one temporary directory that rank 0 publishes once all
+    have written (before, rank 1 wrote its rng_state_1.pth straight into checkpoint-2
+    while rank 0 replaced that folder with its own: a race that lost the file). The
+    checkpoint holds both ranks' RNG states and rank 0's optimizer.pt; a fresh launch
+    resumes from it with the uninterrupted run's losses and weights."""
+    config = json.dumps({"plan": "offload_all", "optimizer": "hybrid8bit"})
+    extra = ("--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2")
+    off = {"LAZYTRAIN_NODE_STORE": "off"}
+    whole_losses, whole = _train(tmp_path, "whole", 2, config, *extra, env=off)
+    assert [r["node_store"] for r in whole] == [False, False]
+    run_dir = tmp_path / "whole"
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".")]  # published
+    files = {p.name for p in (run_dir / "checkpoint-2").iterdir()}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.pt", "model.safetensors",
+            "scheduler.pt", "trainer_state.json"} <= files, files
+    resumed_losses, resumed = _train(tmp_path, "resumed", 2, config, *extra,
+                                     "--resume_from_checkpoint",
+                                     str(run_dir / "checkpoint-2"), env=off)
     assert len(whole_losses) == 4
     assert resumed_losses == whole_losses
     assert {r["weights_sha256"] for r in resumed} == {whole[0]["weights_sha256"]}

@@ -4,8 +4,11 @@ Tiny Qwen2 from a config, a counting-sequence data set, HfArgumentParser over th
 TrainingArguments plus one dataclass of its own. Writes the logged losses and the class
 of the optimizer that stepped to --summary (JSON), so tests can compare launches.
 `--rank_out PREFIX` writes each rank's proportional set size (/proc/self/smaps_rollup)
+with the runtime loaded and no model yet ("runtime": a first Trainer of a one-weight
+model prepares a loader, which starts the process group and the loader workers' share),
 just before `train()` and after it, and what the accelerator it ran with reports (read
-with getattr: this script knows nothing of LazyTrain), to PREFIX<rank>.json.
+with getattr: this script knows nothing of LazyTrain; "device": an engine's device bytes,
+on a CPU device host pages that stand for GPU memory), to PREFIX<rank>.json.
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ class CountingDataset(torch.utils.data.Dataset):
 def main() -> None:
     parser = HfArgumentParser((ScriptArguments, TrainingArguments))
     script_args, training_args = parser.parse_args_into_dataclasses()
+    pss_runtime = None
+    if script_args.rank_out:  # the runtime first, then the model (as accelerate_train.py)
+        runtime_data = CountingDataset(8, script_args.seq_len, 128)
+        Trainer(model=torch.nn.Linear(1, 1), args=training_args,
+                train_dataset=runtime_data).get_train_dataloader()
+        pss_runtime = pss_bytes()
     set_seed(training_args.seed)
     hidden = script_args.hidden_size
     config = Qwen2Config(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -74,16 +83,17 @@ def main() -> None:
     model = Qwen2ForCausalLM(config)
     data = CountingDataset(script_args.num_samples, script_args.seq_len, config.vocab_size)
     trainer = Trainer(model=model, args=training_args, train_dataset=data)
-    if script_args.rank_out:  # the runtime first: a multi-process loader's prepare adds
-        # some of it per rank, which is no training state
-        trainer.get_train_dataloader()
     pss_before_train = pss_bytes()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if script_args.rank_out:
         accelerator = trainer.accelerator
         run = getattr(accelerator, "lazytrain_run", None)
+        engine = getattr(accelerator, "lazytrain_engine", None)
         with open(f"{script_args.rank_out}{training_args.process_index}.json", "w") as f:
-            json.dump({"before_train": pss_before_train, "end": pss_bytes(),
+            json.dump({"runtime": pss_runtime, "before_train": pss_before_train,
+                       "end": pss_bytes(),
+                       "device": engine.stats().current_bytes["device"]
+                       if engine is not None and engine.device.type == "cpu" else 0,
                        "world_size": training_args.world_size,
                        "node_store": getattr(accelerator, "lazytrain_store", None) is not None,
                        "gpus_per_node": run.plan.gpus_per_node if run is not None else None,

@@ -429,8 +429,6 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
     names the save in errors."""
     import torch.distributed as dist
 
-    from lazytrain_accel.integrations.checkpoint import atomic_directory
-
     rank, world = dist.get_rank(), dist.get_world_size()
     engine = accelerator.lazytrain_engine
     model, optimizer = accelerator._lazytrain_model, accelerator._lazytrain_optimizer
@@ -444,6 +442,35 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
     shared_by_all = set.intersection(*(set(o) for o in everyone))
     mine = [g for g in owned if g not in shared_by_all or rank == 0]  # written once
 
+    def finish(tmp: Path, shares: list[Any]) -> None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        manifest = build_manifest(
+            world_size=world, local_world_size=local, nodes=max(1, world // local),
+            step=int(accelerator.step), layout=layout_hash(model),
+            optimizer=None if optimizer is None else optimizer_record(
+                optimizer, param_names(model)),
+            shares=shares)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+    save_on_every_rank(final, lambda tmp: _write_rank_files(
+        accelerator, tmp, rank=rank, mine=mine, write_stock=write_stock, weights=weights,
+        optimizer=optimizer), finish=finish, label=label)
+
+
+def save_on_every_rank(final: Path, write: Callable[[Path], Any], *,
+                       finish: Callable[[Path, list[Any]], None] | None = None,
+                       label: str) -> None:
+    """A checkpoint folder every rank writes into, published whole or not at all: rank 0
+    opens `atomic_directory(final)` and names its temporary directory to all, every rank
+    runs `write(tmp)` (its result: this rank's report), rank 0 runs `finish(tmp,
+    reports)` and renames the directory into place once every rank has written. Any
+    rank's failure is raised on every rank, `final` (a previous checkpoint) untouched.
+    Every rank calls it at the same point; `label` names the save in errors."""
+    import torch.distributed as dist
+
+    from lazytrain_accel.integrations.checkpoint import atomic_directory
+
+    rank, world = dist.get_rank(), dist.get_world_size()
     stack = contextlib.ExitStack()
     opened: list[str | None] = [None, None]
     if rank == 0:
@@ -457,9 +484,10 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
                            f"temporary directory: {opened[1]}")
     tmp = Path(opened[0])
     try:
-        report = _write_rank_files(accelerator, tmp, rank=rank, mine=mine,
-                                   write_stock=write_stock, weights=weights,
-                                   optimizer=optimizer)
+        try:
+            report: tuple[str, Any] = ("ok", write(tmp))
+        except Exception as err:  # reported to rank 0, raised on every rank
+            report = ("error", _error(err))
         reports: list[tuple[str, Any] | None] = [None] * world
         dist.all_gather_object(reports, report)
     except BaseException as err:  # a rank died mid-save: no temporary directory is left
@@ -472,14 +500,8 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
         try:
             if failed:
                 raise RuntimeError("; ".join(f"rank {r}: {m}" for r, m in failed.items()))
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-            manifest = build_manifest(
-                world_size=world, local_world_size=local, nodes=max(1, world // local),
-                step=int(accelerator.step), layout=layout_hash(model),
-                optimizer=None if optimizer is None else optimizer_record(
-                    optimizer, param_names(model)),
-                shares=[s for _, s in reports])
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            if finish is not None:
+                finish(tmp, [r for _, r in reports])
             stack.close()  # fsync, rename into place: the checkpoint exists from here
         except BaseException as err:  # the temporary directory goes
             _abandon(stack, err)
@@ -492,26 +514,23 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
 
 def _write_rank_files(accelerator: Any, tmp: Path, *, rank: int, mine: Sequence[int],
                       write_stock: Callable[[Path], None], weights: bool,
-                      optimizer: torch.optim.Optimizer | None) -> tuple[str, Any]:
-    """This rank's files (its share; rank 0 the weights too): ("ok", the manifest's
-    entry for the share) or ("error", what failed), for rank 0 to hear either way."""
+                      optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """This rank's files (its share; rank 0 the weights too) and the manifest's entry
+    for the share."""
     model = accelerator._lazytrain_model
     groups = accelerator.lazytrain_engine.steps.update_groups
-    try:
-        share: dict[str, Any] = {"rank": rank, "groups": list(mine), "file": None,
-                                 "params": [], "optimizer_steps": 0}
-        if optimizer is not None:
-            params = [p for g in mine for p in groups[g]]
-            share["file"] = share_file(rank)
-            share["params"] = write_share(tmp / share_file(rank), optimizer, params,
-                                          param_names(model))
-            share["optimizer_steps"] = max_step(optimizer, params)
-        if rank == 0 and weights:
-            write_weights(tmp, model)
-        write_stock(tmp)
-    except Exception as err:  # reported to rank 0, raised on every rank
-        return ("error", _error(err))
-    return ("ok", share)
+    share: dict[str, Any] = {"rank": rank, "groups": list(mine), "file": None,
+                             "params": [], "optimizer_steps": 0}
+    if optimizer is not None:
+        params = [p for g in mine for p in groups[g]]
+        share["file"] = share_file(rank)
+        share["params"] = write_share(tmp / share_file(rank), optimizer, params,
+                                      param_names(model))
+        share["optimizer_steps"] = max_step(optimizer, params)
+    if rank == 0 and weights:
+        write_weights(tmp, model)
+    write_stock(tmp)
+    return share
 
 
 def _abandon(stack: contextlib.ExitStack, err: BaseException) -> None:

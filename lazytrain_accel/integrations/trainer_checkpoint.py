@@ -7,6 +7,11 @@ the disk, then renamed into place (`integrations.checkpoint` flushes); checkpoin
 rotation runs only after the rename, so an older checkpoint is never deleted before the
 new one is complete.
 
+Several replicated ranks (no node store) save through `share_checkpoint.
+save_on_every_rank` too: every rank's stock save (rank 0's weights and optimizer.pt,
+every rank's `rng_state_<r>.pth`) goes into one temporary directory rank 0 publishes
+once all have written, so no rank writes into a folder that another is replacing.
+
 Under the node store (several local ranks, one host copy, each rank holding the optimizer
 state of its share) the save goes through `share_checkpoint.save_shares`: every rank
 checks it names the same `checkpoint-<step>`, rank 0 opens the temporary directory, every
@@ -49,9 +54,9 @@ def make_checkpoints_atomic(trainer: Trainer) -> None:
             synchronize()
         if getattr(accelerator, "lazytrain_store", None) is not None:
             return _save_shared_checkpoint(trainer, stock_save, model, trial, *args, **kwargs)
+        if trainer.args.world_size > 1:  # every rank writes its rng_state_<r>.pth
+            return _save_from_every_rank(trainer, stock_save, model, trial, *args, **kwargs)
         run_dir = Path(trainer._get_output_dir(trial=trial))
-        if not trainer.args.should_save:  # other ranks write nothing of their own
-            return stock_save(model, trial, *args, **kwargs)
         staging = run_dir / f"{STAGING_PREFIX}{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -82,43 +87,79 @@ def make_checkpoints_atomic(trainer: Trainer) -> None:
 def _save_shared_checkpoint(trainer: Trainer, stock_save: Any, model: Any, trial: Any,
                             *args: Any, **kwargs: Any) -> None:
     """The Trainer's checkpoint under the node store (module docstring), on every rank."""
-    import torch.distributed as dist
-
     from lazytrain_accel.integrations import share_checkpoint
 
     accelerator = trainer.accelerator
+    run_dir, final = _agreed_checkpoint_dir(trainer, trial)
+
+    def write_stock(tmp: Path) -> None:
+        trainer._lazytrain_saving_shares = True
+        try:
+            _stock_save_into(tmp, trainer, stock_save, run_dir, model, trial, args, kwargs)
+        finally:
+            trainer._lazytrain_saving_shares = False
+        if trainer.args.process_index == 0:  # save_model wrote them: every weight, none
+            # de-duplicated away
+            share_checkpoint.check_weights_complete(tmp, accelerator._lazytrain_model)
+
+    share_checkpoint.save_shares(accelerator, final, write_stock, weights=False,
+                                 optimizer_state=not trainer.args.save_only_model,
+                                 label="Trainer._save_checkpoint")
+    _after_save(trainer, run_dir)
+
+
+def _save_from_every_rank(trainer: Trainer, stock_save: Any, model: Any, trial: Any,
+                          *args: Any, **kwargs: Any) -> None:
+    """The Trainer's checkpoint of several replicated ranks (no node store): rank 0
+    writes the weights, optimizer.pt, ...; every rank its rng_state_<r>.pth, all into one
+    temporary directory that rank 0 publishes once every rank has written
+    (`share_checkpoint.save_on_every_rank`): no rank writes into a folder another
+    replaces."""
+    from lazytrain_accel.integrations import share_checkpoint
+
+    run_dir, final = _agreed_checkpoint_dir(trainer, trial)
+    share_checkpoint.save_on_every_rank(
+        final, lambda tmp: _stock_save_into(tmp, trainer, stock_save, run_dir, model, trial,
+                                            args, kwargs),
+        label="Trainer._save_checkpoint")
+    _after_save(trainer, run_dir)
+
+
+def _agreed_checkpoint_dir(trainer: Trainer, trial: Any) -> tuple[Path, Path]:
+    """(the run dir, its checkpoint-<step>), checked to be the same on every rank."""
+    import torch.distributed as dist
+
     run_dir = Path(os.path.abspath(trainer._get_output_dir(trial=trial)))
     final = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
-    rank = dist.get_rank()
     named: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(named, str(final))
     if len(set(named)) > 1:
         raise RuntimeError("the ranks would save the Trainer's checkpoint to different "
                            f"folders ({', '.join(f'rank {r}: {n}' for r, n in enumerate(named))}"
                            "): give every rank the same output_dir and step")
+    return run_dir, final
 
-    def write_stock(tmp: Path) -> None:
-        staging = tmp / f"{STAGING_PREFIX}{rank}"
-        staging.mkdir()
-        trainer._lazytrain_saving_shares = True
-        try:
-            with _redirected(trainer, staging, final=run_dir):
-                stock_save(model, trial, *args, **kwargs)
-        finally:
-            trainer._lazytrain_saving_shares = False
-        # checkpoint-<global_step>; none when this rank had nothing to write
-        for item in (i for folder in staging.iterdir() for i in folder.iterdir()):
-            if (tmp / item.name).exists():
-                raise RuntimeError(f"two ranks wrote {item.name} into the checkpoint")
-            item.rename(tmp / item.name)
-        shutil.rmtree(staging)
-        if rank == 0:  # save_model wrote them: every weight, none de-duplicated away
-            share_checkpoint.check_weights_complete(tmp, accelerator._lazytrain_model)
 
-    share_checkpoint.save_shares(accelerator, final, write_stock, weights=False,
-                                 optimizer_state=not trainer.args.save_only_model,
-                                 label="Trainer._save_checkpoint")
-    if trainer.state.best_model_checkpoint:  # stock named the folder inside the staging
+def _stock_save_into(tmp: Path, trainer: Trainer, stock_save: Any, run_dir: Path,
+                     model: Any, trial: Any, args: tuple, kwargs: dict) -> None:
+    """Run the stock save of this rank into a folder of its own inside `tmp`, then move
+    what it wrote (inside its checkpoint-<global_step>; nothing when this rank had
+    nothing to write) up into `tmp`."""
+    staging = tmp / f"{STAGING_PREFIX}{trainer.args.process_index}"
+    staging.mkdir()
+    with _redirected(trainer, staging, final=run_dir):
+        stock_save(model, trial, *args, **kwargs)
+    for item in (i for folder in staging.iterdir() for i in folder.iterdir()):
+        if (tmp / item.name).exists():
+            raise RuntimeError(f"two ranks wrote {item.name} into the checkpoint")
+        item.rename(tmp / item.name)
+    shutil.rmtree(staging)
+
+
+def _after_save(trainer: Trainer, run_dir: Path) -> None:
+    """Name the best checkpoint in the run dir (stock named it inside the staging) and
+    rotate the checkpoints (rank 0)."""
+    if trainer.state.best_model_checkpoint:
         best = Path(trainer.state.best_model_checkpoint)
         trainer.state.best_model_checkpoint = str(run_dir / best.name)
     if trainer.args.should_save:
