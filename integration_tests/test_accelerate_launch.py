@@ -96,10 +96,12 @@ def test_two_processes_match_one_process_on_global_batch(tmp_path: Path) -> None
                         num_processes=2)
     # Our per-layer overlapped all-reduce gives what stock DDP gives ...
     assert two == pytest.approx(stock_two, rel=1e-5, abs=1e-6)
-    # ... and both equal one process on the global batch up to fp32 summation order
-    # (Adam amplifies the 1e-7 differences of averaged gradients to ~2e-4 in 4 steps).
-    assert two[0] == pytest.approx(one[0], rel=1e-6)
-    assert two == pytest.approx(one, rel=1e-3)
+    # ... and both equal one process on the global batch up to fp32 summation order (one
+    # GEMM over 8 rows against two over 4): measured 1e-7, 0, 0, 2.1e-7 over 4 steps, the
+    # schedule counting optimizer steps (`linear_decay`; 1e-4 by step 3 when 2 ranks
+    # stepped it twice per step). One process accumulating 2 micro-batches of 4 equals 2
+    # ranks bit for bit (test_node_store_launch.py).
+    assert two == pytest.approx(one, rel=1e-5)
 
 
 @pytest.mark.parametrize("optimizer", ["keep", "hybrid8bit"])

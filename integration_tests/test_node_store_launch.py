@@ -202,9 +202,11 @@ def test_two_nodes_of_two_ranks(launch: Callable[..., Run], optimizer: str) -> N
     nodes' owners of it, and both owners apply the same update, so the four ranks end
     with the same weights bit for bit. Against one process accumulating 4 micro-batches
     of 2 (the same sequences): the sums run ((a + b) + (c + d)) against the
-    accumulation's ((a + b) + c) + d, so the last bits differ; measured: MEASURED.
+    accumulation's ((a + b) + c) + d, so the last bits differ; measured, relative loss
+    difference per step: keep (4 steps) 9.8e-8, 1.0e-7, 0, 1.0e-7; hybrid8bit (hidden
+    512, 3 steps) 0, 0, 7.6e-7 (the issue's 1e-5 and 1e-4 are asserted).
     The hybrid run also measures the state (`_pss_state`): the four ranks' at most 2.6x
-    one process's (the accumulating reference's)."""
+    one process's (the accumulating reference's; measured 176.8 MB against 85.0, 2.08x)."""
     segments = _segments()
     args = ((*STEPS, "--plan", "checkpoint_all", "--optimizer", "keep")
             if optimizer == "keep" else PSS_ARGS)
