@@ -143,11 +143,11 @@ def test_four_processes_match_one_process(launch: Callable[..., Run]) -> None:
 def test_ranks_share_one_copy_of_the_masters(launch: Callable[..., Run]) -> None:
     """The training state's host bytes (`_pss_state`: the ranks' summed PSS at the end
     minus each one's runtime and its CPU-"device" weight slots), 2 ranks against one
-    process on the global batch (issue 22: at most 1.3x). Measured (hidden 512, 4
-    layers, 3 steps, hybrid 8-bit, 2 loaded cores): one 75.9 MB (masters 38.5, moments
-    19.2, heap), store 82.9 MB (1.09x: masters and moments once, each rank its heap);
-    with the slots counted 94.8 and 96.4-120.7 MB (1.03-1.27x); off about twice one.
-    The launches are the parity test's (`launch` runs each once)."""
+    process accumulating the global batch in 2 micro-batches (issue 22: at most 1.3x).
+    Measured (hidden 512, 4 layers, 3 steps, hybrid 8-bit, 2 loaded cores): one 83.8 MB
+    (masters 38.5, moments 19.2, heap), store 92.6 MB (1.10x: masters and moments once,
+    each rank its heap), off 147.8 MB (1.76x). The launches are the parity test's
+    (`launch` runs each once)."""
     one = launch(*PSS_ARGS, micro_batches=2).pss_state
     store = launch(*PSS_ARGS, processes=2).pss_state
     off = launch(*PSS_ARGS, processes=2, store="off").pss_state
