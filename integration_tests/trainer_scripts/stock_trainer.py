@@ -5,8 +5,8 @@ TrainingArguments plus one dataclass of its own. Writes the logged losses and th
 of the optimizer that stepped to --summary (JSON), so tests can compare launches.
 `--rank_out PREFIX` writes each rank's proportional set size (/proc/self/smaps_rollup)
 with the runtime loaded and no model yet ("runtime": a first Trainer of a one-weight
-model prepares a loader, which starts the process group and the loader workers' share),
-just before `train()` and after it, and what the accelerator it ran with reports (read
+model prepares a loader, which starts the process group and the loader workers' share)
+and after training, and what the accelerator it ran with reports (read
 with getattr: this script knows nothing of LazyTrain; "device": an engine's device bytes,
 on a CPU device host pages that stand for GPU memory), to PREFIX<rank>.json.
 """
@@ -83,15 +83,13 @@ def main() -> None:
     model = Qwen2ForCausalLM(config)
     data = CountingDataset(script_args.num_samples, script_args.seq_len, config.vocab_size)
     trainer = Trainer(model=model, args=training_args, train_dataset=data)
-    pss_before_train = pss_bytes()
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if script_args.rank_out:
         accelerator = trainer.accelerator
         run = getattr(accelerator, "lazytrain_run", None)
         engine = getattr(accelerator, "lazytrain_engine", None)
         with open(f"{script_args.rank_out}{training_args.process_index}.json", "w") as f:
-            json.dump({"runtime": pss_runtime, "before_train": pss_before_train,
-                       "end": pss_bytes(),
+            json.dump({"runtime": pss_runtime, "end": pss_bytes(),
                        "device": engine.stats().current_bytes["device"]
                        if engine is not None and engine.device.type == "cpu" else 0,
                        "world_size": training_args.world_size,
