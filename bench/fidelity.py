@@ -17,15 +17,21 @@ boundaries on NVMe):
    in `H2D_FORWARDS` layer forwards, ...); the hardware profile holds them, the plans are
    made for it and the emulation throttles each link to exactly that rate (no jitter).
 3. Each plan runs on the emulated device in rounds; a round times, back to back, the
-   compute (step 1 again) and both overheads, the serial HybridAdamW8bit update of the
-   model (the round's host optimizer rate), the plan on throttled links, and the same
+   compute (step 1 again) and both overheads, the plan on throttled links, and the same
    with HybridAdamW8bit overlapped by `step_layerwise`, each as the median of `--steps`
-   runs (one run moves by 10-15% on this 2-core machine). The prediction of a round
-   simulates the plan on that round's compute, overhead and update rate, so a change of
-   machine load between rounds moves both sides; the row shown is the round with the
-   median step ratio (the spread of both ratios over the rounds follows it). "update" is
-   the host update's seconds: simulated, and as its thread ran inside the step (beside
-   the compute on the same CPU cores, which a GPU run does not share). A step's measured
+   runs (one run moves by 10-15% on this 2-core machine). The compute is timed in turns
+   alone and beside the HybridAdamW8bit update of the model, run as a step runs it (the
+   engine's update thread, each group's gradients freed after its update): that gives
+   the round's host optimizer rate and the seconds the update takes from a step's
+   compute on this CPU, where both share the cores and the memory (a GPU's compute does
+   not; the simulator charges them once per step, with the rest). The prediction of a
+   round simulates the plan on that round's compute, overhead and update rate (the step
+   with the optimizer on the compute beside the update), so a change of machine load
+   between rounds moves both sides; the row shown is the round with the median step
+   ratio (the spread of both ratios over the rounds follows it). "update" is the host
+   update's seconds, first op to last: simulated, and as its thread ran inside the step
+   (the residents' update on the device runs beside it, on the training thread: the
+   emulated device is async, `device_runs_async`). A step's measured
    compute is its layers' compute as the engine timed it inside that step plus the
    round's calibrated rest and the plan's layer runs at the round's emulated overhead
    (the predicted compute holds them too); exposed = step - compute; optimizer exposure
@@ -234,7 +240,7 @@ class _UpdateBeside:
     head, in that order), each group's gradients freed after its update (`zero_grad`
     deferred, as the step's is), beside a calibration step on this thread. On this CPU
     the two share the cores and the memory: the update, timed alone on gradients it keeps,
-    ran 1.5-1.7x faster than inside the steps, and the compute beside it runs slower."""
+    ran 1.3-2.5x faster than inside the steps, and the compute beside it runs slower."""
 
     def __init__(self, config: dict) -> None:
         self.model = _model(config)
