@@ -17,15 +17,21 @@ boundaries on NVMe):
    in `H2D_FORWARDS` layer forwards, ...); the hardware profile holds them, the plans are
    made for it and the emulation throttles each link to exactly that rate (no jitter).
 3. Each plan runs on the emulated device in rounds; a round times, back to back, the
-   compute (step 1 again) and both overheads, the serial HybridAdamW8bit update of the
-   model (the round's host optimizer rate), the plan on throttled links, and the same
+   compute (step 1 again) and both overheads, the plan on throttled links, and the same
    with HybridAdamW8bit overlapped by `step_layerwise`, each as the median of `--steps`
-   runs (one run moves by 10-15% on this 2-core machine). The prediction of a round
-   simulates the plan on that round's compute, overhead and update rate, so a change of
-   machine load between rounds moves both sides; the row shown is the round with the
-   median step ratio (the spread of both ratios over the rounds follows it). "update" is
-   the host update's seconds: simulated, and as its thread ran inside the step (beside
-   the compute on the same CPU cores, which a GPU run does not share). A step's measured
+   runs (one run moves by 10-15% on this 2-core machine). The compute is timed in turns
+   alone and beside the HybridAdamW8bit update of the model, run as a step runs it (the
+   engine's update thread, each group's gradients freed after its update): that gives
+   the round's host optimizer rate and the seconds the update takes from a step's
+   compute on this CPU, where both share the cores and the memory (a GPU's compute does
+   not; the simulator charges them once per step, with the rest). The prediction of a
+   round simulates the plan on that round's compute, overhead and update rate (the step
+   with the optimizer on the compute beside the update), so a change of machine load
+   between rounds moves both sides; the row shown is the round with the median step
+   ratio (the spread of both ratios over the rounds follows it). "update" is the host
+   update's seconds, first op to last: simulated, and as its thread ran inside the step
+   (the residents' update on the device runs beside it, on the training thread: the
+   emulated device is async, `device_runs_async`). A step's measured
    compute is its layers' compute as the engine timed it inside that step plus the
    round's calibrated rest and the plan's layer runs at the round's emulated overhead
    (the predicted compute holds them too); exposed = step - compute; optimizer exposure
@@ -41,9 +47,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -51,6 +59,8 @@ import transformers
 from lazytrain_accel.demo.model import DEMO_MODEL_CONFIG
 from lazytrain_accel.engine import attach
 from lazytrain_accel.engine.emulation import EmulationSettings
+from lazytrain_accel.engine.overlap import LayerwiseUpdate
+from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning import Budgets, build_problem, make_plan, simulate
 from lazytrain_accel.planning.problem import GPU_RESERVE_FRACTION
@@ -106,7 +116,8 @@ class _Case:
     def steady_steps(self, ids: torch.Tensor, steps: int) -> tuple[float, float, float]:
         """Medians over `steps` steps, each following a step (so it waits for that step's
         update), of (seconds, layer compute seconds in it, seconds the previous step's
-        update ran on its thread)."""
+        update thread ran: the residents' update on the device, if any, runs on the
+        training thread beside it, within that span, as the emulated device is async)."""
         self._step(ids)
         runs = []
         for _ in range(steps):
@@ -115,7 +126,7 @@ class _Case:
             self._step(ids)
             elapsed, stats = time.perf_counter() - start, self.engine.stats()
             runs.append((elapsed, stats.compute_s + stats.recompute_s,
-                         stats.optimizer_update_s + stats.device_update_s))
+                         stats.optimizer_update_s))
         self.engine.synchronize()  # no update left running into another case's step
         return tuple(statistics.median(run[k] for run in runs) for k in range(3))
 
@@ -151,11 +162,20 @@ class _Calibration:
                 "bwd_s": (total_s - 2 * forward_s) / self.layers,
                 "rest_s": max(wall_s - total_s - runs_s, 0.0)}
 
+    def seconds(self, compute: dict[str, float]) -> float:
+        """The step's compute seconds in `compute` (forwards, backwards with their re-run,
+        the rest)."""
+        return self.layers * (2 * compute["fwd_s"] + compute["bwd_s"]) + compute["rest_s"]
+
     def median(self, ids: torch.Tensor, steps: int, overhead: LayerOverheads | None = None
                ) -> dict[str, float]:
         """The median of `steps` measurements, per term."""
-        runs = [self.measure(ids, overhead) for _ in range(steps)]
-        return {term: statistics.median(run[term] for run in runs) for term in runs[0]}
+        return _medians([self.measure(ids, overhead) for _ in range(steps)])
+
+
+def _medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The median of `runs`, per term."""
+    return {term: statistics.median(run[term] for run in runs) for term in runs[0]}
 
 
 #: Interleaved probe steps per overhead measurement (their median is taken).
@@ -205,38 +225,87 @@ def _hardware(h2d: float, d2h: float, nvme: float, optimizer_params_per_s: float
         peak_bf16_flops_per_s=NOMINAL_FLOPS_PER_S, achieved_flops_per_s=NOMINAL_FLOPS_PER_S,
         h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, nvme_read_bytes_per_s=nvme,
         nvme_write_bytes_per_s=nvme, cpu_optimizer_params_per_s=optimizer_params_per_s,
-        # the device is this CPU: residents updated "on the device" take the host kernel
-        gpu_optimizer_params_per_s=optimizer_params_per_s, device_runs_async=False,
+        # the device is this CPU: residents updated "on the device" take the host kernel,
+        # on the training thread beside the update thread, as on a GPU: the emulated
+        # device is async (the engine's `device_update_beside_host`)
+        gpu_optimizer_params_per_s=optimizer_params_per_s, device_runs_async=True,
         layer_forward_overhead_s=overhead.forward_s,
         layer_backward_overhead_s=overhead.backward_s, step_overhead_s=overhead.step_s,
         source="bench/fidelity.py: compute measured on this CPU, links chosen against it")
 
 
-class _OptimizerCalibration:
-    """One serial HybridAdamW8bit update of the whole model on this CPU: its params/s."""
+class _UpdateBeside:
+    """HybridAdamW8bit's update of a model as a step with the optimizer runs it: the
+    engine's update thread (`LayerwiseUpdate`: embeddings, layer 1..L, final norm and
+    head, in that order), each group's gradients freed after its update (`zero_grad`
+    deferred, as the step's is), beside a calibration step on this thread. On this CPU
+    the two share the cores and the memory: the update, timed alone on gradients it keeps,
+    ran 1.3-2.5x faster than inside the steps, and the compute beside it runs slower."""
 
     def __init__(self, config: dict) -> None:
-        model = _model(config)
-        for p in model.parameters():
-            p.grad = torch.full_like(p, 1e-3)
-        self.params = sum(p.numel() for p in model.parameters())
-        self.optimizer = HybridAdamW8bit(model.parameters(), lr=1e-4)
+        self.model = _model(config)
+        body, seen = self.model.model, set()
+        self.groups = [[p for p in params if not (p in seen or seen.add(p))]
+                       for params in (list(body.embed_tokens.parameters()),
+                                      *(list(layer.parameters()) for layer in body.layers),
+                                      [*body.norm.parameters(),
+                                       *self.model.lm_head.parameters()])]
+        self.params = sum(p.numel() for group in self.groups for p in group)
+        self.optimizer = HybridAdamW8bit(self.model.parameters(), lr=1e-4)
+        self._gradients()
         self.optimizer.step()  # allocates the 8-bit states
 
-    def rate(self, steps: int) -> float:
-        """Params/s of the median of `steps` updates."""
-        seconds = []
+    def _gradients(self) -> None:
+        for p in self.model.parameters():
+            p.grad = torch.full_like(p, 1e-3)
+
+    def measure(self, beside: Callable[[], dict[str, float]]) -> tuple[float, dict[str, float]]:
+        """(params/s of the update, `beside()`'s result), `beside` run on this thread
+        while the update runs on its own."""
+        self._gradients()
+        accounting = Accounting()
+        if not self.optimizer.begin_step():
+            raise RuntimeError("the calibration update's gradients are not finite")
+        update = LayerwiseUpdate(self.optimizer, self.model, self.groups, accounting)
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            measured = beside()
+        finally:
+            update.wait()
+        return self.params / accounting.snapshot().optimizer_update_s, measured
+
+    def interleaved(self, calibration: _Calibration, ids: torch.Tensor, steps: int,
+                    overhead: LayerOverheads | None = None
+                    ) -> tuple[dict[str, float], dict[str, float], float]:
+        """`steps` calibration steps alone and `steps` beside the update, taking turns (a
+        change of load hits both alike): the compute alone (medians per term); the same
+        with the seconds the update took from the step's compute (the median of the
+        pairs' differences) added to the rest; the update's params/s (median).
+
+        The update runs at the start of the step, in its first forward: its cost is
+        charged once per step, not to every layer forward and re-run."""
+        alone, added_s, rates = [], [], []
         for _ in range(steps):
-            start = time.perf_counter()
-            self.optimizer.step()
-            seconds.append(time.perf_counter() - start)
-        return self.params / statistics.median(seconds)
+            alone.append(calibration.measure(ids, overhead))
+            rate, beside = self.measure(functools.partial(calibration.measure, ids, overhead))
+            added_s.append(calibration.seconds(beside) - calibration.seconds(alone[-1]))
+            rates.append(rate)
+        compute = _medians(alone)
+        added = max(statistics.median(added_s), 0.0)  # below 0: noise, not a faster step
+        return compute, {**compute, "rest_s": compute["rest_s"] + added}, \
+            statistics.median(rates)
 
 
-def optimizer_rate(config: dict, steps: int) -> float:
-    """Params/s of a serial HybridAdamW8bit update of the whole model on this CPU (the
-    median of `steps`)."""
-    return _OptimizerCalibration(config).rate(steps)
+def optimizer_rate(config: dict, batch: int, seq: int, steps: int) -> float:
+    """Params/s of HybridAdamW8bit's update of the whole model on its thread beside a
+    calibration step, as a step with the optimizer runs it (the median of `steps`)."""
+    calibration, update = _Calibration(config, batch, seq), _UpdateBeside(config)
+    ids = torch.randint(0, config["vocab_size"], (batch, seq))
+    calibration.measure(ids)
+    rate = statistics.median(update.measure(functools.partial(calibration.measure, ids))[0]
+                             for _ in range(steps))
+    calibration.engine.detach()
+    return rate
 
 
 def link_hardware(profile: ModelProfile, compute: dict[str, float],
@@ -274,7 +343,7 @@ def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, roun
     rates = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,
              "nvme_read": hw.nvme_read_bytes_per_s, "nvme_write": hw.nvme_write_bytes_per_s}
     ids = torch.randint(0, config["vocab_size"], (batch, seq))
-    calibration, optimizer = _Calibration(config, batch, seq), _OptimizerCalibration(config)
+    calibration, update = _Calibration(config, batch, seq), _UpdateBeside(config)
     probes = (LayerOverheadProbe(torch.device("cpu")),
               LayerOverheadProbe(torch.device("cpu"), emulation=_emulated()))
     runs = 2 * plan.num_layers + sum(max(e - s - 1, 0) for s, e in plan.blocks)
@@ -284,8 +353,9 @@ def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, roun
     for _ in range(rounds + 1):  # the first round warms up
         calibration.measure(ids)
         sync, emulated = (probe.measure(PROBE_REPEATS) for probe in probes)
-        row: dict = {"compute": calibration.median(ids, steps, sync), "overhead": emulated,
-                     "optimizer_rate": optimizer.rate(steps)}
+        row: dict = {"overhead": emulated}
+        row["compute"], row["compute_opt"], row["optimizer_rate"] = update.interleaved(
+            calibration, ids, steps, sync)
         forward_runs = runs - plan.num_layers
         runs_s = (forward_runs * emulated.forward_s + plan.num_layers * emulated.backward_s
                   + emulated.step_s)
@@ -335,20 +405,21 @@ def in_step(plan, compute: dict[str, float], layers_s: float) -> dict[str, float
 
 
 def predictions(plan, config: dict, batch: int, seq: int, meas: dict, hw: HardwareProfile,
-                params: int) -> dict:
-    """A round's predictions: on its calibrated compute and serial update rate, and on
-    the durations timed inside its steps (layer compute; the update's own run time)."""
+                host_params: int) -> dict:
+    """A round's predictions: on its calibrated compute (beside the update for the step
+    with the optimizer) and update rate, and on the durations timed inside its steps
+    (layer compute; the update thread's run time, `host_params` updated on it)."""
     update_s, overhead = meas["step_opt_update"], meas.get("overhead")
     return {
         "step": predict(plan, config, batch, seq, meas["compute"], hw, overhead=overhead),
-        "opt": predict(plan, config, batch, seq, meas["compute"], hw,
+        "opt": predict(plan, config, batch, seq, meas["compute_opt"], hw,
                        optimizer_params_per_s=meas["optimizer_rate"], overhead=overhead),
         "step_in": predict(plan, config, batch, seq,
                            in_step(plan, meas["compute"], meas["step_layers"]), hw,
                            overhead=overhead),
         "opt_in": predict(plan, config, batch, seq,
-                          in_step(plan, meas["compute"], meas["step_opt_layers"]), hw,
-                          optimizer_params_per_s=(params / update_s if update_s > 0
+                          in_step(plan, meas["compute_opt"], meas["step_opt_layers"]), hw,
+                          optimizer_params_per_s=(host_params / update_s if update_s > 0
                                                   else meas["optimizer_rate"]),
                           overhead=overhead),
     }
@@ -378,8 +449,10 @@ def _row(model: str, name: str, plan, preds: dict, meas: dict) -> str:
 
 
 def _update_s(result) -> float:
-    """Seconds of the simulated update (its ops on the host and device optimizer lanes)."""
-    return sum(op.duration_s for op in result.ops if is_optimizer_lane(op.resource))
+    """Seconds of the simulated update: from its first op to its last on the host and
+    device optimizer lanes (they run side by side), as its thread spans it."""
+    ops = [op for op in result.ops if is_optimizer_lane(op.resource)]
+    return max(op.end_s for op in ops) - min(op.start_s for op in ops)
 
 
 def report_plan(name: str, plan_name: str, plan, config: dict, batch: int, seq: int,
@@ -387,10 +460,12 @@ def report_plan(name: str, plan_name: str, plan, config: dict, batch: int, seq: 
     """The row of the round with the median step ratio, and the ratios' spread."""
     with tempfile.TemporaryDirectory() as tmp:
         measured = run_plan(config, plan, hw, batch, seq, rounds, steps, tmp)
-    params = measured_profile(config, batch, seq, measured[0]["compute"]).trainable_param_count
+    profile = measured_profile(config, batch, seq, measured[0]["compute"])
+    host_params = profile.trainable_param_count - (
+        profile.resident_trainable_param_count if plan.resident_update == "device" else 0)
     rows = []
     for meas in measured:
-        preds = predictions(plan, config, batch, seq, meas, hw, params)
+        preds = predictions(plan, config, batch, seq, meas, hw, host_params)
         rows.append((meas["step"] / preds["step"].step_s, preds, meas))
     rows.sort(key=lambda r: r[0])
     _, preds, meas = rows[len(rows) // 2]
@@ -414,7 +489,8 @@ def main() -> None:
         config, batch, seq = MODELS[name]
         compute, overhead = measure_compute(config, batch, seq, args.steps)
         profile = measured_profile(config, batch, seq, compute)
-        hw = link_hardware(profile, compute, optimizer_rate(config, args.steps), overhead)
+        hw = link_hardware(profile, compute, optimizer_rate(config, batch, seq, args.steps),
+                           overhead)
         print(f"# {name}: {profile.geometry.total_param_count / 1e6:.0f}M parameters, "
               f"{profile.num_layers} layers, batch {batch} x {seq}; measured layer fwd "
               f"{compute['fwd_s'] * 1e3:.1f} ms, bwd {compute['bwd_s'] * 1e3:.1f} ms, rest "

@@ -48,7 +48,12 @@ def test_rates_plans_and_one_round(tmp_path):
     (measured,) = fidelity.run_plan(TINY, plans["auto+nvme"], hw, 2, 16, 1, 2,
                                      str(tmp_path))
     assert {"step", "step_compute", "step_opt", "step_opt_compute", "step_layers",
-            "step_opt_update", "optimizer_rate"} <= set(measured)
+            "step_opt_update", "optimizer_rate", "compute_opt"} <= set(measured)
+    # the step with the optimizer is predicted on the compute measured beside the update:
+    # the same layers, the rest with what the update took from the step
+    assert {k: measured["compute_opt"][k] for k in ("fwd_s", "bwd_s")} == {
+        k: measured["compute"][k] for k in ("fwd_s", "bwd_s")}
+    assert measured["compute_opt"]["rest_s"] >= measured["compute"]["rest_s"]
     assert measured["step"] > 0 and measured["step_opt_update"] > 0
     preds = fidelity.predictions(plans["auto+nvme"], TINY, 2, 16, measured, hw,
                                  profile.trainable_param_count)
@@ -60,3 +65,39 @@ def test_rates_plans_and_one_round(tmp_path):
     assert measured["overhead"].step_s >= 0 and pred.overhead_s > 0
     row = fidelity._row("tiny", "auto+nvme", plans["auto+nvme"], preds, measured)
     assert row.count("|") == 7
+
+
+def test_the_update_is_timed_as_a_step_runs_it():
+    """On the engine's update thread, beside a calibration step, freeing each group's
+    gradients after its update (the step's deferred zero_grad)."""
+    update = fidelity._UpdateBeside(TINY)
+    calibration = fidelity._Calibration(TINY, 2, 16)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 16))
+    ran = []
+
+    def beside() -> dict[str, float]:
+        ran.append(True)
+        return calibration.measure(ids)
+
+    rate, compute = update.measure(beside)
+    calibration.engine.detach()
+    assert ran and rate > 0 and compute["fwd_s"] > 0
+    assert all(p.grad is None for p in update.model.parameters())
+    # every parameter once (the demo's head is tied to its embeddings)
+    assert update.params == sum(p.numel() for p in update.model.parameters())
+
+
+def test_the_emulated_device_updates_residents_beside_the_host():
+    """The plans run on the emulated device, which is async: the engine updates the
+    device residents on the training thread beside the update thread, and the hardware
+    profile tells the simulator so; the update's simulated seconds are its span."""
+    from lazytrain_accel.engine.emulation import EmulatedStreams
+
+    profile = fidelity.measured_profile(TINY, 2, 16, COMPUTE)
+    hw = fidelity.link_hardware(profile, COMPUTE, 1e8)
+    assert hw.device_runs_async is EmulatedStreams.is_async
+    plan = fidelity.plans(profile, hw)["offload_all"]
+    assert plan.resident_update == "device"
+    result = fidelity.simulate(plan, profile, hw)
+    ops = [op for op in result.ops if fidelity.is_optimizer_lane(op.resource)]
+    assert fidelity._update_s(result) < sum(op.duration_s for op in ops)  # side by side
