@@ -5,7 +5,7 @@ layer's backward working set plus the boundaries the plan keeps: `bench/long_con
 `predicted_growth_bytes` says what is counted). Each run is a fresh process, so nothing
 else in the test session is counted. 16K with the MLP tiled runs by default (~60 s on 2
 shared cores); 32K and the whole layer in sequence tiles at 16K are marked slow (~2 min
-each)."""
+each). The stock run of a length is made once per module: both 16K tests compare to it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,26 +36,40 @@ def _run(mode: str, seq: int, grads: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory) -> Callable[[int], tuple[dict, Path]]:
+    """The stock run of `seq` tokens (its JSON and gradients file), launched on first use:
+    stock transformers is the same reference for every tiling mode of a length."""
+    runs: dict[int, tuple[dict, Path]] = {}
+
+    def run(seq: int) -> tuple[dict, Path]:
+        if seq not in runs:
+            grads = tmp_path_factory.mktemp(f"stock_{seq}") / "stock.pt"
+            runs[seq] = _run("stock", seq, grads), grads
+        return runs[seq]
+    return run
+
+
 @pytest.mark.parametrize(("mode", "seq"), [
     ("tiled", 16384), pytest.param("tiled", 32768, marks=pytest.mark.slow),
     pytest.param("layer", 16384, marks=pytest.mark.slow)])
-def test_one_long_sample_tiled_matches_stock_checkpointing_in_half_the_memory(mode, seq,
+def test_one_long_sample_tiled_matches_stock_checkpointing_in_half_the_memory(mode, seq, stock,
                                                                               tmp_path):
     """`tiled`: the MLP in tiles; `layer`: the whole layer in sequence tiles
     (`engine/layer_tiles.py`), both of `TILE_TOKENS`."""
-    stock = _run("stock", seq, tmp_path / "stock.pt")
+    stock_run, stock_grads = stock(seq)
     tiled = _run(mode, seq, tmp_path / "tiled.pt")
-    assert tiled["loss"] == pytest.approx(stock["loss"], rel=1e-4)
-    grads_stock = torch.load(tmp_path / "stock.pt")
+    assert tiled["loss"] == pytest.approx(stock_run["loss"], rel=1e-4)
+    grads_stock = torch.load(stock_grads)
     grads = torch.load(tmp_path / "tiled.pt")
     assert grads.keys() == grads_stock.keys()
     for name, g_ref in grads_stock.items():
         rel = float((grads[name] - g_ref).norm() / g_ref.norm())
         assert rel <= 1e-4, f"{name}: gradient off by {rel:.2e} relative"
     measured, predicted = tiled["peak_growth_bytes"], tiled["predicted_growth_bytes"]
-    ratio = measured / stock["peak_growth_bytes"]
+    ratio = measured / stock_run["peak_growth_bytes"]
     assert ratio <= 0.5, (f"peak growth {measured / 2**20:.0f} MiB tiled vs "
-                          f"{stock['peak_growth_bytes'] / 2**20:.0f} MiB stock")
+                          f"{stock_run['peak_growth_bytes'] / 2**20:.0f} MiB stock")
     assert abs(measured / predicted - 1) <= PREDICTION_TOLERANCE, (
         f"peak growth {measured / 2**20:.0f} MiB measured vs {predicted / 2**20:.0f} MiB "
         "predicted by profiling/working_set.py")
