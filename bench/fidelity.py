@@ -336,17 +336,18 @@ def plans(profile: ModelProfile, hw: HardwareProfile) -> dict[str, object]:
 
 def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, rounds: int,
              steps: int, tmp: str) -> list[dict]:
-    """Per round (medians of `steps` each): this CPU's compute, the serial update's rate,
-    then the steady step on throttled links without and with the optimizer, each with
-    the layer compute timed inside it; the engines take turns, so load changes hit them
-    alike."""
+    """Per round (medians of `steps` each): this CPU's compute, alone and beside the
+    update (`_UpdateBeside.interleaved`: the update's rate and what it takes from the
+    step's compute), then the steady step on throttled links without and with the
+    optimizer, each with the layer compute timed inside it; the engines take turns, so
+    load changes hit them alike."""
     rates = {"h2d": hw.h2d_bytes_per_s, "d2h": hw.d2h_bytes_per_s,
              "nvme_read": hw.nvme_read_bytes_per_s, "nvme_write": hw.nvme_write_bytes_per_s}
     ids = torch.randint(0, config["vocab_size"], (batch, seq))
     calibration, update = _Calibration(config, batch, seq), _UpdateBeside(config)
     probes = (LayerOverheadProbe(torch.device("cpu")),
               LayerOverheadProbe(torch.device("cpu"), emulation=_emulated()))
-    runs = 2 * plan.num_layers + sum(max(e - s - 1, 0) for s, e in plan.blocks)
+    runs = 2 * plan.num_layers + plan.recomputed_layer_runs
     cases = {"step": _Case(config, plan, rates, with_optimizer=False, nvme_dir=tmp),
              "step_opt": _Case(config, plan, rates, with_optimizer=True, nvme_dir=tmp)}
     out = []
@@ -398,9 +399,9 @@ def in_step(plan, compute: dict[str, float], layers_s: float) -> dict[str, float
     """`compute` with its layer seconds scaled to those the engine timed inside a step
     (`layers_s`: forwards, backwards and re-runs), i.e. to the CPU's load at that moment;
     the rest of the step as calibrated."""
-    reruns = sum(max(e - s - 1, 0) for s, e in plan.blocks)
     L = plan.num_layers
-    k = layers_s / ((2 * L + reruns) * compute["fwd_s"] + L * compute["bwd_s"])
+    k = layers_s / ((2 * L + plan.recomputed_layer_runs) * compute["fwd_s"]
+                    + L * compute["bwd_s"])
     return {**compute, "fwd_s": compute["fwd_s"] * k, "bwd_s": compute["bwd_s"] * k}
 
 

@@ -214,6 +214,12 @@ class Plan:
                 return s, e
         raise ValueError(f"boundary {boundary} is not inside any block of this plan")
 
+    @property
+    def recomputed_layer_runs(self) -> int:
+        """Layer forwards the backward re-runs per step: block (s, e) regenerates the
+        e - s - 1 boundaries inside it."""
+        return sum(e - s - 1 for s, e in self.blocks)
+
     def count_homes(self) -> dict[str, int]:
         return {h.value: sum(1 for x in self.homes if x == h) for h in Home}
 

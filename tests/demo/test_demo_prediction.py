@@ -46,8 +46,8 @@ def _calibrated(hardware, plan, profile, compute_s: float):
     """`hardware` with the compute rate that makes the plan's layer runs take `compute_s`
     (the engine's timer: forwards, backward re-runs and backwards, recompute)."""
     L = plan.num_layers
-    reruns = sum(max(e - s - 1, 0) for s, e in plan.blocks)
-    flops = (2 * L + reruns) * profile.layer_fwd_flops + L * profile.layer_bwd_flops
+    flops = ((2 * L + plan.recomputed_layer_runs) * profile.layer_fwd_flops
+             + L * profile.layer_bwd_flops)
     rate = flops / compute_s
     return dataclasses.replace(hardware, achieved_flops_per_s=rate, peak_bf16_flops_per_s=rate)
 

@@ -70,6 +70,9 @@ def _check_plan(instance: tuple, plan) -> None:
     p = build_problem(model, hardware, budgets=budgets, max_recompute_block=K)
     assert result.step_s == pytest.approx(p.step_floor_s() + plan.solver.objective_s,
                                           rel=0.01)
+    # the re-runs the benches and calibration count are those the cost model charges
+    assert plan.recomputed_layer_runs * p.fwd_run_s == pytest.approx(
+        sum(p.recompute_s(s, e) for s, e in plan.blocks))
     pred = plan.prediction
     assert pred.peak_gpu_bytes <= budgets.gpu_bytes
     assert pred.peak_cpu_bytes <= budgets.cpu_bytes
