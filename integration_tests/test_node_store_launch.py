@@ -109,8 +109,8 @@ def test_split_update_equals_one_process_accumulating_the_global_batch(
     the ranks' mean divides the summed gradients by 2, both exact in fp32 (a power of
     two), and a + b is b + a; the clip coefficient is one process's because the global
     norm is combined in one process's order (`ShareReducer.gather`). One process on a
-    batch of 8 instead sums each GEMM over 8 samples at once: 1e-7 apart at first, then
-    Adam amplifies (test_accelerate_launch.py compares that run). keep: the small
+    batch of 8 instead sums each GEMM over 8 samples at once: 1e-7 to 2e-7 apart
+    (test_accelerate_launch.py compares that run). keep: the small
     model; hybrid8bit: the host-bytes model (hidden 512), shared with the PSS test."""
     args = ((*STEPS, "--plan", "checkpoint_all", "--optimizer", "keep")
             if optimizer == "keep" else PSS_ARGS)

@@ -184,7 +184,7 @@ def main() -> None:
                 optimizer.zero_grad()
             micro_losses.append(out.loss.detach())
             if args.samples_out:
-                if not micro_losses[1:]:
+                if len(micro_losses) == 1:  # the step's first micro-batch
                     samples.append([])
                 samples[-1].extend(accelerator.gather(ids[:, 0]).tolist())
             if accelerator.sync_gradients:
