@@ -302,15 +302,6 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         load_state_keeping_codes(self, state_dict, super().load_state_dict)
         check_loaded_state(self)
 
-    def state_nbytes(self) -> int:
-        """Bytes held by the optimizer state (codes, scales, fp32 moments, step counters)."""
-        return sum(
-            value.numel() * value.element_size()
-            for state in self.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor)
-        )
-
     @property
     def uses_native_kernel(self) -> bool:
         return self._kernel is not None

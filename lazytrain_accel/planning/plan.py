@@ -64,13 +64,6 @@ def backward_window(layer: int, num_layers: int) -> int:
     return 2 * num_layers - layer
 
 
-def window_name(window: int, num_layers: int) -> str:
-    """"F3" for the forward of layer 3, "B3" for its backward."""
-    if window < num_layers:
-        return f"F{window + 1}"
-    return f"B{2 * num_layers - window}"
-
-
 @dataclass(kw_only=True)
 class Transfer:
     """`bytes` of boundary `boundary` moved by `kind` during window `window`."""
