@@ -187,6 +187,8 @@ class StreamingEngine:
         self.residents.swap_in_late()
 
     def after_model(self) -> None:
+        """The model's call ended, or failed before its end: the residents' masters go
+        back in place unless a pass still awaits its backward."""
         if not self._open:
             self.residents.swap_out()
 
@@ -213,8 +215,7 @@ class StreamingEngine:
             long_sequence.check_inputs(arguments, attn_implementation=getattr(
                 config, "_attn_implementation", None))
         except long_sequence.LongSequenceError:
-            if not self._open:
-                self.residents.swap_out()  # masters back in place (`after_model` won't run)
+            self.after_model()  # it won't run: the error skips the model's end
             raise
 
     # ---- layer calls -----------------------------------------------------------------
@@ -232,8 +233,7 @@ class StreamingEngine:
                                                                  None),
                                      tiled=self.runtime.tiles_layer(index, hidden))
         except long_sequence.LongSequenceError:
-            if not self._open:
-                self.residents.swap_out()  # masters back in place (`_after_model` won't run)
+            self.after_model()  # it won't run: the error skips the model's end
             raise
         trainable = any(p.requires_grad for p in self._layer_params[index - 1])
         if not torch.is_grad_enabled() or not (trainable or hidden.requires_grad):
@@ -253,8 +253,7 @@ class StreamingEngine:
         except BaseException:  # the state closed itself; it awaits no backward any more
             self._open.discard(state)
             self._state = None
-            if not self._open:
-                self.residents.swap_out()  # masters back in place (`after_model` won't run)
+            self.after_model()  # it won't run: the error skips the model's end
             raise
 
     def _check_planned_tokens(self, hidden: torch.Tensor) -> None:
