@@ -62,11 +62,16 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: Path, cache_dir: Path) ->
     assert len(seen) == 6
     for r in runs:
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["peak_device_bytes"] > 0
-        assert r["predicted_step_s"] > 0 and r["measured_stall_s"] >= 0
-        assert r["step_ratio"] == r["step_s"] / r["predicted_step_s"]
-        assert r["measured_optimizer_exposed_s"] >= 0 and r["optimizer_update_s"] > 0
-        assert r["predicted_optimizer_exposed_s"] >= 0
-        assert r["resident_update"] in ("host", "device") and r["device_update_s"] >= 0
+        # Each measured part lies inside one step (stats reset between steps, not summed
+        # over the run), and each predicted part inside the predicted step.
+        assert 0 <= r["measured_stall_s"] < r["step_s"], r
+        assert 0 <= r["measured_optimizer_exposed_s"] < r["step_s"], r
+        assert r["optimizer_update_s"] > 0, r  # the host update ran, on its thread
+        assert 0 <= r["predicted_exposed_s"] < r["predicted_step_s"], r
+        assert 0 <= r["predicted_optimizer_exposed_s"] < r["predicted_step_s"], r
+        # The training thread updates the residents only when the plan puts them there.
+        assert r["resident_update"] in ("host", "device"), r
+        assert (r["device_update_s"] > 0) == (r["resident_update"] == "device"), r
     assert set(report["admitted_batch_at_smallest_cap"]) == {"lazytrain", "megatrain",
                                                               "checkpoint_all"}
     table = (out / "gpu_check.txt").read_text()
@@ -106,7 +111,7 @@ def _check_qlora(qlora: dict) -> None:
         assert r["packed_tensors"] == 3 * 7 and r["packed_bytes"] > 0  # 3 layers x 7 linears
         # the CUDA code path of the packed pool ran: staging, side stream, events
         assert r["pool"] == "PackedWeightPool" and r["streams"] == "EmulatedStreams"
-        assert r["step_s"] > 0 and r["step_ratio"] == r["step_s"] / r["predicted_step_s"]
+        assert r["predicted_step_s"] > 0 and r["step_s"] > 0, r
     assert qlora["device_bytes_left"] == 0  # CPU: nothing to account
     dequant = qlora["dequant"]
     assert dequant["preset"] == "h200" and dequant["preset_bytes_per_s"] > 0
