@@ -282,10 +282,15 @@ class Accelerator(accelerate.Accelerator):
         # the larger plan may home more on NVMe: fail with a sentence, not an ENOSPC
         preflight.check_nvme_dir(self.lazytrain_plugin.nvme_dir,
                                  preflight.nvme_need_bytes(run.plan))
+        self._lazytrain_adopt(run, sizing)
+        return run.plan
+
+    def _lazytrain_adopt(self, run: setup.PreparedRun, sizing: batch_shape.Sizing) -> None:
+        """`run`, planned for `sizing`, becomes this run's: the re-planner solves and
+        prices with its model profile from the next step on."""
         self.lazytrain_sizing, self.lazytrain_run = sizing, run
         if self.lazytrain_replanner is not None:
-            self.lazytrain_replanner.run = run  # measured rates now price this shape
-        return run.plan
+            self.lazytrain_replanner.run = run
 
     # ---- the training step ----------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -401,10 +406,10 @@ class Accelerator(accelerate.Accelerator):
         sizing = batch_shape.Sizing(batch_size=previous.batch_size, seq_len=previous.seq_len,
                                     source="the checkpoint's plan",
                                     seq_cap=self.lazytrain_sizing.seq_cap)
-        self.lazytrain_run = self._lazytrain_plan_for(self._lazytrain_model, sizing,
-                                                      self.lazytrain_run.hardware, replan=True)
-        self.lazytrain_sizing = sizing
-        self.lazytrain_engine.set_plan(self.lazytrain_run.plan)
+        run = self._lazytrain_plan_for(self._lazytrain_model, sizing,
+                                       self.lazytrain_run.hardware, replan=True)
+        self._lazytrain_adopt(run, sizing)
+        self.lazytrain_engine.set_plan(run.plan)
 
     def end_training(self) -> None:
         if self.lazytrain_guard is not None:

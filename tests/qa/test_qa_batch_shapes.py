@@ -127,6 +127,22 @@ def test_resuming_a_checkpoint_planned_for_longer_batches_adopts_its_shape(
     resumed.end_training()
 
 
+def test_resuming_a_longer_shape_reaches_the_replanner_too(tmp_path: Path) -> None:
+    """Issue 31: `load_state` of a checkpoint planned for a longer shape re-planned the
+    run and the engine, but the re-planner kept solving and pricing with the 2 x 6 model
+    profile (the plan lived in three places, kept in step by callbacks)."""
+    _, acc = _run(tmp_path, [6, 5, 20, 9])
+    acc.save_state(str(tmp_path / "ckpt"))
+    acc.end_training()
+    _, resumed = _run(tmp_path, [6, 5])
+    assert resumed.lazytrain_replanner is not None  # replan="auto" is the default
+    resumed.load_state(str(tmp_path / "ckpt"))
+    assert resumed.lazytrain_run.model_profile.seq_len == 32
+    assert resumed.lazytrain_replanner.run.model_profile.seq_len == 32
+    assert resumed.lazytrain_replanner.run.plan is resumed.lazytrain_engine.plan
+    resumed.end_training()
+
+
 @pytest.mark.parametrize("resident_update", ["device", "host"])
 def test_a_replan_keeps_the_engines_residents_where_they_are(
         tmp_path: Path, resident_update: str) -> None:
