@@ -23,6 +23,7 @@ from lazytrain_accel import preflight, threads
 from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.integrations import (
     batch_shape,
+    generation_words,
     node_store,
     ranks,
     setup,
@@ -227,13 +228,16 @@ class Accelerator(accelerate.Accelerator):
             return 1
         why_not = node_store.unusable_because(self.lazytrain_plugin.node_store,
                                               num_processes=self.num_processes, env=os.environ)
+        report = logger.info
+        if why_not is None and (unsafe := generation_words.unavailable_because()):
+            why_not, report = f"the node store is refused: {unsafe}", logger.warning
         if why_not is None:
             local = int(os.environ["LOCAL_WORLD_SIZE"])
             self.lazytrain_nodes = self.num_processes // local
             return local
         if self.is_main_process:
-            logger.info("lazytrain: each rank keeps its own host copy and the whole "
-                        "update (gradients all-reduced): %s", why_not)
+            report("lazytrain: each rank keeps its own host copy and the whole update "
+                   "(gradients all-reduced): %s", why_not)
         return 1
 
     def _lazytrain_share(self, model: nn.Module, num_groups: int
