@@ -62,7 +62,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lazytrain_accel.engine.step import StepCoordinator
-from lazytrain_accel.engine.streams import Streams
 from lazytrain_accel.integrations.data_parallel import (
     GradReadyHooks,
     adopt_mean_grads,
@@ -401,12 +400,11 @@ class SplitEngine(ShareHooks, Protocol):
     """What `start_split_update` needs of the engine (`StreamingEngine`)."""
 
     steps: StepCoordinator
-    streams: Streams
     device: torch.device
 
 
 def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
-                       shared_bytes: torch.Tensor, should_reduce: Callable[[], bool],
+                       should_reduce: Callable[[], bool],
                        layout: NodeGroups | None = None) -> ShareReducer:
     """Give this rank its share (`owner_of_groups` over the node's local ranks, by
     trainable bytes), make the engine's update skip and wait for the other shares, route
@@ -423,7 +421,6 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
     dist.all_gather_object(pids, os.getpid(), group=layout.intra)
     peers = PeerUpdates(generations, owners, layout.local_rank, pids=pids)
     engine.steps.peers = peers
-    engine.streams.register_pinned(shared_bytes)
     return ShareReducer(engine, groups, owners, peers=peers, layout=layout,
                         should_reduce=should_reduce)
 

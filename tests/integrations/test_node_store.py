@@ -181,10 +181,6 @@ def test_the_split_update_gives_each_rank_the_planners_share(monkeypatch) -> Non
         class steps:
             update_groups, device_groups, peers = groups, [0, 5], None
 
-        class streams:
-            @staticmethod
-            def register_pinned(_: torch.Tensor) -> None: ...
-
         def register_grad_ready_hook(self, hook) -> None: ...
 
     for name, value in (("get_world_size", 2), ("get_rank", 0), ("get_backend", "gloo")):
@@ -193,9 +189,7 @@ def test_the_split_update_gives_each_rank_the_planners_share(monkeypatch) -> Non
                         lambda out, pid, group=None: out.__setitem__(slice(None), [pid, pid]))
     engine = Engine()
     words = GenerationWords(bytearray(48), offset_bytes=0, count=6)
-    split_update.start_split_update(engine, generations=words,
-                                    shared_bytes=torch.zeros(1, dtype=torch.uint8),
-                                    should_reduce=lambda: True)
+    split_update.start_split_update(engine, generations=words, should_reduce=lambda: True)
     owners = owner_of_groups([40, 120, 120, 120, 120, 20], 2)  # a CPU device: all shared
     assert owners == [0, 0, 0, 1, 1, 1]
     assert engine.steps.peers.foreign_groups == [g for g, o in enumerate(owners) if o != 0]
