@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import itertools
 
 import gpu_equivalence
+import gpu_pinning
 import gpu_qlora
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
@@ -363,6 +364,9 @@ def _first_phases(setting: Setting, report: dict, out_dir: Path) -> tuple[
     report["phase_s"]["equivalence"], start = time.perf_counter() - start, time.perf_counter()
     report["links"] = measure_links(setting.device,
                                     256 * 2**20 if setting.device.type == "cuda" else 2**20)
+    # 1 GiB in 256 MiB chunks on the GPU (4 registrations), 4 MiB here
+    pin_bytes = 2**30 if setting.device.type == "cuda" else 4 * 2**20
+    report["pinning"] = gpu_pinning.run_phase(setting.device, pin_bytes, pin_bytes // 4)
     hardware = load_hardware("auto", cache_dir=env_setting("cache_dir"),
                              nvme_dir=env_setting("nvme_dir"))
     report["hardware"] = hardware.to_dict()
@@ -388,6 +392,7 @@ def _summarize(setting: Setting, report: dict, results: list[RunResult],
         + "\n" + json.dumps(report["paper_27b"]) + "\n" + gpu_qlora.format_table(
             report["qlora"]) + "\n" + table + "\n")
     print(json.dumps(report["links"]))
+    print(f"the node store's pinning in chunks: {json.dumps(report['pinning'])}")
     print(f"the residents' GPU update, measured vs the preset's estimate: "
           f"{json.dumps(report['device_update'])}")
     print(f"paper workload (27B, h800 preset) at this host's update rate: "

@@ -84,6 +84,7 @@ _DEFAULTS: dict[str, Any] = {
     "frozen_weights": "keep",
     "resident_update": "auto",
     "node_store": "auto",
+    "pin_chunk_max_gib": 256.0,
     "replan": "auto",
     "replan_min_gain": 0.05,
 }
@@ -182,6 +183,10 @@ class LazyTrainConfig:
             copy of the parameters per node from shared memory and splits the update
             across the local ranks (docs/user_guide.md "Several GPUs"); "off" keeps a full
             copy and the whole update on every rank, gradients all-reduced.
+        pin_chunk_max_gib: the node store is page-locked (`cudaHostRegister`) in chunks of
+            at most this many GiB (default 256: one registration of >= 512 GiB fails on
+            real systems); where it cannot be, training goes on from pageable memory,
+            planned with the pageable copy rates (`engine/pinning.py`).
         replan: "auto" (default) fits the profile's rates to what the engine measures
             after a warm-up and, when the plan for those rates is predicted
             `replan_min_gain` faster than the running one, switches to it at a step
@@ -212,6 +217,7 @@ class LazyTrainConfig:
     frozen_weights: str | None = None
     resident_update: str | None = None
     node_store: str | None = None
+    pin_chunk_max_gib: float | None = None
     replan: str | None = None
     replan_min_gain: float | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
@@ -277,6 +283,9 @@ class LazyTrainConfig:
             raise ValueError(f"solver_time_limit_s={self.solver_time_limit_s} must be > 0")
         if self.max_nonfinite_skips < 1:
             raise ValueError(f"max_nonfinite_skips={self.max_nonfinite_skips} must be >= 1")
+        if not self.pin_chunk_max_gib > 0:
+            raise ValueError(f"pin_chunk_max_gib={self.pin_chunk_max_gib} must be > 0 (GiB "
+                             "page-locked per cudaHostRegister call, e.g. 256)")
         if not 0 < self.replan_min_gain < 1:
             raise ValueError(f"replan_min_gain={self.replan_min_gain} must be between 0 and 1 "
                              "(a fraction of the step, e.g. 0.05 for 5%)")
@@ -320,7 +329,7 @@ def _is_json_path(value: str) -> bool:
 
 
 _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
-                 "solver_time_limit_s", "replan_min_gain")
+                 "solver_time_limit_s", "replan_min_gain", "pin_chunk_max_gib")
 _INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens",
                "batch_size", "seq_len", "emulate_seed", "threads")
 _AUTO_FIELDS = ("loss_chunk_tokens",)  # also accept "auto"

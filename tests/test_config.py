@@ -65,6 +65,7 @@ ENV_VALUES = {
     "frozen_weights": ("NF4", "nf4"),
     "resident_update": ("Device", "device"),
     "node_store": ("OFF", "off"),
+    "pin_chunk_max_gib": ("64", 64.0),
     "replan": ("OFF", "off"),
     "replan_min_gain": ("0.1", 0.1),
 }
@@ -116,6 +117,7 @@ ARGUMENTS = {
     "frozen_weights": ("int8", "int8"),
     "resident_update": ("host", "host"),
     "node_store": ("auto", "auto"),
+    "pin_chunk_max_gib": (0.5, 0.5),
     "replan": ("auto", "auto"),
     "replan_min_gain": (0.2, 0.2),
 }
@@ -183,6 +185,7 @@ BAD = [
     ("node_store", "on", ["node_store='on'", "auto", "off"]),
     ("replan", "always", ["replan='always'", "auto", "off"]),
     ("replan_min_gain", 1.5, ["replan_min_gain=1.5", "between 0 and 1"]),
+    ("pin_chunk_max_gib", 0, ["pin_chunk_max_gib=0", "must be > 0"]),
     ("emulate_links", "/nowhere/links.json", ["emulate_links='/nowhere/links.json'",
                                               "no such hardware JSON"]),
 ]

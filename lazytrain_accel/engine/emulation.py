@@ -298,8 +298,8 @@ class EmulatedStreams:
     def keep_alive(self, tensor: torch.Tensor) -> None:
         return None  # a queued copy holds references to its tensors until it ran
 
-    def register_pinned(self, buffer: torch.Tensor) -> None:
-        return None  # host memory stands in for pinned memory here
+    def register_pinned(self, buffer: torch.Tensor, *, max_chunk_bytes: int) -> bool:
+        return True  # host memory stands in for pinned memory here
 
     def poison(self, tensor: torch.Tensor) -> None:
         poison_(tensor)

@@ -23,6 +23,7 @@ from lazytrain_accel import preflight, threads
 from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.integrations import (
     batch_shape,
+    generation_words,
     node_store,
     ranks,
     setup,
@@ -207,8 +208,9 @@ class Accelerator(accelerate.Accelerator):
                                               node_id=node_id)
             self._lazytrain_reducer = split_update.start_split_update(
                 self.lazytrain_engine, generations=self.lazytrain_store.generations,
-                shared_bytes=self.lazytrain_store.bytes, layout=layout,
+                layout=layout,
                 should_reduce=lambda: self.sync_gradients)
+            self._lazytrain_pin_store(model)
             self.lazytrain_guard.global_finite = self._lazytrain_global_finite
         elif self.num_processes > 1:
             self._lazytrain_reducer = GradientAllReducer(
@@ -227,13 +229,16 @@ class Accelerator(accelerate.Accelerator):
             return 1
         why_not = node_store.unusable_because(self.lazytrain_plugin.node_store,
                                               num_processes=self.num_processes, env=os.environ)
+        report = logger.info
+        if why_not is None and (unsafe := generation_words.unavailable_because()):
+            why_not, report = f"the node store is refused: {unsafe}", logger.warning
         if why_not is None:
             local = int(os.environ["LOCAL_WORLD_SIZE"])
             self.lazytrain_nodes = self.num_processes // local
             return local
         if self.is_main_process:
-            logger.info("lazytrain: each rank keeps its own host copy and the whole "
-                        "update (gradients all-reduced): %s", why_not)
+            report("lazytrain: each rank keeps its own host copy and the whole update "
+                   "(gradients all-reduced): %s", why_not)
         return 1
 
     def _lazytrain_share(self, model: nn.Module, num_groups: int
@@ -247,6 +252,21 @@ class Accelerator(accelerate.Accelerator):
             model, path=node_store.segment_path(job_id=job_id, node_id=node_id),
             leader=self.local_process_index == 0, num_groups=num_groups,
             barrier=torch.distributed.barrier)
+
+    def _lazytrain_pin_store(self, model: nn.Module) -> None:
+        """Page-lock the node store for the device's copies, in chunks; where any local
+        rank could not (warned there), every rank re-plans on the pageable copy rates, so
+        the ranks keep one plan (`ranks.check_ranks_agree`)."""
+        max_chunk_bytes = int(self.lazytrain_plugin.pin_chunk_max_gib * 1024**3)
+        pinned = self.lazytrain_engine.streams.register_pinned(
+            self.lazytrain_store.bytes, max_chunk_bytes=max_chunk_bytes)
+        if ranks.least(int(pinned)):
+            return
+        run = self._lazytrain_plan_for(model, self.lazytrain_sizing,
+                                       self.lazytrain_run.hardware.pageable_links(),
+                                       replan=True)
+        self.lazytrain_engine.set_plan(run.plan)
+        self.lazytrain_run = run
 
     def _lazytrain_global_finite(self) -> bool:
         return math.isfinite(self._lazytrain_reducer.global_grad_sq_norm())

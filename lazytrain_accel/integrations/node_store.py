@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lazytrain_accel.integrations.generation_words import GenerationWords
+
 logger = logging.getLogger("lazytrain_accel")
 
 SHM_DIR = Path("/dev/shm")
@@ -99,15 +101,16 @@ def _master_dtype(p: nn.Parameter) -> torch.dtype:
 
 
 class NodeStore:
-    """One mapped segment; `generations[g]` is group g's update generation."""
+    """One mapped segment; `generations.read(g)` is group g's update generation."""
 
     def __init__(self, *, path: Path, buffer: mmap.mmap, num_groups: int) -> None:
         self.path = path
         self._buffer = buffer  # kept alive: every parameter is a view of it
         self.bytes = torch.frombuffer(buffer, dtype=torch.uint8)
-        header = self.bytes[:8 * (_HEADER_FIELDS + num_groups)].view(torch.int64)
-        self.header = header[:_HEADER_FIELDS]
-        self.generations = header[_HEADER_FIELDS:]
+        self.header = self.bytes[:8 * _HEADER_FIELDS].view(torch.int64)
+        # written only by the owners' release stores (split_update.py); zero when created
+        self.generations = GenerationWords(buffer, offset_bytes=8 * _HEADER_FIELDS,
+                                           count=num_groups)
 
     @property
     def nbytes(self) -> int:
@@ -153,7 +156,6 @@ def share_model(model: nn.Module, *, path: Path, leader: bool, num_groups: int,
             store = _map(fd, path, nbytes, num_groups)
             store.header.copy_(torch.tensor([_MAGIC, _VERSION, os.getpid(), nbytes,
                                              layout_hash, num_groups, 0, 0]))
-            store.generations.zero_()
             _point_into(store, params, slots, copy=True)
         barrier()
         if not leader:

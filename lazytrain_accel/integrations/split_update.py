@@ -43,9 +43,10 @@ number of applied steps (`begin_step`), so a layer is never read before its owne
 update of the same step. A waiter checks every `LIVENESS_CHECK_S` that the owner's
 process (pids all-gathered at the start) still runs, so a rank killed mid-step is named
 within a second, not after `OWNER_WAIT_TIMEOUT_S`; collectives with a dead peer fail in
-torch.distributed itself (gloo: the peer's connection closes). On x86 the owner's stores
-to the masters are visible before its store to the generation (total store order); the
-reader polls.
+torch.distributed itself (gloo: the peer's connection closes). The owner publishes with a
+release store after its writes to the group, a reader polls with acquire loads
+(`GenerationWords`), so a generation is never seen before the writes it stands for, on
+any CPU (x86's total store order would hide the difference; aarch64's would not).
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lazytrain_accel.engine.step import StepCoordinator
-from lazytrain_accel.engine.streams import Streams
 from lazytrain_accel.integrations.data_parallel import (
     GradReadyHooks,
     adopt_mean_grads,
@@ -69,6 +69,7 @@ from lazytrain_accel.integrations.data_parallel import (
     reduce_device,
     write_mean_grads,
 )
+from lazytrain_accel.integrations.generation_words import GenerationWords
 from lazytrain_accel.integrations.node_store import pid_alive
 from lazytrain_accel.optim.clipping import clip_coefficient, combine_norms, tensor_norms
 from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
@@ -140,9 +141,9 @@ def node_groups(*, local_rank: int, local_world_size: int, node_id: str) -> Node
 class PeerUpdates:
     """Per-group update generations in the node store, written by owners, read by all."""
 
-    def __init__(self, generations: torch.Tensor, owners: Sequence[int], rank: int, *,
+    def __init__(self, generations: GenerationWords, owners: Sequence[int], rank: int, *,
                  pids: Sequence[int]) -> None:
-        self._generations = generations  # int64, shared by the local ranks
+        self._generations = generations  # in the node store, shared by the local ranks
         self._owners = list(owners)
         self._rank = rank
         self._pids = list(pids)  # of each local rank
@@ -160,16 +161,19 @@ class PeerUpdates:
         self._applied += 1
 
     def publish(self, group: int) -> None:
-        """This rank has updated `group` (owned) for the current step."""
+        """This rank has updated `group` (owned) for the current step: called after the
+        group's writes, on the thread that made them or one that joined it."""
         if self._owners[group] == self._rank:
-            self._generations[group] = self._applied
+            self._generations.publish(group, self._applied)
 
     def publish_all(self) -> None:
         for g in range(len(self._owners)):
             self.publish(g)
 
     def is_ready(self, group: int) -> bool:
-        return self.owns(group) or int(self._generations[group]) >= self._applied
+        """Whether `group` may be read now (an acquire load: when True, its owner's
+        writes of this step are visible to this thread)."""
+        return self.owns(group) or self._generations.read(group) >= self._applied
 
     def wait(self, group: int) -> None:
         """Block until `group`'s owner has updated it for every applied step; raise
@@ -396,12 +400,11 @@ class SplitEngine(ShareHooks, Protocol):
     """What `start_split_update` needs of the engine (`StreamingEngine`)."""
 
     steps: StepCoordinator
-    streams: Streams
     device: torch.device
 
 
-def start_split_update(engine: SplitEngine, *, generations: torch.Tensor,
-                       shared_bytes: torch.Tensor, should_reduce: Callable[[], bool],
+def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
+                       should_reduce: Callable[[], bool],
                        layout: NodeGroups | None = None) -> ShareReducer:
     """Give this rank its share (`owner_of_groups` over the node's local ranks, by
     trainable bytes), make the engine's update skip and wait for the other shares, route
@@ -418,7 +421,6 @@ def start_split_update(engine: SplitEngine, *, generations: torch.Tensor,
     dist.all_gather_object(pids, os.getpid(), group=layout.intra)
     peers = PeerUpdates(generations, owners, layout.local_rank, pids=pids)
     engine.steps.peers = peers
-    engine.streams.register_pinned(shared_bytes)
     return ShareReducer(engine, groups, owners, peers=peers, layout=layout,
                         should_reduce=should_reduce)
 

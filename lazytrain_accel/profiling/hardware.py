@@ -27,6 +27,10 @@ HOST_MEMORY_EFFICIENCY = 0.75
 #: reads the fp32 gradient (4), fp32 master (4) and two 1-byte moments (2), writes the
 #: master (4), the moments (2) and the bf16 compute copy (2).
 HOST_UPDATE_BYTES_PER_PARAM = 18
+#: Pageable over pinned host<->device copy rate where none was measured: MegaTrain's
+#: figures for one GPU, ~14 GB/s H2D from pageable memory against ~21 GB/s pinned (the
+#: driver stages pageable copies through its own pinned buffer, a second memcpy).
+PAGEABLE_SHARE = 14 / 21
 #: Bytes the 8-bit update's torch path (the one a GPU master takes, `optim/reference.py`)
 #: reads and writes per parameter: its 76 elementwise and per-block ops counted tensor by
 #: tensor (bf16 gradient, clipped; tests/optim/test_device_update.py counts them again).
@@ -97,6 +101,11 @@ class HardwareProfile:
     # model's own calls around the layers (embedding, masks, head, loss), the engine's
     # per-pass hooks and the optimizer call on the training thread. Same sources.
     step_overhead_s: float = GPU_STEP_OVERHEAD_S
+    # The copy rates from and to pageable host memory: what the links run at when the node
+    # store cannot be page-locked (`engine/pinning.py`). None (a profile written without
+    # them): `PAGEABLE_SHARE` of the pinned rates (`pageable_links`).
+    h2d_pageable_bytes_per_s: float | None = None
+    d2h_pageable_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -134,6 +143,14 @@ class HardwareProfile:
         link = max(self.h2d_bytes_per_s, self.d2h_bytes_per_s)
         update = self.cpu_optimizer_params_per_s * HOST_UPDATE_BYTES_PER_PARAM
         return (2 * link + update) / HOST_MEMORY_EFFICIENCY
+
+    def pageable_links(self) -> HardwareProfile:
+        """This profile with the pageable copy rates as its H2D and D2H rates: what a plan
+        is priced with when the host copy could not be page-locked."""
+        return dataclasses.replace(
+            self, name=f"{self.name} (pageable copies)",
+            h2d_bytes_per_s=self.h2d_pageable_bytes_per_s or PAGEABLE_SHARE * self.h2d_bytes_per_s,
+            d2h_bytes_per_s=self.d2h_pageable_bytes_per_s or PAGEABLE_SHARE * self.d2h_bytes_per_s)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -206,6 +223,8 @@ _LAYER_OVERHEAD = (f"layer run overhead {GPU_LAYER_FORWARD_OVERHEAD_S * 1e3:.1f}
                    f"{GPU_LAYER_BACKWARD_OVERHEAD_S * 1e3:.1f} ms backward, step overhead "
                    f"{GPU_STEP_OVERHEAD_S * 1e3:.0f} ms: estimates (the first kernel "
                    "launches of each run and the Python around it)")
+_PAGEABLE = (f"pageable copies {PAGEABLE_SHARE:.2f} x the pinned rates: MegaTrain's measured "
+             "~14 GB/s pageable against ~21 GB/s pinned H2D")
 _DEQUANT = ("dequantization {rate:.0f} GB/s moved: {eff} x the {bw:.0f} GB/s memory "
             "bandwidth of the same vendor sheet (a bandwidth-bound estimate of bitsandbytes' "
             "dequantize kernel: packed read + bf16 write)")
@@ -229,7 +248,9 @@ def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb
         dequant_bytes_per_s=DEQUANT_EFFICIENCY * memory_gbps * 1e9,
         gpu_optimizer_params_per_s=device_update,
         host_memory_bytes_per_s=host_memory_gbps * 1e9,
-        source="; ".join([*source, _OPTIMIZER.format(rate=optimizer_params_per_s),
+        h2d_pageable_bytes_per_s=PAGEABLE_SHARE * h2d_gbps * 1e9,
+        d2h_pageable_bytes_per_s=PAGEABLE_SHARE * d2h_gbps * 1e9,
+        source="; ".join([*source, _PAGEABLE, _OPTIMIZER.format(rate=optimizer_params_per_s),
                           _DEVICE_UPDATE.format(rate=device_update, eff=DEQUANT_EFFICIENCY),
                           _DEQUANT.format(rate=DEQUANT_EFFICIENCY * memory_gbps,
                                           eff=DEQUANT_EFFICIENCY, bw=memory_gbps),

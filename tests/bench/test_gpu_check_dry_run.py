@@ -44,6 +44,8 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: Path, cache_dir: Path) ->
         (a, "mixed") for a in ("llama", "gpt2")}
     assert all(e["passed"] for e in equivalence), equivalence
     assert {"h2d_bytes_per_s", "d2h_bytes_per_s", "matmul_flops_per_s"} <= set(report["links"])
+    assert report["pinning"]["pinned"] is None  # nothing to page-lock on a CPU
+    assert report["pinning"]["h2d_pageable_bytes_per_s"] > 0
     paper = report["paper_27b"]  # the paper's workload at this host's measured update rate
     assert paper["host_update_params_per_s"] == report["hardware"]["cpu_optimizer_params_per_s"]
     assert paper["ratio"] == paper["lazytrain_tflops"] / paper["megatrain_tflops"] > 1.0

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lazytrain_accel.integrations import node_store, split_update
+from lazytrain_accel.integrations.generation_words import GenerationWords
 from lazytrain_accel.integrations.node_store import UnsafeSegmentError
 from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
 
@@ -59,7 +60,7 @@ def test_segment_is_private_and_parameters_point_into_it(tmp_path: Path) -> None
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before[name])
         assert start <= p.data_ptr() < start + store.nbytes
-    assert store.generations.tolist() == [0, 0, 0]
+    assert store.generations.view.tolist() == [0, 0, 0]
 
 
 def test_a_follower_sees_the_leaders_writes(tmp_path: Path) -> None:
@@ -180,10 +181,6 @@ def test_the_split_update_gives_each_rank_the_planners_share(monkeypatch) -> Non
         class steps:
             update_groups, device_groups, peers = groups, [0, 5], None
 
-        class streams:
-            @staticmethod
-            def register_pinned(_: torch.Tensor) -> None: ...
-
         def register_grad_ready_hook(self, hook) -> None: ...
 
     for name, value in (("get_world_size", 2), ("get_rank", 0), ("get_backend", "gloo")):
@@ -191,9 +188,8 @@ def test_the_split_update_gives_each_rank_the_planners_share(monkeypatch) -> Non
     monkeypatch.setattr(split_update.dist, "all_gather_object",
                         lambda out, pid, group=None: out.__setitem__(slice(None), [pid, pid]))
     engine = Engine()
-    split_update.start_split_update(engine, generations=torch.zeros(6, dtype=torch.int64),
-                                    shared_bytes=torch.zeros(1, dtype=torch.uint8),
-                                    should_reduce=lambda: True)
+    words = GenerationWords(bytearray(48), offset_bytes=0, count=6)
+    split_update.start_split_update(engine, generations=words, should_reduce=lambda: True)
     owners = owner_of_groups([40, 120, 120, 120, 120, 20], 2)  # a CPU device: all shared
     assert owners == [0, 0, 0, 1, 1, 1]
     assert engine.steps.peers.foreign_groups == [g for g, o in enumerate(owners) if o != 0]
@@ -207,8 +203,9 @@ def test_a_waiter_names_a_dead_owner_within_a_second() -> None:
     time.sleep(0.2)
     try:
         assert not node_store.pid_alive(dead.pid) and node_store.pid_alive(os.getpid())
-        peers = split_update.PeerUpdates(torch.zeros(2, dtype=torch.int64), [0, 1], 0,
-                                         pids=[os.getpid(), dead.pid])
+        peers = split_update.PeerUpdates(GenerationWords(bytearray(16), offset_bytes=0,
+                                                         count=2),
+                                         [0, 1], 0, pids=[os.getpid(), dead.pid])
         peers.begin_step()
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=rf"local rank 1 \(pid {dead.pid}\) died"):
@@ -220,11 +217,11 @@ def test_a_waiter_names_a_dead_owner_within_a_second() -> None:
 
 
 def test_a_waiter_returns_once_a_live_owner_publishes() -> None:
-    generations = torch.zeros(2, dtype=torch.int64)
+    generations = GenerationWords(bytearray(16), offset_bytes=0, count=2)
     peers = split_update.PeerUpdates(generations, [0, 1], 0, pids=[os.getpid()] * 2)
     peers.begin_step()
     assert not peers.is_ready(1)
-    generations[1] = 1  # the owner's publish, as seen through the segment
+    generations.publish(1, 1)  # the owner's publish, as seen through the segment
     peers.wait(1)
 
 
