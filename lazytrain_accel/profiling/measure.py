@@ -26,7 +26,7 @@ import psutil
 import torch
 
 from lazytrain_accel.optim import HybridAdamW8bit
-from lazytrain_accel.profiling.hardware import HardwareProfile, preset_for_gpu
+from lazytrain_accel.profiling.hardware import MEASURED_NAME_PREFIX, HardwareProfile, preset_for_gpu
 
 _MIB = 1024**2
 
@@ -219,7 +219,7 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
     gpu_name = _gpu_name(device)
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return HardwareProfile(
-        name=f"measured-{platform.node() or 'host'}", gpu_name=gpu_name,
+        name=f"{MEASURED_NAME_PREFIX}{platform.node() or 'host'}", gpu_name=gpu_name,
         gpu_memory_bytes=int(gpu_bytes), cpu_memory_bytes=int(cpu_bytes),
         nvme_bytes=int(shutil.disk_usage(nvme_dir).free),
         peak_bf16_flops_per_s=_vendor_peak_flops_per_s(gpu_name, matmul),
