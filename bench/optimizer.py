@@ -166,31 +166,37 @@ def bytes_per_param(name: str) -> int:
     return BYTES_PER_PARAM[name.split("[")[0]]
 
 
-def measure(steps: dict[str, Callable[[], None]], rounds: int) -> dict[str, float]:
-    """Median seconds of each step, the steps alternating round by round."""
+def measure(steps: dict[str, Callable[[], None]], rounds: int
+            ) -> dict[str, tuple[float, float]]:
+    """Median (wall seconds, process CPU seconds) of each step, the steps alternating round
+    by round. On a shared machine the CPU seconds are the steadier figure: a thread
+    descheduled by another job stretches the wall time, not the CPU time."""
     for step in steps.values():
         step()  # state allocated, pages touched, outside the timing
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            start = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             step()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {name: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t))
+            for name, t in times.items()}
 
 
-def report(step_s: dict[str, float], numel: int, triad_numel: int, threads: int) -> None:
-    triad = bytes_per_param("triad") * triad_numel / step_s["triad"]
-    fused_s = step_s["adamw_fused"]
+def report(step_s: dict[str, tuple[float, float]], numel: int, triad_numel: int,
+           threads: int) -> None:
+    triad = bytes_per_param("triad") * triad_numel / step_s["triad"][0]
+    fused_s, fused_cpu_s = step_s["adamw_fused"]
     print(f"\n{threads} thread(s), {numel / 1e6:.1f}M parameters; triad {triad / GB:.1f} GB/s")
-    print(f"{'update':32s} {'step s':>8s} {'vs fused':>8s} {'GB/s':>6s} {'of triad':>8s} "
-          f"{'Mparams/s':>10s}")
-    for name, seconds in step_s.items():
+    print(f"{'update':26s} {'step s':>7s} {'vs fused':>8s} {'cpu s':>7s} {'vs fused':>8s} "
+          f"{'GB/s':>5s} {'of triad':>8s} {'Mparams/s':>9s}")
+    for name, (seconds, cpu_s) in step_s.items():
         if name == "triad":
             continue
         achieved = bytes_per_param(name) * numel / seconds
-        print(f"{name:32s} {seconds:8.4f} {seconds / fused_s:7.2f}x {achieved / GB:6.1f} "
-              f"{achieved / triad:8.0%} {numel / seconds / 1e6:10.0f}")
+        print(f"{name:26s} {seconds:7.4f} {seconds / fused_s:7.2f}x {cpu_s:7.3f} "
+              f"{cpu_s / fused_cpu_s:7.2f}x {achieved / GB:5.1f} {achieved / triad:8.0%} "
+              f"{numel / seconds / 1e6:9.0f}")
 
 
 def main() -> None:
