@@ -1,44 +1,70 @@
-"""Benchmark of the hybrid 8-bit operator (issue 9). Prints ratios; never run by pytest.
+"""The host update against the memory bandwidth (issues 9, 32). Prints ratios; never run by
+pytest.
 
-    python bench/optimizer.py [--params-m 100] [--rounds 5] [--threads 2]
+    python bench/optimizer.py [--params-m 64] [--rounds 3] [--threads 1,2] [--code-choice]
 
-One process, the contenders alternate round by round, medians reported:
-1. the machine's memory bandwidth (STREAM-like copy, alternating with the others);
-2. step seconds and state bytes/param for 100M parameters in transformer-layer shapes:
-   HybridAdamW8bit (native, with and without clipping; torch path once), torch AdamW
-   (fused, foreach) and bitsandbytes AdamW8bit, plus the operator's achieved GB/s. Wall
-   seconds and process CPU seconds are both printed: on a shared machine the CPU seconds
-   are the steadier figure (they do count OpenMP spin-waits);
-3. the code choice: bitsandbytes' dynamic map (table search) against the per-block-scaled
-   8-bit float of codes.py: update-direction error on real Adam moments, quantize speed.
+One process; at each thread count the contenders alternate round by round (medians), so
+each sees the same machine load:
+- HybridAdamW8bit through each kernel variant this CPU runs (AVX-512, AVX2, ...: built with
+  the instruction set forced), without and with clipping, without and with the bf16
+  compute-copy write;
+- torch AdamW, fused, fp32, without and with `clip_grad_norm_`;
+- DeepSpeed's DeepSpeedCPUAdam (fp32, AdamW mode) when it builds here (`pip install
+  .[bench]`; its JIT needs ninja and a compiler): otherwise the reason is printed;
+- a STREAM triad in C++ (bench/stream_triad.cpp, streaming stores), the ceiling.
+Each prints achieved GB/s (the bytes it must move per parameter, `BYTES_PER_PARAM`), its
+fraction of the triad's, params/s and its time relative to fused AdamW's. `--code-choice`
+adds the 8-bit code comparison of issue 9 (bitsandbytes' dynamic map vs ours).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import platform
 import statistics
+import subprocess
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
-from lazytrain_accel.optim import EXP_AVG_CODE, EXP_AVG_SQ_CODE, HybridAdamW8bit
-from lazytrain_accel.optim.codes import dequantize_blockwise, quantize_blockwise
+from lazytrain_accel.optim import HybridAdamW8bit, native
 
 GB = 1e9
+#: Bytes each contender must move per parameter: grad 4 read; fp32 master 4 + 4; ours two
+#: 1-byte codes read and written (4), fp32 AdamW two fp32 moments (16); clipping reads the
+#: gradient once more for the norm (+4); the compute copy writes bf16 (+2); the triad
+#: reads two fp32 and writes one (12, streaming stores).
+BYTES_PER_PARAM = {"ours": 16, "ours+bf16": 18, "ours+clip": 20, "ours+clip+bf16": 22,
+                   "adamw_fused": 28, "adamw_fused+clip": 32, "deepspeed_cpuadam": 28,
+                   "deepspeed_cpuadam+clip": 32, "triad": 12}
+_VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                 "avx512_bf16", "asimd", "sve", "sve2")
 
 
-def layer_shapes(hidden: int, intermediate: int) -> list[tuple[int, int]]:
-    """q, k, v, o and gate, up, down projections of one decoder layer."""
-    return [(hidden, hidden)] * 4 + [(intermediate, hidden)] * 2 + [(hidden, intermediate)]
+def cpu_description() -> str:
+    """The CPU's model and vector features, so each run states where it ran."""
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.split(":")[0].strip() in ("model name", "CPU part"):
+                model = line.partition(":")[2].strip()
+                break
+    flags = sorted(f for f in native.cpu_flags() if f in _VECTOR_FLAGS)
+    return f"{model} ({platform.machine()}); vector flags: {' '.join(flags) or 'none found'}"
 
 
 def make_params(total_m: int) -> list[torch.nn.Parameter]:
-    shapes = layer_shapes(1024, 2816)
+    """Llama-style layer shapes (hidden 1024, MLP 2816): q, k, v, o, gate, up, down."""
+    shapes = [(1024, 1024)] * 4 + [(2816, 1024)] * 2 + [(1024, 2816)]
     per_layer = sum(a * b for a, b in shapes)
-    layers = max(1, round(total_m * 1e6 / per_layer))
     params = []
-    for _ in range(layers):
+    for _ in range(max(1, round(total_m * 1e6 / per_layer))):
         for shape in shapes:
             p = torch.nn.Parameter(torch.randn(shape) * 0.02)
             p.grad = torch.randn(shape) * 1e-3
@@ -46,158 +72,156 @@ def make_params(total_m: int) -> list[torch.nn.Parameter]:
     return params
 
 
-def time_once(fn: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+@contextlib.contextmanager
+def kernel_variant(name: str) -> Iterator[None]:
+    """Optimizers built inside use the kernel of variant `name`."""
+    module = native.load_kernel(name)
+    if module is None:
+        raise RuntimeError(f"the {name} kernel variant did not build (see the warning)")
+    saved = native.load_kernel
+    native.load_kernel = lambda: module  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        native.load_kernel = saved
 
 
-class StreamCopy:
-    """STREAM copy as a contender of the alternating loop, so it sees the same machine
-    load: `step()` copies `numel` floats; bytes = read + written (STREAM's count)."""
+def ours(params: list[torch.nn.Parameter], *, clip: bool,
+         outs: list[torch.Tensor] | None) -> Callable[[], None]:
+    """HybridAdamW8bit's step as the engine runs it; `outs` receive the bf16 copy."""
+    opt = HybridAdamW8bit(params, lr=1e-5, max_grad_norm=1e9 if clip else None)
 
-    def __init__(self, numel: int) -> None:
-        self.src, self.dst = torch.randn(numel), torch.zeros(numel)  # zeros: pages touched
-        self.state: dict = {}
-
-    def step(self) -> None:
-        self.dst.copy_(self.src)
-
-
-def bench_steps(params: list[torch.nn.Parameter], rounds: int) -> dict[str, dict[str, float]]:
-    import bitsandbytes as bnb
-
-    numel = sum(p.numel() for p in params)
-    contenders = {
-        "hybrid8bit": HybridAdamW8bit(params, lr=1e-5),
-        "hybrid8bit+clip": HybridAdamW8bit(params, lr=1e-5, max_grad_norm=1e9),
-        "adamw_fused": torch.optim.AdamW(params, lr=1e-5, fused=True),
-        "adamw_foreach": torch.optim.AdamW(params, lr=1e-5, foreach=True),
-        "bnb_adamw8bit": bnb.optim.AdamW8bit(params, lr=1e-5),
-        "stream_copy": StreamCopy(numel),
-    }
-    # bytes each step must move: grad read, master read+write, state read+write
-    traffic = {"hybrid8bit": 16, "hybrid8bit+clip": 20, "adamw_fused": 28, "adamw_foreach": 28,
-               "bnb_adamw8bit": 16, "stream_copy": 8}
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    cpu_times: dict[str, list[float]] = {name: [] for name in contenders}
-    for opt in contenders.values():
-        opt.step()  # allocate state outside the timing
-    for _ in range(rounds):
-        for name, opt in contenders.items():
-            cpu_start = time.process_time()
-            times[name].append(time_once(opt.step))
-            cpu_times[name].append(time.process_time() - cpu_start)
-    reference = HybridAdamW8bit(params, lr=1e-5, backend="torch")
-    reference.step()
-    cpu_start = time.process_time()
-    times["hybrid8bit(torch path)"] = [time_once(reference.step)]
-    cpu_times["hybrid8bit(torch path)"] = [time.process_time() - cpu_start]
-    traffic["hybrid8bit(torch path)"] = 16
-    contenders["hybrid8bit(torch path)"] = reference
-    results = {}
-    for name, opt in contenders.items():
-        step_s = statistics.median(times[name])
-        results[name] = {
-            "step_s": step_s,
-            "cpu_s": statistics.median(cpu_times[name]),
-            "state_bytes_per_param": _state_bytes(opt) / numel,
-            "achieved_bytes_per_s": traffic[name] * numel / step_s,
-        }
-    return results
+    def step() -> None:
+        if opt.begin_step():
+            opt.step_params(params, out_bf16=outs)
+            opt.end_step()
+    return step
 
 
-def _state_bytes(opt: torch.optim.Optimizer) -> int:
-    return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.numel() > 1)
-
-
-def code_choice(block_size: int = 256) -> dict[str, float]:
-    """Update-direction error on Adam moments of a real run, and quantize seconds."""
-    import bitsandbytes.functional as bnbf
-
-    exp_avg, exp_avg_sq = _real_adam_moments()
-    exact = exp_avg / (exp_avg_sq.sqrt() + 1e-8)
-    signed_map = bnbf.create_dynamic_map(signed=True)
-    unsigned_map = bnbf.create_dynamic_map(signed=False)
-
-    def via_dynamic(x: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
-        q, state = bnbf.quantize_blockwise(x, code=qmap, blocksize=block_size)
-        return bnbf.dequantize_blockwise(q, state)
-
-    def via_float(x: torch.Tensor, code) -> torch.Tensor:
-        codes, absmax = quantize_blockwise(x, code, block_size)
-        return dequantize_blockwise(codes, absmax, code, block_size).view_as(x)
-
-    out = {}
-    for name, m, v in (
-        ("dynamic", via_dynamic(exp_avg, signed_map), via_dynamic(exp_avg_sq, unsigned_map)),
-        ("float8", via_float(exp_avg, EXP_AVG_CODE), via_float(exp_avg_sq, EXP_AVG_SQ_CODE)),
-    ):
-        direction = m / (v.sqrt() + 1e-8)
-        out[f"{name}_update_rel_err"] = float((direction - exact).norm() / exact.norm())
-    big = torch.randn(16_000_000)
-    out["dynamic_quantize_s"] = min(time_once(lambda: bnbf.quantize_blockwise(
-        big, code=signed_map, blocksize=block_size)) for _ in range(3))
-    out["dynamic_quantize_torch_s"] = min(time_once(lambda: _bucketize_quantize(
-        big, signed_map, block_size)) for _ in range(3))
-    out["float8_quantize_torch_s"] = min(time_once(lambda: quantize_blockwise(
-        big, EXP_AVG_CODE, block_size)) for _ in range(3))
-    return out
-
-
-def _bucketize_quantize(x: torch.Tensor, qmap: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The dynamic map's table search written in torch, same blocking as codes.py."""
-    blocks = x.view(-1, block_size)
-    absmax = blocks.abs().amax(1, keepdim=True)
-    midpoints = (qmap[1:] + qmap[:-1]) / 2
-    return torch.bucketize(blocks / absmax, midpoints).to(torch.uint8)
-
-
-def _real_adam_moments() -> tuple[torch.Tensor, torch.Tensor]:
-    """exp_avg / exp_avg_sq of a tiny Qwen2 after 60 fp32 AdamW steps on random tokens."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=352,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    model = Qwen2ForCausalLM(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(60):
-        ids = torch.randint(0, 512, (8, 64))
-        opt.zero_grad()
-        model(input_ids=ids, labels=ids).loss.backward()
+def with_clip(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
+              clip: bool) -> Callable[[], None]:
+    def step() -> None:
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, 1e9, foreach=True)
         opt.step()
-    states = [opt.state[p] for p in model.parameters() if p.numel() >= 4096]
-    return (torch.cat([s["exp_avg"].flatten() for s in states]),
-            torch.cat([s["exp_avg_sq"].flatten() for s in states]))
+    return step
+
+
+def deepspeed_adam(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | str:
+    """DeepSpeed's CPUAdam in fp32 AdamW mode, or why it cannot run here."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, lr=1e-5, adamw_mode=True, fp32_optimizer_states=True)
+    except Exception as error:  # import, JIT build or CPU-feature failures alike
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def build_triad(numel: int) -> Callable[[], None]:
+    """The STREAM triad of bench/stream_triad.cpp over `numel` floats (a multiple of 4096)
+    at torch's thread count."""
+    out = Path(tempfile.mkdtemp()) / "stream_triad.so"
+    source = Path(__file__).with_name("stream_triad.cpp")
+    subprocess.run(["g++", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+                    str(source), "-o", str(out)], check=True)
+    library = ctypes.CDLL(str(out))
+    library.triad.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_float,
+                                                      ctypes.c_int, ctypes.c_int]
+    a, b, c = torch.zeros(numel), torch.randn(numel), torch.randn(numel)  # pages touched
+
+    def step() -> None:
+        library.triad(a.data_ptr(), b.data_ptr(), c.data_ptr(), numel, 3.0,
+                      torch.get_num_threads(), 1)
+    return step
+
+
+def contenders(params: list[torch.nn.Parameter], triad_numel: int
+               ) -> dict[str, Callable[[], None]]:
+    """Every update of the comparison, by name (ours once per kernel variant)."""
+    steps: dict[str, Callable[[], None]] = {}
+    outs = [torch.empty(p.shape, dtype=torch.bfloat16) for p in params]  # shared: less RAM
+    for variant in (v.name for v in native.runnable_variants()):
+        if variant == "portable" and len(steps) > 0:
+            continue  # the vector variants are the ones a user gets
+        with kernel_variant(variant):
+            for clip in (False, True):
+                for bf16 in (False, True):
+                    name = "ours" + "+clip" * clip + "+bf16" * bf16
+                    steps[f"{name}[{variant}]"] = ours(params, clip=clip,
+                                                       outs=outs if bf16 else None)
+    fused = torch.optim.AdamW(params, lr=1e-5, fused=True)
+    for clip in (False, True):
+        steps["adamw_fused" + "+clip" * clip] = with_clip(params, fused, clip)
+    deepspeed = deepspeed_adam(params)
+    if isinstance(deepspeed, str):
+        print(f"DeepSpeedCPUAdam not measured: {deepspeed}")
+    else:
+        for clip in (False, True):
+            steps["deepspeed_cpuadam" + "+clip" * clip] = with_clip(params, deepspeed, clip)
+    steps["triad"] = build_triad(triad_numel)
+    return steps
+
+
+def bytes_per_param(name: str) -> int:
+    return BYTES_PER_PARAM[name.split("[")[0]]
+
+
+def measure(steps: dict[str, Callable[[], None]], rounds: int
+            ) -> dict[str, tuple[float, float]]:
+    """Median (wall seconds, process CPU seconds) of each step, the steps alternating round
+    by round. On a shared machine the CPU seconds are the steadier figure: a thread
+    descheduled by another job stretches the wall time, not the CPU time."""
+    for step in steps.values():
+        step()  # state allocated, pages touched, outside the timing
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            step()
+            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    return {name: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t))
+            for name, t in times.items()}
+
+
+def report(step_s: dict[str, tuple[float, float]], numel: int, triad_numel: int,
+           threads: int) -> None:
+    triad = bytes_per_param("triad") * triad_numel / step_s["triad"][0]
+    fused_s, fused_cpu_s = step_s["adamw_fused"]
+    print(f"\n{threads} thread(s), {numel / 1e6:.1f}M parameters; triad {triad / GB:.1f} GB/s")
+    print(f"{'update':26s} {'step s':>7s} {'vs fused':>8s} {'cpu s':>7s} {'vs fused':>8s} "
+          f"{'GB/s':>5s} {'of triad':>8s} {'Mparams/s':>9s}")
+    for name, (seconds, cpu_s) in step_s.items():
+        if name == "triad":
+            continue
+        achieved = bytes_per_param(name) * numel / seconds
+        print(f"{name:26s} {seconds:7.4f} {seconds / fused_s:7.2f}x {cpu_s:7.3f} "
+              f"{cpu_s / fused_cpu_s:7.2f}x {achieved / GB:5.1f} {achieved / triad:8.0%} "
+              f"{numel / seconds / 1e6:9.0f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params-m", type=int, default=100, help="millions of parameters")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--params-m", type=int, default=64, help="millions of parameters")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument("--code-choice", action="store_true",
+                        help="also compare the 8-bit codes (bench/optimizer_codes.py)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    print(f"threads={args.threads} torch={torch.__version__} "
-          f"cpu={torch.backends.cpu.get_cpu_capability()}")
+    print(f"cpu: {cpu_description()}")
+    print(f"torch {torch.__version__}, kernel variants here: "
+          f"{[v.name for v in native.runnable_variants()]}")
     params = make_params(args.params_m)
     numel = sum(p.numel() for p in params)
-    print(f"{numel / 1e6:.1f}M parameters in {len(params)} tensors")
-    results = bench_steps(params, args.rounds)
-    bandwidth = results.pop("stream_copy")["achieved_bytes_per_s"]
-    print(f"memory bandwidth (STREAM copy, same rounds): {bandwidth / GB:.1f} GB/s")
-    fused, bnb_r = results["adamw_fused"], results["bnb_adamw8bit"]
-    for name, r in results.items():
-        print(f"{name:24s} step {r['step_s']:.4f} s (x{r['step_s'] / fused['step_s']:5.2f} of "
-              f"fused, bnb/this {bnb_r['step_s'] / r['step_s']:5.1f}x)  cpu {r['cpu_s']:.3f} s "
-              f"(x{r['cpu_s'] / fused['cpu_s']:5.2f}, bnb/this {bnb_r['cpu_s'] / r['cpu_s']:5.1f}x)"
-              f"  state {r['state_bytes_per_param']:.2f} B/param  "
-              f"{r['achieved_bytes_per_s'] / GB:5.1f} GB/s "
-              f"({r['achieved_bytes_per_s'] / bandwidth:.0%} of copy)")
-    for key, value in code_choice().items():
-        print(f"code choice: {key} = {value:.4g}")
+    # at most 2**26 floats an array: far beyond any cache, less RAM than a large run's params
+    triad_numel = min(numel, 2**26) // 4096 * 4096
+    steps = contenders(params, triad_numel)
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        report(measure(steps, args.rounds), numel, triad_numel, threads)
+    if args.code_choice:
+        from optimizer_codes import print_code_choice
+
+        print_code_choice()
 
 
 if __name__ == "__main__":

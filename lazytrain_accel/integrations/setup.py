@@ -16,9 +16,10 @@ from torch import nn
 
 from lazytrain_accel.config import STRATEGIES, LazyTrainConfig, OptimizerChoice
 from lazytrain_accel.engine.emulation import EmulationSettings
+from lazytrain_accel.optim import native
 from lazytrain_accel.planning import Budgets, Plan, PlanRequest
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
-from lazytrain_accel.profiling.hardware import HardwareProfile
+from lazytrain_accel.profiling.hardware import MEASURED_NAME_PREFIX, HardwareProfile
 from lazytrain_accel.profiling.hardware_spec import load_hardware
 from lazytrain_accel.profiling.live import geometry_from_model, weight_split_from_model
 from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
@@ -48,8 +49,25 @@ def hardware_for_backend(config: LazyTrainConfig, hardware: HardwareProfile
     (`StepCoordinator`), and the simulator must model it that way
     (`device_runs_async`); a profile measured on this CPU says otherwise."""
     if config.emulate_async and not hardware.device_runs_async:
-        return dataclasses.replace(hardware, device_runs_async=True)
-    return hardware
+        hardware = dataclasses.replace(hardware, device_runs_async=True)
+    return hardware_for_optimizer(config, hardware)
+
+
+def hardware_for_optimizer(config: LazyTrainConfig, hardware: HardwareProfile
+                           ) -> HardwareProfile:
+    """`hardware` with the host update rate the run will get. A preset's rate is the native
+    kernel's; where the kernel could not be built (`load_kernel` warned, once) the 8-bit
+    optimizer runs reference.py's torch path, `TORCH_PATH_SLOWDOWN` times slower, and the
+    plan must price that instead of hiding it. A measured profile timed the path that runs."""
+    if (config.optimizer != OptimizerChoice.HYBRID8BIT
+            or hardware.name.startswith(MEASURED_NAME_PREFIX)
+            or native.load_kernel() is not None):
+        return hardware
+    rate = hardware.cpu_optimizer_params_per_s / native.TORCH_PATH_SLOWDOWN
+    return dataclasses.replace(
+        hardware, cpu_optimizer_params_per_s=rate,
+        source=f"{hardware.source}; host update {rate:.2e} params/s: the profile's rate / "
+               f"{native.TORCH_PATH_SLOWDOWN:.0f}, the torch path's (no native kernel)")
 
 
 def emulation_for(config: LazyTrainConfig, hardware: HardwareProfile) -> EmulationSettings | bool:

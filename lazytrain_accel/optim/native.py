@@ -1,13 +1,16 @@
 """The native fused kernel: built on first use with torch.utils.cpp_extension, or absent.
 
-`load_kernel()` returns the compiled module, or None when it cannot be built here (no
-compiler, no ninja, an unusual platform); the optimizer then uses the pure-torch path of
-`reference.py`, which computes the same bits, only slower. The build is cached under a
-name that hashes everything the binary depends on: this CPU's instruction set (it is
-compiled with -march=native and must never be reused on an older CPU sharing the cache),
-the kernel's source and flags, the torch version and the Python ABI. Two checkouts or
-venvs on one machine then keep separate builds instead of overwriting each other's (a
-rebuild of 30-50 s on every switch), and a build that exists is loaded, not rebuilt.
+`load_kernel()` returns the compiled module for the best instruction-set variant this CPU
+runs (`VARIANTS`, chosen from the CPU's feature flags), or None when it cannot be built
+here (no compiler, no ninja, an unusual platform); the optimizer then uses the pure-torch
+path of `reference.py`, which computes the same bits, 25-35x slower, and says so once,
+loudly. Each variant is compiled for a named instruction set (`-march=x86-64-v3` for
+AVX2, never `-march=native` alone), so a build shared by two machines through one cache
+never runs an instruction the other CPU lacks; the cache name hashes everything the
+binary depends on: the variant's flags, the kernel's sources, the torch version and the
+Python ABI. Two checkouts or venvs on one machine then keep separate builds instead of
+overwriting each other's (a rebuild of 30-50 s on every switch), and a build that exists
+is loaded, not rebuilt.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import platform
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -29,22 +33,78 @@ from lazytrain_accel.optim.codes import EXP_AVG_CODE, EXP_AVG_SQ_CODE
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "adamw8bit.cpp"
-_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCE = _CSRC / "adamw8bit.cpp"
+#: The torch-free arithmetic the binding includes (and the aarch64 test program builds).
+CORE_HEADER = _CSRC / "adamw8bit_core.h"
+_HEADERS = (CORE_HEADER, _CSRC / "adamw8bit_avx2.h")
+_CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+_X86 = ("x86_64", "amd64")
 
 
-def _build_name() -> str:
-    cpu = f"{platform.machine()}-{torch.backends.cpu.get_cpu_capability()}"
-    flags = ""
+@dataclass(kw_only=True, frozen=True)
+class KernelVariant:
+    """One build of the kernel: the instruction set it is compiled for and the CPU flags
+    (as /proc/cpuinfo names them) that instruction set needs."""
+
+    name: str
+    machines: tuple[str, ...]  # platform.machine().lower() values it builds on; () = any
+    cpu_flags: frozenset[str]
+    cflags: tuple[str, ...]
+
+
+_X86_64_V3_FLAGS = frozenset({"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"})
+#: Best first: `runnable_variants()` keeps those this CPU can run, in this order.
+VARIANTS = (
+    KernelVariant(name="avx512", machines=_X86, cflags=("-march=x86-64-v4", "-mtune=generic"),
+                  cpu_flags=_X86_64_V3_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq",
+                                                "avx512vl"}),
+    KernelVariant(name="avx2", machines=_X86, cflags=("-march=x86-64-v3", "-mtune=generic"),
+                  cpu_flags=_X86_64_V3_FLAGS),
+    # NEON is part of armv8-a: every aarch64 CPU runs it (Grace, Graviton, Apple)
+    KernelVariant(name="neon", machines=("aarch64", "arm64"), cflags=("-march=armv8-a",),
+                  cpu_flags=frozenset()),
+    # the compiler's default target for this architecture (x86-64: SSE2)
+    KernelVariant(name="portable", machines=(), cflags=(), cpu_flags=frozenset()),
+)
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
     cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        lines = cpuinfo.read_text(errors="replace").splitlines()
-        flags = next((line for line in lines if line.startswith("flags")), "")
+    if not cpuinfo.is_file():
+        return frozenset()
+    lines = cpuinfo.read_text(errors="replace").splitlines()
+    flags = next((line for line in lines if line.split(":")[0].strip() in ("flags", "Features")),
+                 "")
+    return frozenset(flags.partition(":")[2].split())
+
+
+def runnable_variants(flags: frozenset[str] | None = None,
+                      machine: str | None = None) -> tuple[KernelVariant, ...]:
+    """The variants this CPU (or the given flags and machine) can run, best first."""
+    flags = cpu_flags() if flags is None else flags
+    machine = (machine or platform.machine()).lower()
+    return tuple(v for v in VARIANTS
+                 if (not v.machines or machine in v.machines) and v.cpu_flags <= flags)
+
+
+def variant_named(name: str) -> KernelVariant:
+    for variant in VARIANTS:
+        if variant.name == name:
+            return variant
+    raise ValueError(f"kernel variant {name!r} does not exist: choose one of "
+                     f"{[v.name for v in VARIANTS]}")
+
+
+def _build_name(variant: KernelVariant) -> str:
     abi = f"{sys.implementation.cache_tag}|{sysconfig.get_config_var('SOABI')}"
     torch_build = f"{torch.__version__}|{torch.version.git_version}"
-    digest = hashlib.sha1("|".join([cpu, flags, abi, torch_build, " ".join(_CFLAGS)]).encode()
-                          + _SOURCE.read_bytes()).hexdigest()[:12]
-    return f"lazytrain_adamw8bit_{digest}"
+    flags = " ".join([*_CFLAGS, *variant.cflags])
+    sources = b"".join(path.read_bytes() for path in (_SOURCE, *_HEADERS))
+    digest = hashlib.sha1("|".join([platform.machine(), abi, torch_build, flags]).encode()
+                          + sources).hexdigest()[:12]
+    return f"lazytrain_adamw8bit_{variant.name}_{digest}"
 
 
 def _build_directory(name: str) -> Path:
@@ -86,41 +146,50 @@ def _expected_constants() -> tuple[int, ...]:
     )
 
 
+#: How much slower the torch path of reference.py is than the kernel (docs/benchmarks.md,
+#: bench/optimizer.py: 25-35x): what the fallback warning says, and what the planner's
+#: presets divide the host update rate by when the kernel is absent.
+TORCH_PATH_SLOWDOWN = 30.0
+
+
 @functools.cache
-def load_kernel() -> ModuleType | None:
-    """The compiled kernel module, built once per machine; None if it cannot be built."""
+def load_kernel(variant: str | None = None) -> ModuleType | None:
+    """The compiled kernel module for `variant` (default: the best this CPU runs), built
+    once per machine; None, with one loud warning, if it cannot be built here."""
     if EXP_AVG_CODE.shift != EXP_AVG_SQ_CODE.shift:
         raise AssertionError("the native kernel assumes both moments share one mantissa width")
+    chosen = runnable_variants()[0] if variant is None else variant_named(variant)
     try:
-        from torch.utils.cpp_extension import load
-
-        name = _build_name()
-        directory = _build_directory(name)
-        if not (directory / f"{name}.so").is_file():
-            logger.warning("lazytrain: building the 8-bit optimizer kernel (first use with this "
-                           "source, torch and Python only, ~30 s) in %s", directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        clear_stale_build_lock(directory)
-        module = load(
-            name=name,
-            build_directory=str(directory),
-            sources=[str(_SOURCE)],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        module = _build(chosen)
     except Exception as error:  # any build failure means: use the torch path
         logger.warning(
-            "lazytrain: native 8-bit AdamW kernel unavailable (%s: %s); using the pure-torch "
-            "path, which is exact but several times slower. Install a C++ compiler and "
-            "ninja to enable it.",
-            type(error).__name__,
-            str(error).splitlines()[0] if str(error) else "",
-        )
+            "lazytrain: the native 8-bit AdamW kernel (%s) could not be built (%s: %s). The "
+            "optimizer falls back to the pure-torch path: the same bits, but about %.0fx "
+            "slower, and the host update will dominate the step. Fix: install a C++ compiler "
+            "(apt-get install g++ / xcode-select --install) and ninja (pip install ninja), "
+            "then restart; the planner prices the slower rate until then.",
+            chosen.name, type(error).__name__,
+            str(error).splitlines()[0] if str(error) else "", TORCH_PATH_SLOWDOWN)
         return None
     if tuple(module.code_constants) != _expected_constants():
         raise RuntimeError(
             f"native kernel codes {tuple(module.code_constants)} differ from codes.py "
-            f"{_expected_constants()}: update csrc/adamw8bit.cpp together with codes.py"
+            f"{_expected_constants()}: update csrc/adamw8bit_core.h together with codes.py"
         )
     return module
+
+
+def _build(variant: KernelVariant) -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    name = _build_name(variant)
+    directory = _build_directory(name)
+    if not (directory / f"{name}.so").is_file():
+        logger.warning("lazytrain: building the 8-bit optimizer kernel for %s (first use with "
+                       "this source, torch and Python only, ~30 s) in %s", variant.name,
+                       directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    clear_stale_build_lock(directory)
+    return load(name=name, build_directory=str(directory), sources=[str(_SOURCE)],
+                extra_cflags=[*_CFLAGS, *variant.cflags], extra_ldflags=["-fopenmp"],
+                verbose=False)

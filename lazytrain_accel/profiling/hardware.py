@@ -48,6 +48,9 @@ GPU_LAYER_BACKWARD_OVERHEAD_S = 2e-4
 #: embedding, mask, head and loss calls and the optimizer call, a few hundred launches'
 #: worth of host time, mostly hidden behind the device's work: an estimate.
 GPU_STEP_OVERHEAD_S = 1e-3
+#: How `load_hardware("auto")` names what it measured (`measure.py`): its host update rate
+#: is the one the optimizer really runs at here, kernel or torch path.
+MEASURED_NAME_PREFIX = "measured-"
 #: Fields that may be 0 (a cost that a machine may not have); every other number is > 0.
 _MAY_BE_ZERO = frozenset({"layer_forward_overhead_s", "layer_backward_overhead_s",
                           "step_overhead_s"})

@@ -25,8 +25,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from lazytrain_accel.optim import HybridAdamW8bit
-from lazytrain_accel.profiling.hardware import HardwareProfile, preset_for_gpu
+from lazytrain_accel.optim import HybridAdamW8bit, native
+from lazytrain_accel.profiling.hardware import MEASURED_NAME_PREFIX, HardwareProfile, preset_for_gpu
 
 _MIB = 1024**2
 
@@ -192,11 +192,20 @@ def _vendor_peak_flops_per_s(gpu_name: str, measured: float) -> float:
 _OPTIMIZER_PROBE = "hybrid_adamw8bit+device_residents+layer_overhead"
 
 
+def _host_update_kernel() -> str:
+    """What runs the host update here: the kernel variant, or the torch path without one."""
+    return "torch path" if native.load_kernel() is None else native.runnable_variants()[0].name
+
+
 def _machine_key(device: torch.device, nvme_dir: Path) -> str:
+    """The cache key: a profile is reused only where it was measured as the run will go,
+    including the thread count the run set (`threads.apply_threads`, before this) and the
+    host update's kernel (a compiler installed since, or a new CPU, measures again)."""
     key = {"host": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count(),
            "ram_bytes": psutil.virtual_memory().total, "gpu": _gpu_name(device),
            "nvme_dir": str(nvme_dir.resolve()), "torch": torch.__version__,
-           "optimizer_probe": _OPTIMIZER_PROBE}
+           "optimizer_probe": _OPTIMIZER_PROBE, "threads": torch.get_num_threads(),
+           "host_update_kernel": _host_update_kernel()}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -219,7 +228,7 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
     gpu_name = _gpu_name(device)
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return HardwareProfile(
-        name=f"measured-{platform.node() or 'host'}", gpu_name=gpu_name,
+        name=f"{MEASURED_NAME_PREFIX}{platform.node() or 'host'}", gpu_name=gpu_name,
         gpu_memory_bytes=int(gpu_bytes), cpu_memory_bytes=int(cpu_bytes),
         nvme_bytes=int(shutil.disk_usage(nvme_dir).free),
         peak_bf16_flops_per_s=_vendor_peak_flops_per_s(gpu_name, matmul),
@@ -235,7 +244,8 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
                 f"{torch.__version__}: {link_bytes // _MIB} MiB host<->device copies, a "
                 f"{probe_bytes // _MIB} MiB file in {nvme_dir}, a square matmul "
                 f"({'bf16' if device.type == 'cuda' else 'fp32'}), a HybridAdamW8bit step of 10M "
-                f"params (and of 16M on the device), {dequant_how}, tiny decoder layers "
+                f"params at {torch.get_num_threads()} threads ({_host_update_kernel()} kernel; "
+                f"and of 16M on the device), {dequant_how}, tiny decoder layers "
                 f"through the engine (profiling/layer_probe.py)"),
     )
 

@@ -5,11 +5,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lazytrain_accel.optim import HybridAdamW8bit
+from lazytrain_accel.optim import HybridAdamW8bit, native
 
 from .helpers import assert_states_equal, make_params, require_kernel, set_random_grads
 
+#: Every vector variant this CPU runs (AVX-512 and AVX2 on an AVX-512 x86, NEON on Arm),
+#: each built with its instruction set forced: the one the optimizer picks, and the ones a
+#: CPU with fewer features would pick.
+_VECTOR_VARIANTS = [v.name for v in native.runnable_variants() if v.name != "portable"]
 
+
+@pytest.fixture(params=_VECTOR_VARIANTS or ["portable"])
+def kernel_variant(request, monkeypatch) -> str:
+    """Runs the test with the optimizer's kernel built for one variant."""
+    require_kernel()
+    module = native.load_kernel(request.param)
+    assert module is not None, f"the {request.param} variant did not build"
+    assert module.instruction_set == request.param  # its flags were really applied
+    monkeypatch.setattr(native, "load_kernel", lambda: module)
+    return request.param
+
+
+@pytest.mark.usefixtures("kernel_variant")
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("max_grad_norm", [None, 0.5])
 def test_native_matches_reference_bit_for_bit_after_5_steps(grad_dtype, max_grad_norm) -> None:
@@ -28,6 +45,7 @@ def test_native_matches_reference_bit_for_bit_after_5_steps(grad_dtype, max_grad
     assert "exp_avg_codes" in nat.state[nat_params[0]]  # the 8-bit path was exercised
 
 
+@pytest.mark.usefixtures("kernel_variant")
 @pytest.mark.parametrize("block_size", [1, 100, 4096])
 def test_native_matches_reference_for_odd_block_sizes(block_size) -> None:
     require_kernel()

@@ -77,6 +77,22 @@ def test_another_nvme_dir_is_another_machine_key(measured, tmp_path, monkeypatch
     assert len(calls) == 1
 
 
+def test_another_thread_count_is_another_machine_key(measured, monkeypatch) -> None:
+    """The update rate is measured at the run's thread count: a run with other threads
+    measures again instead of planning with another count's rate."""
+    profile, cache, nvme = measured
+    calls = []
+    monkeypatch.setattr(measure, "_measure", lambda *a: calls.append(a) or profile)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        measure.measure_hardware(cache_dir=cache, nvme_dir=nvme)
+    finally:
+        torch.set_num_threads(threads)
+    measure.measure_hardware(cache_dir=cache, nvme_dir=nvme)
+    assert len(calls) == 1  # the other count measured; the run's own count is cached
+
+
 def test_known_gpu_names_get_the_vendor_peak() -> None:
     assert measure._vendor_peak_flops_per_s("NVIDIA H200", 1.0) == 989.4e12
     assert measure._vendor_peak_flops_per_s("NVIDIA H100 80GB HBM3", 1.0) == 989.4e12

@@ -1,162 +1,21 @@
-// Fused AdamW step with blockwise 8-bit float moments, on the CPU.
+// Fused AdamW step with blockwise 8-bit float moments, on the CPU: the torch binding.
 //
-// One pass over memory per element: read the gradient (fp32 or bf16), read/write the fp32
-// master, read/write the two uint8 codes, optionally write the bf16 compute copy. A block
-// (<= 4096 elements) is updated in registers/L1: its new moments are kept in two small
-// stack buffers until its absmax is known, then quantized. Blocks are spread over ATen's
-// OpenMP threads.
-//
-// Bit-exact contract: lazytrain_accel/optim/reference.py and codes.py compute the same
-// values with the same fp32 operations in the same order. Build flags keep that true:
-// -ffp-contract=off (no fused multiply-add), -fno-math-errno (sqrt vectorizes, still IEEE).
+// The arithmetic of one block lives in adamw8bit_core.h (torch-free, see there for the
+// bit-exact contract); this file checks the tensors and spreads the blocks over ATen's
+// OpenMP threads. native.py compiles it once per instruction-set variant (AVX2, AVX-512,
+// ...) and loads the one this CPU supports.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
+
+#include "adamw8bit_core.h"
 
 namespace {
 
-constexpr int64_t kMaxBlock = 4096;
-// Codes: see codes.py. Signed e4m3 for exp_avg, unsigned e5m3 for exp_avg_sq.
-constexpr int kShift = 20;               // 23 - 3 mantissa bits
-constexpr uint32_t kHalf = 1u << (kShift - 1);
-constexpr int32_t kSignedOffset = 889;   // (0x3F800000 >> 20) - 127
-constexpr int32_t kSignedMax = 127;
-constexpr int32_t kUnsignedOffset = 761; // (0x3F800000 >> 20) - 255
-constexpr int32_t kUnsignedMax = 255;
-
-inline uint32_t bits_of(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-inline float float_of(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// Finite inputs are <= 1 (+ one ulp, from multiplying by the rounded reciprocal of the
-// absmax), which rounds to the largest code: no upper clamp is needed, and dropping it
-// (with a canonical-zero select in encode_signed) cut the in-cache cost by ~15%. NaN/inf
-// may encode differently from codes.py; they reach the kernel only when no norm check ran
-// (no clipping, no engine norms), and then the moments are lost either way.
-inline int32_t rounded_magnitude(uint32_t u, int32_t offset) {
-  constexpr int32_t kRounding = static_cast<int32_t>(kHalf);
-  const int32_t c = (static_cast<int32_t>(u & 0x7FFFFFFFu) + (kRounding - (offset << kShift))) >>
-                    kShift;
-  return c > 0 ? c : 0;
-}
-
-inline uint8_t encode_signed(float y) {
-  // a magnitude rounded to 0 keeps its sign bit ("-0", 0x80): it decodes to 0 all the same
-  const uint32_t u = bits_of(y);
-  const int32_t sign = static_cast<int32_t>((u >> 24) & 0x80u);
-  return static_cast<uint8_t>(rounded_magnitude(u, kSignedOffset) | sign);
-}
-
-inline uint8_t encode_unsigned(float y) {
-  return static_cast<uint8_t>(rounded_magnitude(bits_of(y), kUnsignedOffset));
-}
-
-inline float decode_signed(uint8_t c) {
-  uint32_t magnitude = c & 0x7Fu;
-  uint32_t u = ((magnitude + kSignedOffset) << kShift) | ((c & 0x80u) << 24);
-  return magnitude == 0 ? 0.0f : float_of(u);
-}
-
-inline float decode_unsigned(uint8_t c) {
-  return c == 0 ? 0.0f : float_of((static_cast<uint32_t>(c) + kUnsignedOffset) << kShift);
-}
-
-inline float load_grad(const float* g, int64_t i) { return g[i]; }
-
-inline float load_grad(const uint16_t* g, int64_t i) {
-  return float_of(static_cast<uint32_t>(g[i]) << 16);
-}
-
-inline uint16_t to_bf16_bits(float x) {
-  // round to nearest even, as c10::BFloat16 does for finite values
-  uint32_t u = bits_of(x);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-struct Scalars {
-  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps, decay, step_size,
-      inv_bias_correction2_sqrt, clip_coef;
-};
-
-struct Block {
-  float* param;
-  uint8_t* exp_avg_codes;
-  uint8_t* exp_avg_sq_codes;
-  float* exp_avg_absmax;
-  float* exp_avg_sq_absmax;
-  uint16_t* out_bf16;  // nullptr: no compute copy
-  int64_t n;
-};
-
-// New moments of one block into m/v (local buffers) and the updated master; returns the
-// blocks' new absmax through max_m/max_v. __restrict lets the compiler vectorize.
-template <typename grad_t>
-void update_moments(float* __restrict param, const grad_t* __restrict grad,
-                    const uint8_t* __restrict m_codes, const uint8_t* __restrict v_codes,
-                    float absmax_m, float absmax_v, float* __restrict m_out,
-                    float* __restrict v_out, int64_t n, const Scalars& s, float& max_m_out,
-                    float& max_v_out) {
-  const Scalars c = s;  // a local copy: loop-invariant scalars in registers
-  float max_m = 0.0f, max_v = 0.0f;
-#pragma omp simd reduction(max : max_m, max_v)
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = load_grad(grad, i) * c.clip_coef;  // x * 1.0f == x: no branch needed
-    const float m = decode_signed(m_codes[i]) * absmax_m * c.beta1 + g * c.one_minus_beta1;
-    const float v = decode_unsigned(v_codes[i]) * absmax_v * c.beta2 + g * g * c.one_minus_beta2;
-    m_out[i] = m;
-    v_out[i] = v;
-    max_m = std::max(max_m, std::fabs(m));
-    max_v = std::max(max_v, v);
-    const float denom = std::sqrt(v) * c.inv_bias_correction2_sqrt + c.eps;
-    const float update = m / denom * c.step_size;
-    param[i] = param[i] * c.decay - update;
-  }
-  max_m_out = max_m;
-  max_v_out = max_v;
-}
-
-void encode_block(const float* __restrict m, const float* __restrict v,
-                  uint8_t* __restrict m_codes, uint8_t* __restrict v_codes, float max_m,
-                  float max_v, int64_t n) {
-  const float inv_m = max_m > 0.0f ? 1.0f / max_m : 0.0f;
-  const float inv_v = max_v > 0.0f ? 1.0f / max_v : 0.0f;
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) {
-    m_codes[i] = encode_signed(m[i] * inv_m);
-    v_codes[i] = encode_unsigned(v[i] * inv_v);
-  }
-}
-
-void write_bf16(const float* __restrict param, uint16_t* __restrict out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16_bits(param[i]);
-}
-
-template <typename grad_t>
-void update_block(const Block& b, const grad_t* grad, const Scalars& s) {
-  alignas(64) float exp_avg[kMaxBlock];
-  alignas(64) float exp_avg_sq[kMaxBlock];
-  float max_m = 0.0f, max_v = 0.0f;
-  update_moments(b.param, grad, b.exp_avg_codes, b.exp_avg_sq_codes, *b.exp_avg_absmax,
-                 *b.exp_avg_sq_absmax, exp_avg, exp_avg_sq, b.n, s, max_m, max_v);
-  encode_block(exp_avg, exp_avg_sq, b.exp_avg_codes, b.exp_avg_sq_codes, max_m, max_v, b.n);
-  *b.exp_avg_absmax = max_m;
-  *b.exp_avg_sq_absmax = max_v;
-  if (b.out_bf16 != nullptr) write_bf16(b.param, b.out_bf16, b.n);
-}
+using namespace lazytrain_core;
 
 void check_inputs(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& m_codes,
                   const at::Tensor& m_absmax, const at::Tensor& v_codes,
@@ -231,4 +90,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("code_constants") =
       py::make_tuple(kShift, kSignedOffset, kSignedMax, kUnsignedOffset, kUnsignedMax);
   m.attr("max_block_size") = kMaxBlock;
+  m.attr("instruction_set") = kInstructionSet;
 }
