@@ -225,11 +225,33 @@ def calibrated_step_s(result: RunResult, calibrated: HardwareProfile) -> float:
     return simulate(result.plan, result.model_profile, calibrated).step_s
 
 
+def report_d2h_drift(steps: int) -> None:
+    """The "off" and "auto" runs of `compare_d2h_drift`: median step from the second after
+    the switch to the last, the ratio, the switch step and the losses."""
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = compare_d2h_drift(steps, Path(tmp))
+    auto = runs["auto"]
+    if not auto.switches or auto.switches[0] + 2 > steps:
+        raise SystemExit(f"auto switched at steps {auto.switches}: run more --steps")
+    first = auto.switches[0] + 2
+    off_s, auto_s = (r.median_step_s(first, steps) for r in (runs["off"], auto))
+    print(f"device->host link {D2H_DRIFT_FACTOR}x slower from step {D2H_DRIFT_STEP}; auto "
+          f"switched at step {auto.switches[0]} (reverts {auto.reverts}); median step over "
+          f"steps {first}-{steps}: off {off_s:.3f} s, auto {auto_s:.3f} s, auto/off "
+          f"{auto_s / off_s:.2f}; homes off {' '.join(runs['off'].homes)}, auto "
+          f"{' '.join(auto.homes)}; losses equal: {auto.losses == runs['off'].losses}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--d2h-drift", action="store_true",
+                        help="issue 34's run instead: Llama, device->host link 12x slower")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.d2h_drift:
+        report_d2h_drift(args.steps)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         runs = compare(args.steps, Path(tmp))
     if not runs["auto"].switches or after_switch(runs)[0] > args.steps:
