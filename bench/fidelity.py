@@ -429,6 +429,7 @@ def predictions(plan, config: dict, batch: int, seq: int, meas: dict, hw: Hardwa
 HEADER = (f"{'model':>5} {'plan':>11} {'homes g/c/n/r residents':>24} | {'step pred':>9} "
           f"{'meas':>6} "
           f"{'ratio':>5} | {'compute pred':>12} {'meas':>6} | {'exposed pred':>12} {'meas':>6} "
+          f"{'ratio':>5} "
           f"| {'+optim pred':>11} {'meas':>6} {'ratio':>5} | {'opt exposed pred':>16} "
           f"{'meas':>6} | {'update pred':>11} {'meas':>6} | in-step ratios: step +optim")
 
@@ -442,11 +443,19 @@ def _row(model: str, name: str, plan, preds: dict, meas: dict) -> str:
     return (f"{model:>5} {name:>11} {homes:>24} | {pred.step_s:9.3f} {meas['step']:6.3f} "
             f"{meas['step'] / pred.step_s:5.2f} | {pred.step_s - pred.exposed_s:12.3f} "
             f"{meas['step_compute']:6.3f} | {pred.exposed_s:12.3f} {exposed:6.3f} "
+            f"{exposed_ratio(exposed, pred.exposed_s)} "
             f"| {pred_opt.step_s:11.3f} {meas['step_opt']:6.3f} "
             f"{meas['step_opt'] / pred_opt.step_s:5.2f} | {pred_opt.optimizer_exposed_s:16.3f} "
             f"{optimizer:6.3f} | {_update_s(pred_opt):11.3f} {meas['step_opt_update']:6.3f} "
             f"| {meas['step'] / preds['step_in'].step_s:19.2f} "
             f"{meas['step_opt'] / preds['opt_in'].step_s:6.2f}")
+
+
+def exposed_ratio(measured_s: float, predicted_s: float) -> str:
+    """The exposed term's measured / predicted, as the step's ratio beside it (issue 34:
+    a step ratio near 1 hid an exposed term 1.2-1.75x its prediction); "-" where nothing
+    was predicted exposed."""
+    return f"{measured_s / predicted_s:5.2f}" if predicted_s > 0 else f"{'-':>5}"
 
 
 def _update_s(result) -> float:

@@ -28,11 +28,13 @@ import dataclasses
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
 from lazytrain_accel.integrations import setup
@@ -66,8 +68,17 @@ def tiny_model() -> Qwen2ForCausalLM:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
 
 
-def batch() -> torch.Tensor:
-    return torch.randint(0, 64, (4, 64), generator=torch.Generator().manual_seed(1))
+def tiny_llama() -> LlamaForCausalLM:
+    """The same shape in another family (issue 34's device->host drift)."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+
+
+def batch(batch_size: int = 4, seq_len: int = 64) -> torch.Tensor:
+    return torch.randint(0, 64, (batch_size, seq_len),
+                         generator=torch.Generator().manual_seed(1))
 
 
 def true_profile() -> HardwareProfile:
@@ -88,15 +99,19 @@ def claimed_profile() -> HardwareProfile:
                                nvme_write_bytes_per_s=CLAIMED_NVME_BYTES_PER_S)
 
 
-def budget_limits_gb() -> dict[str, float]:
-    """GPU and host budgets that hold `GPU_BOUNDARIES` / `CPU_BOUNDARIES` boundaries beside
-    the run's fixed bytes: the rest must go to NVMe or be recomputed."""
-    profile = setup.profile_for_run(tiny_model(), batch_size=4, seq_len=64, compute_dtype=None,
-                                    loss_chunk_tokens=0)
+def budget_limits_gb(model: nn.Module | None = None, ids: torch.Tensor | None = None, *,
+                     gpu_boundaries: int = GPU_BOUNDARIES,
+                     cpu_boundaries: int = CPU_BOUNDARIES) -> dict[str, float]:
+    """GPU and host budgets that hold `gpu_boundaries` / `cpu_boundaries` boundaries beside
+    the fixed bytes of a run of `model` (default `tiny_model`) on `ids` (default `batch`):
+    the rest must go to NVMe or be recomputed."""
+    model, ids = model or tiny_model(), batch() if ids is None else ids
+    profile = setup.profile_for_run(model, batch_size=ids.shape[0], seq_len=ids.shape[1],
+                                    compute_dtype=None, loss_chunk_tokens=0)
     p = build_problem(profile, true_profile())
     a = p.boundary_bytes
-    return {"gpu_memory_limit_gb": (p.static_gpu_bytes + GPU_BOUNDARIES * a) / 0.955 / 2**30,
-            "cpu_memory_limit_gb": (p.static_cpu_bytes + CPU_BOUNDARIES * a) / 2**30}
+    return {"gpu_memory_limit_gb": (p.static_gpu_bytes + gpu_boundaries * a) / 0.955 / 2**30,
+            "cpu_memory_limit_gb": (p.static_cpu_bytes + cpu_boundaries * a) / 2**30}
 
 
 @dataclass(kw_only=True)
@@ -123,9 +138,14 @@ class RunResult:
 
 
 def run(*, hardware: HardwareProfile, links: HardwareProfile, replan: str, steps: int,
-        workdir: Path, drift: tuple[int, str, float] | None = None) -> RunResult:
-    """`steps` training steps planned on `hardware` with the emulated links at `links`'
-    rates; `drift` = (step, link, bytes/s) sets a link's rate before that step (1-based)."""
+        workdir: Path, drift: tuple[int, str, float] | None = None,
+        make_model: Callable[[], nn.Module] = tiny_model, ids: torch.Tensor | None = None,
+        limits_gb: dict[str, float] | None = None) -> RunResult:
+    """`steps` training steps of `make_model()` on `ids` (default `batch()`) planned on
+    `hardware` within `limits_gb` (default `budget_limits_gb()`) with the emulated links at
+    `links`' rates; `drift` = (step, link, bytes/s) sets a link's rate before that step
+    (1-based)."""
+    ids = batch() if ids is None else ids
     workdir.mkdir(parents=True, exist_ok=True)
     hardware_json, links_json = workdir / "hardware.json", workdir / "links.json"
     hardware.save(hardware_json)
@@ -133,9 +153,9 @@ def run(*, hardware: HardwareProfile, links: HardwareProfile, replan: str, steps
     plugin = LazyTrainPlugin(hardware=str(hardware_json), emulate_async=True,
                              emulate_links=str(links_json), replan=replan,
                              cache_dir=str(workdir / "cache"), nvme_dir=str(workdir / "nvme"),
-                             solver_time_limit_s=20, batch_size=4, seq_len=64,
-                             **budget_limits_gb())
-    model, ids = tiny_model(), batch()
+                             solver_time_limit_s=20, batch_size=ids.shape[0],
+                             seq_len=ids.shape[1], **(limits_gb or budget_limits_gb()))
+    model = make_model()
     accelerator = Accelerator(cpu=True, plugin=plugin)
     model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(),
                                                                     lr=1e-3))
@@ -172,6 +192,28 @@ def compare(steps: int, workdir: Path) -> dict[str, RunResult]:
     return runs
 
 
+#: Issue 34's device->host drift: Llama at batch 8 x 128 (256 KiB boundaries) with 8 GPU
+#: and 6 host boundaries of room; PCIe twice the default rate (the slowed steps take ~3.5 s,
+#: not ~7), its device->host link slowed 12x before `D2H_DRIFT_STEP`. The plan for the
+#: fast links offloads a boundary and keeps the residents' update on the GPU; after the
+#: drift the gradients saturate that link and recomputing instead is ~15% faster.
+D2H_DRIFT_SHAPE, D2H_DRIFT_BOUNDARIES = (8, 128), (8, 6)
+D2H_DRIFT_PCIE_BYTES_PER_S, D2H_DRIFT_FACTOR, D2H_DRIFT_STEP = 2 * PCIE_BYTES_PER_S, 12, 5
+
+
+def compare_d2h_drift(steps: int, workdir: Path) -> dict[str, RunResult]:
+    """"off" and "auto" runs of issue 34's device->host drift (`D2H_DRIFT_*`)."""
+    links = dataclasses.replace(true_profile(), h2d_bytes_per_s=D2H_DRIFT_PCIE_BYTES_PER_S,
+                                d2h_bytes_per_s=D2H_DRIFT_PCIE_BYTES_PER_S)
+    ids = batch(*D2H_DRIFT_SHAPE)
+    limits = budget_limits_gb(tiny_llama(), ids, gpu_boundaries=D2H_DRIFT_BOUNDARIES[0],
+                              cpu_boundaries=D2H_DRIFT_BOUNDARIES[1])
+    drift = (D2H_DRIFT_STEP, "d2h", D2H_DRIFT_PCIE_BYTES_PER_S / D2H_DRIFT_FACTOR)
+    return {name: run(hardware=links, links=links, replan=name, steps=steps,
+                      workdir=workdir / name, drift=drift, make_model=tiny_llama, ids=ids,
+                      limits_gb=limits) for name in ("off", "auto")}
+
+
 def after_switch(runs: dict[str, RunResult]) -> tuple[int, int]:
     """From the second step after "auto"'s first switch to the last (1-based, inclusive):
     the first step on a new plan also moves boundaries between homes."""
@@ -183,11 +225,33 @@ def calibrated_step_s(result: RunResult, calibrated: HardwareProfile) -> float:
     return simulate(result.plan, result.model_profile, calibrated).step_s
 
 
+def report_d2h_drift(steps: int) -> None:
+    """The "off" and "auto" runs of `compare_d2h_drift`: median step from the second after
+    the switch to the last, the ratio, the switch step and the losses."""
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = compare_d2h_drift(steps, Path(tmp))
+    auto = runs["auto"]
+    if not auto.switches or auto.switches[0] + 2 > steps:
+        raise SystemExit(f"auto switched at steps {auto.switches}: run more --steps")
+    first = auto.switches[0] + 2
+    off_s, auto_s = (r.median_step_s(first, steps) for r in (runs["off"], auto))
+    print(f"device->host link {D2H_DRIFT_FACTOR}x slower from step {D2H_DRIFT_STEP}; auto "
+          f"switched at step {auto.switches[0]} (reverts {auto.reverts}); median step over "
+          f"steps {first}-{steps}: off {off_s:.3f} s, auto {auto_s:.3f} s, auto/off "
+          f"{auto_s / off_s:.2f}; homes off {' '.join(runs['off'].homes)}, auto "
+          f"{' '.join(auto.homes)}; losses equal: {auto.losses == runs['off'].losses}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--d2h-drift", action="store_true",
+                        help="issue 34's run instead: Llama, device->host link 12x slower")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.d2h_drift:
+        report_d2h_drift(args.steps)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         runs = compare(args.steps, Path(tmp))
     if not runs["auto"].switches or after_switch(runs)[0] > args.steps:

@@ -369,6 +369,7 @@ def replanner_for(config: LazyTrainConfig, *, engine: ReplannedEngine, run: Prep
         engine=engine, run=run, budgets=setup.budgets_for(config, run.hardware),
         solve=lambda r: setup.solve_plan(config, r.model_profile, r.hardware,
                                          resident_update=resident_update,
-                                         time_limit_s=config.solver_time_limit_s),
+                                         time_limit_s=config.solver_time_limit_s,
+                                         running=r.plan),
         min_gain=config.replan_min_gain, adopt=adopt, save_profile=save,
         include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT)

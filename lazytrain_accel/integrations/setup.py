@@ -210,16 +210,18 @@ def _make_or_explain(config: LazyTrainConfig, model_profile: ModelProfile,
 
 def plan_request(config: LazyTrainConfig, *, strategy: str, budgets: Budgets,
                  resident_update: str, gpus_per_node: int = 1, nodes: int = 1,
-                 time_limit_s: float | None = None) -> PlanRequest:
+                 time_limit_s: float | None = None, running: Plan | None = None
+                 ) -> PlanRequest:
     """`make_plan`'s request from `config` (the prediction includes the host update where
-    the hybrid 8-bit one runs it); `time_limit_s` overrides the config's solver limit."""
+    the hybrid 8-bit one runs it); `time_limit_s` overrides the config's solver limit;
+    `running`: the plan a re-plan runs now (never returned slower than it)."""
     return PlanRequest(strategy=strategy, budgets=budgets,
                        max_recompute_block=config.max_recompute_block,
                        time_limit_s=(config.solver_time_limit_s if time_limit_s is None
                                      else time_limit_s),
                        include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT,
                        resident_update=resident_update, gpus_per_node=gpus_per_node,
-                       nodes=nodes)
+                       nodes=nodes, running=running)
 
 
 def budgets_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Budgets:
@@ -231,16 +233,17 @@ def budgets_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Budgets:
 
 def solve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
                hardware: HardwareProfile, *, resident_update: str,
-               time_limit_s: float, gpus_per_node: int = 1) -> Plan:
+               time_limit_s: float, gpus_per_node: int = 1,
+               running: Plan | None = None) -> Plan:
     """A new plan of `config`'s strategy on `hardware` (no cache, no refusal search) within
-    `time_limit_s`: what the re-planner solves on its thread. Raises `PlanInfeasibleError`
-    when none fits."""
+    `time_limit_s`: what the re-planner solves on its thread, never priced slower than the
+    `running` plan it may replace. Raises `PlanInfeasibleError` when none fits."""
     from lazytrain_accel.planning import make_plan
 
     strategy = "lazytrain" if config.plan == "auto" else config.plan
     request = plan_request(config, strategy=strategy, budgets=budgets_for(config, hardware),
                            resident_update=resident_update, gpus_per_node=gpus_per_node,
-                           time_limit_s=time_limit_s)
+                           time_limit_s=time_limit_s, running=running)
     return make_plan(model_profile, hardware, request)
 
 

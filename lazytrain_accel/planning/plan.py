@@ -110,6 +110,11 @@ class Solution:
     solve_s: float = 0.0
     shortfall_bytes: Mapping[str, int] = field(default_factory=dict)  # per binding tier
     message: str = ""
+    # When a plan the simulator priced faster replaced the MIP's pick (`make_plan`): its
+    # name ("megatrain", ..., "running": the plan a re-plan runs now), and the MIP's
+    # pick's simulated step; "" and None when the MIP's pick was kept.
+    mip_lost_to: str = ""
+    mip_step_s: float | None = None
 
     @property
     def feasible(self) -> bool:
@@ -119,7 +124,8 @@ class Solution:
         """JSON fields, the homes left out (a plan file holds them once, as `homes`)."""
         return {"status": self.status, "exposed_s": list(self.exposed_s),
                 "objective_s": self.objective_s, "gap": self.gap, "solve_s": self.solve_s,
-                "shortfall_bytes": dict(self.shortfall_bytes), "message": self.message}
+                "shortfall_bytes": dict(self.shortfall_bytes), "message": self.message,
+                "mip_lost_to": self.mip_lost_to, "mip_step_s": self.mip_step_s}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], homes: list[Home]) -> Solution:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from lazytrain_accel.config import RESIDENT_UPDATE_CHOICES
 from lazytrain_accel.planning.node import check_node_shape
+from lazytrain_accel.planning.plan import Plan
 from lazytrain_accel.planning.problem import Budgets
 
 #: Seconds the elastic re-solve that names a refusal's shortfall may take: it starts from
@@ -38,6 +39,9 @@ class PlanRequest:
     # is then the node's host budget.
     gpus_per_node: int = 1
     nodes: int = 1
+    # The plan a re-plan runs now: the MIP's warm start where it fits, and returned
+    # (re-priced) when the simulator prices it faster than every new plan.
+    running: Plan | None = None
 
     def __post_init__(self) -> None:
         check_node_shape(gpus_per_node=self.gpus_per_node, nodes=self.nodes)

@@ -9,12 +9,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+from collections.abc import Callable, Sequence
 
 from lazytrain_accel.config import STRATEGIES
 from lazytrain_accel.planning.baselines import BASELINES, GPU_ONLY_BASELINES
+from lazytrain_accel.planning.fastest import fastest, repriced
 from lazytrain_accel.planning.loss_head import plan_loss_head
 from lazytrain_accel.planning.no_solver import admissible, evaluate_fixed
-from lazytrain_accel.planning.plan import Plan, Prediction, Solution
+from lazytrain_accel.planning.plan import Home, Plan, Prediction, Solution
 from lazytrain_accel.planning.problem import (
     Budgets,
     PlanInfeasibleError,
@@ -62,11 +64,15 @@ def _diagnose(p: Problem, strategy: str, time_limit_s: float, names: tuple[str, 
     return infeasible_error(p, strategy, elastic.shortfall_bytes)
 
 
-def _best_fixed(p: Problem, names: tuple[str, ...]) -> tuple[str, Solution] | None:
-    """The fastest of the named baselines that fits, priced without the solver."""
+def _best_fixed(p: Problem, names: tuple[str, ...], running: Sequence[Home] | None = None
+                ) -> tuple[str, Solution] | None:
+    """The fastest of the named baselines (and the `running` plan's homes) that fits,
+    priced without the solver."""
     fits = []
-    for name in names:
-        homes = BASELINES[name](p)
+    candidates = [(name, BASELINES[name](p)) for name in names]
+    if running is not None and len(running) == p.num_layers + 1:
+        candidates.append(("running", list(running)))
+    for name, homes in candidates:
         if not admissible(p, homes):
             continue
         solution = evaluate_fixed(p, homes)
@@ -105,9 +111,11 @@ def _fallback(p: Problem, names: tuple[str, ...], why: str, remedy: str) -> Solu
 
 
 def solve_problem(p: Problem, *, strategy: str, time_limit_s: float, gap: float = 0.001,
-                  diagnose_s: float = DIAGNOSE_TIME_LIMIT_S) -> Solution:
+                  diagnose_s: float = DIAGNOSE_TIME_LIMIT_S,
+                  running: Sequence[Home] | None = None) -> Solution:
     """The solution of `strategy` on `p`; raises `PlanInfeasibleError` when none fits,
-    naming the shortfall found within `diagnose_s` seconds."""
+    naming the shortfall found within `diagnose_s` seconds. The MIP starts from the best
+    of the baselines and the `running` plan's homes, as the MIP prices them."""
     diagnose_s = min(diagnose_s, time_limit_s)
     if strategy in BASELINES:
         return _baseline_solution(p, strategy, time_limit_s, diagnose_s)
@@ -117,7 +125,7 @@ def solve_problem(p: Problem, *, strategy: str, time_limit_s: float, gap: float 
     names = tuple(BASELINES) if offload else GPU_ONLY_BASELINES
     if solve_milp is None:
         return _fallback(p, names, NO_SOLVER_REASON, "Install PySCIPOpt (pip install PySCIPOpt)")
-    start = _best_fixed(p, names)  # the search starts from the best baseline
+    start = _best_fixed(p, names, running)  # the search starts from the best known plan
     solution = solve_milp(p, time_limit_s=time_limit_s, gap=gap, allow_cpu=offload,
                           allow_nvme=offload, start_homes=start[1].homes if start else None)
     if solution.homes is not None:
@@ -175,12 +183,13 @@ def _overflow(p: Problem, plan: Plan) -> Problem | None:
 def plan_problem(p: Problem, model: ModelProfile, hardware: HardwareProfile, *,
                  strategy: str, time_limit_s: float, gap: float,
                  include_optimizer: bool = True,
-                 diagnose_s: float = DIAGNOSE_TIME_LIMIT_S) -> Plan:
+                 diagnose_s: float = DIAGNOSE_TIME_LIMIT_S,
+                 running: Sequence[Home] | None = None) -> Plan:
     """Solve, simulate, and solve again with more staging while a simulated peak exceeds
     its budget, so no plan's simulated peak does."""
     for _ in range(MAX_STAGING_ROUNDS):
         solution = solve_problem(p, strategy=strategy, time_limit_s=time_limit_s, gap=gap,
-                                 diagnose_s=diagnose_s)
+                                 diagnose_s=diagnose_s, running=running)
         plan = plan_from_solution(p, solution, strategy=strategy, model=model,
                                   hardware=hardware, include_optimizer=include_optimizer)
         bigger = _overflow(p, plan)
@@ -197,17 +206,18 @@ def plan_problem(p: Problem, model: ModelProfile, hardware: HardwareProfile, *,
 
 
 def with_device_residents(plan: Plan, model: ModelProfile, hardware: HardwareProfile,
-                          budgets: Budgets) -> Plan | None:
+                          budgets: Budgets, *, only_if_faster: bool = True) -> Plan | None:
     """`plan` with the residents' masters, moments and update on the GPU, when its
-    simulated peaks still fit `budgets` (the GPU's reserve kept) and its step is faster;
-    else None. The homes stay: the device bytes come out of the plan's headroom."""
+    simulated peaks still fit `budgets` (the GPU's reserve kept) and (`only_if_faster`)
+    its step is faster; else None. The homes stay: the device bytes come out of the
+    plan's headroom."""
     if model.resident_trainable_param_count == 0 or plan.resident_update == "device":
         return None
     moved = dataclasses.replace(plan, resident_update="device")
     prediction = simulate(moved, model, hardware).prediction()
     if (prediction.peak_gpu_bytes + budgets.gpu_reserve_bytes > budgets.gpu_bytes
             or prediction.peak_cpu_bytes > budgets.cpu_bytes
-            or prediction.step_s >= plan.prediction.step_s):
+            or (only_if_faster and prediction.step_s >= plan.prediction.step_s)):
         return None
     return dataclasses.replace(moved, prediction=prediction)
 
@@ -241,16 +251,31 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
     forced = "host" if host_only or r.resident_update == "auto" else r.resident_update
     budgets = r.budgets or Budgets.from_hardware(hardware)
     optimizer = "hybrid8bit" if r.include_optimizer else "keep"
+    running = None if r.running is None else tuple(r.running.homes)
 
-    def plan_for(profile: ModelProfile) -> Plan:
-        p = build_problem(profile, hardware, budgets=budgets,
-                          max_recompute_block=r.max_recompute_block, resident_update=forced,
-                          optimizer=optimizer, gpus_per_node=r.gpus_per_node)
+    def problem(profile: ModelProfile, resident_update: str) -> Problem:
+        return build_problem(profile, hardware, budgets=budgets,
+                             max_recompute_block=r.max_recompute_block,
+                             resident_update=resident_update, optimizer=optimizer,
+                             gpus_per_node=r.gpus_per_node)
+
+    def solved(profile: ModelProfile, resident_update: str) -> Plan:
+        p = problem(profile, resident_update)
         plan = plan_problem(p, profile, hardware, strategy=r.strategy,
                             time_limit_s=r.time_limit_s, gap=r.gap,
-                            include_optimizer=r.include_optimizer, diagnose_s=r.diagnose_s)
-        if r.resident_update == "auto" and not host_only:
-            plan = with_device_residents(plan, profile, hardware, budgets) or plan
+                            include_optimizer=r.include_optimizer, diagnose_s=r.diagnose_s,
+                            running=running)
+        others = [] if r.strategy in BASELINES else baseline_plans(
+            p, profile, hardware, strategy=r.strategy, include_optimizer=r.include_optimizer)
+        return fastest(plan, others, budgets)
+
+    def plan_for(profile: ModelProfile) -> Plan:
+        if forced == "device":
+            plan = residents_on_device(profile, solved, hardware, budgets)
+        else:
+            plan = solved(profile, forced)
+            if r.resident_update == "auto" and not host_only:
+                plan = with_device_residents(plan, profile, hardware, budgets) or plan
         return dataclasses.replace(plan, nodes=r.nodes)
 
     def plan_head(profile: ModelProfile) -> Plan:
@@ -261,6 +286,50 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
         return plan_for(profile)
 
     if model.tile_tokens is None:
-        return plan_tiles(model, hardware, plan_head, budgets=budgets,
+        plan = plan_tiles(model, hardware, plan_head, budgets=budgets,
                           max_recompute_block=r.max_recompute_block)
-    return plan_head(model)
+    else:
+        plan = plan_head(model)
+    kept = None if r.running is None or r.running.resident_update != plan.resident_update \
+        else repriced(r.running, model, hardware, include_optimizer=r.include_optimizer)
+    return plan if kept is None else fastest(plan, [("running", kept)], budgets)
+
+
+def baseline_plans(p: Problem, model: ModelProfile, hardware: HardwareProfile, *,
+                   strategy: str, include_optimizer: bool) -> list[tuple[str, Plan]]:
+    """The baselines of `strategy` that fit `p` as the MIP counts capacity, each simulated
+    (`fastest` keeps one only where its simulated peaks fit too)."""
+    names = tuple(BASELINES) if strategy == "lazytrain" else GPU_ONLY_BASELINES
+    plans = []
+    for name in names:
+        homes = BASELINES[name](p)
+        solution = evaluate_fixed(p, homes) if admissible(p, homes) else None
+        if solution is not None and solution.feasible:
+            plans.append((name, plan_from_solution(
+                p, dataclasses.replace(solution, status="baseline"), strategy=strategy,
+                model=model, hardware=hardware, include_optimizer=include_optimizer)))
+    return plans
+
+
+def residents_on_device(profile: ModelProfile, solved: Callable[[ModelProfile, str], Plan],
+                        hardware: HardwareProfile, budgets: Budgets) -> Plan:
+    """The faster of two plans with the residents' update on the GPU: solved with their
+    bytes charged to the GPU budget, and solved without them, then moved there where the
+    homes leave room (what "auto" does). The first alone has fewer GPU slots for the
+    boundaries: a re-plan of an engine whose residents live on the GPU got a plan 1.7x
+    slower than the second (issue 34)."""
+    plans, refusal = [], None
+    try:
+        plans.append(solved(profile, "device"))
+    except PlanInfeasibleError as err:
+        refusal = err
+    try:
+        moved = with_device_residents(solved(profile, "host"), profile, hardware, budgets,
+                                      only_if_faster=False)
+    except PlanInfeasibleError:
+        moved = None
+    if moved is not None:
+        plans.append(moved)
+    if not plans:
+        raise refusal
+    return min(plans, key=lambda plan: plan.prediction.step_s)

@@ -93,6 +93,26 @@ def test_a_link_slowed_at_step_10_is_replanned_once_and_named(tmp_path, caplog) 
     assert measured and 22 <= float(measured.group(1)) <= 33, lines  # throttled: 31.25 kB/s
 
 
+@pytest.mark.slow
+def test_a_device_to_host_link_slowed_12x_is_replanned_within_4_steps(tmp_path, caplog) -> None:
+    """Issue 34, Llama: after the drift the gradients saturate the device->host link; the
+    re-plan (residents updated on the GPU, as the plan for the fast links chose) must find
+    the recompute plan, not one that offloads more over that link."""
+    with caplog.at_level(logging.DEBUG, logger="lazytrain_accel"):
+        runs = replan.compare_d2h_drift(11, tmp_path)
+    off, auto = runs["off"], runs["auto"]
+    why = [r.getMessage()[:300] for r in caplog.records if "keeping it" in r.getMessage()
+           or "re-planned" in r.getMessage()]
+    drift = replan.D2H_DRIFT_STEP
+    assert len(auto.switches) == 1 and auto.switches[0] <= drift + 4, (
+        auto.switches, [round(s, 2) for s in auto.step_s], why)
+    assert auto.reverts == [] and auto.plan.resident_update == "device"
+    first, last = auto.switches[0] + 2, len(auto.step_s)
+    assert auto.median_step_s(first, last) <= 0.90 * off.median_step_s(first, last), (
+        [round(s, 2) for s in auto.step_s], [round(s, 2) for s in off.step_s])
+    assert auto.losses == off.losses
+
+
 def test_set_link_rate_changes_the_throttle_of_the_next_copy() -> None:
     from lazytrain_accel.engine.emulation import EmulatedStreams, EmulationSettings
 

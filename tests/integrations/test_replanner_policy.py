@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 
 from lazytrain_accel.engine.stats import StepStats
+from lazytrain_accel.integrations import setup
 from lazytrain_accel.integrations.replanner import GUARD_STEPS, WARMUP_STEPS, Replanner
 from lazytrain_accel.integrations.setup import PreparedRun, profile_for_run
 from lazytrain_accel.planning import Budgets, Plan, PlanRequest, make_plan
+from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.calibration import WINDOW_STEPS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -137,3 +139,53 @@ def test_the_step_overhead_is_fitted_so_the_calibrated_prediction_is_the_measure
     modeled_s = replanner._step_on(run.plan, bare)
     assert 0 < calibrated.step_overhead_s == pytest.approx(10.0 - modeled_s, rel=1e-6)
     assert replanner.predicted_step_s == pytest.approx(10.0, rel=0.02)
+
+
+@pytest.fixture(scope="module")
+def d2h_drift() -> tuple:
+    """Issue 34's device->host drift, solved offline: the Llama run's profile, its config,
+    the plan for the fast links (residents updated on the GPU), and the slowed links."""
+    from lazytrain_accel import LazyTrainPlugin
+
+    ids = replan.batch(*replan.D2H_DRIFT_SHAPE)
+    model = profile_for_run(replan.tiny_llama(), batch_size=ids.shape[0], seq_len=ids.shape[1],
+                            compute_dtype=None, loss_chunk_tokens=0)
+    limits = replan.budget_limits_gb(replan.tiny_llama(), ids,
+                                     gpu_boundaries=replan.D2H_DRIFT_BOUNDARIES[0],
+                                     cpu_boundaries=replan.D2H_DRIFT_BOUNDARIES[1])
+    fast = dataclasses.replace(replan.true_profile(), d2h_bytes_per_s=2.5e6)
+    config = LazyTrainPlugin(plan="auto", solver_time_limit_s=20, **limits)
+    running = setup.solve_plan(config, model, fast, resident_update="auto", time_limit_s=20)
+    slow = dataclasses.replace(fast, d2h_bytes_per_s=fast.d2h_bytes_per_s / 12)
+    return model, config, running, fast, slow
+
+
+def test_the_replan_solve_is_as_fast_as_an_offline_solve_on_the_same_rates(d2h_drift) -> None:
+    """The re-planner solves keeping its engine's residents where they are (on the GPU
+    here); that solve once charged them to the GPU budget first and returned a plan the
+    simulator priced 1.5x slower than the running one, while an offline solve on the same
+    rates and budgets found one 15% faster (issue 34)."""
+    model, config, running, _, slow = d2h_drift
+    assert running.resident_update == "device"
+    in_run = setup.solve_plan(config, model, slow, resident_update=running.resident_update,
+                              time_limit_s=20, running=running)
+    offline = setup.solve_plan(config, model, slow, resident_update="auto", time_limit_s=20)
+    running_s = simulate(running, model, slow).step_s
+    assert in_run.resident_update == "device"
+    assert in_run.prediction.step_s <= 1.01 * offline.prediction.step_s, (
+        in_run.homes, offline.homes)
+    assert in_run.prediction.step_s <= 0.90 * running_s, (in_run.homes, running.homes)
+
+
+def test_a_solve_never_returns_a_plan_slower_than_the_running_one(d2h_drift) -> None:
+    """Where the running plan simulates faster than every new plan (here: on the fast
+    links, the new plans may not recompute, and the baselines are slower), the solve
+    returns it, re-priced, and says the MIP's pick lost."""
+    model, config, running, fast, _ = d2h_drift
+    request = dataclasses.replace(setup.plan_request(
+        config, strategy="lazytrain", budgets=setup.budgets_for(config, fast),
+        resident_update=running.resident_update, running=running), max_recompute_block=1)
+    plan = make_plan(model, fast, request)
+    assert plan.homes == running.homes and plan.solver.mip_lost_to == "running"
+    assert plan.prediction.step_s == simulate(running, model, fast).step_s
+    assert plan.solver.mip_step_s > plan.prediction.step_s
