@@ -32,6 +32,7 @@ most FSDP2's at the same N. Timings on a shared 2-core machine are noisy; the ra
 come from launches of the same run.
 
     python bench/node.py [--ranks 1 2 4] [--steps 2] [--systems lazytrain lazytrain-keep fsdp2]
+    python bench/node.py --ranks 2 --systems lazytrain --bind both   # cores bound vs not
 
 Each rank gets cores // N torch threads (OMP_NUM_THREADS) and a fixed
 MALLOC_MMAP_THRESHOLD_ (128 KiB: freed tensors go back to the system, as in the PSS
@@ -168,7 +169,9 @@ def worker(args: argparse.Namespace) -> None:
     if engine is not None and engine.stats().optimizer_update_s > 0:
         # the hybrid operator's update ran on its thread, overlapped: its own run time
         update_s = [engine.stats().optimizer_update_s / args.steps]
+    cpus = Path(f"/proc/{os.getpid()}/status").read_text().split("Cpus_allowed_list:")[1]
     (out / f"rank{rank}.json").write_text(json.dumps({
+        "threads": torch.get_num_threads(), "cpus_allowed": cpus.split()[0],
         "runtime_pss": runtime_pss, "train_start": train_start, "train_end": train_end,
         "step_s": (train_end - train_start) / args.steps,
         "update_s": sum(update_s) / len(update_s), "losses": losses, "step_pss": step_pss,
@@ -188,9 +191,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(system: str, ranks: int, args: argparse.Namespace, workdir: Path) -> dict:
-    """One launch of `ranks` processes; the ranks' results and the summed-PSS samples."""
-    out = workdir / f"{system}-{ranks}"
+def launch(system: str, ranks: int, args: argparse.Namespace, workdir: Path, *,
+           bind: str = "auto") -> dict:
+    """One launch of `ranks` processes (`bind`: LAZYTRAIN_BIND_CORES); the ranks'
+    results and the summed-PSS samples."""
+    out = workdir / f"{system}-{ranks}-{bind}"
     out.mkdir(parents=True)
     port = free_port()
     if ranks == 1:
@@ -208,7 +213,7 @@ def launch(system: str, ranks: int, args: argparse.Namespace, workdir: Path) -> 
            **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold
               else {}),
            "LAZYTRAIN_HARDWARE": "h800", "LAZYTRAIN_CACHE_DIR": str(workdir / "cache"),
-           "LAZYTRAIN_NVME_DIR": str(workdir / "nvme")}
+           "LAZYTRAIN_NVME_DIR": str(workdir / "nvme"), "LAZYTRAIN_BIND_CORES": bind}
     log = (out / "log.txt").open("w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out)
     samples: list[tuple[float, int]] = []  # (time, summed PSS) with every rank alive
@@ -237,7 +242,9 @@ def launch(system: str, ranks: int, args: argparse.Namespace, workdir: Path) -> 
     window = [s for t, s in samples if start <= t <= end]
     window += [sum(step) for step in zip(*(r["step_pss"] for r in results), strict=True)]
     runtime = sum(r["runtime_pss"] for r in results)
-    return {"system": system, "ranks": ranks, "host": max(window),
+    return {"system": system, "ranks": ranks, "bind": bind, "host": max(window),
+            "threads": [r["threads"] for r in results],
+            "cpus": [r["cpus_allowed"] for r in results],
             "state": max(window) - runtime, "runtime": runtime, "samples": len(window) - args.steps,
             "step_s": results[0]["step_s"],
             "update_s": sum(r["update_s"] for r in results) / ranks,
@@ -262,6 +269,9 @@ def main() -> None:
     p.add_argument("--mmap-threshold", type=int, default=131072,
                    help="MALLOC_MMAP_THRESHOLD_ of every rank (0: glibc's dynamic one)")
     p.add_argument("--tries", type=int, default=2, help="launches of a row before it fails")
+    p.add_argument("--bind", choices=("auto", "off", "both"), default="auto",
+                   help="LAZYTRAIN_BIND_CORES of the LazyTrain ranks; both: each LazyTrain "
+                        "row bound and unbound, launched one after the other")
     args = p.parse_args()
     if args.worker:
         worker(args)
@@ -272,11 +282,13 @@ def main() -> None:
         for ranks in args.ranks:
             if args.global_batch % ranks:
                 raise SystemExit(f"--global-batch {args.global_batch} does not split {ranks} ways")
-            for system in args.systems:
+            binds = ("auto", "off") if args.bind == "both" else (args.bind,)
+            for system, bind in [(s, b) for s in args.systems for b in binds
+                                 if s.startswith("lazytrain") or b == binds[0]]:
                 row = None
                 for attempt in range(1, args.tries + 1):
                     try:
-                        row = launch(system, ranks, args, Path(tmp) / str(attempt))
+                        row = launch(system, ranks, args, Path(tmp) / str(attempt), bind=bind)
                         break
                     except RuntimeError as err:  # said, then tried again
                         lines = str(err).splitlines()
@@ -293,7 +305,8 @@ def main() -> None:
                       f"{row['step_s']:6.2f} s, update/rank {row['update_s']:6.3f} s, first "
                       f"loss {row['loss0']:.4f}" + (
                           f", engine device tier {row['device_tier'] / MB:.0f} MB"
-                          if row["device_tier"] else ""), flush=True)
+                          if row["device_tier"] else "") + f", bind {bind}: threads "
+                      f"{row['threads']}, cores {row['cpus']}", flush=True)
     params = rows[0]["params"]
     print(f"\nLlama {params / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} "
           f"layers, vocab {args.vocab}), global batch {args.global_batch} x "
@@ -308,9 +321,26 @@ def main() -> None:
         ratios = ("", "", "") if base is None or row is base else (
             f"{row['host'] / base['host']:.2f}", f"{row['state'] / base['state']:.2f}",
             f"{row['step_s'] / base['step_s']:.2f}")
-        print(f"| {row['ranks']} | {row['system']} | {row['host'] / MB:.0f} | "
+        label = row["system"] + (" (unbound)" if row["bind"] == "off" else "")
+        print(f"| {row['ranks']} | {label} | {row['host'] / MB:.0f} | "
               f"{row['state'] / MB:.0f} | {row['step_s']:.2f} | {row['update_s']:.3f} | "
               + " | ".join(ratios) + " |")
+    print_binding(rows)
+
+
+def print_binding(rows: list[dict]) -> None:
+    """Bound against unbound LazyTrain rows of the same N and system (`--bind both`)."""
+    pairs = [(r, u) for r in rows if r["bind"] == "auto" for u in rows
+             if u["bind"] == "off" and (u["system"], u["ranks"]) == (r["system"], r["ranks"])]
+    if not pairs:
+        return
+    print("\n| N | system | step s bound | step s unbound | bound / unbound | threads per "
+          "rank (bound; unbound) | cores per rank (bound; unbound) |")
+    print("|---|---|---|---|---|---|---|")
+    for bound, free in pairs:
+        print(f"| {bound['ranks']} | {bound['system']} | {bound['step_s']:.2f} | "
+              f"{free['step_s']:.2f} | {bound['step_s'] / free['step_s']:.2f} | "
+              f"{bound['threads']}; {free['threads']} | {bound['cpus']}; {free['cpus']} |")
 
 
 if __name__ == "__main__":

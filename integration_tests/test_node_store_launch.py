@@ -21,6 +21,7 @@ from integration_tests.test_accelerate_launch import (
     _launch,
     _run,
 )
+from lazytrain_accel.cores import parse_cpulist
 
 STEPS = ("--steps", "4", "--lazytrain")
 #: The host-bytes runs: big enough layers that the state dominates the runtime.
@@ -125,6 +126,22 @@ def test_split_update_equals_one_process_accumulating_the_global_batch(
     assert [s["gpus_per_node"] for s in replicated.states] == [1, 1]
     _assert_equal_to_accumulation(split, one)
     _assert_equal_to_accumulation(replicated, one)
+
+
+def test_each_rank_is_bound_to_cores_of_its_own(launch: Callable[..., Run]) -> None:
+    """The parity test's 2-rank store launch: every thread of a rank has one
+    `Cpus_allowed_list` (/proc/<pid>/task/*/status), the ranks' sets are disjoint and
+    cover the launcher's usable cores; with `node_store="off"` the ranks are bound too
+    (binding is per local rank, not per store)."""
+    usable = os.sched_getaffinity(0)
+    args = (*STEPS, "--plan", "checkpoint_all", "--optimizer", "keep")
+    for run in (launch(*args, processes=2), launch(*args, processes=2, store="off")):
+        per_rank = [s["cpus_allowed"] for s in run.states]
+        assert all(len(lists) == 1 for lists in per_rank), per_rank
+        sets = [parse_cpulist(lists[0]) for lists in per_rank]
+        if len(usable) >= 2:
+            assert not sets[0] & sets[1], sets
+        assert sets[0] | sets[1] == usable, (sets, usable)
 
 
 def test_four_processes_match_one_process(launch: Callable[..., Run]) -> None:

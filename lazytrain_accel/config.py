@@ -85,6 +85,7 @@ _DEFAULTS: dict[str, Any] = {
     "resident_update": "auto",
     "node_store": "auto",
     "pin_chunk_max_gib": 256.0,
+    "bind_cores": "auto",
     "replan": "auto",
     "replan_min_gain": 0.05,
 }
@@ -107,11 +108,15 @@ RESIDENT_UPDATE_CHOICES: tuple[str, ...] = ("auto", "host", "device")
 #: local ranks where it can be used, or keep a full copy per rank (all-reduce).
 NODE_STORE_CHOICES: tuple[str, ...] = ("auto", "off")
 
+#: `bind_cores` values: bind each local rank's threads to cores of its own, or leave them.
+BIND_CORES_CHOICES: tuple[str, ...] = ("auto", "off")
+
 #: Fields that take one of a fixed set of strings.
 _CHOICES: dict[str, tuple[str, ...]] = {"emulate_links": EMULATE_LINKS,
                                         "frozen_weights": FROZEN_WEIGHTS,
                                         "resident_update": RESIDENT_UPDATE_CHOICES,
                                         "node_store": NODE_STORE_CHOICES,
+                                        "bind_cores": BIND_CORES_CHOICES,
                                         "replan": REPLAN_CHOICES}
 #: Choice fields that also take the path of a JSON file.
 _JSON_CHOICES: tuple[str, ...] = ("emulate_links",)
@@ -187,6 +192,10 @@ class LazyTrainConfig:
             at most this many GiB (default 256: one registration of >= 512 GiB fails on
             real systems); where it cannot be, training goes on from pageable memory,
             planned with the pageable copy rates (`engine/pinning.py`).
+        bind_cores: with several processes on one node, "auto" (default) binds each local
+            rank's threads to a disjoint set of the usable cores, inside one socket where
+            it can (`lazytrain_accel/cores.py`), unless `threads` is set or the launcher
+            pinned the ranks itself; "off" leaves every rank on every core.
         replan: "auto" (default) fits the profile's rates to what the engine measures
             after a warm-up and, when the plan for those rates is predicted
             `replan_min_gain` faster than the running one, switches to it at a step
@@ -218,6 +227,7 @@ class LazyTrainConfig:
     resident_update: str | None = None
     node_store: str | None = None
     pin_chunk_max_gib: float | None = None
+    bind_cores: str | None = None
     replan: str | None = None
     replan_min_gain: float | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
@@ -392,6 +402,7 @@ def _coerce(name: str, value: Any) -> Any:
         raise ValueError(f"{name}={value!r} must be a non-empty string")
     value = value.strip()
     if name in ("plan", "hardware", "emulate_links", "frozen_weights",
-                "resident_update", "node_store", "replan") and not _is_json_path(value):
+                "resident_update", "node_store", "bind_cores", "replan"
+                ) and not _is_json_path(value):
         return value.lower()  # names ("auto", strategies, presets) are case-insensitive
     return os.path.expanduser(value) if name in ("nvme_dir", "cache_dir") else value

@@ -66,6 +66,7 @@ ENV_VALUES = {
     "resident_update": ("Device", "device"),
     "node_store": ("OFF", "off"),
     "pin_chunk_max_gib": ("64", 64.0),
+    "bind_cores": ("OFF", "off"),
     "replan": ("OFF", "off"),
     "replan_min_gain": ("0.1", 0.1),
 }
@@ -118,6 +119,7 @@ ARGUMENTS = {
     "resident_update": ("host", "host"),
     "node_store": ("auto", "auto"),
     "pin_chunk_max_gib": (0.5, 0.5),
+    "bind_cores": ("auto", "auto"),
     "replan": ("auto", "auto"),
     "replan_min_gain": (0.2, 0.2),
 }
@@ -186,6 +188,7 @@ BAD = [
     ("replan", "always", ["replan='always'", "auto", "off"]),
     ("replan_min_gain", 1.5, ["replan_min_gain=1.5", "between 0 and 1"]),
     ("pin_chunk_max_gib", 0, ["pin_chunk_max_gib=0", "must be > 0"]),
+    ("bind_cores", "yes", ["bind_cores='yes'", "auto", "off"]),
     ("emulate_links", "/nowhere/links.json", ["emulate_links='/nowhere/links.json'",
                                               "no such hardware JSON"]),
 ]

@@ -72,6 +72,20 @@ def digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
             "lr": repr(inner.param_groups[0]["lr"])}
 
 
+def cpus_allowed() -> list[str]:
+    """`Cpus_allowed_list` of every thread of this process (/proc/<pid>/task/*/status),
+    deduplicated: one entry when the compute and update threads share one binding."""
+    lists = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:  # a thread that ended meanwhile
+            continue
+        lists.update(line.split(":", 1)[1].strip() for line in status.splitlines()
+                     if line.startswith("Cpus_allowed_list:"))
+    return sorted(lists)
+
+
 def mean_loss(micro_losses: list[torch.Tensor]) -> torch.Tensor:
     """The mean of one optimizer step's micro-batch losses, summed in order then divided:
     with 2 micro-batches the very value 2 ranks' `reduce(loss, "mean")` gives
@@ -218,7 +232,9 @@ def main() -> None:
                        "skipped": accelerator.lazytrain_guard.skipped_steps
                        if args.lazytrain else None,
                        "gpus_per_node": accelerator.lazytrain_run.plan.gpus_per_node
-                       if args.lazytrain else None}, f)
+                       if args.lazytrain else None,
+                       "cpus_allowed": cpus_allowed(), "threads": torch.get_num_threads()},
+                      f)
     if args.digest_out:
         accelerator.wait_for_everyone()
         with open(f"{args.digest_out}{accelerator.process_index}.json", "w") as f:

@@ -161,6 +161,9 @@ class Accelerator(accelerate.Accelerator):
         from lazytrain_accel.profiling.hardware_spec import load_hardware
 
         plugin = self.lazytrain_plugin
+        if self.num_processes > 1 and plugin.bind_cores == "auto" and plugin.threads == 0:
+            ranks.bind_local_cores(local_rank=self.local_process_index,
+                                   node_id=node_store.launch_identity(os.environ)[1])
         threads.apply_threads(plugin.threads, device=self.device)  # before any timing
         # config.use_cache stays as the user set it: the engine strips KV caches from
         # training calls itself, and the config is what save_pretrained writes.

@@ -19,6 +19,7 @@ import datetime
 import hashlib
 import json
 import logging
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from lazytrain_accel import cores
 from lazytrain_accel.planning.plan import Plan
 
 logger = logging.getLogger("lazytrain_accel")
@@ -80,6 +82,24 @@ def least(value: int) -> int:
     values: list[int | None] = [None] * dist.get_world_size()
     dist.all_gather_object(values, int(value))
     return min(v for v in values if v is not None)
+
+
+def bind_local_cores(*, local_rank: int, node_id: str) -> list[int] | None:
+    """Bind this rank's threads to its share of the node's usable cores
+    (`cores.cores_of_rank`: every local rank's affinity mask is all-gathered, keyed by
+    `node_id`); the cores, or None when the launcher pinned the ranks itself. Every rank
+    calls this."""
+    mask = os.sched_getaffinity(0)
+    places: list[tuple[str, int, list[int]] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(places, (node_id, local_rank, sorted(mask)))
+    local = sorted((r, set(m)) for node, r, m in places if node == node_id)
+    chosen = cores.cores_of_rank(local_rank, [m for _, m in local], cores.sockets())
+    if chosen is None:
+        logger.info("lazytrain: the launcher pinned the local ranks to cores itself; kept")
+        return None
+    cores.bind_threads(chosen)
+    logger.info("lazytrain: local rank %d bound to cores %s", local_rank, chosen)
+    return chosen
 
 
 def register_exit_teardown(synchronize: Callable[[], None]) -> None:
