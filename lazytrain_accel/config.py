@@ -61,6 +61,9 @@ def default_nvme_dir() -> str:
     return explicit or str(Path(tempfile.gettempdir()) / "lazytrain_nvme")
 
 
+#: `node_store_dir`'s value for an anonymous segment (`memfd_create`), not a directory.
+ANONYMOUS_SEGMENT = "memfd"
+
 _DEFAULTS: dict[str, Any] = {
     "plan": "auto",
     "hardware": "auto",
@@ -84,6 +87,7 @@ _DEFAULTS: dict[str, Any] = {
     "frozen_weights": "keep",
     "resident_update": "auto",
     "node_store": "auto",
+    "node_store_dir": ANONYMOUS_SEGMENT,
     "replan": "auto",
     "replan_min_gain": 0.05,
 }
@@ -182,6 +186,11 @@ class LazyTrainConfig:
             copy of the parameters per node from shared memory and splits the update
             across the local ranks (docs/user_guide.md "Several GPUs"); "off" keeps a full
             copy and the whole update on every rank, gradients all-reduced.
+        node_store_dir: where the node store's segment lives: "memfd" (default) an
+            anonymous one, bounded by host memory and not by /dev/shm's size; a directory
+            (e.g. a hugetlbfs mount) a file there, unlinked once created, bounded by that
+            filesystem's free bytes (when they cannot hold it, each rank keeps its own copy
+            if host memory allows, else `prepare` refuses).
         replan: "auto" (default) fits the profile's rates to what the engine measures
             after a warm-up and, when the plan for those rates is predicted
             `replan_min_gain` faster than the running one, switches to it at a step
@@ -212,6 +221,7 @@ class LazyTrainConfig:
     frozen_weights: str | None = None
     resident_update: str | None = None
     node_store: str | None = None
+    node_store_dir: str | None = None
     replan: str | None = None
     replan_min_gain: float | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
@@ -292,6 +302,10 @@ class LazyTrainConfig:
                                  "plan from the data)")
         for name in _CHOICES:
             _check_choice(name, getattr(self, name))
+        if self.node_store_dir != ANONYMOUS_SEGMENT and not Path(self.node_store_dir).is_dir():
+            raise ValueError(f"node_store_dir={self.node_store_dir!r} is not a directory: use "
+                             "'memfd' (an anonymous segment, the default) or an existing "
+                             "directory on a shared-memory filesystem (tmpfs, hugetlbfs)")
 
     def is_explicit(self, name: str) -> bool:
         """True when `name` was passed as an argument (not from env or default)."""
@@ -385,4 +399,5 @@ def _coerce(name: str, value: Any) -> Any:
     if name in ("plan", "hardware", "emulate_links", "frozen_weights",
                 "resident_update", "node_store", "replan") and not _is_json_path(value):
         return value.lower()  # names ("auto", strategies, presets) are case-insensitive
-    return os.path.expanduser(value) if name in ("nvme_dir", "cache_dir") else value
+    return (os.path.expanduser(value) if name in ("nvme_dir", "cache_dir", "node_store_dir")
+            else value)

@@ -65,6 +65,7 @@ ENV_VALUES = {
     "frozen_weights": ("NF4", "nf4"),
     "resident_update": ("Device", "device"),
     "node_store": ("OFF", "off"),
+    "node_store_dir": ("/dev/shm", "/dev/shm"),
     "replan": ("OFF", "off"),
     "replan_min_gain": ("0.1", 0.1),
 }
@@ -116,6 +117,7 @@ ARGUMENTS = {
     "frozen_weights": ("int8", "int8"),
     "resident_update": ("host", "host"),
     "node_store": ("auto", "auto"),
+    "node_store_dir": ("memfd", "memfd"),
     "replan": ("auto", "auto"),
     "replan_min_gain": (0.2, 0.2),
 }
@@ -181,6 +183,8 @@ BAD = [
     ("frozen_weights", "nf3", ["frozen_weights='nf3'", "keep", "nf4", "int8"]),
     ("resident_update", "gpu", ["resident_update='gpu'", "auto", "host", "device"]),
     ("node_store", "on", ["node_store='on'", "auto", "off"]),
+    ("node_store_dir", "/no/such/dir", ["node_store_dir='/no/such/dir'", "not a directory",
+                                        "'memfd'"]),
     ("replan", "always", ["replan='always'", "auto", "off"]),
     ("replan_min_gain", 1.5, ["replan_min_gain=1.5", "between 0 and 1"]),
     ("emulate_links", "/nowhere/links.json", ["emulate_links='/nowhere/links.json'",
