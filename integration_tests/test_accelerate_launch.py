@@ -34,8 +34,10 @@ def _launch(tmp_path: Path, name: str, *script_args: str, num_processes: int = 1
 
 
 def _run(tmp_path: Path, *script_args: str, num_processes: int = 1,
-         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`accelerate launch` of the script on CPU, whatever its exit."""
+         env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+         ) -> subprocess.CompletedProcess[str]:
+    """`accelerate launch` of the script on CPU, whatever its exit (under the command
+    `prefix`, e.g. one that sets up a mount namespace and execs the rest)."""
     if num_processes == 1:
         launcher = [*ACCELERATE, "--cpu", "--num_processes", "1"]
     else:  # accelerate's multi-process CPU mode: --multi_gpu without CUDA + cpu=True
@@ -45,8 +47,8 @@ def _run(tmp_path: Path, *script_args: str, num_processes: int = 1,
                 "LAZYTRAIN_HARDWARE": "h800", "LAZYTRAIN_NVME_DIR": str(tmp_path / "nvme"),
                 **(env or {})}
     return subprocess.run(
-        [*launcher, "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-         str(SCRIPT), "--cpu", *script_args],
+        [*prefix, *launcher, "--num_machines", "1", "--mixed_precision", "no",
+         "--dynamo_backend", "no", str(SCRIPT), "--cpu", *script_args],
         env=full_env, capture_output=True, text=True, timeout=600,
     )
 
