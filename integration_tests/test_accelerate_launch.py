@@ -34,8 +34,19 @@ def _launch(tmp_path: Path, name: str, *script_args: str, num_processes: int = 1
 
 
 def _run(tmp_path: Path, *script_args: str, num_processes: int = 1,
-         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """`accelerate launch` of the script on CPU, whatever its exit."""
+         env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()
+         ) -> subprocess.CompletedProcess[str]:
+    """`accelerate launch` of the script on CPU, whatever its exit (under the command
+    `prefix`, e.g. one that sets up a mount namespace and execs the rest)."""
+    argv, full_env = launch_command(tmp_path, *script_args, num_processes=num_processes,
+                                    env=env)
+    return subprocess.run([*prefix, *argv], env=full_env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def launch_command(tmp_path: Path, *script_args: str, num_processes: int = 1,
+                   env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The `accelerate launch` command line of the script on CPU, and its environment."""
     if num_processes == 1:
         launcher = [*ACCELERATE, "--cpu", "--num_processes", "1"]
     else:  # accelerate's multi-process CPU mode: --multi_gpu without CUDA + cpu=True
@@ -44,11 +55,8 @@ def _run(tmp_path: Path, *script_args: str, num_processes: int = 1,
     full_env = {**os.environ, "LAZYTRAIN_CACHE_DIR": str(tmp_path / "cache"),
                 "LAZYTRAIN_HARDWARE": "h800", "LAZYTRAIN_NVME_DIR": str(tmp_path / "nvme"),
                 **(env or {})}
-    return subprocess.run(
-        [*launcher, "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-         str(SCRIPT), "--cpu", *script_args],
-        env=full_env, capture_output=True, text=True, timeout=600,
-    )
+    return ([*launcher, "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend",
+             "no", str(SCRIPT), "--cpu", *script_args], full_env)
 
 
 #: Steps of the stock one-process run the tests below compare against.

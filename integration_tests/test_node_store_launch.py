@@ -189,6 +189,52 @@ def test_a_rank_killed_mid_step_stops_the_others_naming_it(tmp_path: Path) -> No
     assert _segments() == segments
 
 
+#: A container's /dev/shm: a 32 MiB tmpfs in a mount namespace of the launch's own (root).
+SMALL_SHM = ("unshare", "--mount", "sh", "-c",
+             'mount -t tmpfs -o size=32m tmpfs /dev/shm && exec "$@"', "small-shm")
+
+
+def _small_shm_unavailable() -> str | None:
+    """Why a launch cannot get a 32 MiB /dev/shm here, or None."""
+    try:
+        probe = subprocess.run([*SMALL_SHM, "true"], capture_output=True, text=True,
+                               timeout=60)
+    except FileNotFoundError:
+        return "no unshare(1) on this host"
+    return None if probe.returncode == 0 else (
+        f"cannot mount a tmpfs on /dev/shm in a mount namespace: {probe.stderr.strip()}")
+
+
+def test_a_small_dev_shm_trains_as_one_process(launch: Callable[..., Run],
+                                               tmp_path: Path) -> None:
+    """Two ranks in a container's 32 MiB /dev/shm, the host-bytes model's store ~40 MB
+    (issue 30). The default anonymous segment (memfd) does not live there: it shares one
+    copy and warns of nothing. node_store_dir=/dev/shm cannot hold it: each rank keeps its
+    own copy, with one warning naming the bytes and the fix. Both exit 0 on every rank
+    and log the losses of one process accumulating the global batch, bit for bit (that
+    run is the parity test's)."""
+    why = _small_shm_unavailable()
+    if why is not None:
+        pytest.skip(why)
+    one = launch(*PSS_ARGS, micro_batches=2)
+    for store_dir, node_ranks, warnings in (("memfd", 2, 0), ("/dev/shm", 1, 1)):
+        d = tmp_path / store_dir.strip("/").replace("/", "_")
+        d.mkdir()
+        proc = _run(d, "--losses", str(d / "losses.json"), *PSS_ARGS, "--batch-size", "4",
+                    "--state-out", str(d / "state_"), num_processes=2, prefix=SMALL_SHM,
+                    env={"LAZYTRAIN_NODE_STORE_DIR": store_dir})
+        report = proc.stdout + proc.stderr
+        assert proc.returncode == 0, report[-6000:]
+        warned = [line for line in report.splitlines() if line.startswith("lazytrain: ")]
+        assert len(warned) == warnings, warned
+        if warnings:
+            for words in ("needs", "in /dev/shm", "GiB free", "--shm-size=", "node_store_dir"):
+                assert words in warned[0], warned[0]
+        states = [json.loads((d / f"state_{r}.json").read_text()) for r in range(2)]
+        assert [s["gpus_per_node"] for s in states] == [node_ranks] * 2
+        assert json.loads((d / "losses.json").read_text()) == one.losses
+
+
 def _launch_nodes(tmp_path: Path, name: str, *script_args: str, nodes: int = 2,
                   ranks_per_node: int = 2, env: dict[str, str] | None = None) -> list[float]:
     """`nodes` simulated nodes on this host: one `accelerate launch --num_machines K

@@ -61,6 +61,9 @@ def default_nvme_dir() -> str:
     return explicit or str(Path(tempfile.gettempdir()) / "lazytrain_nvme")
 
 
+#: `node_store_dir`'s value for an anonymous segment (`memfd_create`), not a directory.
+ANONYMOUS_SEGMENT = "memfd"
+
 _DEFAULTS: dict[str, Any] = {
     "plan": "auto",
     "hardware": "auto",
@@ -86,6 +89,7 @@ _DEFAULTS: dict[str, Any] = {
     "node_store": "auto",
     "pin_chunk_max_gib": 256.0,
     "bind_cores": "auto",
+    "node_store_dir": ANONYMOUS_SEGMENT,
     "replan": "auto",
     "replan_min_gain": 0.05,
 }
@@ -196,6 +200,11 @@ class LazyTrainConfig:
             rank's threads to a disjoint set of the usable cores, inside one socket where
             it can (`lazytrain_accel/cores.py`), unless `threads` is set or the launcher
             pinned the ranks itself; "off" leaves every rank on every core.
+        node_store_dir: where the node store's segment lives: "memfd" (default) an
+            anonymous one, bounded by host memory and not by /dev/shm's size; a directory
+            (e.g. a hugetlbfs mount) a file there, unlinked once created, bounded by that
+            filesystem's free bytes (when they cannot hold it, each rank keeps its own copy
+            if host memory allows, else `prepare` refuses).
         replan: "auto" (default) fits the profile's rates to what the engine measures
             after a warm-up and, when the plan for those rates is predicted
             `replan_min_gain` faster than the running one, switches to it at a step
@@ -228,6 +237,7 @@ class LazyTrainConfig:
     node_store: str | None = None
     pin_chunk_max_gib: float | None = None
     bind_cores: str | None = None
+    node_store_dir: str | None = None
     replan: str | None = None
     replan_min_gain: float | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
@@ -311,6 +321,10 @@ class LazyTrainConfig:
                                  "plan from the data)")
         for name in _CHOICES:
             _check_choice(name, getattr(self, name))
+        if self.node_store_dir != ANONYMOUS_SEGMENT and not Path(self.node_store_dir).is_dir():
+            raise ValueError(f"node_store_dir={self.node_store_dir!r} is not a directory: use "
+                             "'memfd' (an anonymous segment, the default) or an existing "
+                             "directory on a shared-memory filesystem (tmpfs, hugetlbfs)")
 
     def is_explicit(self, name: str) -> bool:
         """True when `name` was passed as an argument (not from env or default)."""
@@ -405,4 +419,5 @@ def _coerce(name: str, value: Any) -> Any:
                 "resident_update", "node_store", "bind_cores", "replan"
                 ) and not _is_json_path(value):
         return value.lower()  # names ("auto", strategies, presets) are case-insensitive
-    return os.path.expanduser(value) if name in ("nvme_dir", "cache_dir") else value
+    return (os.path.expanduser(value) if name in ("nvme_dir", "cache_dir", "node_store_dir")
+            else value)

@@ -1,4 +1,5 @@
-"""Preflight: host memory and the NVMe directory, checked in `prepare` before any allocation.
+"""Preflight: host memory, the NVMe directory and the node store's shared memory, checked in
+`prepare` before any allocation.
 
 The planner budgets the tiers it was told about; these checks compare a plan with what
 this machine has *now*, so a run that cannot fit fails with a sentence instead of an OOM
@@ -8,13 +9,16 @@ kill an hour in, or an ENOSPC in the middle of a backward.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from lazytrain_accel.config import ANONYMOUS_SEGMENT
 from lazytrain_accel.planning.host import (
+    MASTER_BYTES_PER_PARAM,
     activation_host_terms,
     host_base_terms,
     host_remedy,
@@ -212,3 +216,79 @@ def check_run(*, model: object, plan: Plan, model_profile: ModelProfile, optimiz
     check_host_memory(estimate, available_bytes)
     check_nvme_dir(nvme_dir, nvme_need_bytes(plan))
     return estimate
+
+
+SHM_DIR = "/dev/shm"
+
+
+@dataclass(kw_only=True, frozen=True)
+class SegmentRoom:
+    """The node store's bytes against what can hold them: an anonymous segment's pages
+    come from host memory (`node_store_dir="memfd"`), a file's from its filesystem."""
+
+    directory: str  # ANONYMOUS_SEGMENT, or the directory of a file-backed segment
+    need_bytes: int
+    free_bytes: int  # the directory's free bytes; for an anonymous segment, host memory's
+
+    @property
+    def fits(self) -> bool:
+        return self.need_bytes <= self.free_bytes
+
+    def describe(self) -> str:
+        """One line for the logs and `lazytrain plan`: the store beside the room it has."""
+        store = f"node store {self.need_bytes / GIB:.2f} GiB"
+        if self.directory == ANONYMOUS_SEGMENT:
+            return (f"{store} in an anonymous segment (memfd: host memory bounds it, "
+                    f"{self.free_bytes / GIB:.2f} GiB available; {SHM_DIR} "
+                    f"{shm_free_bytes(SHM_DIR) / GIB:.2f} GiB free does not)")
+        return f"{store} in {self.directory} ({self.free_bytes / GIB:.2f} GiB free)"
+
+
+def shm_free_bytes(directory: str) -> int:
+    """Free bytes of the filesystem holding `directory` (0 where it does not exist)."""
+    try:
+        info = os.statvfs(directory)
+    except OSError:
+        return 0
+    return info.f_bavail * info.f_frsize
+
+
+def segment_room(directory: str, need_bytes: int, *, available_bytes: int) -> SegmentRoom:
+    """`need_bytes` of node store in `directory` (or anonymous: `available_bytes` of host
+    memory hold it, the host check counting it once per node)."""
+    free = (available_bytes if directory == ANONYMOUS_SEGMENT
+            else shm_free_bytes(directory))
+    return SegmentRoom(directory=directory, need_bytes=need_bytes, free_bytes=free)
+
+
+def node_store_bytes(model_profile: ModelProfile) -> int:
+    """The node store's bytes for a profiled model: fp32 masters of the trainable
+    parameters and frozen weights as stored, bitsandbytes-packed ones left out (they stay
+    in each rank's model)."""
+    w = model_profile.weights
+    packed = 0 if w is None else model_profile.num_layers * w.layer_packed_bytes
+    return (MASTER_BYTES_PER_PARAM * model_profile.trainable_param_count
+            + model_profile.frozen_host_bytes - packed)
+
+
+def check_per_rank_copies(room: SegmentRoom, estimate: HostMemoryEstimate, *, copies: int,
+                          available_bytes: int) -> str:
+    """`room` cannot hold the node store: each of the node's `copies` ranks would keep its
+    own copy (`estimate`, one rank's). Return the warning that says so, or raise
+    `PreflightError` with the same numbers when host memory cannot take the copies."""
+    fix = (f"give the container more shared memory (docker run --shm-size="
+           f"{math.ceil(room.need_bytes * 1.1 / GIB)}g), set node_store_dir "
+           f"(LAZYTRAIN_NODE_STORE_DIR) to a directory with room, or leave it at "
+           f"'{ANONYMOUS_SEGMENT}' (the default: host memory bounds the store)")
+    shortfall = (f"the node store needs {room.need_bytes / GIB:.2f} GiB in {room.directory}, "
+                 f"which has {room.free_bytes / GIB:.2f} GiB free")
+    copies_bytes = copies * estimate.new_bytes
+    if copies_bytes > available_bytes:
+        raise PreflightError(
+            f"{shortfall}, and a copy per rank instead needs {copies} x "
+            f"{estimate.new_bytes / GIB:.2f} GiB of host memory with only "
+            f"{available_bytes / GIB:.2f} GiB available. To run: {fix}.")
+    return (f"{shortfall}: each of the node's {copies} ranks keeps its own copy instead "
+            f"({copies} x {estimate.new_bytes / GIB:.2f} GiB of host memory, "
+            f"{available_bytes / GIB:.2f} GiB available; gradients all-reduced). To share "
+            f"one copy: {fix}.")

@@ -67,6 +67,7 @@ ENV_VALUES = {
     "node_store": ("OFF", "off"),
     "pin_chunk_max_gib": ("64", 64.0),
     "bind_cores": ("OFF", "off"),
+    "node_store_dir": ("/dev/shm", "/dev/shm"),
     "replan": ("OFF", "off"),
     "replan_min_gain": ("0.1", 0.1),
 }
@@ -120,6 +121,7 @@ ARGUMENTS = {
     "node_store": ("auto", "auto"),
     "pin_chunk_max_gib": (0.5, 0.5),
     "bind_cores": ("auto", "auto"),
+    "node_store_dir": ("memfd", "memfd"),
     "replan": ("auto", "auto"),
     "replan_min_gain": (0.2, 0.2),
 }
@@ -185,6 +187,8 @@ BAD = [
     ("frozen_weights", "nf3", ["frozen_weights='nf3'", "keep", "nf4", "int8"]),
     ("resident_update", "gpu", ["resident_update='gpu'", "auto", "host", "device"]),
     ("node_store", "on", ["node_store='on'", "auto", "off"]),
+    ("node_store_dir", "/no/such/dir", ["node_store_dir='/no/such/dir'", "not a directory",
+                                        "'memfd'"]),
     ("replan", "always", ["replan='always'", "auto", "off"]),
     ("replan_min_gain", 1.5, ["replan_min_gain=1.5", "between 0 and 1"]),
     ("pin_chunk_max_gib", 0, ["pin_chunk_max_gib=0", "must be > 0"]),

@@ -15,7 +15,9 @@ plan's node shape; `--pss-out` each rank's proportional set size
 (/proc/self/smaps_rollup) with the runtime loaded and no model yet ("runtime": the
 Accelerator, its process group and a data loader's prepare come first in that mode), just
 before `prepare` (model built) and after training, and the engine's device bytes then
-(on a CPU device, host pages that stand for GPU memory).
+(on a CPU device, host pages that stand for GPU memory). `--progress-out` has rank 0
+write its finished steps after each, `--slow-save-s S` makes `save_state` take S seconds
+more (after touching <losses>.saving): a test kills the job there.
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ def linear_decay(processes: int) -> Callable[[int], float]:
     return lambda count: 1.0 - count / (100 * processes)
 
 
+def slow_save(args: argparse.Namespace) -> None:
+    """A save_state pre-hook: mark that a save runs, then take `--slow-save-s` in it."""
+    Path(f"{args.losses}.saving").touch()
+    time.sleep(args.slow_save_s)
+
+
 def make_accelerator(args: argparse.Namespace, plugin: LazyTrainPlugin | None
                      ) -> Accelerator:
     # A seedable sampler makes the data order a function of (seed, epoch), so a resumed
@@ -137,6 +145,9 @@ def main() -> None:
     p.add_argument("--masters-out", default=None, help="rank 0's masters at --save-at")
     p.add_argument("--digest-out", default=None, help="per-rank JSON file prefix")
     p.add_argument("--samples-out", default=None, help="each step's sequences (JSON)")
+    p.add_argument("--progress-out", default=None, help="rank 0's finished steps so far")
+    p.add_argument("--slow-save-s", type=float, default=0.0,
+                   help="sleep inside save_state (<losses>.saving marks it) to be killed there")
     args = p.parse_args()
     faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True)
 
@@ -169,6 +180,8 @@ def main() -> None:
                                                               scheduler)
     if args.resume_from:
         accelerator.load_state(args.resume_from)
+    if args.slow_save_s:
+        accelerator.register_save_state_pre_hook(lambda *_: slow_save(args))
     losses: list[float] = []
     micro_losses: list[torch.Tensor] = []
     samples: list[list[int]] = []  # per step: each sequence's first token
@@ -206,6 +219,8 @@ def main() -> None:
                                                        reduction="mean")))
                 micro_losses.clear()
                 step += 1
+                if args.progress_out and accelerator.is_main_process:
+                    Path(args.progress_out).write_text(str(step))
                 if args.save_at is not None and step == args.save_at:
                     accelerator.save_state(args.ckpt_dir)
                     if args.masters_out and accelerator.is_main_process:

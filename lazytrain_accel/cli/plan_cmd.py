@@ -9,6 +9,7 @@ import argparse
 import json
 from typing import Any
 
+from lazytrain_accel import preflight
 from lazytrain_accel.cli import CliError, help_of
 from lazytrain_accel.cli.args import (
     add_lora_args,
@@ -18,7 +19,7 @@ from lazytrain_accel.cli.args import (
     positive_int,
 )
 from lazytrain_accel.cli.lora import lora_weights
-from lazytrain_accel.config import RESIDENT_UPDATE_CHOICES, env_setting
+from lazytrain_accel.config import ANONYMOUS_SEGMENT, RESIDENT_UPDATE_CHOICES, env_setting
 from lazytrain_accel.planning import (
     STRATEGIES,
     Budgets,
@@ -248,9 +249,22 @@ def _print_node(summary: dict[str, Any]) -> None:
         one_cpu = summary["one_gpu_peak_cpu_bytes"]
         print(f"  host per node: {summary['peak_cpu_bytes'] / _GIB:.2f} GiB (one GPU alone: "
               f"{one_cpu / _GIB:.2f} GiB; {n} copies would need {n * one_cpu / _GIB:.2f} GiB)")
+    if "node_store_bytes" in summary:
+        print(_store_line(summary))
     if k > 1:
         print(f"  job: {k} nodes, {k * summary['node_tokens_per_s']:.1f} tokens/s (the "
               "gradients' reduce across nodes not modelled)")
+
+
+def _store_line(summary: dict[str, Any]) -> str:
+    """The node store's bytes beside the free bytes of what holds them (node_store_dir)."""
+    need, free = summary["node_store_bytes"], summary["shm_free_bytes"]
+    line = f"  node store: {need / _GIB:.2f} GiB of shared memory, "
+    if summary["node_store_dir"] == ANONYMOUS_SEGMENT:
+        return line + (f"anonymous (memfd): host memory bounds it, not {preflight.SHM_DIR} "
+                       f"({free / _GIB:.2f} GiB free here)")
+    line += f"in {summary['node_store_dir']} ({free / _GIB:.2f} GiB free here"
+    return line + ("; too small: each rank would keep its own copy)" if need > free else ")")
 
 
 def _request(args: argparse.Namespace, budgets: Budgets, **changes: Any) -> PlanRequest:
@@ -307,6 +321,10 @@ def _run_plan(args: argparse.Namespace) -> int:
         summary["one_gpu_tokens_per_s"] = None if one is None else one.prediction.tokens_per_s
         summary["one_gpu_peak_cpu_bytes"] = (None if one is None
                                              else one.prediction.peak_cpu_bytes)
+        store_dir = env_setting("node_store_dir")
+        summary.update(node_store_bytes=preflight.node_store_bytes(model),
+                       node_store_dir=store_dir, shm_free_bytes=preflight.shm_free_bytes(
+                           preflight.SHM_DIR if store_dir == ANONYMOUS_SEGMENT else store_dir))
     _print(summary, args.json)
     return 0
 

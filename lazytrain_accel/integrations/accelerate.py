@@ -8,6 +8,7 @@ the model is never moved to the device whole and never wrapped in DDP.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from lazytrain_accel import preflight, threads
-from lazytrain_accel.config import LazyTrainConfig
+from lazytrain_accel.config import ANONYMOUS_SEGMENT, LazyTrainConfig
 from lazytrain_accel.integrations import (
     batch_shape,
     generation_words,
@@ -67,6 +68,8 @@ class Accelerator(accelerate.Accelerator):
         self.lazytrain_store: node_store.NodeStore | None = None
         #: the local ranks planned as one node sharing that copy (1: this rank alone)
         self.lazytrain_node_ranks = 1
+        #: the node_store_dir that cannot hold the store (each rank its own copy instead)
+        self._lazytrain_segment_room: preflight.SegmentRoom | None = None
         #: the nodes of the launch, each with its own copy (`lazytrain_node_ranks` ranks)
         self.lazytrain_nodes = 1
         self._lazytrain_model: nn.Module | None = None
@@ -176,7 +179,7 @@ class Accelerator(accelerate.Accelerator):
                                                       seq_bound=self.lazytrain_seq_bound)
         hardware = setup.hardware_for_backend(plugin, load_hardware(
             plugin.hardware, cache_dir=plugin.cache_dir, nvme_dir=plugin.nvme_dir))
-        self.lazytrain_node_ranks = self._lazytrain_node_ranks()  # planned as one node
+        self.lazytrain_node_ranks = self._lazytrain_node_ranks(model)  # planned as one node
         self.lazytrain_run = self._lazytrain_plan_for(model, self.lazytrain_sizing, hardware)
         plan, model_profile = self.lazytrain_run.plan, self.lazytrain_run.model_profile
         if self.num_processes > 1:  # one model and one plan on every rank, a clean exit
@@ -185,10 +188,17 @@ class Accelerator(accelerate.Accelerator):
         # Before the engine allocates anything: fail with a sentence, not an OOM kill. A
         # node's ranks check the node's bytes against the same (their least) free figure.
         available = preflight.available_host_bytes()
-        preflight.check_run(model=model, plan=plan, model_profile=model_profile,
-                            optimizer=plugin.optimizer.value, nvme_dir=plugin.nvme_dir,
-                            available_bytes=available if self.lazytrain_node_ranks == 1
-                            else ranks.least(available))
+        estimate = preflight.check_run(
+            model=model, plan=plan, model_profile=model_profile,
+            optimizer=plugin.optimizer.value, nvme_dir=plugin.nvme_dir,
+            available_bytes=available if self.lazytrain_node_ranks == 1
+            else ranks.least(available))
+        if self._lazytrain_segment_room is not None:  # a copy per rank, if they all fit
+            warning = preflight.check_per_rank_copies(
+                self._lazytrain_segment_room, estimate, available_bytes=ranks.least(available),
+                copies=int(os.environ["LOCAL_WORLD_SIZE"]))
+            if self.is_main_process:
+                logger.warning("lazytrain: %s", warning)
         self.lazytrain_store = self._lazytrain_share(model, plan.num_layers + 2)
         self.lazytrain_engine = attach(model, plan, device=self.device,
                                        compute_dtype=compute_dtype, nvme_dir=plugin.nvme_dir,
@@ -224,17 +234,25 @@ class Accelerator(accelerate.Accelerator):
         self._lazytrain_model = model
         self._models.append(model)
 
-    def _lazytrain_node_ranks(self) -> int:
+    def _lazytrain_node_ranks(self, model: nn.Module) -> int:
         """The local ranks that will share one host copy (the node store): a node's
         processes (LOCAL_WORLD_SIZE) with `node_store="auto"`, each node its own copy
-        (`lazytrain_nodes` of them), else 1 (each rank its own copy)."""
+        (`lazytrain_nodes` of them), else 1 (each rank its own copy; also when the
+        `node_store_dir` cannot hold it, `_lazytrain_segment_room`)."""
         if self.num_processes == 1:
             return 1
-        why_not = node_store.unusable_because(self.lazytrain_plugin.node_store,
-                                              num_processes=self.num_processes, env=os.environ)
+        plugin = self.lazytrain_plugin
+        why_not = node_store.unusable_because(plugin.node_store, num_processes=self.num_processes,
+                                              env=os.environ)
         report = logger.info
         if why_not is None and (unsafe := generation_words.unavailable_because()):
             why_not, report = f"the node store is refused: {unsafe}", logger.warning
+        if why_not is None and plugin.node_store_dir != ANONYMOUS_SEGMENT:
+            room = node_store.room_for(model, plugin.node_store_dir)
+            room = dataclasses.replace(room, free_bytes=ranks.least(room.free_bytes))
+            if not room.fits:  # every rank sees the same figure: they fall back together
+                self._lazytrain_segment_room = room
+                why_not = f"{room.directory} cannot hold the node store"
         if why_not is None:
             local = int(os.environ["LOCAL_WORLD_SIZE"])
             self.lazytrain_nodes = self.num_processes // local
@@ -250,11 +268,15 @@ class Accelerator(accelerate.Accelerator):
         else None: every rank keeps its own copy (all-reduce)."""
         if self.lazytrain_node_ranks == 1:
             return None
+        directory = self.lazytrain_plugin.node_store_dir
+        if self.is_main_process:
+            logger.info("lazytrain: %s", node_store.room_for(model, directory).describe())
         job_id, node_id = node_store.launch_identity(os.environ)
         return node_store.share_model(
-            model, path=node_store.segment_path(job_id=job_id, node_id=node_id),
-            leader=self.local_process_index == 0, num_groups=num_groups,
-            barrier=torch.distributed.barrier)
+            model, name=node_store.segment_name(job_id=job_id, node_id=node_id),
+            leader=self.local_process_index == 0, local_ranks=self.lazytrain_node_ranks,
+            num_groups=num_groups, barrier=torch.distributed.barrier,
+            directory=None if directory == ANONYMOUS_SEGMENT else Path(directory))
 
     def _lazytrain_pin_store(self, model: nn.Module) -> None:
         """Page-lock the node store for the device's copies, in chunks; where any local
@@ -269,7 +291,7 @@ class Accelerator(accelerate.Accelerator):
                                        self.lazytrain_run.hardware.pageable_links(),
                                        replan=True)
         self.lazytrain_engine.set_plan(run.plan)
-        self.lazytrain_run = run
+        self._lazytrain_adopt(run, self.lazytrain_sizing)
 
     def _lazytrain_global_finite(self) -> bool:
         return math.isfinite(self._lazytrain_reducer.global_grad_sq_norm())

@@ -1,17 +1,25 @@
 """`NodeStore`: one host copy of a model's parameters per node, in shared memory.
 
-The local ranks of a node map one segment (a file under /dev/shm) and point each
-parameter's `.data` at its slice of it, so N ranks hold one copy of the fp32 masters (and
-of frozen weights) instead of N. The local leader (local rank 0) creates the segment
-exclusively (`O_CREAT | O_EXCL`, mode 0600), fills it from its model, and the others map
-it once it is full; when every rank has mapped it the leader unlinks its name, so the
-mapping lives on with no name left to leak, crash or not. Until then an `atexit` hook
-removes it; a segment left by a killed job (the pid in its header is not alive) is
-removed with a warning at the next start under the same name.
+The local ranks of a node map one segment and point each parameter's `.data` at its
+slice of it, so N ranks hold one copy of the fp32 masters (and of frozen weights) instead
+of N. The local leader (local rank 0) creates the segment, reserves its bytes
+(`posix_fallocate`: a full filesystem is an error here, never a SIGBUS mid-fill), fills
+it from its model, and hands the open descriptor to the other local ranks over a Unix
+socket (`segment_handoff.py`), which map it.
 
-Safety: a segment is mapped only when it is a regular file owned by this user with no
-permission for anybody else (`fstat` of the descriptor opened, so the checked file is the
-mapped one); anything else is refused with `UnsafeSegmentError`, never read or removed.
+The segment never has a name that could outlive the job. By default it is anonymous
+(`memfd_create`): its pages come from the kernel's shared-memory pool, bounded by host
+memory (the host budget `preflight` checks), not by the size of /dev/shm, so a
+container's 64 MiB /dev/shm does not limit it. With `node_store_dir` (e.g. a hugetlbfs
+mount) it is a file created there exclusively (`O_CREAT | O_EXCL | O_NOFOLLOW`, mode
+0600) and unlinked at once; that directory's free bytes bound it (`preflight`). Either
+way the kernel frees the pages when the last rank holding them exits, however it dies.
+
+Safety: a file found under the store's name is opened only when it is a regular file
+owned by this user with no permission for anybody else (`fstat` of the descriptor opened,
+so the checked file is the one read); a killed leader's (empty, or headerless) is
+removed, anything else refused with `UnsafeSegmentError`, never read or removed. A
+handed-over descriptor must be a regular file of this user, from a peer of this user.
 
 Layout: a header (magic, version, the leader's pid, the byte size, a hash of the
 parameters' names, shapes and dtypes, so ranks that built different models fail at
@@ -21,7 +29,6 @@ parameters' names, shapes and dtypes, so ranks that built different models fail 
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import hashlib
 import logging
@@ -35,11 +42,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lazytrain_accel import preflight
+from lazytrain_accel.integrations import segment_handoff
 from lazytrain_accel.integrations.generation_words import GenerationWords
 
 logger = logging.getLogger("lazytrain_accel")
 
-SHM_DIR = Path("/dev/shm")
+GIB = 2**30
 _MAGIC = 0x4C5A_5452_4E53_5431  # "LZTRNST1"
 _VERSION = 1
 _HEADER_FIELDS = 8  # int64: magic, version, pid, nbytes, layout hash, num groups, 2 spare
@@ -50,6 +59,10 @@ class UnsafeSegmentError(RuntimeError):
     """A segment under the store's name exists and is not this job's private file."""
 
 
+class SegmentSpaceError(RuntimeError):
+    """The segment's bytes could not be reserved (a full filesystem or host memory)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Slot:
     offset_bytes: int
@@ -57,11 +70,11 @@ class _Slot:
     dtype: torch.dtype
 
 
-def segment_path(*, job_id: str, node_id: str, directory: Path = SHM_DIR) -> Path:
-    """The segment's path: unique per (user, job, node), so two jobs on one host and two
-    simulated nodes of one job never share a name."""
+def segment_name(*, job_id: str, node_id: str) -> str:
+    """The segment's (and its handoff socket's) name: unique per (user, job, node), so two
+    jobs on one host and two simulated nodes of one job never share one."""
     key = f"{os.geteuid()}|{job_id}|{node_id}".encode()
-    return directory / f"lazytrain-{hashlib.sha256(key).hexdigest()[:24]}"
+    return f"lazytrain-{hashlib.sha256(key).hexdigest()[:24]}"
 
 
 def launch_identity(env: Mapping[str, str]) -> tuple[str, str]:
@@ -73,8 +86,8 @@ def launch_identity(env: Mapping[str, str]) -> tuple[str, str]:
     return job, node
 
 
-def unusable_because(setting: str, *, num_processes: int, env: Mapping[str, str]
-                     ) -> str | None:
+def unusable_because(setting: str, *, num_processes: int, env: Mapping[str, str],
+                     directory: Path | None = None) -> str | None:
     """Why the node store cannot serve this launch (then every rank keeps its own copy
     and all-reduces), or None when it can: one node of `num_processes` local ranks, or
     several nodes of LOCAL_WORLD_SIZE each (one copy per node)."""
@@ -84,9 +97,19 @@ def unusable_because(setting: str, *, num_processes: int, env: Mapping[str, str]
     if not local.isdigit() or int(local) < 1 or num_processes % int(local):
         return (f"LOCAL_WORLD_SIZE={local or 'unset'} does not divide the {num_processes} "
                 "processes into nodes (launch with torchrun or accelerate launch)")
-    if not SHM_DIR.is_dir():
-        return f"{SHM_DIR} does not exist on this host"
+    if directory is None and not hasattr(os, "memfd_create"):
+        return ("this platform has no memfd_create; set node_store_dir "
+                "(LAZYTRAIN_NODE_STORE_DIR) to a shared-memory directory")
     return None
+
+
+def room_for(model: nn.Module, directory: str) -> preflight.SegmentRoom:
+    """`model`'s segment against the room `directory` has (`node_store_dir`: "memfd", or
+    a directory). Its bytes are counted with one update generation per parameter, an
+    upper bound: the plan's groups (its layers + 2) are not known before planning."""
+    params = shared_params(model)
+    return preflight.segment_room(directory, _layout(params, len(params) + 2)[1],
+                                  available_bytes=preflight.available_host_bytes())
 
 
 def shared_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -103,8 +126,7 @@ def _master_dtype(p: nn.Parameter) -> torch.dtype:
 class NodeStore:
     """One mapped segment; `generations.read(g)` is group g's update generation."""
 
-    def __init__(self, *, path: Path, buffer: mmap.mmap, num_groups: int) -> None:
-        self.path = path
+    def __init__(self, *, buffer: mmap.mmap, num_groups: int) -> None:
         self._buffer = buffer  # kept alive: every parameter is a view of it
         self.bytes = torch.frombuffer(buffer, dtype=torch.uint8)
         self.header = self.bytes[:8 * _HEADER_FIELDS].view(torch.int64)
@@ -139,36 +161,41 @@ def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
 
-def share_model(model: nn.Module, *, path: Path, leader: bool, num_groups: int,
-                barrier: Callable[[], None]) -> NodeStore:
-    """Move `model`'s parameters into the segment at `path`; every local rank calls it.
+def share_model(model: nn.Module, *, name: str, leader: bool, local_ranks: int,
+                num_groups: int, barrier: Callable[[], None], directory: Path | None = None
+                ) -> NodeStore:
+    """Move `model`'s parameters into the node's segment; every local rank calls it.
 
-    The leader creates and fills the segment, `barrier()` (all local ranks) lets the
-    others map it, a second `barrier()` lets the leader unlink the name. Afterwards each
-    parameter's `.data` is a view of the segment (fp32 for trainable float parameters);
-    the rank's own copy is freed as nothing else references it.
+    The leader creates the segment (anonymous, or in `directory`: `_create`), reserves its
+    bytes, fills it and listens on the handoff socket `name`; `barrier()` (all local ranks)
+    then lets the other `local_ranks - 1` ranks ask for its descriptor and map it.
+    Afterwards each parameter's `.data` is a view of the segment (fp32 for trainable float
+    parameters); the rank's own copy is freed as nothing else references it.
     """
     params = shared_params(model)
     slots, nbytes, layout_hash = _layout(params, num_groups)
-    fd = _create(path, nbytes) if leader else -1
-    try:
-        if leader:
-            store = _map(fd, path, nbytes, num_groups)
+    if not leader:
+        barrier()
+        fd = segment_handoff.receive(name)
+        try:
+            _check_private(fd, f"the segment handed over on @{name}")
+            store = _map(fd, nbytes, num_groups)
+        finally:
+            os.close(fd)  # the mapping stays valid without its descriptor
+        _check_header(store, nbytes=nbytes, layout_hash=layout_hash)
+        _point_into(store, params, slots, copy=False)
+        return store
+    with segment_handoff.listen(name, backlog=local_ranks) as listener:
+        fd = _create(name, nbytes, directory)
+        try:
+            store = _map(fd, nbytes, num_groups)
             store.header.copy_(torch.tensor([_MAGIC, _VERSION, os.getpid(), nbytes,
                                              layout_hash, num_groups, 0, 0]))
             _point_into(store, params, slots, copy=True)
-        barrier()
-        if not leader:
-            fd = _open_private(path)
-            store = _map(fd, path, nbytes, num_groups)
-            _check_header(store, path, nbytes=nbytes, layout_hash=layout_hash)
-            _point_into(store, params, slots, copy=False)
-        barrier()
-    finally:
-        if fd >= 0:
-            os.close(fd)  # the mapping stays valid without its descriptor
-        if leader:
-            _unlink(path)
+            barrier()
+            segment_handoff.serve(listener, fd, followers=local_ranks - 1)
+        finally:
+            os.close(fd)
     return store
 
 
@@ -182,43 +209,67 @@ def _point_into(store: NodeStore, params: Sequence[tuple[str, nn.Parameter]],
             p.data = view
 
 
-def _create(path: Path, nbytes: int) -> int:
-    """Create the segment exclusively, owner-only; remove a stale one of a dead leader."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, flags, 0o600)
-    except FileExistsError:
-        _remove_if_stale(path)
-        fd = os.open(path, flags, 0o600)
-    atexit.register(_unlink, path)  # until every rank mapped it (then it is gone)
-    try:
+def _create(name: str, nbytes: int, directory: Path | None) -> int:
+    """The leader's segment descriptor, `nbytes` reserved: anonymous (`memfd_create`), or
+    in `directory` a file created exclusively, owner-only, and unlinked at once (a stale
+    one of a dead leader is removed first), so no name outlives this call."""
+    if directory is None:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        where = "an anonymous shared segment (memfd, bounded by host memory)"
+    else:
+        path = directory / name
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            _remove_if_stale(path)
+            fd = os.open(path, flags, 0o600)
+        _unlink(path)  # the descriptor is the segment from here on
         os.fchmod(fd, 0o600)  # whatever the umask did
-        os.ftruncate(fd, nbytes)
+        where = str(directory)
+    try:
+        _reserve(fd, nbytes, where)
     except BaseException:
         os.close(fd)
-        _unlink(path)
         raise
     return fd
 
 
+def _reserve(fd: int, nbytes: int, where: str) -> None:
+    """Allocate every page now: a sparse segment on a full filesystem would kill the fill
+    with SIGBUS, with no message, where this raises one."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as err:
+        raise SegmentSpaceError(
+            f"the node store needs {nbytes} bytes ({nbytes / GIB:.2f} GiB) in {where}, and "
+            f"reserving them failed ({err.strerror}). In a container, give it more shared "
+            "memory (docker run --shm-size=...) or set node_store_dir "
+            "(LAZYTRAIN_NODE_STORE_DIR) to a directory with room; or node_store='off' keeps "
+            "a copy per rank") from None
+
+
 def _remove_if_stale(path: Path) -> None:
+    """Remove a private file left under our name by a killed leader: one killed before it
+    unlinked the name (empty), or by an older version before it wrote its header (magic
+    0). A foreign file, or a running job's, is refused and left alone."""
     fd = _open_private(path)
     try:
         with mmap.mmap(fd, 8 * _HEADER_FIELDS, prot=mmap.PROT_READ) as head:
             magic, _, pid = (int.from_bytes(head[8 * i:8 * i + 8], "little", signed=True)
                              for i in range(3))
     except ValueError:  # shorter than a header: a leader killed before it sized it
-        magic, pid = _MAGIC, 0
+        magic, pid = 0, 0
     finally:
         os.close(fd)
-    if magic != _MAGIC:
+    if magic not in (0, _MAGIC):
         raise UnsafeSegmentError(f"{path} exists and is not a LazyTrain segment; remove it "
                                  "or change the job's MASTER_PORT")
-    if pid > 0 and pid_alive(pid):
+    if magic == _MAGIC and pid > 0 and pid_alive(pid):
         raise UnsafeSegmentError(f"{path} belongs to a running job (pid {pid}) with this "
                                  "job's id; give this job another MASTER_PORT/run id")
-    logger.warning("lazytrain: removing %s, a shared segment left by a killed job (pid %d)",
-                   path, pid)
+    logger.warning("lazytrain: removing %s, a shared segment left by a killed job (%s)",
+                   path, f"pid {pid}" if magic else "its header never written")
     _unlink(path)
 
 
@@ -244,40 +295,48 @@ def _open_private(path: Path) -> int:
     """Open `path` read-write only if it is a regular file of ours, mode 0600."""
     try:
         fd = os.open(path, os.O_RDWR | getattr(os, "O_NOFOLLOW", 0))
-    except FileNotFoundError:
-        raise RuntimeError(f"{path}: the local leader's shared segment is missing; the "
-                           "leader failed before filling it (see rank 0's error)") from None
     except OSError as err:  # a symlink (ELOOP), or no permission: not ours
         raise UnsafeSegmentError(f"{path} cannot be opened as this user's private segment "
                                  f"({err.strerror}); refusing to map it") from None
+    try:
+        _check_private(fd, str(path), mode=True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_private(fd: int, what: str, *, mode: bool = False) -> None:
+    """Refuse `fd` unless it is a regular file (a memfd is one) owned by this user, with
+    no permission for anybody else where it has a name (`mode`); `fstat` of the open
+    descriptor, so the checked file is the mapped one."""
     info = os.fstat(fd)
     problem = None
     if not stat.S_ISREG(info.st_mode):
         problem = "is not a regular file"
     elif info.st_uid != os.geteuid():
         problem = f"is owned by uid {info.st_uid}, not by this user ({os.geteuid()})"
-    elif stat.S_IMODE(info.st_mode) & 0o077:
+    elif mode and stat.S_IMODE(info.st_mode) & 0o077:
         problem = f"has mode {stat.S_IMODE(info.st_mode):04o}, not 0600"
     if problem is not None:
-        os.close(fd)
-        raise UnsafeSegmentError(f"{path} {problem}: another user could read or change the "
+        raise UnsafeSegmentError(f"{what} {problem}: another user could read or change the "
                                  "weights, so it is refused; remove it and restart the job")
-    return fd
 
 
-def _map(fd: int, path: Path, nbytes: int, num_groups: int) -> NodeStore:
-    if os.fstat(fd).st_size != nbytes:
-        raise RuntimeError(f"{path} holds {os.fstat(fd).st_size} bytes, this rank's model "
+def _map(fd: int, nbytes: int, num_groups: int) -> NodeStore:
+    size = os.fstat(fd).st_size
+    if size != nbytes:
+        raise RuntimeError(f"the node store's segment holds {size} bytes, this rank's model "
                            f"needs {nbytes}: the ranks built different models")
-    return NodeStore(path=path, buffer=mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED),
+    return NodeStore(buffer=mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED),
                      num_groups=num_groups)
 
 
-def _check_header(store: NodeStore, path: Path, *, nbytes: int, layout_hash: int) -> None:
+def _check_header(store: NodeStore, *, nbytes: int, layout_hash: int) -> None:
     magic, version, _, size, layout, _, _, _ = store.header.tolist()
     if magic != _MAGIC or version != _VERSION or size != nbytes:
-        raise UnsafeSegmentError(f"{path} is not the segment this job's leader wrote "
-                                 "(header mismatch); refusing its contents")
+        raise UnsafeSegmentError("the segment handed over is not the one this job's leader "
+                                 "wrote (header mismatch); refusing its contents")
     if layout != layout_hash:
         raise RuntimeError("the local ranks built different models (parameter names, "
                            "shapes or dtypes differ from the local leader's); build the same "

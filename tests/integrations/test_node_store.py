@@ -1,24 +1,28 @@
-"""The node store's shared segment: private, exclusive, never leaked, never foreign."""
+"""The node store's shared segment: anonymous or private, exclusive, never leaked, never
+foreign; its bytes reserved before the fill, its descriptor handed over to this user only."""
 
 from __future__ import annotations
 
+import errno
 import os
-import stat
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from lazytrain_accel.integrations import node_store, split_update
+from lazytrain_accel import preflight
+from lazytrain_accel.integrations import node_store, segment_handoff, split_update
 from lazytrain_accel.integrations.generation_words import GenerationWords
-from lazytrain_accel.integrations.node_store import UnsafeSegmentError
+from lazytrain_accel.integrations.node_store import SegmentSpaceError, UnsafeSegmentError
 from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
 
-pytestmark = pytest.mark.skipif(not node_store.SHM_DIR.is_dir(), reason="no /dev/shm")
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create")
 
 
 def _model() -> nn.Module:
@@ -28,15 +32,52 @@ def _model() -> nn.Module:
     return model
 
 
-def _path(tmp_path: Path) -> Path:
-    return node_store.segment_path(job_id=str(tmp_path), node_id="test")
+def _name(tmp_path: Path) -> str:
+    return node_store.segment_name(job_id=str(tmp_path), node_id="test")
+
+
+def _share(model: nn.Module, name: str, *, leader: bool, local_ranks: int = 1,
+           barrier: Callable[[], None] = lambda: None, directory: Path | None = None,
+           num_groups: int = 1) -> node_store.NodeStore:
+    return node_store.share_model(model, name=name, leader=leader, local_ranks=local_ranks,
+                                  num_groups=num_groups, barrier=barrier, directory=directory)
+
+
+def _share_pair(leader_model: nn.Module, follower_model: nn.Module, name: str
+                ) -> tuple[node_store.NodeStore, node_store.NodeStore | BaseException]:
+    """A leader (this thread) and a follower (another thread) of one node, as two ranks:
+    (the leader's store, the follower's store or what it raised)."""
+    barrier = threading.Barrier(2, timeout=30)
+    result: list = []
+
+    def follow() -> None:
+        try:
+            result.append(_share(follower_model, name, leader=False, local_ranks=2,
+                                 barrier=barrier.wait))
+        except BaseException as err:  # handed to the test thread
+            result.append(err)
+            barrier.abort()
+
+    thread = threading.Thread(target=follow)
+    thread.start()
+    try:
+        store = _share(leader_model, name, leader=True, local_ranks=2, barrier=barrier.wait)
+    finally:
+        thread.join(timeout=60)
+    return store, result[0]
+
+
+def _mapped_segments(name: str) -> list[str]:
+    """This process's mappings of the segment `name` (a memfd shows as /memfd:NAME)."""
+    return [line for line in Path("/proc/self/maps").read_text().splitlines()
+            if f"memfd:{name}" in line]
 
 
 def test_names_differ_per_job_and_node() -> None:
-    a = node_store.segment_path(job_id="job-a", node_id="n0")
-    assert a != node_store.segment_path(job_id="job-b", node_id="n0")
-    assert a != node_store.segment_path(job_id="job-a", node_id="n1")
-    assert a == node_store.segment_path(job_id="job-a", node_id="n0")
+    a = node_store.segment_name(job_id="job-a", node_id="n0")
+    assert a != node_store.segment_name(job_id="job-b", node_id="n0")
+    assert a != node_store.segment_name(job_id="job-a", node_id="n1")
+    assert a == node_store.segment_name(job_id="job-a", node_id="n0")
     env_a = {"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
     env_b = {**env_a, "MASTER_PORT": "29501"}
     assert node_store.launch_identity(env_a) != node_store.launch_identity(env_b)
@@ -44,119 +85,155 @@ def test_names_differ_per_job_and_node() -> None:
     assert nodes[0][1] != nodes[1][1]
 
 
-def test_segment_is_private_and_parameters_point_into_it(tmp_path: Path) -> None:
-    model, path = _model(), _path(tmp_path)
+def test_the_segment_is_anonymous_and_parameters_point_into_it(tmp_path: Path) -> None:
+    """No name anywhere (nothing under /dev/shm), one mapping of an anonymous file."""
+    model, name = _model(), _name(tmp_path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    modes = []
-
-    def barrier() -> None:  # one process: both barriers see the segment while named
-        modes.append(stat.S_IMODE(os.stat(path).st_mode))
-
-    store = node_store.share_model(model, path=path, leader=True, num_groups=3,
-                                   barrier=barrier)
-    assert modes == [0o600, 0o600]
-    assert not path.exists()  # unlinked once every rank mapped it
+    store = _share(model, name, leader=True, num_groups=3)
+    assert not [n for n in os.listdir("/dev/shm") if name in n]
+    assert len(_mapped_segments(name)) == 1
     start = store.bytes.data_ptr()
-    for name, p in model.named_parameters():
-        assert torch.equal(p.detach(), before[name])
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n])
         assert start <= p.data_ptr() < start + store.nbytes
     assert store.generations.view.tolist() == [0, 0, 0]
 
 
 def test_a_follower_sees_the_leaders_writes(tmp_path: Path) -> None:
-    leader, follower, path = _model(), _model(), _path(tmp_path)
+    leader, follower = _model(), _model()
     with torch.no_grad():
         follower[0].weight.zero_()  # a follower's own values are never used
-    stores = []
-
-    def barrier() -> None:
-        if len(stores) == 0 and not hasattr(barrier, "mapped"):
-            barrier.mapped = True
-            stores.append(node_store.share_model(follower, path=path, leader=False,
-                                                 num_groups=1, barrier=lambda: None))
-
-    node_store.share_model(leader, path=path, leader=True, num_groups=1, barrier=barrier)
+    _, store = _share_pair(leader, follower, _name(tmp_path))
+    assert isinstance(store, node_store.NodeStore), store
     assert torch.equal(follower[0].weight, leader[0].weight)
     with torch.no_grad():
         leader[2].bias.add_(1.0)
     assert torch.equal(follower[2].bias, leader[2].bias)  # one copy, two mappings
 
 
+def test_ranks_with_different_models_fail_with_a_sentence(tmp_path: Path) -> None:
+    other = _model()
+    other[2] = nn.Linear(16, 4, bias=False)
+    _, raised = _share_pair(_model(), other, _name(tmp_path))
+    assert isinstance(raised, RuntimeError) and "different models" in str(raised), raised
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
+def test_a_socket_of_another_user_is_refused(tmp_path: Path) -> None:
+    """Another user (uid 65534) binds the handoff name first: a follower refuses to take
+    a descriptor from it, and a leader fails to start instead of serving it."""
+    name = _name(tmp_path)
+    code = ("import os, socket, sys, time\nos.setuid(65534)\n"
+            "s = socket.socket(socket.AF_UNIX); s.bind('\\0' + sys.argv[1]); s.listen(1)\n"
+            "print('up', flush=True); time.sleep(30)\n")
+    squatter = subprocess.Popen([sys.executable, "-c", code, name], stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "up"
+        with pytest.raises(segment_handoff.ForeignPeerError, match="runs as uid 65534"):
+            _share(_model(), name, leader=False, local_ranks=2)
+        with pytest.raises(RuntimeError, match=r"handoff socket .* is taken"):
+            _share(_model(), name, leader=True, local_ranks=2)
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+
 @pytest.mark.parametrize("mode", [0o644, 0o660])
-def test_a_planted_segment_with_wider_permissions_is_refused(tmp_path: Path, mode: int
-                                                             ) -> None:
-    path = _path(tmp_path)
+def test_a_planted_file_with_wider_permissions_is_refused(tmp_path: Path, mode: int) -> None:
+    """`node_store_dir`: a file under the store's name that another user could read."""
+    name = _name(tmp_path)
+    path = tmp_path / name
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
     os.fchmod(fd, mode)
     os.write(fd, b"planted" * 100)
     os.close(fd)
     model = _model()
     before = model[0].weight.data_ptr()
-    try:
-        with pytest.raises(UnsafeSegmentError, match="not 0600"):
-            node_store.share_model(model, path=path, leader=True, num_groups=1,
-                                   barrier=lambda: None)
-        with pytest.raises(UnsafeSegmentError, match="not 0600"):
-            node_store.share_model(model, path=path, leader=False, num_groups=1,
-                                   barrier=lambda: None)
-        assert path.read_bytes().startswith(b"planted")  # neither mapped nor removed
-        assert model[0].weight.data_ptr() == before
-    finally:
-        path.unlink()
+    with pytest.raises(UnsafeSegmentError, match="not 0600"):
+        _share(model, name, leader=True, directory=tmp_path)
+    assert path.read_bytes().startswith(b"planted")  # neither mapped nor removed
+    assert model[0].weight.data_ptr() == before
 
 
-def test_a_live_jobs_segment_is_refused_a_dead_ones_removed(tmp_path: Path, caplog) -> None:
-    path = _path(tmp_path)
+def test_a_file_backed_segment_leaves_no_name(tmp_path: Path) -> None:
+    model = _model()
+    store = _share(model, _name(tmp_path), leader=True, directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # unlinked once created
+    assert torch.equal(model[0].weight, _model()[0].weight)
+    assert store.bytes.data_ptr() <= model[0].weight.data_ptr()
+
+
+def test_a_live_jobs_file_is_refused_a_dead_or_half_written_one_removed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A leader of a killed job left a file under the name: with its header (a dead
+    pid), without one (magic 0: killed between sizing and the header), or empty. None
+    blocks the next start; a running job's is refused and kept."""
+    name = _name(tmp_path)
+    path = tmp_path / name
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    for pid, refused in ((os.getpid(), True), (int(dead.stdout), False)):
-        _plant_header(path, pid)
-        if refused:
-            with pytest.raises(UnsafeSegmentError, match=f"running job \\(pid {pid}\\)"):
-                node_store.share_model(_model(), path=path, leader=True, num_groups=1,
-                                       barrier=lambda: None)
-            assert path.exists()
-            path.unlink()
-        else:
-            node_store.share_model(_model(), path=path, leader=True, num_groups=1,
-                                   barrier=lambda: None)
-            assert "left by a killed job" in caplog.text
-            assert not path.exists()
+    _plant_header(path, node_store._MAGIC, os.getpid())
+    with pytest.raises(UnsafeSegmentError, match=f"running job \\(pid {os.getpid()}\\)"):
+        _share(_model(), name, leader=True, directory=tmp_path)
+    assert path.exists()
+    path.unlink()
+    for magic, pid, size in ((node_store._MAGIC, int(dead.stdout), 4096), (0, 0, 4096),
+                             (0, 0, 0)):
+        _plant_header(path, magic, pid, size=size)
+        _share(_model(), name, leader=True, directory=tmp_path)
+        assert not path.exists()
+    assert caplog.text.count("left by a killed job") == 3
+    _plant_header(path, 0x1234, 0)  # not ours: refused, kept
+    with pytest.raises(UnsafeSegmentError, match="not a LazyTrain segment"):
+        _share(_model(), name, leader=True, directory=tmp_path)
+    assert path.exists()
 
 
-def _plant_header(path: Path, pid: int) -> None:
+def _plant_header(path: Path, magic: int, pid: int, *, size: int = 4096) -> None:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    header = torch.tensor([node_store._MAGIC, 1, pid, 4096, 0, 1, 0, 0], dtype=torch.int64)
-    os.write(fd, header.numpy().tobytes().ljust(4096, b"\0"))
+    header = torch.tensor([magic, 1, pid, 4096, 0, 1, 0, 0], dtype=torch.int64)
+    os.write(fd, header.numpy().tobytes().ljust(size, b"\0")[:size])
     os.close(fd)
 
 
-def test_ranks_with_different_models_fail_with_a_sentence(tmp_path: Path) -> None:
-    path = _path(tmp_path)
-    other = _model()
-    other[2] = nn.Linear(16, 4, bias=False)
+def test_a_full_filesystem_is_an_error_before_the_fill(tmp_path: Path, monkeypatch) -> None:
+    """`posix_fallocate` reserves the bytes first: ENOSPC is a sentence naming the bytes
+    and the fixes, raised before any parameter moves, not a SIGBUS halfway."""
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    def barrier() -> None:
-        if not hasattr(barrier, "tried"):
-            barrier.tried = True
-            with pytest.raises(RuntimeError, match="different models"):
-                node_store.share_model(other, path=path, leader=False, num_groups=1,
-                                       barrier=lambda: None)
-
-    node_store.share_model(_model(), path=path, leader=True, num_groups=1, barrier=barrier)
-    assert barrier.tried
+    monkeypatch.setattr(node_store.os, "posix_fallocate", full)
+    model = _model()
+    before = model[0].weight.data_ptr()
+    with pytest.raises(SegmentSpaceError, match=r"needs \d+ bytes .* --shm-size"):
+        _share(model, _name(tmp_path), leader=True, directory=tmp_path)
+    assert model[0].weight.data_ptr() == before
+    assert list(tmp_path.iterdir()) == []
 
 
-def test_the_segment_is_gone_after_a_crash_before_unlinking(tmp_path: Path) -> None:
-    path = _path(tmp_path)
-    code = (f"import torch\nfrom pathlib import Path\nfrom torch import nn\n"
-            f"from lazytrain_accel.integrations import node_store\n"
-            f"def crash():\n    raise SystemExit(3)\n"
-            f"node_store.share_model(nn.Linear(4, 4), path=Path({str(path)!r}), leader=True,"
-            f" num_groups=1, barrier=crash)\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 3, proc.stderr
-    assert not path.exists()
+def test_a_directory_too_small_falls_back_to_copies_or_refuses(tmp_path: Path) -> None:
+    """`node_store_dir` cannot hold the store: with host memory for a copy per rank,
+    the warning names the store's bytes, the free bytes and the fix; without, `prepare`
+    refuses with the same numbers (`preflight.check_per_rank_copies`)."""
+    model = _model()
+    room = node_store.room_for(model, str(tmp_path))
+    assert room.free_bytes == preflight.shm_free_bytes(str(tmp_path)) > 0
+    assert room.need_bytes >= sum(p.numel() * 4 for p in model.parameters())
+    small = preflight.SegmentRoom(directory="/dev/shm", need_bytes=3 * 2**30,
+                                  free_bytes=64 * 2**20)
+    estimate = preflight.HostMemoryEstimate(terms=(("masters", 5 * 2**30),),
+                                            present_bytes=2**30)  # 4 GiB more per rank
+    warning = preflight.check_per_rank_copies(small, estimate, copies=2,
+                                              available_bytes=9 * 2**30)
+    for words in ("needs 3.00 GiB in /dev/shm", "has 0.06 GiB free", "2 x 4.00 GiB",
+                  "--shm-size=4g", "node_store_dir"):
+        assert words in warning, warning
+    with pytest.raises(preflight.PreflightError) as refused:
+        preflight.check_per_rank_copies(small, estimate, copies=2, available_bytes=7 * 2**30)
+    for words in ("needs 3.00 GiB in /dev/shm", "has 0.06 GiB free", "2 x 4.00 GiB",
+                  "only 7.00 GiB available", "--shm-size=4g"):
+        assert words in str(refused.value), refused.value
 
 
 def test_owners_are_contiguous_byte_balanced_runs() -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
+from lazytrain_accel import preflight
 from lazytrain_accel.cli import main
 
 GIB = 2**30
@@ -26,6 +28,25 @@ def test_27b_on_8_gpus_plans_where_8_copies_would_not_fit(
     out = capsys.readouterr().out
     assert "tokens/s per node vs 8 x one GPU alone on the host" in out
     assert "8 copies would need" in out and "job: 2 nodes" in out
+
+
+def test_plan_reports_the_node_store_beside_the_room_for_it(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """The store's bytes (27B's fp32 masters) beside /dev/shm's free bytes, which bind it
+    only with a node_store_dir there (issue 30)."""
+    assert main(["plan", *RUN_27B, "--gpus-per-node", "8", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert 26e9 * 4 < s["node_store_bytes"] < 29e9 * 4
+    assert s["shm_free_bytes"] == pytest.approx(preflight.shm_free_bytes("/dev/shm"),
+                                                rel=0.01)
+    assert main(["plan", *RUN_27B, "--gpus-per-node", "8"]) == 0
+    assert "anonymous (memfd): host memory bounds it, not /dev/shm" in capsys.readouterr().out
+    monkeypatch.setenv("LAZYTRAIN_NODE_STORE_DIR", str(tmp_path))
+    assert main(["plan", *RUN_27B, "--gpus-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    free_gib = preflight.shm_free_bytes(str(tmp_path)) / GIB
+    assert f"GiB of shared memory, in {tmp_path} ({free_gib:.2f} GiB free here" in out
 
 
 def test_simulate_and_max_batch_take_the_node_shape(
