@@ -4,7 +4,8 @@ ns/parameter; never run by pytest.
     python bench/kernel_in_cache.py [--rounds 3]
 
 Builds bench/kernel_in_cache.cpp (the torch-free core, csrc/adamw8bit_core.h) with each
-variant's flags this CPU runs, and the AVX2 build once more with the portable loops only
+variant's flags this CPU runs, with `-march=native` (the kernel's flags before the
+variants), and the AVX2 build once more with the portable loops only
 (the compiler's vectorization instead of adamw8bit_avx2.h), then runs the binaries in
 alternating rounds and prints each one's best. A best-of-many figure of a single thread
 is steady on a shared machine, where the DRAM-bound figures of bench/optimizer.py are not.
@@ -23,8 +24,9 @@ _SOURCE = Path(__file__).with_name("kernel_in_cache.cpp")
 
 
 def builds() -> dict[str, list[str]]:
-    """Name -> the compiler flags of each build to compare."""
-    out = {}
+    """Name -> the compiler flags of each build to compare; first the former single build
+    (`-march=native`: this CPU's every instruction and its tuning)."""
+    out = {"native (former build)": ["-march=native"]}
     for variant in native.runnable_variants():
         out[variant.name] = list(variant.cflags)
         if variant.name == "avx2":
