@@ -158,7 +158,8 @@ def contenders(params: list[torch.nn.Parameter], triad_numel: int
     else:
         for clip in (False, True):
             steps["deepspeed_cpuadam" + "+clip" * clip] = with_clip(params, deepspeed, clip)
-    steps["triad"] = build_triad(triad_numel)
+    if triad_numel > 0:
+        steps["triad"] = build_triad(triad_numel)
     return steps
 
 
@@ -199,11 +200,38 @@ def report(step_s: dict[str, tuple[float, float]], numel: int, triad_numel: int,
               f"{numel / seconds / 1e6:9.0f}")
 
 
+def in_cache_ns_per_param(reps: int) -> None:
+    """Each update's compute cost: 1 thread, 4 tensors of 256K parameters (state and all
+    in a 32 MiB L3; smaller steps would time Python's per-step overhead), best of `reps`
+    steps: what a step costs when nothing else runs on the core, steady however loaded
+    the machine is, unlike the DRAM-bound figures above."""
+    torch.set_num_threads(1)
+    params = [torch.nn.Parameter(torch.randn(262144) * 0.02) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn(262144) * 1e-3
+    steps = contenders(params, triad_numel=0)
+    for step in steps.values():
+        step()
+    best_s = dict.fromkeys(steps, float("inf"))
+    for _ in range(reps):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best_s[name] = min(best_s[name], time.perf_counter() - start)
+    numel = sum(p.numel() for p in params)
+    print(f"\nin L3, 1 thread, {numel // 1024}K parameters, best of {reps}:")
+    for name, seconds in best_s.items():
+        print(f"{name:26s} {seconds / numel * 1e9:6.3f} ns/param  "
+              f"{seconds / best_s['adamw_fused']:5.2f}x fused")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params-m", type=int, default=64, help="millions of parameters")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument("--in-cache-reps", type=int, default=300,
+                        help="steps of the in-cache compute comparison (0: skip it)")
     parser.add_argument("--code-choice", action="store_true",
                         help="also compare the 8-bit codes (bench/optimizer_codes.py)")
     args = parser.parse_args()
@@ -218,6 +246,8 @@ def main() -> None:
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         report(measure(steps, args.rounds), numel, triad_numel, threads)
+    if args.in_cache_reps > 0:
+        in_cache_ns_per_param(args.in_cache_reps)
     if args.code_choice:
         from optimizer_codes import print_code_choice
 

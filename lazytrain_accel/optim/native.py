@@ -38,7 +38,9 @@ _SOURCE = _CSRC / "adamw8bit.cpp"
 #: The torch-free arithmetic the binding includes (and the aarch64 test program builds).
 CORE_HEADER = _CSRC / "adamw8bit_core.h"
 _HEADERS = (CORE_HEADER, _CSRC / "adamw8bit_avx2.h")
-_CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+#: The flags of every variant (their own -march come after): no fused multiply-add, so the
+#: bits match reference.py; OpenMP for the threads and the `omp simd` loops.
+KERNEL_CFLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 _X86 = ("x86_64", "amd64")
 
 
@@ -100,7 +102,7 @@ def variant_named(name: str) -> KernelVariant:
 def _build_name(variant: KernelVariant) -> str:
     abi = f"{sys.implementation.cache_tag}|{sysconfig.get_config_var('SOABI')}"
     torch_build = f"{torch.__version__}|{torch.version.git_version}"
-    flags = " ".join([*_CFLAGS, *variant.cflags])
+    flags = " ".join([*KERNEL_CFLAGS, *variant.cflags])
     sources = b"".join(path.read_bytes() for path in (_SOURCE, *_HEADERS))
     digest = hashlib.sha1("|".join([platform.machine(), abi, torch_build, flags]).encode()
                           + sources).hexdigest()[:12]
@@ -191,5 +193,5 @@ def _build(variant: KernelVariant) -> ModuleType:
     directory.mkdir(parents=True, exist_ok=True)
     clear_stale_build_lock(directory)
     return load(name=name, build_directory=str(directory), sources=[str(_SOURCE)],
-                extra_cflags=[*_CFLAGS, *variant.cflags], extra_ldflags=["-fopenmp"],
+                extra_cflags=[*KERNEL_CFLAGS, *variant.cflags], extra_ldflags=["-fopenmp"],
                 verbose=False)

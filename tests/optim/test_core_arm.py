@@ -16,8 +16,9 @@ from lazytrain_accel.optim import native, reference
 from lazytrain_accel.optim.codes import num_blocks
 
 _PROGRAM = Path(__file__).with_name("core_check.cpp")
-_FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-static", "-I",
-          str(native.CORE_HEADER.parent)]
+#: the kernel's own flags (its `omp simd` loops vectorized as in the extension), linked
+#: statically so that qemu needs no aarch64 libraries
+_FLAGS = [*native.KERNEL_CFLAGS, "-static", "-I", str(native.CORE_HEADER.parent)]
 #: target: (compiler, extra flags, how to run the binary); the host's portable loops, and
 #: the hand-vectorized AVX2 ones (adamw8bit_avx2.h) where this CPU runs them
 _TARGETS = {
