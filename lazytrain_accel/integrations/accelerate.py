@@ -327,14 +327,15 @@ class Accelerator(accelerate.Accelerator):
     # ---- state ----------------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **kwargs: Any) -> str:
-        """Stock `save_state` plus the plan. With LazyTrain, one process and an explicit
-        `output_dir`, the save is atomic: a kill mid-save leaves the previous checkpoint.
-        A layer-wise update still running is waited for: the checkpoint holds its result."""
+        """Stock `save_state` plus the plan. With LazyTrain the streamed model and its
+        optimizer go to a share checkpoint (`integrations/share_checkpoint.py`): the
+        weights in the layout `from_pretrained` expects, the optimizer state per share,
+        atomic. A layer-wise update still running is waited for: the checkpoint holds
+        its result."""
         self._lazytrain_synchronize()
-        if self.lazytrain_store is not None:  # each weight once, the optimizer per share
+        if self.lazytrain_plugin is not None and self._lazytrain_model is not None:
             return self._lazytrain_save_shares(output_dir, safe_serialization, kwargs)
-        if (self.lazytrain_plugin is None or output_dir is None or self.num_processes > 1
-                or self.project_configuration.automatic_checkpoint_naming):
+        if self.lazytrain_plugin is None or output_dir is None or self.num_processes > 1:
             location = super().save_state(output_dir, safe_serialization=safe_serialization,
                                           **kwargs)
             self._lazytrain_save_plan(Path(location))
@@ -346,9 +347,9 @@ class Accelerator(accelerate.Accelerator):
 
     def _lazytrain_save_shares(self, output_dir: str | None, safe_serialization: bool,
                                kwargs: dict[str, Any]) -> str:
-        """A node store's checkpoint (`integrations/share_checkpoint.py`): rank 0 writes
-        the weights once, every rank its share of the optimizer state, rank 0 the
-        manifest last; atomic, like one process's."""
+        """A share checkpoint (`integrations/share_checkpoint.py`): rank 0 writes the
+        weights once, every rank its share of the optimizer state (without a node store:
+        rank 0 the whole), rank 0 the manifest last; atomic."""
         final = share_checkpoint.target_directory(self, output_dir)
 
         def write_stock(directory: Path) -> None:  # schedulers, samplers, RNG, the plan
@@ -375,6 +376,8 @@ class Accelerator(accelerate.Accelerator):
         manifest = (share_checkpoint.read_manifest(Path(input_dir))
                     if self._lazytrain_model is not None and input_dir is not None else None)
         if manifest is not None or (self.lazytrain_store is not None and input_dir is not None):
+            # The streamed model's weights and optimizer come from the shares, the rest
+            # (schedulers, samplers, RNG) from accelerate.
             share_checkpoint.load_shares(self, Path(input_dir), manifest)
             with share_checkpoint.hidden(self, self._lazytrain_model, self._lazytrain_optimizer):
                 super().load_state(input_dir, **kwargs)
