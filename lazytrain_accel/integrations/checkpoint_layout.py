@@ -23,7 +23,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -58,9 +58,22 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
 
 def write_safetensors(path: Path, tensors: Named, *, dtype: torch.dtype | None = None,
                       metadata: Mapping[str, str] | None = None) -> int:
-    """Write `tensors` as a safetensors file one tensor at a time (`export_dtype`): a
-    tensor is read where it lives; only one cast, non-contiguous or on a device is
-    copied, alone. Returns the bytes written; the file is fsynced."""
+    """Write `tensors` as a safetensors file one tensor at a time (`write_tensor`).
+    Returns the bytes written; the file is fsynced."""
+    header = safetensors_header(tensors, dtype=dtype, metadata=metadata)
+    with open(path, "wb") as f:
+        f.write(header)
+        for _, t in tensors:
+            write_tensor(f, t, dtype)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(header) + sum(exported_bytes(t, dtype) for _, t in tensors)
+
+
+def safetensors_header(tensors: Named, *, dtype: torch.dtype | None = None,
+                       metadata: Mapping[str, str] | None = None) -> bytes:
+    """The length-prefixed header of a safetensors file of `tensors` in this order (known
+    before any byte of data is: shapes and dtypes, not values)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for name, t in tensors:
@@ -73,20 +86,24 @@ def write_safetensors(path: Path, tensors: Named, *, dtype: torch.dtype | None =
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for _, t in tensors:
-            data = t.detach()
-            kind = export_dtype(data, dtype)
-            if data.device.type != "cpu" or not data.is_contiguous() or data.dtype != kind:
-                data = data.to("cpu", kind).contiguous()
-            if data.numel():
-                f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-    return 8 + len(raw) + offset
+    return len(raw).to_bytes(8, "little") + raw
 
+
+def write_tensor(f: BinaryIO, tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """Append `tensor`'s bytes (`tensor_bytes`) to `f`. Returns the bytes written."""
+    data = tensor_bytes(tensor, dtype)
+    f.write(data)
+    return len(data)
+
+
+def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> memoryview:
+    """`tensor`'s bytes in `export_dtype`: a view of the tensor where it lives; only a
+    tensor cast, non-contiguous or on a device is copied, alone."""
+    data = tensor.detach()
+    kind = export_dtype(data, dtype)
+    if data.device.type != "cpu" or not data.is_contiguous() or data.dtype != kind:
+        data = data.to("cpu", kind).contiguous()
+    return memoryview(data.reshape(-1).view(torch.uint8).numpy())
 
 def plan_shards(tensors: Named, *, max_shard_bytes: int, dtype: torch.dtype | None
                 ) -> list[list[tuple[str, torch.Tensor]]]:
@@ -121,14 +138,20 @@ def write_weight_files(directory: Path, tensors: Named, *, max_shard_bytes: int,
         write_safetensors(directory / WEIGHTS, shards[0], dtype=dtype)
         return [WEIGHTS]
     files = [shard_file(i + 1, len(shards)) for i in range(len(shards))]
-    weight_map = {}
     for file, shard in zip(files, shards, strict=True):
         write_safetensors(directory / file, shard, dtype=dtype)
-        weight_map.update({name: file for name, _ in shard})
-    total_bytes = sum(exported_bytes(t, dtype) for _, t in tensors)
+    write_index(directory, files, shards, dtype)
+    return [*files, INDEX]
+
+
+def write_index(directory: Path, files: Sequence[str], shards: Sequence[Named],
+                dtype: torch.dtype | None) -> None:
+    """`model.safetensors.index.json`: each tensor's shard, and the weights' bytes."""
+    weight_map = {name: file for file, shard in zip(files, shards, strict=True)
+                  for name, _ in shard}
+    total_bytes = sum(exported_bytes(t, dtype) for shard in shards for _, t in shard)
     index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
     (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
-    return [*files, INDEX]
 
 
 def weight_files(directory: Path) -> dict[str, Path] | None:

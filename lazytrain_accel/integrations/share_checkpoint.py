@@ -115,10 +115,15 @@ def write_weights(directory: Path, model: nn.Module, *,
     `from_pretrained(directory)` loads it. Returns the weight files written."""
     files = write_weight_files(directory, unique_state(model),
                                max_shard_bytes=max_shard_bytes, dtype=dtype)
+    write_config(directory, model)
+    return files
+
+
+def write_config(directory: Path, model: nn.Module) -> None:
+    """The model's `config.json`, if it has one (a transformers model)."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_json_file"):
         config.to_json_file(str(directory / "config.json"))
-    return files
 
 
 def load_weights(model: nn.Module, directory: Path, *,
@@ -212,11 +217,26 @@ def _name_of(p: nn.Parameter, names: Mapping[nn.Parameter, str]) -> str:
 def write_share(path: Path, optimizer: torch.optim.Optimizer | None,
                 params: Iterable[nn.Parameter], names: Mapping[nn.Parameter, str], *,
                 weights_dtype: torch.dtype | None = None) -> list[str]:
-    """Write the state of `params` (those that have any) to `path`, and the fp32 master
-    (`MASTER_KEY`) of each parameter the weights hold in another dtype (`weights_dtype`,
-    an export cast): a resume continues from the masters, not from their rounding.
-    Returns the names written."""
-    tensors: list[tuple[str, torch.Tensor]] = []
+    """Write the state of `params` and their masters (`share_tensors`) to `path`; return
+    the names written."""
+    tensors, scalars, written = share_tensors(optimizer, params, names,
+                                              weights_dtype=weights_dtype)
+    write_safetensors(path, [(key, t) for key, t, _ in tensors],
+                      metadata={"lazytrain_scalars": json.dumps(scalars)})
+    return written
+
+
+def share_tensors(optimizer: torch.optim.Optimizer | None, params: Iterable[nn.Parameter],
+                  names: Mapping[nn.Parameter, str], *,
+                  weights_dtype: torch.dtype | None = None
+                  ) -> tuple[list[tuple[str, torch.Tensor, nn.Parameter]],
+                             dict[str, dict[str, Any]], list[str]]:
+    """A share's content: ("<name>/<state key>", tensor, its parameter) for the state of
+    `params` (those that have any), and the fp32 master (`MASTER_KEY`) of each parameter
+    the weights hold in another dtype (`weights_dtype`, an export cast): a resume
+    continues from the masters, not from their rounding. Also the non-tensor state
+    values by name, and the names written."""
+    tensors: list[tuple[str, torch.Tensor, nn.Parameter]] = []
     scalars: dict[str, dict[str, Any]] = {}
     written = []
     for p in params:
@@ -227,14 +247,13 @@ def write_share(path: Path, optimizer: torch.optim.Optimizer | None,
         name = _name_of(p, names)
         written.append(name)
         if cast:
-            tensors.append((f"{name}/{MASTER_KEY}", p))
+            tensors.append((f"{name}/{MASTER_KEY}", p, p))
         for key, value in (state or {}).items():
             if isinstance(value, torch.Tensor):
-                tensors.append((f"{name}/{key}", value))
+                tensors.append((f"{name}/{key}", value, p))
             else:
                 scalars.setdefault(name, {})[key] = _encode(value)
-    write_safetensors(path, tensors, metadata={"lazytrain_scalars": json.dumps(scalars)})
-    return written
+    return tensors, scalars, written
 
 
 def read_share(path: Path, wanted: set[str]) -> dict[str, dict[str, Any]]:
@@ -389,27 +408,36 @@ def owned_params(engine: Any) -> list[nn.Parameter] | None:
 
 def target_directory(accelerator: Any, output_dir: str | None) -> Path:
     """Where `save_state(output_dir)` writes: `output_dir`, or with accelerate's
-    automatic checkpoint naming `<project_dir>/checkpoints/checkpoint_<i>`, the oldest
-    beyond `total_limit` removed first (by the main process), as stock does."""
+    automatic checkpoint naming `<project_dir>/checkpoints/checkpoint_<i>` (the oldest
+    beyond `total_limit` go once it is published: `rotate`)."""
     config = accelerator.project_configuration
     if not config.automatic_checkpoint_naming:
         if output_dir is None:
             raise ValueError("save_state() needs an output_dir (or a ProjectConfiguration "
                              "with automatic_checkpoint_naming=True)")
         return Path(output_dir)
-    root = Path(accelerator.project_dir) / "checkpoints"
-    final = root / f"checkpoint_{accelerator.save_iteration}"
-    if accelerator.is_main_process and root.is_dir() and config.total_limit is not None:
-        folders = sorted((f for f in root.iterdir() if f.name.startswith("checkpoint_")
-                          and f.name.rsplit("_", 1)[-1].isdigit()),
-                         key=lambda f: int(f.name.rsplit("_", 1)[-1]))
-        for folder in folders[:max(0, len(folders) + 1 - config.total_limit)]:
-            shutil.rmtree(folder)
+    final = Path(accelerator.project_dir) / "checkpoints" / (
+        f"checkpoint_{accelerator.save_iteration}")
     if final.exists():
         raise ValueError(f"Checkpoint directory {final} ({accelerator.save_iteration}) "
                          "already exists; set `save_iteration` to the iteration to start "
                          "with")
     return final
+
+
+def rotate(accelerator: Any, final: Path) -> None:
+    """After `final` is published, with automatic naming: remove the oldest checkpoints
+    beyond `total_limit` (the main process), as stock does before its save; never before
+    the new one is complete."""
+    config = accelerator.project_configuration
+    if (not config.automatic_checkpoint_naming or config.total_limit is None
+            or not accelerator.is_main_process):
+        return
+    folders = sorted((f for f in final.parent.iterdir() if f.name.startswith("checkpoint_")
+                      and f.name.rsplit("_", 1)[-1].isdigit()),
+                     key=lambda f: int(f.name.rsplit("_", 1)[-1]))
+    for folder in folders[:max(0, len(folders) - config.total_limit)]:
+        shutil.rmtree(folder)
 
 
 @contextlib.contextmanager

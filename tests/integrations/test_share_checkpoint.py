@@ -243,7 +243,10 @@ def test_automatic_naming_picks_the_next_folder_and_rotates(tmp_path: Path) -> N
         (tmp_path / "checkpoints" / f"checkpoint_{i}").mkdir(parents=True)
     final = sc.target_directory(accelerator, None)
     assert final == tmp_path / "checkpoints" / "checkpoint_3"
-    assert sorted(p.name for p in final.parent.iterdir()) == ["checkpoint_2"]
+    assert len(list(final.parent.iterdir())) == 3  # nothing removed before the save
+    final.mkdir()
+    sc.rotate(accelerator, final)
+    assert sorted(p.name for p in final.parent.iterdir()) == ["checkpoint_2", "checkpoint_3"]
     config.automatic_checkpoint_naming = False
     assert sc.target_directory(accelerator, "x") == Path("x")
     with pytest.raises(ValueError, match="needs an output_dir"):
