@@ -1,10 +1,19 @@
 """Checkpoints written beside training (integrations/async_checkpoint.py), one process:
 the checkpoint equals a blocking save at the same step byte for byte, and a resume from it
 equals the uninterrupted run bit for bit, while the writer (throttled) is still writing
-when the next updates run, so those updates had to wait for it group by group."""
+when the next updates run, so those updates had to wait for it group by group; a kill -9
+at random moments of a save leaves the previous checkpoint as the latest, loadable."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -12,11 +21,15 @@ from accelerate.utils import DataLoaderConfiguration
 from fault_helpers import BATCH, SEQ, VOCAB, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
+from lazytrain_accel.integrations import share_checkpoint as sc
+from lazytrain_accel.integrations.checkpoint import recover
 from lazytrain_accel.optim import HybridAdamW8bit
 
 #: The tiny model's checkpoint is ~0.2 MB: at this rate the writer spans the next steps.
 SLOW_WRITE_BYTES_PER_S = 50_000.0
 SAVE_AT = 1
+KILLS = 5
+SAVE_WINDOW_S = 4.0  # async_save_child.py's slow save of checkpoint_1 takes about this
 
 
 def _run(tmp_path: Path, steps: range, *, mode: str = "async", save: Path | None = None,
@@ -87,3 +100,53 @@ def test_an_async_save_equals_a_blocking_one_and_resumes_bit_for_bit(tmp_path: P
     assert len(resumed) == len(straight)
     for a, b in zip(straight[1:], resumed[1:], strict=True):
         assert torch.equal(a, b)
+
+
+def _check_latest_loads(root: Path) -> str:
+    """Undo what a killed save left; every checkpoint left is complete and loads (the
+    weights into a fresh model, the optimizer state into a fresh optimizer). Returns the
+    latest's name."""
+    saves = {f.name.split(".")[1] for f in root.iterdir() if f.name.startswith(".")}
+    for name in saves:  # what the next save into `name`, or a load of it, does first
+        recover(root / name)
+    folders = sorted((f for f in root.iterdir() if f.name.startswith("checkpoint_")),
+                     key=lambda f: int(f.name.rsplit("_", 1)[-1]))
+    assert not [f.name for f in root.iterdir() if f.name.startswith(".")]  # temps gone
+    latest = folders[-1]
+    manifest = sc.read_manifest(latest)
+    assert manifest is not None, f"{latest.name} was published without its manifest"
+    model = tiny_model(seed=7)
+    optimizer = HybridAdamW8bit(model.parameters(), lr=1.0)
+    sc.load_weights(model, latest, loads=lambda t: True)
+    sc.load_optimizer(optimizer, latest, manifest, sc.param_names(model), lambda p: True,
+                      world_size=1)
+    assert len(optimizer.state) == len(list(model.parameters()))
+    return latest.name
+
+
+def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """kill -9 at a random moment of the save of checkpoint_1, in 5 runs side by side."""
+    seed = int(time.time())
+    rng = random.Random(seed)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, str(Path(__file__).parent / "async_save_child.py"),
+                              str(tmp_path), str(KILLS)], stdout=subprocess.PIPE, env=env,
+                             text=True, start_new_session=True)
+    timers = []
+    try:
+        for _ in range(KILLS):
+            word, pid = child.stdout.readline().split()  # a run has started its save
+            assert word == "saving"
+            timers.append(threading.Timer(rng.uniform(0.0, SAVE_WINDOW_S), os.kill,
+                                          (int(pid), signal.SIGKILL)))
+            timers[-1].start()
+        child.wait(timeout=120)  # it ends when every run is killed
+    finally:
+        for timer in timers:
+            timer.join()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)  # none left running, whatever happened
+        child.wait()
+    latest = [_check_latest_loads(tmp_path / f"run{i}" / "checkpoints") for i in range(KILLS)]
+    assert set(latest) <= {"checkpoint_0", "checkpoint_1"}, (seed, latest)
