@@ -67,6 +67,10 @@ ENV_VALUES = {
     "node_store": ("OFF", "off"),
     "replan": ("OFF", "off"),
     "replan_min_gain": ("0.1", 0.1),
+    "checkpoint_max_shard_bytes": ("5e9", 5 * 10**9),
+    "checkpoint_dtype": ("BFloat16", "bfloat16"),
+    "checkpoint_mode": ("SYNC", "sync"),
+    "checkpoint_write_bytes_per_s": ("1e8", 1e8),
 }
 
 
@@ -118,6 +122,10 @@ ARGUMENTS = {
     "node_store": ("auto", "auto"),
     "replan": ("auto", "auto"),
     "replan_min_gain": (0.2, 0.2),
+    "checkpoint_max_shard_bytes": (10**6, 10**6),
+    "checkpoint_dtype": ("float16", "float16"),
+    "checkpoint_mode": ("async", "async"),
+    "checkpoint_write_bytes_per_s": (5e7, 5e7),
 }
 
 
@@ -183,6 +191,8 @@ BAD = [
     ("node_store", "on", ["node_store='on'", "auto", "off"]),
     ("replan", "always", ["replan='always'", "auto", "off"]),
     ("replan_min_gain", 1.5, ["replan_min_gain=1.5", "between 0 and 1"]),
+    ("checkpoint_mode", "later", ["checkpoint_mode='later'", "async", "sync"]),
+    ("checkpoint_write_bytes_per_s", -1, ["checkpoint_write_bytes_per_s=-1", ">= 0"]),
     ("emulate_links", "/nowhere/links.json", ["emulate_links='/nowhere/links.json'",
                                               "no such hardware JSON"]),
 ]

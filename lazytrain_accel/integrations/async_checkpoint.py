@@ -82,6 +82,7 @@ class PendingSave:
         self._lock = threading.Lock()
         self.update_waited_s = 0.0
         self.written_bytes = 0
+        self.duration_s: float | None = None  # from start to publication
         self._start_s = time.perf_counter()
         # Not a daemon: an interpreter exiting right after save_state finishes the save.
         self._thread = threading.Thread(target=self._run, name="lazytrain-checkpoint")
@@ -156,7 +157,7 @@ class PendingSave:
                     time.sleep(ahead_s)
 
     def _published(self) -> None:
-        duration_s = time.perf_counter() - self._start_s
+        duration_s = self.duration_s = time.perf_counter() - self._start_s
         logger.info("lazytrain: checkpoint %s written (async, %.2f s, %.3f GB at %.0f MB/s; "
                     "the update waited %.2f s for it)", self.final, duration_s,
                     self.written_bytes / 1e9, self.written_bytes / 1e6 / max(duration_s, 1e-9),
