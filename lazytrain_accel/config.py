@@ -92,6 +92,10 @@ _DEFAULTS: dict[str, Any] = {
     "node_store_dir": ANONYMOUS_SEGMENT,
     "replan": "auto",
     "replan_min_gain": 0.05,
+    "checkpoint_max_shard_bytes": 50 * 10**9,  # save_pretrained's max_shard_size="50GB"
+    "checkpoint_dtype": "auto",
+    "checkpoint_mode": "async",
+    "checkpoint_write_bytes_per_s": 0.0,
 }
 
 #: `frozen_weights` values: keep frozen weights as loaded, or quantize them at `prepare`.
@@ -115,13 +119,23 @@ NODE_STORE_CHOICES: tuple[str, ...] = ("auto", "off")
 #: `bind_cores` values: bind each local rank's threads to cores of its own, or leave them.
 BIND_CORES_CHOICES: tuple[str, ...] = ("auto", "off")
 
+#: `checkpoint_dtype` values (integrations/checkpoint_layout.py `CHECKPOINT_DTYPES`): the
+#: weights files in the dtype the model holds each tensor in, or in a named one (export).
+CHECKPOINT_DTYPE_CHOICES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
+
+#: `checkpoint_mode` values: `save_state` starts the save and returns ("async"), or
+#: returns once the checkpoint is on the disk ("sync").
+CHECKPOINT_MODES: tuple[str, ...] = ("async", "sync")
+
 #: Fields that take one of a fixed set of strings.
 _CHOICES: dict[str, tuple[str, ...]] = {"emulate_links": EMULATE_LINKS,
                                         "frozen_weights": FROZEN_WEIGHTS,
                                         "resident_update": RESIDENT_UPDATE_CHOICES,
                                         "node_store": NODE_STORE_CHOICES,
                                         "bind_cores": BIND_CORES_CHOICES,
-                                        "replan": REPLAN_CHOICES}
+                                        "replan": REPLAN_CHOICES,
+                                        "checkpoint_dtype": CHECKPOINT_DTYPE_CHOICES,
+                                        "checkpoint_mode": CHECKPOINT_MODES}
 #: Choice fields that also take the path of a JSON file.
 _JSON_CHOICES: tuple[str, ...] = ("emulate_links",)
 
@@ -211,6 +225,19 @@ class LazyTrainConfig:
             boundary (docs/planner.md "Re-planning"); "off" keeps the first plan.
         replan_min_gain: the predicted gain (a fraction of the step, default 0.05) a new
             plan must bring for `replan="auto"` to switch to it.
+        checkpoint_max_shard_bytes: the largest weights file a checkpoint writes; more
+            weights go into several `model-0000i-of-0000n.safetensors` and
+            `model.safetensors.index.json` (default 50 * 10**9, `save_pretrained`'s).
+        checkpoint_dtype: the dtype of a checkpoint's weights files: "auto" (default) as
+            the model holds them (fp32 masters), or "bfloat16" / "float16" / "float32"
+            for export; a cast keeps the fp32 masters in the optimizer share files, so a
+            resume stays exact (docs/user_guide.md "Checkpoints").
+        checkpoint_mode: "async" (default): `save_state` writes the small files, starts
+            a writer thread for the masters and optimizer state and returns; the next
+            update of each layer waits until the save has written it. "sync": it returns
+            once the checkpoint is published. (Several processes save synchronously.)
+        checkpoint_write_bytes_per_s: cap the asynchronous writer's rate (0, the default:
+            as fast as the disk takes it), leaving the disk to other work.
     """
 
     plan: str | None = None
@@ -240,6 +267,10 @@ class LazyTrainConfig:
     node_store_dir: str | None = None
     replan: str | None = None
     replan_min_gain: float | None = None
+    checkpoint_max_shard_bytes: int | None = None
+    checkpoint_dtype: str | None = None
+    checkpoint_mode: str | None = None
+    checkpoint_write_bytes_per_s: float | None = None
     _explicit: frozenset[str] = field(default=frozenset(), init=False, repr=False)
     _from_env: frozenset[str] = field(default=frozenset(), init=False, repr=False)
 
@@ -315,6 +346,12 @@ class LazyTrainConfig:
         if self.loss_chunk_tokens != "auto" and self.loss_chunk_tokens < 0:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} must be >= 0 (0 = the "
                              "model's own loss; e.g. 4096 for the fused chunked loss)")
+        if self.checkpoint_max_shard_bytes <= 0:
+            raise ValueError(f"checkpoint_max_shard_bytes={self.checkpoint_max_shard_bytes} "
+                             "must be > 0 (e.g. 5 * 10**9 for 5 GB shards)")
+        if self.checkpoint_write_bytes_per_s < 0:
+            raise ValueError(f"checkpoint_write_bytes_per_s={self.checkpoint_write_bytes_per_s}"
+                             " must be >= 0 (0 = as fast as the disk takes it)")
         for name in ("batch_size", "seq_len"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0 (0 = size the "
@@ -353,9 +390,11 @@ def _is_json_path(value: str) -> bool:
 
 
 _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
-                 "solver_time_limit_s", "replan_min_gain", "pin_chunk_max_gib")
+                 "solver_time_limit_s", "replan_min_gain", "pin_chunk_max_gib",
+                 "checkpoint_write_bytes_per_s")
 _INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens",
-               "batch_size", "seq_len", "emulate_seed", "threads")
+               "batch_size", "seq_len", "emulate_seed", "threads",
+               "checkpoint_max_shard_bytes")
 _AUTO_FIELDS = ("loss_chunk_tokens",)  # also accept "auto"
 _BOOL_FIELDS = ("emulate_async", "overlap_step")
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
@@ -416,8 +455,8 @@ def _coerce(name: str, value: Any) -> Any:
         raise ValueError(f"{name}={value!r} must be a non-empty string")
     value = value.strip()
     if name in ("plan", "hardware", "emulate_links", "frozen_weights",
-                "resident_update", "node_store", "bind_cores", "replan"
-                ) and not _is_json_path(value):
+                "resident_update", "node_store", "bind_cores", "replan",
+                "checkpoint_dtype", "checkpoint_mode") and not _is_json_path(value):
         return value.lower()  # names ("auto", strategies, presets) are case-insensitive
     return (os.path.expanduser(value) if name in ("nvme_dir", "cache_dir", "node_store_dir")
             else value)

@@ -70,6 +70,10 @@ ENV_VALUES = {
     "node_store_dir": ("/dev/shm", "/dev/shm"),
     "replan": ("OFF", "off"),
     "replan_min_gain": ("0.1", 0.1),
+    "checkpoint_max_shard_bytes": ("5e9", 5 * 10**9),
+    "checkpoint_dtype": ("BFloat16", "bfloat16"),
+    "checkpoint_mode": ("SYNC", "sync"),
+    "checkpoint_write_bytes_per_s": ("1e8", 1e8),
 }
 
 
@@ -124,6 +128,10 @@ ARGUMENTS = {
     "node_store_dir": ("memfd", "memfd"),
     "replan": ("auto", "auto"),
     "replan_min_gain": (0.2, 0.2),
+    "checkpoint_max_shard_bytes": (10**6, 10**6),
+    "checkpoint_dtype": ("float16", "float16"),
+    "checkpoint_mode": ("async", "async"),
+    "checkpoint_write_bytes_per_s": (5e7, 5e7),
 }
 
 
@@ -193,6 +201,8 @@ BAD = [
     ("replan_min_gain", 1.5, ["replan_min_gain=1.5", "between 0 and 1"]),
     ("pin_chunk_max_gib", 0, ["pin_chunk_max_gib=0", "must be > 0"]),
     ("bind_cores", "yes", ["bind_cores='yes'", "auto", "off"]),
+    ("checkpoint_mode", "later", ["checkpoint_mode='later'", "async", "sync"]),
+    ("checkpoint_write_bytes_per_s", -1, ["checkpoint_write_bytes_per_s=-1", ">= 0"]),
     ("emulate_links", "/nowhere/links.json", ["emulate_links='/nowhere/links.json'",
                                               "no such hardware JSON"]),
 ]

@@ -64,7 +64,9 @@ class LayerwiseUpdate:
     sets `device_update_done` when it has; the thread ends the step (`end_step`) only then.
     `foreign_groups` are updated by another process (a node store's split update): this
     thread neither updates them nor writes their compute copies. `on_group_done(g)` is
-    told after this thread has updated group g.
+    told after this thread has updated group g; `before_group(g)` is called before, and
+    may block: a pending checkpoint save has not yet written group g's masters and state
+    (`integrations/async_checkpoint.py`), which the update is about to overwrite.
     """
 
     def __init__(self, optimizer: LayerwiseOptimizer, model: nn.Module,
@@ -73,8 +75,10 @@ class LayerwiseUpdate:
                  device_groups: Sequence[int] = (),
                  device_update_done: threading.Event | None = None,
                  foreign_groups: Sequence[int] = (),
-                 on_group_done: Callable[[int], None] | None = None) -> None:
+                 on_group_done: Callable[[int], None] | None = None,
+                 before_group: Callable[[int], None] | None = None) -> None:
         self._opt = optimizer
+        self._before_group = before_group
         self._foreign_groups = frozenset(foreign_groups)
         self._on_group_done = on_group_done
         self._device_groups = frozenset(device_groups)
@@ -102,6 +106,8 @@ class LayerwiseUpdate:
             for index, (group, done) in enumerate(zip(self._groups, self._done, strict=True)):
                 ours = index not in self._foreign_groups
                 if ours and index not in self._device_groups:
+                    if self._before_group is not None:
+                        self._before_group(index)
                     self._update_group(index, group)
                     if self._on_group_done is not None:
                         self._on_group_done(index)

@@ -29,6 +29,12 @@ from lazytrain_accel.engine.overlap import CopyTarget, LayerwiseOptimizer, Layer
 from lazytrain_accel.engine.stats import Accounting
 
 
+class SaveGate(Protocol):
+    """A checkpoint being written beside training (`integrations/async_checkpoint.py`)."""
+
+    def wait_written(self, group: int) -> None: ...
+
+
 class PeerUpdates(Protocol):
     """Other local ranks' updates of the groups this rank does not own (node store)."""
 
@@ -68,6 +74,9 @@ class StepCoordinator:
         self._update: LayerwiseUpdate | None = None
         #: Set by a node store's split update: the groups other ranks own and update.
         self.peers: PeerUpdates | None = None
+        #: Set while a checkpoint save runs beside training: the update of group g first
+        #: waits until the save has written g (`integrations/async_checkpoint.py`).
+        self.save_gate: SaveGate | None = None
 
     @property
     def update_groups(self) -> list[list[nn.Parameter]]:
@@ -100,11 +109,16 @@ class StepCoordinator:
                                        copies=self._copies, device_groups=device_groups,
                                        device_update_done=device_done,
                                        foreign_groups=peers.foreign_groups if peers else (),
-                                       on_group_done=peers.publish if peers else None)
+                                       on_group_done=peers.publish if peers else None,
+                                       before_group=self._wait_for_save())
         if self.device_update_beside_host:
             self._update_on_device(optimizer, groups, device_groups, device_done,
                                    fail=self._update)
         return True
+
+    def _wait_for_save(self) -> Callable[[int], None] | None:
+        gate = self.save_gate
+        return None if gate is None else gate.wait_written
 
     def _check_backward_done(self) -> None:
         if self._awaiting_backward():
@@ -125,6 +139,9 @@ class StepCoordinator:
         step that never started its thread is closed, so the next one can begin."""
         try:
             if device_groups:
+                wait_for_save = self._wait_for_save()
+                for j in device_groups if wait_for_save is not None else ():
+                    wait_for_save(j)
                 with self._acct.timed("device_update_s"):
                     optimizer.step_params([p for j in device_groups for p in groups[j]])
                 for j in device_groups if self.peers is not None else ():

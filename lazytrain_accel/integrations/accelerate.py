@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 from pathlib import Path
 from types import MethodType
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from torch import nn
 from lazytrain_accel import preflight, threads
 from lazytrain_accel.config import ANONYMOUS_SEGMENT, LazyTrainConfig
 from lazytrain_accel.integrations import (
+    async_checkpoint,
     batch_shape,
     generation_words,
     node_store,
@@ -60,6 +62,7 @@ class Accelerator(accelerate.Accelerator):
         self.lazytrain_run: setup.PreparedRun | None = None
         self.lazytrain_engine: StreamingEngine | None = None
         self.lazytrain_guard: StepGuard | None = None
+        self._lazytrain_pending_save: async_checkpoint.PendingSave | None = None
         #: fits the profile to measured rates and switches plans (replan="auto")
         self.lazytrain_replanner: Replanner | None = None
         self._lazytrain_optimizer: torch.optim.Optimizer | None = None
@@ -377,14 +380,16 @@ class Accelerator(accelerate.Accelerator):
     # ---- state ----------------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **kwargs: Any) -> str:
-        """Stock `save_state` plus the plan. With LazyTrain, one process and an explicit
-        `output_dir`, the save is atomic: a kill mid-save leaves the previous checkpoint.
-        A layer-wise update still running is waited for: the checkpoint holds its result."""
+        """Stock `save_state` plus the plan. With LazyTrain the streamed model and its
+        optimizer go to a share checkpoint (`integrations/share_checkpoint.py`): the
+        weights in the layout `from_pretrained` expects, the optimizer state per share,
+        atomic. A layer-wise update still running is waited for: the checkpoint holds
+        its result."""
+        self.lazytrain_wait_for_checkpoint()  # a second save waits for the first
         self._lazytrain_synchronize()
-        if self.lazytrain_store is not None:  # each weight once, the optimizer per share
+        if self.lazytrain_plugin is not None and self._lazytrain_model is not None:
             return self._lazytrain_save_shares(output_dir, safe_serialization, kwargs)
-        if (self.lazytrain_plugin is None or output_dir is None or self.num_processes > 1
-                or self.project_configuration.automatic_checkpoint_naming):
+        if self.lazytrain_plugin is None or output_dir is None or self.num_processes > 1:
             location = super().save_state(output_dir, safe_serialization=safe_serialization,
                                           **kwargs)
             self._lazytrain_save_plan(Path(location))
@@ -396,9 +401,11 @@ class Accelerator(accelerate.Accelerator):
 
     def _lazytrain_save_shares(self, output_dir: str | None, safe_serialization: bool,
                                kwargs: dict[str, Any]) -> str:
-        """A node store's checkpoint (`integrations/share_checkpoint.py`): rank 0 writes
-        the weights once, every rank its share of the optimizer state, rank 0 the
-        manifest last; atomic, like one process's."""
+        """A share checkpoint (`integrations/share_checkpoint.py`): rank 0 writes the
+        weights once, every rank its share of the optimizer state (without a node store:
+        rank 0 the whole), rank 0 the manifest last; atomic. One process with the
+        layer-wise update and `checkpoint_mode="async"`: written beside the next steps
+        (`integrations/async_checkpoint.py`); this returns once it has started."""
         final = share_checkpoint.target_directory(self, output_dir)
 
         def write_stock(directory: Path) -> None:  # schedulers, samplers, RNG, the plan
@@ -408,14 +415,47 @@ class Accelerator(accelerate.Accelerator):
                     str(directory), safe_serialization=safe_serialization, **kwargs)
             self._lazytrain_save_plan(directory)
 
+        start_s = time.perf_counter()
+        if self._lazytrain_saves_async():
+            self._lazytrain_pending_save = async_checkpoint.start_save(
+                self, final, write_stock,
+                on_published=lambda: share_checkpoint.rotate(self, final))
+            self.lazytrain_engine.steps.save_gate = self._lazytrain_pending_save
+            logger.info("lazytrain: checkpoint %s started (async; returned after %.2f s)",
+                        final, time.perf_counter() - start_s)
+            return str(final)
         share_checkpoint.save_shares(self, final, write_stock)
+        share_checkpoint.rotate(self, final)
+        logger.info("lazytrain: checkpoint %s written (sync, %.2f s)", final,
+                    time.perf_counter() - start_s)
         return str(final)
+
+    def _lazytrain_saves_async(self) -> bool:
+        """One process whose update runs layer by layer on its thread (the per-group wait
+        the save hooks into), and the setting."""
+        return (self.lazytrain_plugin.checkpoint_mode == "async" and self.num_processes == 1
+                and self.lazytrain_engine is not None and self._lazytrain_optimizer
+                is not None and getattr(self._lazytrain_optimizer, "step_runner", None)
+                is not None)
+
+    def lazytrain_wait_for_checkpoint(self) -> None:
+        """Block until a checkpoint being written beside training is published; raise if
+        its save failed (the previous checkpoint is kept)."""
+        pending, self._lazytrain_pending_save = self._lazytrain_pending_save, None
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        finally:
+            if self.lazytrain_engine is not None:
+                self.lazytrain_engine.steps.save_gate = None
 
     def _lazytrain_save_plan(self, directory: Path) -> None:
         if self.lazytrain_run is not None and self.is_main_process:
             self.lazytrain_run.plan.save(directory / PLAN_FILE)
 
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+        self.lazytrain_wait_for_checkpoint()  # no save may read what the load writes
         if self.lazytrain_plugin is not None and input_dir is not None:
             if self.is_main_process:  # one rank repairs; the others wait for it
                 recover(input_dir)  # a save killed between its renames left the old one
@@ -425,6 +465,8 @@ class Accelerator(accelerate.Accelerator):
         manifest = (share_checkpoint.read_manifest(Path(input_dir))
                     if self._lazytrain_model is not None and input_dir is not None else None)
         if manifest is not None or (self.lazytrain_store is not None and input_dir is not None):
+            # The streamed model's weights and optimizer come from the shares, the rest
+            # (schedulers, samplers, RNG) from accelerate.
             share_checkpoint.load_shares(self, Path(input_dir), manifest)
             with share_checkpoint.hidden(self, self._lazytrain_model, self._lazytrain_optimizer):
                 super().load_state(input_dir, **kwargs)
@@ -457,6 +499,7 @@ class Accelerator(accelerate.Accelerator):
         self.lazytrain_engine.set_plan(run.plan)
 
     def end_training(self) -> None:
+        self.lazytrain_wait_for_checkpoint()  # published whole before the run ends
         if self.lazytrain_guard is not None:
             self.lazytrain_guard.restore_sigint()
         if self.lazytrain_replanner is not None:

@@ -47,16 +47,30 @@ from typing import Any
 import torch
 from torch import nn
 
+from lazytrain_accel.integrations.checkpoint_layout import (
+    CHECKPOINT_DTYPES,
+    DEFAULT_MAX_SHARD_BYTES,
+    WEIGHTS,
+    export_dtype,
+    weight_files,
+    write_safetensors,
+    write_weight_files,
+)
+
 logger = logging.getLogger("lazytrain_accel")
 
 MANIFEST = "lazytrain_shares.json"
-WEIGHTS = "model.safetensors"
 STOCK_OPTIMIZER = "optimizer.bin"
 FORMAT = "lazytrain-shares"
 VERSION = 1
 #: The manifest's top-level fields.
 MANIFEST_FIELDS = ("format", "version", "world_size", "local_world_size", "nodes", "step",
                    "optimizer_steps", "layout_hash", "weights", "optimizer", "shares")
+
+
+#: A share file's key for a parameter's fp32 master ("<name>/lazytrain_master"), written
+#: when the weights files hold it in an export dtype (`write_share`).
+MASTER_KEY = "lazytrain_master"
 
 
 def share_file(rank: int) -> str:
@@ -92,78 +106,60 @@ def unique_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-# ---- a streaming safetensors writer (no second copy of the model) ------------------------
-_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-           torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-           torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-           torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-
-
-def write_safetensors(path: Path, tensors: Sequence[tuple[str, torch.Tensor]], *,
-                      metadata: Mapping[str, str] | None = None) -> int:
-    """Write `tensors` as a safetensors file one tensor at a time (a parameter is read
-    where it lives; only a non-contiguous or device tensor is copied, alone). Returns the
-    bytes written; the file is fsynced."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", **(metadata or {})}}
-    offset = 0
-    for name, t in tensors:
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name}: dtype {t.dtype} has no safetensors code")
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as f:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        for _, t in tensors:
-            data = t.detach()
-            if data.device.type != "cpu" or not data.is_contiguous():
-                data = data.to("cpu").contiguous()
-            if data.numel():
-                f.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
-        f.flush()
-        os.fsync(f.fileno())
-    return 8 + len(raw) + offset
-
-
 # ---- the weights ------------------------------------------------------------------------
-def write_weights(directory: Path, model: nn.Module) -> None:
-    """`model.safetensors` (the masters as the model holds them, each tensor once) and
-    the model's `config.json`, so `from_pretrained(directory)` loads it."""
-    write_safetensors(directory / WEIGHTS, unique_state(model))
+def write_weights(directory: Path, model: nn.Module, *,
+                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                  dtype: torch.dtype | None = None) -> list[str]:
+    """The model's weights (each tensor once, `checkpoint_layout`: one file or shards and
+    their index, in `dtype` or as the model holds them) and its `config.json`, so
+    `from_pretrained(directory)` loads it. Returns the weight files written."""
+    files = write_weight_files(directory, unique_state(model),
+                               max_shard_bytes=max_shard_bytes, dtype=dtype)
+    write_config(directory, model)
+    return files
+
+
+def write_config(directory: Path, model: nn.Module) -> None:
+    """The model's `config.json`, if it has one (a transformers model)."""
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_json_file"):
         config.to_json_file(str(directory / "config.json"))
 
 
-def load_weights(model: nn.Module, path: Path, *, loads: Callable[[torch.Tensor], bool]
-                 ) -> int:
+def load_weights(model: nn.Module, directory: Path, *,
+                 loads: Callable[[torch.Tensor], bool]) -> int:
     """Copy the tensors of `model.state_dict()` for which `loads(tensor)` holds from the
-    safetensors file at `path` (in place: compute copies keyed on the parameter's version
-    see the change). Returns how many were loaded; raises naming missing keys."""
+    weights in `directory` (one file or shards, `checkpoint_layout.weight_files`), in
+    place (compute copies keyed on the parameter's version see the change; a weight saved
+    in another dtype is cast). Returns how many were loaded; raises naming missing keys."""
     from safetensors import safe_open
 
+    files = weight_files(directory)
+    if files is None:
+        raise FileNotFoundError(f"{directory} holds no safetensors weights ({WEIGHTS} or "
+                                "its index): not a checkpoint written with "
+                                "safe_serialization=True")
     by_object: dict[int, list[str]] = {}
     targets: dict[int, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         by_object.setdefault(id(tensor), []).append(name)
         targets[id(tensor)] = tensor
+    missing = [names[0] for names in by_object.values() if not any(n in files for n in names)]
+    if missing:
+        raise ValueError(f"{directory} lacks {len(missing)} of the model's tensors (first: "
+                         f"{missing[:3]}); the checkpoint is for another model")
     loaded = 0
-    with safe_open(str(path), framework="pt") as f, torch.no_grad():
-        present = set(f.keys())
-        missing = [names[0] for names in by_object.values()
-                   if not any(n in present for n in names)]
-        if missing:
-            raise ValueError(f"{path} lacks {len(missing)} of the model's tensors (first: "
-                             f"{missing[:3]}); the checkpoint is for another model")
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        opened: dict[Path, Any] = {}
         for key, names in by_object.items():
             target = targets[key]
             if not loads(target):
                 continue
-            saved = f.get_tensor(next(n for n in names if n in present))
+            name = next(n for n in names if n in files)
+            if files[name] not in opened:
+                opened[files[name]] = stack.enter_context(
+                    safe_open(str(files[name]), framework="pt"))
+            saved = opened[files[name]].get_tensor(name)
             if saved.shape != target.shape:
                 raise ValueError(f"{names[0]}: the checkpoint holds shape "
                                  f"{tuple(saved.shape)}, the model {tuple(target.shape)}")
@@ -218,26 +214,46 @@ def _name_of(p: nn.Parameter, names: Mapping[nn.Parameter, str]) -> str:
                          "parameter") from None
 
 
-def write_share(path: Path, optimizer: torch.optim.Optimizer,
-                params: Iterable[nn.Parameter], names: Mapping[nn.Parameter, str]
-                ) -> list[str]:
-    """Write the state of `params` (those that have any) to `path`; return their names."""
-    tensors: list[tuple[str, torch.Tensor]] = []
+def write_share(path: Path, optimizer: torch.optim.Optimizer | None,
+                params: Iterable[nn.Parameter], names: Mapping[nn.Parameter, str], *,
+                weights_dtype: torch.dtype | None = None) -> list[str]:
+    """Write the state of `params` and their masters (`share_tensors`) to `path`; return
+    the names written."""
+    tensors, scalars, written = share_tensors(optimizer, params, names,
+                                              weights_dtype=weights_dtype)
+    write_safetensors(path, [(key, t) for key, t, _ in tensors],
+                      metadata={"lazytrain_scalars": json.dumps(scalars)})
+    return written
+
+
+def share_tensors(optimizer: torch.optim.Optimizer | None, params: Iterable[nn.Parameter],
+                  names: Mapping[nn.Parameter, str], *,
+                  weights_dtype: torch.dtype | None = None
+                  ) -> tuple[list[tuple[str, torch.Tensor, nn.Parameter]],
+                             dict[str, dict[str, Any]], list[str]]:
+    """A share's content: ("<name>/<state key>", tensor, its parameter) for the state of
+    `params` (those that have any), and the fp32 master (`MASTER_KEY`) of each parameter
+    the weights hold in another dtype (`weights_dtype`, an export cast): a resume
+    continues from the masters, not from their rounding. Also the non-tensor state
+    values by name, and the names written."""
+    tensors: list[tuple[str, torch.Tensor, nn.Parameter]] = []
     scalars: dict[str, dict[str, Any]] = {}
     written = []
     for p in params:
-        state = optimizer.state.get(p)
-        if not state:
+        state = optimizer.state.get(p) if optimizer is not None else None
+        cast = export_dtype(p, weights_dtype) != p.dtype
+        if not state and not cast:
             continue
         name = _name_of(p, names)
         written.append(name)
-        for key, value in state.items():
+        if cast:
+            tensors.append((f"{name}/{MASTER_KEY}", p, p))
+        for key, value in (state or {}).items():
             if isinstance(value, torch.Tensor):
-                tensors.append((f"{name}/{key}", value))
+                tensors.append((f"{name}/{key}", value, p))
             else:
                 scalars.setdefault(name, {})[key] = _encode(value)
-    write_safetensors(path, tensors, metadata={"lazytrain_scalars": json.dumps(scalars)})
-    return written
+    return tensors, scalars, written
 
 
 def read_share(path: Path, wanted: set[str]) -> dict[str, dict[str, Any]]:
@@ -277,7 +293,8 @@ def load_optimizer(optimizer: torch.optim.Optimizer, directory: Path,
                          f"{len(ours)} of {[len(g) for g in ours]} now)")
     holder = {name: share["file"] for share in manifest["shares"] for name in share["params"]}
     index_of, wanted_by_file = {}, {}
-    for index, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for index, p in enumerate(params):
         name = names[p]
         if owned(p) and name in holder:
             index_of[name] = index
@@ -290,7 +307,12 @@ def load_optimizer(optimizer: torch.optim.Optimizer, directory: Path,
                              f"onto {world_size}: {path} (a share named by its manifest) is "
                              "missing; copy every share file of the checkpoint")
         for name, items in read_share(path, wanted).items():
-            state[index_of[name]] = items
+            master = items.pop(MASTER_KEY, None)
+            if master is not None:  # the weights were an export cast: the exact master
+                with torch.no_grad():
+                    params[index_of[name]].copy_(master)
+            if items:
+                state[index_of[name]] = items
     groups, start = [], 0
     for saved, group in zip(saved_groups, optimizer.param_groups, strict=True):
         count = len(group["params"])
@@ -386,27 +408,36 @@ def owned_params(engine: Any) -> list[nn.Parameter] | None:
 
 def target_directory(accelerator: Any, output_dir: str | None) -> Path:
     """Where `save_state(output_dir)` writes: `output_dir`, or with accelerate's
-    automatic checkpoint naming `<project_dir>/checkpoints/checkpoint_<i>`, the oldest
-    beyond `total_limit` removed first (by the main process), as stock does."""
+    automatic checkpoint naming `<project_dir>/checkpoints/checkpoint_<i>` (the oldest
+    beyond `total_limit` go once it is published: `rotate`)."""
     config = accelerator.project_configuration
     if not config.automatic_checkpoint_naming:
         if output_dir is None:
             raise ValueError("save_state() needs an output_dir (or a ProjectConfiguration "
                              "with automatic_checkpoint_naming=True)")
         return Path(output_dir)
-    root = Path(accelerator.project_dir) / "checkpoints"
-    final = root / f"checkpoint_{accelerator.save_iteration}"
-    if accelerator.is_main_process and root.is_dir() and config.total_limit is not None:
-        folders = sorted((f for f in root.iterdir() if f.name.startswith("checkpoint_")
-                          and f.name.rsplit("_", 1)[-1].isdigit()),
-                         key=lambda f: int(f.name.rsplit("_", 1)[-1]))
-        for folder in folders[:max(0, len(folders) + 1 - config.total_limit)]:
-            shutil.rmtree(folder)
+    final = Path(accelerator.project_dir) / "checkpoints" / (
+        f"checkpoint_{accelerator.save_iteration}")
     if final.exists():
         raise ValueError(f"Checkpoint directory {final} ({accelerator.save_iteration}) "
                          "already exists; set `save_iteration` to the iteration to start "
                          "with")
     return final
+
+
+def rotate(accelerator: Any, final: Path) -> None:
+    """After `final` is published, with automatic naming: remove the oldest checkpoints
+    beyond `total_limit` (the main process), as stock does before its save; never before
+    the new one is complete."""
+    config = accelerator.project_configuration
+    if (not config.automatic_checkpoint_naming or config.total_limit is None
+            or not accelerator.is_main_process):
+        return
+    folders = sorted((f for f in final.parent.iterdir() if f.name.startswith("checkpoint_")
+                      and f.name.rsplit("_", 1)[-1].isdigit()),
+                     key=lambda f: int(f.name.rsplit("_", 1)[-1]))
+    for folder in folders[:max(0, len(folders) - config.total_limit)]:
+        shutil.rmtree(folder)
 
 
 @contextlib.contextmanager
@@ -422,25 +453,17 @@ def _no_automatic_naming(accelerator: Any) -> Iterator[None]:
 def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], None], *,
                 weights: bool = True, optimizer_state: bool = True,
                 label: str = "save_state") -> None:
-    """Write the checkpoint at `final` from every rank of a split update (module
-    docstring); every rank calls it at the same point, after the step's update.
-    `weights=False`: `write_stock` writes the weights (the Trainer's `save_model`);
+    """Write the checkpoint at `final` from every rank (module docstring); every rank
+    calls it at the same point, after the step's update. Without a split update (one
+    process, or replicated ranks) rank 0 writes the one share. `weights=False`:
+    `write_stock` writes the weights (the Trainer's `save_model`);
     `optimizer_state=False`: no share files (the Trainer's `save_only_model`); `label`
     names the save in errors."""
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    engine = accelerator.lazytrain_engine
+    rank, world = _rank_and_world()
     model, optimizer = accelerator._lazytrain_model, accelerator._lazytrain_optimizer
     if not optimizer_state:
         optimizer = None
-    groups = engine.steps.update_groups
-    peers = engine.steps.peers
-    owned = [g for g in range(len(groups)) if peers.owns(g)]
-    everyone: list[list[int] | None] = [None] * world
-    dist.all_gather_object(everyone, owned)
-    shared_by_all = set.intersection(*(set(o) for o in everyone))
-    mine = [g for g in owned if g not in shared_by_all or rank == 0]  # written once
+    mine, params = _my_share(accelerator.lazytrain_engine, optimizer, rank=rank, world=world)
 
     def finish(tmp: Path, shares: list[Any]) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -453,8 +476,38 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
     save_on_every_rank(final, lambda tmp: _write_rank_files(
-        accelerator, tmp, rank=rank, mine=mine, write_stock=write_stock, weights=weights,
-        optimizer=optimizer), finish=finish, label=label)
+        accelerator, tmp, rank=rank, mine=mine, params=params, write_stock=write_stock,
+        weights=weights, optimizer=optimizer), finish=finish, label=label)
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _my_share(engine: Any, optimizer: torch.optim.Optimizer | None, *, rank: int,
+              world: int) -> tuple[list[int], list[nn.Parameter]]:
+    """The groups whose share this rank writes, and their parameters: under a split
+    update the groups it owns (those every rank owns: rank 0); without one, rank 0 every
+    parameter of the optimizer (the same on every rank), the others none."""
+    import torch.distributed as dist
+
+    groups = engine.steps.update_groups if engine is not None else []
+    peers = engine.steps.peers if engine is not None else None
+    if peers is None:
+        if rank != 0 or optimizer is None:
+            return [], []
+        return (list(range(len(groups))),
+                [p for g in optimizer.param_groups for p in g["params"]])
+    owned = [g for g in range(len(groups)) if peers.owns(g)]
+    everyone: list[list[int] | None] = [None] * world
+    dist.all_gather_object(everyone, owned)
+    shared_by_all = set.intersection(*(set(o) for o in everyone))
+    mine = [g for g in owned if g not in shared_by_all or rank == 0]  # written once
+    return mine, [p for g in mine for p in groups[g]]
 
 
 def save_on_every_rank(final: Path, write: Callable[[Path], Any], *,
@@ -470,7 +523,13 @@ def save_on_every_rank(final: Path, write: Callable[[Path], Any], *,
 
     from lazytrain_accel.integrations.checkpoint import atomic_directory
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = _rank_and_world()
+    if not (dist.is_available() and dist.is_initialized()):  # one process
+        with atomic_directory(final) as tmp:
+            report = write(tmp)
+            if finish is not None:
+                finish(tmp, [report])
+        return
     stack = contextlib.ExitStack()
     opened: list[str | None] = [None, None]
     if rank == 0:
@@ -513,22 +572,24 @@ def save_on_every_rank(final: Path, write: Callable[[Path], Any], *,
 
 
 def _write_rank_files(accelerator: Any, tmp: Path, *, rank: int, mine: Sequence[int],
-                      write_stock: Callable[[Path], None], weights: bool,
-                      optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """This rank's files (its share; rank 0 the weights too) and the manifest's entry
-    for the share."""
+                      params: Sequence[nn.Parameter], write_stock: Callable[[Path], None],
+                      weights: bool, optimizer: torch.optim.Optimizer | None
+                      ) -> dict[str, Any]:
+    """This rank's files (its share; rank 0 the weights too, in the layout and dtype the
+    plugin names) and the manifest's entry for the share."""
     model = accelerator._lazytrain_model
-    groups = accelerator.lazytrain_engine.steps.update_groups
+    plugin = accelerator.lazytrain_plugin
+    dtype = CHECKPOINT_DTYPES[plugin.checkpoint_dtype] if weights else None
     share: dict[str, Any] = {"rank": rank, "groups": list(mine), "file": None,
                              "params": [], "optimizer_steps": 0}
-    if optimizer is not None:
-        params = [p for g in mine for p in groups[g]]
+    if optimizer is not None and params:
         share["file"] = share_file(rank)
         share["params"] = write_share(tmp / share_file(rank), optimizer, params,
-                                      param_names(model))
+                                      param_names(model), weights_dtype=dtype)
         share["optimizer_steps"] = max_step(optimizer, params)
     if rank == 0 and weights:
-        write_weights(tmp, model)
+        write_weights(tmp, model, max_shard_bytes=plugin.checkpoint_max_shard_bytes,
+                      dtype=dtype)
     write_stock(tmp)
     return share
 
@@ -565,11 +626,7 @@ def load_shares(accelerator: Any, directory: Path, manifest: Mapping[str, Any] |
     def loads(t: torch.Tensor) -> bool:  # the store's other params: their owner loads them
         return id(t) not in in_store or owned(t)
 
-    if not (directory / WEIGHTS).is_file():
-        raise FileNotFoundError(f"{directory} has no {WEIGHTS}: a checkpoint loaded onto "
-                                "ranks sharing one host copy needs its weights as "
-                                "safetensors (save_state(..., safe_serialization=True))")
-    load_weights(model, directory / WEIGHTS, loads=loads)
+    load_weights(model, directory, loads=loads)
     if optimizer is not None:
         if manifest is not None and manifest["optimizer"] is not None:
             load_optimizer(optimizer, directory, manifest, param_names(model), owned,

@@ -131,8 +131,7 @@ def test_a_rank_loads_only_the_masters_it_owns(tmp_path: Path) -> None:
     fresh = _model(seed=5)
     before = {n: p.detach().clone() for n, p in fresh.named_parameters()}
     owned = {id(p) for p in _shares(list(fresh.parameters()), 2)[1]}
-    count = sc.load_weights(fresh, tmp_path / "ckpt" / sc.WEIGHTS,
-                            loads=lambda t: id(t) in owned)
+    count = sc.load_weights(fresh, tmp_path / "ckpt", loads=lambda t: id(t) in owned)
     assert count == len(owned)
     for (name, p), q in zip(fresh.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q if id(p) in owned else before[name]), name
@@ -196,14 +195,16 @@ def one_rank_group(tmp_path: Path):
         dist.destroy_process_group()
 
 
-def _fake_accelerator(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+def _fake_accelerator(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                      dtype: str = "auto", max_shard_bytes: int = 50 * 10**9):
+    plugin = SimpleNamespace(checkpoint_dtype=dtype, checkpoint_max_shard_bytes=max_shard_bytes)
 
     params = list(model.parameters())
     peers = SimpleNamespace(owns=lambda g: True)
     steps = SimpleNamespace(update_groups=_shares(params, 3), peers=peers)
     return SimpleNamespace(lazytrain_engine=SimpleNamespace(steps=steps),
                            _lazytrain_model=model, _lazytrain_optimizer=optimizer,
-                           step=5, is_main_process=True)
+                           step=5, is_main_process=True, lazytrain_plugin=plugin)
 
 
 def test_a_save_is_atomic_and_loads_back(tmp_path: Path, one_rank_group: None) -> None:
@@ -242,7 +243,10 @@ def test_automatic_naming_picks_the_next_folder_and_rotates(tmp_path: Path) -> N
         (tmp_path / "checkpoints" / f"checkpoint_{i}").mkdir(parents=True)
     final = sc.target_directory(accelerator, None)
     assert final == tmp_path / "checkpoints" / "checkpoint_3"
-    assert sorted(p.name for p in final.parent.iterdir()) == ["checkpoint_2"]
+    assert len(list(final.parent.iterdir())) == 3  # nothing removed before the save
+    final.mkdir()
+    sc.rotate(accelerator, final)
+    assert sorted(p.name for p in final.parent.iterdir()) == ["checkpoint_2", "checkpoint_3"]
     config.automatic_checkpoint_naming = False
     assert sc.target_directory(accelerator, "x") == Path("x")
     with pytest.raises(ValueError, match="needs an output_dir"):

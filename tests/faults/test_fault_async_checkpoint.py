@@ -1,0 +1,152 @@
+"""Checkpoints written beside training (integrations/async_checkpoint.py), one process:
+the checkpoint equals a blocking save at the same step byte for byte, and a resume from it
+equals the uninterrupted run bit for bit, while the writer (throttled) is still writing
+when the next updates run, so those updates had to wait for it group by group; a kill -9
+at random moments of a save leaves the previous checkpoint as the latest, loadable."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from accelerate.utils import DataLoaderConfiguration
+from fault_helpers import BATCH, SEQ, VOCAB, tiny_model
+
+from lazytrain_accel import Accelerator, LazyTrainPlugin
+from lazytrain_accel.integrations import share_checkpoint as sc
+from lazytrain_accel.integrations.checkpoint import recover
+from lazytrain_accel.optim import HybridAdamW8bit
+
+#: The tiny model's checkpoint is ~0.2 MB: at this rate the writer spans the next steps.
+SLOW_WRITE_BYTES_PER_S = 50_000.0
+SAVE_AT = 1
+KILLS = 5
+SAVE_WINDOW_S = 4.0  # async_save_child.py's slow save of checkpoint_1 takes about this
+
+
+def _run(tmp_path: Path, steps: range, *, mode: str = "async", save: Path | None = None,
+         load: Path | None = None, out: dict | None = None) -> list[torch.Tensor]:
+    """Train `tiny_model` on a shuffled loader; save after step `SAVE_AT` (0-based) to
+    `save`, or resume from `load`. Returns the losses, then the masters and the state."""
+    torch.manual_seed(0)
+    model = tiny_model()
+    ids = torch.randint(0, VOCAB, (6 * BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=BATCH,
+                                       shuffle=True)
+    plugin = LazyTrainPlugin(plan="megatrain", hardware="h800", checkpoint_mode=mode,
+                             checkpoint_write_bytes_per_s=SLOW_WRITE_BYTES_PER_S,
+                             checkpoint_max_shard_bytes=100_000,
+                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"))
+    acc = Accelerator(cpu=True, plugin=plugin,
+                      dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    user = HybridAdamW8bit(model.parameters(), lr=1e-2, min_8bit_numel=0)
+    model, opt, data = acc.prepare(model, user, data)
+    if load is not None:
+        acc.load_state(str(load))
+        data = acc.skip_first_batches(data, steps.start)
+    losses = []
+    for step, (batch,) in zip(steps, data, strict=False):
+        loss = model(input_ids=batch, labels=batch).loss
+        losses.append(loss.detach().reshape(1))
+        acc.backward(loss)
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if out is not None and step == SAVE_AT + 1:  # this update started beside the save
+            out["writing_at_next_update"] = not out["pending"].done
+        opt.zero_grad()
+        if step == SAVE_AT and save is not None:
+            acc.save_state(str(save))
+            if out is not None:
+                out["pending"] = acc._lazytrain_pending_save
+                out["published_at_return"] = save.exists()
+    result = [torch.cat(losses)] + [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        state = opt.optimizer.state.get(p, {})
+        result += [state[k].clone() for k in sorted(state) if torch.is_tensor(state[k])]
+    acc.end_training()
+    return result
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_an_async_save_equals_a_blocking_one_and_resumes_bit_for_bit(tmp_path: Path) -> None:
+    seen: dict = {}
+    straight = _run(tmp_path, range(5), save=tmp_path / "async", out=seen)
+    pending = seen["pending"]
+    assert pending is not None and not seen["published_at_return"]  # it returned first
+    assert seen["writing_at_next_update"]  # else this test could not tell a missing wait
+    assert pending.update_waited_s > 0  # the next update waited at a group's gate
+    _run(tmp_path, range(SAVE_AT + 1), mode="sync", save=tmp_path / "sync")
+    written, blocking = _files(tmp_path / "async"), _files(tmp_path / "sync")
+    assert "model.safetensors.index.json" in written and len(
+        [n for n in written if n.startswith("model-")]) >= 2
+    assert written.keys() == blocking.keys()
+    for name, content in blocking.items():
+        assert written[name] == content, name
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+    resumed = _run(tmp_path, range(SAVE_AT + 1, 5), load=tmp_path / "async")
+    assert torch.equal(resumed[0], straight[0][SAVE_AT + 1:])  # the losses
+    assert len(resumed) == len(straight)
+    for a, b in zip(straight[1:], resumed[1:], strict=True):
+        assert torch.equal(a, b)
+
+
+def _check_latest_loads(root: Path) -> str:
+    """Undo what a killed save left; every checkpoint left is complete and loads (the
+    weights into a fresh model, the optimizer state into a fresh optimizer). Returns the
+    latest's name."""
+    saves = {f.name.split(".")[1] for f in root.iterdir() if f.name.startswith(".")}
+    for name in saves:  # what the next save into `name`, or a load of it, does first
+        recover(root / name)
+    folders = sorted((f for f in root.iterdir() if f.name.startswith("checkpoint_")),
+                     key=lambda f: int(f.name.rsplit("_", 1)[-1]))
+    assert not [f.name for f in root.iterdir() if f.name.startswith(".")]  # temps gone
+    latest = folders[-1]
+    manifest = sc.read_manifest(latest)
+    assert manifest is not None, f"{latest.name} was published without its manifest"
+    model = tiny_model(seed=7)
+    optimizer = HybridAdamW8bit(model.parameters(), lr=1.0)
+    sc.load_weights(model, latest, loads=lambda t: True)
+    sc.load_optimizer(optimizer, latest, manifest, sc.param_names(model), lambda p: True,
+                      world_size=1)
+    assert len(optimizer.state) == len(list(model.parameters()))
+    return latest.name
+
+
+def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """kill -9 at a random moment of the save of checkpoint_1, in 5 runs side by side."""
+    seed = int(time.time())
+    rng = random.Random(seed)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, str(Path(__file__).parent / "async_save_child.py"),
+                              str(tmp_path), str(KILLS)], stdout=subprocess.PIPE, env=env,
+                             text=True, start_new_session=True)
+    timers = []
+    try:
+        for _ in range(KILLS):
+            word, pid = child.stdout.readline().split()  # a run has started its save
+            assert word == "saving"
+            timers.append(threading.Timer(rng.uniform(0.0, SAVE_WINDOW_S), os.kill,
+                                          (int(pid), signal.SIGKILL)))
+            timers[-1].start()
+        child.wait(timeout=120)  # it ends when every run is killed
+    finally:
+        for timer in timers:
+            timer.join()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)  # none left running, whatever happened
+        child.wait()
+    latest = [_check_latest_loads(tmp_path / f"run{i}" / "checkpoints") for i in range(KILLS)]
+    assert set(latest) <= {"checkpoint_0", "checkpoint_1"}, (seed, latest)
