@@ -14,8 +14,10 @@ Called once per optimizer step, at its boundary (`on_step`), it
    latest judged solve was) by more than `drift_factor`, solves for the measured profile
    at once (a 20x drift shows in the first step measured) on a background thread, to
    optimality or the solver's gap within its own time limit (training goes on: the solver
-   runs without the GIL). An earlier version cut the solve at about one step: it stopped
-   14.5% from its bound on a plan that ran 1.24x slower than the one it replaced;
+   runs without the GIL), from the running plan: the solve returns it where the simulator
+   prices every new plan slower (`PlanRequest.running`). An earlier version cut the solve
+   at about one step: it stopped 14.5% from its bound on a plan that ran 1.24x slower
+   than the one it replaced;
 4. at each step boundary after the solve ends, prices both plans with the same simulator
    on the medians then and switches (`StreamingEngine.set_plan`) only when the new one is
    predicted `min_gain` faster, fits the budgets, and is not a time-limited incumbent

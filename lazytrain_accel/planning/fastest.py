@@ -6,7 +6,7 @@ the host update beside it. Where they disagree, or where the MIP answered a narr
 question than the one asked (issue 34: a re-plan that kept the residents' update on the
 GPU charged them to the GPU budget before solving, so the MIP had to offload over a link
 the gradients already saturated, while the plan whose homes were solved without them, then
-moved, ran 1.7x faster), a plan the planner already has must not lose to the new one. The
+moved, simulated 1.7x faster), a plan the planner already has must not lose to the new one. The
 result says so when the MIP's own pick lost (`Solution.mip_lost_to`, a log line).
 """
 

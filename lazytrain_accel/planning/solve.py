@@ -238,13 +238,17 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
 
     `resident_update` says where the residents' (embeddings, final norm, head) update
     runs: "host", "device" (their masters and 8-bit moments on the GPU, charged to its
-    budget), or "auto": on the GPU where the plan's homes leave room for them and the step
-    gets faster (`with_device_residents`). The megatrain baseline keeps every update on
-    the host, as MegaTrain does; so does a run without the hybrid 8-bit update
+    budget: `residents_on_device`), or "auto": on the GPU where the plan's homes leave
+    room for them and the step gets faster (`with_device_residents`). The megatrain
+    baseline keeps every update on the host, as MegaTrain does; so does a run without the
+    hybrid 8-bit update
     (`include_optimizer=False`: a kept optimizer, its host state priced as AdamW's).
 
     `gpus_per_node` > 1 plans one rank of a node whose ranks share one host copy of the
     state (`node.py`): the budgets' host bytes are the node's, the links the rank's share.
+
+    The result is never slower, as the simulator prices it, than a baseline of the
+    strategy or `request.running` (a re-plan's running plan) that fits (`fastest.py`).
     """
     r = request or PlanRequest()
     host_only = r.strategy == "megatrain" or not r.include_optimizer
