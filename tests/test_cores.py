@@ -89,3 +89,29 @@ def test_binding_reaches_threads_started_before_it() -> None:
         assert seen == [set(mine)] and os.sched_getaffinity(0) == set(mine)
     finally:
         cores.bind_threads(sorted(before))
+
+
+def _gathered(monkeypatch: pytest.MonkeyPatch, places: list) -> list[list[int]]:
+    """`ranks.bind_local_cores` with the all-gather answering `places`; the cores it
+    bound (none when it left them)."""
+    from lazytrain_accel.integrations import ranks
+
+    bound: list[list[int]] = []
+    monkeypatch.setattr(ranks.dist, "get_world_size", lambda: len(places))
+    monkeypatch.setattr(ranks.dist, "all_gather_object",
+                        lambda out, _: out.__setitem__(slice(None), places))
+    monkeypatch.setattr(ranks.os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
+    monkeypatch.setattr(cores, "sockets", lambda: [{0, 1, 2, 3}])
+    monkeypatch.setattr(cores, "bind_threads", bound.append)
+    ranks.bind_local_cores(local_rank=1, node_id="a")
+    return bound
+
+
+def test_a_rank_takes_its_share_among_its_nodes_ranks(monkeypatch) -> None:
+    everything = [0, 1, 2, 3]
+    two_nodes = [("a", 0, everything), ("a", 1, everything), ("b", 0, [0]), ("b", 1, [1])]
+    assert _gathered(monkeypatch, two_nodes) == [[2, 3]]  # node b's masks do not count
+    pinned = [("a", 0, [0, 1]), ("a", 1, [2, 3])]
+    assert _gathered(monkeypatch, pinned) == []  # the launcher's own pinning is kept
+    misnumbered = [("a", 1, everything), ("a", 2, everything)]
+    assert _gathered(monkeypatch, misnumbered) == []

@@ -93,6 +93,11 @@ def bind_local_cores(*, local_rank: int, node_id: str) -> list[int] | None:
     places: list[tuple[str, int, list[int]] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(places, (node_id, local_rank, sorted(mask)))
     local = sorted((r, set(m)) for node, r, m in places if node == node_id)
+    if [r for r, _ in local] != list(range(len(local))):  # the launcher's numbering is off
+        logger.warning("lazytrain: the local ranks of node %r report local ranks %s, not "
+                       "0..%d; their cores are left unbound", node_id,
+                       [r for r, _ in local], len(local) - 1)
+        return None
     chosen = cores.cores_of_rank(local_rank, [m for _, m in local], cores.sockets())
     if chosen is None:
         logger.info("lazytrain: the launcher pinned the local ranks to cores itself; kept")
