@@ -238,7 +238,7 @@ class Accelerator(accelerate.Accelerator):
             return 1
         plugin = self.lazytrain_plugin
         why_not = node_store.unusable_because(plugin.node_store, num_processes=self.num_processes,
-                                              env=os.environ)
+                                              env=os.environ, store_dir=plugin.node_store_dir)
         if why_not is None and plugin.node_store_dir != ANONYMOUS_SEGMENT:
             room = node_store.room_for(model, plugin.node_store_dir)
             room = dataclasses.replace(room, free_bytes=ranks.least(room.free_bytes))
