@@ -246,7 +246,7 @@ class Accelerator(accelerate.Accelerator):
             return 1
         plugin = self.lazytrain_plugin
         why_not = node_store.unusable_because(plugin.node_store, num_processes=self.num_processes,
-                                              env=os.environ)
+                                              env=os.environ, store_dir=plugin.node_store_dir)
         report = logger.info
         if why_not is None and (unsafe := generation_words.unavailable_because()):
             why_not, report = f"the node store is refused: {unsafe}", logger.warning

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from lazytrain_accel import preflight
+from lazytrain_accel.config import ANONYMOUS_SEGMENT
 from lazytrain_accel.integrations import segment_handoff
 from lazytrain_accel.integrations.generation_words import GenerationWords
 
@@ -87,7 +88,7 @@ def launch_identity(env: Mapping[str, str]) -> tuple[str, str]:
 
 
 def unusable_because(setting: str, *, num_processes: int, env: Mapping[str, str],
-                     directory: Path | None = None) -> str | None:
+                     store_dir: str = ANONYMOUS_SEGMENT) -> str | None:
     """Why the node store cannot serve this launch (then every rank keeps its own copy
     and all-reduces), or None when it can: one node of `num_processes` local ranks, or
     several nodes of LOCAL_WORLD_SIZE each (one copy per node)."""
@@ -97,7 +98,7 @@ def unusable_because(setting: str, *, num_processes: int, env: Mapping[str, str]
     if not local.isdigit() or int(local) < 1 or num_processes % int(local):
         return (f"LOCAL_WORLD_SIZE={local or 'unset'} does not divide the {num_processes} "
                 "processes into nodes (launch with torchrun or accelerate launch)")
-    if directory is None and not hasattr(os, "memfd_create"):
+    if store_dir == ANONYMOUS_SEGMENT and not hasattr(os, "memfd_create"):
         return ("this platform has no memfd_create; set node_store_dir "
                 "(LAZYTRAIN_NODE_STORE_DIR) to a shared-memory directory")
     return None

@@ -310,6 +310,12 @@ def test_a_launch_over_nodes_uses_the_store_per_node() -> None:
                                                             env=one_node)
     assert "unset" in node_store.unusable_because("auto", num_processes=2, env={})
     assert node_store.unusable_because("off", num_processes=4, env=one_node) is not None
+    no_memfd = "no memfd_create"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delattr(node_store.os, "memfd_create")
+        assert no_memfd in node_store.unusable_because("auto", num_processes=4, env=one_node)
+        assert node_store.unusable_because("auto", num_processes=4, env=one_node,
+                                           store_dir="/dev/shm") is None
 
 
 def test_node_groups_are_the_launchs_nodes_and_local_ranks(monkeypatch) -> None:
