@@ -92,6 +92,7 @@ def runnable_variants(flags: frozenset[str] | None = None,
 
 
 def variant_named(name: str) -> KernelVariant:
+    """The variant called `name` ("avx512", "avx2", "neon", "portable")."""
     for variant in VARIANTS:
         if variant.name == name:
             return variant
