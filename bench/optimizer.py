@@ -240,8 +240,8 @@ def main() -> None:
           f"{[v.name for v in native.runnable_variants()]}")
     params = make_params(args.params_m)
     numel = sum(p.numel() for p in params)
-    # at most 2**26 floats an array: far beyond any cache, less RAM than a large run's params
-    triad_numel = min(numel, 2**26) // 4096 * 4096
+    # as many floats an array as parameters (at most 2**28, 1 GiB): a step as long as theirs
+    triad_numel = min(numel, 2**28) // 4096 * 4096
     steps = contenders(params, triad_numel)
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)

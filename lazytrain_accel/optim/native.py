@@ -9,7 +9,7 @@ AVX2, never `-march=native` alone), so a build shared by two machines through on
 never runs an instruction the other CPU lacks; the cache name hashes everything the
 binary depends on: the variant's flags, the kernel's sources, the torch version and the
 Python ABI. Two checkouts or venvs on one machine then keep separate builds instead of
-overwriting each other's (a rebuild of 30-50 s on every switch), and a build that exists
+overwriting each other's (a rebuild of 10-20 s on every switch), and a build that exists
 is loaded, not rebuilt.
 """
 
@@ -92,6 +92,7 @@ def runnable_variants(flags: frozenset[str] | None = None,
 
 
 def variant_named(name: str) -> KernelVariant:
+    """The variant called `name` ("avx512", "avx2", "neon", "portable")."""
     for variant in VARIANTS:
         if variant.name == name:
             return variant
@@ -115,7 +116,7 @@ def _build_directory(name: str) -> Path:
     return Path(root) / name
 
 
-#: A build takes 30-50 s (a few minutes on a loaded machine): torch's build lock older
+#: A build takes 10-20 s (minutes on a loaded machine): torch's build lock older
 #: than this was left by a build that was killed (Ctrl-C, OOM), and torch would wait on it
 #: forever, silently.
 STALE_BUILD_LOCK_S = 900.0
@@ -188,7 +189,7 @@ def _build(variant: KernelVariant) -> ModuleType:
     directory = _build_directory(name)
     if not (directory / f"{name}.so").is_file():
         logger.warning("lazytrain: building the 8-bit optimizer kernel for %s (first use with "
-                       "this source, torch and Python only, ~30 s) in %s", variant.name,
+                       "this source, torch and Python only, ~10-20 s) in %s", variant.name,
                        directory)
     directory.mkdir(parents=True, exist_ok=True)
     clear_stale_build_lock(directory)

@@ -4,9 +4,11 @@
 // bit-exact contract); this file checks the tensors and spreads the blocks over ATen's
 // OpenMP threads. native.py compiles it once per instruction-set variant (AVX2, AVX-512,
 // ...) and loads the one this CPU supports.
-#include <torch/extension.h>
-
+// ATen's tensor and the pybind casters only, not <torch/extension.h> (the whole C++
+// frontend): a build takes a quarter of the compiler time (9 s instead of 40 s a variant).
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>
