@@ -241,11 +241,10 @@ def _share_file(tmp: Path, optimizer: torch.optim.Optimizer, model: nn.Module,
     params = [p for g in optimizer.param_groups for p in g["params"]]
     group_of = {id(p): g for g, ps in enumerate(groups) for p in ps}
     in_order = sorted(params, key=lambda p: group_of.get(id(p), len(groups)))
-    tensors, scalars, written = sc.share_tensors(optimizer, in_order, sc.param_names(model),
-                                                 weights_dtype=dtype)
+    tensors, metadata, written = sc.share_tensors(optimizer, in_order,
+                                                  sc.param_names(model), weights_dtype=dtype)
     path = tmp / sc.share_file(0)
-    header = layout.safetensors_header([(key, t) for key, t, _ in tensors], metadata={
-        "lazytrain_scalars": json.dumps(scalars)})
+    header = layout.safetensors_header([(key, t) for key, t, _ in tensors], metadata=metadata)
     entries = [_Entry(group=group_of.get(id(p), len(groups)), file=first_file, tensor=t,
                       dtype=None) for _, t, p in tensors]
     record = {"rank": 0, "groups": list(range(len(groups))), "file": path.name,

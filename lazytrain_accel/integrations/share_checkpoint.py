@@ -219,25 +219,26 @@ def write_share(path: Path, optimizer: torch.optim.Optimizer | None,
                 weights_dtype: torch.dtype | None = None) -> list[str]:
     """Write the state of `params` and their masters (`share_tensors`) to `path`; return
     the names written."""
-    tensors, scalars, written = share_tensors(optimizer, params, names,
-                                              weights_dtype=weights_dtype)
-    write_safetensors(path, [(key, t) for key, t, _ in tensors],
-                      metadata={"lazytrain_scalars": json.dumps(scalars)})
+    tensors, metadata, written = share_tensors(optimizer, params, names,
+                                               weights_dtype=weights_dtype)
+    write_safetensors(path, [(key, t) for key, t, _ in tensors], metadata=metadata)
     return written
 
 
 def share_tensors(optimizer: torch.optim.Optimizer | None, params: Iterable[nn.Parameter],
                   names: Mapping[nn.Parameter, str], *,
                   weights_dtype: torch.dtype | None = None
-                  ) -> tuple[list[tuple[str, torch.Tensor, nn.Parameter]],
-                             dict[str, dict[str, Any]], list[str]]:
+                  ) -> tuple[list[tuple[str, torch.Tensor, nn.Parameter]], dict[str, str],
+                             list[str]]:
     """A share's content: ("<name>/<state key>", tensor, its parameter) for the state of
     `params` (those that have any), and the fp32 master (`MASTER_KEY`) of each parameter
     the weights hold in another dtype (`weights_dtype`, an export cast): a resume
-    continues from the masters, not from their rounding. Also the non-tensor state
-    values by name, and the names written."""
+    continues from the masters, not from their rounding. Also the file's metadata (the
+    non-tensor state values by name; each state's key order, which a safetensors file
+    does not keep and `state_dict()` round trips do), and the names written."""
     tensors: list[tuple[str, torch.Tensor, nn.Parameter]] = []
     scalars: dict[str, dict[str, Any]] = {}
+    order: dict[str, list[str]] = {}
     written = []
     for p in params:
         state = optimizer.state.get(p) if optimizer is not None else None
@@ -248,21 +249,26 @@ def share_tensors(optimizer: torch.optim.Optimizer | None, params: Iterable[nn.P
         written.append(name)
         if cast:
             tensors.append((f"{name}/{MASTER_KEY}", p, p))
+        order[name] = list(state or {})
         for key, value in (state or {}).items():
             if isinstance(value, torch.Tensor):
                 tensors.append((f"{name}/{key}", value, p))
             else:
                 scalars.setdefault(name, {})[key] = _encode(value)
-    return tensors, scalars, written
+    metadata = {"lazytrain_scalars": json.dumps(scalars), "lazytrain_order": json.dumps(order)}
+    return tensors, metadata, written
 
 
 def read_share(path: Path, wanted: set[str]) -> dict[str, dict[str, Any]]:
-    """The state of the parameters named in `wanted` that the share file holds."""
+    """The state of the parameters named in `wanted` that the share file holds, each in
+    its saved key order (a master, `MASTER_KEY`, first)."""
     from safetensors import safe_open
 
     out: dict[str, dict[str, Any]] = {}
     with safe_open(str(path), framework="pt") as f:
-        scalars = json.loads((f.metadata() or {}).get("lazytrain_scalars", "{}"))
+        metadata = f.metadata() or {}
+        scalars = json.loads(metadata.get("lazytrain_scalars", "{}"))
+        order = json.loads(metadata.get("lazytrain_order", "{}"))
         for key in f.keys():  # noqa: SIM118 - a safe_open handle, not a dict
             name, _, item = key.rpartition("/")
             if name in wanted:
@@ -270,6 +276,9 @@ def read_share(path: Path, wanted: set[str]) -> dict[str, dict[str, Any]]:
         for name, items in scalars.items():
             if name in wanted:
                 out.setdefault(name, {}).update({k: _decode(v) for k, v in items.items()})
+    for name, items in out.items():
+        keys = [MASTER_KEY] * (MASTER_KEY in items) + order.get(name, sorted(items))
+        out[name] = {k: items[k] for k in keys if k in items} | items
     return out
 
 
@@ -319,7 +328,8 @@ def load_optimizer(optimizer: torch.optim.Optimizer, directory: Path,
         hyper = {k: _decode(v) for k, v in saved.items() if k != "params"}
         groups.append({**hyper, "params": list(range(start, start + count))})
         start += count
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    # In parameter order, as `state_dict()` gives it: `optimizer.state` keeps that order.
+    optimizer.load_state_dict({"state": dict(sorted(state.items())), "param_groups": groups})
 
 
 def load_stock_optimizer(optimizer: torch.optim.Optimizer, path: Path,
