@@ -90,7 +90,8 @@ class PendingSave:
 
     # ---- the training side ------------------------------------------------------------
     def wait_written(self, group: int) -> None:
-        """Block until group `group` is on the disk (or the save has ended)."""
+        """Block until group `group` is written to its files (the kernel holds the bytes;
+        the update may change the tensors), or the save has ended."""
         if self._written[group].is_set():
             return
         start = time.perf_counter()
@@ -127,7 +128,7 @@ class PendingSave:
             self._stack.close()  # fsync, rename into place: the checkpoint exists from here
         except BaseException as err:  # raised on the training thread by wait()
             self._error = err
-            sc._abandon(self._stack, err)
+            sc.abandon(self._stack, err)
         finally:
             for event in self._written:
                 event.set()  # training goes on, whatever happened here
@@ -204,7 +205,7 @@ def start_save(accelerator: Any, final: Path, write_stock: Callable[[Path], None
             optimizer=sc.optimizer_record(optimizer, sc.param_names(model)),
             shares=[share[2]])
     except BaseException as err:
-        sc._abandon(stack, err)
+        sc.abandon(stack, err)
         raise
     return PendingSave(final=final, stack=stack, tmp=tmp, groups=len(groups), files=files,
                        entries=entries, manifest=manifest,

@@ -8,12 +8,17 @@ de-duplication would take every parameter for an alias of the segment. Instead:
 
     ckpt/
       model.safetensors            the fp32 masters, each weight once (tied aliases once),
-      config.json                  ... written by global rank 0: `from_pretrained(ckpt)`
+        (or shards + index:        ... written by global rank 0: `from_pretrained(ckpt)`;
+         checkpoint_layout.py)     in `checkpoint_dtype` (then the shares hold the masters)
+      config.json
       optimizer_share_<r>.safetensors   rank r's share: "<param name>/<state key>" tensors
                                    (8-bit codes, absmax scales, fp32 moments, step);
                                    non-tensor state values in its metadata
       lazytrain_shares.json        the manifest, written last (MANIFEST_FIELDS)
       lazytrain_plan.json, scheduler.bin, random_states_<i>.pkl, ...   stock / plan
+
+One process, or replicated ranks without a node store: rank 0 writes the one share (and
+with the layer-wise update, beside training: `async_checkpoint.py`).
 
 The save is atomic (`checkpoint.atomic_directory`): global rank 0 opens the temporary
 directory beside the target and broadcasts its path, every rank writes its files into
@@ -561,7 +566,7 @@ def save_on_every_rank(final: Path, write: Callable[[Path], Any], *,
         dist.all_gather_object(reports, report)
     except BaseException as err:  # a rank died mid-save: no temporary directory is left
         if rank == 0:
-            _abandon(stack, err)
+            abandon(stack, err)
         raise
     failed = {r: msg for r, (kind, msg) in enumerate(reports) if kind == "error"}
     outcome: list[str | None] = [None]
@@ -573,7 +578,7 @@ def save_on_every_rank(final: Path, write: Callable[[Path], Any], *,
                 finish(tmp, [r for _, r in reports])
             stack.close()  # fsync, rename into place: the checkpoint exists from here
         except BaseException as err:  # the temporary directory goes
-            _abandon(stack, err)
+            abandon(stack, err)
             outcome[0] = _error(err)
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
@@ -604,7 +609,7 @@ def _write_rank_files(accelerator: Any, tmp: Path, *, rank: int, mine: Sequence[
     return share
 
 
-def _abandon(stack: contextlib.ExitStack, err: BaseException) -> None:
+def abandon(stack: contextlib.ExitStack, err: BaseException) -> None:
     """Close `atomic_directory` with `err`: its temporary directory is removed."""
     with contextlib.suppress(BaseException):
         stack.__exit__(type(err), err, err.__traceback__)
