@@ -227,6 +227,11 @@ def main() -> None:
                         torch.save({n: p.detach().clone() for n, p in
                                     model.named_parameters()}, args.masters_out)
                     if accelerator.is_main_process:
+                        # An async save publishes the folder later: wait before adding
+                        # a file to it (docs/user_guide.md "Checkpoints").
+                        wait = getattr(accelerator, "lazytrain_wait_for_checkpoint", None)
+                        if wait is not None:
+                            wait()
                         with open(args.ckpt_dir + "/progress.json", "w") as f:
                             json.dump({"step": step}, f)
                 if step >= args.steps:

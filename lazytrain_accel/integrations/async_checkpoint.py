@@ -90,7 +90,8 @@ class PendingSave:
 
     # ---- the training side ------------------------------------------------------------
     def wait_written(self, group: int) -> None:
-        """Block until group `group` is on the disk (or the save has ended)."""
+        """Block until group `group` is written to its files (the kernel holds the bytes;
+        the update may change the tensors), or the save has ended."""
         if self._written[group].is_set():
             return
         start = time.perf_counter()
@@ -127,7 +128,7 @@ class PendingSave:
             self._stack.close()  # fsync, rename into place: the checkpoint exists from here
         except BaseException as err:  # raised on the training thread by wait()
             self._error = err
-            sc._abandon(self._stack, err)
+            sc.abandon(self._stack, err)
         finally:
             for event in self._written:
                 event.set()  # training goes on, whatever happened here
@@ -204,7 +205,7 @@ def start_save(accelerator: Any, final: Path, write_stock: Callable[[Path], None
             optimizer=sc.optimizer_record(optimizer, sc.param_names(model)),
             shares=[share[2]])
     except BaseException as err:
-        sc._abandon(stack, err)
+        sc.abandon(stack, err)
         raise
     return PendingSave(final=final, stack=stack, tmp=tmp, groups=len(groups), files=files,
                        entries=entries, manifest=manifest,
@@ -241,11 +242,10 @@ def _share_file(tmp: Path, optimizer: torch.optim.Optimizer, model: nn.Module,
     params = [p for g in optimizer.param_groups for p in g["params"]]
     group_of = {id(p): g for g, ps in enumerate(groups) for p in ps}
     in_order = sorted(params, key=lambda p: group_of.get(id(p), len(groups)))
-    tensors, scalars, written = sc.share_tensors(optimizer, in_order, sc.param_names(model),
-                                                 weights_dtype=dtype)
+    tensors, metadata, written = sc.share_tensors(optimizer, in_order,
+                                                  sc.param_names(model), weights_dtype=dtype)
     path = tmp / sc.share_file(0)
-    header = layout.safetensors_header([(key, t) for key, t, _ in tensors], metadata={
-        "lazytrain_scalars": json.dumps(scalars)})
+    header = layout.safetensors_header([(key, t) for key, t, _ in tensors], metadata=metadata)
     entries = [_Entry(group=group_of.get(id(p), len(groups)), file=first_file, tensor=t,
                       dtype=None) for _, t, p in tensors]
     record = {"rank": 0, "groups": list(range(len(groups))), "file": path.name,

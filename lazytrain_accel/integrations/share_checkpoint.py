@@ -8,12 +8,17 @@ de-duplication would take every parameter for an alias of the segment. Instead:
 
     ckpt/
       model.safetensors            the fp32 masters, each weight once (tied aliases once),
-      config.json                  ... written by global rank 0: `from_pretrained(ckpt)`
+        (or shards + index:        ... written by global rank 0: `from_pretrained(ckpt)`;
+         checkpoint_layout.py)     in `checkpoint_dtype` (then the shares hold the masters)
+      config.json
       optimizer_share_<r>.safetensors   rank r's share: "<param name>/<state key>" tensors
                                    (8-bit codes, absmax scales, fp32 moments, step);
                                    non-tensor state values in its metadata
       lazytrain_shares.json        the manifest, written last (MANIFEST_FIELDS)
       lazytrain_plan.json, scheduler.bin, random_states_<i>.pkl, ...   stock / plan
+
+One process, or replicated ranks without a node store: rank 0 writes the one share (and
+with the layer-wise update, beside training: `async_checkpoint.py`).
 
 The save is atomic (`checkpoint.atomic_directory`): global rank 0 opens the temporary
 directory beside the target and broadcasts its path, every rank writes its files into
@@ -219,25 +224,26 @@ def write_share(path: Path, optimizer: torch.optim.Optimizer | None,
                 weights_dtype: torch.dtype | None = None) -> list[str]:
     """Write the state of `params` and their masters (`share_tensors`) to `path`; return
     the names written."""
-    tensors, scalars, written = share_tensors(optimizer, params, names,
-                                              weights_dtype=weights_dtype)
-    write_safetensors(path, [(key, t) for key, t, _ in tensors],
-                      metadata={"lazytrain_scalars": json.dumps(scalars)})
+    tensors, metadata, written = share_tensors(optimizer, params, names,
+                                               weights_dtype=weights_dtype)
+    write_safetensors(path, [(key, t) for key, t, _ in tensors], metadata=metadata)
     return written
 
 
 def share_tensors(optimizer: torch.optim.Optimizer | None, params: Iterable[nn.Parameter],
                   names: Mapping[nn.Parameter, str], *,
                   weights_dtype: torch.dtype | None = None
-                  ) -> tuple[list[tuple[str, torch.Tensor, nn.Parameter]],
-                             dict[str, dict[str, Any]], list[str]]:
+                  ) -> tuple[list[tuple[str, torch.Tensor, nn.Parameter]], dict[str, str],
+                             list[str]]:
     """A share's content: ("<name>/<state key>", tensor, its parameter) for the state of
     `params` (those that have any), and the fp32 master (`MASTER_KEY`) of each parameter
     the weights hold in another dtype (`weights_dtype`, an export cast): a resume
-    continues from the masters, not from their rounding. Also the non-tensor state
-    values by name, and the names written."""
+    continues from the masters, not from their rounding. Also the file's metadata (the
+    non-tensor state values by name; each state's key order, which a safetensors file
+    does not keep and `state_dict()` round trips do), and the names written."""
     tensors: list[tuple[str, torch.Tensor, nn.Parameter]] = []
     scalars: dict[str, dict[str, Any]] = {}
+    order: dict[str, list[str]] = {}
     written = []
     for p in params:
         state = optimizer.state.get(p) if optimizer is not None else None
@@ -248,21 +254,26 @@ def share_tensors(optimizer: torch.optim.Optimizer | None, params: Iterable[nn.P
         written.append(name)
         if cast:
             tensors.append((f"{name}/{MASTER_KEY}", p, p))
+        order[name] = list(state or {})
         for key, value in (state or {}).items():
             if isinstance(value, torch.Tensor):
                 tensors.append((f"{name}/{key}", value, p))
             else:
                 scalars.setdefault(name, {})[key] = _encode(value)
-    return tensors, scalars, written
+    metadata = {"lazytrain_scalars": json.dumps(scalars), "lazytrain_order": json.dumps(order)}
+    return tensors, metadata, written
 
 
 def read_share(path: Path, wanted: set[str]) -> dict[str, dict[str, Any]]:
-    """The state of the parameters named in `wanted` that the share file holds."""
+    """The state of the parameters named in `wanted` that the share file holds, each in
+    its saved key order (a master, `MASTER_KEY`, first)."""
     from safetensors import safe_open
 
     out: dict[str, dict[str, Any]] = {}
     with safe_open(str(path), framework="pt") as f:
-        scalars = json.loads((f.metadata() or {}).get("lazytrain_scalars", "{}"))
+        metadata = f.metadata() or {}
+        scalars = json.loads(metadata.get("lazytrain_scalars", "{}"))
+        order = json.loads(metadata.get("lazytrain_order", "{}"))
         for key in f.keys():  # noqa: SIM118 - a safe_open handle, not a dict
             name, _, item = key.rpartition("/")
             if name in wanted:
@@ -270,6 +281,9 @@ def read_share(path: Path, wanted: set[str]) -> dict[str, dict[str, Any]]:
         for name, items in scalars.items():
             if name in wanted:
                 out.setdefault(name, {}).update({k: _decode(v) for k, v in items.items()})
+    for name, items in out.items():
+        keys = [MASTER_KEY] * (MASTER_KEY in items) + order.get(name, sorted(items))
+        out[name] = {k: items[k] for k in keys if k in items} | items
     return out
 
 
@@ -319,7 +333,8 @@ def load_optimizer(optimizer: torch.optim.Optimizer, directory: Path,
         hyper = {k: _decode(v) for k, v in saved.items() if k != "params"}
         groups.append({**hyper, "params": list(range(start, start + count))})
         start += count
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    # In parameter order, as `state_dict()` gives it: `optimizer.state` keeps that order.
+    optimizer.load_state_dict({"state": dict(sorted(state.items())), "param_groups": groups})
 
 
 def load_stock_optimizer(optimizer: torch.optim.Optimizer, path: Path,
@@ -551,7 +566,7 @@ def save_on_every_rank(final: Path, write: Callable[[Path], Any], *,
         dist.all_gather_object(reports, report)
     except BaseException as err:  # a rank died mid-save: no temporary directory is left
         if rank == 0:
-            _abandon(stack, err)
+            abandon(stack, err)
         raise
     failed = {r: msg for r, (kind, msg) in enumerate(reports) if kind == "error"}
     outcome: list[str | None] = [None]
@@ -563,7 +578,7 @@ def save_on_every_rank(final: Path, write: Callable[[Path], Any], *,
                 finish(tmp, [r for _, r in reports])
             stack.close()  # fsync, rename into place: the checkpoint exists from here
         except BaseException as err:  # the temporary directory goes
-            _abandon(stack, err)
+            abandon(stack, err)
             outcome[0] = _error(err)
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
@@ -594,7 +609,7 @@ def _write_rank_files(accelerator: Any, tmp: Path, *, rank: int, mine: Sequence[
     return share
 
 
-def _abandon(stack: contextlib.ExitStack, err: BaseException) -> None:
+def abandon(stack: contextlib.ExitStack, err: BaseException) -> None:
     """Close `atomic_directory` with `err`: its temporary directory is removed."""
     with contextlib.suppress(BaseException):
         stack.__exit__(type(err), err, err.__traceback__)

@@ -2,7 +2,8 @@
 the checkpoint equals a blocking save at the same step byte for byte, and a resume from it
 equals the uninterrupted run bit for bit, while the writer (throttled) is still writing
 when the next updates run, so those updates had to wait for it group by group; a kill -9
-at random moments of a save leaves the previous checkpoint as the latest, loadable."""
+at random moments of a save leaves the previous checkpoint as the latest, loadable; a
+writer error keeps the previous checkpoint and lets the waiting updates go on."""
 
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 import torch
 from accelerate.utils import DataLoaderConfiguration
 from fault_helpers import BATCH, SEQ, VOCAB, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
+from lazytrain_accel.integrations import async_checkpoint
 from lazytrain_accel.integrations import share_checkpoint as sc
 from lazytrain_accel.integrations.checkpoint import recover
 from lazytrain_accel.optim import HybridAdamW8bit
@@ -102,10 +106,10 @@ def test_an_async_save_equals_a_blocking_one_and_resumes_bit_for_bit(tmp_path: P
         assert torch.equal(a, b)
 
 
-def _check_latest_loads(root: Path) -> str:
+def _check_latest_loads(root: Path) -> tuple[str, bool]:
     """Undo what a killed save left; every checkpoint left is complete and loads (the
     weights into a fresh model, the optimizer state into a fresh optimizer). Returns the
-    latest's name."""
+    latest's name and whether a killed save had left a temporary directory."""
     saves = {f.name.split(".")[1] for f in root.iterdir() if f.name.startswith(".")}
     for name in saves:  # what the next save into `name`, or a load of it, does first
         recover(root / name)
@@ -121,7 +125,7 @@ def _check_latest_loads(root: Path) -> str:
     sc.load_optimizer(optimizer, latest, manifest, sc.param_names(model), lambda p: True,
                       world_size=1)
     assert len(optimizer.state) == len(list(model.parameters()))
-    return latest.name
+    return latest.name, bool(saves)
 
 
 def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
@@ -148,5 +152,41 @@ def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path: Pa
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGKILL)  # none left running, whatever happened
         child.wait()
-    latest = [_check_latest_loads(tmp_path / f"run{i}" / "checkpoints") for i in range(KILLS)]
-    assert set(latest) <= {"checkpoint_0", "checkpoint_1"}, (seed, latest)
+    found = [_check_latest_loads(tmp_path / f"run{i}" / "checkpoints") for i in range(KILLS)]
+    assert {name for name, _ in found} <= {"checkpoint_0", "checkpoint_1"}, (seed, found)
+    assert any(left for _, left in found), (seed, found)  # some kill landed mid-save
+
+
+def test_a_writer_error_keeps_the_previous_checkpoint_and_frees_the_updates(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_model()
+    optimizer = HybridAdamW8bit(model.parameters(), lr=1e-2)
+    groups = [list(model.parameters())[:3], list(model.parameters())[3:]]
+    plugin = SimpleNamespace(checkpoint_dtype="auto", checkpoint_max_shard_bytes=10**9,
+                             checkpoint_write_bytes_per_s=0.0)
+    acc = SimpleNamespace(lazytrain_engine=SimpleNamespace(steps=SimpleNamespace(
+        update_groups=groups)), lazytrain_plugin=plugin, step=1, _lazytrain_model=model,
+        _lazytrain_optimizer=optimizer)
+    final = tmp_path / "ckpt"
+    final.mkdir()
+    (final / "previous.txt").write_text("kept")
+    calls = {"n": 0}
+    stock_bytes = async_checkpoint.layout.tensor_bytes
+
+    def failing(tensor: torch.Tensor, dtype: torch.dtype | None) -> memoryview:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise OSError(28, "No space left on device")
+        return stock_bytes(tensor, dtype)
+
+    monkeypatch.setattr(async_checkpoint.layout, "tensor_bytes", failing)
+    pending = async_checkpoint.start_save(acc, final, lambda d: None, on_published=lambda: None)
+    with pytest.raises(RuntimeError, match=r"previous checkpoint .* kept: OSError.*No space"):
+        pending.wait()
+    waiter = threading.Thread(target=lambda: [pending.wait_written(g)
+                                              for g in range(len(groups))], daemon=True)
+    waiter.start()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive()  # no update is left waiting on a failed save
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left
+    assert [p.name for p in final.iterdir()] == ["previous.txt"]
