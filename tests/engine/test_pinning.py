@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from types import SimpleNamespace
 
@@ -111,8 +112,11 @@ def test_unpinned_ranks_replan_on_the_pageable_rates(monkeypatch) -> None:
         lazytrain_plugin=SimpleNamespace(pin_chunk_max_gib=256.0), lazytrain_engine=engine,
         lazytrain_store=SimpleNamespace(bytes=None), lazytrain_sizing="sizing",
         lazytrain_run=SimpleNamespace(hardware=h200),
+        lazytrain_replanner=None,
         _lazytrain_plan_for=lambda model, sizing, hardware, replan: planned.append(
             ("plan", hardware, replan)) or SimpleNamespace(plan=new_plan, hardware=hardware))
+    accelerator._lazytrain_adopt = functools.partial(
+        lazy_accelerate.Accelerator._lazytrain_adopt, accelerator)
     monkeypatch.setattr(lazy_accelerate.ranks, "least", lambda value: value)
     lazy_accelerate.Accelerator._lazytrain_pin_store(accelerator, model=None)
     (_, hardware, replan), (_, plan) = planned

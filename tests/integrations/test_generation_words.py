@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from lazytrain_accel.config import ANONYMOUS_SEGMENT
 from lazytrain_accel.integrations import generation_words, node_store
 from lazytrain_accel.integrations.accelerate import Accelerator
 from lazytrain_accel.integrations.generation_words import GenerationWords
@@ -73,9 +74,9 @@ def test_every_read_after_a_generation_sees_its_writes(processes: int) -> None:
 def test_python_sees_the_generations_read_only(tmp_path: Path) -> None:
     """No Python store to a generation: the view is read-only and the store's header
     tensor ends before the words (only `publish` writes them)."""
-    path = node_store.segment_path(job_id=str(tmp_path), node_id="words")
-    store = node_store.share_model(nn.Linear(2, 2), path=path, leader=True, num_groups=3,
-                                   barrier=lambda: None)
+    name = node_store.segment_name(job_id=str(tmp_path), node_id="words")
+    store = node_store.share_model(nn.Linear(2, 2), name=name, leader=True, local_ranks=1,
+                                   num_groups=3, barrier=lambda: None)
     with pytest.raises(TypeError, match="read-only"):
         store.generations.view[1] = 5
     assert store.header.numel() * store.header.element_size() == 8 * 8
@@ -92,8 +93,9 @@ def test_without_the_helper_the_node_store_is_refused_with_a_warning(
     monkeypatch.setattr(generation_words, "unavailable_because",
                         lambda: "no C++ compiler (test)")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    accelerator = SimpleNamespace(lazytrain_plugin=SimpleNamespace(node_store="auto"),
-                                  num_processes=2, is_main_process=True)
+    accelerator = SimpleNamespace(
+        lazytrain_plugin=SimpleNamespace(node_store="auto", node_store_dir=ANONYMOUS_SEGMENT),
+        num_processes=2, is_main_process=True)
     with caplog.at_level(logging.WARNING, logger="lazytrain_accel"):
-        assert Accelerator._lazytrain_node_ranks(accelerator) == 1  # each its own copy
+        assert Accelerator._lazytrain_node_ranks(accelerator, nn.Linear(2, 2)) == 1
     assert "node store is refused: no C++ compiler (test)" in caplog.text
