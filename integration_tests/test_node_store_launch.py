@@ -74,7 +74,10 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
                        "--grad-accum", str(micro_batches), "--state-out", str(d / "state_"),
                        "--digest-out", str(d / "digest_"), "--pss-out", str(d / "pss_"),
                        "--samples-out", str(d / "samples.json"))
-            env = {**PSS_ENV, "LAZYTRAIN_NODE_STORE": store}
+            # threads=0 as a user's launch has it (tests/conftest.py sets
+            # LAZYTRAIN_THREADS for the in-process tests, and an explicit count would
+            # leave the ranks' cores unbound)
+            env = {**PSS_ENV, "LAZYTRAIN_NODE_STORE": store, "LAZYTRAIN_THREADS": "0"}
             if nodes == 1:
                 losses = _launch(d, "run", *args, *outputs, num_processes=processes, env=env)
             else:
