@@ -22,7 +22,7 @@ from lazytrain_accel.engine import attach
 from lazytrain_accel.planning import make_plan
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
-from lazytrain_accel.profiling.models import geometry_from_config, profile_model
+from lazytrain_accel.profiling.model_configs import geometry_from_config, profile_model
 
 
 class PeakRss:

@@ -1,5 +1,5 @@
 """Plan fidelity on a CPU: `planning.simulate`'s step against the engine's, on throttled
-emulated links (engine/emulation.py).
+emulated links (engine/device/emulation.py).
 
 For each model (the demo's Qwen2 shape; a 12-layer, 116M-parameter Qwen2) and plan (auto,
 megatrain, offload_all, and an auto plan whose tight device and host budgets home
@@ -58,9 +58,9 @@ import transformers
 
 from lazytrain_accel.demo.model import DEMO_MODEL_CONFIG
 from lazytrain_accel.engine import attach
-from lazytrain_accel.engine.emulation import EmulationSettings
-from lazytrain_accel.engine.overlap import LayerwiseUpdate
+from lazytrain_accel.engine.device.emulation import EmulationSettings
 from lazytrain_accel.engine.stats import Accounting
+from lazytrain_accel.engine.step.overlap import LayerwiseUpdate
 from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning import Budgets, build_problem, make_plan, simulate
 from lazytrain_accel.planning.problem import GPU_RESERVE_FRACTION
@@ -69,8 +69,8 @@ from lazytrain_accel.planning.simulate import is_optimizer_lane
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.layer_probe import LayerOverheadProbe, LayerOverheads
-from lazytrain_accel.profiling.model import ModelProfile
-from lazytrain_accel.profiling.models import geometry_from_config, profile_model
+from lazytrain_accel.profiling.model_configs import geometry_from_config, profile_model
+from lazytrain_accel.profiling.profile import ModelProfile
 
 GIB = 2**30
 NOMINAL_FLOPS_PER_S = 1e12  # measured seconds x this = the profile's FLOPs

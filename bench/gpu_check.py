@@ -60,12 +60,12 @@ from lazytrain_accel.planning import (
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HardwareProfile, preset_for_gpu
 from lazytrain_accel.profiling.hardware_spec import load_hardware
-from lazytrain_accel.profiling.model import ModelProfile
-from lazytrain_accel.profiling.models import (
+from lazytrain_accel.profiling.model_configs import (
     geometry_from_config,
     load_model_config,
     profile_model,
 )
+from lazytrain_accel.profiling.profile import ModelProfile
 
 _GIB = 1024**3
 STRATEGIES = ("lazytrain", "megatrain", "checkpoint_all")

@@ -1,5 +1,5 @@
 """The GPU check's pinning phase (issue 30 item 4): a shared mapping like the node store's,
-page-locked in chunks by `engine/pinning.py` with the real `cudaHostRegister`, and the
+page-locked in chunks by `engine/device/pinning.py` with the real `cudaHostRegister`, and the
 H2D rate from it pageable (before) and pinned (after), so the preset's pageable share
 (`PAGEABLE_SHARE`, MegaTrain's figure) is checked on this machine. A chunk limit below
 the region's size forces several registrations. On a CPU (the dry run) there is nothing
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from lazytrain_accel.engine.pinning import register_in_chunks
+from lazytrain_accel.engine.device.pinning import register_in_chunks
 from lazytrain_accel.profiling.hardware import PAGEABLE_SHARE
 
 _REPEATS = 5

@@ -8,7 +8,7 @@ plugin quantizes at `prepare`, the stock run with the same function by hand). PE
 adapters on every projection. Each format is trained twice on the same device with the
 user's Accelerate loop (AdamW on the adapters, clip), each on a fresh load: stock
 Accelerate (the base on the device), and through `LazyTrainPlugin(optimizer="keep")`
-(the packed base moved to the host and streamed as stored: `engine/quantized.py`
+(the packed base moved to the host and streamed as stored: `engine/memory/quantized.py`
 `PackedWeightPool`, pinned staging, the H2D side stream, Int8 `CB`/`SCB`). Reported per
 format: the losses of both runs (a relative difference above the bf16 tolerance of
 `gpu_equivalence` fails), whether the plugin's packed weights (data and scales) after
@@ -38,8 +38,8 @@ from gpu_equivalence import BF16_REL_TOL  # the relative loss tolerance in bf16
 from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.engine.quantize_base import quantize_frozen_linears
-from lazytrain_accel.engine.quantized import is_packed
+from lazytrain_accel.engine.memory.quantize_base import quantize_frozen_linears
+from lazytrain_accel.engine.memory.quantized import is_packed
 from lazytrain_accel.planning import simulate
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
 from lazytrain_accel.profiling.measure import _measure_dequant

@@ -31,7 +31,7 @@ from lazytrain_accel.planning.plan import Home
 from lazytrain_accel.planning.problem import GIB
 from lazytrain_accel.profiling.adapters import lora_profile_inputs
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
-from lazytrain_accel.profiling.models import (
+from lazytrain_accel.profiling.model_configs import (
     geometry_from_config,
     load_model_config,
     profile_model,

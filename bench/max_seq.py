@@ -27,7 +27,7 @@ from lazytrain_accel.planning.admission import max_seq_len
 from lazytrain_accel.planning.problem import GIB
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
-from lazytrain_accel.profiling.models import (
+from lazytrain_accel.profiling.model_configs import (
     MODEL_PRESETS,
     geometry_from_config,
     load_model_config,

@@ -19,7 +19,11 @@ from lazytrain_accel.planning.problem import Problem, build_problem
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.solve import solve_problem, with_device_residents
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
-from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
+from lazytrain_accel.profiling.model_configs import (
+    geometry_from_config,
+    load_model_config,
+    profile_model,
+)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "planning"))
 from planner_chains import tight_chains  # the property test's tight class

@@ -37,12 +37,12 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.integrations import setup
 from lazytrain_accel.planning import Plan
 from lazytrain_accel.planning.problem import build_problem
 from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.profile import ModelProfile
+from lazytrain_accel.run import setup
 
 #: Boundaries the GPU budget holds beside its fixed bytes, and the host budget beside its.
 GPU_BOUNDARIES, CPU_BOUNDARIES = 8, 3

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback, set_seed
 
-from lazytrain_accel.integrations.transformers import LazyTrainTrainer, LazyTrainTrainingArguments
-from lazytrain_accel.profiling.models import load_model_config
+from lazytrain_accel.frontends.transformers import LazyTrainTrainer, LazyTrainTrainingArguments
+from lazytrain_accel.profiling.model_configs import load_model_config
 
 
 class StepTimer(TrainerCallback):

@@ -31,7 +31,7 @@ from transformers import (
     set_seed,
 )
 
-from lazytrain_accel.integrations.transformers import (
+from lazytrain_accel.frontends.transformers import (
     LazyTrainTrainer,
     LazyTrainTrainingArguments,
 )
@@ -72,7 +72,7 @@ def load_model(spec: str) -> tuple[PreTrainedModel, Any]:
     if path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin"))):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     else:
-        from lazytrain_accel.profiling.models import load_model_config
+        from lazytrain_accel.profiling.model_configs import load_model_config
 
         config_dict = load_model_config(spec)
         config = AutoConfig.for_model(**config_dict)

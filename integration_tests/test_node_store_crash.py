@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from integration_tests.test_accelerate_launch import launch_command
-from lazytrain_accel.integrations import node_store
+from lazytrain_accel.distributed import node_store
 
 SCRIPTS = Path(__file__).parent / "scripts"
 SHMEM_SLACK_BYTES = 64 * 2**20

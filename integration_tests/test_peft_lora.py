@@ -12,7 +12,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.integrations.transformers import LazyTrainTrainer
+from lazytrain_accel.frontends.transformers import LazyTrainTrainer
 from lazytrain_accel.optim import HybridAdamW8bit
 
 VOCAB = 64

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from integration_tests.test_accelerate_launch import _launch, _run
-from lazytrain_accel.integrations import share_checkpoint as sc
+from lazytrain_accel.checkpoints import shares as sc
 from lazytrain_accel.optim import HybridAdamW8bit
 
 ARGS = ("--lazytrain", "--plan", "offload_all", "--steps", "4")  # hybrid 8-bit, overlapped

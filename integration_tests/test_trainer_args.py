@@ -13,9 +13,9 @@ import torch
 from transformers import HfArgumentParser, Qwen2Config, Qwen2ForCausalLM, Trainer, TrainingArguments
 
 from lazytrain_accel.config import OptimizerChoice
-from lazytrain_accel.integrations.trainer_accelerator import TrainerAccelerator
-from lazytrain_accel.integrations.trainer_callback import LazyTrainCallback
-from lazytrain_accel.integrations.transformers import (
+from lazytrain_accel.frontends.trainer_accelerator import TrainerAccelerator
+from lazytrain_accel.frontends.trainer_callback import LazyTrainCallback
+from lazytrain_accel.frontends.transformers import (
     LazyTrainTrainer,
     LazyTrainTrainingArguments,
     apply_lazytrain_to_trainer,

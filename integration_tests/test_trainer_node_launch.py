@@ -109,8 +109,7 @@ def test_a_trainer_checkpoint_under_the_store_resumes_as_the_uninterrupted_run(
     0's share only), and a model.safetensors with every weight."""
     from safetensors import safe_open
 
-    from lazytrain_accel.integrations import share_checkpoint as sc
-
+    from lazytrain_accel.checkpoints import shares as sc
     config = json.dumps({"plan": "offload_all", "optimizer": "hybrid8bit"})
     extra = ("--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2")
     whole_losses, whole = _train(tmp_path, "whole", 2, config, *extra)

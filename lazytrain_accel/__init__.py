@@ -14,12 +14,12 @@ from lazytrain_accel.config import LazyTrainConfig, LazyTrainPlugin, OptimizerCh
 
 #: Public names imported on first use: name -> module that defines it.
 _LAZY = {
-    "Accelerator": "lazytrain_accel.integrations.accelerate",
+    "Accelerator": "lazytrain_accel.frontends.accelerate",
     "HybridAdamW8bit": "lazytrain_accel.optim",
-    "LazyTrainTrainingArguments": "lazytrain_accel.integrations.transformers",
-    "LazyTrainTrainer": "lazytrain_accel.integrations.transformers",
-    "LazyTrainCallback": "lazytrain_accel.integrations.transformers",
-    "apply_lazytrain_to_trainer": "lazytrain_accel.integrations.transformers",
+    "LazyTrainTrainingArguments": "lazytrain_accel.frontends.transformers",
+    "LazyTrainTrainer": "lazytrain_accel.frontends.transformers",
+    "LazyTrainCallback": "lazytrain_accel.frontends.transformers",
+    "apply_lazytrain_to_trainer": "lazytrain_accel.frontends.transformers",
 }
 
 __all__ = ["LazyTrainConfig", "LazyTrainPlugin", "OptimizerChoice", "__version__", *_LAZY]

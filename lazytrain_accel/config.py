@@ -119,7 +119,7 @@ NODE_STORE_CHOICES: tuple[str, ...] = ("auto", "off")
 #: `bind_cores` values: bind each local rank's threads to cores of its own, or leave them.
 BIND_CORES_CHOICES: tuple[str, ...] = ("auto", "off")
 
-#: `checkpoint_dtype` values (integrations/checkpoint_layout.py `CHECKPOINT_DTYPES`): the
+#: `checkpoint_dtype` values (checkpoints/layout.py `CHECKPOINT_DTYPES`): the
 #: weights files in the dtype the model holds each tensor in, or in a named one (export).
 CHECKPOINT_DTYPE_CHOICES: tuple[str, ...] = ("auto", "float32", "bfloat16", "float16")
 
@@ -209,7 +209,7 @@ class LazyTrainConfig:
         pin_chunk_max_gib: the node store is page-locked (`cudaHostRegister`) in chunks of
             at most this many GiB (default 256: one registration of >= 512 GiB fails on
             real systems); where it cannot be, training goes on from pageable memory,
-            planned with the pageable copy rates (`engine/pinning.py`).
+            planned with the pageable copy rates (`engine/device/pinning.py`).
         bind_cores: with several processes on one node, "auto" (default) binds each local
             rank's threads to a disjoint set of the usable cores, inside one socket where
             it can (`lazytrain_accel/cores.py`), unless `threads` is set or the launcher

@@ -90,8 +90,7 @@ def patch_trainer_class(trainer_cls: type, config: LazyTrainConfig) -> None:
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        from lazytrain_accel.integrations import transformers as integration
-
+        from lazytrain_accel.frontends import transformers as integration
         integration.prepare_trainer_init(self)
         original(self, *args, **kwargs)
         integration.apply_lazytrain_to_trainer(self, __init__._lazytrain_config)
@@ -154,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not os.path.isfile(script):
         raise SystemExit(f"{USAGE}\nno such script: {script!r}")
     if enabled:
-        from lazytrain_accel.integrations.trainer_config import load_lazytrain_config
+        from lazytrain_accel.frontends.trainer_config import load_lazytrain_config
 
         try:
             install(load_lazytrain_config(config_text))

@@ -26,7 +26,7 @@ from lazytrain_accel.planning.host import (
 from lazytrain_accel.planning.plan import Home, Plan
 from lazytrain_accel.planning.problem import STAGING_BOUNDARIES
 from lazytrain_accel.planning.slots import weight_slots
-from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.profile import ModelProfile
 
 GIB = 2**30
 

@@ -94,8 +94,7 @@ def test_binding_reaches_threads_started_before_it() -> None:
 def _gathered(monkeypatch: pytest.MonkeyPatch, places: list) -> list[list[int]]:
     """`ranks.bind_local_cores` with the all-gather answering `places`; the cores it
     bound (none when it left them)."""
-    from lazytrain_accel.integrations import ranks
-
+    from lazytrain_accel.distributed import ranks
     bound: list[list[int]] = []
     monkeypatch.setattr(ranks.dist, "get_world_size", lambda: len(places))
     monkeypatch.setattr(ranks.dist, "all_gather_object",

@@ -19,7 +19,7 @@ def test_trainer_names_import_from_the_package_lazily() -> None:
             "light = 'transformers' not in sys.modules and 'torch' not in sys.modules\n"
             "from lazytrain_accel import (LazyTrainCallback, LazyTrainTrainer,\n"
             "    LazyTrainTrainingArguments, apply_lazytrain_to_trainer)\n"
-            "from lazytrain_accel.integrations import transformers as module\n"
+            "from lazytrain_accel.frontends import transformers as module\n"
             "same = [LazyTrainCallback, LazyTrainTrainer, LazyTrainTrainingArguments,\n"
             "        apply_lazytrain_to_trainer] == [module.LazyTrainCallback,\n"
             "    module.LazyTrainTrainer, module.LazyTrainTrainingArguments,\n"

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lazytrain_accel.integrations import node_store
+from lazytrain_accel.distributed import node_store
 
 
 def slowed_fill(delay_s: float, filling: Path) -> None:

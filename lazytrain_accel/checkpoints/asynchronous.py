@@ -44,8 +44,8 @@ from typing import Any, BinaryIO
 import torch
 from torch import nn
 
-from lazytrain_accel.integrations import checkpoint_layout as layout
-from lazytrain_accel.integrations import share_checkpoint as sc
+from lazytrain_accel.checkpoints import layout as layout
+from lazytrain_accel.checkpoints import shares as sc
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -184,7 +184,7 @@ def start_save(accelerator: Any, final: Path, write_stock: Callable[[Path], None
                on_published: Callable[[], None]) -> PendingSave:
     """Open the checkpoint's temporary directory, write the small files now and start
     the writer of the rest (module docstring). One process, after the step's update."""
-    from lazytrain_accel.integrations.checkpoint import atomic_directory
+    from lazytrain_accel.checkpoints.atomic import atomic_directory
 
     model, optimizer = accelerator._lazytrain_model, accelerator._lazytrain_optimizer
     plugin, steps = accelerator.lazytrain_plugin, accelerator.lazytrain_engine.steps

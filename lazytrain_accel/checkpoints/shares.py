@@ -52,7 +52,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lazytrain_accel.integrations.checkpoint_layout import (
+from lazytrain_accel.checkpoints.layout import (
     CHECKPOINT_DTYPES,
     DEFAULT_MAX_SHARD_BYTES,
     WEIGHTS,
@@ -536,7 +536,7 @@ def save_on_every_rank(final: Path, write: Callable[[Path], Any], *,
     Every rank calls it at the same point; `label` names the save in errors."""
     import torch.distributed as dist
 
-    from lazytrain_accel.integrations.checkpoint import atomic_directory
+    from lazytrain_accel.checkpoints.atomic import atomic_directory
 
     rank, world = _rank_and_world()
     if not (dist.is_available() and dist.is_initialized()):  # one process
@@ -621,7 +621,7 @@ def load_shares(accelerator: Any, directory: Path, manifest: Mapping[str, Any] |
     (`manifest`), or from a stock one (None: `model.safetensors`, `optimizer.bin`)."""
     import torch.distributed as dist
 
-    from lazytrain_accel.integrations.node_store import shared_params
+    from lazytrain_accel.distributed.node_store import shared_params
 
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from lazytrain_accel.cli import CliError
 from lazytrain_accel.profiling.adapters import ALL_LINEAR, lora_profile_inputs
-from lazytrain_accel.profiling.model import ModelGeometry, WeightSplit
-from lazytrain_accel.profiling.models import COMPUTE_DTYPE_BYTES
+from lazytrain_accel.profiling.model_configs import COMPUTE_DTYPE_BYTES
+from lazytrain_accel.profiling.profile import ModelGeometry, WeightSplit
 
 
 def _adapter_config(path: str) -> tuple[int, list[str]]:

@@ -36,14 +36,14 @@ from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.solve import with_device_residents
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
 from lazytrain_accel.profiling.hardware_spec import load_hardware
-from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
-from lazytrain_accel.profiling.models import (
+from lazytrain_accel.profiling.model_configs import (
     COMPUTE_DTYPE_BYTES,
     MODEL_PRESETS,
     geometry_from_config,
     load_model_config,
     profile_model,
 )
+from lazytrain_accel.profiling.profile import ModelGeometry, ModelProfile
 from lazytrain_accel.profiling.working_set import exceeds_int32_index, int32_index_overflow
 
 _GIB = 2**30

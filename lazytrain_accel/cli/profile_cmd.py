@@ -13,8 +13,7 @@ from lazytrain_accel.config import env_setting
 from lazytrain_accel.profiling.calibration import calibration_note
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
 from lazytrain_accel.profiling.hardware_spec import load_hardware
-from lazytrain_accel.profiling.model import ModelProfile
-from lazytrain_accel.profiling.models import (
+from lazytrain_accel.profiling.model_configs import (
     COMPUTE_DTYPE_BYTES,
     MODEL_PRESETS,
     geometry_from_config,
@@ -22,6 +21,7 @@ from lazytrain_accel.profiling.models import (
     model_preset_source,
     profile_model,
 )
+from lazytrain_accel.profiling.profile import ModelProfile
 
 _GIB = 1024**3
 

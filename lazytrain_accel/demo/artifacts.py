@@ -7,11 +7,11 @@ from typing import Any
 
 from transformers.utils import logging as hf_logging
 
+from lazytrain_accel.checkpoints.atomic import make_readable
 from lazytrain_accel.data.arithmetic import write_jsonl
-from lazytrain_accel.integrations.checkpoint import make_readable
-from lazytrain_accel.integrations.setup import PreparedRun
 from lazytrain_accel.planning import Budgets, simulate
 from lazytrain_accel.planning.timeline import draw_timeline, save_chrome_trace
+from lazytrain_accel.run.setup import PreparedRun
 
 #: File names inside the output directory; tests and docs refer to these.
 CHECKPOINT_DIR = "checkpoint"

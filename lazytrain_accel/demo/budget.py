@@ -13,7 +13,7 @@ from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan, si
 from lazytrain_accel.planning.problem import GPU_RESERVE_FRACTION
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.profile import ModelProfile
 
 GIB = 2**30
 #: The planner's capacity model charges a little more than the simulated peak (staging

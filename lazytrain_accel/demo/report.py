@@ -9,7 +9,6 @@ import torch
 from rich.table import Table
 
 from lazytrain_accel.config import LazyTrainConfig
-from lazytrain_accel.integrations.setup import PreparedRun
 from lazytrain_accel.planning import (
     Budgets,
     Plan,
@@ -20,7 +19,8 @@ from lazytrain_accel.planning import (
 )
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.profile import ModelProfile
+from lazytrain_accel.run.setup import PreparedRun
 from lazytrain_accel.threads import usable_cores
 
 _MIB = 2**20

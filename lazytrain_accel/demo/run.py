@@ -100,8 +100,8 @@ def _make_loader(tokenizer: Any, records: list[dict], settings: DemoSettings) ->
 
 def _accelerator(settings: DemoSettings, model: torch.nn.Module) -> Any:
     from lazytrain_accel import Accelerator, LazyTrainPlugin
-    from lazytrain_accel.integrations.setup import compute_dtype_for, profile_for_run
     from lazytrain_accel.profiling.hardware_spec import load_hardware
+    from lazytrain_accel.run.setup import compute_dtype_for, profile_for_run
 
     mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     # Settings left unset stay None: the plugin reads LAZYTRAIN_* for them, then defaults.
@@ -149,7 +149,7 @@ def _evaluate(label: str, accelerator: Any, model: Any, tokenizer: Any, records:
     return result
 
 
-#: How `integrations.setup.format_plan_summary` starts (tests/demo check it is dropped).
+#: How `run.setup.format_plan_summary` starts (tests/demo check it is dropped).
 PLAN_SUMMARY_PREFIX = "LazyTrain plan "
 
 

@@ -15,9 +15,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from torch.profiler import ProfilerActivity, profile
 
-from lazytrain_accel.engine.fidelity import FidelityMonitor
-from lazytrain_accel.integrations.replanner import predicted_step_s
+from lazytrain_accel.engine.step.fidelity import FidelityMonitor
 from lazytrain_accel.progress import PlainProgress
+from lazytrain_accel.run.replanner import predicted_step_s
 
 
 @dataclass(kw_only=True)
@@ -85,7 +85,7 @@ def train(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optim
     # A bar on a terminal; in a log (not a terminal) a plain line every few steps.
     plain = None if console.is_terminal else PlainProgress(total_steps=steps)
     model.train()
-    fidelity = FidelityMonitor(interval_steps=max(steps // 5, 1))  # engine/fidelity.py
+    fidelity = FidelityMonitor(interval_steps=max(steps // 5, 1))  # engine/step/fidelity.py
     with _progress_bar(console, steps, enabled=plain is None) as update:
         for step in range(steps):
             batch = next(batches)

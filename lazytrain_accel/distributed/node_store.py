@@ -24,7 +24,7 @@ handed-over descriptor must be a regular file of this user, from a peer of this 
 Layout: a header (magic, version, the leader's pid, the byte size, a hash of the
 parameters' names, shapes and dtypes, so ranks that built different models fail at
 `prepare`), one int64 update generation per parameter group (`generations`, see
-`integrations/split_update.py`), then each parameter, 64-byte aligned.
+`distributed/split_update.py`), then each parameter, 64-byte aligned.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ from torch import nn
 
 from lazytrain_accel import preflight
 from lazytrain_accel.config import ANONYMOUS_SEGMENT
-from lazytrain_accel.integrations import segment_handoff
-from lazytrain_accel.integrations.generation_words import GenerationWords
+from lazytrain_accel.distributed import segment_handoff
+from lazytrain_accel.distributed.generation_words import GenerationWords
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -115,8 +115,7 @@ def room_for(model: nn.Module, directory: str) -> preflight.SegmentRoom:
 
 def shared_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The parameters the store holds: every dense one (packed quantized bases stay)."""
-    from lazytrain_accel.engine import quantized
-
+    from lazytrain_accel.engine.memory import quantized
     return [(n, p) for n, p in model.named_parameters() if not quantized.is_packed(p)]
 
 

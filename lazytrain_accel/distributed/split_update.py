@@ -61,16 +61,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lazytrain_accel.engine.step import StepCoordinator
-from lazytrain_accel.integrations.data_parallel import (
+from lazytrain_accel.distributed.data_parallel import (
     GradReadyHooks,
     adopt_mean_grads,
     flat_grads,
     reduce_device,
     write_mean_grads,
 )
-from lazytrain_accel.integrations.generation_words import GenerationWords
-from lazytrain_accel.integrations.node_store import pid_alive
+from lazytrain_accel.distributed.generation_words import GenerationWords
+from lazytrain_accel.distributed.node_store import pid_alive
+from lazytrain_accel.engine.step.coordinator import StepCoordinator
 from lazytrain_accel.optim.clipping import clip_coefficient, combine_norms, tensor_norms
 from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
 

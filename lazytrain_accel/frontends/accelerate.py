@@ -22,21 +22,15 @@ import torch
 from torch import nn
 
 from lazytrain_accel import preflight, threads
+from lazytrain_accel.checkpoints import asynchronous as async_checkpoint
+from lazytrain_accel.checkpoints import shares as share_checkpoint
+from lazytrain_accel.checkpoints.atomic import atomic_directory, recover
 from lazytrain_accel.config import ANONYMOUS_SEGMENT, LazyTrainConfig
-from lazytrain_accel.integrations import (
-    async_checkpoint,
-    batch_shape,
-    generation_words,
-    node_store,
-    ranks,
-    setup,
-    share_checkpoint,
-    split_update,
-)
-from lazytrain_accel.integrations.checkpoint import atomic_directory, recover
-from lazytrain_accel.integrations.data_parallel import GradientAllReducer
-from lazytrain_accel.integrations.replanner import Replanner, replanner_for
-from lazytrain_accel.integrations.step_guard import StepGuard
+from lazytrain_accel.distributed import generation_words, node_store, ranks, split_update
+from lazytrain_accel.distributed.data_parallel import GradientAllReducer
+from lazytrain_accel.run import batch_shape, setup
+from lazytrain_accel.run.replanner import Replanner, replanner_for
+from lazytrain_accel.run.step_guard import StepGuard
 
 if TYPE_CHECKING:
     from lazytrain_accel.engine import StreamingEngine
@@ -175,7 +169,7 @@ class Accelerator(accelerate.Accelerator):
         # training calls itself, and the config is what save_pretrained writes.
         compute_dtype = setup.compute_dtype_for(self.mixed_precision)
         if plugin.frozen_weights != "keep":  # before profiling: plan the packed base
-            from lazytrain_accel.engine.quantize_base import quantize_frozen_linears
+            from lazytrain_accel.engine.memory.quantize_base import quantize_frozen_linears
 
             quantize_frozen_linears(model, plugin.frozen_weights, compute_dtype or torch.float32)
         self.lazytrain_sizing = batch_shape.size_run(loader, model, plugin,
@@ -381,7 +375,7 @@ class Accelerator(accelerate.Accelerator):
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **kwargs: Any) -> str:
         """Stock `save_state` plus the plan. With LazyTrain the streamed model and its
-        optimizer go to a share checkpoint (`integrations/share_checkpoint.py`): the
+        optimizer go to a share checkpoint (`checkpoints/shares.py`): the
         weights in the layout `from_pretrained` expects, the optimizer state per share,
         atomic. A layer-wise update still running is waited for: the checkpoint holds
         its result."""
@@ -401,11 +395,11 @@ class Accelerator(accelerate.Accelerator):
 
     def _lazytrain_save_shares(self, output_dir: str | None, safe_serialization: bool,
                                kwargs: dict[str, Any]) -> str:
-        """A share checkpoint (`integrations/share_checkpoint.py`): rank 0 writes the
+        """A share checkpoint (`checkpoints/shares.py`): rank 0 writes the
         weights once, every rank its share of the optimizer state (without a node store:
         rank 0 the whole), rank 0 the manifest last; atomic. One process with the
         layer-wise update and `checkpoint_mode="async"`: written beside the next steps
-        (`integrations/async_checkpoint.py`); this returns once it has started."""
+        (`checkpoints/asynchronous.py`); this returns once it has started."""
         final = share_checkpoint.target_directory(self, output_dir)
 
         def write_stock(directory: Path) -> None:  # schedulers, samplers, RNG, the plan

@@ -19,7 +19,7 @@ import accelerate
 from torch import nn
 
 from lazytrain_accel.config import LazyTrainConfig
-from lazytrain_accel.integrations.accelerate import Accelerator
+from lazytrain_accel.frontends.accelerate import Accelerator
 
 logger = logging.getLogger("lazytrain_accel")
 

@@ -17,10 +17,10 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-from lazytrain_accel.engine.fidelity import FidelityMonitor, StepTerms
-from lazytrain_accel.integrations import setup
-from lazytrain_accel.integrations.replanner import predicted_step_s
+from lazytrain_accel.engine.step.fidelity import FidelityMonitor, StepTerms
 from lazytrain_accel.progress import PlainProgress, is_terminal
+from lazytrain_accel.run import setup
+from lazytrain_accel.run.replanner import predicted_step_s
 
 if TYPE_CHECKING:
     from transformers import Trainer

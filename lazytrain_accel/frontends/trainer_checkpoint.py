@@ -3,7 +3,7 @@
 The Trainer writes `checkpoint-N` file by file into the output directory, so a process
 killed mid-save leaves a partial folder that `resume_from_checkpoint=True` would pick as
 the latest. Under LazyTrain each save goes to a staging folder beside it, is flushed to
-the disk, then renamed into place (`integrations.checkpoint` flushes); checkpoint
+the disk, then renamed into place (`checkpoints.atomic` flushes); checkpoint
 rotation runs only after the rename, so an older checkpoint is never deleted before the
 new one is complete.
 
@@ -34,7 +34,7 @@ from typing import Any
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from lazytrain_accel.integrations.checkpoint import fsync_dir, fsync_tree, owner_alive
+from lazytrain_accel.checkpoints.atomic import fsync_dir, fsync_tree, owner_alive
 
 STAGING_PREFIX = ".lazytrain-staging-"
 #: Loggers whose messages name the folder a checkpoint is being written to.
@@ -87,8 +87,7 @@ def make_checkpoints_atomic(trainer: Trainer) -> None:
 def _save_shared_checkpoint(trainer: Trainer, stock_save: Any, model: Any, trial: Any,
                             *args: Any, **kwargs: Any) -> None:
     """The Trainer's checkpoint under the node store (module docstring), on every rank."""
-    from lazytrain_accel.integrations import share_checkpoint
-
+    from lazytrain_accel.checkpoints import shares as share_checkpoint
     accelerator = trainer.accelerator
     run_dir, final = _agreed_checkpoint_dir(trainer, trial)
 
@@ -115,8 +114,7 @@ def _save_from_every_rank(trainer: Trainer, stock_save: Any, model: Any, trial: 
     temporary directory that rank 0 publishes once every rank has written
     (`share_checkpoint.save_on_every_rank`): no rank writes into a folder another
     replaces."""
-    from lazytrain_accel.integrations import share_checkpoint
-
+    from lazytrain_accel.checkpoints import shares as share_checkpoint
     run_dir, final = _agreed_checkpoint_dir(trainer, trial)
     share_checkpoint.save_on_every_rank(
         final, lambda tmp: _stock_save_into(tmp, trainer, stock_save, run_dir, model, trial,
@@ -196,8 +194,7 @@ def load_shared_optimizer(trainer: Trainer, checkpoint: str) -> None:
     import torch
     from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
-    from lazytrain_accel.integrations import share_checkpoint
-
+    from lazytrain_accel.checkpoints import shares as share_checkpoint
     accelerator = trainer.accelerator
     directory = Path(checkpoint)
     accelerator._lazytrain_synchronize()  # no update may write the state being loaded

@@ -30,15 +30,15 @@ from transformers import Trainer, TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from lazytrain_accel.config import LazyTrainConfig, OptimizerChoice
-from lazytrain_accel.integrations.batch_shape import seq_bound_of
-from lazytrain_accel.integrations.trainer_accelerator import TrainerAccelerator
-from lazytrain_accel.integrations.trainer_callback import LazyTrainCallback, quiet_console
-from lazytrain_accel.integrations.trainer_checkpoint import (
+from lazytrain_accel.frontends.trainer_accelerator import TrainerAccelerator
+from lazytrain_accel.frontends.trainer_callback import LazyTrainCallback, quiet_console
+from lazytrain_accel.frontends.trainer_checkpoint import (
     load_shared_optimizer,
     make_checkpoints_atomic,
     save_scheduler,
 )
-from lazytrain_accel.integrations.trainer_config import load_lazytrain_config
+from lazytrain_accel.frontends.trainer_config import load_lazytrain_config
+from lazytrain_accel.run.batch_shape import seq_bound_of
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -257,7 +257,7 @@ def _record_sizing_loaders(trainer: Trainer) -> None:
 def _save_plan_with_checkpoints(trainer: Trainer) -> None:
     """The plan goes beside the optimizer state; on resume, a plan made for another run
     is reported (the math does not depend on the plan, so training continues)."""
-    from lazytrain_accel.integrations.accelerate import PLAN_FILE
+    from lazytrain_accel.frontends.accelerate import PLAN_FILE
     from lazytrain_accel.planning import Plan
 
     stock_save = trainer._save_optimizer_and_scheduler
@@ -273,7 +273,7 @@ def _save_plan_with_checkpoints(trainer: Trainer) -> None:
             run.plan.save(Path(output_dir) / PLAN_FILE)
 
     def load(checkpoint: str | None) -> None:
-        from lazytrain_accel.integrations.share_checkpoint import MANIFEST
+        from lazytrain_accel.checkpoints.shares import MANIFEST
 
         accelerator = trainer.accelerator
         if checkpoint and getattr(accelerator, "_lazytrain_optimizer", None) is not None and (

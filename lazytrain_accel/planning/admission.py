@@ -10,7 +10,7 @@ from lazytrain_accel.planning.problem import PlanInfeasibleError
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.solve import make_plan
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.profile import ModelProfile
 
 
 def _fits(profile_at: Callable[[int], ModelProfile], batch_size: int,

@@ -19,7 +19,7 @@ from lazytrain_accel.planning.plan import Plan, PlanError
 from lazytrain_accel.planning.problem import Budgets
 from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.profile import ModelProfile
 
 log = logging.getLogger(__name__)
 

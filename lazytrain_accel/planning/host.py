@@ -5,12 +5,12 @@ static host bytes, the refusals (`refusal.py`) and `preflight.py`'s check before
 allocates. What the engine allocates, and where:
 
 * fp32 masters and fp32 gradient accumulators of every parameter the host updates
-  (`engine/engine.py`, `engine/grads.py` `GradSink.fold`);
+  (`engine/core/engine.py`, `engine/memory/grads.py` `GradSink.fold`);
 * the host optimizer's state: hybrid 8-bit moments with their fp32 absmax per block, or a
   kept optimizer, priced as AdamW (two fp32 moments);
 * frozen weights as stored (LoRA / QLoRA bases);
 * the layers' compute-dtype copies written by the overlapped hybrid update when compute is
-  not fp32 (`engine/weights.py` `WeightPool.compute_copy`: every non-packed parameter of
+  not fp32 (`engine/memory/weights.py` `WeightPool.compute_copy`: every non-packed parameter of
   every layer, pageable). Charged whenever the hybrid operator runs at a lower compute
   dtype, so with `overlap_step=False` (no copies) this is an upper bound;
 * pinned staging: two layers of weights in the compute dtype (`WeightPool`), a packed
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.profile import ModelProfile
 
 #: fp32 master and fp32 gradient accumulator of each host-updated parameter.
 MASTER_BYTES_PER_PARAM = 4

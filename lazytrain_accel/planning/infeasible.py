@@ -13,7 +13,7 @@ from lazytrain_accel.planning.admission import max_batch_size
 from lazytrain_accel.planning.problem import PlanInfeasibleError
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.profile import ModelProfile
 
 
 class BatchInfeasibleError(PlanInfeasibleError):

@@ -18,8 +18,8 @@ from lazytrain_accel.planning.plan import Plan
 from lazytrain_accel.planning.problem import Budgets, build_problem
 from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
-from lazytrain_accel.profiling.models import head_working_bytes, with_loss_chunk
+from lazytrain_accel.profiling.model_configs import head_working_bytes, with_loss_chunk
+from lazytrain_accel.profiling.profile import ModelProfile
 
 #: Chunks the planner picks from, largest (fastest kernel) first.
 CHUNK_CHOICES_TOKENS = (8192, 4096, 2048, 1024, 512, 256)

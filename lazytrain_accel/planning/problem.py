@@ -44,7 +44,7 @@ from lazytrain_accel.planning.plan import (
     forward_window,
 )
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.profile import ModelProfile
 from lazytrain_accel.profiling.working_set import (
     device_working_terms,
     key_pass_flops,

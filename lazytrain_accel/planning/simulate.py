@@ -7,7 +7,7 @@ are done (the engine's barrier), and every dependency points to an op of the sam
 earlier window, issued before it on its queue, so no plan can deadlock (`_check_order`):
 
 * weights of the next window's layer are issued when a window starts, into the engine's
-  device buffers (`slots.py:WeightSlots`, the policy `engine/weights.py` runs: two, plus
+  device buffers (`slots.py:WeightSlots`, the policy `engine/memory/weights.py` runs: two, plus
   one for the first recomputed layer, prefetched one window before its block); a layer
   still held (re-run in its block's recompute) is not loaded again;
 * a window's activation transfers are issued when it starts; an NVMe write waits for its
@@ -17,7 +17,7 @@ earlier window, issued before it on its queue, so no plan can deadlock (`_check_
 * a backward waits for its input boundary's reload and for a free gradient buffer (two);
 * NVMe boundaries hold host memory from their D2H until their write ends (and from their
   read until their H2D ends), counted in the host peak rather than throttled;
-* the host optimizer updates in the engine's order (engine/overlap.py), each group once its
+* the host optimizer updates in the engine's order (engine/step/overlap.py), each group once its
   gradients are home: the input side's residents (U_embed), layers 1..L (U1..UL), the
   output side's (U_head: final norm, untied head); the next step starts after U_embed, its
   forward of layer j waits only for Uj and its head for U_head (`optimizer_exposed_s`);
@@ -51,8 +51,8 @@ from lazytrain_accel.planning.problem import LINKS, Problem, build_problem
 from lazytrain_accel.planning.slots import WeightSlots, weight_slots
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
-from lazytrain_accel.profiling.models import with_loss_chunk, with_tiles
+from lazytrain_accel.profiling.model_configs import with_loss_chunk, with_tiles
+from lazytrain_accel.profiling.profile import ModelProfile
 
 #: The resource name of the host optimizer's ops (a lane of its own in the timeline).
 HOST_OPTIMIZER = "host_optimizer"

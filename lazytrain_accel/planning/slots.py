@@ -1,6 +1,6 @@
 """Device weight slots: how many there are and which layer a load puts where.
 
-The one policy of the engine's `WeightPool` (`engine/weights.py`, which holds the tensors
+The one policy of the engine's `WeightPool` (`engine/memory/weights.py`, which holds the tensors
 and events) and the simulator (`simulate.py`, which holds the load ops): bookkeeping only,
 no torch. A load goes to the least recently used slot not busy, preferring one whose layer
 ran since it was loaded: a layer loaded (or asked for again while loaded) and not run since

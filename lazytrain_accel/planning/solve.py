@@ -30,7 +30,7 @@ from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.planning.tiles import plan_tiles
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.profile import ModelProfile
 
 try:  # the only import of the solver; without it, baselines still plan (loudly)
     from lazytrain_accel.planning.milp import solve_milp

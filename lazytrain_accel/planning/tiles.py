@@ -3,10 +3,10 @@
 At long sequence one layer's backward working set outgrows the GPU: its token-wise parts
 (the MLP's [S, intermediate] tensors) first, then the whole-sequence attention call's q, o,
 dO, dQ and fp32 dQ accumulator and the norms' [S, hidden] outputs. Tiles shrink the first
-to one tile's; query blocks run the whole layer in sequence tiles (`engine/layer_tiles.py`),
-which leaves K, V, their gradients and one [S, hidden] gradient whole
-(`profiling/working_set.py`); for a model whose layers run whole
-(`profiling/whole_layers.py`) the same candidates are sized as they run: untiled, attention
+to one tile's; query blocks run the whole layer in sequence tiles
+(`engine/sequence/layer_tiles.py`), which leaves K, V, their gradients and one
+[S, hidden] gradient whole (`profiling/working_set.py`); for a model whose layers run
+whole (`profiling/whole_layers.py`) the same candidates are sized as they run: untiled, attention
 in query blocks. Candidates whose kernels would index a tensor of 2^31
 elements or more (`working_set.int32_index_overflow`) are dropped; when all would, the
 refusal names the tensor. Each extra tile or block
@@ -30,8 +30,8 @@ from lazytrain_accel.planning.loss_head import auto_chunk_tokens
 from lazytrain_accel.planning.plan import Plan
 from lazytrain_accel.planning.problem import Budgets, PlanInfeasibleError, build_problem
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
-from lazytrain_accel.profiling.models import with_loss_chunk, with_tiles
+from lazytrain_accel.profiling.model_configs import with_loss_chunk, with_tiles
+from lazytrain_accel.profiling.profile import ModelProfile
 from lazytrain_accel.profiling.working_set import int32_index_overflow
 
 #: Tile sizes the planner picks from, largest (fewest re-launches) first.

@@ -14,7 +14,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from lazytrain_accel.profiling.model import (
+from lazytrain_accel.profiling.profile import (
     FROZEN_FORMATS,
     QUANTIZED_FORMATS,
     ModelGeometry,

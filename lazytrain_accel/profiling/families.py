@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from lazytrain_accel.profiling.model import ModelGeometry
+from lazytrain_accel.profiling.profile import ModelGeometry
 from lazytrain_accel.profiling.whole_layers import whole_layer_reason
 
 

@@ -7,7 +7,7 @@ import hashlib
 import json
 
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
+from lazytrain_accel.profiling.profile import ModelProfile
 
 
 def run_fingerprint(model: ModelProfile, hardware: HardwareProfile) -> str:

@@ -105,7 +105,7 @@ class HardwareProfile:
     # per-pass hooks and the optimizer call on the training thread. Same sources.
     step_overhead_s: float = GPU_STEP_OVERHEAD_S
     # The copy rates from and to pageable host memory: what the links run at when the node
-    # store cannot be page-locked (`engine/pinning.py`). None (a profile written without
+    # store cannot be page-locked (`engine/device/pinning.py`). None (a profile written without
     # them): `PAGEABLE_SHARE` of the pinned rates (`pageable_links`).
     h2d_pageable_bytes_per_s: float | None = None
     d2h_pageable_bytes_per_s: float | None = None

@@ -81,7 +81,7 @@ class _Probe:
         from lazytrain_accel.engine import attach
         from lazytrain_accel.planning import make_plan
         from lazytrain_accel.planning.request import PlanRequest
-        from lazytrain_accel.profiling.models import geometry_from_config, profile_model
+        from lazytrain_accel.profiling.model_configs import geometry_from_config, profile_model
 
         self.model = _tiny_model(layers)
         profile = profile_model(geometry_from_config(self.model.config.to_dict()),

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lazytrain_accel.profiling.model import QUANTIZED_FORMATS, ModelGeometry, WeightSplit
+from lazytrain_accel.profiling.profile import QUANTIZED_FORMATS, ModelGeometry, WeightSplit
 from lazytrain_accel.profiling.whole_layers import EXPERTS_KEYS, whole_layer_reason
 
 #: Config keys naming the same shape across HF families, most common first.

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lazytrain_accel.profiling.families import FAMILIES, geometry_from_config
-from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile, WeightSplit
+from lazytrain_accel.profiling.profile import ModelGeometry, ModelProfile, WeightSplit
 from lazytrain_accel.profiling.working_set import layer_working_set
 from lazytrain_accel.suggest import did_you_mean, hub_id_hint
 

@@ -1,6 +1,6 @@
 """Whether a model's decoder layers can run in sequence tiles, decided from its config once.
 
-A sequence-tiled layer (`engine/layer_tiles.py`) runs whole instead where it cannot run in
+A sequence-tiled layer (`engine/sequence/layer_tiles.py`) runs whole instead where it cannot run in
 tiles, and its backward working set is then the untiled one (the MLP in tiles, attention
 in query blocks: q, o, dO, dQ of the whole sequence, its norms' outputs and residual
 whole), several times the tiled one at long sequence. The planner has to size such a layer

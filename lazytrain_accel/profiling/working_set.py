@@ -9,7 +9,7 @@ kv = kv_heads x head_dim, I = intermediate, b = compute bytes per element):
 * attention, whole sequence (one SDPA flash / memory-efficient call, no S x S matrix):
   q, o, dO, dQ at q each, k, v, dK, dV at kv each, the kernel's fp32 dQ accumulator
   (4 q bytes) and the fp32 logsumexp (4 per head);
-* sequence-tiled layers (`attention_block_tokens` > 0, `engine/layer_tiles.py`): the
+* sequence-tiled layers (`attention_block_tokens` > 0, `engine/sequence/layer_tiles.py`): the
   whole layer runs in tiles of that many positions per sequence, its attention as the
   tile's queries against the key prefix. Whole-sequence tensors are then only K, V, their
   fp32 gradient accumulators and one SDPA backward's compute-dtype dK, dV partials of the
@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile, WeightSplit
+from lazytrain_accel.profiling.profile import ModelGeometry, ModelProfile, WeightSplit
 
 #: Bytes of an fp32 element (accumulators, logsumexp).
 FP32_BYTES = 4
@@ -71,7 +71,7 @@ class LayerWorkingSet:
     token_wise_bytes: int
     boundary_bytes: int
     weight_grad_bytes: int
-    sequence_tiled: bool = False  # the whole layer in tiles (`engine/layer_tiles.py`)
+    sequence_tiled: bool = False  # the whole layer in tiles (`engine/sequence/layer_tiles.py`)
 
     @property
     def total_bytes(self) -> int:
@@ -172,7 +172,7 @@ def _grad_elems(g: ModelGeometry, weights: WeightSplit | None) -> int:
 def _sequence_tiled(g: ModelGeometry, *, batch_size: int, seq_len: int, bytes_per_elem: int,
                     weights: WeightSplit | None, tile_tokens: int, block_tokens: int
                     ) -> LayerWorkingSet:
-    """A layer run in tiles of `block_tokens` positions (`engine/layer_tiles.py`): K, V and
+    """A layer run in tiles of `block_tokens` positions (`engine/sequence/layer_tiles.py`): K, V and
     their gradients whole, and one [S, h] gradient (the input gradient overwrites the
     output gradient tile by tile), one tile's working set besides
     (the untiled formula at the tile's `batch_size` x `block_tokens` tokens, its MLP in
@@ -214,7 +214,7 @@ def tile_overhead_s(*, batch_size: int, seq_len: int, tile_tokens: int,
 
 def key_pass_flops(g: ModelGeometry, *, batch_size: int, seq_len: int,
                    attention_block_tokens: int) -> int:
-    """FLOPs a sequence-tiled layer's backward adds (`engine/layer_tiles.py`): its key pass
+    """FLOPs a sequence-tiled layer's backward adds (`engine/sequence/layer_tiles.py`): its key pass
     re-runs each tile up to attention, the q, k, v projections the largest part of it."""
     if not attention_block_tokens or attention_block_tokens >= seq_len or not runs_in_tiles(g):
         return 0

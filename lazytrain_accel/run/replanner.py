@@ -42,7 +42,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
 from lazytrain_accel.engine.stats import StepStats
-from lazytrain_accel.integrations.setup import PreparedRun
 from lazytrain_accel.planning import Budgets, Plan, PlanInfeasibleError
 from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.calibration import (
@@ -58,6 +57,7 @@ from lazytrain_accel.profiling.calibration import (
     with_step_overhead,
 )
 from lazytrain_accel.profiling.hardware import HardwareProfile
+from lazytrain_accel.run.setup import PreparedRun
 
 if TYPE_CHECKING:
     import torch
@@ -353,8 +353,7 @@ def replanner_for(config: LazyTrainConfig, *, engine: ReplannedEngine, run: Prep
     """The re-planner of a run of `config`; a profile measured on this machine
     (`hardware="auto"`, links not emulated) is saved calibrated for the next run."""
     from lazytrain_accel.config import OptimizerChoice
-    from lazytrain_accel.integrations import setup
-
+    from lazytrain_accel.run import setup
     save = None
     if config.hardware == "auto" and not config.emulate_async:
         from lazytrain_accel.profiling.measure import save_calibrated

@@ -15,15 +15,15 @@ import torch
 from torch import nn
 
 from lazytrain_accel.config import STRATEGIES, LazyTrainConfig, OptimizerChoice
-from lazytrain_accel.engine.emulation import EmulationSettings
+from lazytrain_accel.engine.device.emulation import EmulationSettings
 from lazytrain_accel.optim import native
 from lazytrain_accel.planning import Budgets, Plan, PlanRequest
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import MEASURED_NAME_PREFIX, HardwareProfile
 from lazytrain_accel.profiling.hardware_spec import load_hardware
 from lazytrain_accel.profiling.live import geometry_from_model, weight_split_from_model
-from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
-from lazytrain_accel.profiling.models import FAMILIES, geometry_from_config, profile_model
+from lazytrain_accel.profiling.model_configs import FAMILIES, geometry_from_config, profile_model
+from lazytrain_accel.profiling.profile import ModelGeometry, ModelProfile
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -93,7 +93,7 @@ def profile_for_run(model: nn.Module, *, batch_size: int, seq_len: int,
     the head's working bytes: full logits at 0, one chunk of them with the fused loss,
     the planner's choice at "auto". The layers' tiles and attention query blocks are the
     planner's choice (`tile_tokens=None`): untiled where the untiled working set fits."""
-    from lazytrain_accel.engine.discovery import find_decoder_layers
+    from lazytrain_accel.engine.model.discovery import find_decoder_layers
 
     elem_bytes = 4 if compute_dtype is None else torch.empty((), dtype=compute_dtype).element_size()
     weights = weight_split_from_model(model, list(find_decoder_layers(model)[2]))
@@ -110,7 +110,7 @@ def geometry_for_run(model: nn.Module) -> ModelGeometry:
     its geometry is used, so a plan made by `lazytrain plan --model <config.json>` keeps
     the same fingerprint as the run; a disagreement is said and the live count wins.
     """
-    from lazytrain_accel.engine.discovery import find_decoder_layers
+    from lazytrain_accel.engine.model.discovery import find_decoder_layers
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):

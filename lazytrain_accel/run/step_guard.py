@@ -174,7 +174,7 @@ class StepGuard:
 
 def _decoder_layer_names(model: nn.Module) -> dict[int, str]:
     """id(parameter) -> "decoder layer j (its module name)" for streamed layers' params."""
-    from lazytrain_accel.engine.discovery import find_decoder_layers
+    from lazytrain_accel.engine.model.discovery import find_decoder_layers
 
     _, _, layers = find_decoder_layers(model)
     names = {id(module): name for name, module in model.named_modules()}

@@ -101,7 +101,7 @@ def test_the_emulated_device_updates_residents_beside_the_host():
     """The plans run on the emulated device, which is async: the engine updates the
     device residents on the training thread beside the update thread, and the hardware
     profile tells the simulator so; the update's simulated seconds are its span."""
-    from lazytrain_accel.engine.emulation import EmulatedStreams
+    from lazytrain_accel.engine.device.emulation import EmulatedStreams
 
     profile = fidelity.measured_profile(TINY, 2, 16, COMPUTE)
     hw = fidelity.link_hardware(profile, COMPUTE, 1e8)

@@ -9,7 +9,7 @@ from lazytrain_accel.demo.budget import GIB, demo_gpu_budget_gb
 from lazytrain_accel.demo.model import DEMO_MODEL_CONFIG
 from lazytrain_accel.planning import Budgets, Home, PlanInfeasibleError, make_plan, simulate
 from lazytrain_accel.planning.request import PlanRequest
-from lazytrain_accel.profiling.models import geometry_from_config, profile_model
+from lazytrain_accel.profiling.model_configs import geometry_from_config, profile_model
 
 
 @pytest.mark.parametrize("batch_size", [8, 32])

@@ -13,8 +13,7 @@ from lazytrain_accel.cli import main
 
 def test_demo_trains_with_the_fused_loss(tmp_path: Path, hardware_json: Path,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from lazytrain_accel.engine import engine as engine_module
-
+    from lazytrain_accel.engine.core import engine as engine_module
     applied = []
 
     def recording(model, *, chunk_tokens):

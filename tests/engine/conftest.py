@@ -1,6 +1,6 @@
 """Engine tests run tiny models: one intra-op thread avoids spin-waiting on a shared box.
 
-`emulated` reruns a test on the emulated async device (engine/emulation.py) once per seed
+`emulated` reruns a test on the emulated async device (engine/device/emulation.py) once per seed
 in `EMULATION_SEEDS`; a failing test run under the emulation (by that fixture or by
 `LAZYTRAIN_EMULATE_ASYNC=1` for the whole suite) reports the seed that replays it.
 """
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lazytrain_accel.config import env_setting
-from lazytrain_accel.engine.emulation import replay_hint
+from lazytrain_accel.engine.device.emulation import replay_hint
 
 torch.set_num_threads(1)
 

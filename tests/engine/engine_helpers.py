@@ -10,7 +10,7 @@ import torch
 import transformers
 from torch import nn
 
-from lazytrain_accel.engine.layer_call import ForwardState
+from lazytrain_accel.engine.core.layer_call import ForwardState
 from lazytrain_accel.planning.plan import (
     Home,
     Plan,

@@ -12,11 +12,11 @@ import torch
 from engine_helpers import batches, build_model, make_plan
 
 from lazytrain_accel.engine import attach
-from lazytrain_accel.engine import engine as engine_module
-from lazytrain_accel.engine.emulation import EmulatedStreams, EmulationSettings
-from lazytrain_accel.engine.fidelity import FidelityMonitor
+from lazytrain_accel.engine.core import engine as engine_module
+from lazytrain_accel.engine.device.emulation import EmulatedStreams, EmulationSettings
+from lazytrain_accel.engine.device.streams import SyncStreams
 from lazytrain_accel.engine.stats import Accounting, ElapsedInterval
-from lazytrain_accel.engine.streams import SyncStreams
+from lazytrain_accel.engine.step.fidelity import FidelityMonitor
 
 CPU = torch.device("cpu")
 #: What the fake backend's clock says every timed region took: far above the host time

@@ -19,7 +19,11 @@ from engine_helpers import batches, build_model, make_plan
 from test_equivalence import train_pair
 
 from lazytrain_accel.engine import attach
-from lazytrain_accel.engine.emulation import BufferReuseError, EmulatedStreams, EmulationSettings
+from lazytrain_accel.engine.device.emulation import (
+    BufferReuseError,
+    EmulatedStreams,
+    EmulationSettings,
+)
 
 CPU = torch.device("cpu")
 

@@ -8,15 +8,15 @@ import time
 import pytest
 import torch
 
-from lazytrain_accel.engine import emulation
-from lazytrain_accel.engine.backends import make_streams
-from lazytrain_accel.engine.emulation import (
+from lazytrain_accel.engine.device import emulation
+from lazytrain_accel.engine.device.backends import make_streams
+from lazytrain_accel.engine.device.emulation import (
     INT_SENTINEL,
     BufferReuseError,
     EmulatedStreams,
     EmulationSettings,
 )
-from lazytrain_accel.engine.streams import CudaStreams, SyncStreams
+from lazytrain_accel.engine.device.streams import CudaStreams, SyncStreams
 
 CPU = torch.device("cpu")
 

@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from lazytrain_accel.engine.fidelity import FidelityMonitor, StepTerms, drifted_term
 from lazytrain_accel.engine.stats import StepStats
+from lazytrain_accel.engine.step.fidelity import FidelityMonitor, StepTerms, drifted_term
 from lazytrain_accel.planning.plan import Prediction
 
 PREDICTION = Prediction(step_s=1.0, compute_s=0.6, recompute_s=0.1, exposed_s=0.2)

@@ -17,7 +17,7 @@ from lazytrain_accel.engine import (
     causal_lm_loss,
     fused_linear_cross_entropy,
 )
-from lazytrain_accel.engine.fused_loss import LogitOp
+from lazytrain_accel.engine.loss.fused_loss import LogitOp
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 # Random unit-scale hidden states and weights: gradients of magnitude ~10 summed over the

@@ -1,5 +1,5 @@
-"""Sequence-tiled layers (`engine/layer_tiles.py`): the whole decoder layer runs in tiles of
-`attention_block_tokens` positions, its attention as the tile's queries against the key
+"""Sequence-tiled layers (`engine/sequence/layer_tiles.py`): the whole decoder layer runs in
+tiles of `attention_block_tokens` positions, its attention as the tile's queries against the key
 prefix. Gradients equal stock transformers' (one whole-sequence SDPA call) in families of
 different layouts (llama, qwen2, gemma's scaled embeddings, phi3's fused projections, an
 MoE); no kernel sees more than a tile's queries; the input gradient overwrites the output
@@ -13,10 +13,10 @@ import pytest
 import torch
 from engine_helpers import batches, build_model, make_plan, twin
 
-from lazytrain_accel.engine import attach, layer_tiles
-from lazytrain_accel.engine.long_sequence import LongSequenceError
-from lazytrain_accel.engine.query_blocks import BLOCKED_IMPLEMENTATION
-from lazytrain_accel.integrations.setup import profile_for_run
+from lazytrain_accel.engine import attach
+from lazytrain_accel.engine.sequence import layer_tiles
+from lazytrain_accel.engine.sequence.long_sequence import LongSequenceError
+from lazytrain_accel.engine.sequence.query_blocks import BLOCKED_IMPLEMENTATION
 from lazytrain_accel.planning.tiles import tile_candidates
 from lazytrain_accel.profiling.working_set import (
     LayerWorkingSet,
@@ -28,6 +28,7 @@ from lazytrain_accel.profiling.working_set import (
     runs_in_tiles,
     token_wise_bytes_per_token,
 )
+from lazytrain_accel.run.setup import profile_for_run
 
 CPU = torch.device("cpu")
 BLOCK = 5  # 16 positions: tiles of 5, 5, 5, 1

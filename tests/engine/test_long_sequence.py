@@ -1,4 +1,4 @@
-"""Attention at long sequence (`engine/long_sequence.py`): SDPA's flash CPU kernel with
+"""Attention at long sequence (`engine/sequence/long_sequence.py`): SDPA's flash CPU kernel with
 `is_causal`, no S x S tensor; 4-D masks dropped when plain causal, else refused; eager
 attention, padded 2-D masks and packed position ids refused before transformers builds an
 S x S mask from them; attention dropout and int32 index overflow refused with what to do."""
@@ -14,7 +14,7 @@ from engine_helpers import ARCH_CONFIGS, make_plan
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lazytrain_accel.engine import attach
-from lazytrain_accel.engine.long_sequence import (
+from lazytrain_accel.engine.sequence.long_sequence import (
     LONG_SEQ_TOKENS,
     LongSequenceError,
     check_call,

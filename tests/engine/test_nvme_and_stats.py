@@ -124,7 +124,7 @@ def test_flush_at_interpreter_exit_is_a_no_op(tmp_path):
 
     script = textwrap.dedent(f"""
         import atexit
-        from lazytrain_accel.engine.nvme import NvmeSpill
+        from lazytrain_accel.engine.memory.nvme import NvmeSpill
         from lazytrain_accel.engine.stats import Accounting
         import torch
 

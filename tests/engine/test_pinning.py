@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from lazytrain_accel.engine import pinning
-from lazytrain_accel.engine.streams import CudaStreams
-from lazytrain_accel.integrations import accelerate as lazy_accelerate
+from lazytrain_accel.engine.device import pinning
+from lazytrain_accel.engine.device.streams import CudaStreams
+from lazytrain_accel.frontends import accelerate as lazy_accelerate
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, PAGEABLE_SHARE
 
 GIB = 1 << 30

@@ -1,4 +1,4 @@
-"""engine/quantized.py: packed bitsandbytes weights stream as stored. On the emulated async
+"""engine/memory/quantized.py: packed bitsandbytes weights stream as stored. On the emulated async
 device (the CUDA code path: staging, H2D side stream, events) a layer's packed bytes and
 scales go through the same staging, waits and slot events as its float parameters, and a
 QLoRA run equals the synchronous one exactly; a packed copy the compute does not wait for
@@ -13,8 +13,9 @@ import pytest
 import torch
 from engine_helpers import batches, make_plan
 
-from lazytrain_accel.engine import attach, quantized
-from lazytrain_accel.engine.emulation import EmulatedStreams, EmulationSettings
+from lazytrain_accel.engine import attach
+from lazytrain_accel.engine.device.emulation import EmulatedStreams, EmulationSettings
+from lazytrain_accel.engine.memory import quantized
 
 bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -103,7 +104,7 @@ def test_int8_on_the_emulated_async_device_equals_the_synchronous_run(tmp_path: 
     import peft
     from test_qa_qlora import TARGETS, build
 
-    from lazytrain_accel.engine.quantize_base import quantize_frozen_linears
+    from lazytrain_accel.engine.memory.quantize_base import quantize_frozen_linears
 
     def int8_lora() -> torch.nn.Module:
         model = peft.get_peft_model(build("llama"), peft.LoraConfig(

@@ -1,4 +1,4 @@
-"""Attention in query blocks (`engine/query_blocks.py`): the blocked SDPA's gradients equal
+"""Attention in query blocks (`engine/sequence/query_blocks.py`): the blocked SDPA's gradients equal
 one whole-sequence call's, through the engine in several families; no SDPA call sees more
 queries than a block; plans it cannot run are refused at attach."""
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from engine_helpers import batches, build_model, make_plan, twin
 
 from lazytrain_accel.engine import attach, find_decoder_layers
-from lazytrain_accel.engine.query_blocks import (
+from lazytrain_accel.engine.sequence.query_blocks import (
     BLOCKED_IMPLEMENTATION,
     QueryBlockError,
     _BlockedAttention,

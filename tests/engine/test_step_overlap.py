@@ -222,7 +222,7 @@ def test_residents_updated_on_the_device_train_like_the_host_update(tmp_path, co
     layers on the update thread; on a synchronous CPU device before that thread starts, on
     an async one (the emulated device, as a GPU) beside it: the two overlap. Same bits as
     the host-only update, gradients cleared after each step."""
-    from lazytrain_accel.engine.emulation import EmulationSettings
+    from lazytrain_accel.engine.device.emulation import EmulationSettings
     from lazytrain_accel.optim import HybridAdamW8bit
 
     ref = build_model("qwen2", 4)

@@ -1,5 +1,5 @@
-"""Sequence-tiled token-wise blocks (`engine/tiles.py`): found generically, and the gradients
-equal the untiled run's up to fp32 summation order, in every family."""
+"""Sequence-tiled token-wise blocks (`engine/sequence/tiles.py`): found generically, and the
+gradients equal the untiled run's up to fp32 summation order, in every family."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from engine_helpers import ARCH_CONFIGS, batches, build_model, make_plan, twin
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lazytrain_accel.engine import attach, find_decoder_layers
-from lazytrain_accel.engine.tiles import find_token_mlp
+from lazytrain_accel.engine.sequence.tiles import find_token_mlp
 
 CPU = torch.device("cpu")
 TILE = 5  # 2 x 16 tokens: 7 tiles, the last one short

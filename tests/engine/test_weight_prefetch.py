@@ -12,7 +12,7 @@ from lazytrain_accel.engine import attach
 from lazytrain_accel.planning.problem import build_problem
 from lazytrain_accel.planning.simulate import _StepBuilder
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
-from lazytrain_accel.profiling.models import geometry_from_config, profile_model
+from lazytrain_accel.profiling.model_configs import geometry_from_config, profile_model
 
 CPU = torch.device("cpu")
 

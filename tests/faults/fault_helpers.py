@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lazytrain_accel.integrations import setup
 from lazytrain_accel.planning.plan import (
     Home,
     Plan,
@@ -19,6 +18,7 @@ from lazytrain_accel.planning.plan import (
 )
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware_spec import load_hardware
+from lazytrain_accel.run import setup
 
 NUM_LAYERS, BATCH, SEQ, VOCAB = 4, 4, 12, 64
 

@@ -1,4 +1,4 @@
-"""Checkpoints written beside training (integrations/async_checkpoint.py), one process:
+"""Checkpoints written beside training (checkpoints/asynchronous.py), one process:
 the checkpoint equals a blocking save at the same step byte for byte, and a resume from it
 equals the uninterrupted run bit for bit, while the writer (throttled) is still writing
 when the next updates run, so those updates had to wait for it group by group; a kill -9
@@ -24,9 +24,9 @@ from accelerate.utils import DataLoaderConfiguration
 from fault_helpers import BATCH, SEQ, VOCAB, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.integrations import async_checkpoint
-from lazytrain_accel.integrations import share_checkpoint as sc
-from lazytrain_accel.integrations.checkpoint import recover
+from lazytrain_accel.checkpoints import asynchronous as async_checkpoint
+from lazytrain_accel.checkpoints import shares as sc
+from lazytrain_accel.checkpoints.atomic import recover
 from lazytrain_accel.optim import HybridAdamW8bit
 
 #: The tiny model's checkpoint is ~0.2 MB: at this rate the writer spans the next steps.

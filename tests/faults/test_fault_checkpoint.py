@@ -12,8 +12,8 @@ from accelerate.utils import DataLoaderConfiguration
 from fault_helpers import BATCH, SEQ, VOCAB, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.integrations.accelerate import PLAN_FILE
-from lazytrain_accel.integrations.checkpoint import atomic_directory, recover
+from lazytrain_accel.checkpoints.atomic import atomic_directory, recover
+from lazytrain_accel.frontends.accelerate import PLAN_FILE
 from lazytrain_accel.optim import HybridAdamW8bit
 
 

@@ -9,11 +9,11 @@ from fault_helpers import BATCH, SEQ, loader, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
 from lazytrain_accel.cli import main
-from lazytrain_accel.integrations import setup
 from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan, max_batch_size
 from lazytrain_accel.planning.infeasible import BatchInfeasibleError
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware_spec import load_hardware
+from lazytrain_accel.run import setup
 
 # The model's own loss (full logits): "auto" would turn the fused loss on and fit.
 RUN = ["--model", "qwen2.5-3b", "--hardware", "h800", "--seq-len", "1024",

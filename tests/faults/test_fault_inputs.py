@@ -10,7 +10,7 @@ import torch
 from fault_helpers import loader, plan_json, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.engine.discovery import UnsupportedModelError
+from lazytrain_accel.engine.model.discovery import UnsupportedModelError
 from lazytrain_accel.planning import PlanError
 from lazytrain_accel.planning.plan import Home
 

@@ -16,12 +16,12 @@ from fault_helpers import loader, plan_json, tiny_model
 from transformers import TrainerCallback
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.integrations.step_guard import TrainingInterrupted
-from lazytrain_accel.integrations.transformers import (
+from lazytrain_accel.frontends.transformers import (
     LazyTrainTrainer,
     LazyTrainTrainingArguments,
 )
 from lazytrain_accel.planning.plan import Home
+from lazytrain_accel.run.step_guard import TrainingInterrupted
 
 
 @pytest.fixture(autouse=True)

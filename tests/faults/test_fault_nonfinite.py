@@ -10,7 +10,7 @@ import torch
 from fault_helpers import loader, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.integrations.step_guard import NonFiniteGradientError
+from lazytrain_accel.run.step_guard import NonFiniteGradientError
 
 
 class _InfInBackward(torch.autograd.Function):

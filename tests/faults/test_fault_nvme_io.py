@@ -13,8 +13,8 @@ import torch
 from fault_helpers import NUM_LAYERS, loader, plan_json, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.engine import nvme
-from lazytrain_accel.engine.nvme import NvmeIOError
+from lazytrain_accel.engine.memory import nvme
+from lazytrain_accel.engine.memory.nvme import NvmeIOError
 from lazytrain_accel.planning.plan import Home
 
 

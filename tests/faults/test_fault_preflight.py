@@ -33,11 +33,11 @@ def _assert_untouched(model: torch.nn.Module) -> None:
 
 
 def test_host_estimate_is_the_planners_terms_at_the_plans_homes(tmp_path) -> None:
-    from lazytrain_accel.integrations import setup
     from lazytrain_accel.planning import Plan
     from lazytrain_accel.planning.host import CPU_HOME_TERM, NVME_STAGING_TERM, OPTIMIZER_TERM
     from lazytrain_accel.planning.problem import build_problem
     from lazytrain_accel.profiling.hardware_spec import load_hardware
+    from lazytrain_accel.run import setup
 
     model = tiny_model()
     plan = Plan.load(plan_json(tmp_path, model, Home.CPU))
@@ -184,9 +184,9 @@ def test_a_node_plan_checks_the_nodes_bytes(tmp_path) -> None:
     that holds one rank's run but not the node's refuses, naming the per-rank terms."""
     import dataclasses
 
-    from lazytrain_accel.integrations import setup
     from lazytrain_accel.planning import Plan
     from lazytrain_accel.planning.host import CPU_HOME_TERM, MASTER_TERM, per_rank
+    from lazytrain_accel.run import setup
 
     model = tiny_model()
     one = Plan.load(plan_json(tmp_path, model, Home.CPU))

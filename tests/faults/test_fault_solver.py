@@ -15,14 +15,18 @@ import pytest
 from lazytrain_accel.planning import Budgets, build_problem, make_plan
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware_spec import load_hardware
-from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
+from lazytrain_accel.profiling.model_configs import (
+    geometry_from_config,
+    load_model_config,
+    profile_model,
+)
 
 _WITHOUT_SCIP = textwrap.dedent("""
     import json, sys, warnings
     sys.modules["pyscipopt"] = None  # as on a machine where it is not installed
     from lazytrain_accel.planning import Budgets, PlanInfeasibleError, PlanRequest, make_plan
     from lazytrain_accel.profiling.hardware_spec import load_hardware
-    from lazytrain_accel.profiling.models import (geometry_from_config, load_model_config,
+    from lazytrain_accel.profiling.model_configs import (geometry_from_config, load_model_config,
                                                   profile_model)
     hw = load_hardware("rtx3090")
     model = profile_model(geometry_from_config(load_model_config("qwen2.5-3b")),

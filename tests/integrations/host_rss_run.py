@@ -22,9 +22,9 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin, preflight
-from lazytrain_accel.integrations import setup
 from lazytrain_accel.planning.problem import build_problem
 from lazytrain_accel.profiling.hardware_spec import load_hardware
+from lazytrain_accel.run import setup
 
 # the same /proc reader as the benchmarks' (bench/peak_rss.py)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from lazytrain_accel import LazyTrainPlugin
-from lazytrain_accel.integrations.batch_shape import Sizing, grown, seq_bound_of, size_run
+from lazytrain_accel.run.batch_shape import Sizing, grown, seq_bound_of, size_run
 
 _MODEL = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=4096))
 

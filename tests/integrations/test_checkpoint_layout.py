@@ -1,4 +1,4 @@
-"""The checkpoint's weights layout (integrations/checkpoint_layout.py): shards and their
+"""The checkpoint's weights layout (checkpoints/layout.py): shards and their
 index at a small max shard size, reloaded exactly by `from_pretrained`; an export dtype
 whose fp32 masters the shares keep, so a resume is exact; the settings."""
 
@@ -15,9 +15,9 @@ from safetensors import safe_open
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils.hub import convert_file_size_to_int
 
+from lazytrain_accel.checkpoints import layout as layout
+from lazytrain_accel.checkpoints import shares as sc
 from lazytrain_accel.config import CHECKPOINT_DTYPE_CHOICES, LazyTrainConfig
-from lazytrain_accel.integrations import checkpoint_layout as layout
-from lazytrain_accel.integrations import share_checkpoint as sc
 from lazytrain_accel.optim import HybridAdamW8bit
 
 SMALL_SHARD_BYTES = 40_000  # the tiny model's ~190 KB of fp32 weights: several shards

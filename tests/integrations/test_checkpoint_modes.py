@@ -6,7 +6,7 @@ import os
 import stat
 from pathlib import Path
 
-from lazytrain_accel.integrations.checkpoint import atomic_directory
+from lazytrain_accel.checkpoints.atomic import atomic_directory
 
 
 def test_files_written_private_are_published_readable(tmp_path: Path) -> None:

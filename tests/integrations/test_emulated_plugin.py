@@ -6,7 +6,7 @@ import torch
 from test_accelerate_plugin import _loader, _model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.engine.emulation import EmulatedStreams
+from lazytrain_accel.engine.device.emulation import EmulatedStreams
 from lazytrain_accel.profiling.hardware_spec import load_hardware
 
 

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from lazytrain_accel.config import ANONYMOUS_SEGMENT
-from lazytrain_accel.integrations import generation_words, node_store
-from lazytrain_accel.integrations.accelerate import Accelerator
-from lazytrain_accel.integrations.generation_words import GenerationWords
+from lazytrain_accel.distributed import generation_words, node_store
+from lazytrain_accel.distributed.generation_words import GenerationWords
+from lazytrain_accel.frontends.accelerate import Accelerator
 
 pytestmark = pytest.mark.skipif(generation_words.unavailable_because() is not None,
                                 reason=f"{generation_words.unavailable_because()}")

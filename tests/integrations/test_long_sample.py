@@ -56,7 +56,7 @@ def stock(tmp_path_factory) -> Callable[[int], tuple[dict, Path]]:
 def test_one_long_sample_tiled_matches_stock_checkpointing_in_half_the_memory(mode, seq, stock,
                                                                               tmp_path):
     """`tiled`: the MLP in tiles; `layer`: the whole layer in sequence tiles
-    (`engine/layer_tiles.py`), both of `TILE_TOKENS`."""
+    (`engine/sequence/layer_tiles.py`), both of `TILE_TOKENS`."""
     stock_run, stock_grads = stock(seq)
     tiled = _run(mode, seq, tmp_path / "tiled.pt")
     assert tiled["loss"] == pytest.approx(stock_run["loss"], rel=1e-4)

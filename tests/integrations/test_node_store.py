@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from lazytrain_accel import preflight
-from lazytrain_accel.integrations import node_store, segment_handoff, split_update
-from lazytrain_accel.integrations.generation_words import GenerationWords
-from lazytrain_accel.integrations.node_store import SegmentSpaceError, UnsafeSegmentError
+from lazytrain_accel.distributed import node_store, segment_handoff, split_update
+from lazytrain_accel.distributed.generation_words import GenerationWords
+from lazytrain_accel.distributed.node_store import SegmentSpaceError, UnsafeSegmentError
 from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="no memfd_create")

@@ -18,18 +18,19 @@ from transformers.modeling_utils import PreTrainedModel
 
 #: (owner, attribute, where LazyTrain relies on it)
 PATCHED = [
-    (Trainer, "_move_model_to_device", "integrations/transformers.py keeps the model on host"),
-    (Trainer, "_build_accelerator_args", "integrations/transformers.py builds TrainerAccelerator"),
-    (Trainer, "create_accelerator_and_postprocess", "integrations/transformers.py"),
-    (Trainer, "_save_optimizer_and_scheduler", "integrations/transformers.py saves the plan"),
-    (Trainer, "_load_optimizer_and_scheduler", "integrations/transformers.py checks the plan"),
-    (Trainer, "_save_checkpoint", "integrations/trainer_checkpoint.py atomic checkpoints"),
-    (Trainer, "_get_output_dir", "integrations/trainer_checkpoint.py redirects the save"),
-    (Trainer, "get_train_dataloader", "integrations/transformers.py sizes the plan"),
-    (Trainer, "get_eval_dataloader", "integrations/transformers.py sizes the plan"),
-    (PreTrainedModel, "_set_gradient_checkpointing", "engine/hf_checkpointing.py keeps it off"),
-    (accelerate.Accelerator, "prepare_model", "integrations/accelerate.py streams instead"),
-    (accelerate.Accelerator, "prepare_optimizer", "integrations/accelerate.py"),
+    (Trainer, "_move_model_to_device", "frontends/transformers.py keeps the model on host"),
+    (Trainer, "_build_accelerator_args", "frontends/transformers.py builds TrainerAccelerator"),
+    (Trainer, "create_accelerator_and_postprocess", "frontends/transformers.py"),
+    (Trainer, "_save_optimizer_and_scheduler", "frontends/transformers.py saves the plan"),
+    (Trainer, "_load_optimizer_and_scheduler", "frontends/transformers.py checks the plan"),
+    (Trainer, "_save_checkpoint", "frontends/trainer_checkpoint.py atomic checkpoints"),
+    (Trainer, "_get_output_dir", "frontends/trainer_checkpoint.py redirects the save"),
+    (Trainer, "get_train_dataloader", "frontends/transformers.py sizes the plan"),
+    (Trainer, "get_eval_dataloader", "frontends/transformers.py sizes the plan"),
+    (PreTrainedModel, "_set_gradient_checkpointing",
+     "engine/model/hf_checkpointing.py keeps it off"),
+    (accelerate.Accelerator, "prepare_model", "frontends/accelerate.py streams instead"),
+    (accelerate.Accelerator, "prepare_optimizer", "frontends/accelerate.py"),
 ]
 
 
@@ -45,29 +46,28 @@ def test_patched_names_exist(owner, name, where):
 def test_read_and_written_private_state_still_exists():
     from transformers.utils import output_capturing
 
-    from lazytrain_accel.engine import captures
-
+    from lazytrain_accel.engine.model import captures
     assert output_capturing.__name__ == captures._CAPTURING_MODULE
     assert hasattr(output_capturing, "_active_collector"), (
-        "transformers.utils.output_capturing._active_collector is gone: engine/captures.py "
+        "transformers.utils.output_capturing._active_collector is gone: engine/model/captures.py "
         "routes router logits (the MoE aux loss) through it; without it their gradient is lost")
     assert "_train_batch_size" in inspect.getsource(Trainer.__init__) + inspect.getsource(
-        Trainer.train), "Trainer._train_batch_size (integrations/transformers.py) is gone"
+        Trainer.train), "Trainer._train_batch_size (frontends/transformers.py) is gone"
     assert "_is_overflow" in inspect.getsource(AcceleratedOptimizer), (
-        "AcceleratedOptimizer._is_overflow (integrations/accelerate.py step_was_skipped) is gone")
+        "AcceleratedOptimizer._is_overflow (frontends/accelerate.py step_was_skipped) is gone")
     assert "_models" in vars(accelerate.Accelerator(cpu=True)), (
-        "Accelerator._models (integrations/accelerate.py registers the streamed model) is gone")
+        "Accelerator._models (frontends/accelerate.py registers the streamed model) is gone")
 
 
 def test_the_gradient_checkpointing_enable_path_goes_through_the_patched_method():
     source = inspect.getsource(PreTrainedModel._activation_checkpointing_enable)
     assert "self._set_gradient_checkpointing(" in source, (
         "PreTrainedModel no longer enables checkpointing through _set_gradient_checkpointing: "
-        "engine/hf_checkpointing.py would not see later enables")
+        "engine/model/hf_checkpointing.py would not see later enables")
 
 
 def test_the_checkpoint_file_names_the_node_store_save_uses_still_exist():
-    """integrations/trainer_checkpoint.py writes the scheduler and reads `optimizer.pt`
+    """frontends/trainer_checkpoint.py writes the scheduler and reads `optimizer.pt`
     under the names the Trainer uses (the node store's checkpoint writes no optimizer.pt)."""
     from transformers import trainer, trainer_pt_utils, trainer_utils
 

@@ -114,7 +114,7 @@ def test_a_device_to_host_link_slowed_12x_is_replanned_within_4_steps(tmp_path, 
 
 
 def test_set_link_rate_changes_the_throttle_of_the_next_copy() -> None:
-    from lazytrain_accel.engine.emulation import EmulatedStreams, EmulationSettings
+    from lazytrain_accel.engine.device.emulation import EmulatedStreams, EmulationSettings
 
     streams = EmulatedStreams(torch.device("cpu"), EmulationSettings(
         link_bytes_per_s={"h2d": 1e9}))
@@ -130,7 +130,7 @@ def test_set_link_rate_changes_the_throttle_of_the_next_copy() -> None:
 
 def test_emulate_links_json_throttles_to_that_profile(tmp_path) -> None:
     from lazytrain_accel import LazyTrainPlugin
-    from lazytrain_accel.integrations.setup import emulation_for
+    from lazytrain_accel.run.setup import emulation_for
 
     links = dataclasses.replace(replan.true_profile(), nvme_read_bytes_per_s=123.0)
     links.save(tmp_path / "links.json")

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from lazytrain_accel.engine.stats import StepStats
-from lazytrain_accel.integrations import setup
-from lazytrain_accel.integrations.replanner import GUARD_STEPS, WARMUP_STEPS, Replanner
-from lazytrain_accel.integrations.setup import PreparedRun, profile_for_run
 from lazytrain_accel.planning import Budgets, Plan, PlanRequest, make_plan
 from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.calibration import WINDOW_STEPS
+from lazytrain_accel.run import setup
+from lazytrain_accel.run.replanner import GUARD_STEPS, WARMUP_STEPS, Replanner
+from lazytrain_accel.run.setup import PreparedRun, profile_for_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 replan = pytest.importorskip("replan")

@@ -1,4 +1,4 @@
-"""Share checkpoints (integrations/share_checkpoint.py), in process with fake shares: the
+"""Share checkpoints (checkpoints/shares.py), in process with fake shares: the
 weights file `from_pretrained` loads, the optimizer state per share, re-sharding onto
 another world size, and the refusals."""
 
@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lazytrain_accel.integrations import share_checkpoint as sc
+from lazytrain_accel.checkpoints import shares as sc
 from lazytrain_accel.optim import HybridAdamW8bit
 
 

@@ -39,7 +39,7 @@ ENDS_AFTER_STEP = """
 ENDS_WITH_QUEUED_COPIES = """
     import os, threading, weakref
     import torch
-    from lazytrain_accel.engine.emulation import EmulatedStreams, EmulationSettings
+    from lazytrain_accel.engine.device.emulation import EmulatedStreams, EmulationSettings
 
     def no_worker_left() -> None:
         alive = [t.name for t in threading.enumerate() if t.name.startswith("lazytrain-")]

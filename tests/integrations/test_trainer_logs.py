@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, TrainingArguments
 
-from lazytrain_accel.integrations.transformers import LazyTrainTrainer
+from lazytrain_accel.frontends.transformers import LazyTrainTrainer
 
 
 class _Rows(torch.utils.data.Dataset):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
-from lazytrain_accel.integrations.trainer_callback import LazyTrainCallback
+from lazytrain_accel.frontends.trainer_callback import LazyTrainCallback
 from lazytrain_accel.progress import PROGRESS_EVERY_STEPS
 
 

@@ -96,9 +96,9 @@ def test_a_failed_build_warns_once_with_the_fix_and_the_plan_prices_the_torch_pa
     the fallback is and what to install, however many optimizers are built, and the
     planner's host update rate becomes the torch path's, not the kernel's."""
     from lazytrain_accel.config import LazyTrainConfig
-    from lazytrain_accel.integrations import setup
     from lazytrain_accel.optim import HybridAdamW8bit
     from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+    from lazytrain_accel.run import setup
 
     from .helpers import make_params
 

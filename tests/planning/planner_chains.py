@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from lazytrain_accel.planning import Budgets, build_problem
 from lazytrain_accel.planning.problem import Problem
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.model import ModelGeometry, ModelProfile
+from lazytrain_accel.profiling.profile import ModelGeometry, ModelProfile
 
 GIB = 2**30
 FLOPS_PER_S = 1e12

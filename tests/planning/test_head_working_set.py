@@ -5,7 +5,11 @@ from __future__ import annotations
 from lazytrain_accel.planning import build_problem
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
-from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
+from lazytrain_accel.profiling.model_configs import (
+    geometry_from_config,
+    load_model_config,
+    profile_model,
+)
 
 
 def test_logits_bound_the_gpu_static_bytes_at_large_vocab() -> None:

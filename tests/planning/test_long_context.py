@@ -11,8 +11,12 @@ from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan
 from lazytrain_accel.planning.admission import _largest, max_seq_len
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
-from lazytrain_accel.profiling.model import ModelGeometry
-from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
+from lazytrain_accel.profiling.model_configs import (
+    geometry_from_config,
+    load_model_config,
+    profile_model,
+)
+from lazytrain_accel.profiling.profile import ModelGeometry
 from lazytrain_accel.profiling.working_set import (
     ATTENTION_TERM,
     TILED_BOUNDARY_TERM,
@@ -54,7 +58,7 @@ def test_terms_by_hand_for_a_small_geometry() -> None:
     seq_tiled = layer_working_set(SMALL, batch_size=1, seq_len=256, bytes_per_elem=2,
                                   weights=None, tile_tokens=32, attention_block_tokens=64)
     assert seq_tiled.sequence_tiled
-    # The whole layer in tiles of 64 positions (`engine/layer_tiles.py`): K, V bf16 + fp32
+    # The whole layer in tiles of 64 positions (`engine/sequence/layer_tiles.py`): K, V bf16 + fp32
     # dK, dV accumulators + bf16 dK, dV partials of the key prefix, for all 256 keys; one
     # tile's query side (q, o, dO, dQ, fp32 dQ accumulator, logsumexp) for 64.
     assert seq_tiled.attention_bytes == 256 * 32 * (4 + 8 + 4) + 64 * (512 + 256 + 16)

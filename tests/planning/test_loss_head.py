@@ -9,7 +9,11 @@ from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan
 from lazytrain_accel.planning.loss_head import auto_chunk_tokens
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
-from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
+from lazytrain_accel.profiling.model_configs import (
+    geometry_from_config,
+    load_model_config,
+    profile_model,
+)
 
 H800 = HARDWARE_PRESETS["h800"]
 

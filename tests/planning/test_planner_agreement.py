@@ -29,8 +29,8 @@ from lazytrain_accel.planning.problem import GIB, Problem
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.families import geometry_from_config
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
-from lazytrain_accel.profiling.models import profile_model
+from lazytrain_accel.profiling.model_configs import profile_model
+from lazytrain_accel.profiling.profile import ModelProfile
 
 EXAMPLES = 100
 #: A fraction of the step: what the MIP's window model may leave unpriced (the host

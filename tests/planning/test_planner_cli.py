@@ -107,8 +107,8 @@ def test_required_arguments_show_as_required_in_help(
     assert " --seq-len SEQ_LEN" in usage and "[--seq-len" not in usage
 
 
-#: Issue 23's goals, which sequence-tiled layers reach (`engine/layer_tiles.py`: K, V, their
-#: gradients and one [S, hidden] gradient are all a layer's backward holds whole).
+#: Issue 23's goals, which sequence-tiled layers reach (`engine/sequence/layer_tiles.py`:
+#: K, V, their gradients and one [S, hidden] gradient are all a layer's backward holds whole).
 @pytest.mark.parametrize(("hardware", "at_least"), [("h200", 2_000_000),
                                                     ("a100-80g", 600_000)])
 def test_max_seq_reaches_the_long_context_goals(hardware: str, at_least: int,

@@ -142,7 +142,7 @@ def test_the_plan_ir_is_a_standard_library_leaf() -> None:
 
 
 def test_host_optimizer_order_embeddings_layers_head() -> None:
-    """The engine's order (engine/overlap.py): U_embed, U1..UL, U_head; the next forward
+    """The engine's order (engine/step/overlap.py): U_embed, U1..UL, U_head; the next forward
     waits for U_embed and Uj, only its head for U_head (here the slow one: a big untied
     head on a slow host optimizer)."""
     model, hardware = chain(num_layers=6)

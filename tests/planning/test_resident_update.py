@@ -21,7 +21,11 @@ from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.adapters import lora_profile_inputs
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
-from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
+from lazytrain_accel.profiling.model_configs import (
+    geometry_from_config,
+    load_model_config,
+    profile_model,
+)
 
 H800 = HARDWARE_PRESETS["h800"]
 

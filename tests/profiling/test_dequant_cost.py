@@ -12,8 +12,12 @@ from lazytrain_accel.planning.problem import build_problem
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.adapters import lora_profile_inputs
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
-from lazytrain_accel.profiling.model import ModelProfile
-from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
+from lazytrain_accel.profiling.model_configs import (
+    geometry_from_config,
+    load_model_config,
+    profile_model,
+)
+from lazytrain_accel.profiling.profile import ModelProfile
 
 RTX4090 = HARDWARE_PRESETS["rtx4090"]
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lazytrain_accel.profiling.families import FAMILIES
-from lazytrain_accel.profiling.models import geometry_from_config, load_model_config
+from lazytrain_accel.profiling.model_configs import geometry_from_config, load_model_config
 
 _LLAMA_KEYS = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

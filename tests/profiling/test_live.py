@@ -12,11 +12,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from engine_helpers import ARCH_CONFIGS, build_model
 
-from lazytrain_accel.engine.discovery import find_decoder_layers
-from lazytrain_accel.integrations.setup import geometry_for_run, profile_for_run
+from lazytrain_accel.engine.model.discovery import find_decoder_layers
 from lazytrain_accel.profiling.families import FAMILIES
 from lazytrain_accel.profiling.live import geometry_from_model
-from lazytrain_accel.profiling.models import geometry_from_config
+from lazytrain_accel.profiling.model_configs import geometry_from_config
+from lazytrain_accel.run.setup import geometry_for_run, profile_for_run
 
 
 def _live(model: torch.nn.Module):
@@ -71,7 +71,7 @@ def test_moe_streams_every_expert_and_computes_with_top_k(arch):
 
 
 def test_an_unsupported_model_is_told_what_is_missing():
-    from lazytrain_accel.engine.discovery import UnsupportedModelError
+    from lazytrain_accel.engine.model.discovery import UnsupportedModelError
 
     class NoStack(torch.nn.Module):
         config = build_model("llama", 2).config

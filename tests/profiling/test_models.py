@@ -10,7 +10,7 @@ import torch
 import transformers as T
 from torch.utils.flop_counter import FlopCounterMode
 
-from lazytrain_accel.profiling.models import (
+from lazytrain_accel.profiling.model_configs import (
     MODEL_PRESETS,
     geometry_from_config,
     load_model_config,

@@ -17,7 +17,11 @@ from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.profiling.adapters import lora_profile_inputs
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.live import geometry_from_model, weight_split_from_model
-from lazytrain_accel.profiling.models import geometry_from_config, load_model_config, profile_model
+from lazytrain_accel.profiling.model_configs import (
+    geometry_from_config,
+    load_model_config,
+    profile_model,
+)
 
 H800 = HARDWARE_PRESETS["h800"]
 

@@ -158,8 +158,8 @@ def test_a_replan_keeps_the_engines_residents_where_they_are(
 
 
 def test_a_replan_request_overrides_the_configs_resident_update(tmp_path: Path) -> None:
-    from lazytrain_accel.integrations import setup
     from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+    from lazytrain_accel.run import setup
 
     config = plugin(tmp_path, "auto", resident_update="device")
     profile = setup.profile_for_run(build("llama"), batch_size=2, seq_len=8,

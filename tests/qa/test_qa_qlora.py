@@ -110,8 +110,7 @@ def test_saved_adapter_reloads_onto_a_fresh_base_with_the_same_logits(tmp_path: 
 
 
 def test_the_plan_prices_the_packed_base(tmp_path: Path) -> None:
-    from lazytrain_accel.integrations import setup
-
+    from lazytrain_accel.run import setup
     model = qlora()
     profile = setup.profile_for_run(model, batch_size=2, seq_len=12, compute_dtype=None)
     w = profile.weights
@@ -172,7 +171,7 @@ class _Rows(torch.utils.data.Dataset):
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_qlora_through_the_trainer_matches_the_stock_trainer(tmp_path: Path) -> None:
-    from lazytrain_accel.integrations.transformers import LazyTrainTrainer
+    from lazytrain_accel.frontends.transformers import LazyTrainTrainer
 
     def args(name: str) -> transformers.TrainingArguments:
         return transformers.TrainingArguments(
@@ -204,7 +203,7 @@ def test_frozen_weights_quantizes_a_full_precision_base_at_prepare(tmp_path: Pat
     """`frozen_weights="nf4"` / `"int8"` on a full-precision LoRA model packs its frozen
     linears as bitsandbytes does (the bytes of a by-hand quantization) and trains exactly
     like stock Accelerate on the same quantized model."""
-    from lazytrain_accel.engine.quantize_base import quantize_frozen_linears
+    from lazytrain_accel.engine.memory.quantize_base import quantize_frozen_linears
 
     def full_precision() -> torch.nn.Module:
         return peft.get_peft_model(build("llama"), peft.LoraConfig(r=4, target_modules=TARGETS,
@@ -238,7 +237,7 @@ def test_trl_sft_trainer_with_peft_config_matches_stock(tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     trl = pytest.importorskip("trl")
     from lazytrain_accel.data.tokenizer import build_demo_tokenizer
-    from lazytrain_accel.integrations.transformers import apply_lazytrain_to_trainer
+    from lazytrain_accel.frontends.transformers import apply_lazytrain_to_trainer
 
     texts = [f"{a} plus {b} is {a + b}" for a in range(8) for b in range(2)]
     tokenizer = build_demo_tokenizer(texts)

@@ -1,5 +1,5 @@
 // Release/acquire access to the node store's per-group update generations
-// (integrations/generation_words.py loads this with ctypes).
+// (distributed/generation_words.py loads this with ctypes).
 //
 // The owner of a parameter group writes its masters and moments, then stores the group's
 // new generation with release semantics; a reader loads the generation with acquire

@@ -19,7 +19,7 @@ The life of one training step, top-down (file:function):
    `_begin_backward` (waits for the whole update) -> `Runtime.rerun_with_grad` ->
    `grads.py:GradSink.put` (host `.grad`, squared norms recorded); the autograd callback
    `_finish_backward` drains the sink, closes the pass and folds the residents' grads.
-4. `optimizer.step()`: `integrations/step_guard.py:StepGuard.step` (skips a non-finite
+4. `optimizer.step()`: `run/step_guard.py:StepGuard.step` (skips a non-finite
    step, stops at a Ctrl-C) -> `HybridAdamW8bit.step` -> its `step_runner`, the
    engine's `step_layerwise` -> `step.py:StepCoordinator.step`, the step top-down: wait
    for the previous update, norms of the landed gradients, `begin_step` (clip
@@ -45,21 +45,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from lazytrain_accel.engine import hf_checkpointing, long_sequence, quantized
-from lazytrain_accel.engine.backends import make_streams
-from lazytrain_accel.engine.binding import bind_call, drop_cache
-from lazytrain_accel.engine.discovery import find_decoder_layers
-from lazytrain_accel.engine.emulation import EmulationSettings
-from lazytrain_accel.engine.grads import GradSink
-from lazytrain_accel.engine.layer_call import ForwardState
-from lazytrain_accel.engine.loss_patch import FusedLoss, apply_fused_loss
-from lazytrain_accel.engine.nvme import NvmeSpill
-from lazytrain_accel.engine.overlap import LayerwiseOptimizer
-from lazytrain_accel.engine.patching import ModelPatch, move_buffers, restore_buffers
-from lazytrain_accel.engine.residents import ResidentParams, output_side, owners
-from lazytrain_accel.engine.runtime import Runtime
+from lazytrain_accel.engine.core.layer_call import ForwardState
+from lazytrain_accel.engine.core.runtime import Runtime
+from lazytrain_accel.engine.device.backends import make_streams
+from lazytrain_accel.engine.device.emulation import EmulationSettings
+from lazytrain_accel.engine.loss.loss_patch import FusedLoss, apply_fused_loss
+from lazytrain_accel.engine.memory import quantized
+from lazytrain_accel.engine.memory.grads import GradSink
+from lazytrain_accel.engine.memory.nvme import NvmeSpill
+from lazytrain_accel.engine.memory.residents import ResidentParams, output_side, owners
+from lazytrain_accel.engine.model import hf_checkpointing
+from lazytrain_accel.engine.model.binding import bind_call, drop_cache
+from lazytrain_accel.engine.model.discovery import find_decoder_layers
+from lazytrain_accel.engine.model.patching import ModelPatch, move_buffers, restore_buffers
+from lazytrain_accel.engine.sequence import long_sequence
 from lazytrain_accel.engine.stats import Accounting, StepStats
-from lazytrain_accel.engine.step import StepCoordinator
+from lazytrain_accel.engine.step.coordinator import StepCoordinator
+from lazytrain_accel.engine.step.overlap import LayerwiseOptimizer
 from lazytrain_accel.planning.plan import Home, Plan
 from lazytrain_accel.planning.slots import weight_slots
 from lazytrain_accel.profiling.whole_layers import whole_layer_reason
@@ -160,7 +162,7 @@ class StreamingEngine:
         self._backwarded: list[ForwardState] = []
         self._finalizer_task: int | None = None  # backward (graph task) with our callback
         last = len(self._layers) + 1
-        #: Begin, wait and end of each optimizer step (`engine/step.py`).
+        #: Begin, wait and end of each optimizer step (`engine/step/coordinator.py`).
         self.steps = StepCoordinator(
             model=self.model,
             groups=[self.residents.early, *self._layer_params, self.residents.late],
@@ -433,7 +435,7 @@ def attach(model: nn.Module, plan: Plan, *, device: torch.device,
     `loss_chunk_tokens` > 0 computes the training loss with the fused chunked
     cross-entropy (`apply_fused_loss`; docs/engine.md "Fused loss"); "auto" takes the
     plan's (`Plan.loss_chunk_tokens`), and a new plan's on `set_plan`. On a CPU,
-    `emulation` selects the emulated async device (`engine/emulation.py`; None: from
+    `emulation` selects the emulated async device (`engine/device/emulation.py`; None: from
     `LAZYTRAIN_EMULATE_ASYNC`, False: synchronous).
     """
     return StreamingEngine(model, plan, device=device, compute_dtype=compute_dtype,

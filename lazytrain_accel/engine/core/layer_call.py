@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from lazytrain_accel.engine import layer_tiles
-from lazytrain_accel.engine.activations import ActivationStore
-from lazytrain_accel.engine.captures import capturing, recording, restore
-from lazytrain_accel.engine.position import LayerPosition
-from lazytrain_accel.engine.replay import capture, replaying
-from lazytrain_accel.engine.runtime import Runtime
+from lazytrain_accel.engine.core.runtime import Runtime
+from lazytrain_accel.engine.memory.activations import ActivationStore
+from lazytrain_accel.engine.model.captures import capturing, recording, restore
+from lazytrain_accel.engine.model.position import LayerPosition
+from lazytrain_accel.engine.model.replay import capture, replaying
+from lazytrain_accel.engine.sequence import layer_tiles
 from lazytrain_accel.planning.plan import Home
 
 

@@ -16,16 +16,16 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lazytrain_accel.engine import layer_tiles, long_sequence, query_blocks, tiles
-from lazytrain_accel.engine.captures import recorded, recording
-from lazytrain_accel.engine.grads import GradSink
-from lazytrain_accel.engine.nvme import NvmeSpill
-from lazytrain_accel.engine.position import LayerPosition
-from lazytrain_accel.engine.quantized import forward_follows_grad_mode
-from lazytrain_accel.engine.replay import replaying
+from lazytrain_accel.engine.device.streams import Streams
+from lazytrain_accel.engine.memory.grads import GradSink
+from lazytrain_accel.engine.memory.nvme import NvmeSpill
+from lazytrain_accel.engine.memory.quantized import forward_follows_grad_mode
+from lazytrain_accel.engine.memory.weights import WeightPool
+from lazytrain_accel.engine.model.captures import recorded, recording
+from lazytrain_accel.engine.model.position import LayerPosition
+from lazytrain_accel.engine.model.replay import replaying
+from lazytrain_accel.engine.sequence import layer_tiles, long_sequence, query_blocks, tiles
 from lazytrain_accel.engine.stats import Accounting
-from lazytrain_accel.engine.streams import Streams
-from lazytrain_accel.engine.weights import WeightPool
 from lazytrain_accel.planning.plan import Plan
 
 logger = logging.getLogger("lazytrain_accel")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from lazytrain_accel.engine.emulation import EmulatedStreams, EmulationSettings
-from lazytrain_accel.engine.streams import CudaStreams, Streams, SyncStreams
+from lazytrain_accel.engine.device.emulation import EmulatedStreams, EmulationSettings
+from lazytrain_accel.engine.device.streams import CudaStreams, Streams, SyncStreams
 
 
 def make_streams(device: torch.device,

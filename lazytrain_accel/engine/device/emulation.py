@@ -36,8 +36,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from lazytrain_accel.engine.device.streams import IoLink, Link
 from lazytrain_accel.engine.stats import ElapsedInterval, Interval
-from lazytrain_accel.engine.streams import IoLink, Link
 
 #: Value written into integer destinations at enqueue (floats get NaN, bools True).
 INT_SENTINEL = -0x5A5A5A5A

@@ -7,12 +7,12 @@ differ per backend:
 * `CudaStreams`: two CUDA side streams (one per PCIe direction, so H2D and D2H overlap
   as the simulator assumes), CUDA events, pinned host buffers.
 * `SyncStreams` (CPU default): every copy completes when issued; events are None.
-* `EmulatedStreams` (`engine/emulation.py`, CPU with `LAZYTRAIN_EMULATE_ASYNC=1`): each
+* `EmulatedStreams` (`engine/device/emulation.py`, CPU with `LAZYTRAIN_EMULATE_ASYNC=1`): each
   side stream is a worker thread, each event a completion flag, copies happen later on
   the worker, destinations are poisoned at enqueue. It drives the CUDA code paths
   (`is_async` is True), so their ordering logic runs, and fails, on a CPU.
 
-`make_streams` (`engine/backends.py`) picks one; it lives apart so that the emulated
+`make_streams` (`engine/device/backends.py`) picks one; it lives apart so that the emulated
 backend can import this interface without this module importing it back.
 """
 
@@ -25,7 +25,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from lazytrain_accel.engine.pinning import register_in_chunks
+from lazytrain_accel.engine.device.pinning import register_in_chunks
 from lazytrain_accel.engine.stats import ElapsedInterval, Interval
 
 #: A side stream, named by the link its copies use.
@@ -101,7 +101,7 @@ class Streams(Protocol):
     def register_pinned(self, buffer: torch.Tensor, *, max_chunk_bytes: int) -> bool:
         """Make a host buffer mapped by several processes (a node store) page-locked for
         this device's copies, in chunks of at most `max_chunk_bytes`; False when it could
-        not be (copies then run from pageable memory: `engine/pinning.py`). True where
+        not be (copies then run from pageable memory: `engine/device/pinning.py`). True where
         copies need no pinned memory."""
         ...
 
@@ -197,7 +197,7 @@ class CudaStreams(SyncStreams):
     def register_pinned(self, buffer: torch.Tensor, *, max_chunk_bytes: int) -> bool:
         """Page-lock a shared mapping in this process (each rank registers its own
         mapping of the same pages; MegaTrain measured ~21 GB/s H2D against ~14 pageable),
-        in chunks (`engine/pinning.py`); False, warned once, when it cannot be."""
+        in chunks (`engine/device/pinning.py`); False, warned once, when it cannot be."""
         cudart = torch.cuda.cudart()
         return register_in_chunks(
             buffer.data_ptr(), buffer.numel() * buffer.element_size(),

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from lazytrain_accel.engine.fused_loss import LogitOp, fused_linear_cross_entropy
+from lazytrain_accel.engine.loss.fused_loss import LogitOp, fused_linear_cross_entropy
 
 
 class LogitsNotMaterializedError(NotImplementedError):

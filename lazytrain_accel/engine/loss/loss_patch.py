@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lazytrain_accel.engine.discovery import UnsupportedModelError
-from lazytrain_accel.engine.lazy_logits import LazyLogits
+from lazytrain_accel.engine.loss.lazy_logits import LazyLogits
+from lazytrain_accel.engine.model.discovery import UnsupportedModelError
 
 _STATE = "_lazytrain_fused_loss"
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from lazytrain_accel.engine.nvme import NvmeSpill
+from lazytrain_accel.engine.device.streams import Event, Streams
+from lazytrain_accel.engine.memory.nvme import NvmeSpill
 from lazytrain_accel.engine.stats import Accounting
-from lazytrain_accel.engine.streams import Event, Streams
 from lazytrain_accel.planning.plan import Home, Plan, TransferKind
 
 _FORWARD_IDS = itertools.count()

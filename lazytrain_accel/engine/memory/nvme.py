@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from lazytrain_accel.engine.device.streams import Streams, SyncStreams
 from lazytrain_accel.engine.stats import Accounting
-from lazytrain_accel.engine.streams import Streams, SyncStreams
 
 
 class NvmeIOError(OSError):

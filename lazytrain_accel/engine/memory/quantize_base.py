@@ -7,7 +7,7 @@ or `Linear8bitLt`) holding the weight packed, as
 (no double quantization, bitsandbytes' defaults otherwise; the head, embeddings, norms
 and every trainable linear stay as they are). A PEFT LoRA layer keeps its adapters and
 calls the new module as its `base_layer`. The packed weights then stream as stored
-(`engine/quantized.py`).
+(`engine/memory/quantized.py`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import logging
 import torch
 from torch import nn
 
-from lazytrain_accel.engine.discovery import find_decoder_layers
+from lazytrain_accel.engine.model.discovery import find_decoder_layers
 
 logger = logging.getLogger("lazytrain_accel")
 

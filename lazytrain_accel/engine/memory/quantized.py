@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lazytrain_accel.engine.streams import Event
-from lazytrain_accel.engine.weights import WeightPool
+from lazytrain_accel.engine.device.streams import Event
+from lazytrain_accel.engine.memory.weights import WeightPool
 
 #: Parameter classes whose data is packed (bitsandbytes), recognised by name so that
 #: bitsandbytes is imported only by models that use it.

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lazytrain_accel.engine.grads import GradSink
+from lazytrain_accel.engine.memory.grads import GradSink
 from lazytrain_accel.engine.stats import Accounting
 
 

@@ -29,8 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from lazytrain_accel.engine.device.streams import Event, Streams
 from lazytrain_accel.engine.stats import Accounting
-from lazytrain_accel.engine.streams import Event, Streams
 from lazytrain_accel.planning.slots import WeightSlots
 
 NUM_STAGING = 2  # pinned staging buffers, used in turn

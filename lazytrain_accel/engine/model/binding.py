@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from lazytrain_accel.engine.discovery import UnsupportedModelError
+from lazytrain_accel.engine.model.discovery import UnsupportedModelError
 
 #: Keyword names under which HF layers receive a KV cache, and the flag that fills it.
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")

@@ -11,8 +11,8 @@ from typing import Any
 
 from torch.utils import _pytree as pytree
 
-from lazytrain_accel.engine.captures import Captured
-from lazytrain_accel.engine.replay import ReplayState
+from lazytrain_accel.engine.model.captures import Captured
+from lazytrain_accel.engine.model.replay import ReplayState
 
 
 @dataclass(kw_only=True)

@@ -47,10 +47,10 @@ from torch.utils import _pytree as pytree
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from lazytrain_accel.engine import captures
-from lazytrain_accel.engine.long_sequence import INDEX_LIMIT_ELEMENTS, LongSequenceError
-from lazytrain_accel.engine.query_blocks import _block_attention, refuse_unsupported
-from lazytrain_accel.engine.replay import ReplayState, capture, replaying
+from lazytrain_accel.engine.model import captures
+from lazytrain_accel.engine.model.replay import ReplayState, capture, replaying
+from lazytrain_accel.engine.sequence.long_sequence import INDEX_LIMIT_ELEMENTS, LongSequenceError
+from lazytrain_accel.engine.sequence.query_blocks import _block_attention, refuse_unsupported
 
 #: The attention implementation name a sequence-tiled layer runs under.
 LAYER_TILES_ATTENTION = "lazytrain_layer_tiles"

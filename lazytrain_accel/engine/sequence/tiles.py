@@ -28,8 +28,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from lazytrain_accel.engine import captures
-from lazytrain_accel.engine.replay import ReplayState, capture, replaying
+from lazytrain_accel.engine.model import captures
+from lazytrain_accel.engine.model.replay import ReplayState, capture, replaying
 
 #: Share of a layer's parameters outside attention that its token-wise block holds at least.
 MLP_PARAM_SHARE = 0.5

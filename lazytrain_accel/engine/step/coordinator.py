@@ -1,7 +1,7 @@
 """`StepCoordinator`: one optimizer step of a streamed model, from begin to end.
 
 `StepCoordinator.step` is what `optimizer.step()` does on a LazyTrain run once the
-non-finite guard let it through (`integrations/step_guard.py`); it reads top-down like
+non-finite guard let it through (`run/step_guard.py`); it reads top-down like
 torchtitan's `train_step`. The coordinator also owns the rest of the step's life: the
 waits of the next forward for each group's update (`wait_for_group`, `is_group_updated`),
 the wait for the whole update (`wait`), and, through the running `LayerwiseUpdate`, the
@@ -25,12 +25,12 @@ from typing import Protocol
 
 from torch import nn
 
-from lazytrain_accel.engine.overlap import CopyTarget, LayerwiseOptimizer, LayerwiseUpdate
 from lazytrain_accel.engine.stats import Accounting
+from lazytrain_accel.engine.step.overlap import CopyTarget, LayerwiseOptimizer, LayerwiseUpdate
 
 
 class SaveGate(Protocol):
-    """A checkpoint being written beside training (`integrations/async_checkpoint.py`)."""
+    """A checkpoint being written beside training (`checkpoints/asynchronous.py`)."""
 
     def wait_written(self, group: int) -> None: ...
 
@@ -75,7 +75,7 @@ class StepCoordinator:
         #: Set by a node store's split update: the groups other ranks own and update.
         self.peers: PeerUpdates | None = None
         #: Set while a checkpoint save runs beside training: the update of group g first
-        #: waits until the save has written g (`integrations/async_checkpoint.py`).
+        #: waits until the save has written g (`checkpoints/asynchronous.py`).
         self.save_gate: SaveGate | None = None
 
     @property

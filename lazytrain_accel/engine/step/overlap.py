@@ -1,5 +1,5 @@
 """Optimizer/forward overlap: a layer-by-layer update on a CPU thread (`LayerwiseUpdate`,
-started and waited for by `engine/step.py:StepCoordinator`).
+started and waited for by `engine/step/coordinator.py:StepCoordinator`).
 
 Groups are updated in forward order: group 0 = the input side's resident parameters
 (embeddings; a head tied to them included), group j = layer j, group L+1 = the output
@@ -66,7 +66,7 @@ class LayerwiseUpdate:
     thread neither updates them nor writes their compute copies. `on_group_done(g)` is
     told after this thread has updated group g; `before_group(g)` is called before, and
     may block: a pending checkpoint save has not yet written group g's masters and state
-    (`integrations/async_checkpoint.py`), which the update is about to overwrite.
+    (`checkpoints/asynchronous.py`), which the update is about to overwrite.
     """
 
     def __init__(self, optimizer: LayerwiseOptimizer, model: nn.Module,

@@ -1,0 +1,2 @@
+"""Checkpoints: atomic directories, the safetensors layout, share checkpoints and
+asynchronous saves."""

@@ -1,0 +1,1 @@
+"""The engine's core: attaching to a model, the layer call and the per-layer runtime."""

@@ -1,0 +1,1 @@
+"""The device side: copy streams and events (CUDA, synchronous CPU, emulated async), pinning."""

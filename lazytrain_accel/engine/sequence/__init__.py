@@ -1,0 +1,1 @@
+"""Long sequences: tiles of the MLP, query blocks of attention, whole-layer tiles."""

@@ -1,0 +1,1 @@
+"""The front ends a user meets: the Accelerate plugin and the Trainer integration."""
