@@ -10,7 +10,7 @@ boundaries on NVMe):
    seconds, its backward seconds (re-run included) and the rest of the step (embeddings,
    head, loss, weight copies) become the model profile's FLOPs at a nominal 1 TFLOP/s.
    Residents are used in place on a CPU, so the profile streams none. The engine's
-   per-layer-run overhead (profiling/layer_probe.py: tiny layers through the engine) is
+   per-layer-run overhead (layer_probe.py: tiny layers through the engine) is
    measured beside it, on the synchronous backend (taken out of the rest) and on the
    emulated one the plans run on (the hardware profile's `layer_*_overhead_s`).
 2. Links get rates that make transfers comparable to that compute (H2D: a layer's weights
@@ -61,6 +61,7 @@ from lazytrain_accel.engine import attach
 from lazytrain_accel.engine.device.emulation import EmulationSettings
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.engine.step.overlap import LayerwiseUpdate
+from lazytrain_accel.layer_probe import LayerOverheadProbe, LayerOverheads
 from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning import Budgets, build_problem, make_plan, simulate
 from lazytrain_accel.planning.problem import GPU_RESERVE_FRACTION
@@ -68,7 +69,6 @@ from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.simulate import is_optimizer_lane
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
-from lazytrain_accel.profiling.layer_probe import LayerOverheadProbe, LayerOverheads
 from lazytrain_accel.profiling.model_configs import geometry_from_config, profile_model
 from lazytrain_accel.profiling.profile import ModelProfile
 

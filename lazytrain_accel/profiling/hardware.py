@@ -96,7 +96,7 @@ class HardwareProfile:
     # (re-run with grad + backward) cost beyond the compute the engine times for it: the
     # engine's work around each run (weights acquired, prefetch issued, boundary placed,
     # gradients handed off) and the Python between layers, which no FLOP count prices.
-    # Measured on this machine by `profiling/layer_probe.py`; presets and profiles written
+    # Measured on this machine by `layer_probe.py`; presets and profiles written
     # without them take the GPU estimate above.
     layer_forward_overhead_s: float = GPU_LAYER_FORWARD_OVERHEAD_S
     layer_backward_overhead_s: float = GPU_LAYER_BACKWARD_OVERHEAD_S

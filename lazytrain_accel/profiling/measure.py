@@ -159,9 +159,9 @@ def _measure_dequant(device: torch.device, side: int = 2048) -> tuple[float, str
 
 def _measure_layer_overheads(device: torch.device) -> tuple[float, float, float]:
     """(forward, backward, step) seconds of the engine's overhead on `device`:
-    `layer_probe.py` run as a program (the engine imports the planner, which imports this
-    package, so it cannot be imported here), at this process's thread count."""
-    command = [sys.executable, "-m", "lazytrain_accel.profiling.layer_probe",
+    `lazytrain_accel/layer_probe.py` run as a program (it imports the engine, which imports
+    the planner, which imports this package: it cannot be imported here), at this process's thread count."""
+    command = [sys.executable, "-m", "lazytrain_accel.layer_probe",
                "--device", str(device), "--threads", str(torch.get_num_threads())]
     try:
         out = subprocess.run(command, capture_output=True, text=True, check=True,
@@ -246,7 +246,7 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
                 f"({'bf16' if device.type == 'cuda' else 'fp32'}), a HybridAdamW8bit step of 10M "
                 f"params at {torch.get_num_threads()} threads ({_host_update_kernel()} kernel; "
                 f"and of 16M on the device), {dequant_how}, tiny decoder layers "
-                f"through the engine (profiling/layer_probe.py)"),
+                f"through the engine (layer_probe.py)"),
     )
 
 

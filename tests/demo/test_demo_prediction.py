@@ -2,7 +2,7 @@
 
 The demo's own pieces (model, data, plugin, `prepare`, the training step) on a small
 batch, where the engine's per-layer-run and per-step overhead is a large share of the
-step: the hardware profile carries the overhead `profiling/layer_probe.py` measures here
+step: the hardware profile carries the overhead `layer_probe.py` measures here
 and now. A `checkpoint_all` run (no copies of boundaries) is calibrated as the re-planner
 calibrates: the compute rate fitted to the layer compute the engine timed, and the
 step's own overhead (`StepOverheadFit`: median of measured step - simulated step without
@@ -31,11 +31,11 @@ from lazytrain_accel.demo.run import (
     _schedule,
 )
 from lazytrain_accel.demo.train import _forever, _optimizer_step
+from lazytrain_accel.layer_probe import measure_layer_overheads
 from lazytrain_accel.planning.plan import Home
 from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.calibration import StepOverheadFit
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
-from lazytrain_accel.profiling.layer_probe import measure_layer_overheads
 
 WARMUP_STEPS, TIMED_STEPS = 3, 9
 #: Fit-and-predict attempts (see the test).

@@ -1,6 +1,6 @@
 """The per-layer-run overhead of the streaming engine on this machine (run as a program).
 
-    python -m lazytrain_accel.profiling.layer_probe [--device cpu] [--threads N]
+    python -m lazytrain_accel.layer_probe [--device cpu] [--threads N]
 
 prints `{"forward_s": ..., "backward_s": ..., "step_s": ...}`: the seconds a layer's
 forward run (a forward or a recompute re-run) and its backward run (re-run with grad +
@@ -21,9 +21,10 @@ their timed layer compute, per extra layer, is the per-run overhead; the smaller
 model's step less its layers' compute and runs is the step's. Medians of interleaved
 repeats, so a change of machine load hits both.
 
-A program, not an import of `measure.py`: the engine imports the planner, which imports
-`profiling`, so `profiling/measure.py` runs this module in a subprocess (nothing in the
-package imports it).
+A program above the engine and the optimizer, not a part of `profiling/`: it imports the
+engine, the planner and `optim`, and the planner imports `profiling`, so
+`profiling/measure.py` runs this module in a subprocess (nothing in the package imports
+it) and no import runs back down the layers (`tests/test_import_graph.py`).
 """
 
 from __future__ import annotations
