@@ -160,7 +160,8 @@ def _measure_dequant(device: torch.device, side: int = 2048) -> tuple[float, str
 def _measure_layer_overheads(device: torch.device) -> tuple[float, float, float]:
     """(forward, backward, step) seconds of the engine's overhead on `device`:
     `lazytrain_accel/layer_probe.py` run as a program (it imports the engine, which imports
-    the planner, which imports this package: it cannot be imported here), at this process's thread count."""
+    the planner, which imports this package: it cannot be imported here), at this
+    process's thread count."""
     command = [sys.executable, "-m", "lazytrain_accel.layer_probe",
                "--device", str(device), "--threads", str(torch.get_num_threads())]
     try:
