@@ -46,6 +46,7 @@ from lazytrain_accel import preflight
 from lazytrain_accel.config import ANONYMOUS_SEGMENT
 from lazytrain_accel.distributed import segment_handoff
 from lazytrain_accel.distributed.generation_words import GenerationWords
+from lazytrain_accel.engine.memory.weights import master_dtype
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -119,10 +120,6 @@ def shared_params(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if not quantized.is_packed(p)]
 
 
-def _master_dtype(p: nn.Parameter) -> torch.dtype:
-    return torch.float32 if p.requires_grad and p.is_floating_point() else p.dtype
-
-
 class NodeStore:
     """One mapped segment; `generations.read(g)` is group g's update generation."""
 
@@ -150,7 +147,7 @@ def _layout(params: Sequence[tuple[str, nn.Parameter]], num_groups: int
     offset = _round_up(8 * (_HEADER_FIELDS + num_groups), _ALIGN_BYTES)
     slots, digest = [], hashlib.sha256()
     for name, p in params:
-        dtype = _master_dtype(p)
+        dtype = master_dtype(p)
         slots.append(_Slot(offset_bytes=offset, shape=p.shape, dtype=dtype))
         offset = _round_up(offset + p.numel() * dtype.itemsize, _ALIGN_BYTES)
         digest.update(f"{name}:{tuple(p.shape)}:{dtype};".encode())

@@ -54,6 +54,7 @@ from lazytrain_accel.engine.memory import quantized
 from lazytrain_accel.engine.memory.grads import GradSink
 from lazytrain_accel.engine.memory.nvme import NvmeSpill
 from lazytrain_accel.engine.memory.residents import ResidentParams, output_side, owners
+from lazytrain_accel.engine.memory.weights import master_dtype
 from lazytrain_accel.engine.model import hf_checkpointing
 from lazytrain_accel.engine.model.binding import bind_call, drop_cache
 from lazytrain_accel.engine.model.discovery import find_decoder_layers
@@ -97,9 +98,8 @@ class StreamingEngine:
         for p in model.parameters():  # fp32 host masters; frozen weights stay as stored
             if quantized.is_packed(p):
                 quantized.packed_to_host(p)
-            elif p.device.type != "cpu" or (p.requires_grad and p.dtype != torch.float32):
-                master = torch.float32 if p.requires_grad and p.is_floating_point() else p.dtype
-                p.data = p.data.to("cpu", master)
+            elif p.device.type != "cpu" or p.dtype != master_dtype(p):
+                p.data = p.data.to("cpu", master_dtype(p))
         self.streams = make_streams(self.device, emulation)
         self._build_parts(nvme_dir, resident, output_side(model, parent, layers_attr, resident))
         self._model_patch = ModelPatch(self, model, parent, self._layers, self.residents.params,

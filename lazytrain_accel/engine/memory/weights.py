@@ -36,6 +36,14 @@ from lazytrain_accel.planning.slots import WeightSlots
 NUM_STAGING = 2  # pinned staging buffers, used in turn
 
 
+def master_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype of `param`'s host master: fp32 for a trainable floating-point parameter
+    (the update runs on fp32 masters), its stored dtype otherwise (frozen weights stay as
+    stored). `attach` casts the masters to it and the node store lays its segment out by
+    it (`distributed/node_store.py`, whose layout hash depends on the two agreeing)."""
+    return torch.float32 if param.requires_grad and param.is_floating_point() else param.dtype
+
+
 class WeightPool:
     def __init__(self, layer_params: list[list[nn.Parameter]], *, streams: Streams,
                  compute_dtype: torch.dtype, accounting: Accounting,
