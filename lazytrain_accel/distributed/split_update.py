@@ -37,7 +37,7 @@ the node's reduce of that layer has completed; each node's owner then updates it
 copy with the same summed gradient, so the copies stay bit-identical. The global norm
 counts the first node's owners only.
 
-Waits (`PeerUpdates`): the owner of group g raises `generations[g]` in the node store
+Waits (`NodePeers`): the owner of group g raises `generations[g]` in the node store
 after updating it; the next forward of group g on any rank waits until it reaches the
 number of applied steps (`begin_step`), so a layer is never read before its owner's
 update of the same step. A waiter checks every `LIVENESS_CHECK_S` that the owner's
@@ -138,8 +138,10 @@ def node_groups(*, local_rank: int, local_world_size: int, node_id: str) -> Node
                       node_ranks=tuple(members[node_id]), intra=intra, cross=cross)
 
 
-class PeerUpdates:
-    """Per-group update generations in the node store, written by owners, read by all."""
+class NodePeers:
+    """This node's other local ranks as the engine's `PeerUpdates` sees them
+    (`engine/step/coordinator.py`, a Protocol): per-group update generations in the node
+    store, written by owners, read by all."""
 
     def __init__(self, generations: GenerationWords, owners: Sequence[int], rank: int, *,
                  pids: Sequence[int]) -> None:
@@ -223,7 +225,7 @@ class ShareReducer:
     """Overlapped per-layer gradient reduce to each group's owner (module docstring)."""
 
     def __init__(self, engine: ShareHooks, groups: Sequence[Sequence[nn.Parameter]],
-                 owners: Sequence[int], *, peers: PeerUpdates, layout: NodeGroups,
+                 owners: Sequence[int], *, peers: NodePeers, layout: NodeGroups,
                  should_reduce: Callable[[], bool]) -> None:
         self._world_size = dist.get_world_size()
         self._layout = layout
@@ -419,7 +421,7 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
                               for g in groups], layout.local_size, every_rank=on_gpus)
     pids: list[int | None] = [None] * layout.local_size
     dist.all_gather_object(pids, os.getpid(), group=layout.intra)
-    peers = PeerUpdates(generations, owners, layout.local_rank, pids=pids)
+    peers = NodePeers(generations, owners, layout.local_rank, pids=pids)
     engine.steps.peers = peers
     return ShareReducer(engine, groups, owners, peers=peers, layout=layout,
                         should_reduce=should_reduce)

@@ -280,7 +280,7 @@ def test_a_waiter_names_a_dead_owner_within_a_second() -> None:
     time.sleep(0.2)
     try:
         assert not node_store.pid_alive(dead.pid) and node_store.pid_alive(os.getpid())
-        peers = split_update.PeerUpdates(GenerationWords(bytearray(16), offset_bytes=0,
+        peers = split_update.NodePeers(GenerationWords(bytearray(16), offset_bytes=0,
                                                          count=2),
                                          [0, 1], 0, pids=[os.getpid(), dead.pid])
         peers.begin_step()
@@ -295,7 +295,7 @@ def test_a_waiter_names_a_dead_owner_within_a_second() -> None:
 
 def test_a_waiter_returns_once_a_live_owner_publishes() -> None:
     generations = GenerationWords(bytearray(16), offset_bytes=0, count=2)
-    peers = split_update.PeerUpdates(generations, [0, 1], 0, pids=[os.getpid()] * 2)
+    peers = split_update.NodePeers(generations, [0, 1], 0, pids=[os.getpid()] * 2)
     peers.begin_step()
     assert not peers.is_ready(1)
     generations.publish(1, 1)  # the owner's publish, as seen through the segment
@@ -390,7 +390,7 @@ def test_a_rank_holds_only_its_shares_gradients_and_a_few_in_flight(monkeypatch)
         monkeypatch.setattr(split_update.dist, name, lambda value=value: value)
     monkeypatch.setattr(split_update.dist, "reduce", reduce)
     engine = Engine()
-    peers = split_update.PeerUpdates(torch.zeros(6, dtype=torch.int64), owners, 0,
+    peers = split_update.NodePeers(torch.zeros(6, dtype=torch.int64), owners, 0,
                                      pids=[os.getpid()] * 2)
     reducer = split_update.ShareReducer(
         engine, layers, owners, peers=peers,
