@@ -2,8 +2,8 @@
 memory growth of the step, step seconds) and saves every gradient to `--grads`.
 
 Modes: `layer` / `tiled` / `untiled` run through the Accelerate plugin (`layer`: the whole
-layer in sequence tiles, `Plan.attention_block_tokens` = `Plan.tile_tokens`; `tiled`: the
-MLP only; set on the engine's plan, the fused loss on), `stock` is plain transformers with gradient
+layer in sequence tiles, `Plan.tiling` "layer"; `tiled`: the MLP only, "mlp"; set on the
+engine's plan, the fused loss on), `stock` is plain transformers with gradient
 checkpointing. Run by `bench/long_context.py` and `tests/integrations/test_long_sample.py`.
 
 Memory: VmHWM (peak resident set, reset through /proc/self/clear_refs) after the step,
@@ -77,10 +77,9 @@ def _prepare(mode: str, model: torch.nn.Module, seq: int, tile_tokens: int, work
     acc = Accelerator(cpu=True, plugin=plugin)
     model = acc.prepare(model)
     engine = acc.lazytrain_engine
-    tiled = mode in ("tiled", "layer")
-    engine.set_plan(dataclasses.replace(
-        engine.plan, tile_tokens=tile_tokens if tiled else 0,
-        attention_block_tokens=tile_tokens if mode == "layer" else 0))
+    tiling = {"layer": "layer", "tiled": "mlp"}.get(mode, "none")
+    engine.set_plan(dataclasses.replace(engine.plan, tiling=tiling,
+                                        tile_tokens=0 if tiling == "none" else tile_tokens))
     return model, acc.backward
 
 

@@ -161,8 +161,8 @@ def _summary(plan: Plan, numbers: Any, geometry: ModelGeometry) -> dict[str, Any
         "optimizer_exposed_s": numbers.optimizer_exposed_s,
         "loss_chunk_tokens": plan.loss_chunk_tokens,
         "resident_update": plan.resident_update,
+        "tiling": plan.tiling,
         "tile_tokens": plan.tile_tokens,
-        "attention_block_tokens": plan.attention_block_tokens,
         "layers_run_whole": geometry.whole_layer_reason,
         "int32_index_exceeded": overflow is not None,
         "int32_index_overflow": overflow,
@@ -212,18 +212,17 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
 
 
 def _print_tiles(summary: dict[str, Any]) -> None:
-    tile, block = summary["tile_tokens"], summary["attention_block_tokens"]
-    mlp = f"its MLP in tiles of {tile} tokens" if tile else "its MLP whole"
+    tiling, tile = summary["tiling"], summary["tile_tokens"]
     whole = summary.get("layers_run_whole")
-    if block and block < summary["seq_len"] and whole:
-        print(f"  layers: run whole ({whole}), attention in query blocks of {block} tokens, "
-              f"{mlp}")
-    elif block and block < summary["seq_len"]:
-        print(f"  layers: the whole layer in sequence tiles of {block} tokens (attention as "
-              f"query blocks against the key prefix), {mlp}")
+    if tiling == "layer" and whole:
+        print(f"  layers: run whole ({whole}), attention in query blocks of {tile} tokens, "
+              f"its MLP in tiles of {tile} tokens")
+    elif tiling == "layer":
+        print(f"  layers: the whole layer in sequence tiles of {tile} tokens (attention as "
+              "query blocks against the key prefix)")
     else:
-        print("  layers: " + (f"token-wise parts in tiles of {tile} tokens" if tile else
-                              "untiled") + ", attention over the whole sequence")
+        print("  layers: " + (f"token-wise parts in tiles of {tile} tokens" if tiling == "mlp"
+                              else "untiled") + ", attention over the whole sequence")
     if summary["int32_index_exceeded"]:
         print(f"  index: {summary['int32_index_overflow']} reach 2^31 elements: the engine "
               "refuses the run (int32 index math in kernels)")

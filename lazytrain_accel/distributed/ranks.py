@@ -42,14 +42,16 @@ def _digest(value: Any) -> str:
 
 def rank_key(plan: Plan, model: nn.Module) -> dict[str, str]:
     """This rank's fingerprints: the model (parameter names, shapes, dtypes, trainability)
-    and the plan's decisions (run fingerprint, strategy, homes, optimizer, node shape)."""
+    and the plan's decisions (run fingerprint, strategy, homes, optimizer, tiling, node
+    shape)."""
     params = [[n, list(p.shape), str(p.dtype), p.requires_grad]
               for n, p in model.named_parameters()]
     decisions = {"run": plan.fingerprint, "strategy": plan.strategy,
                  "homes": [h.value for h in plan.homes], "optimizer": plan.optimizer,
                  "resident_update": plan.resident_update,
-                 "loss_chunk_tokens": plan.loss_chunk_tokens, "tile_tokens": plan.tile_tokens,
-                 "gpus_per_node": plan.gpus_per_node, "nodes": plan.nodes}
+                 "loss_chunk_tokens": plan.loss_chunk_tokens, "tiling": plan.tiling,
+                 "tile_tokens": plan.tile_tokens, "gpus_per_node": plan.gpus_per_node,
+                 "nodes": plan.nodes}
     return {"model": _digest(params), "plan": _digest(decisions),
             "plan_summary": f"{plan.strategy}, homes {plan.count_homes()}, optimizer "
                             f"{plan.optimizer}"}

@@ -32,6 +32,29 @@ PLAN_FORMAT_VERSION = 1
 RESIDENT_UPDATES: tuple[str, ...] = ("host", "device")
 
 
+#: How each streamed layer runs over a long sequence (`Plan.tiling`), in tiles of
+#: `Plan.tile_tokens` tokens: "none": whole, one attention call over the sequence; "mlp":
+#: its token-wise parts (MLP, MoE experts) in tiles, attention over the whole sequence
+#: (`engine/sequence/tiles.py`); "layer": the whole layer in sequence tiles, each tile's
+#: queries attending to the key prefix (`engine/sequence/layer_tiles.py`), or, for a layer
+#: that cannot run in tiles, the layer whole with its MLP in tiles and its attention in
+#: query blocks of the tile's size (`engine/sequence/query_blocks.py`).
+TILINGS: tuple[str, ...] = ("none", "mlp", "layer")
+
+
+def tiling_of(tile_tokens: int, attention_block_tokens: int) -> tuple[str, int]:
+    """(tiling, tile_tokens) of a profile's two sizes (`ModelProfile.tile_tokens`,
+    `attention_block_tokens`; a plan file of before `Plan.tiling` stored them too): query
+    blocks make it "layer" tiles of their size, MLP tiles alone "mlp"."""
+    if attention_block_tokens and tile_tokens not in (0, attention_block_tokens):
+        raise PlanError(f"tile_tokens={tile_tokens} with attention_block_tokens="
+                        f"{attention_block_tokens}: a plan tiles the whole layer in one size; "
+                        "re-run `lazytrain plan`")
+    if attention_block_tokens:
+        return "layer", attention_block_tokens
+    return ("mlp", tile_tokens) if tile_tokens else ("none", 0)
+
+
 class Home(str, enum.Enum):
     GPU = "gpu"
     CPU = "cpu"
@@ -154,15 +177,11 @@ class Plan:
     # The host optimizer whose state the plan's host bytes price ("hybrid8bit" or "keep",
     # planning/host.py); a plan file without it: hybrid8bit.
     optimizer: str = "hybrid8bit"
-    # Tokens per sequence tile of each streamed layer's token-wise parts (MLP, norms,
-    # projections) in the forward and the backward re-run; 0: untiled (one tile). A plan
-    # file without it: untiled.
+    # How each streamed layer runs over the sequence (`TILINGS`) and the tile's tokens (0
+    # exactly when "none"). A plan file without them: "none"; one with the older
+    # `attention_block_tokens` is read through `tiling_of`.
+    tiling: str = "none"
     tile_tokens: int = 0
-    # Tokens per query block of each streamed layer's attention backward: K, V of the whole
-    # sequence and their fp32 gradients stay on the device, a block's q, o, dO, dQ live for
-    # that block only; 0: one attention call over the whole sequence. A plan file without
-    # it: 0.
-    attention_block_tokens: int = 0
     # The node shape the plan was made for: local ranks sharing one host (each runs this
     # plan; the host bytes in `prediction` are the node's, the tokens/s one rank's) and
     # nodes. A plan file without them: one GPU.
@@ -180,10 +199,13 @@ class Plan:
         self._check_consistent()
 
     def _check_consistent(self) -> None:
-        for name in ("tile_tokens", "attention_block_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise PlanError(f"plan {name}={value!r} must be an integer >= 0 (0: untiled)")
+        if self.tiling not in TILINGS:
+            raise PlanError(f"plan tiling={self.tiling!r} is not one of {TILINGS}")
+        if (isinstance(self.tile_tokens, bool) or not isinstance(self.tile_tokens, int)
+                or self.tile_tokens < 0 or (self.tile_tokens == 0) != (self.tiling == "none")):
+            raise PlanError(f"plan tile_tokens={self.tile_tokens!r} with tiling="
+                            f"{self.tiling!r}: tile_tokens is an integer, 0 exactly when the "
+                            "tiling is 'none'")
         for name in ("gpus_per_node", "nodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -219,6 +241,12 @@ class Plan:
         e - s - 1 boundaries inside it."""
         return sum(e - s - 1 for s, e in self.blocks)
 
+    @property
+    def attention_block_tokens(self) -> int:
+        """Tokens per attention query block: the tile under "layer" tiling (a tiled layer's
+        tiles are its query blocks), 0 otherwise (one call over the whole sequence)."""
+        return self.tile_tokens if self.tiling == "layer" else 0
+
     def count_homes(self) -> dict[str, int]:
         return {h.value: sum(1 for x in self.homes if x == h) for h in Home}
 
@@ -244,6 +272,9 @@ class Plan:
                             f"reads version {PLAN_FORMAT_VERSION}); re-run `lazytrain plan`")
         try:
             fields = dict(data)
+            if "attention_block_tokens" in fields:  # a plan file of before `tiling`
+                fields["tiling"], fields["tile_tokens"] = tiling_of(
+                    fields.get("tile_tokens", 0), fields.pop("attention_block_tokens"))
             fields["prediction"] = Prediction(**data["prediction"])
             fields["solver"] = Solution.from_dict(data["solver"],
                                                   [Home(h) for h in data["homes"]])

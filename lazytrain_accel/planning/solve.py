@@ -16,7 +16,7 @@ from lazytrain_accel.planning.baselines import BASELINES, GPU_ONLY_BASELINES
 from lazytrain_accel.planning.fastest import fastest, repriced
 from lazytrain_accel.planning.loss_head import plan_loss_head
 from lazytrain_accel.planning.no_solver import admissible, evaluate_fixed
-from lazytrain_accel.planning.plan import Home, Plan, Prediction, Solution
+from lazytrain_accel.planning.plan import Home, Plan, Prediction, Solution, tiling_of
 from lazytrain_accel.planning.problem import (
     Budgets,
     PlanInfeasibleError,
@@ -152,6 +152,7 @@ def plan_from_solution(p: Problem, solution: Solution, *, strategy: str,
     if solution.homes is None:
         raise ValueError(f"solution has no homes (status {solution.status}): nothing to plan")
     homes = list(solution.homes)
+    tiling, tile_tokens = tiling_of(model.tile_tokens or 0, model.attention_block_tokens)
     draft = Plan(strategy=strategy, num_layers=p.num_layers, batch_size=model.batch_size,
                  seq_len=model.seq_len, boundary_bytes=p.boundary_bytes, homes=homes,
                  blocks=blocks_of(homes),
@@ -160,8 +161,7 @@ def plan_from_solution(p: Problem, solution: Solution, *, strategy: str,
                                        exposed_s=0.0),
                  solver=solution, fingerprint=run_fingerprint(model, hardware),
                  loss_chunk_tokens=model.loss_chunk_tokens or 0,
-                 tile_tokens=model.tile_tokens or 0,
-                 attention_block_tokens=model.attention_block_tokens,
+                 tiling=tiling, tile_tokens=tile_tokens,
                  resident_update=p.resident_update, optimizer=p.optimizer,
                  gpus_per_node=p.gpus_per_node)
     result = simulate(draft, model, hardware, include_optimizer=include_optimizer)

@@ -59,10 +59,8 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[int, int]], list[b
     return calls, reuses
 
 
-def _run(ref: torch.nn.Module, model: torch.nn.Module, kwargs: dict, tmp_path,
-         tile_tokens: int) -> object:
-    plan = dataclasses.replace(make_plan("megatrain", 3), tile_tokens=tile_tokens,
-                               attention_block_tokens=BLOCK)
+def _run(ref: torch.nn.Module, model: torch.nn.Module, kwargs: dict, tmp_path) -> object:
+    plan = dataclasses.replace(make_plan("megatrain", 3), tiling="layer", tile_tokens=BLOCK)
     engine = attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
     ref(**kwargs, use_cache=False).loss.backward()
     return engine
@@ -78,11 +76,9 @@ def _assert_grads_equal(ref: torch.nn.Module, model: torch.nn.Module) -> None:
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize(("arch", "tile_tokens", "padded"), [
-    ("llama", 0, False), ("llama", 3, True), ("qwen2", 3, False), ("gemma", 0, False),
-    ("phi3", 3, False)])
-def test_gradients_equal_stock_whole_sequence_attention(arch, tile_tokens, padded, tmp_path,
-                                                        monkeypatch):
+@pytest.mark.parametrize(("arch", "padded"), [
+    ("llama", False), ("llama", True), ("qwen2", False), ("gemma", False), ("phi3", False)])
+def test_gradients_equal_stock_whole_sequence_attention(arch, padded, tmp_path, monkeypatch):
     ref = _sdpa_model(arch)
     model = twin(ref)
     ids = batches(1)[0]
@@ -90,7 +86,7 @@ def test_gradients_equal_stock_whole_sequence_attention(arch, tile_tokens, padde
     if padded:
         mask[1, :4] = 0  # a left-padded second sequence: a 4-D mask, its rows cut per tile
     kwargs = {"input_ids": ids, "labels": ids, "attention_mask": mask}
-    engine = _run(ref, model, kwargs, tmp_path, tile_tokens)
+    engine = _run(ref, model, kwargs, tmp_path)
     calls, reuses = _spy(monkeypatch)
     model(**kwargs).loss.backward()
     _assert_grads_equal(ref, model)
@@ -107,7 +103,7 @@ def test_an_moe_layer_runs_in_tiles_and_falls_back_whole_when_it_records_router_
     for record in (False, True):
         ref = _sdpa_model("mixtral", output_router_logits=record)
         model = twin(ref)
-        engine = _run(ref, model, kwargs, tmp_path / str(record), 0)
+        engine = _run(ref, model, kwargs, tmp_path / str(record))
         calls, reuses = _spy(monkeypatch)
         with caplog.at_level("INFO", logger="lazytrain_accel"):
             model(**kwargs).loss.backward()
@@ -166,7 +162,7 @@ def test_the_planner_sizes_a_layer_that_runs_whole_as_untiled_and_the_engine_agr
 
     monkeypatch.setattr(layer_tiles, "forward", counted)
     ids = batches(1)[0]
-    engine = _run(ref, model, {"input_ids": ids, "labels": ids}, tmp_path, 0)
+    engine = _run(ref, model, {"input_ids": ids, "labels": ids}, tmp_path)
     model(input_ids=ids, labels=ids).loss.backward()
     _assert_grads_equal(ref, model)
     assert engine.runtime._layer_tiles_ok == [runs_in_tiles(g)] * 3
@@ -266,7 +262,7 @@ def test_dropout_in_a_tile_draws_in_backward_what_its_forward_drew(tmp_path) -> 
     ids = batches(1)[0]
     torch.manual_seed(5)
     ref(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-    plan = dataclasses.replace(make_plan("megatrain", 3), attention_block_tokens=BLOCK)
+    plan = dataclasses.replace(make_plan("megatrain", 3), tiling="layer", tile_tokens=BLOCK)
     engine = attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
     torch.manual_seed(5)
     model(input_ids=ids, labels=ids).loss.backward()

@@ -34,7 +34,7 @@ def _model(attn: str = "sdpa", **overrides: object) -> torch.nn.Module:
 
 
 def _attached(model: torch.nn.Module, tmp_path) -> torch.nn.Module:
-    plan = dataclasses.replace(make_plan("megatrain", 2), tile_tokens=1024)
+    plan = dataclasses.replace(make_plan("megatrain", 2), tiling="mlp", tile_tokens=1024)
     attach(model, plan, device=torch.device("cpu"), nvme_dir=str(tmp_path))
     return model
 

@@ -66,14 +66,11 @@ def _sdpa_model(arch: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("tile_tokens", [0, 3])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_engine_gradients_equal_whole_sequence_attention(arch, tile_tokens, padded, tmp_path,
-                                                         monkeypatch):
+def test_engine_gradients_equal_whole_sequence_attention(arch, padded, tmp_path, monkeypatch):
     ref = _sdpa_model(arch)
     model = twin(ref)
-    plan = dataclasses.replace(make_plan("megatrain", 3), tile_tokens=tile_tokens,
-                               attention_block_tokens=BLOCK)
+    plan = dataclasses.replace(make_plan("megatrain", 3), tiling="layer", tile_tokens=BLOCK)
     engine = attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
     ids = batches(1)[0]
     mask = torch.ones_like(ids)
@@ -96,16 +93,16 @@ def test_engine_gradients_equal_whole_sequence_attention(arch, tile_tokens, padd
 
 def test_a_plan_with_query_blocks_is_refused_for_eager_attention(tmp_path) -> None:
     model = build_model("llama", 2)  # eager
-    plan = dataclasses.replace(make_plan("megatrain", 2), attention_block_tokens=BLOCK)
-    with pytest.raises(QueryBlockError, match=r"attn_implementation='sdpa'.*attention_block"):
+    plan = dataclasses.replace(make_plan("megatrain", 2), tiling="layer", tile_tokens=BLOCK)
+    with pytest.raises(QueryBlockError, match=r"attn_implementation='sdpa'.*tiling 'none'"):
         attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
 
 
 def test_set_plan_refuses_query_blocks_it_cannot_run(tmp_path) -> None:
     model = build_model("llama", 2)
     engine = attach(model, make_plan("megatrain", 2), device=CPU, nvme_dir=str(tmp_path))
-    blocked = dataclasses.replace(engine.plan, attention_block_tokens=BLOCK)
+    blocked = dataclasses.replace(engine.plan, tiling="layer", tile_tokens=BLOCK)
     with pytest.raises(QueryBlockError, match="decoder layer 1"):
         engine.set_plan(blocked)
-    assert engine.plan.attention_block_tokens == 0
+    assert engine.plan.tiling == "none"
     engine.detach()

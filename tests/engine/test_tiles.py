@@ -11,6 +11,7 @@ import torch
 from engine_helpers import ARCH_CONFIGS, batches, build_model, make_plan, twin
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lazytrain_accel.distributed import ranks
 from lazytrain_accel.engine import attach, find_decoder_layers
 from lazytrain_accel.engine.sequence.tiles import find_token_mlp
 
@@ -26,7 +27,8 @@ NO_MLP_DROPOUT = {"gpt2": {"resid_pdrop": 0.0}, "gpt_bigcode": {"resid_pdrop": 0
 def _tiled_twin(ref: torch.nn.Module, kind: str, tmp_path, tile_tokens: int = TILE):
     model = twin(ref)
     num_layers = len(find_decoder_layers(model)[2])
-    plan = dataclasses.replace(make_plan(kind, num_layers), tile_tokens=tile_tokens)
+    plan = dataclasses.replace(make_plan(kind, num_layers), tile_tokens=tile_tokens,
+                               tiling="mlp" if tile_tokens else "none")
     return model, attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
 
 
@@ -158,3 +160,14 @@ def test_a_family_without_a_token_wise_block_runs_untiled_and_says_so(tmp_path, 
             or "run untiled" in r.getMessage()]
     assert len(said) == 1 and "OPTDecoderLayer" in said[0].getMessage()
     engine.detach()
+
+
+def test_ranks_that_tile_differently_disagree_on_the_plan() -> None:
+    """The launch's rank check (`distributed/ranks.py:rank_key`) covers the plan's tiling:
+    MLP tiles and whole-layer tiles of one size are different plans."""
+    model = build_model("llama", 2)
+    plan = make_plan("megatrain", 2)
+    keys = {ranks.rank_key(dataclasses.replace(plan, tiling=tiling, tile_tokens=tokens),
+                           model)["plan"]
+            for tiling, tokens in (("none", 0), ("mlp", 8), ("layer", 8), ("layer", 16))}
+    assert len(keys) == 4

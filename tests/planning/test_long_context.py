@@ -83,7 +83,7 @@ def test_8b_per_token_figures_match_the_design_estimates() -> None:
 
 def test_untiled_when_it_fits_tiled_only_when_it_does_not() -> None:
     roomy = make_plan(_llama(131072, None), H200, PlanRequest(time_limit_s=20))
-    assert (roomy.tile_tokens, roomy.attention_block_tokens) == (0, 0)
+    assert (roomy.tiling, roomy.tile_tokens) == ("none", 0)
     tight = Budgets(gpu_bytes=40 * GIB, cpu_bytes=H200.cpu_memory_bytes, nvme_bytes=0)
     with pytest.raises(PlanInfeasibleError):
         make_plan(_llama(131072, 0), H200,
@@ -96,7 +96,7 @@ def test_untiled_when_it_fits_tiled_only_when_it_does_not() -> None:
 
 def test_750k_tokens_plan_on_one_h200_in_query_blocks() -> None:
     plan = make_plan(_llama(750_000, None), H200, PlanRequest(time_limit_s=20))
-    assert plan.tile_tokens > 0 and plan.attention_block_tokens > 0
+    assert plan.tiling == "layer" and plan.tile_tokens > 0
     assert plan.prediction.peak_gpu_bytes <= H200.gpu_memory_bytes
     assert plan.prediction.peak_cpu_bytes <= H200.cpu_memory_bytes
     assert plan.solver.solve_s < 5
@@ -115,7 +115,7 @@ def test_refusals_name_the_term_left_over(seq_len: int, tile: int | None, hardwa
 
 def test_2m_tokens_plan_on_one_h200_with_the_hidden_state_past_2_31() -> None:
     plan = make_plan(_llama(2_000_000, None), H200, PlanRequest(time_limit_s=20))
-    assert plan.attention_block_tokens > 0  # the whole layer in sequence tiles
+    assert plan.tiling == "layer"  # the whole layer in sequence tiles
     assert 2_000_000 * 4096 >= 2**31  # [S, hidden] past int32 indexing: the tiles chunk it
     assert plan.prediction.peak_gpu_bytes <= H200.gpu_memory_bytes
 

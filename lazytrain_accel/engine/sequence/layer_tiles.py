@@ -1,4 +1,4 @@
-"""Sequence-tiled decoder layers (`Plan.attention_block_tokens` > 0, issue 23).
+"""Sequence-tiled decoder layers (`Plan.tiling` "layer", issue 23).
 
 In a decoder layer only attention mixes tokens: its norms, projections, rotary embedding,
 residuals and MLP are token-wise. So a layer runs over tiles of `attention_block_tokens`

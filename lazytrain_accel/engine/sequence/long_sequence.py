@@ -101,8 +101,8 @@ def check_call(hidden: torch.Tensor, kwargs: dict[str, Any], *, attn_implementat
         raise LongSequenceError(
             f"the hidden state {tuple(hidden.shape)} has {hidden.numel():,} elements, at or "
             f"past 2^31 ({INDEX_LIMIT_ELEMENTS:,}) where kernels' int32 indexing overflows: "
-            "run the layers in sequence tiles (a plan with attention_block_tokens > 0: the "
-            "planner's tile_tokens='auto' picks them), split the batch (batch 1) or train "
+            "run the layers in sequence tiles (a plan with tiling 'layer': the "
+            "planner's tile_tokens='auto' picks it), split the batch (batch 1) or train "
             "on shorter sequences")
     seq = sequence_tokens(hidden)
     if seq < LONG_SEQ_TOKENS:

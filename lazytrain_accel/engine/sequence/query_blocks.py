@@ -1,4 +1,4 @@
-"""Attention in query blocks (`Plan.attention_block_tokens` > 0) inside a streamed layer.
+"""Attention in query blocks (`Plan.tiling` "layer") inside a streamed layer.
 
 Transformers routes a layer's attention through `ALL_ATTENTION_FUNCTIONS[config.
 _attn_implementation]`. While a streamed layer runs with query blocks (`query_blocks`),
@@ -52,7 +52,7 @@ def refuse_unsupported(kind: str, dropout: float, kwargs: dict[str, Any]) -> Non
         raise QueryBlockError(
             f"{kind} attention got dropout={dropout} and {set_kwargs or 'no'} "
             "unsupported arguments (logit soft-capping, a position bias, attention sinks): "
-            "set the attention dropout to 0, or plan with attention_block_tokens=0")
+            "set the attention dropout to 0, or plan with tiling 'none' or 'mlp'")
 
 
 _block_tokens: ContextVar[int] = ContextVar("lazytrain_attention_block_tokens", default=0)
@@ -87,7 +87,7 @@ def check_layers(layers: list[nn.Module], block_tokens: int) -> list[list[Any]]:
                 f"the plan runs attention in query blocks of {block_tokens} tokens, but "
                 f"decoder layer {index} ({type(layer).__name__}) dispatches attention through "
                 f"{names or 'no transformers attention interface'}: load the model with "
-                "attn_implementation='sdpa', or plan with attention_block_tokens=0 (whole-"
+                "attn_implementation='sdpa', or plan with tiling 'none' or 'mlp' (whole-"
                 "sequence attention; fewer tokens per step then fit)")
     return configs
 

@@ -88,7 +88,7 @@ class _Call:
             raise TypeError(f"the token-wise block returned {type(out).__name__} "
                             f"{getattr(out, 'shape', '')} for a tile of shape "
                             f"{tuple(tiles[0].shape)}; it cannot run in sequence tiles: plan "
-                            "with tile_tokens=0")
+                            "with tiling 'none'")
         return out, taken
 
     def join(self, per_tile: list[list[tuple[str, Any]]]) -> list[torch.Tensor]:
@@ -117,7 +117,7 @@ def _token_dim(value: Any, tokens: int, key: str) -> int:
         return 0
     raise TypeError(f"the token-wise block recorded {key!r} with shape "
                     f"{tuple(getattr(value, 'shape', ()))} for a tile of {tokens} tokens: not "
-                    "per token, it cannot be tiled; plan with tile_tokens=0")
+                    "per token, it cannot be tiled; plan with tiling 'none'")
 
 
 class _TiledCall(torch.autograd.Function):
