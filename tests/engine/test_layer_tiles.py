@@ -44,7 +44,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[int, int]], list[b
     """(queries, keys) of every tile attention call; `reuse_grad` of every tiled backward."""
     calls: list[tuple[int, int]] = []
     reuses: list[bool] = []
-    attention, backward = layer_tiles._block_attention, layer_tiles.backward
+    attention, backward = layer_tiles.block_attention, layer_tiles.backward
 
     def attend(q: torch.Tensor, k: torch.Tensor, *args: object) -> torch.Tensor:
         calls.append((q.shape[2], k.shape[2]))
@@ -54,7 +54,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[int, int]], list[b
         reuses.append(bool(kwargs["reuse_grad"]))
         return backward(*args, **kwargs)
 
-    monkeypatch.setattr(layer_tiles, "_block_attention", attend)
+    monkeypatch.setattr(layer_tiles, "block_attention", attend)
     monkeypatch.setattr(layer_tiles, "backward", back)
     return calls, reuses
 
@@ -227,7 +227,7 @@ def _chunked_attention(module, query, key, value, attention_mask, dropout=0.0, s
     values.append(value)
     k, v = torch.cat(keys, 2), torch.cat(values, 2)
     mask = None if attention_mask is None else attention_mask[..., :k.shape[2]]
-    out = layer_tiles._block_attention(query, k, v, mask, scaling)
+    out = layer_tiles.block_attention(query, k, v, mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -49,8 +49,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lazytrain_accel.engine.model import captures
 from lazytrain_accel.engine.model.replay import ReplayState, capture, replaying
+from lazytrain_accel.engine.sequence.attention import block_attention, refuse_unsupported
 from lazytrain_accel.engine.sequence.long_sequence import INDEX_LIMIT_ELEMENTS, LongSequenceError
-from lazytrain_accel.engine.sequence.query_blocks import _block_attention, refuse_unsupported
 
 #: The attention implementation name a sequence-tiled layer runs under.
 LAYER_TILES_ATTENTION = "lazytrain_layer_tiles"
@@ -300,9 +300,9 @@ def _attend(tiles: _Tiles, query: torch.Tensor, mask: torch.Tensor | None,
     """The running tile's attention output (no graph): its queries against the K, V prefix."""
     out = query.new_empty(*query.shape[:3], tiles.value.shape[-1])
     for r0, r1, keys in _row_blocks(tiles, query.device):
-        out[:, :, r0:r1] = _block_attention(query[:, :, r0:r1], tiles.key[:, :, :keys],
-                                            tiles.value[:, :, :keys],
-                                            _mask_rows(mask, r0, r1, keys), scale)
+        out[:, :, r0:r1] = block_attention(query[:, :, r0:r1], tiles.key[:, :, :keys],
+                                           tiles.value[:, :, :keys],
+                                           _mask_rows(mask, r0, r1, keys), scale)
     return out
 
 
@@ -346,7 +346,7 @@ class _TileAttention(torch.autograd.Function):
                 v = tiles.value[:, j:j + 1, :keys].detach().requires_grad_()
                 head_mask = mask if mask is None or mask.shape[1] == 1 else mask[:, h0:h1]
                 with torch.enable_grad():
-                    out = _block_attention(q, k, v, head_mask, ctx.scale)
+                    out = block_attention(q, k, v, head_mask, ctx.scale)
                 gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad_out[:, h0:h1, r0:r1])
                 grad_q[:, h0:h1, r0:r1] = gq
                 tiles.grad_key[:, j:j + 1, :keys] += gk

@@ -29,37 +29,23 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from lazytrain_accel.engine.sequence.attention import (
+    QueryBlockError,
+    block_attention,
+    refuse_unsupported,
+)
 
 #: The attention implementation name streamed layers run under with query blocks.
 QUERY_BLOCKS_ATTENTION = "lazytrain_query_blocks"
 #: The only implementation query blocks replace.
 BLOCKED_IMPLEMENTATION = "sdpa"
-#: Attention-function kwargs that change the math beyond a mask (refused when set).
-_UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux", "sinks")
-
-
-
-def refuse_unsupported(kind: str, dropout: float, kwargs: dict[str, Any]) -> None:
-    """Raise `QueryBlockError` when `kind` attention (query-blocked, sequence-tiled) got
-    dropout or an argument that changes the math beyond a mask."""
-    set_kwargs = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
-    if dropout or set_kwargs:
-        raise QueryBlockError(
-            f"{kind} attention got dropout={dropout} and {set_kwargs or 'no'} "
-            "unsupported arguments (logit soft-capping, a position bias, attention sinks): "
-            "set the attention dropout to 0, or plan with tiling 'none' or 'mlp'")
 
 
 _block_tokens: ContextVar[int] = ContextVar("lazytrain_attention_block_tokens", default=0)
-
-
-class QueryBlockError(ValueError):
-    """A plan asks for query-blocked attention where the engine cannot run it."""
 
 
 def attention_configs(layer: nn.Module) -> list[Any]:
@@ -110,25 +96,6 @@ def query_blocks(configs: list[Any], block_tokens: int) -> Iterator[None]:
         _block_tokens.reset(token)
 
 
-def _offset_causal(q_len: int, k_len: int, device: torch.device) -> Any:
-    """Causal for the last `q_len` of `k_len` positions. On CUDA a `CausalBias` (a fused
-    kernel applies it, nothing is built); elsewhere a [q_len, k_len] bool mask (PyTorch's
-    `causal_lower_right` drops `enable_gqa` on that path)."""
-    if device.type == "cuda":
-        return causal_lower_right(q_len, k_len)
-    rows = torch.arange(k_len - q_len, k_len, device=device)
-    return torch.arange(k_len, device=device)[None, :] <= rows[:, None]
-
-
-def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
-    """One query block q ([batch, heads, block, d]) against the key prefix k, v ending with
-    the block: causal with the diagonal at the bottom right, or `mask` (the block's rows)."""
-    bias = mask if mask is not None else _offset_causal(q.shape[2], k.shape[2], q.device)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
 def _mask_rows(mask: torch.Tensor | None, start: int, end: int) -> torch.Tensor | None:
     return None if mask is None else mask[..., start:end, :end]
 
@@ -141,7 +108,7 @@ class _BlockedAttention(torch.autograd.Function):
         bounds = [(a, min(a + block_tokens, seq)) for a in range(0, seq, block_tokens)]
         out = query.new_empty(*query.shape[:3], value.shape[-1])  # [batch, heads, S, d_v]
         for start, end in bounds:
-            out[:, :, start:end] = _block_attention(
+            out[:, :, start:end] = block_attention(
                 query[:, :, start:end], key[:, :, :end], value[:, :, :end],
                 _mask_rows(mask, start, end), scale)
         ctx.bounds, ctx.scale, ctx.mask = bounds, scale, mask
@@ -159,7 +126,7 @@ class _BlockedAttention(torch.autograd.Function):
             k = key[:, :, :end].detach().requires_grad_()
             v = value[:, :, :end].detach().requires_grad_()
             with torch.enable_grad():
-                out = _block_attention(q, k, v, _mask_rows(ctx.mask, start, end), ctx.scale)
+                out = block_attention(q, k, v, _mask_rows(ctx.mask, start, end), ctx.scale)
             gq, gk, gv = torch.autograd.grad(out, (q, k, v), grad_out[:, :, start:end])
             grad_q[:, :, start:end] = gq
             grad_k[:, :, :end] += gk
