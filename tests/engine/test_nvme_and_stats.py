@@ -27,6 +27,7 @@ def test_nvme_boundaries_are_on_disk_not_in_ram_between_forward_and_backward(tmp
     assert tiers == {0: {"device"}, 1: {"nvme"}, 2: {"nvme"}, 3: {"device", "nvme"}}, tiers
     files = list(tmp_path.rglob("*.bin"))
     assert len(files) == 3 and all(f.stat().st_size == boundary_bytes for f in files)
+    assert [d.name.startswith("lazytrain-") for d in tmp_path.iterdir()] == [True]
     stats = engine.stats()
     assert stats.current_bytes["nvme"] == 3 * boundary_bytes
     assert stats.current_bytes[host] == staging_bytes  # host copies freed once written
@@ -40,7 +41,7 @@ def test_nvme_boundaries_are_on_disk_not_in_ram_between_forward_and_backward(tmp
     assert stats.transfer_bytes["nvme_read"] == 2 * boundary_bytes
     assert stats.current_bytes["nvme"] == 0
     engine.detach()
-    assert not (tmp_path / engine.nvme_directory).exists()
+    assert not list(tmp_path.iterdir())  # the engine's own directory went with it
 
 
 def test_no_file_left_after_exception_in_forward(tmp_path):

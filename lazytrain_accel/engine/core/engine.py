@@ -393,11 +393,6 @@ class StreamingEngine:
         return {i: state.store.where(i) for i in range(len(state.positions))
                 if state.store.where(i)}
 
-    @property
-    def nvme_directory(self) -> str:
-        """This engine's own directory for boundary files (created on first use)."""
-        return str(self.spill.directory)
-
     def synchronize(self) -> None:
         """Wait for background I/O and a running layer-wise update."""
         self.steps.wait()
