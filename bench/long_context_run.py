@@ -76,7 +76,7 @@ def _prepare(mode: str, model: torch.nn.Module, seq: int, tile_tokens: int, work
                              cache_dir=f"{workdir}/cache", nvme_dir=f"{workdir}/nvme")
     acc = Accelerator(cpu=True, plugin=plugin)
     model = acc.prepare(model)
-    engine = acc.lazytrain_engine
+    engine = acc.lazytrain.engine
     tiled = mode in ("tiled", "layer")
     engine.set_plan(dataclasses.replace(
         engine.plan, tile_tokens=tile_tokens if tiled else 0,
