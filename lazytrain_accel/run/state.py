@@ -91,8 +91,6 @@ class RunState:
         if self.engine is not None and self.engine.plan is not run.plan:
             self.engine.set_plan(run.plan)  # refuses a plan it cannot run: nothing changed
         self.run, self.sizing = run, sizing or self.sizing
-        if self.replanner is not None:
-            self.replanner.run = run
 
     def replan(self, batch_size: int, seq_len: int) -> Plan | None:
         """The engine saw a (batch, seq) batch beyond its plan: plan once upward (cached)."""
@@ -241,8 +239,8 @@ def _wire_replanning(state: RunState) -> None:
         return
     engine.replan = state.replan
     if config.replan == "auto" and state.launch.num_processes == 1:
-        state.replanner = replanner_for(config, engine=engine, run=state.run,
-                                        adopt=state.adopt, device=state.launch.device)
+        state.replanner = replanner_for(config, engine=engine, state=state,
+                                        device=state.launch.device)
 
 
 def _wire_reducer(state: RunState) -> None:

@@ -139,7 +139,8 @@ def test_resuming_a_longer_shape_reaches_the_replanner_too(tmp_path: Path) -> No
     resumed.load_state(str(tmp_path / "ckpt"))
     assert resumed.lazytrain.run.model_profile.seq_len == 32
     assert resumed.lazytrain.replanner.run.model_profile.seq_len == 32
-    assert resumed.lazytrain.replanner.run.plan is resumed.lazytrain.engine.plan
+    assert resumed.lazytrain.replanner.run is resumed.lazytrain.run  # one plan, one place
+    assert resumed.lazytrain.engine.plan is resumed.lazytrain.run.plan
     resumed.end_training()
 
 
