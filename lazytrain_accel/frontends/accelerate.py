@@ -92,7 +92,7 @@ class Accelerator(accelerate.Accelerator):
                 return optimizer  # already ours and prepared
             optimizer = optimizer.optimizer
         self.lazytrain.optimizer = setup.build_optimizer(self.lazytrain_plugin, optimizer,
-                                                          self.lazytrain.model)
+                                                         self.lazytrain.model)
         self.lazytrain.guard.install(self.lazytrain.optimizer)
         self._lazytrain_overlap(self.lazytrain.optimizer)
         prepared = super().prepare_optimizer(self.lazytrain.optimizer, device_placement=False)
