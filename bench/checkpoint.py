@@ -106,7 +106,7 @@ def _save(acc: Accelerator, directory: Path) -> object:
     acc.lazytrain_wait_for_checkpoint()  # a pending save is waited for by save_state too
     start = time.perf_counter()
     acc.save_state(str(directory))
-    pending = acc._lazytrain_pending_save
+    pending = acc.lazytrain.pending_save
     if pending is not None:
         return pending
     size = sum(f.stat().st_size for f in directory.iterdir())

@@ -224,7 +224,7 @@ def train_steps(model: Qwen2ForCausalLM, plugin: LazyTrainPlugin, setting: Setti
                       mixed_precision="no" if setting.compute_dtype is None else "bf16")
     model, optimizer, loader = acc.prepare(
         model, torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01), loader)
-    engine = acc.lazytrain_engine
+    engine = acc.lazytrain.engine
     starts, stalls, waits, updates, device_updates = [], [], [], [], []
     if setting.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -272,7 +272,7 @@ def run_one(strategy: str, cap_gib: float, batch_size: int, setting: Setting,
                              hardware="auto", gpu_memory_limit_gb=cap_gib,
                              solver_time_limit_s=30)
     measured, acc = train_steps(model, plugin, setting, batch_size)
-    run = acc.lazytrain_run
+    run = acc.lazytrain.run
     predicted = simulate(run.plan, run.model_profile, run.hardware, include_optimizer=True)
     acc.end_training()
     step_s = statistics.median(measured.step_s)

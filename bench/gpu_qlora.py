@@ -259,7 +259,7 @@ def check_format(fmt: str, setting: QloraSetting, base: Path) -> QloraResult:
     acc, model = prepared[0], prepared[1]
     fresh = packed_snapshot(model)  # on the host now (or quantized by the plugin)
     losses, times = run_steps(prepared, setting)
-    run, engine = acc.lazytrain_run, acc.lazytrain_engine
+    run, engine = acc.lazytrain.run, acc.lazytrain.engine
     predicted = simulate(run.plan, run.model_profile, run.hardware, include_optimizer=True)
     as_stock = _identical(packed_snapshot(model), stock_trained)
     acc.end_training()

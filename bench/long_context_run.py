@@ -76,7 +76,7 @@ def _prepare(mode: str, model: torch.nn.Module, seq: int, tile_tokens: int, work
                              cache_dir=f"{workdir}/cache", nvme_dir=f"{workdir}/nvme")
     acc = Accelerator(cpu=True, plugin=plugin)
     model = acc.prepare(model)
-    engine = acc.lazytrain_engine
+    engine = acc.lazytrain.engine
     tiling = {"layer": "layer", "tiled": "mlp"}.get(mode, "none")
     engine.set_plan(dataclasses.replace(engine.plan, tiling=tiling,
                                         tile_tokens=0 if tiling == "none" else tile_tokens))

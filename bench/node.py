@@ -117,7 +117,7 @@ def worker(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     if accelerator is not None:
         model, optimizer = accelerator.prepare(model, optimizer)
-        engine = accelerator.lazytrain_engine
+        engine = accelerator.lazytrain.engine
 
         def backward(loss: torch.Tensor) -> None:
             accelerator.backward(loss)

@@ -162,7 +162,7 @@ def run(*, hardware: HardwareProfile, links: HardwareProfile, replan: str, steps
     out = RunResult()
     for step in range(1, steps + 1):
         if drift is not None and step == drift[0]:
-            accelerator.lazytrain_engine.streams.set_link_rate(drift[1], drift[2])
+            accelerator.lazytrain.engine.streams.set_link_rate(drift[1], drift[2])
         start_s = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
@@ -170,13 +170,13 @@ def run(*, hardware: HardwareProfile, links: HardwareProfile, replan: str, steps
         optimizer.zero_grad()
         out.losses.append(loss.item())
         out.step_s.append(time.perf_counter() - start_s)
-    replanner = accelerator.lazytrain_replanner
+    replanner = accelerator.lazytrain.replanner
     if replanner is not None:
         out.switches, out.calibrated = list(replanner.switches), replanner.calibrated
         out.reverts = list(replanner.reverts)
         out.planned_on, out.measured_rates = replanner.run.hardware, replanner.estimate.medians()
-    out.plan, out.model_profile = accelerator.lazytrain_engine.plan, \
-        accelerator.lazytrain_run.model_profile
+    out.plan, out.model_profile = accelerator.lazytrain.engine.plan, \
+        accelerator.lazytrain.run.model_profile
     out.homes = [h.value for h in out.plan.homes]
     accelerator.end_training()
     return out

@@ -167,13 +167,13 @@ def test_evaluate_then_train_in_process(tmp_path: Path) -> None:
                           "cache_dir": str(tmp_path / "cache"), "nvme_dir": str(tmp_path)})
     expected = stock.evaluate()["eval_loss"]
     assert ours.evaluate()["eval_loss"] == pytest.approx(expected, rel=1e-5)
-    engine = ours.accelerator.lazytrain_engine
+    engine = ours.accelerator.lazytrain.engine
     assert engine is not None
-    plan = ours.accelerator.lazytrain_run.plan
+    plan = ours.accelerator.lazytrain.run.plan
     assert (plan.batch_size, plan.seq_len) == (4, 12)  # sized from the eval loader
     ours.train()
-    assert ours.accelerator.lazytrain_engine is engine  # attached once
-    optimizer = ours.accelerator._lazytrain_optimizer
+    assert ours.accelerator.lazytrain.engine is engine  # attached once
+    optimizer = ours.accelerator.lazytrain.optimizer
     assert type(optimizer).__name__ == "HybridAdamW8bit"
     assert optimizer.max_grad_norm == 0.5
     assert all(p.device.type == "cpu" for p in ours.model.parameters())

@@ -249,9 +249,9 @@ def main() -> None:
             json.dump({"weights_sum": sum(float(p.detach().double().sum())
                                        for p in model.parameters()),
                        "lr": scheduler.get_last_lr()[0],
-                       "skipped": accelerator.lazytrain_guard.skipped_steps
+                       "skipped": accelerator.lazytrain.guard.skipped_steps
                        if args.lazytrain else None,
-                       "gpus_per_node": accelerator.lazytrain_run.plan.gpus_per_node
+                       "gpus_per_node": accelerator.lazytrain.run.plan.gpus_per_node
                        if args.lazytrain else None,
                        "cpus_allowed": cpus_allowed(), "threads": torch.get_num_threads()},
                       f)
@@ -262,7 +262,7 @@ def main() -> None:
     if args.pss_out:
         accelerator.wait_for_everyone()
         with open(f"{args.pss_out}{accelerator.process_index}.json", "w") as f:
-            engine = accelerator.lazytrain_engine if args.lazytrain else None
+            engine = accelerator.lazytrain.engine if args.lazytrain else None
             json.dump({"runtime": pss_runtime, "before_prepare": pss_before_prepare,
                        "end": pss_bytes(),
                        # on a CPU device the engine's "device" buffers (its weight slots)

@@ -86,14 +86,15 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if script_args.rank_out:
         accelerator = trainer.accelerator
-        run = getattr(accelerator, "lazytrain_run", None)
-        engine = getattr(accelerator, "lazytrain_engine", None)
+        lazytrain = getattr(accelerator, "lazytrain", None)  # None: the stock Trainer
+        run = lazytrain.run if lazytrain is not None else None
+        engine = lazytrain.engine if lazytrain is not None else None
         with open(f"{script_args.rank_out}{training_args.process_index}.json", "w") as f:
             json.dump({"runtime": pss_runtime, "end": pss_bytes(),
                        "device": engine.stats().current_bytes["device"]
                        if engine is not None and engine.device.type == "cpu" else 0,
                        "world_size": training_args.world_size,
-                       "node_store": getattr(accelerator, "lazytrain_store", None) is not None,
+                       "node_store": lazytrain is not None and lazytrain.store is not None,
                        "gpus_per_node": run.plan.gpus_per_node if run is not None else None,
                        "weights_sum": sum(float(p.detach().double().sum())
                                           for p in model.parameters()),

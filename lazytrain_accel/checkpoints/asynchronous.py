@@ -186,8 +186,8 @@ def start_save(accelerator: Any, final: Path, write_stock: Callable[[Path], None
     the writer of the rest (module docstring). One process, after the step's update."""
     from lazytrain_accel.checkpoints.atomic import atomic_directory
 
-    model, optimizer = accelerator._lazytrain_model, accelerator._lazytrain_optimizer
-    plugin, steps = accelerator.lazytrain_plugin, accelerator.lazytrain_engine.steps
+    model, optimizer = accelerator.lazytrain.model, accelerator.lazytrain.optimizer
+    plugin, steps = accelerator.lazytrain_plugin, accelerator.lazytrain.engine.steps
     groups = steps.update_groups
     dtype = layout.CHECKPOINT_DTYPES[plugin.checkpoint_dtype]
     stack = contextlib.ExitStack()

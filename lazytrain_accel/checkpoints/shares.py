@@ -475,10 +475,10 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
     `optimizer_state=False`: no share files (the Trainer's `save_only_model`); `label`
     names the save in errors."""
     rank, world = _rank_and_world()
-    model, optimizer = accelerator._lazytrain_model, accelerator._lazytrain_optimizer
+    model, optimizer = accelerator.lazytrain.model, accelerator.lazytrain.optimizer
     if not optimizer_state:
         optimizer = None
-    mine, params = _my_share(accelerator.lazytrain_engine, optimizer, rank=rank, world=world)
+    mine, params = _my_share(accelerator.lazytrain.engine, optimizer, rank=rank, world=world)
 
     def finish(tmp: Path, shares: list[Any]) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -592,7 +592,7 @@ def _write_rank_files(accelerator: Any, tmp: Path, *, rank: int, mine: Sequence[
                       ) -> dict[str, Any]:
     """This rank's files (its share; rank 0 the weights too, in the layout and dtype the
     plugin names) and the manifest's entry for the share."""
-    model = accelerator._lazytrain_model
+    model = accelerator.lazytrain.model
     plugin = accelerator.lazytrain_plugin
     dtype = CHECKPOINT_DTYPES[plugin.checkpoint_dtype] if weights else None
     share: dict[str, Any] = {"rank": rank, "groups": list(mine), "file": None,
@@ -625,8 +625,8 @@ def load_shares(accelerator: Any, directory: Path, manifest: Mapping[str, Any] |
 
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
-    model, optimizer = accelerator._lazytrain_model, accelerator._lazytrain_optimizer
-    mine = owned_params(accelerator.lazytrain_engine)
+    model, optimizer = accelerator.lazytrain.model, accelerator.lazytrain.optimizer
+    mine = owned_params(accelerator.lazytrain.engine)
     if manifest is not None:
         check_layout(manifest, model, world_size=world)
         if manifest["world_size"] != world and accelerator.is_main_process:
@@ -662,10 +662,10 @@ def load_optimizer_shares(accelerator: Any, directory: Path, manifest: Mapping[s
 
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
-    model, optimizer = accelerator._lazytrain_model, accelerator._lazytrain_optimizer
+    model, optimizer = accelerator.lazytrain.model, accelerator.lazytrain.optimizer
     if optimizer is None:
         return
-    mine = owned_params(accelerator.lazytrain_engine)
+    mine = owned_params(accelerator.lazytrain.engine)
     owned_ids = None if mine is None else {id(p) for p in mine}
 
     def owned(p: torch.Tensor) -> bool:

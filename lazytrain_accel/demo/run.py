@@ -186,7 +186,7 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoResu
     # Built on the prepared optimizer (LazyTrain swapped in its own), so the scheduler
     # counts the steps that really happen.
     scheduler = _schedule(optimizer, settings.steps)
-    run = accelerator.lazytrain_run
+    run = accelerator.lazytrain.run
     plugin = accelerator.lazytrain_plugin
     budgets = Budgets.from_hardware(  # 0 GiB means the whole tier
         run.hardware, gpu_memory_limit_gb=plugin.gpu_memory_limit_gb,

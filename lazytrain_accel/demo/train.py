@@ -78,7 +78,7 @@ def train(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optim
           console: Console, trace_path: Path | None) -> TrainResult:
     """`steps` optimizer steps; the step chosen for tracing (the second, once caches are
     warm) is recorded with torch.profiler and written to `trace_path` as a Chrome trace."""
-    engine = accelerator.lazytrain_engine
+    engine = accelerator.lazytrain.engine
     batches = _forever(loader)
     traced_step = min(1, steps - 1)
     step_times_s, loss_value, stall_s, tokens = [], float("nan"), 0.0, 0
@@ -101,14 +101,14 @@ def train(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optim
             step_times_s.append(step_s)
             step_stall_s = engine.stats().stall_s
             stall_s += step_stall_s
-            fidelity.add_step(accelerator.lazytrain_run.plan.prediction, step_s, engine.stats(),
+            fidelity.add_step(accelerator.lazytrain.run.plan.prediction, step_s, engine.stats(),
                               console.log)
             tokens = batch["input_ids"].numel()
             update(f"loss {loss_value:.3f}  {tokens / step_s:,.0f} tok/s  "
                    f"stall {step_stall_s * 1e3:.1f} ms")
             line = plain and plain.step_done(
                 step + 1, step_s=step_s, stall_s=step_stall_s, tokens=tokens, loss=loss_value,
-                predicted_step_s=predicted_step_s(accelerator.lazytrain_replanner,
+                predicted_step_s=predicted_step_s(accelerator.lazytrain.replanner,
                                                   engine.plan))
             if line:
                 console.print(line, highlight=False, markup=False)

@@ -34,7 +34,6 @@ class TrainerAccelerator(Accelerator):
         super().__init__(*args, plugin=plugin, **kwargs)
         #: the training DataLoader the plan is sized from (set by the Trainer integration).
         self.lazytrain_sizing_loader: Any = None
-        self._lazytrain_model: nn.Module | None = None
 
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         if not any(isinstance(a, nn.Module) for a in args):
@@ -49,9 +48,9 @@ class TrainerAccelerator(Accelerator):
         return model
 
     def _lazytrain_prepare_model(self, model: nn.Module, loader: Any) -> None:
-        if self._lazytrain_model is not None:
-            if model is not self._lazytrain_model:
-                streamed = type(self._lazytrain_model).__name__
+        if self.lazytrain is not None:
+            if model is not self.lazytrain.model:
+                streamed = type(self.lazytrain.model).__name__
                 raise ValueError(
                     f"this Trainer's LazyTrain engine already streams a {streamed}; it cannot "
                     f"prepare a second model ({type(model).__name__}). Build a new Trainer "
@@ -61,4 +60,3 @@ class TrainerAccelerator(Accelerator):
                 self._models.append(model)
             return
         super()._lazytrain_prepare_model(model, loader or self.lazytrain_sizing_loader)
-        self._lazytrain_model = model

@@ -25,6 +25,8 @@ from lazytrain_accel.run.replanner import predicted_step_s
 if TYPE_CHECKING:
     from transformers import Trainer
 
+    from lazytrain_accel.run.state import RunState
+
 logger = logging.getLogger("lazytrain_accel")
 
 PREFIX = "lazytrain/"
@@ -47,10 +49,13 @@ class LazyTrainCallback(TrainerCallback):
         self._stall_seen_s = 0.0  # engine stall already counted in a progress line
 
     # ---- what the engine and the plan say --------------------------------------------
+    def _state(self) -> RunState | None:
+        """The run's state (None: a stock Accelerator, or before prepare)."""
+        return getattr(self._trainer.accelerator, "lazytrain", None)
+
     def _run_and_engine(self) -> tuple[setup.PreparedRun | None, Any]:
-        accelerator = self._trainer.accelerator
-        return (getattr(accelerator, "lazytrain_run", None),
-                getattr(accelerator, "lazytrain_engine", None))
+        state = self._state()
+        return (None, None) if state is None else (state.run, state.engine)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
@@ -59,12 +64,9 @@ class LazyTrainCallback(TrainerCallback):
             return
         if engine is not None:
             engine.reset_stats()
-        guard = getattr(self._trainer.accelerator, "lazytrain_guard", None)
-        if guard is not None:
-            guard.install_sigint()  # again when train() runs more than once
+        self._state().guard.install_sigint()  # again when train() runs more than once
         self._measured_s, self._steps, self._plain = 0.0, 0, None
-        sizing = getattr(self._trainer.accelerator, "lazytrain_sizing", None)
-        if sizing is None or not sizing.provisional:  # no prediction for a shape not asked for
+        if not self._state().sizing.provisional:  # no prediction for a shape not asked for
             self._trainer.log(plan_metrics(run.plan))  # prepare() logged the plan summary
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState,
@@ -80,7 +82,8 @@ class LazyTrainCallback(TrainerCallback):
             self._step_start_s = None
             if state.is_world_process_zero and not is_terminal():
                 self._print_plain_progress(args, state, step_s)
-        guard = getattr(self._trainer.accelerator, "lazytrain_guard", None)
+        lazytrain = self._state()
+        guard = lazytrain.guard if lazytrain is not None else None
         if guard is not None and guard.interrupted:  # Ctrl-C: stop at this step boundary
             control.should_training_stop = True
             control.should_save = args.save_strategy != "no"  # a checkpoint, if asked for
@@ -92,7 +95,8 @@ class LazyTrainCallback(TrainerCallback):
         _, engine = self._run_and_engine()
         if engine is not None:
             engine.synchronize()  # train() returns with the last layer-wise update applied
-        guard = getattr(self._trainer.accelerator, "lazytrain_guard", None)
+        lazytrain = self._state()
+        guard = lazytrain.guard if lazytrain is not None else None
         if guard is not None:
             guard.restore_sigint()
             guard.interrupted = False  # a later train() call runs again
@@ -132,7 +136,7 @@ class LazyTrainCallback(TrainerCallback):
             tokens=run.plan.batch_size * run.plan.seq_len * accum,
             loss=mean_loss_since_log(self._trainer, state) if due else None,
             predicted_step_s=accum * predicted_step_s(
-                getattr(self._trainer.accelerator, "lazytrain_replanner", None), engine.plan))
+                self._state().replanner, engine.plan))
         self._stall_seen_s = stall_s
         if line:
             print(f"lazytrain: {line}", flush=True)

@@ -52,7 +52,8 @@ def make_checkpoints_atomic(trainer: Trainer) -> None:
         synchronize = getattr(accelerator, "_lazytrain_synchronize", None)
         if synchronize is not None:  # the weights saved are the whole step's update
             synchronize()
-        if getattr(accelerator, "lazytrain_store", None) is not None:
+        lazytrain = getattr(accelerator, "lazytrain", None)
+        if lazytrain is not None and lazytrain.store is not None:
             return _save_shared_checkpoint(trainer, stock_save, model, trial, *args, **kwargs)
         if trainer.args.world_size > 1:  # every rank writes its rng_state_<r>.pth
             return _save_from_every_rank(trainer, stock_save, model, trial, *args, **kwargs)
@@ -99,7 +100,7 @@ def _save_shared_checkpoint(trainer: Trainer, stock_save: Any, model: Any, trial
             trainer._lazytrain_saving_shares = False
         if trainer.args.process_index == 0:  # save_model wrote them: every weight, none
             # de-duplicated away
-            share_checkpoint.check_weights_complete(tmp, accelerator._lazytrain_model)
+            share_checkpoint.check_weights_complete(tmp, accelerator.lazytrain.model)
 
     share_checkpoint.save_shares(accelerator, final, write_stock, weights=False,
                                  optimizer_state=not trainer.args.save_only_model,

@@ -264,32 +264,29 @@ def _save_plan_with_checkpoints(trainer: Trainer) -> None:
     stock_load = trainer._load_optimizer_and_scheduler
 
     def save(output_dir: str) -> None:
-        if getattr(trainer.accelerator, "lazytrain_store", None) is not None:
+        lazytrain = getattr(trainer.accelerator, "lazytrain", None)
+        if lazytrain is not None and lazytrain.store is not None:
             save_scheduler(trainer, output_dir)  # the optimizer: one share file per rank
         else:
             stock_save(output_dir)
-        run = trainer.accelerator.lazytrain_run
-        if run is not None and trainer.args.should_save:
-            run.plan.save(Path(output_dir) / PLAN_FILE)
+        if lazytrain is not None and trainer.args.should_save:
+            lazytrain.run.plan.save(Path(output_dir) / PLAN_FILE)
 
     def load(checkpoint: str | None) -> None:
         from lazytrain_accel.checkpoints.shares import MANIFEST
 
-        accelerator = trainer.accelerator
-        if checkpoint and getattr(accelerator, "_lazytrain_optimizer", None) is not None and (
-                getattr(accelerator, "lazytrain_store", None) is not None
-                or (Path(checkpoint) / MANIFEST).is_file()):
+        lazytrain = getattr(trainer.accelerator, "lazytrain", None)
+        if checkpoint and lazytrain is not None and lazytrain.optimizer is not None and (
+                lazytrain.store is not None or (Path(checkpoint) / MANIFEST).is_file()):
             load_shared_optimizer(trainer, checkpoint)  # per share, re-sharded
         else:
             stock_load(checkpoint)
-        run = trainer.accelerator.lazytrain_run
         saved = Path(checkpoint) / PLAN_FILE if checkpoint else None
-        if run is None or saved is None or not saved.is_file():
+        if lazytrain is None or saved is None or not saved.is_file():
             return
         previous = Plan.load(saved)
         trainer.accelerator.lazytrain_adopt_shape(previous)
-        run = trainer.accelerator.lazytrain_run
-        if previous.fingerprint != run.plan.fingerprint:
+        if previous.fingerprint != lazytrain.run.plan.fingerprint:
             logger.warning("lazytrain: %s was planned for another model shape or machine; "
                            "resuming with this run's plan (results are unaffected)", saved)
 

@@ -19,11 +19,11 @@ Called once per optimizer step, at its boundary (`on_step`), it
    at about one step: it stopped 14.5% from its bound on a plan that ran 1.24x slower
    than the one it replaced;
 4. at each step boundary after the solve ends, prices both plans with the same simulator
-   on the medians then and switches (`StreamingEngine.set_plan`) only when the new one is
-   predicted `min_gain` faster, fits the budgets, and is not a time-limited incumbent
-   more than `min_gain` from its bound; never while the answer depends on a rate still
-   moving (`_consider_candidate`); at most one switch per `min_steps_between_switches`
-   steps;
+   on the medians then and switches (`RunState.adopt`: the run's one current plan, the
+   engine's copy set from it) only when the new one is predicted `min_gain` faster, fits
+   the budgets, and is not a time-limited incumbent more than `min_gain` from its bound;
+   never while the answer depends on a rate still moving (`_consider_candidate`); at most
+   one switch per `min_steps_between_switches` steps;
 5. `GUARD_STEPS` steps after a switch, compares their median with the median of the
    `GUARD_STEPS` before it: when the new plan measured more than `min_gain` slower (the
    simulator mispriced it on this machine), goes back to the previous plan, logged once.
@@ -81,30 +81,36 @@ GUARD_STEPS = 3
 
 
 class ReplannedEngine(Protocol):
-    """What the re-planner needs of the engine (`StreamingEngine`)."""
-
-    plan: Plan
+    """What the re-planner needs of the engine (`StreamingEngine`): its run totals."""
 
     def total_stats(self) -> StepStats: ...
 
-    def set_plan(self, plan: Plan) -> None: ...
+
+class CurrentRun(Protocol):
+    """Where the run's current plan lives (`RunState`): the re-planner reads `run` at
+    every use and hands a new one to `adopt`, which also sets the engine's plan."""
+
+    @property
+    def run(self) -> PreparedRun: ...
+
+    def adopt(self, run: PreparedRun) -> None: ...
 
 
 class Replanner:
-    def __init__(self, *, engine: ReplannedEngine, run: PreparedRun, budgets: Budgets,
+    def __init__(self, *, engine: ReplannedEngine, state: CurrentRun, budgets: Budgets,
                  solve: Callable[[PreparedRun], Plan], min_gain: float,
-                 include_optimizer: bool, adopt: Callable[[PreparedRun], None] | None = None,
+                 include_optimizer: bool,
                  save_profile: Callable[[HardwareProfile], None] | None = None,
                  warmup_steps: int = WARMUP_STEPS,
                  min_steps_between_switches: int = MIN_STEPS_BETWEEN_SWITCHES,
                  drift_factor: float = DRIFT_FACTOR,
                  estimate: RateEstimate | None = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        """`solve(run)` makes a plan for `run.model_profile` on `run.hardware`; `adopt(run)`
-        is told the run after a switch; `save_profile` keeps a calibrated profile; `clock`
-        times the steps (seconds)."""
-        self._engine, self.run, self._budgets = engine, run, budgets
-        self._solve, self._adopt, self._save = solve, adopt, save_profile
+        """`solve(run)` makes a plan for `run.model_profile` on `run.hardware`; `state`
+        holds the current run (`state.adopt` takes a switch); `save_profile` keeps a
+        calibrated profile; `clock` times the steps (seconds)."""
+        self._engine, self._state, self._budgets = engine, state, budgets
+        self._solve, self._save = solve, save_profile
         self.min_gain, self._include_optimizer = min_gain, include_optimizer
         self.warmup_steps = warmup_steps
         self.min_steps_between_switches = min_steps_between_switches
@@ -128,8 +134,13 @@ class Replanner:
         self._candidate: tuple[HardwareProfile, Plan, Plan, list[str]] | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._predicted: tuple[HardwareProfile, Plan, float] | None = None
-        # After a switch: (the median step before it, the plan and run it replaced).
-        self._guard: tuple[float, Plan, PreparedRun] | None = None
+        # After a switch: (the median step before it, the run it replaced, the plan taken).
+        self._guard: tuple[float, PreparedRun, Plan] | None = None
+
+    @property
+    def run(self) -> PreparedRun:
+        """The run's current plan and the profiles it was made from (`state.run`)."""
+        return self._state.run
 
     # ---- the step boundary -----------------------------------------------------------
     def on_step(self) -> None:
@@ -174,7 +185,7 @@ class Replanner:
         if not self.step_s:
             return measured
         bare = replace(measured, step_overhead_s=0.0)
-        modeled_s = self._step_on(self._engine.plan, bare)
+        modeled_s = self._step_on(self.run.plan, bare)
         self.overhead_fit.add(self.step_s[-1], modeled_s)
         logger.debug("lazytrain: step %d: measured %.4f s, simulated %.4f s without the step "
                      "overhead", self.steps, self.step_s[-1], modeled_s)
@@ -187,7 +198,7 @@ class Replanner:
         flops = ((runs["layer_forwards"] + runs["layer_recomputes"] + runs["layer_backwards"])
                  * model.layer_fwd_flops + runs["layer_backwards"] * model.layer_bwd_flops)
         updated = model.trainable_param_count - (
-            model.resident_trainable_param_count if self._engine.plan.resident_update
+            model.resident_trainable_param_count if self.run.plan.resident_update
             == "device" else 0)
         return StepSample(
             transfer_s={k: v - before.transfer_s[k] for k, v in after.transfer_s.items()},
@@ -214,7 +225,7 @@ class Replanner:
             self._executor = ThreadPoolExecutor(max_workers=1,
                                                 thread_name_prefix="lazytrain-replan")
         run = replace(self.run, hardware=hardware)
-        self._pending_on = (hardware, self._engine.plan, drifted)
+        self._pending_on = (hardware, self.run.plan, drifted)
         self._pending = self._executor.submit(self._solve, run)
 
     def _collect_solve(self) -> None:
@@ -237,7 +248,7 @@ class Replanner:
         plan when it is not (a rate drifting from the profile of that solve solves again),
         and wait while the answer depends on a rate still moving."""
         hardware, plan, was_running, drifted = self._candidate
-        if self._engine.plan is not was_running:
+        if self.run.plan is not was_running:
             self._candidate = None  # the run re-planned meanwhile (a longer batch): stale
             return
         if self._too_soon():
@@ -268,13 +279,10 @@ class Replanner:
         self._solved_on = measured
         if self._save is not None:
             self._save(measured)
-        self._guard = (statistics.median(self.step_s[-GUARD_STEPS:]), was_running, self.run)
-        self._engine.set_plan(plan)
+        self._guard = (statistics.median(self.step_s[-GUARD_STEPS:]), self.run, plan)
         planned_on = self.run.hardware
-        self.run = replace(self.run, hardware=measured, plan=plan)
+        self._state.adopt(replace(self.run, hardware=measured, plan=plan))
         self.switches.append(self.steps)
-        if self._adopt is not None:
-            self._adopt(self.run)
         named = self._drifted_from(planned_on, measured) or drifted
         rates = "; ".join(f"the measured {format_rate(name, new)}, the plan assumed "
                           f"{format_rate(name, old)}" for name, old, new
@@ -297,16 +305,13 @@ class Replanner:
     def _judge_switch(self) -> None:
         """Back to the plan before the latest switch when the new one measured more than
         `min_gain` slower over its first `GUARD_STEPS` steps."""
-        before_s, old_plan, old_run = self._guard
+        before_s, old_run, taken = self._guard
         self._guard = None
         after_s = statistics.median(self.step_s[-GUARD_STEPS:])
-        if after_s <= (1 + self.min_gain) * before_s or self._engine.plan is not self.run.plan:
-            return
-        self._engine.set_plan(old_plan)
-        self.run = old_run
+        if after_s <= (1 + self.min_gain) * before_s or self.run.plan is not taken:
+            return  # faster, or the run re-planned meanwhile (a longer batch): keep it
+        self._state.adopt(old_run)
         self.reverts.append(self.steps)
-        if self._adopt is not None:
-            self._adopt(self.run)
         logger.warning("lazytrain: step %d: the plan taken at step %d measured %.3f s a step, "
                        "%.3f s before it; back to the earlier plan (the simulator mispriced "
                        "the new one on this machine: please report it with `lazytrain "
@@ -327,7 +332,7 @@ class Replanner:
     def predicted_step_s(self) -> float:
         """The running plan's step: on the calibrated profile once there is one, else its
         own prediction."""
-        plan, hardware = self._engine.plan, self.calibrated
+        plan, hardware = self.run.plan, self.calibrated
         if hardware is None:
             return plan.prediction.step_s
         if (self._predicted is None or self._predicted[0] is not hardware
@@ -348,8 +353,8 @@ def predicted_step_s(replanner: Replanner | None, plan: Plan) -> float:
     return plan.prediction.step_s if replanner is None else replanner.predicted_step_s
 
 
-def replanner_for(config: LazyTrainConfig, *, engine: ReplannedEngine, run: PreparedRun,
-                  adopt: Callable[[PreparedRun], None], device: torch.device) -> Replanner:
+def replanner_for(config: LazyTrainConfig, *, engine: ReplannedEngine, state: CurrentRun,
+                  device: torch.device) -> Replanner:
     """The re-planner of a run of `config`; a profile measured on this machine
     (`hardware="auto"`, links not emulated) is saved calibrated for the next run."""
     from lazytrain_accel.config import OptimizerChoice
@@ -365,12 +370,12 @@ def replanner_for(config: LazyTrainConfig, *, engine: ReplannedEngine, run: Prep
             except OSError as err:  # a read-only cache must not stop training
                 logger.warning("lazytrain: could not keep the calibrated profile (%s)", err)
 
-    resident_update = engine.plan.resident_update
+    resident_update = state.run.plan.resident_update
     return Replanner(
-        engine=engine, run=run, budgets=setup.budgets_for(config, run.hardware),
+        engine=engine, state=state, budgets=setup.budgets_for(config, state.run.hardware),
         solve=lambda r: setup.solve_plan(config, r.model_profile, r.hardware,
                                          resident_update=resident_update,
                                          time_limit_s=config.solver_time_limit_s,
                                          running=r.plan),
-        min_gain=config.replan_min_gain, adopt=adopt, save_profile=save,
+        min_gain=config.replan_min_gain, save_profile=save,
         include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT)

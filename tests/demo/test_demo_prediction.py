@@ -71,7 +71,7 @@ def _run(tmp_path, hardware_path, plan: str):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     scheduler = _schedule(optimizer, settings.steps)
-    run, engine = accelerator.lazytrain_run, accelerator.lazytrain_engine
+    run, engine = accelerator.lazytrain.run, accelerator.lazytrain.engine
     batches = _forever(loader)
     steps = []
     try:

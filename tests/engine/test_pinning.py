@@ -10,8 +10,8 @@ import pytest
 
 from lazytrain_accel.engine.device import pinning
 from lazytrain_accel.engine.device.streams import CudaStreams
-from lazytrain_accel.frontends import accelerate as lazy_accelerate
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, PAGEABLE_SHARE
+from lazytrain_accel.run import state as run_state
 
 GIB = 1 << 30
 BASE = 0x7F00_0000_0000  # a fake address: the fakes never touch memory
@@ -107,20 +107,18 @@ def test_unpinned_ranks_replan_on_the_pageable_rates(monkeypatch) -> None:
     planned: list = []
     new_plan = object()
     engine = SimpleNamespace(streams=SimpleNamespace(register_pinned=lambda b, **_: False),
-                             set_plan=lambda plan: planned.append(("set", plan)))
-    accelerator = SimpleNamespace(
-        lazytrain_plugin=SimpleNamespace(pin_chunk_max_gib=256.0), lazytrain_engine=engine,
-        lazytrain_store=SimpleNamespace(bytes=None), lazytrain_sizing="sizing",
-        lazytrain_run=SimpleNamespace(hardware=h200),
-        lazytrain_replanner=None,
-        _lazytrain_plan_for=lambda model, sizing, hardware, replan: planned.append(
-            ("plan", hardware, replan)) or SimpleNamespace(plan=new_plan, hardware=hardware))
-    accelerator._lazytrain_adopt = functools.partial(
-        lazy_accelerate.Accelerator._lazytrain_adopt, accelerator)
-    monkeypatch.setattr(lazy_accelerate.ranks, "least", lambda value: value)
-    lazy_accelerate.Accelerator._lazytrain_pin_store(accelerator, model=None)
-    (_, hardware, replan), (_, plan) = planned
-    assert replan and plan is new_plan and accelerator.lazytrain_run.plan is new_plan
+                             plan=None, set_plan=lambda plan: planned.append(("set", plan)))
+    state = SimpleNamespace(
+        plugin=SimpleNamespace(pin_chunk_max_gib=256.0), engine=engine,
+        store=SimpleNamespace(bytes=None), sizing="sizing",
+        run=SimpleNamespace(hardware=h200), replanner=None,
+        plan_for=lambda sizing, hardware: planned.append(("plan", sizing, hardware))
+        or SimpleNamespace(plan=new_plan, hardware=hardware))
+    state.adopt = functools.partial(run_state.RunState.adopt, state)
+    monkeypatch.setattr(run_state.ranks, "least", lambda value: value)
+    run_state._pin_store(state)
+    (_, sizing, hardware), (_, plan) = planned
+    assert sizing == "sizing" and plan is new_plan and state.run.plan is new_plan
     assert hardware.h2d_bytes_per_s == pytest.approx(PAGEABLE_SHARE * h200.h2d_bytes_per_s)
     assert hardware.h2d_bytes_per_s == h200.h2d_pageable_bytes_per_s
     assert hardware.d2h_bytes_per_s == h200.d2h_pageable_bytes_per_s
@@ -129,12 +127,12 @@ def test_unpinned_ranks_replan_on_the_pageable_rates(monkeypatch) -> None:
 
 def test_pinned_ranks_keep_their_plan(monkeypatch) -> None:
     engine = SimpleNamespace(streams=SimpleNamespace(register_pinned=lambda b, **_: True))
-    accelerator = SimpleNamespace(
-        lazytrain_plugin=SimpleNamespace(pin_chunk_max_gib=256.0), lazytrain_engine=engine,
-        lazytrain_store=SimpleNamespace(bytes=None),
-        _lazytrain_plan_for=lambda *a, **k: pytest.fail("re-planned while pinned"))
-    monkeypatch.setattr(lazy_accelerate.ranks, "least", lambda value: value)
-    lazy_accelerate.Accelerator._lazytrain_pin_store(accelerator, model=None)
+    state = SimpleNamespace(
+        plugin=SimpleNamespace(pin_chunk_max_gib=256.0), engine=engine,
+        store=SimpleNamespace(bytes=None),
+        plan_for=lambda *a, **k: pytest.fail("re-planned while pinned"))
+    monkeypatch.setattr(run_state.ranks, "least", lambda value: value)
+    run_state._pin_store(state)
 
 
 def test_a_profile_without_pageable_rates_takes_the_share() -> None:

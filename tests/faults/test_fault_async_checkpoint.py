@@ -69,7 +69,7 @@ def _run(tmp_path: Path, steps: range, *, mode: str = "async", save: Path | None
         if step == SAVE_AT and save is not None:
             acc.save_state(str(save))
             if out is not None:
-                out["pending"] = acc._lazytrain_pending_save
+                out["pending"] = acc.lazytrain.pending_save
                 out["published_at_return"] = save.exists()
     result = [torch.cat(losses)] + [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
@@ -164,9 +164,9 @@ def test_a_writer_error_keeps_the_previous_checkpoint_and_frees_the_updates(
     groups = [list(model.parameters())[:3], list(model.parameters())[3:]]
     plugin = SimpleNamespace(checkpoint_dtype="auto", checkpoint_max_shard_bytes=10**9,
                              checkpoint_write_bytes_per_s=0.0)
-    acc = SimpleNamespace(lazytrain_engine=SimpleNamespace(steps=SimpleNamespace(
-        update_groups=groups)), lazytrain_plugin=plugin, step=1, _lazytrain_model=model,
-        _lazytrain_optimizer=optimizer)
+    acc = SimpleNamespace(lazytrain=SimpleNamespace(
+        engine=SimpleNamespace(steps=SimpleNamespace(update_groups=groups)), model=model,
+        optimizer=optimizer), lazytrain_plugin=plugin, step=1)
     final = tmp_path / "ckpt"
     final.mkdir()
     (final / "previous.txt").write_text("kept")

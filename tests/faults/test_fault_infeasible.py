@@ -84,5 +84,5 @@ def test_prepare_refuses_before_attaching_with_the_largest_batch(tmp_path) -> No
     assert info.value.largest_batch_size == expected and expected in (2, 3)
     assert set(info.value.shortfall_bytes) == {"gpu"} and profile.batch_size == BATCH
     assert f"is {expected} (asked: {BATCH})" in str(info.value)
-    assert acc.lazytrain_engine is None
+    assert acc.lazytrain is None  # nothing attached
     assert all("forward" not in vars(layer) for layer in model.model.layers)

@@ -101,7 +101,7 @@ def test_second_ctrl_c_interrupts_at_once_and_leaves_no_file(tmp_path) -> None:
     gc.collect()
     acc.backward(model(input_ids=batch, labels=batch).loss)
     opt.step()
-    acc.lazytrain_engine.synchronize()
+    acc.lazytrain.engine.synchronize()
     assert not list((tmp_path / "nvme").rglob("*.bin"))
     acc.end_training()
 

@@ -83,7 +83,7 @@ def test_bad_steps_are_skipped_counted_and_three_in_a_row_stop(tmp_path, optimiz
            "model.layers.1." in text, text
     assert "3 consecutive" in text and "steps 5..7" in text and "after step 4" in text
     assert _same(_snapshot(acc, model, opt.optimizer), after_second_good)
-    guard = acc.lazytrain_guard
+    guard = acc.lazytrain.guard
     assert (guard.steps, guard.skipped_steps, guard.consecutive_skips) == (7, 5, 3)
     if optimizer == "hybrid8bit":
         assert opt.optimizer.skipped_steps == 5

@@ -86,7 +86,7 @@ def test_failed_io_mid_step_applies_nothing_and_leaves_no_file(
         loss = model(input_ids=batch, labels=batch).loss
         if mode == "rb":  # let the writes finish, so the backward must read the files (a
             # boundary whose write is still in flight is reloaded from its host copy)
-            acc.lazytrain_engine.synchronize()
+            acc.lazytrain.engine.synchronize()
         acc.backward(loss)
         opt.step()
         opt.zero_grad()
@@ -101,9 +101,9 @@ def test_failed_io_mid_step_applies_nothing_and_leaves_no_file(
     assert "weights and optimizer state are unchanged" in text and str(tmp_path) in text
     assert ("No space left" in text) == (mode == "wb") and calls["n"] >= 2
     assert _equal(_state(model, opt.optimizer), saved)  # no partial update
-    acc.lazytrain_engine.synchronize()
+    acc.lazytrain.engine.synchronize()
     assert not list((tmp_path / "nvme").rglob("*.bin"))  # partial and whole files gone
-    assert acc.lazytrain_engine.stats().current_bytes["nvme"] == 0  # and accounted so
+    assert acc.lazytrain.engine.stats().current_bytes["nvme"] == 0  # and accounted so
     # The checkpoint loads, and training goes on from it once the disk works again.
     monkeypatch.undo()
     opt.zero_grad()
@@ -111,7 +111,7 @@ def test_failed_io_mid_step_applies_nothing_and_leaves_no_file(
     assert _equal(_state(model, opt.optimizer), saved)
     step(batches[1])
     assert not _equal(_state(model, opt.optimizer), saved)
-    acc.lazytrain_engine.synchronize()
+    acc.lazytrain.engine.synchronize()
     assert not list((tmp_path / "nvme").rglob("*.bin"))
     acc.end_training()
 
@@ -144,6 +144,6 @@ def test_a_write_still_running_when_the_backward_takes_its_boundary_fails_the_st
         acc.backward(loss)
     assert calls["n"] == NUM_LAYERS - 1
     assert _equal(_state(model, opt.optimizer), saved)
-    acc.lazytrain_engine.synchronize()
+    acc.lazytrain.engine.synchronize()
     assert not list((tmp_path / "nvme").rglob("*.bin"))
     acc.end_training()

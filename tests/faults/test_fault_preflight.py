@@ -87,7 +87,7 @@ def test_enough_host_memory_passes(tmp_path) -> None:
     model = tiny_model()
     acc = _prepare(tmp_path, model, plan=plan_json(tmp_path, model, Home.CPU),
                    nvme_dir=str(tmp_path / "nvme"))
-    assert acc.lazytrain_engine is not None
+    assert acc.lazytrain.engine is not None
     acc.end_training()
 
 

@@ -81,7 +81,7 @@ def main(workdir: str) -> dict[str, float]:
         optimizer.zero_grad()
     acc.wait_for_everyone()  # the last layer-wise update has written its state
     growth_bytes = peak_growth_bytes(baseline_bytes)
-    run = acc.lazytrain_run
+    run = acc.lazytrain.run
     estimate = preflight.estimate_host_bytes(
         model_profile=run.model_profile, plan=run.plan, optimizer="hybrid8bit",
         present_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))

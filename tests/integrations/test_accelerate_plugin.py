@@ -102,7 +102,7 @@ def test_without_plugin_it_is_the_stock_accelerator() -> None:
     opt = torch.optim.AdamW(model.parameters())
     acc = Accelerator(cpu=True)
     model, opt = acc.prepare(model, opt)
-    assert acc.lazytrain_engine is None
+    assert acc.lazytrain is None
     assert type(opt.optimizer) is torch.optim.AdamW
 
 
@@ -131,9 +131,9 @@ def test_bf16_mixed_precision_stays_within_bf16_tolerance(plugin: LazyTrainPlugi
         model, opt, loader = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=3e-3),
                                          _loader())
         losses[name] = [loss for loss, _ in _two_epochs(acc, model, opt, loader)]
-        if acc.lazytrain_engine is not None:
+        if acc.lazytrain is not None:
             # the streamed layer copies computed in bf16; the masters stayed fp32
-            assert acc.lazytrain_engine.compute_dtype == torch.bfloat16
+            assert acc.lazytrain.engine.compute_dtype == torch.bfloat16
             assert all(p.dtype == torch.float32 for p in model.parameters())
         acc.end_training()
     assert losses["ours"] == pytest.approx(losses["stock"], rel=2e-2)

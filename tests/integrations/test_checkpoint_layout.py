@@ -48,9 +48,10 @@ def _accelerator(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, dt
     groups = [list(model.parameters())]
     steps = SimpleNamespace(update_groups=groups, peers=None)
     plugin = SimpleNamespace(checkpoint_dtype=dtype, checkpoint_max_shard_bytes=max_shard_bytes)
-    return SimpleNamespace(lazytrain_engine=SimpleNamespace(steps=steps), step=2,
-                           _lazytrain_model=model, _lazytrain_optimizer=optimizer,
-                           lazytrain_plugin=plugin, is_main_process=True)
+    lazytrain = SimpleNamespace(engine=SimpleNamespace(steps=steps), model=model,
+                                optimizer=optimizer)
+    return SimpleNamespace(lazytrain=lazytrain, step=2, lazytrain_plugin=plugin,
+                           is_main_process=True)
 
 
 def _state(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> dict:

@@ -19,7 +19,7 @@ def test_env_turns_the_emulation_on_with_profile_rates(tmp_path, monkeypatch) ->
     model, loader = _model(), _loader()
     acc = Accelerator(cpu=True, plugin=plugin)
     model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
-    streams = acc.lazytrain_engine.streams
+    streams = acc.lazytrain.engine.streams
     assert isinstance(streams, EmulatedStreams) and streams.seed == 8
     h800 = load_hardware("h800")
     assert streams.settings.link_bytes_per_s == {

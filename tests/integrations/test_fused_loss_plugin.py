@@ -59,9 +59,9 @@ def test_plugin_with_fused_loss_reproduces_stock_losses_step_for_step(tmp_path) 
     model = _model()
     model, opt, _ = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                                 _loader())
-    assert acc.lazytrain_engine.fused_loss.chunk_tokens == 5
+    assert acc.lazytrain.engine.fused_loss.chunk_tokens == 5
     # The plan was sized for one chunk of logits, not the full tokens x vocab.
-    profile = acc.lazytrain_run.model_profile
+    profile = acc.lazytrain.run.model_profile
     assert profile.head_working_bytes < 48 * 64 * (4 + 4 + 4)
 
     def step(out) -> float:

@@ -16,7 +16,7 @@ from torch import nn
 from lazytrain_accel.config import ANONYMOUS_SEGMENT
 from lazytrain_accel.distributed import generation_words, node_store
 from lazytrain_accel.distributed.generation_words import GenerationWords
-from lazytrain_accel.frontends.accelerate import Accelerator
+from lazytrain_accel.run.node_layout import node_layout_for
 
 pytestmark = pytest.mark.skipif(generation_words.unavailable_because() is not None,
                                 reason=f"{generation_words.unavailable_because()}")
@@ -93,9 +93,9 @@ def test_without_the_helper_the_node_store_is_refused_with_a_warning(
     monkeypatch.setattr(generation_words, "unavailable_because",
                         lambda: "no C++ compiler (test)")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    accelerator = SimpleNamespace(
-        lazytrain_plugin=SimpleNamespace(node_store="auto", node_store_dir=ANONYMOUS_SEGMENT),
-        num_processes=2, is_main_process=True)
+    plugin = SimpleNamespace(node_store="auto", node_store_dir=ANONYMOUS_SEGMENT)
     with caplog.at_level(logging.WARNING, logger="lazytrain_accel"):
-        assert Accelerator._lazytrain_node_ranks(accelerator, nn.Linear(2, 2)) == 1
+        layout = node_layout_for(plugin, nn.Linear(2, 2), num_processes=2,
+                                 is_main_process=True)
+    assert layout.node_ranks == 1
     assert "node store is refused: no C++ compiler (test)" in caplog.text

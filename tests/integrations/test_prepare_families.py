@@ -26,7 +26,7 @@ def test_prepare_trains_families_outside_the_table_and_moe_like_plain_pytorch(ar
     acc = Accelerator(cpu=True, plugin=plugin)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt, loader = acc.prepare(model, opt, loader)
-    assert acc.lazytrain_run.model_profile.geometry.family == arch
+    assert acc.lazytrain.run.model_profile.geometry.family == arch
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step, ids in enumerate(data):
         torch.manual_seed(step)  # same dropout masks for both

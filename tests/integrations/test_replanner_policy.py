@@ -51,6 +51,17 @@ class FakeEngine:
         self.plans.append(plan)
 
 
+class CurrentRun:
+    """The run's one current plan, as `RunState` holds it: `adopt` sets the engine's."""
+
+    def __init__(self, run: PreparedRun, engine: FakeEngine) -> None:
+        self.run, self._engine = run, engine
+
+    def adopt(self, run: PreparedRun) -> None:
+        self._engine.set_plan(run.plan)
+        self.run = run
+
+
 @pytest.fixture(scope="module")
 def plans() -> tuple[PreparedRun, Budgets, Plan]:
     """The run planned on the claimed (fast NVMe) profile, its budgets, and the plan for
@@ -73,7 +84,8 @@ def drive(run: PreparedRun, budgets: Budgets, solved: Plan, *, before_s: float,
     """`steps` boundaries of a run whose steps take `before_s` on the first plan and
     `after_s` on any other; every solve returns `solved`."""
     engine, now_s = FakeEngine(run.plan, write_s), [0.0]
-    replanner = Replanner(engine=engine, run=run, budgets=budgets, solve=lambda r: solved,
+    replanner = Replanner(engine=engine, state=CurrentRun(run, engine), budgets=budgets,
+                          solve=lambda r: solved,
                           min_gain=0.05, include_optimizer=True, clock=lambda: now_s[0])
     for _ in range(steps):
         replanner.on_step()
@@ -95,7 +107,7 @@ def test_a_plan_predicted_faster_is_taken_and_kept_when_it_measures_faster(plans
     run, budgets, true = plans
     replanner, engine = drive(run, budgets, true, before_s=1.0, after_s=0.8, steps=16)
     assert len(replanner.switches) == 1 and replanner.reverts == []
-    assert engine.plans == [run.plan, true]
+    assert engine.plans == [run.plan, true] and replanner.run.plan is true
 
 
 def test_a_switch_that_measures_slower_is_reverted_once_and_logged(plans, caplog) -> None:

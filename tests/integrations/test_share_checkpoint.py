@@ -202,8 +202,9 @@ def _fake_accelerator(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     params = list(model.parameters())
     peers = SimpleNamespace(owns=lambda g: True)
     steps = SimpleNamespace(update_groups=_shares(params, 3), peers=peers)
-    return SimpleNamespace(lazytrain_engine=SimpleNamespace(steps=steps),
-                           _lazytrain_model=model, _lazytrain_optimizer=optimizer,
+    lazytrain = SimpleNamespace(engine=SimpleNamespace(steps=steps), model=model,
+                                optimizer=optimizer)
+    return SimpleNamespace(lazytrain=lazytrain,
                            step=5, is_main_process=True, lazytrain_plugin=plugin)
 
 
@@ -281,8 +282,8 @@ def test_the_trainer_resume_loads_the_shares_and_refuses_a_one_share_file(
     _into_one_storage(fresh)
     fresh.load_state_dict(model.state_dict())
     new = HybridAdamW8bit(fresh.parameters(), lr=1.0, backend="torch")
-    accelerator = SimpleNamespace(lazytrain_engine=None, _lazytrain_model=fresh,
-                                  _lazytrain_optimizer=new)
+    accelerator = SimpleNamespace(lazytrain=SimpleNamespace(engine=None, model=fresh,
+                                                            optimizer=new))
     sc.load_optimizer_shares(accelerator, tmp_path / "ckpt",
                              sc.read_manifest(tmp_path / "ckpt"), "optimizer.pt")
     saved, loaded = _state_bytes(optimizer, model), _state_bytes(new, fresh)

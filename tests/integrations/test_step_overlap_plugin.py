@@ -117,13 +117,13 @@ class _Recorder:
 
     def __init__(self, acc: Accelerator, model: nn.Module, delay_s: float) -> None:
         self.events: list[tuple[str, int]] = []
-        engine = acc.lazytrain_engine
+        engine = acc.lazytrain.engine
         self._layer_of = {id(p): j for j in range(1, len(engine._layers) + 1)
                           for p in engine.layer_params(j)}
         for j, layer in enumerate(engine._layers, start=1):  # its own modules run: computing
             for child in layer.children():
                 child.register_forward_pre_hook(lambda *_, j=j: self.events.append(("fwd", j)))
-        inner = acc._lazytrain_optimizer
+        inner = acc.lazytrain.optimizer
         original = inner.step_params
 
         def slow_step_params(params: Any, **kwargs: Any) -> None:
@@ -154,7 +154,7 @@ def test_layer_1_forward_starts_before_the_last_layers_update_ends(tmp_path: Pat
     assert events.index(("fwd", 1)) < events.index(("upd", 6))
     for j in range(1, 7):
         assert events.index(("upd", j)) < events.index(("fwd", j)), j
-    assert acc.lazytrain_engine.stats().optimizer_wait_s > 0
+    assert acc.lazytrain.engine.stats().optimizer_wait_s > 0
     acc.end_training()
 
 
@@ -177,5 +177,5 @@ def test_checkpoints_and_state_dicts_wait_for_a_running_update(tmp_path: Path) -
     acc.backward(model(**batch).loss)
     opt.step()
     acc.save_state(str(tmp_path / "ckpt"))  # a checkpoint holds the whole update
-    assert not acc.lazytrain_engine.steps.update_pending
+    assert not acc.lazytrain.engine.steps.update_pending
     acc.end_training()

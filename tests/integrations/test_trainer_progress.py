@@ -16,8 +16,8 @@ from lazytrain_accel.progress import PROGRESS_EVERY_STEPS
 def _trainer(stall_s: list[float]) -> SimpleNamespace:
     plan = SimpleNamespace(batch_size=4, seq_len=16, prediction=SimpleNamespace(step_s=0.5))
     engine = SimpleNamespace(stats=lambda: SimpleNamespace(stall_s=stall_s[0]), plan=plan)
-    accelerator = SimpleNamespace(lazytrain_run=SimpleNamespace(plan=plan),
-                                  lazytrain_engine=engine)
+    accelerator = SimpleNamespace(lazytrain=SimpleNamespace(
+        run=SimpleNamespace(plan=plan), engine=engine, replanner=None, guard=None))
     # The Trainer's loss accumulator since its last log (what its next log reports).
     return SimpleNamespace(accelerator=accelerator, _tr_loss=torch.tensor(0.0),
                            _globalstep_last_logged=0)

@@ -113,7 +113,7 @@ def _train(tmp_path, name: str, *, lazytrain: bool, padding_free: bool = False
         squares = _SequenceSquares()
         with squares:
             trainer.train()
-        plan = trainer.accelerator.lazytrain_run.plan
+        plan = trainer.accelerator.lazytrain.run.plan
         assert plan.seq_len == SEQ and plan.tile_tokens > 0, plan  # the planner tiled
     else:
         trainer.train()
@@ -188,5 +188,5 @@ def test_trl_sft_takes_one_sample_of_a_million_tokens_with_no_s_by_s_tensor(tmp_
         trainer.train()
     [log] = [e for e in trainer.state.log_history if "loss" in e]
     assert log["num_tokens"] == tokens and torch.isfinite(torch.tensor(log["loss"]))
-    assert trainer.accelerator.lazytrain_run.plan.seq_len == tokens
+    assert trainer.accelerator.lazytrain.run.plan.seq_len == tokens
     assert squares.found == [], f"S x S or full-logits tensors were made: {squares.found[:5]}"

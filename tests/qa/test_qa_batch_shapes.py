@@ -73,7 +73,7 @@ def test_a_longer_batch_replans_once_upward_before_it_runs(
     assert "batch 2 x seq 6" in plans[0] and "batch 2 x seq 32" in plans[1]
     assert "sized from a longer batch" in plans[1]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert acc.lazytrain_engine.plan.seq_len == 32 == acc.lazytrain_run.plan.seq_len
+    assert acc.lazytrain.engine.plan.seq_len == 32 == acc.lazytrain.run.plan.seq_len
     assert losses == _stock(lengths)
     acc.end_training()
 
@@ -89,7 +89,7 @@ def test_no_loader_plans_for_the_first_batch_and_says_nothing_before(
 
 def test_explicit_shape_fields_size_the_plan(tmp_path: Path) -> None:
     _, acc = _run(tmp_path, [12, 5, 12, 9], batch_size=2, seq_len=16)
-    assert (acc.lazytrain_engine.plan.batch_size, acc.lazytrain_engine.plan.seq_len) == (2, 16)
+    assert (acc.lazytrain.engine.plan.batch_size, acc.lazytrain.engine.plan.seq_len) == (2, 16)
     acc.end_training()
 
 
@@ -97,7 +97,7 @@ def test_a_plan_file_is_not_replanned_and_the_warning_names_no_gpu_on_cpu(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     _, acc = _run(tmp_path, [6, 6])
     path = tmp_path / "plan.json"
-    acc.lazytrain_run.plan.save(path)
+    acc.lazytrain.run.plan.save(path)
     acc.end_training()
     with caplog.at_level(logging.WARNING, logger="lazytrain_accel"):
         _, acc = _run(tmp_path, [6, 5, 20, 9, 30, 4], plan=str(path))
@@ -112,7 +112,7 @@ def test_batches_within_the_plan_say_nothing(tmp_path: Path,
     with caplog.at_level(logging.WARNING, logger="lazytrain_accel"):
         _, acc = _run(tmp_path, [12, 5, 12, 9, 3])  # the last batch holds one row
     assert not [r for r in caplog.records if "beyond the plan" in r.message]
-    assert acc.lazytrain_engine.plan.seq_len == 12
+    assert acc.lazytrain.engine.plan.seq_len == 12
     acc.end_training()
 
 
@@ -123,7 +123,7 @@ def test_resuming_a_checkpoint_planned_for_longer_batches_adopts_its_shape(
     acc.end_training()
     _, resumed = _run(tmp_path, [6, 5])  # planned 2 x 6 from its first batch
     resumed.load_state(str(tmp_path / "ckpt"))  # the checkpoint's plan is 2 x 32: no error
-    assert resumed.lazytrain_engine.plan.seq_len == 32
+    assert resumed.lazytrain.engine.plan.seq_len == 32
     resumed.end_training()
 
 
@@ -135,11 +135,12 @@ def test_resuming_a_longer_shape_reaches_the_replanner_too(tmp_path: Path) -> No
     acc.save_state(str(tmp_path / "ckpt"))
     acc.end_training()
     _, resumed = _run(tmp_path, [6, 5])
-    assert resumed.lazytrain_replanner is not None  # replan="auto" is the default
+    assert resumed.lazytrain.replanner is not None  # replan="auto" is the default
     resumed.load_state(str(tmp_path / "ckpt"))
-    assert resumed.lazytrain_run.model_profile.seq_len == 32
-    assert resumed.lazytrain_replanner.run.model_profile.seq_len == 32
-    assert resumed.lazytrain_replanner.run.plan is resumed.lazytrain_engine.plan
+    assert resumed.lazytrain.run.model_profile.seq_len == 32
+    assert resumed.lazytrain.replanner.run.model_profile.seq_len == 32
+    assert resumed.lazytrain.replanner.run is resumed.lazytrain.run  # one plan, one place
+    assert resumed.lazytrain.engine.plan is resumed.lazytrain.run.plan
     resumed.end_training()
 
 
@@ -151,8 +152,8 @@ def test_a_replan_keeps_the_engines_residents_where_they_are(
     lengths = [6, 5, 20, 9]
     losses, acc = _run(tmp_path, lengths, plan="auto", optimizer="hybrid8bit",
                        resident_update=resident_update)
-    assert acc.lazytrain_engine.plan.seq_len == 32
-    assert acc.lazytrain_engine.plan.resident_update == resident_update
+    assert acc.lazytrain.engine.plan.seq_len == 32
+    assert acc.lazytrain.engine.plan.resident_update == resident_update
     assert all(isinstance(loss, float) for loss in losses)
     acc.end_training()
 

@@ -37,7 +37,7 @@ def test_a_cli_plan_fits_the_run_of_its_dtype(tmp_path: Path, dtype: str,
                                               mixed_precision: str) -> None:
     out = _plan(tmp_path, "--dtype", dtype)
     acc = _prepare(tmp_path, out, mixed_precision)
-    assert acc.lazytrain_run.plan.strategy == "offload_all"
+    assert acc.lazytrain.run.plan.strategy == "offload_all"
     acc.end_training()
 
 

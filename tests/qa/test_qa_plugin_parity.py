@@ -22,7 +22,7 @@ def nvme_plan_file(tmp_path: Path, arch: str) -> str:
     model = build(arch)
     acc.prepare(model, torch.optim.AdamW(model.parameters()),
                 torch.utils.data.DataLoader(padded_samples(), batch_size=2))
-    data = acc.lazytrain_run.plan.to_dict()
+    data = acc.lazytrain.run.plan.to_dict()
     acc.end_training()
     data["homes"] = ["nvme" if h == "cpu" else h for h in data["homes"]]
     extra = []

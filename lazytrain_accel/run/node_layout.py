@@ -1,0 +1,78 @@
+"""`NodeLayout`: how a launch's ranks share host copies of the model, decided once.
+
+With `node_store="auto"` a node's local ranks map one host copy (the node store); else,
+or when the `node_store_dir` cannot hold it, each rank keeps its own copy and the
+gradients are all-reduced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lazytrain_accel import preflight
+from lazytrain_accel.config import ANONYMOUS_SEGMENT, LazyTrainConfig
+from lazytrain_accel.distributed import generation_words, node_store, ranks
+
+logger = logging.getLogger("lazytrain_accel")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NodeLayout:
+    #: the local ranks planned as one node sharing one host copy (1: this rank alone)
+    node_ranks: int = 1
+    #: the nodes of the launch, each with its own copy (`node_ranks` ranks each)
+    nodes: int = 1
+    #: the node_store_dir that cannot hold the store (each rank its own copy instead)
+    segment_room: preflight.SegmentRoom | None = None
+
+
+def node_layout_for(config: LazyTrainConfig, model: nn.Module, *, num_processes: int,
+                    is_main_process: bool) -> NodeLayout:
+    """The local ranks that will share one host copy: a node's processes
+    (LOCAL_WORLD_SIZE) with `node_store="auto"`, each node its own copy, else 1 (each
+    rank its own copy; also when the `node_store_dir` cannot hold it, `segment_room`)."""
+    if num_processes == 1:
+        return NodeLayout()
+    why_not = node_store.unusable_because(config.node_store, num_processes=num_processes,
+                                          env=os.environ, store_dir=config.node_store_dir)
+    report = logger.info
+    if why_not is None and (unsafe := generation_words.unavailable_because()):
+        why_not, report = f"the node store is refused: {unsafe}", logger.warning
+    segment_room = None
+    if why_not is None and config.node_store_dir != ANONYMOUS_SEGMENT:
+        room = node_store.room_for(model, config.node_store_dir)
+        room = dataclasses.replace(room, free_bytes=ranks.least(room.free_bytes))
+        if not room.fits:  # every rank sees the same figure: they fall back together
+            segment_room = room
+            why_not = f"{room.directory} cannot hold the node store"
+    if why_not is None:
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        return NodeLayout(node_ranks=local, nodes=num_processes // local)
+    if is_main_process:
+        report("lazytrain: each rank keeps its own host copy and the whole update "
+               "(gradients all-reduced): %s", why_not)
+    return NodeLayout(segment_room=segment_room)
+
+
+def share_store(config: LazyTrainConfig, model: nn.Module, layout: NodeLayout, *,
+                local_process_index: int, is_main_process: bool,
+                num_groups: int) -> node_store.NodeStore | None:
+    """Map the parameters from the node's shared segment (`layout.node_ranks` > 1), else
+    None: every rank keeps its own copy (all-reduce)."""
+    if layout.node_ranks == 1:
+        return None
+    directory = config.node_store_dir
+    if is_main_process:
+        logger.info("lazytrain: %s", node_store.room_for(model, directory).describe())
+    job_id, node_id = node_store.launch_identity(os.environ)
+    return node_store.share_model(
+        model, name=node_store.segment_name(job_id=job_id, node_id=node_id),
+        leader=local_process_index == 0, local_ranks=layout.node_ranks,
+        num_groups=num_groups, barrier=torch.distributed.barrier,
+        directory=None if directory == ANONYMOUS_SEGMENT else Path(directory))

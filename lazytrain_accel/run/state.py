@@ -1,0 +1,274 @@
+"""`RunState`: one streamed run's state, built once by `build_run_state`.
+
+The plan, the shape it is sized for, the engine, the optimizer wiring, the step guard,
+the re-planner, the node store and the gradient reducer live here, and the current plan
+lives here only: `RunState.adopt` is the one place a new plan takes over (the engine's
+copy is set from it, the re-planner reads it from here). The Accelerator and the
+Trainer's Accelerator hold it as one attribute, `accelerator.lazytrain`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lazytrain_accel import preflight, threads
+from lazytrain_accel.config import LazyTrainConfig
+from lazytrain_accel.distributed import node_store, ranks, split_update
+from lazytrain_accel.distributed.data_parallel import GradientAllReducer
+from lazytrain_accel.run import batch_shape, setup
+from lazytrain_accel.run.node_layout import NodeLayout, node_layout_for, share_store
+from lazytrain_accel.run.replanner import Replanner, replanner_for
+from lazytrain_accel.run.step_guard import StepGuard
+
+if TYPE_CHECKING:
+    from lazytrain_accel.checkpoints.asynchronous import PendingSave
+    from lazytrain_accel.engine import StreamingEngine
+    from lazytrain_accel.planning import Plan
+    from lazytrain_accel.profiling.hardware import HardwareProfile
+
+logger = logging.getLogger("lazytrain_accel")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Launch:
+    """What the front end knows of the launch, as `build_run_state` needs it."""
+
+    num_processes: int
+    local_process_index: int
+    is_main_process: bool
+    device: torch.device
+    mixed_precision: str | None
+    #: Ctrl-C raises `TrainingInterrupted` at the step boundary (a Trainer stops instead)
+    interrupt_raises: bool
+    #: a sequence bound the front end knows (the Trainer passes TRL's max_length)
+    seq_bound: int | None
+    #: whether this backward ends an accumulation (`Accelerator.sync_gradients`)
+    should_reduce: Callable[[], bool]
+    #: waits for a running update (a bound method: registered weakly for the exit)
+    synchronize: Callable[[], None]
+
+
+@dataclasses.dataclass(kw_only=True, eq=False)
+class RunState:
+    plugin: LazyTrainConfig
+    launch: Launch
+    model: nn.Module
+    #: the shape the plan is sized for (provisional until the first batch without a loader)
+    sizing: batch_shape.Sizing
+    #: the current plan with the profiles it was made from: set by `adopt` only
+    run: setup.PreparedRun
+    layout: NodeLayout
+    #: None once `end` detached it
+    engine: StreamingEngine | None
+    guard: StepGuard
+    #: fits the profile to measured rates and switches plans (replan="auto")
+    replanner: Replanner | None = None
+    #: one host copy per node, mapped by every local rank (None: each rank its own)
+    store: node_store.NodeStore | None = None
+    reducer: GradientAllReducer | split_update.ShareReducer | None = None
+    #: the optimizer rebuilt on the streamed model's host masters (set at its prepare)
+    optimizer: torch.optim.Optimizer | None = None
+    #: a checkpoint being written beside training (`checkpoint_mode="async"`)
+    pending_save: PendingSave | None = None
+
+    def plan_for(self, sizing: batch_shape.Sizing, hardware: HardwareProfile) -> setup.PreparedRun:
+        """A re-plan for `sizing` on `hardware`, the residents where the engine keeps them."""
+        return plan_for(self.plugin, self.model, sizing, hardware, launch=self.launch,
+                        layout=self.layout, resident_update=self.run.plan.resident_update)
+
+    def adopt(self, run: setup.PreparedRun, sizing: batch_shape.Sizing | None = None) -> None:
+        """`run` (planned for `sizing`, default the current shape) becomes the run's: the
+        engine runs its plan from the next forward, the re-planner solves and prices with
+        its model profile from the next step on."""
+        if self.engine is not None and self.engine.plan is not run.plan:
+            self.engine.set_plan(run.plan)  # refuses a plan it cannot run: nothing changed
+        self.run, self.sizing = run, sizing or self.sizing
+
+    def replan(self, batch_size: int, seq_len: int) -> Plan | None:
+        """The engine saw a (batch, seq) batch beyond its plan: plan once upward (cached)."""
+        from lazytrain_accel.planning import PlanInfeasibleError
+
+        sizing = batch_shape.grown(self.sizing, batch_size, seq_len)
+        try:
+            run = self.plan_for(sizing, self.run.hardware)
+        except PlanInfeasibleError as err:
+            logger.warning("lazytrain: a batch of %d x %d tokens needs a new plan, and none "
+                           "fits: %s", batch_size, seq_len, err)
+            return None
+        # the larger plan may home more on NVMe: fail with a sentence, not an ENOSPC
+        preflight.check_nvme_dir(self.plugin.nvme_dir, preflight.nvme_need_bytes(run.plan))
+        self.adopt(run, sizing)
+        return run.plan
+
+    def adopt_shape(self, previous: Plan) -> None:
+        """A checkpoint's plan sized for longer batches than this run's (it re-planned
+        upward before it was saved): plan for that shape too, so resuming matches it."""
+        plan = self.run.plan
+        tokens = previous.batch_size * previous.seq_len
+        if (self.engine is None or self.engine.replan is None
+                or tokens <= plan.batch_size * plan.seq_len):
+            return
+        sizing = batch_shape.Sizing(batch_size=previous.batch_size, seq_len=previous.seq_len,
+                                    source="the checkpoint's plan", seq_cap=self.sizing.seq_cap)
+        self.adopt(self.plan_for(sizing, self.run.hardware), sizing)
+
+    def global_finite(self) -> bool:
+        return math.isfinite(self.reducer.global_grad_sq_norm())
+
+    def synchronize(self) -> None:
+        """Wait for a running layer-wise update."""
+        if self.engine is not None:
+            self.engine.synchronize()
+
+    def end(self) -> None:
+        """The run ends: Ctrl-C back to Python's, no more solves, the engine detached (it
+        waits for a running update first), the optimizer steps inline from now on."""
+        from lazytrain_accel.optim import HybridAdamW8bit
+
+        self.guard.restore_sigint()
+        if self.replanner is not None:
+            self.replanner.close()
+            self.replanner = None
+        if self.engine is not None:
+            self.engine.detach()
+            self.engine = None
+        if isinstance(self.optimizer, HybridAdamW8bit):
+            self.optimizer.step_runner = None  # no engine left: step inline
+
+
+def plan_for(config: LazyTrainConfig, model: nn.Module, sizing: batch_shape.Sizing,
+             hardware: HardwareProfile, *, launch: Launch, layout: NodeLayout,
+             resident_update: str | None = None) -> setup.PreparedRun:
+    """Profile and plan for `sizing`; summarize the plan unless it is provisional. A
+    re-plan passes the attached engine's `resident_update` (the residents stay put)."""
+    model_profile = setup.profile_for_run(
+        model, batch_size=sizing.batch_size, seq_len=sizing.seq_len,
+        compute_dtype=setup.compute_dtype_for(launch.mixed_precision),
+        loss_chunk_tokens=config.loss_chunk_tokens)
+    plan = setup.resolve_plan(config, model_profile, hardware, resident_update=resident_update,
+                              gpus_per_node=layout.node_ranks, nodes=layout.nodes)
+    if launch.is_main_process and not sizing.provisional:
+        logger.info("%s (sized from %s)", setup.format_plan_summary(plan), sizing.source)
+    return setup.PreparedRun(model_profile=model_profile, hardware=hardware, plan=plan)
+
+
+def build_run_state(config: LazyTrainConfig, model: nn.Module, loader: Any, *,
+                    launch: Launch) -> RunState:
+    """Profile, plan and attach the streaming engine to `model`, sized from `loader` (None:
+    from the config, or provisional until the first batch); wire the guard, the
+    re-planner, the node store and the gradient reducer. The optimizer joins later."""
+    from lazytrain_accel.engine import attach
+
+    _bind_threads(config, launch)
+    compute_dtype = setup.compute_dtype_for(launch.mixed_precision)
+    if config.frozen_weights != "keep":  # before profiling: plan the packed base
+        from lazytrain_accel.engine.memory.quantize_base import quantize_frozen_linears
+
+        quantize_frozen_linears(model, config.frozen_weights, compute_dtype or torch.float32)
+    sizing = batch_shape.size_run(loader, model, config, seq_bound=launch.seq_bound)
+    hardware = _hardware_for(config)
+    layout = node_layout_for(config, model, num_processes=launch.num_processes,
+                             is_main_process=launch.is_main_process)
+    run = plan_for(config, model, sizing, hardware, launch=launch, layout=layout)
+    if launch.num_processes > 1:  # one model and one plan on every rank, a clean exit
+        ranks.check_ranks_agree(run.plan, model)
+        ranks.register_exit_teardown(launch.synchronize)
+    _check_host_memory(config, model, run, layout, launch)
+    store = share_store(config, model, layout, local_process_index=launch.local_process_index,
+                        is_main_process=launch.is_main_process,
+                        num_groups=run.plan.num_layers + 2)
+    engine = attach(model, run.plan, device=launch.device, compute_dtype=compute_dtype,
+                    nvme_dir=config.nvme_dir,
+                    loss_chunk_tokens=setup.engine_loss_chunk_tokens(config),
+                    emulation=setup.emulation_for(config, run.hardware))
+    guard = StepGuard(model=model, engine=engine,
+                      max_nonfinite_skips=config.max_nonfinite_skips,
+                      raise_on_interrupt=launch.interrupt_raises)
+    state = RunState(plugin=config, launch=launch, model=model, sizing=sizing, run=run,
+                     layout=layout, engine=engine, guard=guard, store=store)
+    _wire_replanning(state)
+    guard.install_sigint()
+    _wire_reducer(state)
+    return state
+
+
+def _bind_threads(config: LazyTrainConfig, launch: Launch) -> None:
+    if launch.num_processes > 1 and config.bind_cores == "auto" and config.threads == 0:
+        ranks.bind_local_cores(local_rank=launch.local_process_index,
+                               node_id=node_store.launch_identity(os.environ)[1])
+    threads.apply_threads(config.threads, device=launch.device)  # before any timing
+
+
+def _hardware_for(config: LazyTrainConfig) -> HardwareProfile:
+    from lazytrain_accel.profiling.hardware_spec import load_hardware
+
+    return setup.hardware_for_backend(config, load_hardware(
+        config.hardware, cache_dir=config.cache_dir, nvme_dir=config.nvme_dir))
+
+
+def _check_host_memory(config: LazyTrainConfig, model: nn.Module, run: setup.PreparedRun,
+                       layout: NodeLayout, launch: Launch) -> None:
+    """Before the engine allocates anything: fail with a sentence, not an OOM kill. A
+    node's ranks check the node's bytes against the same (their least) free figure."""
+    available = preflight.available_host_bytes()
+    estimate = preflight.check_run(
+        model=model, plan=run.plan, model_profile=run.model_profile,
+        optimizer=config.optimizer.value, nvme_dir=config.nvme_dir,
+        available_bytes=available if layout.node_ranks == 1 else ranks.least(available))
+    if layout.segment_room is not None:  # a copy per rank, if they all fit
+        warning = preflight.check_per_rank_copies(
+            layout.segment_room, estimate, available_bytes=ranks.least(available),
+            copies=int(os.environ["LOCAL_WORLD_SIZE"]))
+        if launch.is_main_process:
+            logger.warning("lazytrain: %s", warning)
+
+
+def _wire_replanning(state: RunState) -> None:
+    """A batch beyond the plan re-plans upward; `replan="auto"` (one process) follows the
+    measured rates. A plan file is the user's: never re-planned."""
+    config, engine = state.plugin, state.engine
+    if setup.is_plan_file(config):
+        return
+    engine.replan = state.replan
+    if config.replan == "auto" and state.launch.num_processes == 1:
+        state.replanner = replanner_for(config, engine=engine, state=state,
+                                        device=state.launch.device)
+
+
+def _wire_reducer(state: RunState) -> None:
+    """The gradients' way between ranks: split across a node store's ranks (each updates
+    its share), else all-reduced whole; one process has none."""
+    engine, launch = state.engine, state.launch
+    if state.store is not None:
+        _, node_id = node_store.launch_identity(os.environ)
+        groups = split_update.node_groups(local_rank=launch.local_process_index,
+                                          local_world_size=state.layout.node_ranks,
+                                          node_id=node_id)
+        state.reducer = split_update.start_split_update(
+            engine, generations=state.store.generations, layout=groups,
+            should_reduce=launch.should_reduce)
+        _pin_store(state)
+        state.guard.global_finite = state.global_finite
+    elif launch.num_processes > 1:
+        state.reducer = GradientAllReducer(engine, state.model,
+                                           should_reduce=launch.should_reduce)
+
+
+def _pin_store(state: RunState) -> None:
+    """Page-lock the node store for the device's copies, in chunks; where any local rank
+    could not (warned there), every rank re-plans on the pageable copy rates, so the ranks
+    keep one plan (`ranks.check_ranks_agree`)."""
+    max_chunk_bytes = int(state.plugin.pin_chunk_max_gib * 1024**3)
+    pinned = state.engine.streams.register_pinned(state.store.bytes,
+                                                  max_chunk_bytes=max_chunk_bytes)
+    if ranks.least(int(pinned)):
+        return
+    state.adopt(state.plan_for(state.sizing, state.run.hardware.pageable_links()))
