@@ -24,8 +24,9 @@ moment leaves the previous checkpoint and a `.tmp-<pid>` directory that `recover
 removes; a writer error removes the temporary directory, opens every gate (training goes
 on) and is raised by the next save, `load_state` or `end_training`.
 
-Memory: what the writer holds beyond the state is one chunk of one tensor cast to the
-export dtype (none in the model's dtype), below one group's bytes.
+Memory: what the writer holds beyond the state is one tensor, copied alone to cast it to
+the export dtype or to read it off the device (none in the model's dtype on the host),
+below one group's bytes; `preflight.py` `save_buffer_bytes` counts it in the host check.
 """
 
 from __future__ import annotations

@@ -188,6 +188,7 @@ class Accelerator(accelerate.Accelerator):
         estimate = preflight.check_run(
             model=model, plan=plan, model_profile=model_profile,
             optimizer=plugin.optimizer.value, nvme_dir=plugin.nvme_dir,
+            checkpoint_dtype=plugin.checkpoint_dtype,
             available_bytes=available if self.lazytrain_node_ranks == 1
             else ranks.least(available))
         if self._lazytrain_segment_room is not None:  # a copy per rank, if they all fit
