@@ -165,7 +165,8 @@ def test_a_writer_error_keeps_the_previous_checkpoint_and_frees_the_updates(
     plugin = SimpleNamespace(checkpoint_dtype="auto", checkpoint_max_shard_bytes=10**9,
                              checkpoint_write_bytes_per_s=0.0)
     acc = SimpleNamespace(lazytrain_engine=SimpleNamespace(steps=SimpleNamespace(
-        update_groups=groups)), lazytrain_plugin=plugin, step=1, _lazytrain_model=model,
+        update_groups=groups, peers=None)), lazytrain_plugin=plugin, step=1,
+        _lazytrain_model=model,
         _lazytrain_optimizer=optimizer)
     final = tmp_path / "ckpt"
     final.mkdir()
