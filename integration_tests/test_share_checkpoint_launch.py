@@ -1,7 +1,9 @@
 """`accelerator.save_state` / `load_state` of an unmodified script under the node store
 (issue 22 items 3 and 5): each weight once (`from_pretrained` loads it), the optimizer
 state per share with a manifest, a bit-exact resume on the same world size, a re-shard
-onto another."""
+onto another. The save is asynchronous (the default `checkpoint_mode`, issue 33): each
+rank writes its own groups' weights and share beside the next steps, and the checkpoint
+holds what a blocking save at the same step holds."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from integration_tests.test_accelerate_launch import _launch, _run
+from lazytrain_accel.checkpoints import layout
 from lazytrain_accel.checkpoints import shares as sc
 from lazytrain_accel.optim import HybridAdamW8bit
 
@@ -22,9 +25,13 @@ ARGS = ("--lazytrain", "--plan", "offload_all", "--steps", "4")  # hybrid 8-bit,
 
 def test_a_node_store_checkpoint_resumes_bit_exact_and_reshards(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
+    # A throttled writer (about a second for this model) is still writing while the
+    # next steps run (the script waits for it only at its end): their updates wait for
+    # it group by group.
     full = _launch(tmp_path, "full", *ARGS, "--batch-size", "4", "--save-at", "2",
                    "--ckpt-dir", str(ckpt), "--masters-out", str(tmp_path / "masters.pt"),
-                   "--digest-out", str(tmp_path / "full_"), num_processes=2)
+                   "--digest-out", str(tmp_path / "full_"), "--finish-save-at-end",
+                   num_processes=2, env={"LAZYTRAIN_CHECKPOINT_WRITE_BYTES_PER_S": "500000"})
     manifest = json.loads((ckpt / "lazytrain_shares.json").read_text())
     assert (manifest["world_size"], manifest["local_world_size"], manifest["nodes"]) == (2, 2, 1)
     assert manifest["optimizer_steps"] == 2
@@ -33,6 +40,21 @@ def test_a_node_store_checkpoint_resumes_bit_exact_and_reshards(tmp_path: Path) 
     named = [n for s in shares for n in s["params"]]
     assert len(named) == len(set(named)) and all(s["params"] for s in shares)  # split, once
     assert not any((ckpt / n).exists() for n in ("optimizer.bin", "model_1.safetensors"))
+    # Written asynchronously, each rank its own groups' weights: one shard per rank.
+    assert sorted(set(layout.weight_files(ckpt).values())) == [
+        ckpt / layout.shard_file(i, 2) for i in (1, 2)]
+
+    # A blocking save at the same step holds the same: manifest, weights, every share.
+    blocking = tmp_path / "blocking"
+    _launch(tmp_path, "blocking", *ARGS[:-1], "2", "--batch-size", "4", "--save-at", "2",
+            "--ckpt-dir", str(blocking), num_processes=2,
+            env={"LAZYTRAIN_CHECKPOINT_MODE": "sync"})
+    assert sc.read_manifest(blocking) == manifest
+    assert list(layout.weight_files(blocking).values()) == [blocking / layout.WEIGHTS] * len(
+        layout.weight_files(blocking))  # rank 0 wrote them all, in one file
+    assert _weights(blocking).keys() == _weights(ckpt).keys()
+    assert all(torch.equal(t, _weights(ckpt)[n]) for n, t in _weights(blocking).items())
+    assert _share_digest(blocking, shares) == _share_digest(ckpt, shares)
 
     # The weights file is the masters at the save, each once, and transformers loads it.
     loaded = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
@@ -68,6 +90,10 @@ def _digest(entries: list[tuple[str, dict[str, torch.Tensor]]]) -> str:
             raw = items[key].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
             h.update((f"{name}/{key}" if key else name).encode() + raw)
     return h.hexdigest()
+
+
+def _weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return {name: load_file(path)[name] for name, path in layout.weight_files(ckpt).items()}
 
 
 def _share_digest(ckpt: Path, shares: list[dict]) -> str:

@@ -8,7 +8,9 @@ kill an hour in, or an ENOSPC in the middle of a backward.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import itertools
 import math
 import os
 import shutil
@@ -22,6 +24,7 @@ from lazytrain_accel.planning.host import (
     activation_host_terms,
     host_base_terms,
     host_remedy,
+    per_rank,
 )
 from lazytrain_accel.planning.plan import Home, Plan
 from lazytrain_accel.planning.problem import STAGING_BOUNDARIES
@@ -200,12 +203,43 @@ def _probe_writable(path: Path, how: str) -> None:
         os.unlink(probe)
 
 
+#: The host term of a checkpoint's serialization buffer (`save_buffer_bytes`).
+SAVE_BUFFER_TERM = "checkpoint save buffer (one tensor)"
+
+#: Bytes per element of each named `checkpoint_dtype` (config.CHECKPOINT_DTYPE_CHOICES;
+#: "auto" writes every tensor as held: nothing is cast).
+_CHECKPOINT_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def save_buffer_bytes(model: object, *, checkpoint_dtype: str, resident_update: str) -> int:
+    """The host bytes a save holds beyond the run's state (issue 33 item 4): the writer
+    (checkpoints/layout.py `tensor_bytes`) writes a tensor from where it lives and copies
+    one, alone, only to cast it to `checkpoint_dtype` or to read it off the device (the
+    residents' masters and states under `resident_update="device"`). The bound is the
+    largest such copy, with every tensor counted as possibly on the device there, in fp32
+    where it is floating (the engine's masters); 0 when nothing is copied."""
+    itemsize = _CHECKPOINT_ITEMSIZE.get(checkpoint_dtype)
+    largest_bytes = 0
+    tensors = itertools.chain(model.parameters(), model.buffers())  # type: ignore[attr-defined]
+    for tensor in tensors:
+        floating = tensor.is_floating_point()
+        cast = (itemsize is not None and floating
+                and str(tensor.dtype).removeprefix("torch.") != checkpoint_dtype)
+        if cast or resident_update == "device":
+            held = max(tensor.element_size(), MASTER_BYTES_PER_PARAM if floating else 0)
+            largest_bytes = max(largest_bytes, tensor.numel() * (itemsize if cast else held))
+    return largest_bytes
+
+
 def check_run(*, model: object, plan: Plan, model_profile: ModelProfile, optimizer: str,
-              nvme_dir: str, available_bytes: int | None = None) -> HostMemoryEstimate:
+              nvme_dir: str, checkpoint_dtype: str, available_bytes: int | None = None
+              ) -> HostMemoryEstimate:
     """Both checks for `model` (a torch module, profiled as `model_profile`) about to run
-    `plan` with `optimizer`; returns the host estimate. Called by `prepare` after planning
-    and before the engine allocates. With a plan for N local ranks the node is checked:
-    every rank built its model (N copies present, which the node store replaces by one),
+    `plan` with `optimizer`, saving its checkpoints in `checkpoint_dtype`; returns the host
+    estimate, a save's buffer included (each of a node's ranks writes its own share).
+    Called by `prepare` after planning and before the engine allocates. With a plan for
+    N local ranks the node is checked: every rank built its model (N copies present, which
+    the node store replaces by one),
     and `available_bytes` should be the same figure on every rank (the ranks' least), so
     they pass or refuse together."""
     params = model.parameters()  # type: ignore[attr-defined]
@@ -213,6 +247,11 @@ def check_run(*, model: object, plan: Plan, model_profile: ModelProfile, optimiz
         model_profile=model_profile, plan=plan, optimizer=optimizer,
         present_bytes=plan.gpus_per_node * sum(p.numel() * p.element_size() for p in params
                                                if p.device.type == "cpu"))
+    buffer_bytes = save_buffer_bytes(model, checkpoint_dtype=checkpoint_dtype,
+                                     resident_update=plan.resident_update)
+    ranks = plan.gpus_per_node
+    estimate = dataclasses.replace(estimate, terms=(
+        *estimate.terms, (per_rank(SAVE_BUFFER_TERM, ranks), ranks * buffer_bytes)))
     check_host_memory(estimate, available_bytes)
     check_nvme_dir(nvme_dir, nvme_need_bytes(plan))
     return estimate

@@ -32,6 +32,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate.utils import DataLoaderConfiguration, set_seed
@@ -121,6 +122,17 @@ def make_accelerator(args: argparse.Namespace, plugin: LazyTrainPlugin | None
                        plugin=plugin)
 
 
+def write_progress(accelerator: Any, ckpt_dir: str, step: int) -> None:
+    """The script's own file in the checkpoint (rank 0). An async save publishes the
+    folder later: wait before adding a file to it (docs/user_guide.md "Checkpoints")."""
+    if accelerator.is_main_process:
+        wait = getattr(accelerator, "lazytrain_wait_for_checkpoint", None)
+        if wait is not None:
+            wait()
+        with open(ckpt_dir + "/progress.json", "w") as f:
+            json.dump({"step": step}, f)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--lazytrain", action="store_true")
@@ -148,6 +160,8 @@ def main() -> None:
     p.add_argument("--progress-out", default=None, help="rank 0's finished steps so far")
     p.add_argument("--slow-save-s", type=float, default=0.0,
                    help="sleep inside save_state (<losses>.saving marks it) to be killed there")
+    p.add_argument("--finish-save-at-end", action="store_true",
+                   help="train on while an async save is written; its progress.json last")
     args = p.parse_args()
     faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True)
 
@@ -226,17 +240,13 @@ def main() -> None:
                     if args.masters_out and accelerator.is_main_process:
                         torch.save({n: p.detach().clone() for n, p in
                                     model.named_parameters()}, args.masters_out)
-                    if accelerator.is_main_process:
-                        # An async save publishes the folder later: wait before adding
-                        # a file to it (docs/user_guide.md "Checkpoints").
-                        wait = getattr(accelerator, "lazytrain_wait_for_checkpoint", None)
-                        if wait is not None:
-                            wait()
-                        with open(args.ckpt_dir + "/progress.json", "w") as f:
-                            json.dump({"step": step}, f)
+                    if not args.finish_save_at_end:
+                        write_progress(accelerator, args.ckpt_dir, step)
                 if step >= args.steps:
                     break
         epoch_loader = loader
+    if args.finish_save_at_end and args.save_at is not None:
+        write_progress(accelerator, args.ckpt_dir, args.save_at)
     if accelerator.is_main_process:
         with open(args.losses, "w") as f:
             json.dump(losses, f)

@@ -1,31 +1,42 @@
 """A checkpoint written beside training, from the masters themselves (issue 33 items 1,
 2 and 4).
 
-`save_state` (one process, the layer-wise update on) captures what is small at the
-save's step, synchronously: the stock state (scheduler, RNG, samplers, the plan), the
-manifest's content, `config.json` and the weights' index. It then starts one writer
-thread and returns. The writer walks the update groups in order (0: input residents,
-j: layer j, L+1: output residents, then tensors no update writes), and for each group
-appends its weights to the shard files and its optimizer state (and masters, under an
-export dtype) to the share file, straight from the tensors the optimizer updates; then it
-opens the group's gate. The next update of group g first waits at that gate
+`save_state` (the layer-wise update on, one process or several) captures what is small
+at the save's step, synchronously on every rank: the stock state (scheduler, RNG,
+samplers, the plan), the files' headers, `config.json`, the weights' index and the
+manifest's content. It then starts one writer thread per rank and returns. Each rank
+writes what it alone updates: one process writes everything; under the node store each
+rank writes the masters and the optimizer share of the update groups it owns (rank 0
+also those every rank updates, on their device copies, and the tensors no update writes),
+so no rank reads bytes another rank's update may be changing; replicated ranks (each its
+own copy) leave it all to rank 0. A writer walks its update groups in order (0: input
+residents, j: layer j, L+1: output residents, then tensors no update writes), appends each
+group's weights to its shard files and its optimizer state (and masters, under an export
+dtype) to its share file, straight from the tensors the optimizer updates; then it opens
+the group's gate. The next update of group g first waits at that gate
 (`StepCoordinator.save_gate`, `LayerwiseUpdate(before_group=)`): the only writer of g's
 bytes waits until g is on the disk, so nothing is copied and the checkpoint holds step k
 exactly. The forward of step k+1 reads masters, never writes them, so it runs freely.
 
-One writer thread on purpose: its work is `write(2)` of bytes that are already in memory
-(the GIL released, the core idle while the disk takes them), and one sequential stream
-per file is what a disk writes fastest; a second writer would compete with the update
-thread for the 2 of cores `threads.py` sized the pools for.
+One writer thread per rank on purpose: its work is `write(2)` of bytes that are already
+in memory (the GIL released, the core idle while the disk takes them), and one sequential
+stream per file is what a disk writes fastest; a second writer would compete with the
+update thread for the cores `threads.py` sized the pools for.
 
-The atomic protocol is `share_checkpoint`'s: a temporary directory beside the target,
-every file fsynced, the manifest written last, the rename, then rotation. A kill at any
-moment leaves the previous checkpoint and a `.tmp-<pid>` directory that `recover`
-removes; a writer error removes the temporary directory, opens every gate (training goes
-on) and is raised by the next save, `load_state` or `end_training`.
+The atomic protocol is `share_checkpoint`'s: rank 0 opens a temporary directory beside
+the target and names it to every rank, every file is fsynced, the manifest is written
+last, then the rename, then rotation. Across ranks the writers meet in the directory: a
+rank whose files are on the disk leaves a `.written-<rank>` mark (`.failed-<rank>` with
+its error), rank 0 publishes once every rank's mark is there and removes the marks first,
+and the other ranks' saves end when the temporary directory is gone: published if the
+target is now that directory (the same inode), failed otherwise. A kill at any moment
+leaves the previous checkpoint and a `.tmp-<pid>` directory that `recover` removes; a
+writer error removes the temporary directory, opens every gate (training goes on) and is
+raised on every rank by its next save, `load_state` or `end_training`.
 
-Memory: what the writer holds beyond the state is one chunk of one tensor cast to the
-export dtype (none in the model's dtype), below one group's bytes.
+Memory: what the writer holds beyond the state is one tensor, copied alone to cast it to
+the export dtype or to read it off the device (none in the model's dtype on the host),
+below one group's bytes; `preflight.py` `save_buffer_bytes` counts it in the host check.
 """
 
 from __future__ import annotations
@@ -52,6 +63,8 @@ logger = logging.getLogger("lazytrain_accel")
 #: Bytes written per `write(2)` (and per throttle check): large enough for full-speed
 #: sequential writes, small enough that a throttled writer paces smoothly.
 _CHUNK_BYTES = 16 << 20
+#: How often rank 0 looks for the other ranks' marks, and they for the publication.
+_POLL_S = 0.02
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -65,19 +78,23 @@ class _Entry:
 
 
 class PendingSave:
-    """A checkpoint being written by its thread; `wait_written(g)` until group g is."""
+    """A checkpoint being written by this rank's thread; `wait_written(g)` until group g
+    is. `stack` (rank 0's temporary directory) and `manifest` are rank 0's; None on the
+    other ranks, which only write their files and mark them."""
 
-    def __init__(self, *, final: Path, stack: contextlib.ExitStack, tmp: Path,
-                 groups: int, files: Sequence[tuple[Path, bytes]],
-                 entries: Sequence[_Entry], manifest: dict[str, Any],
-                 write_bytes_per_s: float,
-                 on_published: Callable[[], None]) -> None:
+    def __init__(self, *, final: Path, tmp: Path, rank: int, world: int, groups: int,
+                 files: Sequence[tuple[Path, bytes]], entries: Sequence[_Entry],
+                 stack: contextlib.ExitStack | None, manifest: dict[str, Any] | None,
+                 write_bytes_per_s: float, on_published: Callable[[], None]) -> None:
         self.final = final
-        self._stack, self._tmp = stack, tmp
+        self._stack, self._tmp, self._tmp_inode = stack, tmp, tmp.stat().st_ino
+        self._rank, self._world = rank, world
         self._files, self._entries, self._manifest = files, entries, manifest
         self._rate = write_bytes_per_s
         self._on_published = on_published
         self._written = [threading.Event() for _ in range(groups)]
+        for g in set(range(groups)) - {e.group for e in entries}:
+            self._written[g].set()  # this rank writes nothing of g: its update never waits
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self.update_waited_s = 0.0
@@ -104,8 +121,8 @@ class PendingSave:
         return not self._thread.is_alive()
 
     def wait(self) -> None:
-        """Block until the save has ended; raise if it failed (the previous checkpoint
-        is kept)."""
+        """Block until the save has ended (published, on every rank); raise if it failed
+        (the previous checkpoint is kept)."""
         self._thread.join()
         if self._error is not None:
             err, self._error = self._error, None
@@ -124,11 +141,20 @@ class PendingSave:
                 for f in handles:
                     f.flush()
                     os.fsync(f.fileno())
-            (self._tmp / sc.MANIFEST).write_text(json.dumps(self._manifest, indent=1))
-            self._stack.close()  # fsync, rename into place: the checkpoint exists from here
+            if self._stack is None:  # not rank 0: mark, then wait for rank 0's rename
+                _mark(self._tmp / f".written-{self._rank}", "")
+                self._wait_published()
+            else:
+                self._wait_for_ranks()
+                (self._tmp / sc.MANIFEST).write_text(json.dumps(self._manifest, indent=1))
+                self._stack.close()  # fsync, rename into place: the checkpoint exists now
         except BaseException as err:  # raised on the training thread by wait()
             self._error = err
-            sc.abandon(self._stack, err)
+            if self._stack is not None:
+                sc.abandon(self._stack, err)
+            else:
+                with contextlib.suppress(OSError):  # rank 0 may have abandoned already
+                    _mark(self._tmp / f".failed-{self._rank}", f"{type(err).__name__}: {err}")
         finally:
             for event in self._written:
                 event.set()  # training goes on, whatever happened here
@@ -157,10 +183,39 @@ class PendingSave:
                 if ahead_s > 0:
                     time.sleep(ahead_s)
 
+    def _wait_for_ranks(self) -> None:
+        """Rank 0: until every other rank has marked its files written; raise the first
+        failure marked. The marks are removed: the checkpoint holds none."""
+        pending = set(range(1, self._world))
+        while pending:
+            for rank in sorted(pending):
+                failed = self._tmp / f".failed-{rank}"
+                if failed.exists():
+                    raise RuntimeError(f"rank {rank}: {failed.read_text()}")
+                if (self._tmp / f".written-{rank}").exists():
+                    pending.discard(rank)
+            if pending:
+                time.sleep(_POLL_S)
+        for rank in range(1, self._world):
+            (self._tmp / f".written-{rank}").unlink()
+
+    def _wait_published(self) -> None:
+        """Another rank: until rank 0 has renamed the temporary directory into place or
+        removed it; raise in the second case."""
+        while self._tmp.exists():
+            time.sleep(_POLL_S)
+        with contextlib.suppress(FileNotFoundError):
+            if self.final.stat().st_ino == self._tmp_inode:
+                return
+        raise RuntimeError("rank 0 did not publish the checkpoint (its error is raised "
+                           "on rank 0)")
+
     def _published(self) -> None:
         duration_s = self.duration_s = time.perf_counter() - self._start_s
-        logger.info("lazytrain: checkpoint %s written (async, %.2f s, %.3f GB at %.0f MB/s; "
-                    "the update waited %.2f s for it)", self.final, duration_s,
+        if self._stack is None:
+            return  # rank 0 logs the save and rotates
+        logger.info("lazytrain: checkpoint %s written (async, %.2f s, %.3f GB at %.0f MB/s "
+                    "from rank 0; the update waited %.2f s for it)", self.final, duration_s,
                     self.written_bytes / 1e9, self.written_bytes / 1e6 / max(duration_s, 1e-9),
                     self.update_waited_s)
         try:
@@ -168,6 +223,14 @@ class PendingSave:
         except Exception as err:  # the checkpoint exists; rotation is best effort
             logger.warning("lazytrain: rotating old checkpoints after %s failed: %s",
                            self.final, err)
+
+
+def _mark(path: Path, text: str) -> None:
+    """A small file, on the disk before this returns (what another rank polls for)."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def group_order(named: Sequence[tuple[str, torch.Tensor]],
@@ -180,74 +243,121 @@ def group_order(named: Sequence[tuple[str, torch.Tensor]],
     return sorted(tagged, key=lambda item: item[0])
 
 
+@dataclass(kw_only=True, frozen=True)
+class _Part:
+    """What this rank writes: its weight shards (named once every rank's count is known)
+    and its share file's header (None: no share file) and entries, and the share's
+    manifest record."""
+
+    shards: list[list[tuple[int, str, torch.Tensor]]]  # (group, name, tensor), group order
+    share_header: bytes | None
+    share_entries: list[_Entry]
+    share_record: dict[str, Any]
+
+
 def start_save(accelerator: Any, final: Path, write_stock: Callable[[Path], None], *,
                on_published: Callable[[], None]) -> PendingSave:
-    """Open the checkpoint's temporary directory, write the small files now and start
-    the writer of the rest (module docstring). One process, after the step's update."""
-    from lazytrain_accel.checkpoints.atomic import atomic_directory
-
+    """On every rank at the same point, after the step's update: open the checkpoint's
+    temporary directory (rank 0, named to all), write the small files now and start this
+    rank's writer of the rest (module docstring). Any rank's failure here is raised on
+    every rank, the previous checkpoint untouched."""
+    rank, world = sc.rank_and_world()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     model, optimizer = accelerator.lazytrain.model, accelerator.lazytrain.optimizer
-    plugin, steps = accelerator.lazytrain_plugin, accelerator.lazytrain.engine.steps
-    groups = steps.update_groups
+    plugin, engine = accelerator.lazytrain_plugin, accelerator.lazytrain.engine
+    groups = engine.steps.update_groups
     dtype = layout.CHECKPOINT_DTYPES[plugin.checkpoint_dtype]
-    stack = contextlib.ExitStack()
-    tmp = stack.enter_context(atomic_directory(final))
+    mine, params = sc.my_share(engine, optimizer, rank=rank, world=world)
+    tmp, stack = sc.open_on_every_rank(final, label="save_state")
+    part: _Part | None = None
     try:
         write_stock(tmp)  # scheduler, RNG, samplers, the plan: at this step
-        files, entries = _weight_files(tmp, model, groups, plugin.checkpoint_max_shard_bytes,
-                                       dtype)
-        share = _share_file(tmp, optimizer, model, groups, dtype, first_file=len(files))
-        files.append(share[0])
-        entries = sorted([*entries, *share[1]], key=lambda e: e.group)
-        manifest = sc.build_manifest(
-            world_size=1, local_world_size=1, nodes=1, step=int(accelerator.step),
-            layout=sc.layout_hash(model),
-            optimizer=sc.optimizer_record(optimizer, sc.param_names(model)),
-            shares=[share[2]])
+        weight_groups = set(mine) if rank < local else set()  # one node writes the weights
+        if rank == 0:
+            weight_groups.add(len(groups))  # and rank 0 the tensors no update writes
+        part = _part(tmp, model, optimizer, groups, weight_groups, mine, params, dtype,
+                     max_shard_bytes=plugin.checkpoint_max_shard_bytes, rank=rank)
+        sizes = [[(n, layout.exported_bytes(t, dtype)) for _, n, t in shard]
+                 for shard in part.shards]
+        report: tuple[str, Any] = ("ok", (sizes, part.share_record))
+    except BaseException as err:  # reported to rank 0, raised on every rank
+        if world == 1 or not isinstance(err, Exception):
+            if stack is not None:
+                sc.abandon(stack, err)
+            raise
+        report = ("error", sc.describe_error(err))
+    reports = sc.gather_reports(report, stack, final=final, label="save_state")
+    assert part is not None  # every rank reported "ok"
+    try:
+        files, entries = _files(tmp, part, [sizes for sizes, _ in reports], rank=rank,
+                                dtype=dtype)
+        manifest = None
+        if stack is not None:
+            sc.write_config(tmp, model)
+            manifest = sc.build_manifest(
+                world_size=world, local_world_size=local, nodes=max(1, world // local),
+                step=int(accelerator.step), layout=sc.layout_hash(model),
+                optimizer=sc.optimizer_record(optimizer, sc.param_names(model)),
+                shares=[record for _, record in reports])
     except BaseException as err:
-        sc.abandon(stack, err)
+        if stack is not None:
+            sc.abandon(stack, err)
         raise
-    return PendingSave(final=final, stack=stack, tmp=tmp, groups=len(groups), files=files,
-                       entries=entries, manifest=manifest,
+    return PendingSave(final=final, tmp=tmp, rank=rank, world=world, groups=len(groups),
+                       files=files, entries=entries, stack=stack, manifest=manifest,
                        write_bytes_per_s=plugin.checkpoint_write_bytes_per_s,
                        on_published=on_published)
 
 
-def _weight_files(tmp: Path, model: nn.Module, groups: Sequence[Sequence[nn.Parameter]],
-                  max_shard_bytes: int, dtype: torch.dtype | None
-                  ) -> tuple[list[tuple[Path, bytes]], list[_Entry]]:
-    """The weights' files (headers) and entries in group order; config.json and the
-    index written now."""
-    ordered = group_order(sc.unique_state(model), groups)
-    group_of = {name: g for g, name, _ in ordered}
-    shards = layout.plan_shards([(n, t) for _, n, t in ordered],
-                                max_shard_bytes=max_shard_bytes, dtype=dtype)
-    names = ([layout.WEIGHTS] if len(shards) == 1 else
-             [layout.shard_file(i + 1, len(shards)) for i in range(len(shards))])
-    files, entries = [], []
-    for index, (name, shard) in enumerate(zip(names, shards, strict=True)):
-        files.append((tmp / name, layout.safetensors_header(shard, dtype=dtype)))
-        entries += [_Entry(group=group_of[n], file=index, tensor=t, dtype=dtype)
-                    for n, t in shard]
-    if len(shards) > 1:
-        layout.write_index(tmp, names, shards, dtype)
-    sc.write_config(tmp, model)
-    return files, entries
-
-
-def _share_file(tmp: Path, optimizer: torch.optim.Optimizer, model: nn.Module,
-                groups: Sequence[Sequence[nn.Parameter]], dtype: torch.dtype | None, *,
-                first_file: int) -> tuple[tuple[Path, bytes], list[_Entry], dict[str, Any]]:
-    """The one share's file (header), entries in group order and manifest entry."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+def _part(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+          groups: Sequence[Sequence[nn.Parameter]], weight_groups: set[int],
+          mine: Sequence[int], params: Sequence[nn.Parameter], dtype: torch.dtype | None, *,
+          max_shard_bytes: int, rank: int) -> _Part:
+    """This rank's weights (the tensors of `weight_groups`, cut into shards) and its share
+    of the optimizer state (`params`, the groups `mine`), each in group order."""
+    ordered = [item for item in group_order(sc.unique_state(model), groups)
+               if item[0] in weight_groups]
+    by_name = {name: (g, name, t) for g, name, t in ordered}
+    shards = [[by_name[name] for name, _ in shard] for shard in layout.plan_shards(
+        [(n, t) for _, n, t in ordered], max_shard_bytes=max_shard_bytes, dtype=dtype)
+        if shard]
+    record: dict[str, Any] = {"rank": rank, "groups": list(mine), "file": None,
+                              "params": [], "optimizer_steps": 0}
+    if not params:
+        return _Part(shards=shards, share_header=None, share_entries=[], share_record=record)
     group_of = {id(p): g for g, ps in enumerate(groups) for p in ps}
     in_order = sorted(params, key=lambda p: group_of.get(id(p), len(groups)))
     tensors, metadata, written = sc.share_tensors(optimizer, in_order,
                                                   sc.param_names(model), weights_dtype=dtype)
-    path = tmp / sc.share_file(0)
     header = layout.safetensors_header([(key, t) for key, t, _ in tensors], metadata=metadata)
-    entries = [_Entry(group=group_of.get(id(p), len(groups)), file=first_file, tensor=t,
-                      dtype=None) for _, t, p in tensors]
-    record = {"rank": 0, "groups": list(range(len(groups))), "file": path.name,
-              "params": written, "optimizer_steps": sc.max_step(optimizer, params)}
-    return (path, header), entries, record
+    entries = [_Entry(group=group_of.get(id(p), len(groups)), file=-1, tensor=t, dtype=None)
+               for _, t, p in tensors]  # file: the share file, the last of this rank's
+    record.update(file=sc.share_file(rank), params=written,
+                  optimizer_steps=sc.max_step(optimizer, params))
+    return _Part(shards=shards, share_header=header, share_entries=entries,
+                 share_record=record)
+
+
+def _files(tmp: Path, part: _Part, sizes: Sequence[Sequence[Sequence[tuple[str, int]]]], *,
+           rank: int, dtype: torch.dtype | None
+           ) -> tuple[list[tuple[Path, bytes]], list[_Entry]]:
+    """This rank's files (path, header) and its entries in group order, once every rank's
+    shard count is known (`sizes`: each rank's shards as (name, bytes)): the shards are
+    numbered across the ranks in rank order, one `model.safetensors` when there is one;
+    rank 0 writes the index of several."""
+    counts = [len(shards) for shards in sizes]
+    total, first = sum(counts), sum(counts[:rank])
+    names = ([layout.WEIGHTS] if total == 1 else
+             [layout.shard_file(i + 1, total) for i in range(total)])
+    if rank == 0 and total > 1:
+        layout.write_index(tmp, names, [shard for shards in sizes for shard in shards])
+    files, entries = [], []
+    for index, shard in enumerate(part.shards):
+        files.append((tmp / names[first + index], layout.safetensors_header(
+            [(n, t) for _, n, t in shard], dtype=dtype)))
+        entries += [_Entry(group=g, file=index, tensor=t, dtype=dtype) for g, _, t in shard]
+    if part.share_header is not None:
+        files.append((tmp / part.share_record["file"], part.share_header))
+        entries += [_Entry(group=e.group, file=len(files) - 1, tensor=e.tensor, dtype=None)
+                    for e in part.share_entries]
+    return files, sorted(entries, key=lambda e: e.group)

@@ -140,16 +140,18 @@ def write_weight_files(directory: Path, tensors: Named, *, max_shard_bytes: int,
     files = [shard_file(i + 1, len(shards)) for i in range(len(shards))]
     for file, shard in zip(files, shards, strict=True):
         write_safetensors(directory / file, shard, dtype=dtype)
-    write_index(directory, files, shards, dtype)
+    write_index(directory, files, [[(name, exported_bytes(t, dtype)) for name, t in shard]
+                                   for shard in shards])
     return [*files, INDEX]
 
 
-def write_index(directory: Path, files: Sequence[str], shards: Sequence[Named],
-                dtype: torch.dtype | None) -> None:
-    """`model.safetensors.index.json`: each tensor's shard, and the weights' bytes."""
+def write_index(directory: Path, files: Sequence[str],
+                shards: Sequence[Sequence[tuple[str, int]]]) -> None:
+    """`model.safetensors.index.json`: each tensor's shard, and the weights' bytes
+    (`shards`: each file's tensors as (name, bytes written))."""
     weight_map = {name: file for file, shard in zip(files, shards, strict=True)
                   for name, _ in shard}
-    total_bytes = sum(exported_bytes(t, dtype) for shard in shards for _, t in shard)
+    total_bytes = sum(nbytes for shard in shards for _, nbytes in shard)
     index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
     (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
 

@@ -407,7 +407,7 @@ def hidden(accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer 
         accelerator._models, accelerator._optimizers = models, optimizers
 
 
-def _error(err: BaseException) -> str:
+def describe_error(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
@@ -474,11 +474,11 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
     `write_stock` writes the weights (the Trainer's `save_model`);
     `optimizer_state=False`: no share files (the Trainer's `save_only_model`); `label`
     names the save in errors."""
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     model, optimizer = accelerator.lazytrain.model, accelerator.lazytrain.optimizer
     if not optimizer_state:
         optimizer = None
-    mine, params = _my_share(accelerator.lazytrain.engine, optimizer, rank=rank, world=world)
+    mine, params = my_share(accelerator.lazytrain.engine, optimizer, rank=rank, world=world)
 
     def finish(tmp: Path, shares: list[Any]) -> None:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -495,7 +495,7 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
         weights=weights, optimizer=optimizer), finish=finish, label=label)
 
 
-def _rank_and_world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
@@ -503,7 +503,7 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _my_share(engine: Any, optimizer: torch.optim.Optimizer | None, *, rank: int,
+def my_share(engine: Any, optimizer: torch.optim.Optimizer | None, *, rank: int,
               world: int) -> tuple[list[int], list[nn.Parameter]]:
     """The groups whose share this rank writes, and their parameters: under a split
     update the groups it owns (those every rank owns: rank 0); without one, rank 0 every
@@ -538,52 +538,85 @@ def save_on_every_rank(final: Path, write: Callable[[Path], Any], *,
 
     from lazytrain_accel.checkpoints.atomic import atomic_directory
 
-    rank, world = _rank_and_world()
     if not (dist.is_available() and dist.is_initialized()):  # one process
         with atomic_directory(final) as tmp:
             report = write(tmp)
             if finish is not None:
                 finish(tmp, [report])
         return
+    tmp, stack = open_on_every_rank(final, label=label)
+    try:
+        report: tuple[str, Any] = ("ok", write(tmp))
+    except Exception as err:  # reported to rank 0, raised on every rank
+        report = ("error", describe_error(err))
+    reports = gather_reports(report, stack, final=final, label=label)
+    outcome: list[str | None] = [None]
+    if stack is not None:
+        try:
+            if finish is not None:
+                finish(tmp, reports)
+            stack.close()  # fsync, rename into place: the checkpoint exists from here
+        except BaseException as err:  # the temporary directory goes
+            abandon(stack, err)
+            outcome[0] = describe_error(err)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise RuntimeError(f"{label}({final}) failed, the previous checkpoint (if any) "
+                           f"is kept: {outcome[0]}")
+
+
+def open_on_every_rank(final: Path, *, label: str
+                       ) -> tuple[Path, contextlib.ExitStack | None]:
+    """Rank 0 opens `atomic_directory(final)` and names its temporary directory to every
+    rank (all call it at the same point); returns it, and on rank 0 the stack whose
+    `close()` publishes it (None on the others). A failure to open is raised on every
+    rank."""
+    import torch.distributed as dist
+
+    from lazytrain_accel.checkpoints.atomic import atomic_directory
+
+    rank, _ = rank_and_world()
     stack = contextlib.ExitStack()
+    if not (dist.is_available() and dist.is_initialized()):  # one process
+        return stack.enter_context(atomic_directory(final)), stack
     opened: list[str | None] = [None, None]
     if rank == 0:
         try:
             opened[0] = str(stack.enter_context(atomic_directory(final)))
         except Exception as err:  # every rank must hear of it
-            opened[1] = _error(err)
+            opened[1] = describe_error(err)
     dist.broadcast_object_list(opened, src=0)
     if opened[1] is not None:
         raise RuntimeError(f"{label}({final}): rank 0 could not open the checkpoint's "
                            f"temporary directory: {opened[1]}")
-    tmp = Path(opened[0])
-    try:
+    return Path(opened[0]), stack if rank == 0 else None
+
+
+def gather_reports(report: tuple[str, Any], stack: contextlib.ExitStack | None, *,
+                   final: Path, label: str) -> list[Any]:
+    """Every rank's `("ok", value)` or `("error", message)`, on every rank; the values
+    when all are "ok". Otherwise rank 0 removes the temporary directory (`stack`) and
+    every rank raises the failures, `final` untouched."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        reports: list[tuple[str, Any] | None] = [None] * dist.get_world_size()
         try:
-            report: tuple[str, Any] = ("ok", write(tmp))
-        except Exception as err:  # reported to rank 0, raised on every rank
-            report = ("error", _error(err))
-        reports: list[tuple[str, Any] | None] = [None] * world
-        dist.all_gather_object(reports, report)
-    except BaseException as err:  # a rank died mid-save: no temporary directory is left
-        if rank == 0:
-            abandon(stack, err)
-        raise
+            dist.all_gather_object(reports, report)
+        except BaseException as err:  # a rank died mid-save: no temporary directory left
+            if stack is not None:
+                abandon(stack, err)
+            raise
+    else:
+        reports = [report]
     failed = {r: msg for r, (kind, msg) in enumerate(reports) if kind == "error"}
-    outcome: list[str | None] = [None]
-    if rank == 0:
-        try:
-            if failed:
-                raise RuntimeError("; ".join(f"rank {r}: {m}" for r, m in failed.items()))
-            if finish is not None:
-                finish(tmp, [r for _, r in reports])
-            stack.close()  # fsync, rename into place: the checkpoint exists from here
-        except BaseException as err:  # the temporary directory goes
+    if failed:
+        err = RuntimeError("; ".join(f"rank {r}: {m}" for r, m in failed.items()))
+        if stack is not None:
             abandon(stack, err)
-            outcome[0] = _error(err)
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0] is not None:
         raise RuntimeError(f"{label}({final}) failed, the previous checkpoint (if any) "
-                           f"is kept: {outcome[0]}")
+                           f"is kept: {err}")
+    return [value for _, value in reports]
 
 
 def _write_rank_files(accelerator: Any, tmp: Path, *, rank: int, mine: Sequence[int],

@@ -216,9 +216,9 @@ class Accelerator(accelerate.Accelerator):
                                kwargs: dict[str, Any]) -> str:
         """A share checkpoint (`checkpoints/shares.py`): rank 0 writes the
         weights once, every rank its share of the optimizer state (without a node store:
-        rank 0 the whole), rank 0 the manifest last; atomic. One process with the
-        layer-wise update and `checkpoint_mode="async"`: written beside the next steps
-        (`checkpoints/asynchronous.py`); this returns once it has started."""
+        rank 0 the whole), rank 0 the manifest last; atomic. With the layer-wise update
+        and `checkpoint_mode="async"`: written beside the next steps, each rank its own
+        part (`checkpoints/asynchronous.py`); this returns once it has started."""
         final = share_checkpoint.target_directory(self, output_dir)
 
         def write_stock(directory: Path) -> None:  # schedulers, samplers, RNG, the plan
@@ -243,10 +243,10 @@ class Accelerator(accelerate.Accelerator):
         return str(final)
 
     def _lazytrain_saves_async(self) -> bool:
-        """One process whose update runs layer by layer on its thread (the per-group wait
-        the save hooks into), and the setting."""
+        """The setting, and an update that runs layer by layer on its thread (the per-group
+        wait the save hooks into), on every rank alike."""
         state = self.lazytrain
-        return (self.lazytrain_plugin.checkpoint_mode == "async" and self.num_processes == 1
+        return (self.lazytrain_plugin.checkpoint_mode == "async"
                 and state.engine is not None and state.optimizer is not None
                 and getattr(state.optimizer, "step_runner", None) is not None)
 

@@ -222,6 +222,7 @@ def _check_host_memory(config: LazyTrainConfig, model: nn.Module, run: setup.Pre
     estimate = preflight.check_run(
         model=model, plan=run.plan, model_profile=run.model_profile,
         optimizer=config.optimizer.value, nvme_dir=config.nvme_dir,
+        checkpoint_dtype=config.checkpoint_dtype,
         available_bytes=available if layout.node_ranks == 1 else ranks.least(available))
     if layout.segment_room is not None:  # a copy per rank, if they all fit
         warning = preflight.check_per_rank_copies(

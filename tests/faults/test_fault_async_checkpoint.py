@@ -165,8 +165,8 @@ def test_a_writer_error_keeps_the_previous_checkpoint_and_frees_the_updates(
     plugin = SimpleNamespace(checkpoint_dtype="auto", checkpoint_max_shard_bytes=10**9,
                              checkpoint_write_bytes_per_s=0.0)
     acc = SimpleNamespace(lazytrain=SimpleNamespace(
-        engine=SimpleNamespace(steps=SimpleNamespace(update_groups=groups)), model=model,
-        optimizer=optimizer), lazytrain_plugin=plugin, step=1)
+        engine=SimpleNamespace(steps=SimpleNamespace(update_groups=groups, peers=None)),
+        model=model, optimizer=optimizer), lazytrain_plugin=plugin, step=1)
     final = tmp_path / "ckpt"
     final.mkdir()
     (final / "previous.txt").write_text("kept")

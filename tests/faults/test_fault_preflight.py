@@ -12,7 +12,7 @@ import torch
 from fault_helpers import loader, plan_json, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin, preflight
-from lazytrain_accel.planning.plan import Home
+from lazytrain_accel.planning.plan import Home, Plan
 from lazytrain_accel.preflight import PreflightError
 
 GIB = 2**30
@@ -33,7 +33,6 @@ def _assert_untouched(model: torch.nn.Module) -> None:
 
 
 def test_host_estimate_is_the_planners_terms_at_the_plans_homes(tmp_path) -> None:
-    from lazytrain_accel.planning import Plan
     from lazytrain_accel.planning.host import CPU_HOME_TERM, NVME_STAGING_TERM, OPTIMIZER_TERM
     from lazytrain_accel.planning.problem import build_problem
     from lazytrain_accel.profiling.hardware_spec import load_hardware
@@ -200,7 +199,7 @@ def test_a_node_plan_checks_the_nodes_bytes(tmp_path) -> None:
     assert node_terms[per_rank(CPU_HOME_TERM, 2)] == 2 * one_terms[CPU_HOME_TERM]
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     check = {"model": model, "model_profile": profile, "optimizer": "keep",
-             "nvme_dir": str(tmp_path / "nvme")}
+             "nvme_dir": str(tmp_path / "nvme"), "checkpoint_dtype": "auto"}
     one_new = preflight.check_run(plan=one, available_bytes=1 << 40, **check).new_bytes
     node_estimate = preflight.check_run(plan=node, available_bytes=1 << 40, **check)
     assert node_estimate.present_bytes == 2 * model_bytes
@@ -208,3 +207,46 @@ def test_a_node_plan_checks_the_nodes_bytes(tmp_path) -> None:
     preflight.check_run(plan=one, available_bytes=one_new, **check)
     with pytest.raises(PreflightError, match=r"x 2 ranks"):
         preflight.check_run(plan=node, available_bytes=one_new, **check)
+
+
+def test_a_saves_buffer_is_counted_as_the_largest_tensor_the_writer_copies(tmp_path) -> None:
+    """Issue 33 item 4: a save adds one tensor's copy at most, and preflight counts it. The
+    bound follows the writer: a tensor `layout.tensor_bytes` writes from its own memory
+    costs nothing, one it casts is the copy counted."""
+    from lazytrain_accel.checkpoints import layout
+    from lazytrain_accel.run import setup
+
+    model = tiny_model()
+    largest = max(p.numel() for p in model.parameters())
+    for name, dtype in layout.CHECKPOINT_DTYPES.items():
+        copies = [p for p in model.parameters()
+                  if not _shares_memory(p, layout.tensor_bytes(p, dtype))]
+        bound = preflight.save_buffer_bytes(model, checkpoint_dtype=name,
+                                            resident_update="host")
+        expected = max((p.numel() * layout.export_dtype(p, dtype).itemsize for p in copies),
+                       default=0)
+        assert bound == expected, name
+    assert preflight.save_buffer_bytes(model, checkpoint_dtype="bfloat16",
+                                       resident_update="host") == 2 * largest
+    # On the device every tensor is read off it: the largest fp32 master, copied.
+    assert preflight.save_buffer_bytes(model, checkpoint_dtype="auto",
+                                       resident_update="device") == 4 * largest
+
+    plan = Plan.load(plan_json(tmp_path, model, Home.CPU))
+    profile = setup.profile_for_run(model, batch_size=plan.batch_size, seq_len=plan.seq_len,
+                                    compute_dtype=None)
+    check = {"model": model, "plan": plan, "model_profile": profile, "optimizer": "keep",
+             "nvme_dir": str(tmp_path / "nvme")}
+    as_held = preflight.check_run(checkpoint_dtype="auto", available_bytes=1 << 40, **check)
+    assert dict(as_held.terms)[preflight.SAVE_BUFFER_TERM] == 0
+    exported = preflight.check_run(checkpoint_dtype="bfloat16", available_bytes=1 << 40,
+                                   **check)
+    assert exported.new_bytes == as_held.new_bytes + 2 * largest
+    with pytest.raises(PreflightError, match="checkpoint save buffer"):
+        preflight.check_run(checkpoint_dtype="bfloat16", available_bytes=as_held.new_bytes,
+                            **check)
+
+
+def _shares_memory(tensor: torch.Tensor, data: memoryview) -> bool:
+    """Whether the writer's bytes are `tensor`'s own memory (no copy)."""
+    return torch.frombuffer(data, dtype=torch.uint8).data_ptr() == tensor.data_ptr()
