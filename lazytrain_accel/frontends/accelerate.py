@@ -30,6 +30,7 @@ from lazytrain_accel.distributed import generation_words, node_store, ranks, spl
 from lazytrain_accel.distributed.data_parallel import GradientAllReducer
 from lazytrain_accel.run import batch_shape, setup
 from lazytrain_accel.run.replanner import Replanner, replanner_for
+from lazytrain_accel.run.step import OptimizerStep, installed_step
 from lazytrain_accel.run.step_guard import StepGuard
 
 if TYPE_CHECKING:
@@ -117,40 +118,36 @@ class Accelerator(accelerate.Accelerator):
             optimizer = optimizer.optimizer
         self._lazytrain_optimizer = setup.build_optimizer(self.lazytrain_plugin, optimizer,
                                                           self._lazytrain_model)
-        self.lazytrain_guard.install(self._lazytrain_optimizer)
-        self._lazytrain_overlap(self._lazytrain_optimizer)
+        # before accelerate's prepare: with a loss scaler it keeps `optimizer.step`
+        step = self._lazytrain_overlap(self._lazytrain_optimizer)
         prepared = super().prepare_optimizer(self._lazytrain_optimizer, device_placement=False)
-        self.lazytrain_guard.on_step = lambda skipped: self._lazytrain_stepped(prepared, skipped)
+        step.on_boundary = lambda skipped: self._lazytrain_stepped(prepared, skipped)
         return prepared
 
     def _lazytrain_stepped(self, prepared: Any, skipped: bool) -> None:
         """A step boundary: tell accelerate whether the step was skipped (its schedulers
-        and the Trainer consult `step_was_skipped`); publish this rank's share to its
-        peers; the re-planner may switch plans."""
+        and the Trainer consult `step_was_skipped`); the re-planner may switch plans."""
         prepared._is_overflow = skipped
-        peers = self.lazytrain_engine.steps.peers if self.lazytrain_engine else None
-        if peers is not None and not skipped and getattr(
-                self._lazytrain_optimizer, "step_runner", None) is None:
-            peers.begin_step()  # an inline step updated this rank's share whole
-            peers.publish_all()
         if self.lazytrain_replanner is not None:
             self.lazytrain_replanner.on_step()
 
-    def _lazytrain_overlap(self, optimizer: torch.optim.Optimizer) -> None:
-        """With the hybrid operator (and `overlap_step`), `optimizer.step()` starts the
-        engine's layer-wise update on its thread and returns; reading or loading the
-        optimizer's state first waits for that update to end."""
+    def _lazytrain_overlap(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
+        """`optimizer.step()` becomes the run's `OptimizerStep` (`run/step.py`): with the
+        hybrid operator (and `overlap_step`) it starts the engine's layer-wise update on
+        its thread and returns; reading or loading the optimizer's state first waits for
+        that update to end."""
         from lazytrain_accel.optim import HybridAdamW8bit
 
-        engine = self.lazytrain_engine
         optimizer.register_state_dict_pre_hook(lambda _: self._lazytrain_synchronize())
         optimizer.register_load_state_dict_pre_hook(lambda *_: self._lazytrain_synchronize())
         if isinstance(optimizer, HybridAdamW8bit) and self.lazytrain_store is not None:
             optimizer.gather_grad_norms = self._lazytrain_reducer.grad_norm_tables
-        if not isinstance(optimizer, HybridAdamW8bit) or not self.lazytrain_plugin.overlap_step:
-            return  # optimizer="keep" (any torch optimizer) steps serially, inline
-
-        optimizer.step_runner = engine.step_layerwise
+        # optimizer="keep" (any torch optimizer) steps serially, inline
+        step = OptimizerStep(guard=self.lazytrain_guard, engine=self.lazytrain_engine,
+                             overlapped=isinstance(optimizer, HybridAdamW8bit)
+                             and self.lazytrain_plugin.overlap_step)
+        step.install(optimizer)
+        return step
 
     def _lazytrain_synchronize(self) -> None:
         if self.lazytrain_engine is not None:
@@ -428,9 +425,9 @@ class Accelerator(accelerate.Accelerator):
         """One process whose update runs layer by layer on its thread (the per-group wait
         the save hooks into), and the setting."""
         return (self.lazytrain_plugin.checkpoint_mode == "async" and self.num_processes == 1
-                and self.lazytrain_engine is not None and self._lazytrain_optimizer
-                is not None and getattr(self._lazytrain_optimizer, "step_runner", None)
-                is not None)
+                and self.lazytrain_engine is not None
+                and (step := installed_step(self._lazytrain_optimizer)) is not None
+                and step.overlapped)
 
     def lazytrain_wait_for_checkpoint(self) -> None:
         """Block until a checkpoint being written beside training is published; raise if
@@ -502,10 +499,8 @@ class Accelerator(accelerate.Accelerator):
         if self.lazytrain_engine is not None:
             self.lazytrain_engine.detach()  # waits for a running update first
             self.lazytrain_engine = None
-        from lazytrain_accel.optim import HybridAdamW8bit
-
-        if isinstance(self._lazytrain_optimizer, HybridAdamW8bit):
-            self._lazytrain_optimizer.step_runner = None  # no engine left: step inline
+        if (step := installed_step(self._lazytrain_optimizer)) is not None:
+            step.engine = None  # no engine left: step inline
         super().end_training()
 
 

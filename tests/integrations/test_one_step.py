@@ -78,7 +78,6 @@ def frames_to_kernel(recorder: _Recorder, user_thread: threading.Thread) -> list
     return chains
 
 
-@pytest.mark.xfail(strict=True, reason="today 15 frames overlapped, 10 inline (issue #31)")
 @pytest.mark.parametrize("overlap_step", [True, False])
 def test_optimizer_step_reaches_the_kernel_in_few_frames(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap_step: bool) -> None:

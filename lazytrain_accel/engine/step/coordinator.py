@@ -45,6 +45,8 @@ class PeerUpdates(Protocol):
 
     def publish(self, group: int) -> None: ...
 
+    def publish_all(self) -> None: ...
+
     def is_ready(self, group: int) -> bool: ...
 
     def wait(self, group: int) -> None: ...
@@ -91,15 +93,33 @@ class StepCoordinator:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self, optimizer: LayerwiseOptimizer) -> bool:
-        """One optimizer step; returns when the update is under way (False: skipped)."""
+        """The engine's own step, for callers without a run (the layer probe, benches,
+        engine tests): returns when the update is under way (False: skipped). Under the
+        LazyTrain Accelerator `optimizer.step()` is `run/step.py:OptimizerStep`, which
+        calls `wait`, `check_backward_done` and `update` itself."""
         self.wait()  # the previous step's update, whole
-        self._check_backward_done()
+        self.check_backward_done()
         optimizer.set_grad_sq_norms(self._grad_sq_norms())  # measured as gradients landed
         if not optimizer.begin_step():  # global norm -> clip coefficient, once
             return False  # non-finite: the optimizer skipped and counted the step
+        self.update(optimizer)
+        return True
+
+    def update(self, optimizer: LayerwiseOptimizer,
+               inline: Callable[[], object] | None = None) -> None:
+        """The update of a step that was let through: layer by layer in forward order on
+        the update thread (started here; the residents whose masters live on the device
+        on this thread), and this returns at once; or `inline()`, the whole update on
+        this thread. The node store's peers learn of the step here (the one call of
+        their `begin_step`), and of each group once it is updated."""
         peers = self.peers
         if peers is not None:
             peers.begin_step()  # every rank applies the same steps (global norm)
+        if inline is not None:
+            inline()
+            if peers is not None:
+                peers.publish_all()
+            return
         groups = self._owned_groups(optimizer)
         device_groups = self._device_groups
         device_done = threading.Event()
@@ -111,16 +131,16 @@ class StepCoordinator:
                                        foreign_groups=peers.foreign_groups if peers else (),
                                        on_group_done=peers.publish if peers else None,
                                        before_group=self._wait_for_save())
+        self._update.thread.start()
         if self.device_update_beside_host:
             self._update_on_device(optimizer, groups, device_groups, device_done,
                                    fail=self._update)
-        return True
 
     def _wait_for_save(self) -> Callable[[int], None] | None:
         gate = self.save_gate
         return None if gate is None else gate.wait_written
 
-    def _check_backward_done(self) -> None:
+    def check_backward_done(self) -> None:
         if self._awaiting_backward():
             raise RuntimeError("optimizer.step() called while a forward still awaits its "
                                "backward; call it after loss.backward()")
