@@ -68,10 +68,15 @@ class OptimizerStep:
 
             def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
                 return self(opt, *args, **kwargs)
-        # A scheduler built before prepare() checks its mark on `optimizer.step`; it
-        # still counts (it wraps `previous`), so keep the mark or torch warns spuriously.
+        # A scheduler built before prepare() checks its mark on `optimizer.step`, and that
+        # its wrapper (`previous`) ran: keep the mark, and where the hybrid operator's step
+        # no longer calls `previous`, set what the wrapper set (test_one_step.py fails
+        # loudly if torch renames it), or torch warns that the scheduler stepped first.
         if getattr(previous, "_wrapped_by_lr_sched", False):
             step._wrapped_by_lr_sched = True
+            if self._own_step is None:
+                optimizer.register_step_post_hook(
+                    lambda opt, *_: setattr(opt, "_opt_called", True))
         optimizer.step = MethodType(step, optimizer)
         optimizer._lazytrain_step = self
 

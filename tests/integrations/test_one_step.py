@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -129,4 +130,27 @@ def test_optimizer_step_reaches_the_kernel_in_few_frames(
     assert len(longest) <= MAX_FRAMES, (
         f"optimizer.step() passes through {len(longest)} frames to the kernel "
         f"(at most {MAX_FRAMES}): {' <- '.join(longest)}")
+    acc.end_training()
+
+
+def test_a_scheduler_built_before_prepare_sees_the_step(tmp_path: Path) -> None:
+    """The step no longer calls the scheduler's wrapper of `optimizer.step`: it must still
+    mark the step for it (torch's `_opt_called`), or torch warns at `scheduler.step()`:
+    the warning fails this test, also when torch renames that field."""
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    optimizer = HybridAdamW8bit(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+    plugin = LazyTrainPlugin(plan="checkpoint_all", hardware="h800",
+                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"))
+    acc = Accelerator(cpu=True, plugin=plugin)
+    model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scheduler.step()
     acc.end_training()
