@@ -1,4 +1,5 @@
-"""`StepGuard`: what happens around each optimizer step of a LazyTrain run.
+"""`StepGuard`: the record of a LazyTrain run's optimizer steps, kept by
+`run/step.py:OptimizerStep` (`record`, once per step: the one count of skipped steps).
 
 * Non-finite gradients: the step is skipped (no weight or optimizer-state change) and
   counted; after `max_nonfinite_skips` skips in a row training stops with an error naming

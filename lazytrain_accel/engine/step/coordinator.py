@@ -1,11 +1,11 @@
 """`StepCoordinator`: one optimizer step of a streamed model, from begin to end.
 
-`StepCoordinator.step` is what `optimizer.step()` does on a LazyTrain run once the
-non-finite guard let it through (`run/step_guard.py`); it reads top-down like
-torchtitan's `train_step`. The coordinator also owns the rest of the step's life: the
-waits of the next forward for each group's update (`wait_for_group`, `is_group_updated`),
-the wait for the whole update (`wait`), and, through the running `LayerwiseUpdate`, the
-deferral of `zero_grad()` until each group has been updated.
+`StepCoordinator.update` launches the update of a step that `run/step.py:OptimizerStep`
+(what `optimizer.step()` is on a LazyTrain run) let through; `StepCoordinator.step` is
+the engine's own step for callers without a run. The coordinator also owns the rest of
+the step's life: the waits of the next forward for each group's update (`wait_for_group`,
+`is_group_updated`), the wait for the whole update (`wait`), and, through the running
+`LayerwiseUpdate`, the deferral of `zero_grad()` until each group has been updated.
 
 Groups are updated in forward order: group 0 = the input side's residents (embeddings),
 group j = decoder layer j, group L+1 = the output side's residents (final norm, untied
