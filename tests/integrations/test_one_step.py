@@ -154,3 +154,65 @@ def test_a_scheduler_built_before_prepare_sees_the_step(tmp_path: Path) -> None:
         warnings.simplefilter("error")
         scheduler.step()
     acc.end_training()
+
+
+class _Peers:
+    """A node store's peers with no foreign groups, counting what the step tells them."""
+
+    def __init__(self) -> None:
+        self.foreign_groups: list[int] = []
+        self.begun = self.published_all = 0
+
+    def begin_step(self) -> None:
+        self.begun += 1
+
+    def publish(self, group: int) -> None:
+        pass
+
+    def publish_all(self) -> None:
+        self.published_all += 1
+
+    def is_ready(self, group: int) -> bool:
+        return True
+
+    def wait(self, group: int) -> None:
+        pass
+
+    def wait_all(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("overlap_step", [True, False])
+def test_norms_once_and_the_peers_step_begins_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap_step: bool) -> None:
+    """A step after `clip_grad_norm_` measures the global norm once (the clip's cached
+    norm is reused, not thrown away by setting the engine's norms again), and the peers'
+    step begins once per applied step, inline or overlapped."""
+    from lazytrain_accel.optim import hybrid_adamw8bit
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    plugin = LazyTrainPlugin(plan="checkpoint_all", hardware="h800",
+                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"),
+                             overlap_step=overlap_step)
+    acc = Accelerator(cpu=True, plugin=plugin)
+    model, optimizer = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=1e-3))
+    peers = _Peers()
+    acc.lazytrain_engine.steps.peers = peers
+    norms = []
+    measure = hybrid_adamw8bit.total_grad_norm
+    monkeypatch.setattr(hybrid_adamw8bit, "total_grad_norm",
+                        lambda *a: norms.append(1) or measure(*a))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        acc.backward(model(input_ids=ids, labels=ids).loss)
+        acc.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    acc.wait_for_everyone()
+    assert len(norms) == 2, f"{len(norms)} global norm passes in 2 steps"
+    assert peers.begun == 2
+    assert peers.published_all == (0 if overlap_step else 2)
+    acc.end_training()
