@@ -101,9 +101,11 @@ class OptimizerStep:
             inline = partial(_update_whole, optimizer) if hybrid else partial(
                 self._own_step, closure)
             if steps is None:
-                inline()
+                result = inline()
             else:  # the peers' step begins; the update launches (or runs inline)
-                steps.update(optimizer, None if hybrid and self.overlapped else inline)
+                result = steps.update(optimizer, None if hybrid and self.overlapped
+                                      else inline)
+            loss = loss if hybrid else result  # a "keep" optimizer ran the closure itself
         self.guard.record(bad)  # the one count of skipped steps; raises at a streak's limit
         if self.on_boundary is not None:
             self.on_boundary(bad is not None)

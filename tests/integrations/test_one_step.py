@@ -216,3 +216,22 @@ def test_norms_once_and_the_peers_step_begins_once(
     assert peers.begun == 2
     assert peers.published_all == (0 if overlap_step else 2)
     acc.end_training()
+
+
+def test_a_kept_optimizers_step_returns_its_closures_loss(tmp_path: Path) -> None:
+    """optimizer="keep": the optimizer's own `step(closure)` runs behind the guard, and
+    what it returns (the closure's loss) comes back to the caller."""
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    plugin = LazyTrainPlugin(plan="checkpoint_all", hardware="h800", optimizer="keep",
+                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"))
+    acc = Accelerator(cpu=True, plugin=plugin)
+    model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    loss = optimizer.optimizer.step(lambda: torch.tensor(3.0))  # accelerate's returns None
+    assert loss is not None and float(loss) == 3.0
+    assert acc.lazytrain_guard.steps == 1
+    acc.end_training()

@@ -106,20 +106,20 @@ class StepCoordinator:
         return True
 
     def update(self, optimizer: LayerwiseOptimizer,
-               inline: Callable[[], object] | None = None) -> None:
+               inline: Callable[[], object] | None = None) -> object:
         """The update of a step that was let through: layer by layer in forward order on
         the update thread (started here; the residents whose masters live on the device
         on this thread), and this returns at once; or `inline()`, the whole update on
-        this thread. The node store's peers learn of the step here (the one call of
-        their `begin_step`), and of each group once it is updated."""
+        this thread (its result is returned). The node store's peers learn of the step
+        here (the one call of their `begin_step`), and of each group once updated."""
         peers = self.peers
         if peers is not None:
             peers.begin_step()  # every rank applies the same steps (global norm)
         if inline is not None:
-            inline()
+            result = inline()
             if peers is not None:
                 peers.publish_all()
-            return
+            return result
         groups = self._owned_groups(optimizer)
         device_groups = self._device_groups
         device_done = threading.Event()
@@ -135,6 +135,7 @@ class StepCoordinator:
         if self.device_update_beside_host:
             self._update_on_device(optimizer, groups, device_groups, device_done,
                                    fail=self._update)
+        return None
 
     def _wait_for_save(self) -> Callable[[int], None] | None:
         gate = self.save_gate
