@@ -267,6 +267,7 @@ class _UpdateBeside:
         if not self.optimizer.begin_step():
             raise RuntimeError("the calibration update's gradients are not finite")
         update = LayerwiseUpdate(self.optimizer, self.model, self.groups, accounting)
+        update.thread.start()
         self.optimizer.zero_grad(set_to_none=True)
         try:
             measured = beside()

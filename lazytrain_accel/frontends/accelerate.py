@@ -26,6 +26,7 @@ from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.distributed import split_update
 from lazytrain_accel.run import setup
 from lazytrain_accel.run.state import Launch, RunState, build_run_state
+from lazytrain_accel.run.step import OptimizerStep, installed_step
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -93,40 +94,36 @@ class Accelerator(accelerate.Accelerator):
             optimizer = optimizer.optimizer
         self.lazytrain.optimizer = setup.build_optimizer(self.lazytrain_plugin, optimizer,
                                                          self.lazytrain.model)
-        self.lazytrain.guard.install(self.lazytrain.optimizer)
-        self._lazytrain_overlap(self.lazytrain.optimizer)
+        # before accelerate's prepare: with a loss scaler it keeps `optimizer.step`
+        step = self._lazytrain_overlap(self.lazytrain.optimizer)
         prepared = super().prepare_optimizer(self.lazytrain.optimizer, device_placement=False)
-        self.lazytrain.guard.on_step = lambda skipped: self._lazytrain_stepped(prepared, skipped)
+        step.on_boundary = lambda skipped: self._lazytrain_stepped(prepared, skipped)
         return prepared
 
     def _lazytrain_stepped(self, prepared: Any, skipped: bool) -> None:
         """A step boundary: tell accelerate whether the step was skipped (its schedulers
-        and the Trainer consult `step_was_skipped`); publish this rank's share to its
-        peers; the re-planner may switch plans."""
+        and the Trainer consult `step_was_skipped`); the re-planner may switch plans."""
         prepared._is_overflow = skipped
-        peers = self.lazytrain.engine.steps.peers if self.lazytrain.engine else None
-        if peers is not None and not skipped and getattr(
-                self.lazytrain.optimizer, "step_runner", None) is None:
-            peers.begin_step()  # an inline step updated this rank's share whole
-            peers.publish_all()
         if self.lazytrain.replanner is not None:
             self.lazytrain.replanner.on_step()
 
-    def _lazytrain_overlap(self, optimizer: torch.optim.Optimizer) -> None:
-        """With the hybrid operator (and `overlap_step`), `optimizer.step()` starts the
-        engine's layer-wise update on its thread and returns; reading or loading the
-        optimizer's state first waits for that update to end."""
+    def _lazytrain_overlap(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
+        """`optimizer.step()` becomes the run's `OptimizerStep` (`run/step.py`): with the
+        hybrid operator (and `overlap_step`) it starts the engine's layer-wise update on
+        its thread and returns; reading or loading the optimizer's state first waits for
+        that update to end."""
         from lazytrain_accel.optim import HybridAdamW8bit
 
-        engine = self.lazytrain.engine
         optimizer.register_state_dict_pre_hook(lambda _: self._lazytrain_synchronize())
         optimizer.register_load_state_dict_pre_hook(lambda *_: self._lazytrain_synchronize())
         if isinstance(optimizer, HybridAdamW8bit) and self.lazytrain.store is not None:
             optimizer.gather_grad_norms = self.lazytrain.reducer.grad_norm_tables
-        if not isinstance(optimizer, HybridAdamW8bit) or not self.lazytrain_plugin.overlap_step:
-            return  # optimizer="keep" (any torch optimizer) steps serially, inline
-
-        optimizer.step_runner = engine.step_layerwise
+        # optimizer="keep" (any torch optimizer) steps serially, inline
+        step = OptimizerStep(guard=self.lazytrain.guard, engine=self.lazytrain.engine,
+                             overlapped=isinstance(optimizer, HybridAdamW8bit)
+                             and self.lazytrain_plugin.overlap_step)
+        step.install(optimizer)
+        return step
 
     def _lazytrain_synchronize(self) -> None:
         if self.lazytrain is not None:
@@ -246,9 +243,8 @@ class Accelerator(accelerate.Accelerator):
         """The setting, and an update that runs layer by layer on its thread (the per-group
         wait the save hooks into), on every rank alike."""
         state = self.lazytrain
-        return (self.lazytrain_plugin.checkpoint_mode == "async"
-                and state.engine is not None and state.optimizer is not None
-                and getattr(state.optimizer, "step_runner", None) is not None)
+        return (self.lazytrain_plugin.checkpoint_mode == "async" and state.engine is not None
+                and (step := installed_step(state.optimizer)) is not None and step.overlapped)
 
     def lazytrain_wait_for_checkpoint(self) -> None:
         """Block until a checkpoint being written beside training is published; raise if

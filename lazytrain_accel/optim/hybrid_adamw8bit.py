@@ -8,8 +8,8 @@ about 2.03 bytes per parameter at block 256. Smaller tensors (norms, biases) kee
 A step is `begin_step()` (global norm, clip coefficient, finite check: once), then
 `step_params(...)` over any partition of the parameters (the engine calls it layer by
 layer on a worker thread, in forward order), then `end_step()`. `step()` does all three,
-inline, or through `step_runner` when one is set (the LazyTrain Accelerator sets the
-engine's overlapped, layer-by-layer runner). `begin_step()` freezes each group's
+inline; under the LazyTrain Accelerator `optimizer.step()` is `run/step.py:OptimizerStep`,
+which calls them itself (layer by layer on the engine's thread). `begin_step()` freezes each group's
 hyperparameters for the step, so an LR scheduler stepped while the layer-wise update
 still runs changes the next step, not the rest of this one. Each update is one fused
 pass per tensor (`native.py` kernel, or the bit-identical torch path of `reference.py`)
@@ -101,9 +101,6 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         #: guards what they share (the step's updated set, `self.state`'s entries). The
         #: math itself needs no lock: each parameter is updated by one thread, once.
         self._shared_lock = threading.Lock()
-        #: Who runs `step()`'s begin_step / step_params / end_step: None runs them here;
-        #: the LazyTrain Accelerator sets the engine's overlapped layer-wise update.
-        self.step_runner: Callable[[HybridAdamW8bit], None] | None = None
         #: Where this process holds only its share of the gradients (a node store's split
         #: update): every parameter's (measured norm, precomputed squared norm) gathered
         #: from the ranks holding them (`ShareReducer.grad_norm_tables`), so the global
@@ -132,6 +129,12 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         self._precomputed_sq_norms = dict(sq_norms)
         self._grad_norm_cache = None
 
+    @property
+    def has_grad_sq_norms(self) -> bool:
+        """Whether this step's gradient norms were set already (`set_grad_sq_norms`), so a
+        caller setting them again would only throw the cached global norm away."""
+        return bool(self._precomputed_sq_norms)
+
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm (fp32) of the current gradients, computed once per step.
 
@@ -159,28 +162,22 @@ class HybridAdamW8bit(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One AdamW step over every parameter with a gradient (skipped if non-finite).
-
-        With a `step_runner`, the runner does the step (it may return before the update
-        is finished, as the engine's does: see docs/engine.md "Step overlap").
-        """
+        """One AdamW step over every parameter with a gradient (skipped if non-finite)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.step_runner is not None:
-            self.step_runner(self)
-            return loss
         if self.begin_step():
             self.step_params([p for group in self.param_groups for p in group["params"]])
         self.end_step()
         return loss
 
-    def begin_step(self) -> bool:
+    def begin_step(self, *, check_finite: bool = False) -> bool:
         """Decide this step once: returns False (and counts it) if the norm is not finite.
 
-        The norm is measured when clipping is on or the engine supplied norms; without
-        either there is no norm pass, so no finite check (like torch's AdamW).
+        The norm is measured when clipping is on, the engine supplied norms, or
+        `check_finite` asks for it (the LazyTrain step always does); otherwise there is
+        no norm pass, so no finite check (like torch's AdamW).
         """
         if self._context is not None and self._context.apply:
             raise RuntimeError("begin_step() called again before end_step(); finish the "
@@ -191,7 +188,7 @@ class HybridAdamW8bit(torch.optim.Optimizer):
             group_of.update(dict.fromkeys(group["params"], frozen))
         self.last_grad_norm = None
         clip_coef = 1.0
-        if self.max_grad_norm is not None or self._precomputed_sq_norms:
+        if self.max_grad_norm is not None or self._precomputed_sq_norms or check_finite:
             norm = self.grad_norm()
             self.last_grad_norm = float(norm)
             if not torch.isfinite(norm):
@@ -206,7 +203,6 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         self._context = _StepContext(apply=True, clip_coef=clip_coef, group_of=group_of)
         return True
 
-    @torch.no_grad()
     def step_params(
         self,
         params: Sequence[torch.nn.Parameter],
@@ -216,7 +212,9 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         """Update only `params` (same math as step()); a no-op if the step is skipped.
 
         `out_bf16[i]`, when given, receives the bf16 copy of `params[i]` after its update,
-        written in the same pass when it is a contiguous CPU tensor.
+        written in the same pass when it is a contiguous CPU tensor. The update of each
+        tensor is dispatched here, one frame above the kernel: this is what the engine's
+        update thread calls (tests/integrations/test_one_step.py counts the frames).
         """
         context = self._context
         if context is None:
@@ -226,12 +224,55 @@ class HybridAdamW8bit(torch.optim.Optimizer):
             raise ValueError(f"out_bf16 has {len(out_bf16)} entries for {len(params)} params")
         if not context.apply:
             return
-        for i, param in enumerate(params):
-            if param.grad is None:
-                continue
-            state = self._claim(context, param)
-            out = None if out_bf16 is None else out_bf16[i]
-            self._update(param, state, context.group_of[param], context.clip_coef, out)
+        with torch.no_grad():
+            for i, param in enumerate(params):
+                if param.grad is None:
+                    continue
+                master, grad, state, scalars, block_size = self._prepare(context, param)
+                out = None if out_bf16 is None else out_bf16[i]
+                if "exp_avg" in state:
+                    reference.adamw_fp32_update_(master, grad, state, scalars, out_bf16=out)
+                elif self._kernel is not None and master.device.type == "cpu":
+                    fused_out = out if _writable_in_kernel(out, master) else None
+                    self._kernel.adamw8bit_step(
+                        master, grad, state["exp_avg_codes"], state["exp_avg_absmax"],
+                        state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], fused_out,
+                        scalars.beta1, scalars.beta2, scalars.eps, scalars.decay,
+                        scalars.step_size, scalars.inv_bias_correction2_sqrt,
+                        scalars.clip_coef, block_size)
+                    if out is not None and fused_out is None:
+                        out.copy_(master.view_as(out))
+                elif master.device.type == "cpu":
+                    reference.adamw8bit_update_(master, grad, state, scalars,
+                                                block_size=block_size, out_bf16=out)
+                else:
+                    _update_in_chunks(master, grad, state, scalars, block_size, out,
+                                      chunk_elements=DEVICE_UPDATE_CHUNK_ELEMENTS)
+                if master is not param.data:
+                    param.data.copy_(master)
+
+    def _prepare(self, context: _StepContext, param: torch.nn.Parameter) -> tuple[
+            torch.Tensor, torch.Tensor, dict[str, Any], reference.AdamStepScalars, int]:
+        """(flat master, flat grad, state, scalars, block size) of `param`'s update in
+        this step: its state claimed (created on first use) and its step count advanced.
+        Both kernels walk flat memory; a strided master is updated through a copy (the
+        caller copies it back)."""
+        grad = param.grad
+        if grad.is_sparse:
+            raise RuntimeError("HybridAdamW8bit does not support sparse gradients")
+        if grad.dtype not in (torch.float32, torch.bfloat16):
+            grad = grad.float()
+        state = self._claim(context, param)
+        group = context.group_of[param]
+        _follow_master(state, param.data.device)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        scalars = reference.AdamStepScalars(
+            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+            weight_decay=group["weight_decay"], step=int(state["step"]),
+            clip_coef=context.clip_coef)
+        master = param.data if param.data.is_contiguous() else param.data.contiguous()
+        return master, grad.contiguous(), state, scalars, group["block_size"]
 
     def _claim(self, context: _StepContext, param: torch.nn.Parameter) -> dict[str, Any]:
         """Mark `param` updated in this step and return its state (created on first use),
@@ -254,46 +295,6 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         """Close the step: the cached norm and the engine's norms belong to it."""
         self._context = None
         self._forget_gradients()
-
-    def _update(self, param: torch.nn.Parameter, state: dict[str, Any], group: dict[str, Any],
-                clip_coef: float, out: torch.Tensor | None) -> None:
-        grad = param.grad
-        if grad.is_sparse:
-            raise RuntimeError("HybridAdamW8bit does not support sparse gradients")
-        if grad.dtype not in (torch.float32, torch.bfloat16):
-            grad = grad.float()
-        _follow_master(state, param.data.device)
-        state["step"] += 1
-        beta1, beta2 = group["betas"]
-        scalars = reference.AdamStepScalars(
-            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-            weight_decay=group["weight_decay"], step=int(state["step"]), clip_coef=clip_coef)
-        # both paths walk flat memory; a strided master is updated through a copy
-        master = param.data if param.data.is_contiguous() else param.data.contiguous()
-        self._update_flat(master, grad.contiguous(), state, scalars, group["block_size"], out)
-        if master is not param.data:
-            param.data.copy_(master)
-
-    def _update_flat(self, master: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
-                     scalars: reference.AdamStepScalars, block_size: int,
-                     out: torch.Tensor | None) -> None:
-        if "exp_avg" in state:
-            reference.adamw_fp32_update_(master, grad, state, scalars, out_bf16=out)
-        elif self._kernel is not None and master.device.type == "cpu":
-            fused_out = out if _writable_in_kernel(out, master) else None
-            self._kernel.adamw8bit_step(
-                master, grad, state["exp_avg_codes"], state["exp_avg_absmax"],
-                state["exp_avg_sq_codes"], state["exp_avg_sq_absmax"], fused_out,
-                scalars.beta1, scalars.beta2, scalars.eps, scalars.decay, scalars.step_size,
-                scalars.inv_bias_correction2_sqrt, scalars.clip_coef, block_size)
-            if out is not None and fused_out is None:
-                out.copy_(master.view_as(out))
-        elif master.device.type == "cpu":
-            reference.adamw8bit_update_(master, grad, state, scalars, block_size=block_size,
-                                        out_bf16=out)
-        else:
-            _update_in_chunks(master, grad, state, scalars, block_size, out,
-                              chunk_elements=DEVICE_UPDATE_CHUNK_ELEMENTS)
 
     # --- state ----------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from lazytrain_accel.distributed.data_parallel import GradientAllReducer
 from lazytrain_accel.run import batch_shape, setup
 from lazytrain_accel.run.node_layout import NodeLayout, node_layout_for, share_store
 from lazytrain_accel.run.replanner import Replanner, replanner_for
+from lazytrain_accel.run.step import installed_step
 from lazytrain_accel.run.step_guard import StepGuard
 
 if TYPE_CHECKING:
@@ -131,8 +132,6 @@ class RunState:
     def end(self) -> None:
         """The run ends: Ctrl-C back to Python's, no more solves, the engine detached (it
         waits for a running update first), the optimizer steps inline from now on."""
-        from lazytrain_accel.optim import HybridAdamW8bit
-
         self.guard.restore_sigint()
         if self.replanner is not None:
             self.replanner.close()
@@ -140,8 +139,8 @@ class RunState:
         if self.engine is not None:
             self.engine.detach()
             self.engine = None
-        if isinstance(self.optimizer, HybridAdamW8bit):
-            self.optimizer.step_runner = None  # no engine left: step inline
+        if (step := installed_step(self.optimizer)) is not None:
+            step.engine = None  # no engine left: step inline
 
 
 def plan_for(config: LazyTrainConfig, model: nn.Module, sizing: batch_shape.Sizing,

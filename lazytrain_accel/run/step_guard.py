@@ -1,4 +1,5 @@
-"""`StepGuard`: what happens around each optimizer step of a LazyTrain run.
+"""`StepGuard`: the record of a LazyTrain run's optimizer steps, kept by
+`run/step.py:OptimizerStep` (`record`, once per step: the one count of skipped steps).
 
 * Non-finite gradients: the step is skipped (no weight or optimizer-state change) and
   counted; after `max_nonfinite_skips` skips in a row training stops with an error naming
@@ -15,13 +16,10 @@ import math
 import signal
 import threading
 from collections.abc import Callable
-from types import MethodType
 from typing import Any, Protocol
 
 import torch
 from torch import nn
-
-from lazytrain_accel.optim import HybridAdamW8bit
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -57,50 +55,33 @@ class StepGuard:
         self._first_bad: tuple[int, str] | None = None  # (step, parameter) of this streak
         self.interrupted = False
         self._previous_handler: Any = None
-        # Told after each step whether it was skipped (the Accelerator reports it to
-        # accelerate, so LR schedulers and the Trainer do not count a skipped step).
-        self.on_step: Callable[[bool], None] | None = None
         #: Where each rank holds only its share of the gradients (a node store's split
         #: update): whether the whole gradient is finite, so every rank skips together.
         self.global_finite: Callable[[], bool] | None = None
 
-    # ---- the step --------------------------------------------------------------------
-    def install(self, optimizer: torch.optim.Optimizer) -> None:
-        """Route `optimizer.step` through the guard (once per optimizer instance).
-
-        The wrapper is bound to the optimizer, as LR schedulers re-bind `step.__func__`.
-        """
-        if getattr(optimizer, "_lazytrain_guard", None) is self:
-            return
-        previous = optimizer.step  # a bound method, or a scheduler's wrapper around it
-
-        def guarded_step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-            return self.step(previous, opt, *args, **kwargs)
-
-        # A scheduler built before prepare() checks its mark on `optimizer.step`; it
-        # still counts (it wraps `previous`), so keep the mark or torch warns spuriously.
-        if getattr(previous, "_wrapped_by_lr_sched", False):
-            guarded_step._wrapped_by_lr_sched = True
-        optimizer.step = MethodType(guarded_step, optimizer)
-        optimizer._lazytrain_guard = self
-
-    def step(self, run_step: Callable[..., Any], optimizer: torch.optim.Optimizer,
-             *args: Any, **kwargs: Any) -> Any:
-        self.steps += 1
+    # ---- the step ----------------------------------------------------------------------
+    def check_finite(self) -> str | None:
+        """Where the gradients went non-finite (None: all finite), this rank's and, on a
+        node store, the other ranks' shares: for optimizers that do not decide it
+        themselves (`run/step.py:OptimizerStep`; HybridAdamW8bit's `begin_step` does)."""
         bad = self.first_nonfinite()
-        if self.global_finite is not None and not self.global_finite() and bad is None:
+        if bad is None and self.global_finite is not None and not self.global_finite():
             bad = "a parameter another rank owns"
-        result = None
+        return bad
+
+    def record(self, bad: str | None) -> None:
+        """Record one optimizer step: applied (`bad` is None) or skipped because of a
+        non-finite gradient in `bad`; raise once `max_nonfinite_skips` were in a row."""
+        self.steps += 1
         if bad is None:
             self.consecutive_skips, self._first_bad = 0, None
-            result = run_step(*args, **kwargs)
         else:
-            self._skip(optimizer, bad)
-        if self.on_step is not None:
-            self.on_step(bad is not None)
+            self._skip(bad)
+
+    def stop_if_interrupted(self) -> None:
+        """At a step boundary after a first Ctrl-C: stop (if this run raises)."""
         if self.interrupted and self.raise_on_interrupt:
             self._stop_at_boundary()
-        return result
 
     def first_nonfinite(self) -> str | None:
         """Name of the first parameter whose gradient holds inf or nan, in backward order.
@@ -120,11 +101,9 @@ class StepGuard:
                 return f"{layer}, parameter {name}," if layer else name
         return None
 
-    def _skip(self, optimizer: torch.optim.Optimizer, bad: str) -> None:
+    def _skip(self, bad: str) -> None:
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        if isinstance(optimizer, HybridAdamW8bit):  # its own counter stays true
-            optimizer.skipped_steps += 1
         if self._first_bad is None:
             self._first_bad = (self.steps, bad)
         logger.warning("lazytrain: non-finite gradient in %s at optimizer step %d; step "

@@ -77,6 +77,19 @@ def test_per_layer_protocol_skips_when_begin_step_says_so() -> None:
     assert opt.skipped_steps == 1 and not opt.state[params[0]]
 
 
+def test_check_finite_measures_the_norm_without_clipping_or_engine_norms() -> None:
+    """Without clipping and without the engine's norms there is no norm pass (like torch's
+    AdamW), unless the LazyTrain step asks for the finite check."""
+    params = make_params()
+    opt = HybridAdamW8bit(params)
+    set_random_grads(params, seed=0)
+    params[0].grad[0, 0] = math.nan
+    assert opt.begin_step() is True
+    opt.end_step()
+    assert opt.begin_step(check_finite=True) is False
+    assert opt.skipped_steps == 1 and math.isnan(opt.last_grad_norm)
+
+
 def test_a_skipped_step_needs_no_end_step_before_the_next_one() -> None:
     params = make_params()
     opt = HybridAdamW8bit(params, max_grad_norm=1.0)

@@ -19,11 +19,10 @@ The life of one training step, top-down (file:function):
    `_begin_backward` (waits for the whole update) -> `Runtime.rerun_with_grad` ->
    `grads.py:GradSink.put` (host `.grad`, squared norms recorded); the autograd callback
    `_finish_backward` drains the sink, closes the pass and folds the residents' grads.
-4. `optimizer.step()`: `run/step_guard.py:StepGuard.step` (skips a non-finite
-   step, stops at a Ctrl-C) -> `HybridAdamW8bit.step` -> its `step_runner`, the
-   engine's `step_layerwise` -> `step.py:StepCoordinator.step`, the step top-down: wait
-   for the previous update, norms of the landed gradients, `begin_step` (clip
-   coefficient, finite check), then `overlap.py:LayerwiseUpdate` on a thread: input-side
+4. `optimizer.step()`: `run/step.py:OptimizerStep`, the step top-down (without a run,
+   `step_layerwise` -> `step.py:StepCoordinator.step`): wait for the previous update,
+   norms of the landed gradients, `begin_step` (finite check, clip coefficient), then
+   `StepCoordinator.update` starts `overlap.py:LayerwiseUpdate` on a thread: input-side
    residents, layer 1..L, output-side residents, each layer's compute copy written in
    the same pass (residents whose masters live on the device are updated by the
    training thread, beside the thread where the device is async); `step()` returns at

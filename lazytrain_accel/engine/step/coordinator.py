@@ -1,11 +1,11 @@
 """`StepCoordinator`: one optimizer step of a streamed model, from begin to end.
 
-`StepCoordinator.step` is what `optimizer.step()` does on a LazyTrain run once the
-non-finite guard let it through (`run/step_guard.py`); it reads top-down like
-torchtitan's `train_step`. The coordinator also owns the rest of the step's life: the
-waits of the next forward for each group's update (`wait_for_group`, `is_group_updated`),
-the wait for the whole update (`wait`), and, through the running `LayerwiseUpdate`, the
-deferral of `zero_grad()` until each group has been updated.
+`StepCoordinator.update` launches the update of a step that `run/step.py:OptimizerStep`
+(what `optimizer.step()` is on a LazyTrain run) let through; `StepCoordinator.step` is
+the engine's own step for callers without a run. The coordinator also owns the rest of
+the step's life: the waits of the next forward for each group's update (`wait_for_group`,
+`is_group_updated`), the wait for the whole update (`wait`), and, through the running
+`LayerwiseUpdate`, the deferral of `zero_grad()` until each group has been updated.
 
 Groups are updated in forward order: group 0 = the input side's residents (embeddings),
 group j = decoder layer j, group L+1 = the output side's residents (final norm, untied
@@ -44,6 +44,8 @@ class PeerUpdates(Protocol):
     def begin_step(self) -> None: ...
 
     def publish(self, group: int) -> None: ...
+
+    def publish_all(self) -> None: ...
 
     def is_ready(self, group: int) -> bool: ...
 
@@ -91,15 +93,33 @@ class StepCoordinator:
 
     # ---- the step ----------------------------------------------------------------------
     def step(self, optimizer: LayerwiseOptimizer) -> bool:
-        """One optimizer step; returns when the update is under way (False: skipped)."""
+        """The engine's own step, for callers without a run (the layer probe, benches,
+        engine tests): returns when the update is under way (False: skipped). Under the
+        LazyTrain Accelerator `optimizer.step()` is `run/step.py:OptimizerStep`, which
+        calls `wait`, `check_backward_done` and `update` itself."""
         self.wait()  # the previous step's update, whole
-        self._check_backward_done()
+        self.check_backward_done()
         optimizer.set_grad_sq_norms(self._grad_sq_norms())  # measured as gradients landed
         if not optimizer.begin_step():  # global norm -> clip coefficient, once
             return False  # non-finite: the optimizer skipped and counted the step
+        self.update(optimizer)
+        return True
+
+    def update(self, optimizer: LayerwiseOptimizer,
+               inline: Callable[[], object] | None = None) -> object:
+        """The update of a step that was let through: layer by layer in forward order on
+        the update thread (started here; the residents whose masters live on the device
+        on this thread), and this returns at once; or `inline()`, the whole update on
+        this thread (its result is returned). The node store's peers learn of the step
+        here (the one call of their `begin_step`), and of each group once updated."""
         peers = self.peers
         if peers is not None:
             peers.begin_step()  # every rank applies the same steps (global norm)
+        if inline is not None:
+            result = inline()
+            if peers is not None:
+                peers.publish_all()
+            return result
         groups = self._owned_groups(optimizer)
         device_groups = self._device_groups
         device_done = threading.Event()
@@ -111,16 +131,17 @@ class StepCoordinator:
                                        foreign_groups=peers.foreign_groups if peers else (),
                                        on_group_done=peers.publish if peers else None,
                                        before_group=self._wait_for_save())
+        self._update.thread.start()
         if self.device_update_beside_host:
             self._update_on_device(optimizer, groups, device_groups, device_done,
                                    fail=self._update)
-        return True
+        return None
 
     def _wait_for_save(self) -> Callable[[int], None] | None:
         gate = self.save_gate
         return None if gate is None else gate.wait_written
 
-    def _check_backward_done(self) -> None:
+    def check_backward_done(self) -> None:
         if self._awaiting_backward():
             raise RuntimeError("optimizer.step() called while a forward still awaits its "
                                "backward; call it after loss.backward()")

@@ -58,7 +58,9 @@ class CopyTarget(Protocol):
 
 
 class LayerwiseUpdate:
-    """The host's update of `groups` in forward order, on its own thread (started here).
+    """The host's update of `groups` in forward order, on its own `thread`, which the
+    caller starts (`StepCoordinator.update` starts it itself, so the update thread's
+    hand-off stays one frame below the step: tests/integrations/test_one_step.py).
 
     `device_groups` are updated by the training thread instead (`StepCoordinator`), which
     sets `device_update_done` when it has; the thread ends the step (`end_step`) only then.
@@ -97,8 +99,7 @@ class LayerwiseUpdate:
             model.__dict__[name] = functools.partial(self._read_after_update, model, name)
         # Not a daemon: the interpreter's exit joins it, so a script that ends right after
         # `optimizer.step()` never leaves it inside torch while finalizing (abort, -6).
-        self._thread = threading.Thread(target=self._run, name="lazytrain-step")
-        self._thread.start()
+        self.thread = threading.Thread(target=self._run, name="lazytrain-step")
 
     def _run(self) -> None:
         start = time.perf_counter()
@@ -108,7 +109,11 @@ class LayerwiseUpdate:
                 if ours and index not in self._device_groups:
                     if self._before_group is not None:
                         self._before_group(index)
-                    self._update_group(index, group)
+                    copy = self._compute_copy(index)
+                    if group or copy is not None:  # the optimizer's own frame: the kernel's caller
+                        self._opt.step_params(group, out_bf16=copy)
+                    if copy is not None:
+                        self._copies.compute_copy_written(index)
                     if self._on_group_done is not None:
                         self._on_group_done(index)
                 with self._lock:
@@ -130,14 +135,10 @@ class LayerwiseUpdate:
                     done.set()
             self._acct.add("optimizer_update_s", time.perf_counter() - start)
 
-    def _update_group(self, index: int, group: list[nn.Parameter]) -> None:
+    def _compute_copy(self, index: int) -> list[torch.Tensor] | None:
+        """Where group `index`'s compute-dtype copy goes (decoder layers only), if any."""
         layer = 0 < index < len(self._groups) - 1  # a decoder layer (not a resident group)
-        copy = self._copies.compute_copy(index) if self._copies is not None and layer else None
-        if copy is not None:
-            self._opt.step_params(group, out_bf16=copy)
-            self._copies.compute_copy_written(index)
-        elif group:
-            self._opt.step_params(group)
+        return self._copies.compute_copy(index) if self._copies is not None and layer else None
 
     def _deferred_zero_grad(self, set_to_none: bool = True) -> None:
         with self._lock:
@@ -158,7 +159,7 @@ class LayerwiseUpdate:
         """Block until `group` (None: every group) is updated; re-raise a thread error."""
         start = time.perf_counter()
         if group is None:
-            self._thread.join()
+            self.thread.join()
         else:
             self._done[group].wait()
         waited_s = time.perf_counter() - start

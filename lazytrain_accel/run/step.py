@@ -1,0 +1,134 @@
+"""`OptimizerStep`: what `optimizer.step()` is on a LazyTrain run, top-down in one place.
+
+`OptimizerStep.__call__` reads like torchtitan's `train_step`: wait for the previous
+update, the norms of the landed gradients (once), the finite check and the clip
+coefficient (once, `HybridAdamW8bit.begin_step`), the peers' step begins and the update
+launches (`StepCoordinator.update`: layer by layer on the engine's thread, or inline),
+then the step-boundary hooks (accelerate's `_is_overflow`, the re-planner) and the
+guard's record of the step (`StepGuard.record`: the one count of skipped steps, the
+limit of a streak, Ctrl-C). docs/architecture.md "One optimizer step" walks the frames
+from `optimizer.step()` to the kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from types import MethodType
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from lazytrain_accel.optim import HybridAdamW8bit
+from lazytrain_accel.run.step_guard import StepGuard
+
+if TYPE_CHECKING:
+    from lazytrain_accel.engine.step.coordinator import StepCoordinator
+
+
+class SteppedEngine(Protocol):
+    """What the step needs of the engine (`StreamingEngine`)."""
+
+    steps: StepCoordinator
+
+    def grad_sq_norms(self) -> dict[nn.Parameter, float]: ...
+
+
+class OptimizerStep:
+    """`optimizer.step()` of one optimizer of a LazyTrain run (`install` puts it there).
+
+    With `HybridAdamW8bit` the step is decided and launched here; any other optimizer
+    ("keep") steps through its own `step`, after the guard let the step through.
+    `overlapped`: the update runs layer by layer on the engine's thread and `step()`
+    returns at once (else inline). `engine` is None once the engine is detached: the
+    step then runs inline on the optimizer alone.
+    """
+
+    def __init__(self, *, guard: StepGuard, engine: SteppedEngine | None,
+                 overlapped: bool) -> None:
+        self.guard = guard
+        self.engine = engine
+        self.overlapped = overlapped
+        #: Told at each step boundary whether the step was skipped (the Accelerator tells
+        #: accelerate, so LR schedulers and the Trainer do not count a skipped step, and
+        #: lets the re-planner switch plans).
+        self.on_boundary: Callable[[bool], None] | None = None
+        self._own_step: Callable[..., Any] | None = None  # a "keep" optimizer's step
+
+    def install(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make this `optimizer.step` (on the instance; LR schedulers re-bind
+        `step.__func__`, so it is a function bound to the optimizer). The hybrid
+        operator's step runs torch's step hooks around it, as its own `step` would."""
+        previous = optimizer.step  # a bound method, or a scheduler's wrapper around it
+        if isinstance(optimizer, HybridAdamW8bit):
+            step = torch.optim.Optimizer.profile_hook_step(self.__call__)
+        else:
+            self._own_step = previous
+
+            def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+                return self(opt, *args, **kwargs)
+        # A scheduler built before prepare() checks its mark on `optimizer.step`, and that
+        # its wrapper (`previous`) ran: keep the mark, and where the hybrid operator's step
+        # no longer calls `previous`, set what the wrapper set (test_one_step.py fails
+        # loudly if torch renames it), or torch warns that the scheduler stepped first.
+        if getattr(previous, "_wrapped_by_lr_sched", False):
+            step._wrapped_by_lr_sched = True
+            if self._own_step is None:
+                optimizer.register_step_post_hook(
+                    lambda opt, *_: setattr(opt, "_opt_called", True))
+        optimizer.step = MethodType(step, optimizer)
+        optimizer._lazytrain_step = self
+
+    def __call__(self, optimizer: torch.optim.Optimizer,
+                 closure: Callable[[], float] | None = None) -> Any:
+        """One optimizer step, top-down; with the overlap it returns while the update runs."""
+        hybrid = isinstance(optimizer, HybridAdamW8bit)
+        loss = None
+        if hybrid and closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        steps = self.engine.steps if self.engine is not None else None
+        if steps is not None:
+            steps.wait()  # the previous step's update, whole
+            steps.check_backward_done()
+        if hybrid and self.engine is not None and not optimizer.has_grad_sq_norms:
+            # the norms of the landed gradients, once (clip_grad_norm_ may have set them)
+            optimizer.set_grad_sq_norms(self.engine.grad_sq_norms())
+        bad = self._nonfinite(optimizer, hybrid)  # finite check and clip coefficient, once
+        if bad is None:
+            # partial, not a lambda: no frame of its own between the step and the kernel
+            inline = partial(_update_whole, optimizer) if hybrid else partial(
+                self._own_step, closure)
+            if steps is None:
+                result = inline()
+            else:  # the peers' step begins; the update launches (or runs inline)
+                result = steps.update(optimizer, None if hybrid and self.overlapped
+                                      else inline)
+            loss = loss if hybrid else result  # a "keep" optimizer ran the closure itself
+        self.guard.record(bad)  # the one count of skipped steps; raises at a streak's limit
+        if self.on_boundary is not None:
+            self.on_boundary(bad is not None)
+        self.guard.stop_if_interrupted()  # Ctrl-C: stop at this boundary
+        return loss
+
+    def _nonfinite(self, optimizer: torch.optim.Optimizer, hybrid: bool) -> str | None:
+        """None if the step applies, else where its gradients went non-finite. With the
+        hybrid operator its `begin_step` decides (global norm, then clip coefficient);
+        the guard only names the first bad parameter of a skipped step."""
+        if hybrid:
+            if optimizer.begin_step(check_finite=True):
+                return None
+            return self.guard.first_nonfinite() or "a parameter another rank owns"
+        return self.guard.check_finite()
+
+
+def _update_whole(optimizer: HybridAdamW8bit) -> None:
+    optimizer.step_params([p for group in optimizer.param_groups for p in group["params"]])
+    optimizer.end_step()
+
+
+def installed_step(optimizer: torch.optim.Optimizer) -> OptimizerStep | None:
+    """The `OptimizerStep` installed on `optimizer`, if any."""
+    return getattr(optimizer, "_lazytrain_step", None)
+
