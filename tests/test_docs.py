@@ -64,3 +64,23 @@ def test_doc_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
                               capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
         assert done.returncode == 0, (f"{where} exited {done.returncode}\n{done.stdout[-2000:]}"
                                       f"\n{done.stderr[-2000:]}")
+
+
+def _layout_section() -> str:
+    text = (DOCS / "architecture.md").read_text()
+    return text[text.index("## The layout"):text.index("## Import rules")]
+
+
+def test_the_architecture_map_names_every_folder_and_only_files_that_exist() -> None:
+    """docs/architecture.md's map stays true: a paragraph names each folder of the
+    package (and each of the engine's sub-packages), and each `*.py` it names exists."""
+    package = DOCS.parent / "lazytrain_accel"
+    section = _layout_section()
+    folders = [p for p in package.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+    folders += [p for p in (package / "engine").iterdir() if (p / "__init__.py").exists()]
+    unnamed = [str(p.relative_to(package)) for p in folders if f"`{p.name}/`" not in section]
+    assert not unnamed, f"docs/architecture.md's map has no paragraph for {unnamed}"
+    files = {str(p.relative_to(package)) for p in package.rglob("*.py")}
+    named = {n for n in re.findall(r"`([\w/]+\.py)", section) if not n.startswith("tests/")}
+    missing = [n for n in named if not any(f == n or f.endswith("/" + n) for f in files)]
+    assert not missing, f"docs/architecture.md's map names files that do not exist: {missing}"
