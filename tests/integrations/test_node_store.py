@@ -299,7 +299,12 @@ def test_a_waiter_returns_once_a_live_owner_publishes() -> None:
     peers.begin_step()
     assert not peers.is_ready(1)
     generations.publish(1, 1)  # the owner's publish, as seen through the segment
-    peers.wait(1)
+    # A regression would wait for a live owner up to the hang timeout (1800 s): the test
+    # waits on a thread and fails within seconds instead.
+    waiter = threading.Thread(target=peers.wait, args=(1,), daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive(), "the waiter did not see the owner's publish within 30 s"
 
 
 def test_a_launch_over_nodes_uses_the_store_per_node() -> None:
