@@ -182,10 +182,12 @@ def run(*, hardware: HardwareProfile, links: HardwareProfile, replan: str, steps
     return out
 
 
-def compare(steps: int, workdir: Path) -> dict[str, RunResult]:
-    """The three runs of the module docstring."""
+def compare(steps: int, workdir: Path, *, off_steps: int | None = None) -> dict[str, RunResult]:
+    """The three runs of the module docstring; "off" runs `off_steps` (default `steps`):
+    its plan never changes, so a few steps time it (tests/integrations/test_replanner.py)."""
     truth, claimed = true_profile(), claimed_profile()
-    runs = {name: run(hardware=claimed, links=truth, replan=name, steps=steps,
+    runs = {name: run(hardware=claimed, links=truth, replan=name,
+                      steps=steps if name == "auto" or off_steps is None else off_steps,
                       workdir=workdir / name) for name in ("off", "auto")}
     runs["true"] = run(hardware=runs["auto"].planned_on or truth, links=truth, replan="off",
                        steps=steps, workdir=workdir / "true")

@@ -2,15 +2,17 @@
 
 Python blocks of one page share a namespace (a page reads like one session); shell blocks
 run with `bash -euo pipefail`. Each page runs in its own temporary directory with its own
-LazyTrain cache, so pages cannot lean on each other or on the developer's machine. A block
-that is not meant to run (output, a transcript, a fragment) takes another language tag:
-```text, ```console, ```yaml.
+LazyTrain cache, so pages cannot lean on each other or on the developer's machine (but for
+this machine's measured hardware profile: `measured_hardware`). A block that is not meant to
+run (output, a transcript, a fragment) takes another language tag: ```text, ```console,
+```yaml.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -45,12 +47,27 @@ def test_fence_parser_finds_only_runnable_blocks() -> None:
     assert runnable_blocks(page) == [("python", 2, "print(1)\n"), ("shell", 8, "echo hi\n")]
 
 
+@pytest.fixture(scope="module")
+def measured_hardware(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the first page that measures this machine (`hardware="auto"`: the demo, the
+    user guide's `load_hardware("auto")`) leaves its profile for the pages after it, as a
+    user's cache would: measuring takes ~40 s of a loaded 2-core machine, and the profile
+    is the machine's, not the page's. A page run alone measures; tests/profiling/
+    test_measure.py tests the measuring itself."""
+    return tmp_path_factory.mktemp("measured_hardware")
+
+
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
-def test_doc_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_doc_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                        measured_hardware: Path) -> None:
     monkeypatch.chdir(tmp_path)
     for folder in ("examples", "bench"):  # docs run commands from the repository root
         (tmp_path / folder).symlink_to(DOCS.parent / folder)
-    monkeypatch.setenv("LAZYTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for profile in measured_hardware.glob("hardware-*.json"):
+        shutil.copy(profile, cache)
+    monkeypatch.setenv("LAZYTRAIN_CACHE_DIR", str(cache))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
     for kind, line, code in runnable_blocks(page.read_text()):
@@ -64,6 +81,8 @@ def test_doc_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
                               capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
         assert done.returncode == 0, (f"{where} exited {done.returncode}\n{done.stdout[-2000:]}"
                                       f"\n{done.stderr[-2000:]}")
+    for profile in cache.glob("hardware-*.json"):
+        shutil.copy(profile, measured_hardware)
 
 
 def _layout_section() -> str:

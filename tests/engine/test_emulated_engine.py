@@ -33,20 +33,38 @@ CASES = [("llama", "mixed", 1), ("gpt2", "all_nvme", 1), ("opt", "offload_all", 
          ("qwen2", "mixed", 2)]
 
 
+@pytest.fixture(scope="module")
+def synchronous_run(tmp_path_factory: pytest.TempPathFactory):
+    """Each case's synchronous CPU run, trained once for all seeds (a seed changes only the
+    emulation): its losses and its final parameters."""
+    runs: dict[tuple[str, str, int], tuple[list[float], list[torch.Tensor]]] = {}
+
+    def run(arch: str, kind: str, accumulation: int) -> tuple[list[float], list[torch.Tensor]]:
+        key = (arch, kind, accumulation)
+        if key not in runs:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("LAZYTRAIN_EMULATE_ASYNC", "0")
+                _, losses, _, model, engine = train_pair(
+                    arch, kind, tmp_path_factory.mktemp("sync"), accumulation=accumulation)
+            assert not engine.streams.is_async
+            runs[key] = (losses, [p.detach().clone() for p in model.parameters()])
+            engine.detach()
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.parametrize(("arch", "kind", "accumulation"), CASES)
 def test_emulated_run_equals_the_synchronous_run_exactly(arch, kind, accumulation, emulated,
-                                                         tmp_path, monkeypatch):
+                                                         synchronous_run, tmp_path):
     losses_ref, losses, _, model, engine = train_pair(arch, kind, tmp_path / "emulated",
                                                         accumulation=accumulation)
     assert isinstance(engine.streams, EmulatedStreams) and engine.streams.seed == emulated
     torch.testing.assert_close(losses, losses_ref, rtol=1e-5, atol=1e-6)  # vs plain PyTorch
     engine.detach()
-    monkeypatch.setenv("LAZYTRAIN_EMULATE_ASYNC", "0")
-    _, sync_losses, _, sync_model, sync_engine = train_pair(arch, kind, tmp_path / "sync",
-                                                            accumulation=accumulation)
-    assert not sync_engine.streams.is_async
+    sync_losses, sync_parameters = synchronous_run(arch, kind, accumulation)
     assert losses == sync_losses
-    for p, q in zip(model.parameters(), sync_model.parameters(), strict=True):
+    for p, q in zip(model.parameters(), sync_parameters, strict=True):
         assert torch.equal(p, q)
 
 

@@ -46,6 +46,10 @@ def _one_thread_each() -> Iterator[None]:
 #: whole window to run the new plan.
 WINDOW = replan.MEASURED_STEPS
 LAST_SWITCH_STEP = WINDOW[0] - 1
+#: The "off" run's steps timed in place of the window: its plan never changes and its
+#: steps are the emulated links' sleeps (4.3 s each, step 1 alike), so steps 2-4 time it as
+#: steps 8-10 do, and six of its slowest steps are not run.
+OFF_WINDOW = (2, 4)
 
 
 @pytest.mark.slow
@@ -55,7 +59,7 @@ def test_a_link_20x_slower_than_claimed_is_replanned_before_steps_8_to_10(
     runs differ by their plans, not by the machine's load: the off run's NVMe boundaries
     take ~2 s each way, the true plan's step ~1.3 s."""
     with caplog.at_level(logging.DEBUG, logger="lazytrain_accel"):
-        runs = replan.compare(WINDOW[1], tmp_path)
+        runs = replan.compare(WINDOW[1], tmp_path, off_steps=OFF_WINDOW[1])
     off, auto, true = runs["off"], runs["auto"], runs["true"]
     why = [f"{r.relativeCreated / 1e3:.1f} s {r.getMessage()[:200]}" for r in caplog.records
            if "drifted" in r.getMessage() or "re-planned" in r.getMessage()
@@ -64,10 +68,12 @@ def test_a_link_20x_slower_than_claimed_is_replanned_before_steps_8_to_10(
     assert len(auto.switches) == 1 and auto.switches[0] <= LAST_SWITCH_STEP, (
         auto.switches, [round(s, 2) for s in auto.step_s], why)
     assert auto.reverts == []
-    off_s, auto_s, true_s = (r.mean_step_s(*WINDOW) for r in (off, auto, true))
+    off_s = off.mean_step_s(*OFF_WINDOW)
+    auto_s, true_s = (r.mean_step_s(*WINDOW) for r in (auto, true))
     assert auto_s <= 0.85 * off_s, (auto.step_s, off.step_s)
     assert abs(auto_s / true_s - 1) <= 0.15, (auto.step_s, true.step_s)
-    assert auto.losses == off.losses == true.losses  # fp32: a plan moves data, not math
+    # fp32: a plan moves data, not math (auto ran off's plan, then true's)
+    assert auto.losses == true.losses and auto.losses[:OFF_WINDOW[1]] == off.losses
 
 
 @pytest.mark.slow
