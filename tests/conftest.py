@@ -4,7 +4,8 @@ test picks its own mixed precision and device."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -23,3 +24,27 @@ def _fresh_accelerate_state() -> Iterator[None]:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+@pytest.fixture
+def errors_of_concurrent_calls() -> Callable[[Callable[[], object]], list[BaseException]]:
+    """Call a function 200 times on each of 4 threads at once; the errors raised (each
+    ends its thread's calls). For writers that must not take each other's files."""
+    def run(call: Callable[[], object]) -> list[BaseException]:
+        errors: list[BaseException] = []
+
+        def repeat() -> None:
+            try:
+                for _ in range(200):
+                    call()
+            except BaseException as err:  # reported to the test, on its thread
+                errors.append(err)
+
+        threads = [threading.Thread(target=repeat) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return errors
+
+    return run

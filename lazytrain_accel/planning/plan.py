@@ -19,6 +19,8 @@ from __future__ import annotations
 import enum
 import itertools
 import json
+import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -286,10 +288,19 @@ class Plan:
                             "`lazytrain plan --output PLAN.json`") from err
 
     def save(self, path: str | Path) -> None:
+        """Write the plan to `path` whole: through a temporary file of this writer's own,
+        renamed into place, so writers of the same path (the ranks of a launch filling one
+        plan cache) never take each other's file, and a reader never sees half of one."""
         path = Path(path)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1))
-        tmp.replace(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.to_dict(), indent=1))
+            os.chmod(tmp, 0o644)  # as a plain open() would leave it, not mkstemp's 0600
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

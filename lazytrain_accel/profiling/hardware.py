@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -175,12 +177,16 @@ class HardwareProfile:
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
-        """Write the profile as JSON, atomically (a reader never sees half a file)."""
+        """Write the profile as JSON, atomically (a reader never sees half a file), through
+        a temporary file of this writer's own: the ranks of a launch measuring at once
+        (`hardware="auto"`) save to the same cache path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.",
+                                         suffix=".tmp", delete=False) as f:
+            f.write(json.dumps(self.to_dict(), indent=1) + "\n")
+        os.chmod(f.name, 0o644)  # as a plain open() would leave it, not mkstemp's 0600
+        os.replace(f.name, path)
 
     @classmethod
     def load(cls, path: str | Path) -> HardwareProfile:

@@ -7,6 +7,7 @@ import itertools
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,16 @@ def test_host_optimizer_order_embeddings_layers_head() -> None:
     assert head_late_s > 0.0 and ops[1].end_s - without.step_s < 0.5 * head_late_s
     assert result.optimizer_exposed_s == pytest.approx(head_late_s)
     assert result.step_s == pytest.approx(without.step_s + head_late_s)
+
+
+def test_concurrent_saves_of_one_plan_path_never_take_each_others_file(
+        tmp_path: Path, errors_of_concurrent_calls: Callable[..., list]) -> None:
+    """The ranks of a launch fill one plan cache: writers of the same path at once each
+    rename a temporary file of their own, so none fails and the file is always whole."""
+    model, hardware = chain(num_layers=6)
+    budgets = budgets_in_slots(model, hardware, gpu_slots=4, cpu_slots=2, nvme_slots=1)
+    plan = make_plan(model, hardware, PlanRequest(budgets=budgets))
+    path = tmp_path / "plan.json"
+    assert errors_of_concurrent_calls(lambda: plan.save(path)) == []
+    assert Plan.load(path) == plan
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary left

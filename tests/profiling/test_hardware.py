@@ -44,6 +44,16 @@ def test_save_load_round_trip(tmp_path) -> None:
     assert not list(path.parent.glob("*.tmp"))
 
 
+def test_concurrent_saves_of_one_profile_path_never_take_each_others_file(
+        tmp_path, errors_of_concurrent_calls) -> None:
+    """The ranks of a launch measuring at once save to one cache path: each renames a
+    temporary file of its own, so none fails and the file is always whole."""
+    path = tmp_path / "hw.json"
+    assert errors_of_concurrent_calls(lambda: HARDWARE_PRESETS["h800"].save(path)) == []
+    assert HardwareProfile.load(path) == HARDWARE_PRESETS["h800"]
+    assert [p.name for p in tmp_path.iterdir()] == ["hw.json"]
+
+
 def test_from_dict_names_missing_and_unknown_keys() -> None:
     data = HARDWARE_PRESETS["h800"].to_dict()
     del data["h2d_bytes_per_s"]
