@@ -21,6 +21,21 @@ from lazytrain_accel.optim import HybridAdamW8bit, reference
 MAX_FRAMES = 6
 
 
+def _tiny_model() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+
+
+def _accelerator(tmp_path: Path, **plugin_kwargs: Any) -> Accelerator:
+    """The Accelerator with a LazyTrain plugin every test here prepares its model with."""
+    plugin = LazyTrainPlugin(plan="checkpoint_all", hardware="h800",
+                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"),
+                             **plugin_kwargs)
+    return Accelerator(cpu=True, plugin=plugin)
+
+
 def _frames(frame: FrameType | None) -> list[str]:
     """The stack from `frame` outwards, as "file:function", innermost first."""
     out = []
@@ -95,15 +110,9 @@ def test_optimizer_step_reaches_the_kernel_in_few_frames(
       (threading.py's bootstrap frames are not counted);
     * no LR scheduler (its wrapper of `optimizer.step` adds one frame).
     """
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
-    plugin = LazyTrainPlugin(plan="checkpoint_all", hardware="h800",
-                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"),
-                             overlap_step=overlap_step)
+    model = _tiny_model()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    acc = Accelerator(cpu=True, plugin=plugin)
+    acc = _accelerator(tmp_path, overlap_step=overlap_step)
     model, optimizer = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=1e-3,
                                                           max_grad_norm=1.0))
     recorder = _Recorder()
@@ -137,15 +146,10 @@ def test_a_scheduler_built_before_prepare_sees_the_step(tmp_path: Path) -> None:
     """The step no longer calls the scheduler's wrapper of `optimizer.step`: it must still
     mark the step for it (torch's `_opt_called`), or torch warns at `scheduler.step()`:
     the warning fails this test, also when torch renames that field."""
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    model = _tiny_model()
     optimizer = HybridAdamW8bit(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
-    plugin = LazyTrainPlugin(plan="checkpoint_all", hardware="h800",
-                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"))
-    acc = Accelerator(cpu=True, plugin=plugin)
+    acc = _accelerator(tmp_path)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     acc.backward(model(input_ids=ids, labels=ids).loss)
@@ -190,14 +194,8 @@ def test_norms_once_and_the_peers_step_begins_once(
     step begins once per applied step, inline or overlapped."""
     from lazytrain_accel.optim import hybrid_adamw8bit
 
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
-    plugin = LazyTrainPlugin(plan="checkpoint_all", hardware="h800",
-                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"),
-                             overlap_step=overlap_step)
-    acc = Accelerator(cpu=True, plugin=plugin)
+    model = _tiny_model()
+    acc = _accelerator(tmp_path, overlap_step=overlap_step)
     model, optimizer = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=1e-3))
     peers = _Peers()
     acc.lazytrain.engine.steps.peers = peers
@@ -221,13 +219,8 @@ def test_norms_once_and_the_peers_step_begins_once(
 def test_a_kept_optimizers_step_returns_its_closures_loss(tmp_path: Path) -> None:
     """optimizer="keep": the optimizer's own `step(closure)` runs behind the guard, and
     what it returns (the closure's loss) comes back to the caller."""
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
-    plugin = LazyTrainPlugin(plan="checkpoint_all", hardware="h800", optimizer="keep",
-                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"))
-    acc = Accelerator(cpu=True, plugin=plugin)
+    model = _tiny_model()
+    acc = _accelerator(tmp_path, optimizer="keep")
     model, optimizer = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     acc.backward(model(input_ids=ids, labels=ids).loss)
