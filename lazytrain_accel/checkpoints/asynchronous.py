@@ -246,12 +246,12 @@ def group_order(named: Sequence[tuple[str, torch.Tensor]],
 @dataclass(kw_only=True, frozen=True)
 class _Part:
     """What this rank writes: its weight shards (named once every rank's count is known)
-    and its share file's header (None: no share file) and entries, and the share's
+    and its share file's header (None: no share file) and tensors, and the share's
     manifest record."""
 
     shards: list[list[tuple[int, str, torch.Tensor]]]  # (group, name, tensor), group order
     share_header: bytes | None
-    share_entries: list[_Entry]
+    share_tensors: list[tuple[int, torch.Tensor]]  # (group, tensor), group order
     share_record: dict[str, Any]
 
 
@@ -262,7 +262,7 @@ def start_save(accelerator: Any, final: Path, write_stock: Callable[[Path], None
     rank's writer of the rest (module docstring). Any rank's failure here is raised on
     every rank, the previous checkpoint untouched."""
     rank, world = sc.rank_and_world()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # one node writes the weights
     model, optimizer = accelerator.lazytrain.model, accelerator.lazytrain.optimizer
     plugin, engine = accelerator.lazytrain_plugin, accelerator.lazytrain.engine
     groups = engine.steps.update_groups
@@ -272,10 +272,10 @@ def start_save(accelerator: Any, final: Path, write_stock: Callable[[Path], None
     part: _Part | None = None
     try:
         write_stock(tmp)  # scheduler, RNG, samplers, the plan: at this step
-        weight_groups = set(mine) if rank < local else set()  # one node writes the weights
+        weight_groups = set(mine) if rank < local else set()
         if rank == 0:
             weight_groups.add(len(groups))  # and rank 0 the tensors no update writes
-        part = _part(tmp, model, optimizer, groups, weight_groups, mine, params, dtype,
+        part = _part(model, optimizer, groups, weight_groups, mine, params, dtype,
                      max_shard_bytes=plugin.checkpoint_max_shard_bytes, rank=rank)
         sizes = [[(n, layout.exported_bytes(t, dtype)) for _, n, t in shard]
                  for shard in part.shards]
@@ -294,11 +294,8 @@ def start_save(accelerator: Any, final: Path, write_stock: Callable[[Path], None
         manifest = None
         if stack is not None:
             sc.write_config(tmp, model)
-            manifest = sc.build_manifest(
-                world_size=world, local_world_size=local, nodes=max(1, world // local),
-                step=int(accelerator.step), layout=sc.layout_hash(model),
-                optimizer=sc.optimizer_record(optimizer, sc.param_names(model)),
-                shares=[record for _, record in reports])
+            manifest = sc.run_manifest(accelerator, optimizer,
+                                       [record for _, record in reports])
     except BaseException as err:
         if stack is not None:
             sc.abandon(stack, err)
@@ -309,7 +306,7 @@ def start_save(accelerator: Any, final: Path, write_stock: Callable[[Path], None
                        on_published=on_published)
 
 
-def _part(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+def _part(model: nn.Module, optimizer: torch.optim.Optimizer,
           groups: Sequence[Sequence[nn.Parameter]], weight_groups: set[int],
           mine: Sequence[int], params: Sequence[nn.Parameter], dtype: torch.dtype | None, *,
           max_shard_bytes: int, rank: int) -> _Part:
@@ -321,21 +318,18 @@ def _part(tmp: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     shards = [[by_name[name] for name, _ in shard] for shard in layout.plan_shards(
         [(n, t) for _, n, t in ordered], max_shard_bytes=max_shard_bytes, dtype=dtype)
         if shard]
-    record: dict[str, Any] = {"rank": rank, "groups": list(mine), "file": None,
-                              "params": [], "optimizer_steps": 0}
-    if not params:
-        return _Part(shards=shards, share_header=None, share_entries=[], share_record=record)
-    group_of = {id(p): g for g, ps in enumerate(groups) for p in ps}
-    in_order = sorted(params, key=lambda p: group_of.get(id(p), len(groups)))
-    tensors, metadata, written = sc.share_tensors(optimizer, in_order,
-                                                  sc.param_names(model), weights_dtype=dtype)
-    header = layout.safetensors_header([(key, t) for key, t, _ in tensors], metadata=metadata)
-    entries = [_Entry(group=group_of.get(id(p), len(groups)), file=-1, tensor=t, dtype=None)
-               for _, t, p in tensors]  # file: the share file, the last of this rank's
-    record.update(file=sc.share_file(rank), params=written,
-                  optimizer_steps=sc.max_step(optimizer, params))
-    return _Part(shards=shards, share_header=header, share_entries=entries,
-                 share_record=record)
+    header, tensors, written = None, [], []
+    if params:
+        group_of = {id(p): g for g, ps in enumerate(groups) for p in ps}
+        in_order = sorted(params, key=lambda p: group_of.get(id(p), len(groups)))
+        named, metadata, written = sc.share_tensors(optimizer, in_order, sc.param_names(model),
+                                                    weights_dtype=dtype)
+        header = layout.safetensors_header([(key, t) for key, t, _ in named],
+                                           metadata=metadata)
+        tensors = [(group_of.get(id(p), len(groups)), t) for _, t, p in named]
+    return _Part(shards=shards, share_header=header, share_tensors=tensors,
+                 share_record=sc.share_record(rank=rank, mine=mine, optimizer=optimizer,
+                                              params=params, written=written))
 
 
 def _files(tmp: Path, part: _Part, sizes: Sequence[Sequence[Sequence[tuple[str, int]]]], *,
@@ -358,6 +352,6 @@ def _files(tmp: Path, part: _Part, sizes: Sequence[Sequence[Sequence[tuple[str, 
         entries += [_Entry(group=g, file=index, tensor=t, dtype=dtype) for g, _, t in shard]
     if part.share_header is not None:
         files.append((tmp / part.share_record["file"], part.share_header))
-        entries += [_Entry(group=e.group, file=len(files) - 1, tensor=e.tensor, dtype=None)
-                    for e in part.share_entries]
+        entries += [_Entry(group=g, file=len(files) - 1, tensor=t, dtype=None)
+                    for g, t in part.share_tensors]
     return files, sorted(entries, key=lambda e: e.group)

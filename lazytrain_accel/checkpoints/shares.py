@@ -364,6 +364,32 @@ def build_manifest(*, world_size: int, local_world_size: int, nodes: int, step: 
             "shares": [dict(s) for s in shares]}
 
 
+def run_manifest(accelerator: Any, optimizer: torch.optim.Optimizer | None,
+                 shares: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The manifest of a checkpoint of this run at its current step: the launch's world,
+    local world and node count, the model's layout, `optimizer`'s record (None: no
+    optimizer state saved) and every rank's `share_record`."""
+    _, world = rank_and_world()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    model = accelerator.lazytrain.model
+    return build_manifest(
+        world_size=world, local_world_size=local, nodes=max(1, world // local),
+        step=int(accelerator.step), layout=layout_hash(model),
+        optimizer=None if optimizer is None else optimizer_record(
+            optimizer, param_names(model)),
+        shares=shares)
+
+
+def share_record(*, rank: int, mine: Sequence[int], optimizer: torch.optim.Optimizer | None,
+                 params: Sequence[nn.Parameter], written: Sequence[str]) -> dict[str, Any]:
+    """The manifest's entry for `rank`'s share: the groups it writes (`mine`) and, when it
+    writes optimizer state (`params`), its file and the parameter names in it."""
+    has_file = optimizer is not None and bool(params)
+    return {"rank": rank, "groups": list(mine), "file": share_file(rank) if has_file else None,
+            "params": list(written) if has_file else [],
+            "optimizer_steps": max_step(optimizer, params) if has_file else 0}
+
+
 def read_manifest(directory: Path) -> dict[str, Any] | None:
     path = Path(directory) / MANIFEST
     if not path.is_file():
@@ -475,19 +501,11 @@ def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], Non
     `optimizer_state=False`: no share files (the Trainer's `save_only_model`); `label`
     names the save in errors."""
     rank, world = rank_and_world()
-    model, optimizer = accelerator.lazytrain.model, accelerator.lazytrain.optimizer
-    if not optimizer_state:
-        optimizer = None
+    optimizer = accelerator.lazytrain.optimizer if optimizer_state else None
     mine, params = my_share(accelerator.lazytrain.engine, optimizer, rank=rank, world=world)
 
     def finish(tmp: Path, shares: list[Any]) -> None:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        manifest = build_manifest(
-            world_size=world, local_world_size=local, nodes=max(1, world // local),
-            step=int(accelerator.step), layout=layout_hash(model),
-            optimizer=None if optimizer is None else optimizer_record(
-                optimizer, param_names(model)),
-            shares=shares)
+        manifest = run_manifest(accelerator, optimizer, shares)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
     save_on_every_rank(final, lambda tmp: _write_rank_files(
@@ -628,18 +646,16 @@ def _write_rank_files(accelerator: Any, tmp: Path, *, rank: int, mine: Sequence[
     model = accelerator.lazytrain.model
     plugin = accelerator.lazytrain_plugin
     dtype = CHECKPOINT_DTYPES[plugin.checkpoint_dtype] if weights else None
-    share: dict[str, Any] = {"rank": rank, "groups": list(mine), "file": None,
-                             "params": [], "optimizer_steps": 0}
+    written: list[str] = []
     if optimizer is not None and params:
-        share["file"] = share_file(rank)
-        share["params"] = write_share(tmp / share_file(rank), optimizer, params,
-                                      param_names(model), weights_dtype=dtype)
-        share["optimizer_steps"] = max_step(optimizer, params)
+        written = write_share(tmp / share_file(rank), optimizer, params, param_names(model),
+                              weights_dtype=dtype)
     if rank == 0 and weights:
         write_weights(tmp, model, max_shard_bytes=plugin.checkpoint_max_shard_bytes,
                       dtype=dtype)
     write_stock(tmp)
-    return share
+    return share_record(rank=rank, mine=mine, optimizer=optimizer, params=params,
+                        written=written)
 
 
 def abandon(stack: contextlib.ExitStack, err: BaseException) -> None:
