@@ -63,6 +63,41 @@ def test_throttled_links_take_bytes_over_rate_and_count_host_blocking():
     assert streams.blocked_s["h2d"] >= 0.09 and streams.blocked_s["d2h"] == 0.0
 
 
+def test_copies_queued_back_to_back_stream_at_the_link_rate_however_late_the_worker_wakes(
+        monkeypatch):
+    """Each queued copy's pieces are due when the copy before it was due to end: the
+    worker's late wake-ups (2 ms planted after every sleep, as a GIL hand-off from a busy
+    host thread costs) are not charged to the link. Before, each copy's clock restarted
+    when the worker reached it, so every op added its wake-up to the link's time."""
+    sleep_until = emulation._sleep_until
+    due: list[float] = []
+
+    def late(deadline_s: float) -> None:
+        due.append(deadline_s)
+        sleep_until(deadline_s)
+        time.sleep(0.002)
+
+    monkeypatch.setattr(emulation, "_sleep_until", late)
+    rate, numel, copies = 4e6, 1000, 10  # 4 KB at 4 MB/s: 1 ms each
+    streams = EmulatedStreams(CPU, EmulationSettings(jitter_s=0.0,
+                                                     link_bytes_per_s={"h2d": rate}))
+    release = threading.Event()
+    with streams.copy_stream("h2d"):  # all queued before the worker reaches the first
+        streams._current().submit(lambda _start_s: release.wait() and None, jitter=False)
+        for _ in range(copies):
+            streams.copy_(torch.empty(numel), torch.ones(numel))
+        event = streams.record()
+    release.set()
+    streams.host_waits(event)
+    streams.close()
+    pieces = emulation.THROTTLED_PIECES
+    assert len(due) == copies * pieces
+    copy_s = numel * 4 / rate
+    first = due[pieces - 1] - copy_s  # when the first copy began
+    ends = [due[k * pieces + pieces - 1] - first for k in range(copies)]
+    assert ends == pytest.approx([(k + 1) * copy_s for k in range(copies)], abs=1e-9)
+
+
 def test_side_streams_order_by_events_not_by_luck():
     streams = _slow(h2d=20_000.0)  # the H2D copy takes 0.2 s; D2H is unthrottled
     a, b, c = torch.ones(1000), torch.empty(1000), torch.empty(1000)
@@ -93,7 +128,7 @@ def test_worker_errors_surface_on_the_host_with_the_seed():
     streams = _slow(seed=9)
     with streams.copy_stream("d2h"):
         streams.copy_(torch.empty(3), torch.ones(3))
-        streams._workers["d2h"].submit(lambda: 1 / 0)
+        streams._workers["d2h"].submit(lambda _start_s: 1 / 0)
         event = streams.record()
     with pytest.raises(RuntimeError, match="LAZYTRAIN_EMULATE_SEED=9") as info:
         streams.host_waits(event)
@@ -114,7 +149,8 @@ def test_a_worker_stuck_past_the_stop_timeout_is_left_behind_with_a_warning(monk
                                                                              caplog):
     monkeypatch.setattr(emulation, "STOP_TIMEOUT_S", 0.05)
     streams, gate = _slow(), threading.Event()
-    streams._workers["h2d"].submit(gate.wait)  # an op waiting for what never comes
+    # an op waiting for what never comes
+    streams._workers["h2d"].submit(lambda _start_s: gate.wait() and None)
     with caplog.at_level("WARNING"):
         streams.close()
     gate.set()

@@ -13,7 +13,11 @@ CUDA code paths (staging buffers, events, waits, staging reuse) on a CPU:
 * each worker sleeps a seeded random time before each op (jitter), so orderings vary
   with the seed and a failure replays with it (errors name it);
 * optionally each link is throttled to a byte rate, so overlap is measured, not assumed;
-  a throttled copy lands in pieces at the link's pace, the last piece at its end;
+  a throttled copy lands in pieces at the link's pace, the last piece at its end. Copies
+  queued back to back stream at exactly that rate, as a DMA engine moves them: each
+  begins when the one before it was due to end (or when it was issued, if later), on
+  the stream's own clock, so the worker's wake-up between ops (a GIL hand-off from a
+  busy host thread costs up to the 5 ms switch interval) is not charged to the link;
 * intervals on a side stream are timed by its worker as it runs them (markers in its
   queue, as CUDA events time a stream's execution), not by the host that issued them.
 
@@ -48,6 +52,10 @@ DEFAULT_JITTER_S = 3e-4
 THROTTLED_PIECES = 4
 #: How long stopping a worker waits for its queued ops before giving up on it, seconds.
 STOP_TIMEOUT_S = 60.0
+
+#: An op of an emulated stream, called on its worker with the time the stream reaches it
+#: (its clock: `_Worker.free_s`); it returns when it ended on that clock (None: now).
+StreamOp = Callable[[float], "float | None"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +101,12 @@ class _Worker:
 
     def __init__(self, name: str, rng: random.Random, jitter_s: float) -> None:
         self.name = name
-        # (op, whether it is jittered first); None stops the thread
-        self._queue: queue.SimpleQueue[tuple[Callable[[], None], bool] | None] = \
+        # (op, whether it is jittered first, when it was issued); None stops the thread
+        self._queue: queue.SimpleQueue[tuple[StreamOp, bool, float] | None] = \
             queue.SimpleQueue()
+        #: The stream's clock: when its last op ended (a throttled copy: when its last
+        #: byte was due), so the next op begins at max(its issue, this).
+        self.free_s = 0.0
         self._done = threading.Condition()
         self.enqueued = 0  # ops enqueued so far (an event's seq is this count)
         self.completed = 0
@@ -106,21 +117,24 @@ class _Worker:
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, op: Callable[[], None], *, jitter: bool = True) -> int:
+    def submit(self, op: StreamOp, *, jitter: bool = True) -> int:
         self.enqueued += 1
-        self._queue.put((op, jitter))
+        self._queue.put((op, jitter, time.perf_counter()))
         return self.enqueued
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            op, jitter = item
+            op, jitter, issued_s = item
+            start_s = max(issued_s, self.free_s)
             if jitter and self._jitter_s:
                 delay_s = self._rng.random() * self._jitter_s
-                time.sleep(delay_s)
+                time.sleep(delay_s)  # late on purpose, whatever the stream's clock says
+                start_s += delay_s
                 self.jitter_slept_s += delay_s
             try:
                 if self.error is None:
-                    op()
+                    end_s = op(start_s)
+                    self.free_s = time.perf_counter() if end_s is None else end_s
             except BaseException as err:  # surfaced on the host by the next wait
                 self.error = err
             with self._done:
@@ -241,14 +255,15 @@ class EmulatedStreams:
         rate = self.settings.link_bytes_per_s.get(worker.name)
         nbytes = src.numel() * src.element_size()
 
-        def op() -> None:
+        def op(start_s: float) -> float | None:
             if not rate:
                 target.copy_(src)
-                return
-            start, pieces = time.perf_counter(), _pieces(target, src)
+                return None
+            pieces = _pieces(target, src)
             for i, (dst_piece, src_piece) in enumerate(pieces, 1):  # lands as a DMA would:
-                _sleep_until(start + nbytes / rate * i / len(pieces))  # at its time, not first
+                _sleep_until(start_s + nbytes / rate * i / len(pieces))  # at its time
                 dst_piece.copy_(src_piece)
+            return start_s + nbytes / rate
 
         seq = worker.submit(op)
         self._last_use[_storage_key(dst)] = self._last_use[_storage_key(src)] = (worker.name, seq)
@@ -267,7 +282,7 @@ class EmulatedStreams:
         if worker is None:
             self.host_waits(event)  # compute runs on the host: it blocks
         elif event.worker is not worker:  # stream order covers the same worker
-            worker.submit(event.synchronize)
+            worker.submit(lambda _start_s: event.synchronize())
 
     def host_waits(self, event: EmulatedEvent | None) -> None:
         if event is None or event.worker is None:
@@ -339,8 +354,9 @@ class EmulatedStreams:
             return lambda: ElapsedInterval(time.perf_counter() - start_s)
         marks: list[float] = []
 
-        def mark() -> None:
-            marks.append(time.perf_counter() - worker.jitter_slept_s)
+        def mark(start_s: float) -> float:
+            marks.append(start_s - worker.jitter_slept_s)  # on the stream's clock
+            return start_s
 
         worker.submit(mark, jitter=False)
 

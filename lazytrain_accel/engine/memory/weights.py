@@ -104,13 +104,21 @@ class WeightPool:
         if self._is_ready(layer) and self._pick_slot(for_prefetch=True) is not None:
             self._load(layer)
 
-    def acquire(self, layer: int) -> None:
-        """Point `layer`'s parameters at their device copy (loading it now if needed)."""
-        if self._policy.slot_of(layer) is None:
+    def load(self, layer: int) -> None:
+        """Start loading `layer` now unless a slot holds it or is loading it: the layer
+        about to run, whose load goes ahead of any prefetch. A slot holding it is kept
+        from the prefetches issued before it runs (B_L on F_L's copy, a re-run layer's
+        backward on its re-run's)."""
+        if self._policy.keep(layer) is None:
             self._wait_ready(layer)  # an optimizer wait is accounted by the update itself
             start = time.perf_counter()
             self._load(layer)
             self._acct.add("stall_s", time.perf_counter() - start)
+
+    def acquire(self, layer: int) -> None:
+        """Point `layer`'s parameters at their device copy (loading it now if needed);
+        the compute stream waits for the load (on the emulated device the host does)."""
+        self.load(layer)
         slot = self._policy.ran(layer)
         self._streams.compute_waits(self._slot_loaded[slot])
         params = self._params[layer - 1]
