@@ -222,3 +222,23 @@ def test_without_nodes_no_policy_is_set(numa_maps, tmp_path, monkeypatch) -> Non
         nn.Linear(4, 4), name=node_store.segment_name(job_id=str(tmp_path), node_id="n"),
         leader=True, local_ranks=1, num_groups=1, barrier=lambda: None)
     assert _policy_at(store.bytes.data_ptr()) == "default"
+
+
+def test_a_refused_mbind_is_said_once_and_the_store_is_still_made(tmp_path, caplog,
+                                                                  monkeypatch) -> None:
+    """EPERM (a container's seccomp profile): one info line for the whole process, and
+    both stores are made and filled: placement is an optimisation, never a failure."""
+    monkeypatch.setattr(first_touch, "_refusal_said", False)
+    monkeypatch.setattr(first_touch, "_mbind", lambda *a: errno.EPERM)
+    models = [nn.Linear(64, 64) for _ in range(2)]
+    expected = [m.weight.detach().clone() for m in models]
+    with caplog.at_level(logging.INFO, logger="lazytrain_accel"):
+        for i, model in enumerate(models):
+            node_store.share_model(
+                model, name=node_store.segment_name(job_id=str(tmp_path), node_id=str(i)),
+                leader=True, local_ranks=1, num_groups=1, barrier=lambda: None,
+                nodes=[1] * len(node_store.shared_params(model)))
+    refusals = [r.getMessage() for r in caplog.records if "not placed" in r.getMessage()]
+    assert len(refusals) == 1 and os.strerror(errno.EPERM) in refusals[0], refusals
+    for model, weight in zip(models, expected, strict=True):
+        assert torch.equal(model.weight, weight)
