@@ -18,8 +18,12 @@ launcher gave the ranks (`sched_getaffinity`: taskset, cgroup cpusets):
   one core each) rather than refusing the launch.
 
 The memory a rank allocates itself (its moments, gradients, staging) is first touched by
-its bound threads, so it lands on its socket. The planner already gives each rank 1/N of
-the node's update rate and cores (`planning/node.py`), the same split. Not bound: a
+its bound threads, so it lands on its socket. The node store's shared masters are
+allocated by the local leader, so they are placed by owner instead: before the leader
+reserves the segment, each update group's bytes get the NUMA node of the rank that owns
+the group (`node_of_cores` of its bound cores; `distributed/first_touch.py`). The
+planner already gives each rank 1/N of the node's update rate and cores
+(`planning/node.py`), the same split. Not bound: a
 launcher that pinned the ranks itself (their masks differ), an explicit `threads`
 setting (the user's choice), `bind_cores="off"`.
 """
@@ -46,13 +50,26 @@ def parse_cpulist(text: str) -> set[int]:
     return cpus
 
 
+def numa_nodes(root: Path = NODE_ROOT) -> dict[int, set[int]]:
+    """The CPUs of each NUMA node with CPUs, by node number (what `mbind` names); empty
+    where the host does not say (no sysfs). A node of memory only (CXL) is left out."""
+    found = {int(n.name[4:]): parse_cpulist((n / "cpulist").read_text())
+             for n in root.glob("node[0-9]*") if (n / "cpulist").is_file()}
+    return {node: cpus for node, cpus in sorted(found.items()) if cpus}
+
+
 def sockets(root: Path = NODE_ROOT) -> list[set[int]]:
     """The CPUs of each NUMA node (socket), in node order; one set of every CPU where
     the host does not say (no sysfs)."""
-    nodes = sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:]))
-    found = [parse_cpulist((n / "cpulist").read_text()) for n in nodes
-             if (n / "cpulist").is_file()]
-    return [s for s in found if s] or [set(range(os.cpu_count() or 1))]
+    return list(numa_nodes(root).values()) or [set(range(os.cpu_count() or 1))]
+
+
+def node_of_cores(cpus: set[int], nodes: dict[int, set[int]]) -> int | None:
+    """The NUMA node holding most of `cpus` (a rank's bound cores; the lowest node on a
+    tie), or None when no node holds any of them."""
+    counts = {node: len(cpus & node_cpus) for node, node_cpus in nodes.items()}
+    best = max(counts, key=lambda node: (counts[node], -node), default=None)
+    return best if best is not None and counts[best] else None
 
 
 def _deal(counts: Sequence[int], total: int) -> list[int]:

@@ -68,6 +68,19 @@ def test_the_topology_is_read_from_sysfs(tmp_path: Path) -> None:
     assert cores.sockets(tmp_path / "missing")  # no sysfs: one socket of every CPU
 
 
+def test_nodes_keep_their_numbers_and_a_rank_takes_its_cores_node(tmp_path: Path) -> None:
+    for node, cpulist in (("node3", "4-7\n"), ("node0", "0-3\n"), ("node1", "\n")):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "cpulist").write_text(cpulist)  # node1: memory only
+    nodes = cores.numa_nodes(tmp_path)
+    assert nodes == {0: {0, 1, 2, 3}, 3: {4, 5, 6, 7}}  # mbind's numbers, not positions
+    assert cores.numa_nodes(tmp_path / "missing") == {}
+    assert cores.node_of_cores({5, 6}, nodes) == 3
+    assert cores.node_of_cores({2, 3, 4}, nodes) == 0  # most of its cores
+    assert cores.node_of_cores({3, 4}, nodes) == 0  # a tie: the lowest node
+    assert cores.node_of_cores({9}, nodes) is None
+
+
 def test_binding_reaches_threads_started_before_it() -> None:
     before = os.sched_getaffinity(0)
     seen: list[set[int]] = []

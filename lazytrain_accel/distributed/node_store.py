@@ -5,7 +5,9 @@ slice of it, so N ranks hold one copy of the fp32 masters (and of frozen weights
 of N. The local leader (local rank 0) creates the segment, reserves its bytes
 (`posix_fallocate`: a full filesystem is an error here, never a SIGBUS mid-fill), fills
 it from its model, and hands the open descriptor to the other local ranks over a Unix
-socket (`segment_handoff.py`), which map it.
+socket (`segment_handoff.py`), which map it. On a multi-socket host each update group's
+bytes first get the NUMA node of the rank that owns the group, so the reservation
+allocates them there (`first_touch.py`).
 
 The segment never has a name that could outlive the job. By default it is anonymous
 (`memfd_create`): its pages come from the kernel's shared-memory pool, bounded by host
@@ -44,7 +46,7 @@ from torch import nn
 
 from lazytrain_accel import preflight
 from lazytrain_accel.config import ANONYMOUS_SEGMENT
-from lazytrain_accel.distributed import segment_handoff
+from lazytrain_accel.distributed import first_touch, segment_handoff
 from lazytrain_accel.distributed.generation_words import GenerationWords
 from lazytrain_accel.engine.memory.weights import master_dtype
 
@@ -70,6 +72,10 @@ class _Slot:
     offset_bytes: int
     shape: torch.Size
     dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
 
 
 def segment_name(*, job_id: str, node_id: str) -> str:
@@ -136,8 +142,7 @@ class NodeStore:
         return self.bytes.numel()
 
     def view(self, slot: _Slot) -> torch.Tensor:
-        size = slot.shape.numel() * slot.dtype.itemsize
-        flat = self.bytes[slot.offset_bytes:slot.offset_bytes + size]
+        flat = self.bytes[slot.offset_bytes:slot.offset_bytes + slot.nbytes]
         return flat.view(slot.dtype).view(slot.shape)
 
 
@@ -159,15 +164,17 @@ def _round_up(n: int, k: int) -> int:
 
 
 def share_model(model: nn.Module, *, name: str, leader: bool, local_ranks: int,
-                num_groups: int, barrier: Callable[[], None], directory: Path | None = None
-                ) -> NodeStore:
+                num_groups: int, barrier: Callable[[], None], directory: Path | None = None,
+                nodes: Sequence[int | None] | None = None) -> NodeStore:
     """Move `model`'s parameters into the node's segment; every local rank calls it.
 
     The leader creates the segment (anonymous, or in `directory`: `_create`), reserves its
     bytes, fills it and listens on the handoff socket `name`; `barrier()` (all local ranks)
     then lets the other `local_ranks - 1` ranks ask for its descriptor and map it.
     Afterwards each parameter's `.data` is a view of the segment (fp32 for trainable float
-    parameters); the rank's own copy is freed as nothing else references it.
+    parameters); the rank's own copy is freed as nothing else references it. `nodes` (the
+    leader's): the NUMA node each of `shared_params(model)` is placed on (None: the
+    default policy); None places nothing (a host of one node).
     """
     params = shared_params(model)
     slots, nbytes, layout_hash = _layout(params, num_groups)
@@ -183,7 +190,10 @@ def share_model(model: nn.Module, *, name: str, leader: bool, local_ranks: int,
         _point_into(store, params, slots, copy=False)
         return store
     with segment_handoff.listen(name, backlog=local_ranks) as listener:
-        fd = _create(name, nbytes, directory)
+        placements = () if nodes is None else first_touch.page_placements(
+            [(slot.offset_bytes, slot.offset_bytes + slot.nbytes, node)
+             for slot, node in zip(slots, nodes, strict=True)], page_bytes=mmap.PAGESIZE)
+        fd = _create(name, nbytes, directory, placements)
         try:
             store = _map(fd, nbytes, num_groups)
             store.header.copy_(torch.tensor([_MAGIC, _VERSION, os.getpid(), nbytes,
@@ -206,10 +216,12 @@ def _point_into(store: NodeStore, params: Sequence[tuple[str, nn.Parameter]],
             p.data = view
 
 
-def _create(name: str, nbytes: int, directory: Path | None) -> int:
+def _create(name: str, nbytes: int, directory: Path | None,
+            placements: Sequence[first_touch.Placement] = ()) -> int:
     """The leader's segment descriptor, `nbytes` reserved: anonymous (`memfd_create`), or
     in `directory` a file created exclusively, owner-only, and unlinked at once (a stale
-    one of a dead leader is removed first), so no name outlives this call."""
+    one of a dead leader is removed first), so no name outlives this call. `placements`
+    are given their NUMA nodes before the reservation allocates the pages."""
     if directory is None:
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         where = "an anonymous shared segment (memfd, bounded by host memory)"
@@ -225,6 +237,9 @@ def _create(name: str, nbytes: int, directory: Path | None) -> int:
         os.fchmod(fd, 0o600)  # whatever the umask did
         where = str(directory)
     try:
+        if placements:  # sized, not allocated: the reservation follows the policy
+            os.ftruncate(fd, nbytes)
+            first_touch.place(fd, nbytes, placements)
         _reserve(fd, nbytes, where)
     except BaseException:
         os.close(fd)

@@ -109,6 +109,22 @@ def bind_local_cores(*, local_rank: int, node_id: str) -> list[int] | None:
     return chosen
 
 
+def local_numa_nodes(*, local_rank: int, node_id: str) -> list[int] | None:
+    """Each local rank's NUMA node, in local rank order (`cores.node_of_cores` of its
+    affinity, bound or the launcher's), for placing the node store by owner; None on a
+    host of one node (nothing to place) or where a rank's node is unknown. Every rank
+    calls this (one all-gather, on every host, so no host skips the collective)."""
+    topology = cores.numa_nodes()
+    mine = (cores.node_of_cores(os.sched_getaffinity(0), topology) if len(topology) > 1
+            else None)
+    places: list[tuple[str, int, int | None] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(places, (node_id, local_rank, mine))
+    local = sorted((r, n) for node, r, n in places if node == node_id)
+    if [r for r, _ in local] != list(range(len(local))) or any(n is None for _, n in local):
+        return None
+    return [n for _, n in local]
+
+
 def register_exit_teardown(synchronize: Callable[[], None]) -> None:
     """At interpreter exit: `synchronize` (a bound method, held weakly: wait for a running
     update), then meet the other ranks and destroy the default process group, unless the

@@ -70,6 +70,7 @@ from lazytrain_accel.distributed.data_parallel import (
 )
 from lazytrain_accel.distributed.generation_words import GenerationWords
 from lazytrain_accel.distributed.node_store import pid_alive
+from lazytrain_accel.engine.memory.weights import master_dtype
 from lazytrain_accel.engine.step.coordinator import StepCoordinator
 from lazytrain_accel.optim.clipping import clip_coefficient, combine_norms, tensor_norms
 from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
@@ -398,6 +399,16 @@ class ShareReducer:
         return sum(n * n for n in measured.values()) + sum(sq.values())
 
 
+def share_owners(groups: Sequence[Sequence[nn.Parameter]], ranks: int, *,
+                 every_rank: Sequence[int] = ()) -> list[int]:
+    """The local rank owning each update group: `owner_of_groups` of the groups' trainable
+    master bytes. The split update and the store's placement by owner (before the masters
+    exist: sized by `master_dtype`) both ask here."""
+    return owner_of_groups([sum(p.numel() * master_dtype(p).itemsize for p in g
+                                if p.requires_grad) for g in groups],
+                           ranks, every_rank=every_rank)
+
+
 class SplitEngine(ShareHooks, Protocol):
     """What `start_split_update` needs of the engine (`StreamingEngine`)."""
 
@@ -417,8 +428,7 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
     groups = engine.steps.update_groups
     # Device-homed residents have a master per GPU; on a CPU device they stay shared.
     on_gpus = engine.steps.device_groups if engine.device.type != "cpu" else ()
-    owners = owner_of_groups([sum(p.numel() * p.element_size() for p in g if p.requires_grad)
-                              for g in groups], layout.local_size, every_rank=on_gpus)
+    owners = share_owners(groups, layout.local_size, every_rank=on_gpus)
     pids: list[int | None] = [None] * layout.local_size
     dist.all_gather_object(pids, os.getpid(), group=layout.intra)
     peers = NodePeers(generations, owners, layout.local_rank, pids=pids)

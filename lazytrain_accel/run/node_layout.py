@@ -17,7 +17,10 @@ from torch import nn
 
 from lazytrain_accel import preflight
 from lazytrain_accel.config import ANONYMOUS_SEGMENT, LazyTrainConfig
-from lazytrain_accel.distributed import generation_words, node_store, ranks
+from lazytrain_accel.distributed import generation_words, node_store, ranks, split_update
+from lazytrain_accel.engine.memory.residents import output_side
+from lazytrain_accel.engine.model.discovery import find_decoder_layers
+from lazytrain_accel.planning.node import EVERY_RANK
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -61,18 +64,53 @@ def node_layout_for(config: LazyTrainConfig, model: nn.Module, *, num_processes:
 
 
 def share_store(config: LazyTrainConfig, model: nn.Module, layout: NodeLayout, *,
-                local_process_index: int, is_main_process: bool,
-                num_groups: int) -> node_store.NodeStore | None:
+                local_process_index: int, is_main_process: bool, num_groups: int,
+                device: torch.device, resident_update: str) -> node_store.NodeStore | None:
     """Map the parameters from the node's shared segment (`layout.node_ranks` > 1), else
-    None: every rank keeps its own copy (all-reduce)."""
+    None: every rank keeps its own copy (all-reduce). On a multi-socket host the leader
+    places each group's bytes on its owner's NUMA node (`segment_nodes`)."""
     if layout.node_ranks == 1:
         return None
     directory = config.node_store_dir
     if is_main_process:
         logger.info("lazytrain: %s", node_store.room_for(model, directory).describe())
     job_id, node_id = node_store.launch_identity(os.environ)
+    rank_nodes = ranks.local_numa_nodes(local_rank=local_process_index, node_id=node_id)
+    leader = local_process_index == 0
+    nodes = (segment_nodes(model, rank_nodes, device=device, resident_update=resident_update)
+             if leader and rank_nodes is not None else None)
     return node_store.share_model(
         model, name=node_store.segment_name(job_id=job_id, node_id=node_id),
-        leader=local_process_index == 0, local_ranks=layout.node_ranks,
+        leader=leader, local_ranks=layout.node_ranks,
         num_groups=num_groups, barrier=torch.distributed.barrier,
-        directory=None if directory == ANONYMOUS_SEGMENT else Path(directory))
+        directory=None if directory == ANONYMOUS_SEGMENT else Path(directory), nodes=nodes)
+
+
+def segment_nodes(model: nn.Module, rank_nodes: list[int], *, device: torch.device,
+                  resident_update: str) -> list[int | None]:
+    """The NUMA node of each of the store's parameters (`node_store.shared_params`): that
+    of the local rank owning its update group (`split_update.share_owners`, the split
+    update's rule, over `update_groups`); None for a group every rank updates (residents
+    with their masters on each GPU, as `start_split_update` decides)."""
+    groups = update_groups(model)
+    resident = groups[0] + groups[-1]
+    on_gpus = (0, len(groups) - 1) if (
+        device.type != "cpu" and resident_update == "device"
+        and any(p.requires_grad and p.is_floating_point() for p in resident)) else ()
+    owners = split_update.share_owners(groups, len(rank_nodes), every_rank=on_gpus)
+    node_of = {id(p): None if owner == EVERY_RANK else rank_nodes[owner]
+               for group, owner in zip(groups, owners, strict=True) for p in group}
+    return [node_of.get(id(p)) for _, p in node_store.shared_params(model)]
+
+
+def update_groups(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The engine's update groups (`StepCoordinator.update_groups`) before it is attached:
+    the input-side residents, each decoder layer's parameters, the output-side residents
+    (tests/run/test_node_layout.py checks the two agree)."""
+    parent, layers_attr, layers = find_decoder_layers(model)
+    layer_params = [list(layer.parameters()) for layer in layers]
+    in_layers = {id(p) for ps in layer_params for p in ps}
+    resident = [p for p in model.parameters() if id(p) not in in_layers]
+    late = {id(p) for p in output_side(model, parent, layers_attr, resident)}
+    return [[p for p in resident if id(p) not in late], *layer_params,
+            [p for p in resident if id(p) in late]]

@@ -183,7 +183,8 @@ def build_run_state(config: LazyTrainConfig, model: nn.Module, loader: Any, *,
     _check_host_memory(config, model, run, layout, launch)
     store = share_store(config, model, layout, local_process_index=launch.local_process_index,
                         is_main_process=launch.is_main_process,
-                        num_groups=run.plan.num_layers + 2)
+                        num_groups=run.plan.num_layers + 2, device=launch.device,
+                        resident_update=run.plan.resident_update)
     engine = attach(model, run.plan, device=launch.device, compute_dtype=compute_dtype,
                     nvme_dir=config.nvme_dir,
                     loss_chunk_tokens=setup.engine_loss_chunk_tokens(config),
