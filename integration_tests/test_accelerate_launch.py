@@ -133,6 +133,8 @@ def test_an_overflow_on_one_rank_is_skipped_on_every_rank(tmp_path: Path, optimi
             "--plan", "offload_all", "--optimizer", optimizer, "--poison-rank", "1",
             "--poison-step", "1", "--state-out", str(tmp_path / "rank"), num_processes=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for rank in ranks:  # each rank is bound to cores of its own (cores.py): they differ
+        rank.pop("cpus_allowed")
     assert ranks[0] == ranks[1]
     assert ranks[0]["skipped"] == 1
     assert math.isfinite(ranks[0]["weights_sum"])
