@@ -34,6 +34,7 @@ from lazytrain_accel.optim.clipping import (
     total_grad_norm,
 )
 from lazytrain_accel.optim.codes import num_blocks
+from lazytrain_accel.optim.skip_count import SkipCount
 from lazytrain_accel.optim.state_io import check_loaded_state, load_state_keeping_codes
 
 BACKENDS = ("auto", "native", "torch")
@@ -90,7 +91,9 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.min_8bit_numel = min_8bit_numel
-        self.skipped_steps = 0
+        #: the steps `begin_step` skipped; on a LazyTrain run the one count of the run's
+        #: skipped steps, shared with its `StepGuard` (`optim/skip_count.py`)
+        self.skips = SkipCount()
         self.last_grad_norm: float | None = None
         self._kernel = _resolve_kernel(backend)
         self._grad_norm_cache: torch.Tensor | None = None
@@ -121,6 +124,11 @@ class HybridAdamW8bit(torch.optim.Optimizer):
                     f"of shape {tuple(param.shape)}; keep masters in fp32 (the engine does) and "
                     "cast copies for compute"
                 )
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient norm (`self.skips`, read only)."""
+        return self.skips.skipped_steps
 
     # --- gradient norm -----------------------------------------------------------------
 
@@ -194,7 +202,7 @@ class HybridAdamW8bit(torch.optim.Optimizer):
             if not torch.isfinite(norm):
                 # A skipped step is complete: callers may stop here (the engine does) or
                 # still call step_params (no-op) and end_step; the next begin_step works.
-                self.skipped_steps += 1
+                self.skips.add()
                 self._forget_gradients()
                 self._context = _StepContext(apply=False, clip_coef=1.0, group_of=group_of)
                 return False

@@ -4,10 +4,12 @@
 update, the norms of the landed gradients (once), the finite check and the clip
 coefficient (once, `HybridAdamW8bit.begin_step`), the peers' step begins and the update
 launches (`StepCoordinator.update`: layer by layer on the engine's thread, or inline),
-then the step-boundary hooks (accelerate's `_is_overflow`, the re-planner) and the
-guard's record of the step (`StepGuard.record`: the one count of skipped steps, the
-limit of a streak, Ctrl-C). docs/architecture.md "One optimizer step" walks the frames
-from `optimizer.step()` to the kernel.
+then the guard's record of the step (`StepGuard.record`: the limit of a streak) and the
+step-boundary hooks (accelerate's `_is_overflow`, the re-planner, Ctrl-C). A skipped step
+is counted once, by what decided it, in the run's one `SkipCount` (`optim/skip_count.py`:
+`begin_step` counts the hybrid operator's; this step counts a kept optimizer's).
+docs/architecture.md "One optimizer step" walks the frames from `optimizer.step()` to the
+kernel.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class OptimizerStep:
         operator's step runs torch's step hooks around it, as its own `step` would."""
         previous = optimizer.step  # a bound method, or a scheduler's wrapper around it
         if isinstance(optimizer, HybridAdamW8bit):
+            self.guard.count_in(optimizer.skips)  # it decides and counts the skips
             step = torch.optim.Optimizer.profile_hook_step(self.__call__)
         else:
             self._own_step = previous
@@ -106,21 +109,25 @@ class OptimizerStep:
                 result = steps.update(optimizer, None if hybrid and self.overlapped
                                       else inline)
             loss = loss if hybrid else result  # a "keep" optimizer ran the closure itself
-        self.guard.record(bad)  # the one count of skipped steps; raises at a streak's limit
+        self.guard.record(bad)  # raises at a streak's limit
         if self.on_boundary is not None:
             self.on_boundary(bad is not None)
         self.guard.stop_if_interrupted()  # Ctrl-C: stop at this boundary
         return loss
 
     def _nonfinite(self, optimizer: torch.optim.Optimizer, hybrid: bool) -> str | None:
-        """None if the step applies, else where its gradients went non-finite. With the
-        hybrid operator its `begin_step` decides (global norm, then clip coefficient);
-        the guard only names the first bad parameter of a skipped step."""
+        """None if the step applies, else where its gradients went non-finite; a skipped
+        step is counted once, here. With the hybrid operator its `begin_step` decides
+        (global norm, then clip coefficient) and counts; the guard only names the first
+        bad parameter of a skipped step."""
         if hybrid:
             if optimizer.begin_step(check_finite=True):
                 return None
             return self.guard.first_nonfinite() or "a parameter another rank owns"
-        return self.guard.check_finite()
+        bad = self.guard.check_finite()
+        if bad is not None:
+            self.guard.skips.add()  # a kept optimizer does not decide: the step counts it
+        return bad
 
 
 def _update_whole(optimizer: HybridAdamW8bit) -> None:
