@@ -116,12 +116,12 @@ class Accelerator(accelerate.Accelerator):
 
         optimizer.register_state_dict_pre_hook(lambda _: self._lazytrain_synchronize())
         optimizer.register_load_state_dict_pre_hook(lambda *_: self._lazytrain_synchronize())
-        if isinstance(optimizer, HybridAdamW8bit) and self.lazytrain.store is not None:
-            optimizer.gather_grad_norms = self.lazytrain.reducer.grad_norm_tables
+        state = self.lazytrain
         # optimizer="keep" (any torch optimizer) steps serially, inline
-        step = OptimizerStep(guard=self.lazytrain.guard, engine=self.lazytrain.engine,
+        step = OptimizerStep(guard=state.guard, engine=state.engine,
                              overlapped=isinstance(optimizer, HybridAdamW8bit)
-                             and self.lazytrain_plugin.overlap_step)
+                             and self.lazytrain_plugin.overlap_step,
+                             shares=state.reducer if state.store is not None else None)
         step.install(optimizer)
         return step
 
@@ -174,8 +174,7 @@ class Accelerator(accelerate.Accelerator):
                 self.unscale_gradients()
                 if state.engine is not None:
                     state.engine.scale_grad_sq_norms(self.scaler.get_scale() ** -2)
-            if state.engine is not None:
-                optimizer.set_grad_sq_norms(state.engine.grad_sq_norms())
+            installed_step(optimizer).set_norms(optimizer)  # the step then keeps them
             return optimizer.grad_norm()
         if state is not None and state.store is not None:  # each rank: its share's grads
             return split_update.clip_shares(parameters, max_norm, norm_type, state.reducer)

@@ -14,6 +14,7 @@ kernel.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from types import MethodType
@@ -37,6 +38,20 @@ class SteppedEngine(Protocol):
     def grad_sq_norms(self) -> dict[nn.Parameter, float]: ...
 
 
+class ShareNorms(Protocol):
+    """Every rank's shares of the gradients where each rank holds only its own (a node
+    store's `ShareReducer`): each call a collective, made by every rank at the same point."""
+
+    def grad_norm_tables(self) -> tuple[dict[nn.Parameter, float],
+                                        dict[nn.Parameter, float]]: ...
+
+    def global_grad_sq_norm(self) -> float: ...
+
+
+#: Where a skipped step's bad gradient was when this rank's share of it is finite.
+OTHER_RANKS = "a parameter another rank owns"
+
+
 class OptimizerStep:
     """`optimizer.step()` of one optimizer of a LazyTrain run (`install` puts it there).
 
@@ -44,14 +59,17 @@ class OptimizerStep:
     ("keep") steps through its own `step`, after the guard let the step through.
     `overlapped`: the update runs layer by layer on the engine's thread and `step()`
     returns at once (else inline). `engine` is None once the engine is detached: the
-    step then runs inline on the optimizer alone.
+    step then runs inline on the optimizer alone. `shares`: a node store's reducer, the
+    other ranks' shares of the gradients, which the global norm (hybrid) and the finite
+    check ("keep") read (None: this rank holds every gradient).
     """
 
     def __init__(self, *, guard: StepGuard, engine: SteppedEngine | None,
-                 overlapped: bool) -> None:
+                 overlapped: bool, shares: ShareNorms | None = None) -> None:
         self.guard = guard
         self.engine = engine
         self.overlapped = overlapped
+        self.shares = shares
         #: Told at each step boundary whether the step was skipped (the Accelerator tells
         #: accelerate, so LR schedulers and the Trainer do not count a skipped step, and
         #: lets the re-planner switch plans).
@@ -95,9 +113,8 @@ class OptimizerStep:
         if steps is not None:
             steps.wait()  # the previous step's update, whole
             steps.check_backward_done()
-        if hybrid and self.engine is not None and not optimizer.has_grad_sq_norms:
-            # the norms of the landed gradients, once (clip_grad_norm_ may have set them)
-            optimizer.set_grad_sq_norms(self.engine.grad_sq_norms())
+        if hybrid and not optimizer.has_grad_norms:  # clip_grad_norm_ may have set them
+            self.set_norms(optimizer)
         bad = self._nonfinite(optimizer, hybrid)  # finite check and clip coefficient, once
         if bad is None:
             # partial, not a lambda: no frame of its own between the step and the kernel
@@ -115,6 +132,16 @@ class OptimizerStep:
         self.guard.stop_if_interrupted()  # Ctrl-C: stop at this boundary
         return loss
 
+    def set_norms(self, optimizer: HybridAdamW8bit) -> None:
+        """The norms of this step's gradients, once, for the hybrid operator's clip and
+        finite check: every rank's shares' (a node store: the one-process norm, bit for
+        bit), else the engine's, measured as the gradients landed (neither: it measures
+        them). `clip_grad_norm_` sets them through here too."""
+        if self.shares is not None:
+            optimizer.set_grad_norm_tables(*self.shares.grad_norm_tables())
+        elif self.engine is not None:
+            optimizer.set_grad_sq_norms(self.engine.grad_sq_norms())
+
     def _nonfinite(self, optimizer: torch.optim.Optimizer, hybrid: bool) -> str | None:
         """None if the step applies, else where its gradients went non-finite; a skipped
         step is counted once, here. With the hybrid operator its `begin_step` decides
@@ -123,8 +150,10 @@ class OptimizerStep:
         if hybrid:
             if optimizer.begin_step(check_finite=True):
                 return None
-            return self.guard.first_nonfinite() or "a parameter another rank owns"
-        bad = self.guard.check_finite()
+            return self.guard.first_nonfinite() or OTHER_RANKS
+        # the shares first: a collective every rank joins, whatever its own share holds
+        finite = self.shares is None or math.isfinite(self.shares.global_grad_sq_norm())
+        bad = self.guard.first_nonfinite() or (None if finite else OTHER_RANKS)
         if bad is not None:
             self.guard.skips.add()  # a kept optimizer does not decide: the step counts it
         return bad

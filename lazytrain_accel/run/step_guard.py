@@ -17,7 +17,6 @@ import logging
 import math
 import signal
 import threading
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -61,20 +60,8 @@ class StepGuard:
         self._first_bad: tuple[int, str] | None = None  # (step, parameter) of this streak
         self.interrupted = False
         self._previous_handler: Any = None
-        #: Where each rank holds only its share of the gradients (a node store's split
-        #: update): whether the whole gradient is finite, so every rank skips together.
-        self.global_finite: Callable[[], bool] | None = None
 
     # ---- the step ----------------------------------------------------------------------
-    def check_finite(self) -> str | None:
-        """Where the gradients went non-finite (None: all finite), this rank's and, on a
-        node store, the other ranks' shares: for optimizers that do not decide it
-        themselves (`run/step.py:OptimizerStep`; HybridAdamW8bit's `begin_step` does)."""
-        bad = self.first_nonfinite()
-        if bad is None and self.global_finite is not None and not self.global_finite():
-            bad = "a parameter another rank owns"
-        return bad
-
     @property
     def skipped_steps(self) -> int:
         """The run's skipped steps (`self.skips`, read only)."""
