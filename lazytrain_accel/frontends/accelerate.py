@@ -95,7 +95,7 @@ class Accelerator(accelerate.Accelerator):
         self.lazytrain.optimizer = setup.build_optimizer(self.lazytrain_plugin, optimizer,
                                                          self.lazytrain.model)
         # before accelerate's prepare: with a loss scaler it keeps `optimizer.step`
-        step = self._lazytrain_overlap(self.lazytrain.optimizer)
+        step = self._lazytrain_overlap(self.lazytrain.optimizer, replaced=optimizer)
         prepared = super().prepare_optimizer(self.lazytrain.optimizer, device_placement=False)
         step.on_boundary = lambda skipped: self._lazytrain_stepped(prepared, skipped)
         return prepared
@@ -107,7 +107,8 @@ class Accelerator(accelerate.Accelerator):
         if self.lazytrain.replanner is not None:
             self.lazytrain.replanner.on_step()
 
-    def _lazytrain_overlap(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
+    def _lazytrain_overlap(self, optimizer: torch.optim.Optimizer,
+                           replaced: torch.optim.Optimizer) -> OptimizerStep:
         """`optimizer.step()` becomes the run's `OptimizerStep` (`run/step.py`): with the
         hybrid operator (and `overlap_step`) it starts the engine's layer-wise update on
         its thread and returns; reading or loading the optimizer's state first waits for
@@ -122,7 +123,7 @@ class Accelerator(accelerate.Accelerator):
                              overlapped=isinstance(optimizer, HybridAdamW8bit)
                              and self.lazytrain_plugin.overlap_step,
                              shares=state.reducer if state.store is not None else None)
-        step.install(optimizer)
+        step.install(optimizer, replaced=replaced)
         return step
 
     def _lazytrain_synchronize(self) -> None:

@@ -76,10 +76,12 @@ class OptimizerStep:
         self.on_boundary: Callable[[bool], None] | None = None
         self._own_step: Callable[..., Any] | None = None  # a "keep" optimizer's step
 
-    def install(self, optimizer: torch.optim.Optimizer) -> None:
+    def install(self, optimizer: torch.optim.Optimizer,
+                replaced: torch.optim.Optimizer | None = None) -> None:
         """Make this `optimizer.step` (on the instance; LR schedulers re-bind
         `step.__func__`, so it is a function bound to the optimizer). The hybrid
-        operator's step runs torch's step hooks around it, as its own `step` would."""
+        operator's step runs torch's step hooks around it, as its own `step` would.
+        `replaced`: the user's optimizer that `optimizer` replaced (never stepped)."""
         previous = optimizer.step  # a bound method, or a scheduler's wrapper around it
         if isinstance(optimizer, HybridAdamW8bit):
             self.guard.count_in(optimizer.skips)  # it decides and counts the skips
@@ -89,15 +91,19 @@ class OptimizerStep:
 
             def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
                 return self(opt, *args, **kwargs)
-        # A scheduler built before prepare() checks its mark on `optimizer.step`, and that
-        # its wrapper (`previous`) ran: keep the mark, and where the hybrid operator's step
-        # no longer calls `previous`, set what the wrapper set (test_one_step.py fails
-        # loudly if torch renames it), or torch warns that the scheduler stepped first.
+        # A scheduler built before prepare() wraps `step` of the optimizer it was given and
+        # checks at its first step that the wrapper ran (torch's `_opt_called`). Keep the
+        # mark on `optimizer.step`; where the wrapper is no longer called (the replaced
+        # optimizer's, and `previous` once the hybrid operator's step bypasses it), one
+        # post-hook sets what it set, or torch warns that the scheduler stepped first
+        # (test_one_step.py fails loudly if torch renames the field).
+        unstepped = [] if replaced is None or replaced is optimizer else [replaced]
         if getattr(previous, "_wrapped_by_lr_sched", False):
             step._wrapped_by_lr_sched = True
             if self._own_step is None:
-                optimizer.register_step_post_hook(
-                    lambda opt, *_: setattr(opt, "_opt_called", True))
+                unstepped.append(optimizer)
+        if unstepped:
+            optimizer.register_step_post_hook(partial(_mark_stepped, unstepped))
         optimizer.step = MethodType(step, optimizer)
         optimizer._lazytrain_step = self
 
@@ -157,6 +163,12 @@ class OptimizerStep:
         if bad is not None:
             self.guard.skips.add()  # a kept optimizer does not decide: the step counts it
         return bad
+
+
+def _mark_stepped(optimizers: list[torch.optim.Optimizer], *_: Any) -> None:
+    """A step post-hook: what an LR scheduler's wrapper of each one's `step` would set."""
+    for optimizer in optimizers:
+        optimizer._opt_called = True
 
 
 def _update_whole(optimizer: HybridAdamW8bit) -> None:
