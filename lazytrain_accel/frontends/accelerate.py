@@ -95,7 +95,7 @@ class Accelerator(accelerate.Accelerator):
         self.lazytrain.optimizer = setup.build_optimizer(self.lazytrain_plugin, optimizer,
                                                          self.lazytrain.model)
         # before accelerate's prepare: with a loss scaler it keeps `optimizer.step`
-        step = self._lazytrain_overlap(self.lazytrain.optimizer)
+        step = self._lazytrain_overlap(self.lazytrain.optimizer, replaced=optimizer)
         prepared = super().prepare_optimizer(self.lazytrain.optimizer, device_placement=False)
         step.on_boundary = lambda skipped: self._lazytrain_stepped(prepared, skipped)
         return prepared
@@ -107,7 +107,8 @@ class Accelerator(accelerate.Accelerator):
         if self.lazytrain.replanner is not None:
             self.lazytrain.replanner.on_step()
 
-    def _lazytrain_overlap(self, optimizer: torch.optim.Optimizer) -> OptimizerStep:
+    def _lazytrain_overlap(self, optimizer: torch.optim.Optimizer,
+                           replaced: torch.optim.Optimizer) -> OptimizerStep:
         """`optimizer.step()` becomes the run's `OptimizerStep` (`run/step.py`): with the
         hybrid operator (and `overlap_step`) it starts the engine's layer-wise update on
         its thread and returns; reading or loading the optimizer's state first waits for
@@ -116,13 +117,13 @@ class Accelerator(accelerate.Accelerator):
 
         optimizer.register_state_dict_pre_hook(lambda _: self._lazytrain_synchronize())
         optimizer.register_load_state_dict_pre_hook(lambda *_: self._lazytrain_synchronize())
-        if isinstance(optimizer, HybridAdamW8bit) and self.lazytrain.store is not None:
-            optimizer.gather_grad_norms = self.lazytrain.reducer.grad_norm_tables
+        state = self.lazytrain
         # optimizer="keep" (any torch optimizer) steps serially, inline
-        step = OptimizerStep(guard=self.lazytrain.guard, engine=self.lazytrain.engine,
+        step = OptimizerStep(guard=state.guard, engine=state.engine,
                              overlapped=isinstance(optimizer, HybridAdamW8bit)
-                             and self.lazytrain_plugin.overlap_step)
-        step.install(optimizer)
+                             and self.lazytrain_plugin.overlap_step,
+                             shares=state.reducer if state.store is not None else None)
+        step.install(optimizer, replaced=replaced)
         return step
 
     def _lazytrain_synchronize(self) -> None:
@@ -174,8 +175,7 @@ class Accelerator(accelerate.Accelerator):
                 self.unscale_gradients()
                 if state.engine is not None:
                     state.engine.scale_grad_sq_norms(self.scaler.get_scale() ** -2)
-            if state.engine is not None:
-                optimizer.set_grad_sq_norms(state.engine.grad_sq_norms())
+            installed_step(optimizer).set_norms(optimizer)  # the step then keeps them
             return optimizer.grad_norm()
         if state is not None and state.store is not None:  # each rank: its share's grads
             return split_update.clip_shares(parameters, max_norm, norm_type, state.reducer)

@@ -3,7 +3,8 @@
 Whatever watches the logs (TensorBoard, W&B, `trainer_state.json`) then shows them
 beside the loss: at train start the plan (boundary homes, predicted step and peaks), and
 on every logging step the measured stall seconds, the predicted and measured step seconds
-and the peak bytes per memory tier since the previous logging step. The console lines
+and the peak bytes per memory tier since the previous logging step, and the run's skipped
+steps so far (`lazytrain/skipped_steps`: the guard's, the run's one count). The console lines
 (progress bar, `PrinterCallback`) leave them out unless `--log_level debug` asks for them.
 """
 
@@ -109,6 +110,7 @@ class LazyTrainCallback(TrainerCallback):
         metrics = step_metrics(run, engine.stats(), measured_s=self._measured_s,
                                steps=self._steps,
                                grad_accum_steps=args.gradient_accumulation_steps)
+        metrics[f"{PREFIX}skipped_steps"] = self._state().guard.skipped_steps
         logs.update(metrics)
         predicted = StepTerms.predicted(run.plan.prediction,
                                         micro_batches=args.gradient_accumulation_steps)

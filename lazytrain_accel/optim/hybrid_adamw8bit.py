@@ -34,6 +34,7 @@ from lazytrain_accel.optim.clipping import (
     total_grad_norm,
 )
 from lazytrain_accel.optim.codes import num_blocks
+from lazytrain_accel.optim.skip_count import SkipCount
 from lazytrain_accel.optim.state_io import check_loaded_state, load_state_keeping_codes
 
 BACKENDS = ("auto", "native", "torch")
@@ -90,23 +91,24 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self.min_8bit_numel = min_8bit_numel
-        self.skipped_steps = 0
+        #: the steps `begin_step` skipped; on a LazyTrain run the one count of the run's
+        #: skipped steps, shared with its `StepGuard` (`optim/skip_count.py`)
+        self.skips = SkipCount()
         self.last_grad_norm: float | None = None
         self._kernel = _resolve_kernel(backend)
         self._grad_norm_cache: torch.Tensor | None = None
         self._precomputed_sq_norms: dict[torch.nn.Parameter, float] = {}
+        #: (measured norms, precomputed squared norms) of every parameter's gradient,
+        #: gathered from the ranks holding them (`set_grad_norm_tables`); None: this
+        #: optimizer sees all the gradients
+        self._norm_tables: tuple[dict[torch.nn.Parameter, float],
+                                 dict[torch.nn.Parameter, float]] | None = None
         self._context: _StepContext | None = None
         #: `step_params` may run on two threads at once (the engine's update thread and,
         #: for residents whose masters live on the device, the training thread): this
         #: guards what they share (the step's updated set, `self.state`'s entries). The
         #: math itself needs no lock: each parameter is updated by one thread, once.
         self._shared_lock = threading.Lock()
-        #: Where this process holds only its share of the gradients (a node store's split
-        #: update): every parameter's (measured norm, precomputed squared norm) gathered
-        #: from the ranks holding them (`ShareReducer.grad_norm_tables`), so the global
-        #: norm is the one-process one bit for bit; None: this optimizer sees them all.
-        self.gather_grad_norms: Callable[[], tuple[
-            Mapping[torch.nn.Parameter, float], Mapping[torch.nn.Parameter, float]]] | None = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -122,18 +124,33 @@ class HybridAdamW8bit(torch.optim.Optimizer):
                     "cast copies for compute"
                 )
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite gradient norm (`self.skips`, read only)."""
+        return self.skips.skipped_steps
+
     # --- gradient norm -----------------------------------------------------------------
 
     def set_grad_sq_norms(self, sq_norms: Mapping[torch.nn.Parameter, float]) -> None:
         """Use these squared gradient norms (from the engine) instead of measuring them."""
+        self._forget_gradients()
         self._precomputed_sq_norms = dict(sq_norms)
-        self._grad_norm_cache = None
+
+    def set_grad_norm_tables(self, measured_norms: Mapping[torch.nn.Parameter, float],
+                             sq_norms: Mapping[torch.nn.Parameter, float]) -> None:
+        """Where this process holds only its share of the gradients (a node store's split
+        update): every parameter's measured norm or precomputed squared norm, gathered
+        from the ranks holding them (`ShareReducer.grad_norm_tables`), so the global norm
+        is the one-process one bit for bit (`clipping.ordered_total_norm`)."""
+        self._forget_gradients()
+        self._norm_tables = (dict(measured_norms), dict(sq_norms))
 
     @property
-    def has_grad_sq_norms(self) -> bool:
-        """Whether this step's gradient norms were set already (`set_grad_sq_norms`), so a
-        caller setting them again would only throw the cached global norm away."""
-        return bool(self._precomputed_sq_norms)
+    def has_grad_norms(self) -> bool:
+        """Whether this step's gradient norms were set already (`set_grad_sq_norms`,
+        `set_grad_norm_tables`), so a caller setting them again would only throw the
+        cached global norm away."""
+        return bool(self._precomputed_sq_norms) or self._norm_tables is not None
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm (fp32) of the current gradients, computed once per step.
@@ -143,8 +160,8 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         """
         if self._grad_norm_cache is None:
             params = [p for group in self.param_groups for p in group["params"]]
-            if self.gather_grad_norms is not None:
-                self._grad_norm_cache = ordered_total_norm(params, *self.gather_grad_norms())
+            if self._norm_tables is not None:
+                self._grad_norm_cache = ordered_total_norm(params, *self._norm_tables)
             else:
                 to_measure, known = split_precomputed(params, self._precomputed_sq_norms)
                 self._grad_norm_cache = total_grad_norm(to_measure, known)
@@ -157,6 +174,7 @@ class HybridAdamW8bit(torch.optim.Optimizer):
     def _forget_gradients(self) -> None:
         self._grad_norm_cache = None
         self._precomputed_sq_norms = {}
+        self._norm_tables = None
 
     # --- the step, whole or per layer ---------------------------------------------------
 
@@ -188,13 +206,13 @@ class HybridAdamW8bit(torch.optim.Optimizer):
             group_of.update(dict.fromkeys(group["params"], frozen))
         self.last_grad_norm = None
         clip_coef = 1.0
-        if self.max_grad_norm is not None or self._precomputed_sq_norms or check_finite:
+        if self.max_grad_norm is not None or self.has_grad_norms or check_finite:
             norm = self.grad_norm()
             self.last_grad_norm = float(norm)
             if not torch.isfinite(norm):
                 # A skipped step is complete: callers may stop here (the engine does) or
                 # still call step_params (no-op) and end_step; the next begin_step works.
-                self.skipped_steps += 1
+                self.skips.add()
                 self._forget_gradients()
                 self._context = _StepContext(apply=False, clip_coef=1.0, group_of=group_of)
                 return False

@@ -293,9 +293,8 @@ def build_optimizer(config: LazyTrainConfig, user_optimizer: torch.optim.Optimiz
     # Share the group dicts: schedulers on either object now drive the same lr.
     replacement.param_groups = user_optimizer.param_groups
     replacement.register_load_state_dict_post_hook(_keep_groups_shared(user_optimizer))
-    # A scheduler built on the user's optimizer checks that *its* step ran first.
-    replacement.register_step_post_hook(
-        lambda *_: setattr(user_optimizer, "_opt_called", True))
+    # A scheduler built on the user's optimizer checks that *its* step ran first: the
+    # run's step marks it (`run/step.py:OptimizerStep.install`, `replaced=`).
     return replacement
 
 

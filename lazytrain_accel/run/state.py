@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -120,9 +119,6 @@ class RunState:
         sizing = batch_shape.Sizing(batch_size=previous.batch_size, seq_len=previous.seq_len,
                                     source="the checkpoint's plan", seq_cap=self.sizing.seq_cap)
         self.adopt(self.plan_for(sizing, self.run.hardware), sizing)
-
-    def global_finite(self) -> bool:
-        return math.isfinite(self.reducer.global_grad_sq_norm())
 
     def synchronize(self) -> None:
         """Wait for a running layer-wise update."""
@@ -257,7 +253,6 @@ def _wire_reducer(state: RunState) -> None:
             engine, generations=state.store.generations, layout=groups,
             should_reduce=launch.should_reduce)
         _pin_store(state)
-        state.guard.global_finite = state.global_finite
     elif launch.num_processes > 1:
         state.reducer = GradientAllReducer(engine, state.model,
                                            should_reduce=launch.should_reduce)

@@ -4,14 +4,17 @@
 update, the norms of the landed gradients (once), the finite check and the clip
 coefficient (once, `HybridAdamW8bit.begin_step`), the peers' step begins and the update
 launches (`StepCoordinator.update`: layer by layer on the engine's thread, or inline),
-then the step-boundary hooks (accelerate's `_is_overflow`, the re-planner) and the
-guard's record of the step (`StepGuard.record`: the one count of skipped steps, the
-limit of a streak, Ctrl-C). docs/architecture.md "One optimizer step" walks the frames
-from `optimizer.step()` to the kernel.
+then the guard's record of the step (`StepGuard.record`: the limit of a streak) and the
+step-boundary hooks (accelerate's `_is_overflow`, the re-planner, Ctrl-C). A skipped step
+is counted once, by what decided it, in the run's one `SkipCount` (`optim/skip_count.py`:
+`begin_step` counts the hybrid operator's; this step counts a kept optimizer's).
+docs/architecture.md "One optimizer step" walks the frames from `optimizer.step()` to the
+kernel.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from types import MethodType
@@ -35,6 +38,20 @@ class SteppedEngine(Protocol):
     def grad_sq_norms(self) -> dict[nn.Parameter, float]: ...
 
 
+class ShareNorms(Protocol):
+    """Every rank's shares of the gradients where each rank holds only its own (a node
+    store's `ShareReducer`): each call a collective, made by every rank at the same point."""
+
+    def grad_norm_tables(self) -> tuple[dict[nn.Parameter, float],
+                                        dict[nn.Parameter, float]]: ...
+
+    def global_grad_sq_norm(self) -> float: ...
+
+
+#: Where a skipped step's bad gradient was when this rank's share of it is finite.
+OTHER_RANKS = "a parameter another rank owns"
+
+
 class OptimizerStep:
     """`optimizer.step()` of one optimizer of a LazyTrain run (`install` puts it there).
 
@@ -42,41 +59,51 @@ class OptimizerStep:
     ("keep") steps through its own `step`, after the guard let the step through.
     `overlapped`: the update runs layer by layer on the engine's thread and `step()`
     returns at once (else inline). `engine` is None once the engine is detached: the
-    step then runs inline on the optimizer alone.
+    step then runs inline on the optimizer alone. `shares`: a node store's reducer, the
+    other ranks' shares of the gradients, which the global norm (hybrid) and the finite
+    check ("keep") read (None: this rank holds every gradient).
     """
 
     def __init__(self, *, guard: StepGuard, engine: SteppedEngine | None,
-                 overlapped: bool) -> None:
+                 overlapped: bool, shares: ShareNorms | None = None) -> None:
         self.guard = guard
         self.engine = engine
         self.overlapped = overlapped
+        self.shares = shares
         #: Told at each step boundary whether the step was skipped (the Accelerator tells
         #: accelerate, so LR schedulers and the Trainer do not count a skipped step, and
         #: lets the re-planner switch plans).
         self.on_boundary: Callable[[bool], None] | None = None
         self._own_step: Callable[..., Any] | None = None  # a "keep" optimizer's step
 
-    def install(self, optimizer: torch.optim.Optimizer) -> None:
+    def install(self, optimizer: torch.optim.Optimizer,
+                replaced: torch.optim.Optimizer | None = None) -> None:
         """Make this `optimizer.step` (on the instance; LR schedulers re-bind
         `step.__func__`, so it is a function bound to the optimizer). The hybrid
-        operator's step runs torch's step hooks around it, as its own `step` would."""
+        operator's step runs torch's step hooks around it, as its own `step` would.
+        `replaced`: the user's optimizer that `optimizer` replaced (never stepped)."""
         previous = optimizer.step  # a bound method, or a scheduler's wrapper around it
         if isinstance(optimizer, HybridAdamW8bit):
+            self.guard.count_in(optimizer.skips)  # it decides and counts the skips
             step = torch.optim.Optimizer.profile_hook_step(self.__call__)
         else:
             self._own_step = previous
 
             def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
                 return self(opt, *args, **kwargs)
-        # A scheduler built before prepare() checks its mark on `optimizer.step`, and that
-        # its wrapper (`previous`) ran: keep the mark, and where the hybrid operator's step
-        # no longer calls `previous`, set what the wrapper set (test_one_step.py fails
-        # loudly if torch renames it), or torch warns that the scheduler stepped first.
+        # A scheduler built before prepare() wraps `step` of the optimizer it was given and
+        # checks at its first step that the wrapper ran (torch's `_opt_called`). Keep the
+        # mark on `optimizer.step`; where the wrapper is no longer called (the replaced
+        # optimizer's, and `previous` once the hybrid operator's step bypasses it), one
+        # post-hook sets what it set, or torch warns that the scheduler stepped first
+        # (test_one_step.py fails loudly if torch renames the field).
+        unstepped = [] if replaced is None or replaced is optimizer else [replaced]
         if getattr(previous, "_wrapped_by_lr_sched", False):
             step._wrapped_by_lr_sched = True
             if self._own_step is None:
-                optimizer.register_step_post_hook(
-                    lambda opt, *_: setattr(opt, "_opt_called", True))
+                unstepped.append(optimizer)
+        if unstepped:
+            optimizer.register_step_post_hook(partial(_mark_stepped, unstepped))
         optimizer.step = MethodType(step, optimizer)
         optimizer._lazytrain_step = self
 
@@ -92,9 +119,8 @@ class OptimizerStep:
         if steps is not None:
             steps.wait()  # the previous step's update, whole
             steps.check_backward_done()
-        if hybrid and self.engine is not None and not optimizer.has_grad_sq_norms:
-            # the norms of the landed gradients, once (clip_grad_norm_ may have set them)
-            optimizer.set_grad_sq_norms(self.engine.grad_sq_norms())
+        if hybrid and not optimizer.has_grad_norms:  # clip_grad_norm_ may have set them
+            self.set_norms(optimizer)
         bad = self._nonfinite(optimizer, hybrid)  # finite check and clip coefficient, once
         if bad is None:
             # partial, not a lambda: no frame of its own between the step and the kernel
@@ -106,21 +132,43 @@ class OptimizerStep:
                 result = steps.update(optimizer, None if hybrid and self.overlapped
                                       else inline)
             loss = loss if hybrid else result  # a "keep" optimizer ran the closure itself
-        self.guard.record(bad)  # the one count of skipped steps; raises at a streak's limit
+        self.guard.record(bad)  # raises at a streak's limit
         if self.on_boundary is not None:
             self.on_boundary(bad is not None)
         self.guard.stop_if_interrupted()  # Ctrl-C: stop at this boundary
         return loss
 
+    def set_norms(self, optimizer: HybridAdamW8bit) -> None:
+        """The norms of this step's gradients, once, for the hybrid operator's clip and
+        finite check: every rank's shares' (a node store: the one-process norm, bit for
+        bit), else the engine's, measured as the gradients landed (neither: it measures
+        them). `clip_grad_norm_` sets them through here too."""
+        if self.shares is not None:
+            optimizer.set_grad_norm_tables(*self.shares.grad_norm_tables())
+        elif self.engine is not None:
+            optimizer.set_grad_sq_norms(self.engine.grad_sq_norms())
+
     def _nonfinite(self, optimizer: torch.optim.Optimizer, hybrid: bool) -> str | None:
-        """None if the step applies, else where its gradients went non-finite. With the
-        hybrid operator its `begin_step` decides (global norm, then clip coefficient);
-        the guard only names the first bad parameter of a skipped step."""
+        """None if the step applies, else where its gradients went non-finite; a skipped
+        step is counted once, here. With the hybrid operator its `begin_step` decides
+        (global norm, then clip coefficient) and counts; the guard only names the first
+        bad parameter of a skipped step."""
         if hybrid:
             if optimizer.begin_step(check_finite=True):
                 return None
-            return self.guard.first_nonfinite() or "a parameter another rank owns"
-        return self.guard.check_finite()
+            return self.guard.first_nonfinite() or OTHER_RANKS
+        # the shares first: a collective every rank joins, whatever its own share holds
+        finite = self.shares is None or math.isfinite(self.shares.global_grad_sq_norm())
+        bad = self.guard.first_nonfinite() or (None if finite else OTHER_RANKS)
+        if bad is not None:
+            self.guard.skips.add()  # a kept optimizer does not decide: the step counts it
+        return bad
+
+
+def _mark_stepped(optimizers: list[torch.optim.Optimizer], *_: Any) -> None:
+    """A step post-hook: what an LR scheduler's wrapper of each one's `step` would set."""
+    for optimizer in optimizers:
+        optimizer._opt_called = True
 
 
 def _update_whole(optimizer: HybridAdamW8bit) -> None:

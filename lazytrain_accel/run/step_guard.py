@@ -1,9 +1,11 @@
 """`StepGuard`: the record of a LazyTrain run's optimizer steps, kept by
-`run/step.py:OptimizerStep` (`record`, once per step: the one count of skipped steps).
+`run/step.py:OptimizerStep` (`record`, once per step).
 
 * Non-finite gradients: the step is skipped (no weight or optimizer-state change) and
-  counted; after `max_nonfinite_skips` skips in a row training stops with an error naming
-  the first parameter (and so the layer) whose gradient went bad.
+  counted once, by what decided it, in the run's one `SkipCount` (`skips`: the hybrid
+  operator's own, shared at `OptimizerStep.install`); the guard reads it. After
+  `max_nonfinite_skips` skips in a row training stops with an error naming the first
+  parameter (and so the layer) whose gradient went bad.
 * Ctrl-C: the first press only asks to stop; the step in progress finishes (weights and
   optimizer state stay consistent) and training stops at that step boundary. A second
   press interrupts at once, as usual.
@@ -15,11 +17,12 @@ import logging
 import math
 import signal
 import threading
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from lazytrain_accel.optim.skip_count import SkipCount
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -50,31 +53,38 @@ class StepGuard:
         self.max_nonfinite_skips = max_nonfinite_skips
         self.raise_on_interrupt = raise_on_interrupt
         self.steps = 0  # optimizer steps seen, skipped ones included
-        self.skipped_steps = 0
-        self.consecutive_skips = 0
+        #: the run's one count of skipped steps: what decides a step counts it there
+        #: (`count_in` makes it the hybrid operator's)
+        self.skips = SkipCount()
+        self._skipped_before_streak = 0  # the count when the last step was applied
         self._first_bad: tuple[int, str] | None = None  # (step, parameter) of this streak
         self.interrupted = False
         self._previous_handler: Any = None
-        #: Where each rank holds only its share of the gradients (a node store's split
-        #: update): whether the whole gradient is finite, so every rank skips together.
-        self.global_finite: Callable[[], bool] | None = None
 
     # ---- the step ----------------------------------------------------------------------
-    def check_finite(self) -> str | None:
-        """Where the gradients went non-finite (None: all finite), this rank's and, on a
-        node store, the other ranks' shares: for optimizers that do not decide it
-        themselves (`run/step.py:OptimizerStep`; HybridAdamW8bit's `begin_step` does)."""
-        bad = self.first_nonfinite()
-        if bad is None and self.global_finite is not None and not self.global_finite():
-            bad = "a parameter another rank owns"
-        return bad
+    @property
+    def skipped_steps(self) -> int:
+        """The run's skipped steps (`self.skips`, read only)."""
+        return self.skips.skipped_steps
+
+    @property
+    def consecutive_skips(self) -> int:
+        """Skipped steps since the last applied one."""
+        return self.skips.skipped_steps - self._skipped_before_streak
+
+    def count_in(self, skips: SkipCount) -> None:
+        """Read the run's skipped steps from `skips` (the optimizer's, which decides and
+        counts them) from now on; the current streak ends here."""
+        self.skips = skips
+        self._skipped_before_streak, self._first_bad = skips.skipped_steps, None
 
     def record(self, bad: str | None) -> None:
         """Record one optimizer step: applied (`bad` is None) or skipped because of a
-        non-finite gradient in `bad`; raise once `max_nonfinite_skips` were in a row."""
+        non-finite gradient in `bad` (counted already, by what decided it); raise once
+        `max_nonfinite_skips` were in a row."""
         self.steps += 1
         if bad is None:
-            self.consecutive_skips, self._first_bad = 0, None
+            self._skipped_before_streak, self._first_bad = self.skips.skipped_steps, None
         else:
             self._skip(bad)
 
@@ -102,13 +112,12 @@ class StepGuard:
         return None
 
     def _skip(self, bad: str) -> None:
-        self.skipped_steps += 1
-        self.consecutive_skips += 1
         if self._first_bad is None:
             self._first_bad = (self.steps, bad)
         logger.warning("lazytrain: non-finite gradient in %s at optimizer step %d; step "
-                       "skipped (%d in a row, limit %d)", bad, self.steps,
-                       self.consecutive_skips, self.max_nonfinite_skips)
+                       "skipped (%d in a row, limit %d; %d skipped in this run)", bad,
+                       self.steps, self.consecutive_skips, self.max_nonfinite_skips,
+                       self.skipped_steps)
         if self.consecutive_skips >= self.max_nonfinite_skips:
             first_step, first_name = self._first_bad
             raise NonFiniteGradientError(

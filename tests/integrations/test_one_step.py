@@ -142,12 +142,15 @@ def test_optimizer_step_reaches_the_kernel_in_few_frames(
     acc.end_training()
 
 
-def test_a_scheduler_built_before_prepare_sees_the_step(tmp_path: Path) -> None:
-    """The step no longer calls the scheduler's wrapper of `optimizer.step`: it must still
-    mark the step for it (torch's `_opt_called`), or torch warns at `scheduler.step()`:
-    the warning fails this test, also when torch renames that field."""
+@pytest.mark.parametrize("optimizer_class", [HybridAdamW8bit, torch.optim.AdamW])
+def test_a_scheduler_built_before_prepare_sees_the_step(tmp_path: Path,
+                                                        optimizer_class: type) -> None:
+    """The step no longer calls the scheduler's wrapper of `optimizer.step` (the hybrid
+    operator's own, bypassed; the user's AdamW, replaced): it must still mark the step
+    for it (torch's `_opt_called`), or torch warns at `scheduler.step()`: the warning
+    fails this test, also when torch renames that field."""
     model = _tiny_model()
-    optimizer = HybridAdamW8bit(model.parameters(), lr=1e-3)
+    optimizer = optimizer_class(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
     acc = _accelerator(tmp_path)
     model, optimizer, scheduler = acc.prepare(model, optimizer, scheduler)

@@ -10,6 +10,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, TrainingArguments
 
 from lazytrain_accel.frontends.transformers import LazyTrainTrainer
 
+MODEL = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+
 
 class _Rows(torch.utils.data.Dataset):
     def __len__(self) -> int:
@@ -24,9 +27,7 @@ class _Rows(torch.utils.data.Dataset):
 def test_a_trainer_run_logs_the_swap_once_and_keeps_metrics_off_the_console(
         tmp_path, caplog, capsys):
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    model = Qwen2ForCausalLM(MODEL)
     args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none",
                              max_steps=2, save_steps=2, logging_steps=1, disable_tqdm=True,
                              per_device_train_batch_size=4, log_level="info")
@@ -47,3 +48,29 @@ def test_a_trainer_run_logs_the_swap_once_and_keeps_metrics_off_the_console(
     history = trainer.state.log_history
     assert any("lazytrain/step_s_measured" in e for e in history)
     assert any("lazytrain/plan_step_s_predicted" in e for e in history)
+
+
+class _OverflowAtStep1(LazyTrainTrainer):
+    """The second optimizer step's loss (and so its gradients) is inf."""
+
+    def compute_loss(self, model, inputs, *args, **kwargs):
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        return loss * float("inf") if self.state.global_step == 1 else loss
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_the_logs_count_a_skipped_step_once(tmp_path):
+    """The Trainer's logs read the run's one count of skipped steps."""
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none",
+                             max_steps=3, save_strategy="no", logging_steps=1,
+                             disable_tqdm=True, per_device_train_batch_size=4)
+    trainer = _OverflowAtStep1(model=Qwen2ForCausalLM(MODEL), args=args,
+                               train_dataset=_Rows(),
+                               lazytrain_config={"plan": "checkpoint_all", "hardware": "h800",
+                                                 "cache_dir": str(tmp_path / "cache")})
+    trainer.train()
+    counts = [e["lazytrain/skipped_steps"] for e in trainer.state.log_history
+              if "lazytrain/skipped_steps" in e]
+    assert counts == [0, 1, 1]
+    assert trainer.accelerator.lazytrain.guard.skipped_steps == 1
