@@ -235,8 +235,7 @@ class LazyTrainConfig:
         checkpoint_mode: "async" (default): `save_state` and the Trainer's checkpoint
             write the small files, start a writer thread for the masters and optimizer
             state and return; the next update of each layer waits until the save has
-            written it. "sync": they return once the checkpoint is published. (The
-            Trainer's checkpoints of several processes are synchronous.)
+            written it. "sync": they return once the checkpoint is published.
         checkpoint_write_bytes_per_s: cap the asynchronous writer's rate (0, the default:
             as fast as the disk takes it), leaving the disk to other work.
     """

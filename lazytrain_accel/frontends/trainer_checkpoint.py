@@ -23,19 +23,21 @@ weight, writes `lazytrain_shares.json` and publishes. No `optimizer.pt`: rank 0'
 rank's share (re-sharding onto another world size) in `_load_optimizer_and_scheduler`.
 
 Asynchronous (`checkpoint_mode="async"`, the default, with the layer-wise update; one
-process): `_save_checkpoint` starts the save through `accelerator.lazytrain_start_save`,
-the writer `save_state` uses (`checkpoints/asynchronous.py`), and returns. At the save's
-step, into the temporary directory: the stock save with the weights left to the writer
-(`trainer_state.json`, `scheduler.pt`, `rng_state.pth`, `config.json`, the generation
-config, the tokenizer, `training_args.bin`, the plan). The writer then writes the
-masters (sharded safetensors and their index, as `from_pretrained` reads them) and the
-optimizer share in group order while the next steps run, the next update of each group
-waiting until it is written; the manifest last, then the rename. The Trainer's rotation
-runs once the checkpoint is published; the next save, the end of `train()` (before the
-best model is loaded) and `end_training` wait for it. A save that fails is raised there,
-the previous checkpoint kept. Several processes, `save_only_model`, a model that is not a
-`PreTrainedModel` (a PEFT adapter) or `checkpoint_mode="sync"`: synchronous, as above;
-the log line says which and why.
+process or several): `_save_checkpoint` starts the save through
+`accelerator.lazytrain_start_save`, the writer `save_state` uses
+(`checkpoints/asynchronous.py`), and returns. At the save's step, into the temporary
+directory: the stock save with the weights left to the writer (`trainer_state.json`,
+`scheduler.pt`, `config.json`, the generation config, the tokenizer, `training_args.bin`,
+the plan; every rank its `rng_state_<r>.pth`). Each rank's writer then writes what its own
+update changes (under the node store: the groups it owns), the masters as sharded
+safetensors with their index (what `from_pretrained` reads) and the optimizer share, in
+group order while the next steps run, the next update of each group waiting until it is
+written; rank 0 writes the manifest last and renames. The Trainer's rotation runs once
+the checkpoint is published; the next save, the end of `train()` (before the best model
+is loaded) and `end_training` wait for it. A save that fails is raised there, the
+previous checkpoint kept. `save_only_model`, a model that is not a `PreTrainedModel` (a
+PEFT adapter) or `checkpoint_mode="sync"`: synchronous, as above; the log line says
+which and why.
 """
 
 from __future__ import annotations
@@ -103,9 +105,6 @@ def _synchronous_because(trainer: Trainer) -> str | None:
     if not accelerator.lazytrain_saves_async():
         return ("the update runs inline (optimizer='keep' or overlap_step=False), so no "
                 "per-layer wait can order it after the save")
-    if trainer.args.world_size > 1:
-        return ("the Trainer's asynchronous checkpoints run on one process; several "
-                "processes save synchronously")
     if trainer.args.save_only_model:
         return "save_only_model"
     if not isinstance(trainer.model, PreTrainedModel):
@@ -147,10 +146,14 @@ def _save_synchronously(trainer: Trainer, stock_save: Any, model: Any, trial: An
 
 def _save_beside_training(trainer: Trainer, stock_save: Any, model: Any, trial: Any,
                           args: tuple, kwargs: dict) -> None:
-    """The asynchronous checkpoint of one process (module docstring): the stock files
-    now, the weights and the optimizer state by the writer; rotation once published."""
-    run_dir = Path(os.path.abspath(trainer._get_output_dir(trial=trial)))
-    final = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    """The asynchronous checkpoint (module docstring), on every rank at the same point:
+    the stock files now, the weights and the optimizer state by the writer; rotation once
+    published."""
+    if trainer.args.world_size > 1:  # every rank names the same folder
+        run_dir, final = _agreed_checkpoint_dir(trainer, trial)
+    else:
+        run_dir = Path(os.path.abspath(trainer._get_output_dir(trial=trial)))
+        final = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
 
     def write_stock(tmp: Path) -> None:  # at this step, before the writer starts
         with _weights_left_to_the_writer(trainer):
