@@ -26,6 +26,7 @@ from transformers import (
     TrainingArguments,
 )
 
+from lazytrain_accel.checkpoints import asynchronous as async_checkpoint
 from lazytrain_accel.checkpoints import shares as sc
 from lazytrain_accel.frontends.transformers import LazyTrainTrainer
 
@@ -51,7 +52,7 @@ class _Watch(TrainerCallback):
     end (its update started): whether that save was still being written."""
 
     def __init__(self) -> None:
-        self.trainer: Any = None
+        self.trainer: Any = None  # set once built
         self.saves: list[dict[str, Any]] = []
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -69,7 +70,8 @@ class _Watch(TrainerCallback):
 
 
 def _train(out: Path, cache: Path, *, mode: str, resume: Path | None = None,
-           limit: int | None = None) -> dict[str, Any]:
+           limit: int | None = None, rate: float = SLOW_WRITE_BYTES_PER_S,
+           callback: TrainerCallback | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -79,13 +81,15 @@ def _train(out: Path, cache: Path, *, mode: str, resume: Path | None = None,
                              disable_tqdm=True, per_device_train_batch_size=4, seed=0,
                              learning_rate=1e-2, save_total_limit=limit)
     watch = _Watch()
-    trainer = LazyTrainTrainer(model=model, args=args, train_dataset=_Rows(), callbacks=[watch],
+    callbacks = [watch] if callback is None else [watch, callback]
+    trainer = LazyTrainTrainer(model=model, args=args, train_dataset=_Rows(), callbacks=callbacks,
                                lazytrain_config={
                                    "plan": "checkpoint_all", "hardware": "h800",
                                    "cache_dir": str(cache), "checkpoint_mode": mode,
                                    "checkpoint_max_shard_bytes": SHARD_BYTES,
-                                   "checkpoint_write_bytes_per_s": SLOW_WRITE_BYTES_PER_S})
-    watch.trainer = trainer
+                                   "checkpoint_write_bytes_per_s": rate})
+    for each in callbacks:
+        each.trainer = trainer
     losses: list[torch.Tensor] = []
     stock_step = trainer.training_step
 
@@ -232,3 +236,38 @@ def test_rotation_waits_for_the_new_checkpoint_to_be_published(runs: dict) -> No
     for name in ("model.safetensors.index.json", "optimizer_share_0.safetensors"):
         assert ((out / "checkpoint-4" / name).read_bytes()
                 == (runs["root"] / "async" / "checkpoint-4" / name).read_bytes()), name
+
+
+class _FailAfterFirstSave(TrainerCallback):
+    """Once the first checkpoint is published, every later write fails (a full disk)."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None  # set once built
+        self.failing = False
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not self.failing:
+            self.trainer.accelerator.lazytrain_wait_for_checkpoint()
+            self.failing = True
+
+
+def test_a_failed_save_is_raised_by_train_and_keeps_the_previous_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    fail = _FailAfterFirstSave()
+    stock_bytes = async_checkpoint.layout.tensor_bytes
+
+    def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> memoryview:
+        if fail.failing:
+            raise OSError(28, "No space left on device")
+        return stock_bytes(tensor, dtype)
+
+    monkeypatch.setattr(async_checkpoint.layout, "tensor_bytes", tensor_bytes)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match=r"checkpoint-4 failed, the previous checkpoint .*"
+                                           r"kept: OSError.*No space"):
+        _train(out, tmp_path / "cache", mode="async", rate=0.0, callback=fail)
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
+    assert sc.read_manifest(out / "checkpoint-2") is not None  # published whole
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]  # no temporary left
