@@ -113,7 +113,11 @@ def test_a_trainer_checkpoint_under_the_store_resumes_as_the_uninterrupted_run(
     from lazytrain_accel.checkpoints import shares as sc
     config = json.dumps({"plan": "offload_all", "optimizer": "hybrid8bit"})
     extra = ("--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2")
-    whole_losses, whole = _train(tmp_path, "whole", 2, config, *extra)
+    # A throttled writer (a few seconds for this model) is still writing while steps 3-4
+    # run: their updates wait for it group by group (without that wait the checkpoint
+    # would hold some of step 3's weights, and the resume below would differ).
+    whole_losses, whole = _train(tmp_path, "whole", 2, config, *extra,
+                                 env={"LAZYTRAIN_CHECKPOINT_WRITE_BYTES_PER_S": "500000"})
     checkpoint = tmp_path / "whole" / "checkpoint-2"
     files = {p.name for p in checkpoint.iterdir()}
     assert {sc.MANIFEST, sc.share_file(0), sc.share_file(1), "model.safetensors.index.json",
