@@ -271,3 +271,29 @@ def test_a_failed_save_is_raised_by_train_and_keeps_the_previous_checkpoint(
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
     assert sc.read_manifest(out / "checkpoint-2") is not None  # published whole
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]  # no temporary left
+
+
+class _RaiseAfterSave(TrainerCallback):
+    """An error in the step after the first save, while its writer is still writing."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None  # set once built
+        self.published_at_error: bool | None = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == SAVE_STEPS + 1:
+            self.published_at_error = (Path(args.output_dir) / "checkpoint-2").exists()
+            raise ValueError("a bad batch")
+
+
+def test_an_error_in_training_lets_the_pending_save_finish_whole(tmp_path: Path) -> None:
+    from transformers.trainer_utils import get_last_checkpoint
+
+    error, out = _RaiseAfterSave(), tmp_path / "out"
+    with pytest.raises(ValueError, match="a bad batch"):
+        _train(out, tmp_path / "cache", mode="async", callback=error)
+    assert error.published_at_error is False  # the writer was still writing
+    assert get_last_checkpoint(str(out)) in (None, str(out / "checkpoint-2"))
+    error.trainer.accelerator.lazytrain_wait_for_checkpoint()  # what the exit waits for
+    assert sc.read_manifest(out / "checkpoint-2") is not None  # published whole
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]
