@@ -297,3 +297,22 @@ def test_an_error_in_training_lets_the_pending_save_finish_whole(tmp_path: Path)
     error.trainer.accelerator.lazytrain_wait_for_checkpoint()  # what the exit waits for
     assert sc.read_manifest(out / "checkpoint-2") is not None  # published whole
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]
+
+
+def test_a_new_trainer_removes_what_a_killed_async_save_left(tmp_path: Path) -> None:
+    from lazytrain_accel.frontends.trainer_checkpoint import remove_dead_staging
+
+    dead = _dead_pid()
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / f".checkpoint-8.tmp-{dead}").mkdir()  # killed while writing checkpoint-8
+    (tmp_path / f".checkpoint-6.old-{dead}").mkdir()  # killed between a re-save's renames
+    remove_dead_staging(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
