@@ -138,9 +138,14 @@ def _nbytes(module: torch.nn.Module) -> int:
 
 def test_checkpoint_is_complete_and_loads_without_lazytrain(
         workdir: Path, hybrid: subprocess.CompletedProcess) -> None:
+    from safetensors.torch import load_file
+
+    # written beside training (checkpoint_mode="async", the default): the optimizer state
+    # in a share file, not optimizer.pt
     checkpoint = workdir / "hybrid" / f"checkpoint-{SAVE_STEPS}"
-    for name in ("model.safetensors", "config.json", "optimizer.pt", "scheduler.pt",
-                 "rng_state.pth", "lazytrain_plan.json", "trainer_state.json"):
+    for name in ("model.safetensors", "config.json", "optimizer_share_0.safetensors",
+                 "lazytrain_shares.json", "scheduler.pt", "rng_state.pth",
+                 "lazytrain_plan.json", "trainer_state.json"):
         assert (checkpoint / name).is_file(), name
     _run([sys.executable, str(SCRIPTS / "load_without_lazytrain.py"), str(workdir / "hybrid"),
           str(workdir / "logits.pt"), str(workdir / "plain.pt")], workdir)
@@ -148,9 +153,8 @@ def test_checkpoint_is_complete_and_loads_without_lazytrain(
     assert plain["modules"] == []
     trained = torch.load(workdir / "logits.pt")["logits"]
     torch.testing.assert_close(plain["logits"], trained, rtol=1e-5, atol=1e-5)
-    optimizer_state = torch.load(checkpoint / "optimizer.pt", weights_only=False)["state"]
-    codes = [t for s in optimizer_state.values() for t in s.values()
-             if isinstance(t, torch.Tensor) and t.dtype in (torch.uint8, torch.int8)]
+    share = load_file(checkpoint / "optimizer_share_0.safetensors")
+    codes = [t for t in share.values() if t.dtype in (torch.uint8, torch.int8)]
     assert codes, "the hybrid operator's 8-bit moments are not in the checkpoint"
 
 
@@ -184,6 +188,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_as_the_latest(
     assert json.loads((Path(latest) / "trainer_state.json").read_text())["global_step"] == 4
     _run([sys.executable, str(EXAMPLE), *args, "--resume_from_checkpoint", latest], workdir)
     assert not list(out.glob(".lazytrain-staging-*"))  # the dead save's folder is gone
+    assert not list(out.glob(".checkpoint-*"))  # and an async save's temporary directory
     assert (out / f"checkpoint-{2 * SAVE_STEPS}" / "trainer_state.json").is_file()
 
 

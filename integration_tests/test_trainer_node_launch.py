@@ -105,25 +105,36 @@ def test_a_trainer_checkpoint_under_the_store_resumes_as_the_uninterrupted_run(
     """Issue 22 for the Trainer's own checkpoints: 2 ranks sharing one host copy, hybrid
     8-bit, 4 steps saving at step 2 (the uninterrupted run); a fresh launch resumes from
     checkpoint-2 and trains to step 4: the same losses and final weights, bit for bit.
-    The checkpoint holds every rank's share of the optimizer state, no optimizer.pt (rank
-    0's share only), and a model.safetensors with every weight."""
+    The checkpoint, written beside steps 3-4 (checkpoint_mode="async", the default),
+    holds every rank's share of the optimizer state, no optimizer.pt (rank 0's share
+    only), and the weights in one shard per rank with their index, every weight once."""
     from safetensors import safe_open
 
     from lazytrain_accel.checkpoints import shares as sc
     config = json.dumps({"plan": "offload_all", "optimizer": "hybrid8bit"})
     extra = ("--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2")
-    whole_losses, whole = _train(tmp_path, "whole", 2, config, *extra)
+    # A throttled writer (a few seconds for this model) is still writing while steps 3-4
+    # run: their updates wait for it group by group (without that wait the checkpoint
+    # would hold some of step 3's weights, and the resume below would differ).
+    whole_losses, whole = _train(tmp_path, "whole", 2, config, *extra,
+                                 env={"LAZYTRAIN_CHECKPOINT_WRITE_BYTES_PER_S": "500000"})
     checkpoint = tmp_path / "whole" / "checkpoint-2"
     files = {p.name for p in checkpoint.iterdir()}
-    assert {sc.MANIFEST, sc.share_file(0), sc.share_file(1), "model.safetensors",
+    assert {sc.MANIFEST, sc.share_file(0), sc.share_file(1), "model.safetensors.index.json",
             "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth",
             "trainer_state.json"} <= files, files
     assert "optimizer.pt" not in files
     manifest = sc.read_manifest(checkpoint)
     assert manifest["world_size"] == 2
     assert all(share["params"] for share in manifest["shares"])  # both shares hold state
-    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
-        assert len(list(f.keys())) == 39  # every tensor of the untied model
+    weight_map = json.loads((checkpoint / "model.safetensors.index.json").read_text()
+                            )["weight_map"]
+    assert len(set(weight_map.values())) >= 2  # one shard per rank at least
+    keys = []
+    for shard in sorted(set(weight_map.values())):
+        with safe_open(str(checkpoint / shard), framework="pt") as f:
+            keys += list(f.keys())
+    assert len(keys) == len(set(keys)) == len(weight_map) == 39  # every tensor, once
     resumed_losses, resumed = _train(tmp_path, "resumed", 2, config, *extra,
                                      "--resume_from_checkpoint", str(checkpoint))
     assert [r["node_store"] for r in resumed] == [True, True]
@@ -137,7 +148,8 @@ def test_replicated_ranks_save_one_whole_checkpoint_and_resume(tmp_path: Path) -
     rank's stock save goes into one temporary directory that rank 0 publishes once all
     have written (before, rank 1 wrote its rng_state_1.pth straight into checkpoint-2
     while rank 0 replaced that folder with its own: a race that lost the file). The
-    checkpoint holds both ranks' RNG states and rank 0's optimizer.pt; a fresh launch
+    checkpoint (written beside the next steps) holds both ranks' RNG states and rank 0's
+    optimizer share, the whole state; a fresh launch
     resumes from it with the uninterrupted run's losses and weights."""
     config = json.dumps({"plan": "offload_all", "optimizer": "hybrid8bit"})
     extra = ("--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2")
@@ -147,8 +159,9 @@ def test_replicated_ranks_save_one_whole_checkpoint_and_resume(tmp_path: Path) -
     run_dir = tmp_path / "whole"
     assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".")]  # published
     files = {p.name for p in (run_dir / "checkpoint-2").iterdir()}
-    assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.pt", "model.safetensors",
-            "scheduler.pt", "trainer_state.json"} <= files, files
+    assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer_share_0.safetensors",
+            "lazytrain_shares.json", "model.safetensors", "scheduler.pt",
+            "trainer_state.json"} <= files, files
     resumed_losses, resumed = _train(tmp_path, "resumed", 2, config, *extra,
                                      "--resume_from_checkpoint",
                                      str(run_dir / "checkpoint-2"), env=off)

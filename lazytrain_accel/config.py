@@ -232,10 +232,10 @@ class LazyTrainConfig:
             the model holds them (fp32 masters), or "bfloat16" / "float16" / "float32"
             for export; a cast keeps the fp32 masters in the optimizer share files, so a
             resume stays exact (docs/user_guide.md "Checkpoints").
-        checkpoint_mode: "async" (default): `save_state` writes the small files, starts
-            a writer thread for the masters and optimizer state and returns; the next
-            update of each layer waits until the save has written it. "sync": it returns
-            once the checkpoint is published. (Several processes save synchronously.)
+        checkpoint_mode: "async" (default): `save_state` and the Trainer's checkpoint
+            write the small files, start a writer thread for the masters and optimizer
+            state and return; the next update of each layer waits until the save has
+            written it. "sync": they return once the checkpoint is published.
         checkpoint_write_bytes_per_s: cap the asynchronous writer's rate (0, the default:
             as fast as the disk takes it), leaving the disk to other work.
     """

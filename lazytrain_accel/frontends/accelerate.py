@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import MethodType
 from typing import Any
@@ -224,27 +225,38 @@ class Accelerator(accelerate.Accelerator):
                     str(directory), safe_serialization=safe_serialization, **kwargs)
             self._lazytrain_save_plan(directory)
 
-        start_s = time.perf_counter()
-        if self._lazytrain_saves_async():
-            self.lazytrain.pending_save = async_checkpoint.start_save(
-                self, final, write_stock,
-                on_published=lambda: share_checkpoint.rotate(self, final))
-            self.lazytrain.engine.steps.save_gate = self.lazytrain.pending_save
-            logger.info("lazytrain: checkpoint %s started (async; returned after %.2f s)",
-                        final, time.perf_counter() - start_s)
+        if self.lazytrain_saves_async():
+            self.lazytrain_start_save(final, write_stock,
+                                      on_published=lambda: share_checkpoint.rotate(self, final))
             return str(final)
+        start_s = time.perf_counter()
         share_checkpoint.save_shares(self, final, write_stock)
         share_checkpoint.rotate(self, final)
         logger.info("lazytrain: checkpoint %s written (sync, %.2f s)", final,
                     time.perf_counter() - start_s)
         return str(final)
 
-    def _lazytrain_saves_async(self) -> bool:
+    def lazytrain_saves_async(self) -> bool:
         """The setting, and an update that runs layer by layer on its thread (the per-group
         wait the save hooks into), on every rank alike."""
         state = self.lazytrain
         return (self.lazytrain_plugin.checkpoint_mode == "async" and state.engine is not None
                 and (step := installed_step(state.optimizer)) is not None and step.overlapped)
+
+    def lazytrain_start_save(self, final: Path, write_stock: Callable[[Path], None], *,
+                             on_published: Callable[[], None]) -> None:
+        """Start the asynchronous save of `final` (`checkpoints/asynchronous.py`), on every
+        rank at the same point, after the step's update and any earlier save: the small
+        files now (`write_stock(tmp)`: what belongs to this step), the masters and the
+        optimizer state by the writer thread, the next update of each group waiting at its
+        gate; `on_published` runs (rank 0, on the writer thread) once it is in place.
+        `save_state` and the Trainer's checkpoint both start their saves here."""
+        start_s = time.perf_counter()
+        self.lazytrain.pending_save = async_checkpoint.start_save(
+            self, final, write_stock, on_published=on_published)
+        self.lazytrain.engine.steps.save_gate = self.lazytrain.pending_save
+        logger.info("lazytrain: checkpoint %s started (async; returned after %.2f s)",
+                    final, time.perf_counter() - start_s)
 
     def lazytrain_wait_for_checkpoint(self) -> None:
         """Block until a checkpoint being written beside training is published; raise if

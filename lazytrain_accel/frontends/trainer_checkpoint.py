@@ -21,20 +21,42 @@ and writes `optimizer_share_<r>.safetensors`; rank 0 checks the weights file hol
 weight, writes `lazytrain_shares.json` and publishes. No `optimizer.pt`: rank 0's
 `optimizer.state_dict()` would hold its share only. `resume_from_checkpoint` loads each
 rank's share (re-sharding onto another world size) in `_load_optimizer_and_scheduler`.
+
+Asynchronous (`checkpoint_mode="async"`, the default, with the layer-wise update; one
+process or several): `_save_checkpoint` starts the save through
+`accelerator.lazytrain_start_save`, the writer `save_state` uses
+(`checkpoints/asynchronous.py`), and returns. At the save's step, into the temporary
+directory: the stock save with the weights left to the writer (`trainer_state.json`,
+`scheduler.pt`, `config.json`, the generation config, the tokenizer, `training_args.bin`,
+the plan; every rank its `rng_state_<r>.pth`). Each rank's writer then writes what its own
+update changes (under the node store: the groups it owns), the masters as sharded
+safetensors with their index (what `from_pretrained` reads) and the optimizer share, in
+group order while the next steps run, the next update of each group waiting until it is
+written; rank 0 writes the manifest last and renames. The Trainer's rotation runs once
+the checkpoint is published; the next save, the end of `train()` (before the best model
+is loaded) and `end_training` wait for it. A save that fails is raised there, the
+previous checkpoint kept. `save_only_model`, a model that is not a `PreTrainedModel` (a
+PEFT adapter) or `checkpoint_mode="sync"`: synchronous, as above; the log line says
+which and why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from transformers import Trainer
+from transformers import PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
-from lazytrain_accel.checkpoints.atomic import fsync_dir, fsync_tree, owner_alive
+from lazytrain_accel.checkpoints.atomic import fsync_dir, fsync_tree, owner_alive, recover
+
+logger = logging.getLogger("lazytrain_accel")
 
 STAGING_PREFIX = ".lazytrain-staging-"
 #: Loggers whose messages name the folder a checkpoint is being written to.
@@ -44,49 +66,134 @@ _SAVE_LOGGERS = ("transformers.trainer", "transformers.modeling_utils",
 
 
 def make_checkpoints_atomic(trainer: Trainer) -> None:
-    """Route this Trainer instance's `_save_checkpoint` through a staging folder."""
+    """Route this Trainer instance's `_save_checkpoint` through a staging folder, or
+    beside training (module docstring); the end of `train()` waits for a pending save."""
     stock_save = trainer._save_checkpoint
+    stock_finalize = trainer._finalize_training
 
     def save_checkpoint(model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
         accelerator = trainer.accelerator
-        synchronize = getattr(accelerator, "_lazytrain_synchronize", None)
-        if synchronize is not None:  # the weights saved are the whole step's update
-            synchronize()
-        lazytrain = getattr(accelerator, "lazytrain", None)
-        if lazytrain is not None and lazytrain.store is not None:
-            return _save_shared_checkpoint(trainer, stock_save, model, trial, *args, **kwargs)
-        if trainer.args.world_size > 1:  # every rank writes its rng_state_<r>.pth
-            return _save_from_every_rank(trainer, stock_save, model, trial, *args, **kwargs)
-        run_dir = Path(trainer._get_output_dir(trial=trial))
-        staging = run_dir / f"{STAGING_PREFIX}{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        try:
-            with _redirected(trainer, staging):
-                stock_save(model, trial, *args, **kwargs)
-            (written,) = list(staging.iterdir())  # checkpoint-<global_step>
-            fsync_tree(written)
-            final = run_dir / written.name
-            if final.exists():  # re-saving a step (e.g. after resume): replace it whole
-                shutil.rmtree(final)
-            written.rename(final)
-            fsync_dir(run_dir)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        if trainer.state.best_model_checkpoint:
-            trainer.state.best_model_checkpoint = trainer.state.best_model_checkpoint.replace(
-                str(staging), str(run_dir))
-        # The stock save rotated inside the staging folder (a no-op); rotate for real now.
-        rotate_checkpoints(output_dir=str(run_dir), save_total_limit=trainer.args.save_total_limit,
-                           best_model_checkpoint=trainer.state.best_model_checkpoint,
-                           use_mtime=True)
+        if getattr(accelerator, "lazytrain", None) is not None:
+            accelerator.lazytrain_wait_for_checkpoint()  # a second save waits for the first
+            accelerator._lazytrain_synchronize()  # the weights saved are the step's update
+        synchronous_because = _synchronous_because(trainer)
+        if synchronous_because is None:
+            return _save_beside_training(trainer, stock_save, model, trial, args, kwargs)
+        start_s = time.perf_counter()
+        final = _save_synchronously(trainer, stock_save, model, trial, args, kwargs)
+        logger.info("lazytrain: checkpoint %s written (sync, %.2f s: %s)", final,
+                    time.perf_counter() - start_s, synchronous_because)
+
+    def finalize_training(*args: Any, **kwargs: Any) -> Any:
+        # before the best model is loaded and the last rotation: the last save published
+        if getattr(trainer.accelerator, "lazytrain", None) is not None:
+            trainer.accelerator.lazytrain_wait_for_checkpoint()
+        return stock_finalize(*args, **kwargs)
 
     trainer._save_checkpoint = save_checkpoint
+    trainer._finalize_training = finalize_training
     remove_dead_staging(trainer.args.output_dir)
 
 
+def _synchronous_because(trainer: Trainer) -> str | None:
+    """Why this checkpoint is written synchronously; None: it is written beside training."""
+    accelerator = trainer.accelerator
+    if getattr(accelerator, "lazytrain", None) is None:
+        return "no LazyTrain engine"
+    if accelerator.lazytrain_plugin.checkpoint_mode != "async":
+        return "checkpoint_mode='sync'"
+    if not accelerator.lazytrain_saves_async():
+        return ("the update runs inline (optimizer='keep' or overlap_step=False), so no "
+                "per-layer wait can order it after the save")
+    if trainer.args.save_only_model:
+        return "save_only_model"
+    if not isinstance(trainer.model, PreTrainedModel):
+        return f"a {type(trainer.model).__name__} is saved as the Trainer saves it"
+    return None
+
+
+def _save_synchronously(trainer: Trainer, stock_save: Any, model: Any, trial: Any,
+                        args: tuple, kwargs: dict) -> Path:
+    """The checkpoint, published before this returns; returns its folder."""
+    lazytrain = getattr(trainer.accelerator, "lazytrain", None)
+    if lazytrain is not None and lazytrain.store is not None:
+        return _save_shared_checkpoint(trainer, stock_save, model, trial, *args, **kwargs)
+    if trainer.args.world_size > 1:  # every rank writes its rng_state_<r>.pth
+        return _save_from_every_rank(trainer, stock_save, model, trial, *args, **kwargs)
+    run_dir = Path(trainer._get_output_dir(trial=trial))
+    staging = run_dir / f"{STAGING_PREFIX}{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        with _redirected(trainer, staging):
+            stock_save(model, trial, *args, **kwargs)
+        (written,) = list(staging.iterdir())  # checkpoint-<global_step>
+        fsync_tree(written)
+        final = run_dir / written.name
+        if final.exists():  # re-saving a step (e.g. after resume): replace it whole
+            shutil.rmtree(final)
+        written.rename(final)
+        fsync_dir(run_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if trainer.state.best_model_checkpoint:
+        trainer.state.best_model_checkpoint = trainer.state.best_model_checkpoint.replace(
+            str(staging), str(run_dir))
+    # The stock save rotated inside the staging folder (a no-op); rotate for real now.
+    _rotate(trainer, run_dir)
+    return final
+
+
+def _save_beside_training(trainer: Trainer, stock_save: Any, model: Any, trial: Any,
+                          args: tuple, kwargs: dict) -> None:
+    """The asynchronous checkpoint (module docstring), on every rank at the same point:
+    the stock files now, the weights and the optimizer state by the writer; rotation once
+    published."""
+    if trainer.args.world_size > 1:  # every rank names the same folder
+        run_dir, final = _agreed_checkpoint_dir(trainer, trial)
+    else:
+        run_dir = Path(os.path.abspath(trainer._get_output_dir(trial=trial)))
+        final = run_dir / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+
+    def write_stock(tmp: Path) -> None:  # at this step, before the writer starts
+        with _weights_left_to_the_writer(trainer):
+            _stock_save_into(tmp, trainer, stock_save, run_dir, model, trial, args, kwargs)
+        _name_best(trainer, run_dir)
+
+    trainer.accelerator.lazytrain_start_save(final, write_stock,
+                                             on_published=lambda: _rotate(trainer, run_dir))
+
+
+@contextlib.contextmanager
+def _weights_left_to_the_writer(trainer: Trainer) -> Iterator[None]:
+    """While the stock save runs: `save_pretrained` writes the model's config and
+    generation config, not its weights, and `_save_optimizer_and_scheduler` the scheduler,
+    not the optimizer state (`save_scheduler`); the asynchronous writer writes both."""
+    model = trainer.model
+
+    def save_pretrained(save_directory: str, *args: Any, is_main_process: bool = True,
+                        **kwargs: Any) -> None:
+        if not is_main_process:
+            return
+        os.makedirs(save_directory, exist_ok=True)
+        # what the stock save_pretrained records in the config before writing it
+        model.config.dtype = str(model.dtype).split(".")[1]
+        model.config.architectures = [type(model).__name__]
+        model.config.save_pretrained(save_directory)
+        if model.can_generate():
+            model.generation_config.save_pretrained(save_directory)
+
+    model.save_pretrained = save_pretrained  # the instance only; the class's shows again
+    trainer._lazytrain_saving_shares = True
+    try:
+        yield
+    finally:
+        trainer._lazytrain_saving_shares = False
+        vars(model).pop("save_pretrained", None)
+
+
 def _save_shared_checkpoint(trainer: Trainer, stock_save: Any, model: Any, trial: Any,
-                            *args: Any, **kwargs: Any) -> None:
+                            *args: Any, **kwargs: Any) -> Path:
     """The Trainer's checkpoint under the node store (module docstring), on every rank."""
     from lazytrain_accel.checkpoints import shares as share_checkpoint
     accelerator = trainer.accelerator
@@ -105,11 +212,13 @@ def _save_shared_checkpoint(trainer: Trainer, stock_save: Any, model: Any, trial
     share_checkpoint.save_shares(accelerator, final, write_stock, weights=False,
                                  optimizer_state=not trainer.args.save_only_model,
                                  label="Trainer._save_checkpoint")
-    _after_save(trainer, run_dir)
+    _name_best(trainer, run_dir)
+    _rotate(trainer, run_dir)
+    return final
 
 
 def _save_from_every_rank(trainer: Trainer, stock_save: Any, model: Any, trial: Any,
-                          *args: Any, **kwargs: Any) -> None:
+                          *args: Any, **kwargs: Any) -> Path:
     """The Trainer's checkpoint of several replicated ranks (no node store): rank 0
     writes the weights, optimizer.pt, ...; every rank its rng_state_<r>.pth, all into one
     temporary directory that rank 0 publishes once every rank has written
@@ -121,7 +230,9 @@ def _save_from_every_rank(trainer: Trainer, stock_save: Any, model: Any, trial: 
         final, lambda tmp: _stock_save_into(tmp, trainer, stock_save, run_dir, model, trial,
                                             args, kwargs),
         label="Trainer._save_checkpoint")
-    _after_save(trainer, run_dir)
+    _name_best(trainer, run_dir)
+    _rotate(trainer, run_dir)
+    return final
 
 
 def _agreed_checkpoint_dir(trainer: Trainer, trial: Any) -> tuple[Path, Path]:
@@ -155,12 +266,16 @@ def _stock_save_into(tmp: Path, trainer: Trainer, stock_save: Any, run_dir: Path
     shutil.rmtree(staging)
 
 
-def _after_save(trainer: Trainer, run_dir: Path) -> None:
-    """Name the best checkpoint in the run dir (stock named it inside the staging) and
-    rotate the checkpoints (rank 0)."""
+def _name_best(trainer: Trainer, run_dir: Path) -> None:
+    """Name the best checkpoint in the run dir (stock named it inside the staging)."""
     if trainer.state.best_model_checkpoint:
         best = Path(trainer.state.best_model_checkpoint)
         trainer.state.best_model_checkpoint = str(run_dir / best.name)
+
+
+def _rotate(trainer: Trainer, run_dir: Path) -> None:
+    """The Trainer's rotation (`save_total_limit`, the best checkpoint kept), once the
+    newest checkpoint is published (rank 0)."""
     if trainer.args.should_save:
         rotate_checkpoints(output_dir=str(run_dir), save_total_limit=trainer.args.save_total_limit,
                            best_model_checkpoint=trainer.state.best_model_checkpoint,
@@ -168,9 +283,9 @@ def _after_save(trainer: Trainer, run_dir: Path) -> None:
 
 
 def save_scheduler(trainer: Trainer, output_dir: str) -> None:
-    """`_save_optimizer_and_scheduler` under the node store: the scheduler only (rank 0);
-    the optimizer state goes to the share files. Outside the coordinated checkpoint save
-    the shares would not be written: refused."""
+    """`_save_optimizer_and_scheduler` under the node store or in an asynchronous save: the
+    scheduler only (rank 0); the optimizer state goes to the share files. Outside the
+    coordinated checkpoint save the shares would not be written: refused."""
     import warnings
 
     import torch
@@ -236,9 +351,12 @@ class _redirected(logging.Filter):
 
 
 def remove_dead_staging(output_dir: str | None) -> None:
-    """Remove staging folders of saves whose process was killed."""
+    """Remove staging folders of saves whose process was killed, and what a killed
+    asynchronous save left beside its checkpoint (`atomic.recover`)."""
     if not output_dir or not Path(output_dir).is_dir():
         return
     for folder in Path(output_dir).glob(f"{STAGING_PREFIX}*"):
         if folder.name != f"{STAGING_PREFIX}{os.getpid()}" and not owner_alive(folder):
             shutil.rmtree(folder, ignore_errors=True)
+    for folder in Path(output_dir).glob(f".{PREFIX_CHECKPOINT_DIR}-*.*-*"):  # .<name>.tmp-<pid>
+        recover(Path(output_dir) / folder.name[1:].split(".")[0])

@@ -265,7 +265,8 @@ def _save_plan_with_checkpoints(trainer: Trainer) -> None:
 
     def save(output_dir: str) -> None:
         lazytrain = getattr(trainer.accelerator, "lazytrain", None)
-        if lazytrain is not None and lazytrain.store is not None:
+        if lazytrain is not None and (lazytrain.store is not None or getattr(
+                trainer, "_lazytrain_saving_shares", False)):
             save_scheduler(trainer, output_dir)  # the optimizer: one share file per rank
         else:
             stock_save(output_dir)

@@ -25,6 +25,8 @@ PATCHED = [
     (Trainer, "_load_optimizer_and_scheduler", "frontends/transformers.py checks the plan"),
     (Trainer, "_save_checkpoint", "frontends/trainer_checkpoint.py atomic checkpoints"),
     (Trainer, "_get_output_dir", "frontends/trainer_checkpoint.py redirects the save"),
+    (Trainer, "_finalize_training",
+     "frontends/trainer_checkpoint.py waits for a pending save before the best model loads"),
     (Trainer, "get_train_dataloader", "frontends/transformers.py sizes the plan"),
     (Trainer, "get_eval_dataloader", "frontends/transformers.py sizes the plan"),
     (PreTrainedModel, "_set_gradient_checkpointing",
@@ -55,6 +57,9 @@ def test_read_and_written_private_state_still_exists():
         Trainer.train), "Trainer._train_batch_size (frontends/transformers.py) is gone"
     assert "_is_overflow" in inspect.getsource(AcceleratedOptimizer), (
         "AcceleratedOptimizer._is_overflow (frontends/accelerate.py step_was_skipped) is gone")
+    assert "self.model.save_pretrained(" in inspect.getsource(Trainer._save), (
+        "Trainer._save no longer writes the weights through model.save_pretrained: "
+        "frontends/trainer_checkpoint.py leaves them to the asynchronous writer there")
     assert "_models" in vars(accelerate.Accelerator(cpu=True)), (
         "Accelerator._models (frontends/accelerate.py registers the streamed model) is gone")
 
