@@ -32,6 +32,7 @@ MODEL_PRESETS: tuple[str, ...] = (
     "qwen3.6-27b",
     "llama3-8b",
     "llama3-70b",
+    "llama3.1-405b",
 )
 
 # Each preset JSON is a plain HF config plus this key, saying where the numbers come from.

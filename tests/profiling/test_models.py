@@ -22,7 +22,8 @@ _GIB = 1024**3
 
 # Published parameter counts of the real checkpoints (billions), to 0.01B.
 _KNOWN_BILLIONS = {"qwen2.5-3b": 3.09, "qwen2.5-7b": 7.62, "qwen2.5-14b": 14.77,
-                   "llama3-8b": 8.03, "llama3-70b": 70.55}
+                   "llama3-8b": 8.03, "llama3-70b": 70.55,
+                   "llama3.1-405b": 405.85}
 
 
 @pytest.mark.parametrize("name", MODEL_PRESETS)
@@ -45,6 +46,17 @@ def test_paper_27b_geometry_and_boundary() -> None:
     assert geometry.num_layers == 64 and geometry.hidden_size == 5120
     assert 26.5e9 < geometry.total_param_count < 27.5e9
     assert profile.boundary_bytes / _GIB == pytest.approx(0.703, abs=0.001)
+
+
+def test_405b_preset_profiles_one_layer_of_its_published_shape() -> None:
+    geometry = geometry_from_config(load_model_config("llama3.1-405b"))
+    profile = profile_model(geometry, batch_size=1, seq_len=4096)
+    assert geometry.num_layers == 126 and geometry.hidden_size == 16384
+    assert geometry.total_param_count == pytest.approx(405e9, rel=0.01)
+    # q, o 16384^2; k, v 16384 x 1024 (8 KV heads of 128); MLP 3 x 16384 x 53248; 2 norms
+    layer_params = 2 * 16384**2 + 2 * 16384 * 1024 + 3 * 16384 * 53248 + 2 * 16384
+    assert profile.layer_param_bytes == 2 * layer_params
+    assert profile.boundary_bytes == 4096 * 16384 * 2
 
 
 def test_tiny_demo_preset_builds_a_real_model() -> None:
