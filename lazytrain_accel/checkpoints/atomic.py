@@ -3,13 +3,15 @@ then renamed into place, so a process killed mid-save leaves the previous checkp
 
 Layout next to a checkpoint `ckpt/`: `.ckpt.tmp-<pid>` while a save runs, `.ckpt.old-<pid>`
 for the instant between the two renames that replace an existing checkpoint. `recover`
-undoes whatever a killed save left behind; `load_state` calls it first.
+undoes whatever a killed save left behind; `load_state` calls it first (`recover_all` for
+every checkpoint of a folder, when it resumes from the latest one there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,6 +63,22 @@ def recover(final: str | Path) -> None:
             shutil.rmtree(sibling, ignore_errors=True)
     if final.exists():
         fsync_dir(final.parent)
+
+
+#: What a save of `NAME` leaves beside it: `.NAME.tmp-<pid>` or `.NAME.old-<pid>`.
+_LEFT_BY_A_SAVE = re.compile(r"\.(.+)\.(?:tmp|old)-\d+")
+
+
+def recover_all(parent: str | Path) -> None:
+    """`recover` every checkpoint in `parent` that a save left something beside, whether
+    or not a later save reuses its name (automatic naming never does)."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return
+    names = {m.group(1) for entry in parent.iterdir()
+             if (m := _LEFT_BY_A_SAVE.fullmatch(entry.name))}
+    for name in sorted(names):
+        recover(parent / name)
 
 
 def owner_alive(path: Path) -> bool:

@@ -4,7 +4,9 @@ on CPU (data order, RNG, 8-bit optimizer state, plan)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +14,8 @@ from accelerate.utils import DataLoaderConfiguration
 from fault_helpers import BATCH, SEQ, VOCAB, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.checkpoints.atomic import atomic_directory, recover
+from lazytrain_accel.checkpoints import shares
+from lazytrain_accel.checkpoints.atomic import atomic_directory, recover, recover_all
 from lazytrain_accel.frontends.accelerate import PLAN_FILE
 from lazytrain_accel.optim import HybridAdamW8bit
 
@@ -48,6 +51,29 @@ def test_a_live_saver_keeps_its_temp(tmp_path: Path) -> None:
     (tmp_path / f".ckpt.tmp-{parent}").mkdir()
     recover(tmp_path / "ckpt")
     assert (tmp_path / f".ckpt.tmp-{parent}").is_dir()
+
+
+def test_the_latest_checkpoint_is_never_what_a_killed_save_left(tmp_path: Path) -> None:
+    """`load_state()` under automatic naming: `recover_all` undoes every killed save of
+    the folder and the latest is the highest published `checkpoint_<i>`, where stock
+    accelerate's pick (the first number in any entry's name) takes a temporary one."""
+    parent = tmp_path / "checkpoints"
+    dead, live = 2**22 + 12345, os.getppid()
+    for i in (0, 1):
+        (parent / f"checkpoint_{i}").mkdir(parents=True)
+    (parent / "checkpoint_1").rename(parent / f".checkpoint_1.old-{dead}")  # mid-rename
+    for name in (f".checkpoint_1.tmp-{dead}", f".checkpoint_2.tmp-{dead}",
+                 f".checkpoint_3.tmp-{live}"):
+        (parent / name).mkdir()
+    stock = max(os.listdir(parent), key=lambda n: int(re.findall(r"[0-9]+", n)[0]))
+    assert stock.startswith(".checkpoint_")  # what stock `load_state()` would load
+    recover_all(parent)
+    assert sorted(os.listdir(parent)) == [f".checkpoint_3.tmp-{live}", "checkpoint_0",
+                                          "checkpoint_1"]
+    accelerator = SimpleNamespace(project_dir=str(tmp_path))
+    assert shares.latest_directory(accelerator) == parent / "checkpoint_1"
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint_<i> folder in .*: pass"):
+        shares.latest_directory(SimpleNamespace(project_dir=str(tmp_path / "none")))
 
 
 def _run(tmp_path: Path, steps: range, rng: dict[str, torch.Tensor], optimizer: str, *,
