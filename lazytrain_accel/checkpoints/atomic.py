@@ -16,6 +16,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from lazytrain_accel.distributed.node_store import pid_alive
+
 
 @contextlib.contextmanager
 def atomic_directory(final: str | Path) -> Iterator[Path]:
@@ -82,16 +84,12 @@ def recover_all(parent: str | Path) -> None:
 
 
 def owner_alive(path: Path) -> bool:
+    """Whether the save that left `path` still runs. A killed saver stays a zombie until
+    its parent (or init) reaps it, which a container's PID 1 may never do: dead too."""
     pid = path.name.rsplit("-", 1)[-1]
     if not pid.isdigit() or int(pid) == os.getpid():
         return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
+    return pid_alive(int(pid))
 
 
 def make_readable(root: Path) -> None:

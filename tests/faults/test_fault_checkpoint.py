@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -51,6 +53,20 @@ def test_a_live_saver_keeps_its_temp(tmp_path: Path) -> None:
     (tmp_path / f".ckpt.tmp-{parent}").mkdir()
     recover(tmp_path / "ckpt")
     assert (tmp_path / f".ckpt.tmp-{parent}").is_dir()
+
+
+def test_a_killed_saver_not_yet_reaped_is_dead(tmp_path: Path) -> None:
+    """A zombie (killed, its parent not waiting for it: a container's PID 1 may never)
+    answers kill(pid, 0): its temporary directory goes all the same."""
+    zombie = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+        assert time.monotonic() < deadline, "`true` did not exit within 60 s"
+        time.sleep(0.01)
+    (tmp_path / f".ckpt.tmp-{zombie.pid}").mkdir()
+    recover(tmp_path / "ckpt")
+    zombie.wait()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_latest_checkpoint_is_never_what_a_killed_save_left(tmp_path: Path) -> None:
