@@ -67,20 +67,36 @@ def recover(final: str | Path) -> None:
         fsync_dir(final.parent)
 
 
-#: What a save of `NAME` leaves beside it: `.NAME.tmp-<pid>` or `.NAME.old-<pid>`.
-_LEFT_BY_A_SAVE = re.compile(r"\.(.+)\.(?:tmp|old)-\d+")
+#: What a save of `NAME` leaves beside it (`.NAME.tmp-<pid>`, `.NAME.old-<pid>`), and a
+#: removal (`.NAME.gone-<pid>`).
+_LEFT_BEHIND = re.compile(r"\.(.+)\.(tmp|old|gone)-\d+")
 
 
 def recover_all(parent: str | Path) -> None:
     """`recover` every checkpoint in `parent` that a save left something beside, whether
-    or not a later save reuses its name (automatic naming never does)."""
+    or not a later save reuses its name (automatic naming never does); finish the
+    removals that were killed midway."""
     parent = Path(parent)
     if not parent.is_dir():
         return
-    names = {m.group(1) for entry in parent.iterdir()
-             if (m := _LEFT_BY_A_SAVE.fullmatch(entry.name))}
+    names = set()
+    for entry in parent.iterdir():
+        if (m := _LEFT_BEHIND.fullmatch(entry.name)) is None:
+            continue
+        if m.group(2) != "gone":
+            names.add(m.group(1))
+        elif not owner_alive(entry):
+            shutil.rmtree(entry, ignore_errors=True)
     for name in sorted(names):
         recover(parent / name)
+
+
+def remove_directory(folder: Path) -> None:
+    """Remove a checkpoint (rotation) so that a kill midway never leaves part of it under
+    its name: it is renamed to `.NAME.gone-<pid>` first; `recover_all` ends the rest."""
+    gone = folder.parent / f".{folder.name}.gone-{os.getpid()}"
+    folder.rename(gone)
+    shutil.rmtree(gone)
 
 
 def owner_alive(path: Path) -> bool:

@@ -44,7 +44,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lazytrain_accel.checkpoints.atomic import remove_directory
 from lazytrain_accel.checkpoints.layout import (
     CHECKPOINT_DTYPES,
     DEFAULT_MAX_SHARD_BYTES,
@@ -476,7 +476,7 @@ def rotate(accelerator: Any, final: Path) -> None:
         return
     folders = _numbered(final.parent)
     for folder in folders[:max(0, len(folders) - config.total_limit)]:
-        shutil.rmtree(folder)
+        remove_directory(folder)  # never half a checkpoint under its name
 
 
 def latest_directory(accelerator: Any) -> Path:

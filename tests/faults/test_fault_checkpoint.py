@@ -71,15 +71,16 @@ def test_a_killed_saver_not_yet_reaped_is_dead(tmp_path: Path) -> None:
 
 def test_the_latest_checkpoint_is_never_what_a_killed_save_left(tmp_path: Path) -> None:
     """`load_state()` under automatic naming: `recover_all` undoes every killed save of
-    the folder and the latest is the highest published `checkpoint_<i>`, where stock
-    accelerate's pick (the first number in any entry's name) takes a temporary one."""
+    the folder (and ends a killed rotation's removal) and the latest is the highest
+    published `checkpoint_<i>`, where stock accelerate's pick (the first number in any
+    entry's name) takes a temporary one."""
     parent = tmp_path / "checkpoints"
     dead, live = 2**22 + 12345, os.getppid()
     for i in (0, 1):
         (parent / f"checkpoint_{i}").mkdir(parents=True)
     (parent / "checkpoint_1").rename(parent / f".checkpoint_1.old-{dead}")  # mid-rename
     for name in (f".checkpoint_1.tmp-{dead}", f".checkpoint_2.tmp-{dead}",
-                 f".checkpoint_3.tmp-{live}"):
+                 f".checkpoint_3.tmp-{live}", f".checkpoint_00.gone-{dead}"):  # rotated
         (parent / name).mkdir()
     stock = max(os.listdir(parent), key=lambda n: int(re.findall(r"[0-9]+", n)[0]))
     assert stock.startswith(".checkpoint_")  # what stock `load_state()` would load
