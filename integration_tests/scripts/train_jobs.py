@@ -13,8 +13,8 @@ Each rank runs a user's loop (a Qwen2 of ~85 MB of fp32 masters, enough to show 
 ranks) under accelerate's automatic checkpoint naming in DIR (`total_limit=2`):
 - it resumes with `load_state()` when DIR holds a checkpoint, then checks that the masters
   it owns are the ones a pre-hook of that checkpoint's `save_state` recorded (the sha256
-  in `DIR/digest-<iteration>-<rank>`, taken at the save's step before its writer starts),
-  and writes `DIR/resumed-<rank>`: "<iteration loaded> <ok|mismatch>";
+  of each in `DIR/digest-<iteration>-<rank>`, taken at the save's step before its writer
+  starts), and writes `DIR/resumed-<rank>`: {"iteration": loaded, "differ": [names]};
 - a job that finds no checkpoint trains a step and publishes checkpoint_0 first.
 MODE `save`: every step ends in an asynchronous save with a throttled writer (each save
 waits for the one before), so the job is always saving; rank 0 touches `DIR/saving` once
@@ -27,6 +27,7 @@ step it starts to `DIR/steps`. A rank that fails writes its traceback to
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import traceback
@@ -66,17 +67,14 @@ def write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def owned_digest(accelerator: Any) -> str:
-    """sha256 of the masters this rank's update owns (the only ones it may read while the
+def owned_digests(accelerator: Any) -> dict[str, str]:
+    """sha256 of each master this rank's update owns (the only ones it may read while the
     other rank updates its own), by name."""
     state = accelerator.lazytrain
     names = sc.param_names(state.model)
     owned = sc.owned_params(state.engine) or list(names)
-    h = hashlib.sha256()
-    for p in sorted(owned, key=names.__getitem__):
-        h.update(names[p].encode())
-        h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return {names[p]: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8)
+                                     .numpy().tobytes()).hexdigest() for p in owned}
 
 
 def train(directory: Path, rank: int, mode: str) -> None:
@@ -98,7 +96,7 @@ def train(directory: Path, rank: int, mode: str) -> None:
 
     def record(*_: Any) -> None:  # save_state's pre-hook: at the save's step
         write_atomically(directory / f"digest-{progress.iteration}-{rank}",
-                         owned_digest(accelerator))
+                         json.dumps(owned_digests(accelerator)))
 
     accelerator.register_save_state_pre_hook(record)
 
@@ -116,9 +114,12 @@ def train(directory: Path, rank: int, mode: str) -> None:
     if any((directory / "checkpoints").glob("checkpoint_*")):
         accelerator.load_state()  # the latest checkpoint
         accelerator.project_configuration.iteration = progress.iteration + 1
-        recorded = (directory / f"digest-{progress.iteration}-{rank}").read_text()
-        write_atomically(directory / f"resumed-{rank}", f"{progress.iteration} " + (
-            "ok" if owned_digest(accelerator) == recorded else "mismatch"))
+        recorded = json.loads((directory / f"digest-{progress.iteration}-{rank}").read_text())
+        loaded = owned_digests(accelerator)
+        differ = sorted(n for n in recorded.keys() | loaded.keys()
+                        if recorded.get(n) != loaded.get(n))
+        write_atomically(directory / f"resumed-{rank}",
+                         json.dumps({"iteration": progress.iteration, "differ": differ}))
     else:
         step(0)
         save()
