@@ -12,8 +12,9 @@ Cost (a full `accelerate launch` costs ~20 s of two cores, so none here): each j
 launcher and two ranks forked from one process that imported torch once. The fill's
 jobs (`scripts/store_fill.py`) only build a 128 MiB store, its fill slowed on purpose;
 the training jobs (`scripts/train_jobs.py`, 2 ranks with an 85 MB store) run one after
-another in one project folder, each resuming from what the kill before left.
-MEASURED
+another in one project folder, each resuming from what the kill before left. Measured
+(2-vCPU Zen 5 guest, load average ~2.3): the module in 44.6 s, its 10 training kills
+31.9 s; before, with one full launch mid-step and one in a save (2 kills), 43.0 s.
 """
 
 from __future__ import annotations
