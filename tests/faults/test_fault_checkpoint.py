@@ -16,8 +16,13 @@ from accelerate.utils import DataLoaderConfiguration
 from fault_helpers import BATCH, SEQ, VOCAB, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.checkpoints import shares
-from lazytrain_accel.checkpoints.atomic import atomic_directory, recover, recover_all
+from lazytrain_accel.checkpoints import atomic, shares
+from lazytrain_accel.checkpoints.atomic import (
+    atomic_directory,
+    recover,
+    recover_all,
+    remove_directory,
+)
 from lazytrain_accel.frontends.accelerate import PLAN_FILE
 from lazytrain_accel.optim import HybridAdamW8bit
 
@@ -66,6 +71,29 @@ def test_a_killed_saver_not_yet_reaped_is_dead(tmp_path: Path) -> None:
     (tmp_path / f".ckpt.tmp-{zombie.pid}").mkdir()
     recover(tmp_path / "ckpt")
     zombie.wait()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rotation_killed_midway_leaves_no_half_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The oldest checkpoint leaves its name before its files go; a later `recover_all`
+    ends the removal."""
+    folder = tmp_path / "checkpoint_0"
+    folder.mkdir()
+    (folder / "weights").write_text("w")
+
+    def killed(path: Path, *args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # the kill, before any file is removed
+
+    monkeypatch.setattr(atomic.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        remove_directory(folder)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == [f".checkpoint_0.gone-{os.getpid()}"]
+    dead = 2**22 + 12345  # the next run: the remover is gone
+    (tmp_path / f".checkpoint_0.gone-{os.getpid()}").rename(
+        tmp_path / f".checkpoint_0.gone-{dead}")
+    recover_all(tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
