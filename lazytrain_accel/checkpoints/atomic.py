@@ -3,16 +3,20 @@ then renamed into place, so a process killed mid-save leaves the previous checkp
 
 Layout next to a checkpoint `ckpt/`: `.ckpt.tmp-<pid>` while a save runs, `.ckpt.old-<pid>`
 for the instant between the two renames that replace an existing checkpoint. `recover`
-undoes whatever a killed save left behind; `load_state` calls it first.
+undoes whatever a killed save left behind; `load_state` calls it first (`recover_all` for
+every checkpoint of a folder, when it resumes from the latest one there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+
+from lazytrain_accel.distributed.node_store import pid_alive
 
 
 @contextlib.contextmanager
@@ -63,17 +67,45 @@ def recover(final: str | Path) -> None:
         fsync_dir(final.parent)
 
 
+#: What a save of `NAME` leaves beside it (`.NAME.tmp-<pid>`, `.NAME.old-<pid>`), and a
+#: removal (`.NAME.gone-<pid>`).
+_LEFT_BEHIND = re.compile(r"\.(.+)\.(tmp|old|gone)-\d+")
+
+
+def recover_all(parent: str | Path) -> None:
+    """`recover` every checkpoint in `parent` that a save left something beside, whether
+    or not a later save reuses its name (automatic naming never does); finish the
+    removals that were killed midway."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return
+    names = set()
+    for entry in parent.iterdir():
+        if (m := _LEFT_BEHIND.fullmatch(entry.name)) is None:
+            continue
+        if m.group(2) != "gone":
+            names.add(m.group(1))
+        elif not owner_alive(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+    for name in sorted(names):
+        recover(parent / name)
+
+
+def remove_directory(folder: Path) -> None:
+    """Remove a checkpoint (rotation) so that a kill midway never leaves part of it under
+    its name: it is renamed to `.NAME.gone-<pid>` first; `recover_all` ends the rest."""
+    gone = folder.parent / f".{folder.name}.gone-{os.getpid()}"
+    folder.rename(gone)
+    shutil.rmtree(gone)
+
+
 def owner_alive(path: Path) -> bool:
+    """Whether the save that left `path` still runs. A killed saver stays a zombie until
+    its parent (or init) reaps it, which a container's PID 1 may never do: dead too."""
     pid = path.name.rsplit("-", 1)[-1]
     if not pid.isdigit() or int(pid) == os.getpid():
         return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
+    return pid_alive(int(pid))
 
 
 def make_readable(root: Path) -> None:

@@ -44,7 +44,6 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lazytrain_accel.checkpoints.atomic import remove_directory
 from lazytrain_accel.checkpoints.layout import (
     CHECKPOINT_DTYPES,
     DEFAULT_MAX_SHARD_BYTES,
@@ -474,11 +474,29 @@ def rotate(accelerator: Any, final: Path) -> None:
     if (not config.automatic_checkpoint_naming or config.total_limit is None
             or not accelerator.is_main_process):
         return
-    folders = sorted((f for f in final.parent.iterdir() if f.name.startswith("checkpoint_")
-                      and f.name.rsplit("_", 1)[-1].isdigit()),
-                     key=lambda f: int(f.name.rsplit("_", 1)[-1]))
+    folders = _numbered(final.parent)
     for folder in folders[:max(0, len(folders) - config.total_limit)]:
-        shutil.rmtree(folder)
+        remove_directory(folder)  # never half a checkpoint under its name
+
+
+def latest_directory(accelerator: Any) -> Path:
+    """What `load_state()` without a folder resumes from under automatic naming: the
+    highest `<project_dir>/checkpoints/checkpoint_<i>`. Only a published checkpoint has
+    that name; stock accelerate takes the first number in any entry's name, so it would
+    take a killed save's `.checkpoint_<i+1>.tmp-<pid>` for the latest."""
+    parent = Path(accelerator.project_dir) / "checkpoints"
+    folders = _numbered(parent) if parent.is_dir() else []
+    if not folders:
+        raise FileNotFoundError(f"load_state() found no checkpoint_<i> folder in {parent} "
+                                "to resume from: pass the folder to load, or save first")
+    return folders[-1]
+
+
+def _numbered(parent: Path) -> list[Path]:
+    """The `checkpoint_<i>` folders of `parent`, by i."""
+    return sorted((f for f in parent.iterdir() if f.name.startswith("checkpoint_")
+                   and f.name.rsplit("_", 1)[-1].isdigit()),
+                  key=lambda f: int(f.name.rsplit("_", 1)[-1]))
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from torch import nn
 
 from lazytrain_accel.checkpoints import asynchronous as async_checkpoint
 from lazytrain_accel.checkpoints import shares as share_checkpoint
-from lazytrain_accel.checkpoints.atomic import atomic_directory, recover
+from lazytrain_accel.checkpoints.atomic import atomic_directory, recover, recover_all
 from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.distributed import split_update
 from lazytrain_accel.run import setup
@@ -277,11 +277,8 @@ class Accelerator(accelerate.Accelerator):
 
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
         self.lazytrain_wait_for_checkpoint()  # no save may read what the load writes
-        if self.lazytrain_plugin is not None and input_dir is not None:
-            if self.is_main_process:  # one rank repairs; the others wait for it
-                recover(input_dir)  # a save killed between its renames left the old one
-            if self.num_processes > 1:
-                super().wait_for_everyone()
+        if self.lazytrain_plugin is not None:
+            input_dir = self._lazytrain_recover(input_dir)
         self._lazytrain_synchronize()  # no update may write the masters being loaded
         state = self.lazytrain
         manifest = (share_checkpoint.read_manifest(Path(input_dir))
@@ -304,6 +301,22 @@ class Accelerator(accelerate.Accelerator):
             previous = Plan.load(saved)
             self.lazytrain_adopt_shape(previous)
             previous.check_fingerprint(state.run.plan.fingerprint)
+
+    def _lazytrain_recover(self, input_dir: str | None) -> str | None:
+        """Undo what killed saves left (the main process; the others wait for it) and name
+        the folder to load: `input_dir`, or with automatic naming the latest published
+        checkpoint (`latest_directory`), never a killed save's temporary directory."""
+        latest = input_dir is None and self.project_configuration.automatic_checkpoint_naming
+        if input_dir is None and not latest:
+            return None  # stock load_state names what is missing
+        if self.is_main_process:
+            if latest:
+                recover_all(Path(self.project_dir) / "checkpoints")
+            else:
+                recover(input_dir)  # a save killed between its renames left the old one
+        if self.num_processes > 1:
+            super().wait_for_everyone()
+        return str(share_checkpoint.latest_directory(self)) if latest else input_dir
 
     def lazytrain_adopt_shape(self, previous: Any) -> None:
         """A checkpoint's plan sized for longer batches than this run's (it re-planned

@@ -4,7 +4,11 @@ on CPU (data order, RNG, 8-bit optimizer state, plan)."""
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +16,13 @@ from accelerate.utils import DataLoaderConfiguration
 from fault_helpers import BATCH, SEQ, VOCAB, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.checkpoints.atomic import atomic_directory, recover
+from lazytrain_accel.checkpoints import atomic, shares
+from lazytrain_accel.checkpoints.atomic import (
+    atomic_directory,
+    recover,
+    recover_all,
+    remove_directory,
+)
 from lazytrain_accel.frontends.accelerate import PLAN_FILE
 from lazytrain_accel.optim import HybridAdamW8bit
 
@@ -48,6 +58,67 @@ def test_a_live_saver_keeps_its_temp(tmp_path: Path) -> None:
     (tmp_path / f".ckpt.tmp-{parent}").mkdir()
     recover(tmp_path / "ckpt")
     assert (tmp_path / f".ckpt.tmp-{parent}").is_dir()
+
+
+def test_a_killed_saver_not_yet_reaped_is_dead(tmp_path: Path) -> None:
+    """A zombie (killed, its parent not waiting for it: a container's PID 1 may never)
+    answers kill(pid, 0): its temporary directory goes all the same."""
+    zombie = subprocess.Popen(["true"])
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{zombie.pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z":
+        assert time.monotonic() < deadline, "`true` did not exit within 60 s"
+        time.sleep(0.01)
+    (tmp_path / f".ckpt.tmp-{zombie.pid}").mkdir()
+    recover(tmp_path / "ckpt")
+    zombie.wait()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_rotation_killed_midway_leaves_no_half_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The oldest checkpoint leaves its name before its files go; a later `recover_all`
+    ends the removal."""
+    folder = tmp_path / "checkpoint_0"
+    folder.mkdir()
+    (folder / "weights").write_text("w")
+
+    def killed(path: Path, *args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # the kill, before any file is removed
+
+    monkeypatch.setattr(atomic.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        remove_directory(folder)
+    monkeypatch.undo()
+    assert [p.name for p in tmp_path.iterdir()] == [f".checkpoint_0.gone-{os.getpid()}"]
+    dead = 2**22 + 12345  # the next run: the remover is gone
+    (tmp_path / f".checkpoint_0.gone-{os.getpid()}").rename(
+        tmp_path / f".checkpoint_0.gone-{dead}")
+    recover_all(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_latest_checkpoint_is_never_what_a_killed_save_left(tmp_path: Path) -> None:
+    """`load_state()` under automatic naming: `recover_all` undoes every killed save of
+    the folder (and ends a killed rotation's removal) and the latest is the highest
+    published `checkpoint_<i>`, where stock accelerate's pick (the first number in any
+    entry's name) takes a temporary one."""
+    parent = tmp_path / "checkpoints"
+    dead, live = 2**22 + 12345, os.getppid()
+    for i in (0, 1):
+        (parent / f"checkpoint_{i}").mkdir(parents=True)
+    (parent / "checkpoint_1").rename(parent / f".checkpoint_1.old-{dead}")  # mid-rename
+    for name in (f".checkpoint_1.tmp-{dead}", f".checkpoint_2.tmp-{dead}",
+                 f".checkpoint_3.tmp-{live}", f".checkpoint_00.gone-{dead}"):  # rotated
+        (parent / name).mkdir()
+    stock = max(os.listdir(parent), key=lambda n: int(re.findall(r"[0-9]+", n)[0]))
+    assert stock.startswith(".checkpoint_")  # what stock `load_state()` would load
+    recover_all(parent)
+    assert sorted(os.listdir(parent)) == [f".checkpoint_3.tmp-{live}", "checkpoint_0",
+                                          "checkpoint_1"]
+    accelerator = SimpleNamespace(project_dir=str(tmp_path))
+    assert shares.latest_directory(accelerator) == parent / "checkpoint_1"
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint_<i> folder in .*: pass"):
+        shares.latest_directory(SimpleNamespace(project_dir=str(tmp_path / "none")))
 
 
 def _run(tmp_path: Path, steps: range, rng: dict[str, torch.Tensor], optimizer: str, *,
