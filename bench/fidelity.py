@@ -9,7 +9,9 @@ boundaries on NVMe):
    backend, every boundary on the device) is timed forward and backward; a layer's forward
    seconds, its backward seconds (re-run included) and the rest of the step (embeddings,
    head, loss, weight copies) become the model profile's FLOPs at a nominal 1 TFLOP/s.
-   Residents are used in place on a CPU, so the profile streams none. The engine's
+   Residents are used in place on a CPU, so the profile streams none (no device copy:
+   no gradients of theirs leave the device either, `problem.resident_tail_d2h_bytes`).
+   The engine's
    per-layer-run overhead (layer_probe.py: tiny layers through the engine) is
    measured beside it, on the synchronous backend (taken out of the rest) and on the
    emulated one the plans run on (the hardware profile's `layer_*_overhead_s`).

@@ -442,7 +442,7 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         nvme_write_bytes_per_s=hardware.nvme_write_bytes_per_s,
         static_gpu_bytes=sum(b for _, b in terms), gpu_base_terms=tuple(terms),
         static_cpu_bytes=sum(b for _, b in host_terms), cpu_base_terms=host_terms,
-        tail_d2h_bytes=model.layer_grad_bytes + (0 if on_device else model.resident_grad_bytes),
+        tail_d2h_bytes=model.layer_grad_bytes + resident_tail_d2h_bytes(model, on_device=on_device),
         budgets=budgets, param_count=params, tokens_per_step=model.tokens_per_step,
         layer_update_param_count=model.layer_trainable_param_count,
         resident_update_param_count=model.resident_trainable_param_count,
@@ -451,6 +451,16 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         device_update_s=resident_trainable / hardware.gpu_optimizer_params_per_s,
         optimizer=optimizer, gpus_per_node=gpus_per_node,
     )
+
+
+def resident_tail_d2h_bytes(model: ModelProfile, *, on_device: bool) -> int:
+    """The residents' gradients that leave the device after the last backward window:
+    none when they are updated on the device, or when the residents have no device copy
+    (`resident_param_bytes` 0: a CPU run in fp32 uses the host masters in place, and
+    autograd accumulates their `.grad` there; `engine/memory/residents.py`)."""
+    if on_device or model.resident_param_bytes == 0:
+        return 0
+    return model.resident_grad_bytes
 
 
 def device_update_workspace_bytes(model: ModelProfile) -> int:

@@ -155,3 +155,15 @@ def test_a_gpu_runs_the_residents_update_beside_the_hosts_a_cpu_device_before_it
     assert serial.step_s > plan.prediction.step_s
     with pytest.raises(ValueError, match="device_runs_async='yes' must be true or false"):
         dataclasses.replace(H800, device_runs_async="yes")
+
+
+def test_residents_used_in_place_send_no_gradients_home() -> None:
+    """A profile whose residents have no device copy (`resident_param_bytes` 0: a CPU run
+    in fp32 uses the host masters in place, `engine/memory/residents.py`) has no resident
+    gradients in the step's tail; one with device copies updated on the host does."""
+    model = _profile("qwen2.5-7b", batch_size=4)
+    in_place = dataclasses.replace(model, resident_param_bytes=0)
+    host = build_problem(model, H800, resident_update="host")
+    assert host.tail_d2h_bytes == model.layer_grad_bytes + model.resident_grad_bytes
+    assert build_problem(in_place, H800, resident_update="host").tail_d2h_bytes \
+        == model.layer_grad_bytes
