@@ -179,16 +179,17 @@ def test_training_jobs_killed_mid_step_and_mid_save_leave_nothing_and_resume(
     temporary directory, removes the temporary directories, and its masters are the ones
     recorded at that checkpoint's step (`scripts/train_jobs.py`).
 
-    Open bug (issue 33), reported as xfail (more than one tensor fails): after a kill that
-    came once a save was published, that checkpoint sometimes holds one tensor that is
-    neither its step's master nor the next step's (rank 0: `layers.0.self_attn.q_proj`,
-    the first one written after the writer opens group 0's gate; rank 1 once
-    `layers.2.mlp.gate_proj`), while the masters were stable through the save's pre-hook."""
+    A kill after a save was published once showed that checkpoint holding one tensor that
+    was neither its step's master nor the next step's (rank 0's
+    `layers.0.self_attn.q_proj`, in 7 of 10 jobs at load ~1.5): the writer read the
+    parameter, whose `.data` the next forward had pointed at a weight slot the pool then
+    refilled; it now holds the masters (tests/faults: the writer writes the masters while
+    the next forward swaps the weights)."""
     seed = int(time.time())
     rng = random.Random(seed)
     project = tmp_path / "project"
     resumed = [project / f"resumed-{r}" for r in (0, 1)]
-    mid_save, torn = [], []
+    mid_save = []
     save_s = None
     for attempt, mode in enumerate(MODES):
         where = f"attempt {attempt} ({mode}; seed {seed}; logs in {project})"
@@ -204,9 +205,7 @@ def test_training_jobs_killed_mid_step_and_mid_save_leave_nothing_and_resume(
                           "the resume")
             loaded = [json.loads(p.read_text()) for p in resumed]
             assert [r["iteration"] for r in loaded] == [latest] * 2, where  # the latest
-            differ = [r["differ"] for r in loaded]
-            assert all(len(names) <= 1 for names in differ), (where, differ)
-            torn += [(attempt, names) for names in differ if names]
+            assert [r["differ"] for r in loaded] == [[], []], where  # the step's masters
             for p in resumed:
                 p.unlink()
             assert not left & _temporaries(project), where  # the load removed them
@@ -228,9 +227,6 @@ def test_training_jobs_killed_mid_step_and_mid_save_leave_nothing_and_resume(
         if mode == "save":
             mid_save.append(bool(left_after))
     assert any(mid_save), (seed, mid_save)  # some kill landed inside a save
-    if torn:  # everything else held; this is the open bug the docstring names
-        pytest.xfail(f"a published async checkpoint held one tensor that is not its step's "
-                     f"master: (attempt, tensor) {torn} (seed {seed}, {project})")
 
 
 def _wait_for_job(ready: Callable[[], bool], launcher: int, project: Path, what: str

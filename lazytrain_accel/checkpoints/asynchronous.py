@@ -312,8 +312,12 @@ def _part(model: nn.Module, optimizer: torch.optim.Optimizer,
           max_shard_bytes: int, rank: int) -> _Part:
     """This rank's weights (the tensors of `weight_groups`, cut into shards) and its share
     of the optimizer state (`params`, the groups `mine`), each in group order."""
-    ordered = [item for item in group_order(sc.unique_state(model), groups)
-               if item[0] in weight_groups]
+    # Each tensor as it is now, the masters (no layer runs between steps), not the
+    # parameter: a layer the next forward runs while the writer reaches it points its
+    # `.data` at a weight slot the pool refills with other layers (a torn tensor on a CPU,
+    # the compute-dtype copy on a GPU).
+    ordered = [(g, name, t.detach()) for g, name, t in
+               group_order(sc.unique_state(model), groups) if g in weight_groups]
     by_name = {name: (g, name, t) for g, name, t in ordered}
     shards = [[by_name[name] for name, _ in shard] for shard in layout.plan_shards(
         [(n, t) for _, n, t in ordered], max_shard_bytes=max_shard_bytes, dtype=dtype)

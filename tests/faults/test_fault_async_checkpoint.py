@@ -106,6 +106,39 @@ def test_an_async_save_equals_a_blocking_one_and_resumes_bit_for_bit(tmp_path: P
         assert torch.equal(a, b)
 
 
+def test_the_writer_writes_the_masters_while_the_next_forward_swaps_the_weights(
+        tmp_path: Path) -> None:
+    """A layer the next forward runs points its parameters' `.data` at the weight pool's
+    slot, which the pool refills with other layers: the writer, reaching that layer's
+    weights then, must still write the masters (it wrote a torn tensor on a CPU: the
+    2-rank crash test's `layers.0.self_attn.q_proj`). Here every parameter is pointed at
+    zeros while the throttled writer runs."""
+    torch.manual_seed(0)
+    model = tiny_model()
+    plugin = LazyTrainPlugin(plan="megatrain", hardware="h800",
+                             checkpoint_write_bytes_per_s=SLOW_WRITE_BYTES_PER_S,
+                             cache_dir=str(tmp_path / "cache"), nvme_dir=str(tmp_path / "nvme"))
+    acc = Accelerator(cpu=True, plugin=plugin)
+    model, opt = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=1e-2))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    acc.backward(model(input_ids=ids, labels=ids).loss)
+    opt.step()
+    opt.zero_grad()
+    acc.save_state(str(tmp_path / "ckpt"))
+    masters = {name: p.data for name, p in model.named_parameters()}
+    assert not acc.lazytrain.pending_save.done  # the writer is still writing
+    for p in model.parameters():  # what acquiring a layer does, with other bytes
+        p.data = torch.zeros_like(p.data)
+    acc.lazytrain_wait_for_checkpoint()
+    for name, p in model.named_parameters():
+        p.data = masters[name]
+    fresh = tiny_model(seed=7)
+    sc.load_weights(fresh, tmp_path / "ckpt", loads=lambda t: True)
+    for name, p in fresh.named_parameters():
+        assert torch.equal(p, masters[name]), name
+    acc.end_training()
+
+
 def _check_latest_loads(root: Path) -> tuple[str, bool]:
     """Undo what a killed save left; every checkpoint left is complete and loads (the
     weights into a fresh model, the optimizer state into a fresh optimizer). Returns the
