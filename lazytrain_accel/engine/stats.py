@@ -75,7 +75,10 @@ class StepStats:
 
     compute_s: float = 0.0  # layer forwards and backwards (their re-run included)
     recompute_s: float = 0.0  # regenerating boundaries of recompute blocks
-    stall_s: float = 0.0  # main thread waiting on a transfer or an optimizer update
+    # the training thread blocked waiting: on a transfer's event (on the emulated device,
+    # compute is that thread, so its stream waits count), an NVMe read or write, a staging
+    # buffer, or the layer-wise update (`Accounting.stalled`); host work is not a stall
+    stall_s: float = 0.0
     optimizer_wait_s: float = 0.0  # of stall_s, waiting on the layer-wise update (exposure)
     optimizer_update_s: float = 0.0  # the layer-wise update's own run time, on its thread
     # the residents' update on the device (resident_update "device"), on the training
@@ -157,6 +160,16 @@ class Accounting:
         with self._lock:
             for stats in (self._stats, self._totals):
                 setattr(stats, name, getattr(stats, name) + amount)
+
+    @contextmanager
+    def stalled(self) -> Iterator[None]:
+        """Add the host seconds the enclosed wait blocks the calling (training) thread to
+        `stall_s`. Wrap the wait alone: copies and bookkeeping around it are work."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add("stall_s", time.perf_counter() - start)
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:

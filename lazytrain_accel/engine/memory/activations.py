@@ -11,7 +11,7 @@ predecessor is not done yet, runs when it is needed (the reload at the backward)
 from __future__ import annotations
 
 import itertools
-import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -189,7 +189,8 @@ class ActivationStore:
         if rec.device is None:
             self._h2d(rec)
         self._check_version(rec)
-        self._streams.compute_waits(rec.device_ready)
+        with self._acct.stalled():  # blocks the host where compute is the host's thread
+            self._streams.compute_waits(rec.device_ready)
         return rec.device
 
     def release(self, index: int) -> None:
@@ -226,7 +227,6 @@ class ActivationStore:
     def _name(self, rec: _Boundary) -> str:
         return f"{self._tag}-b{rec.index}.bin"
 
-    def _stall_on(self, wait: object) -> None:
-        start = time.perf_counter()
-        wait()  # type: ignore[operator]
-        self._acct.add("stall_s", time.perf_counter() - start)
+    def _stall_on(self, wait: Callable[[], object]) -> None:
+        with self._acct.stalled():
+            wait()

@@ -64,7 +64,8 @@ class GradSink:
         for k, (pending_slot, params, event) in enumerate(self._pending):
             if pending_slot != slot:
                 continue
-            self._streams.host_waits(event)
+            with self._acct.stalled():
+                self._streams.host_waits(event)
             staging, offset, grads = self._staging[slot], 0, []
             for p in params:
                 grads.append(staging[offset:offset + p.numel()].view(p.shape))

@@ -200,7 +200,8 @@ class PackedWeightPool(WeightPool):
         streams, staging = self._streams, self._packed_staging[slot]
         host, offsets = self._host[layer - 1], self._offsets[layer - 1]
         end = self._layer_slot_bytes[layer - 1]
-        streams.host_waits(self._packed_staging_free[slot])  # its last H2D done
+        with self._acct.stalled():
+            streams.host_waits(self._packed_staging_free[slot])  # its last H2D done
         streams.claim(staging)
         for tensors, starts in zip(host, offsets, strict=True):
             for view, t in zip(_views(staging, tensors, starts), tensors.values(),

@@ -23,7 +23,6 @@ or `p.data = ...` makes the load cast from the master again).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -111,16 +110,15 @@ class WeightPool:
         backward on its re-run's)."""
         if self._policy.keep(layer) is None:
             self._wait_ready(layer)  # an optimizer wait is accounted by the update itself
-            start = time.perf_counter()
             self._load(layer)
-            self._acct.add("stall_s", time.perf_counter() - start)
 
     def acquire(self, layer: int) -> None:
         """Point `layer`'s parameters at their device copy (loading it now if needed);
         the compute stream waits for the load (on the emulated device the host does)."""
         self.load(layer)
         slot = self._policy.ran(layer)
-        self._streams.compute_waits(self._slot_loaded[slot])
+        with self._acct.stalled():  # blocks the host where compute is the host's thread
+            self._streams.compute_waits(self._slot_loaded[slot])
         params = self._params[layer - 1]
         masters = [p.data for p in params]
         for p, view in zip(params, self._views(slot, params), strict=True):
@@ -171,7 +169,8 @@ class WeightPool:
         k = self._next_staging
         self._next_staging = (k + 1) % NUM_STAGING
         streams, staging, offset = self._streams, self._staging[k], 0
-        streams.host_waits(self._staging_free[k])  # previous H2D from this staging done
+        with self._acct.stalled():
+            streams.host_waits(self._staging_free[k])  # previous H2D from this staging done
         streams.claim(staging)
         if copy is not None:  # the update's compute copy: a plain memcpy, no cast
             offset = copy.numel()
