@@ -36,8 +36,13 @@ boundaries on NVMe):
    emulated device is async, `device_runs_async`). A step's measured
    compute is its layers' compute as the engine timed it inside that step plus the
    round's calibrated rest and the plan's layer runs at the round's emulated overhead
-   (the predicted compute holds them too); exposed = step - compute; optimizer exposure
-   = the exposed time the optimizer adds (with minus without).
+   (the predicted compute holds them too). The exposed term is measured two ways:
+   "waited", the seconds the training thread was blocked on a wait (the engine's
+   `stall_s`: on the emulated device compute is that thread, so a wait on a link, NVMe or
+   a staging buffer is compute not running), and "step-compute", the step less its
+   compute (a difference of two figures ten times its size, so 2-3% of noise on either
+   moves it 20-30%, and it also holds host work the calibration did not see). Optimizer
+   exposure = the step-compute time the optimizer adds (with minus without).
 
     python bench/fidelity.py [--models demo,large] [--plans auto,megatrain,...] [--rounds 3]
                               [--steps 3]
@@ -115,11 +120,13 @@ class _Case:
         else:
             self.model.zero_grad(set_to_none=True)
 
-    def steady_steps(self, ids: torch.Tensor, steps: int) -> tuple[float, float, float]:
+    def steady_steps(self, ids: torch.Tensor, steps: int
+                     ) -> tuple[float, float, float, float]:
         """Medians over `steps` steps, each following a step (so it waits for that step's
         update), of (seconds, layer compute seconds in it, seconds the previous step's
         update thread ran: the residents' update on the device, if any, runs on the
-        training thread beside it, within that span, as the emulated device is async)."""
+        training thread beside it, within that span, as the emulated device is async;
+        seconds the training thread waited, `stall_s`)."""
         self._step(ids)
         runs = []
         for _ in range(steps):
@@ -128,9 +135,9 @@ class _Case:
             self._step(ids)
             elapsed, stats = time.perf_counter() - start, self.engine.stats()
             runs.append((elapsed, stats.compute_s + stats.recompute_s,
-                         stats.optimizer_update_s))
+                         stats.optimizer_update_s, stats.stall_s))
         self.engine.synchronize()  # no update left running into another case's step
-        return tuple(statistics.median(run[k] for run in runs) for k in range(3))
+        return tuple(statistics.median(run[k] for run in runs) for k in range(4))
 
 
 class _Calibration:
@@ -364,8 +371,8 @@ def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, roun
         runs_s = (forward_runs * emulated.forward_s + plan.num_layers * emulated.backward_s
                   + emulated.step_s)
         for name, case in cases.items():
-            row[name], row[f"{name}_layers"], row[f"{name}_update"] = case.steady_steps(
-                ids, steps)
+            (row[name], row[f"{name}_layers"], row[f"{name}_update"],
+             row[f"{name}_waited"]) = case.steady_steps(ids, steps)
             # the step's compute: its layers as timed in it, the rest as calibrated, the
             # layer runs' overhead as measured on the emulated backend
             row[f"{name}_compute"] = row[f"{name}_layers"] + row["compute"]["rest_s"] + runs_s
@@ -431,8 +438,8 @@ def predictions(plan, config: dict, batch: int, seq: int, meas: dict, hw: Hardwa
 
 HEADER = (f"{'model':>5} {'plan':>11} {'homes g/c/n/r residents':>24} | {'step pred':>9} "
           f"{'meas':>6} "
-          f"{'ratio':>5} | {'compute pred':>12} {'meas':>6} | {'exposed pred':>12} {'meas':>6} "
-          f"{'ratio':>5} "
+          f"{'ratio':>5} | {'compute pred':>12} {'meas':>6} | {'exposed pred':>12} "
+          f"{'waited':>6} {'ratio':>5} {'step-compute':>12} {'ratio':>5} "
           f"| {'+optim pred':>11} {'meas':>6} {'ratio':>5} | {'opt exposed pred':>16} "
           f"{'meas':>6} | {'update pred':>11} {'meas':>6} | in-step ratios: step +optim")
 
@@ -441,11 +448,16 @@ def _row(model: str, name: str, plan, preds: dict, meas: dict) -> str:
     pred, pred_opt = preds["step"], preds["opt"]
     homes = "/".join(str(n) for n in plan.count_homes().values()) + (
         " gpu" if plan.resident_update == "device" else " host")
-    exposed = meas["step"] - meas["step_compute"]  # time the step's compute waited
+    # the exposed term measured twice: the seconds the training thread waited (the
+    # engine's stall_s: every wait timed where it blocks), and the step less its compute
+    # (a difference of two figures ~10x its size: 2-3% noise on either moves it 20-30%;
+    # it also holds host work outside the calibration, e.g. staging copies)
+    waited, exposed = meas["step_waited"], meas["step"] - meas["step_compute"]
     optimizer = meas["step_opt"] - meas["step_opt_compute"] - exposed
     return (f"{model:>5} {name:>11} {homes:>24} | {pred.step_s:9.3f} {meas['step']:6.3f} "
             f"{meas['step'] / pred.step_s:5.2f} | {pred.step_s - pred.exposed_s:12.3f} "
-            f"{meas['step_compute']:6.3f} | {pred.exposed_s:12.3f} {exposed:6.3f} "
+            f"{meas['step_compute']:6.3f} | {pred.exposed_s:12.3f} {waited:6.3f} "
+            f"{exposed_ratio(waited, pred.exposed_s)} {exposed:12.3f} "
             f"{exposed_ratio(exposed, pred.exposed_s)} "
             f"| {pred_opt.step_s:11.3f} {meas['step_opt']:6.3f} "
             f"{meas['step_opt'] / pred_opt.step_s:5.2f} | {pred_opt.optimizer_exposed_s:16.3f} "

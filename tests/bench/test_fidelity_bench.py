@@ -49,7 +49,9 @@ def test_rates_plans_and_one_round(tmp_path):
     (measured,) = fidelity.run_plan(TINY, plans["auto+nvme"], hw, 2, 16, 1, 2,
                                      str(tmp_path))
     assert {"step", "step_compute", "step_opt", "step_opt_compute", "step_layers",
-            "step_opt_update", "optimizer_rate", "compute_opt"} <= set(measured)
+            "step_opt_update", "step_waited", "optimizer_rate", "compute_opt"} <= set(measured)
+    # what the training thread waited is part of the step (the engine's stall_s)
+    assert 0 < measured["step_waited"] < measured["step"]
     # the step with the optimizer is predicted on the compute measured beside the update:
     # the same layers, the rest with what the update took from the step
     assert {k: measured["compute_opt"][k] for k in ("fwd_s", "bwd_s")} == {
@@ -73,8 +75,13 @@ def test_rates_plans_and_one_round(tmp_path):
         measured["step_layers"] + measured["compute"]["rest_s"] + runs_s)
     row = fidelity._row("tiny", "auto+nvme", plans["auto+nvme"], preds, measured)
     assert row.count("|") == 7
+    # the exposed term twice: waited (stall_s), then the step less its compute
     exposed_s = measured["step"] - measured["step_compute"]
-    assert row.split("|")[3].split()[2] == f"{exposed_s / pred.exposed_s:.2f}"
+    _, waited, waited_ratio, difference, difference_ratio = row.split("|")[3].split()
+    assert (waited, waited_ratio) == (f"{measured['step_waited']:.3f}",
+                                      f"{measured['step_waited'] / pred.exposed_s:.2f}")
+    assert (difference, difference_ratio) == (f"{exposed_s:.3f}",
+                                              f"{exposed_s / pred.exposed_s:.2f}")
 
 
 def test_the_update_is_timed_as_a_step_runs_it():
