@@ -18,7 +18,7 @@ from torch import nn
 from lazytrain_accel import preflight
 from lazytrain_accel.config import ANONYMOUS_SEGMENT, LazyTrainConfig
 from lazytrain_accel.distributed import generation_words, node_store, ranks, split_update
-from lazytrain_accel.engine.memory.residents import output_side
+from lazytrain_accel.engine.memory.residents import update_groups
 from lazytrain_accel.engine.model.discovery import find_decoder_layers
 from lazytrain_accel.planning.node import EVERY_RANK
 
@@ -90,9 +90,9 @@ def segment_nodes(model: nn.Module, rank_nodes: list[int], *, device: torch.devi
                   resident_update: str) -> list[int | None]:
     """The NUMA node of each of the store's parameters (`node_store.shared_params`): that
     of the local rank owning its update group (`split_update.share_owners`, the split
-    update's rule, over `update_groups`); None for a group every rank updates (residents
-    with their masters on each GPU, as `start_split_update` decides)."""
-    groups = update_groups(model)
+    update's rule, over the engine's update groups); None for a group every rank updates
+    (residents with their masters on each GPU, as `start_split_update` decides)."""
+    groups = update_groups(model, *find_decoder_layers(model))
     resident = groups[0] + groups[-1]
     on_gpus = (0, len(groups) - 1) if (
         device.type != "cpu" and resident_update == "device"
@@ -101,16 +101,3 @@ def segment_nodes(model: nn.Module, rank_nodes: list[int], *, device: torch.devi
     node_of = {id(p): None if owner == EVERY_RANK else rank_nodes[owner]
                for group, owner in zip(groups, owners, strict=True) for p in group}
     return [node_of.get(id(p)) for _, p in node_store.shared_params(model)]
-
-
-def update_groups(model: nn.Module) -> list[list[nn.Parameter]]:
-    """The engine's update groups (`StepCoordinator.update_groups`) before it is attached:
-    the input-side residents, each decoder layer's parameters, the output-side residents
-    (tests/run/test_node_layout.py checks the two agree)."""
-    parent, layers_attr, layers = find_decoder_layers(model)
-    layer_params = [list(layer.parameters()) for layer in layers]
-    in_layers = {id(p) for ps in layer_params for p in ps}
-    resident = [p for p in model.parameters() if id(p) not in in_layers]
-    late = {id(p) for p in output_side(model, parent, layers_attr, resident)}
-    return [[p for p in resident if id(p) not in late], *layer_params,
-            [p for p in resident if id(p) in late]]

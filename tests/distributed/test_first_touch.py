@@ -17,7 +17,9 @@ from torch import nn
 from lazytrain_accel import cores
 from lazytrain_accel.distributed import first_touch, node_store, ranks, split_update
 from lazytrain_accel.distributed.first_touch import Placement
-from lazytrain_accel.run.node_layout import segment_nodes, update_groups
+from lazytrain_accel.engine.memory.residents import update_groups
+from lazytrain_accel.engine.model.discovery import find_decoder_layers
+from lazytrain_accel.run.node_layout import segment_nodes
 
 PAGE = 4096
 NUMA_MAPS = Path("/proc/self/numa_maps")
@@ -69,7 +71,7 @@ def test_each_groups_bytes_go_to_its_owners_socket(tmp_path: Path) -> None:
     model = _model()
     nodes = segment_nodes(model, rank_nodes, device=torch.device("cpu"),
                           resident_update="host")
-    groups = update_groups(model)
+    groups = update_groups(model, *find_decoder_layers(model))
     owners = split_update.share_owners(groups, 4)
     assert owners == [0, 0, 1, 2, 3, 3]  # embeddings, 4 layers, final norm and head
     node_of = {id(p): rank_nodes[o] for g, o in zip(groups, owners, strict=True) for p in g}
@@ -89,7 +91,7 @@ def test_groups_every_rank_updates_are_not_placed() -> None:
     model = _model()
     nodes = segment_nodes(model, [0, 1], device=torch.device("cuda"),
                           resident_update="device")
-    groups = update_groups(model)
+    groups = update_groups(model, *find_decoder_layers(model))
     resident = {id(p) for p in groups[0] + groups[-1]}
     for (_, p), node in zip(node_store.shared_params(model), nodes, strict=True):
         assert (node is None) == (id(p) in resident)

@@ -1,5 +1,5 @@
-"""`node_layout.update_groups` (the store's placement by owner, before the engine is
-attached) gives the engine's own update groups."""
+"""`residents.update_groups`, called before the engine is attached (the node store's
+placement by owner, `run/node_layout.py`), gives the engine's own update groups."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 from lazytrain_accel.engine import attach
+from lazytrain_accel.engine.memory.residents import update_groups
+from lazytrain_accel.engine.model.discovery import find_decoder_layers
 from lazytrain_accel.planning.plan import Home, Plan, Prediction, Solution
-from lazytrain_accel.run.node_layout import update_groups
 
 
 def _plan(num_layers: int) -> Plan:
@@ -35,7 +36,7 @@ def test_the_groups_are_the_engines(family: str, tmp_path: Path) -> None:
             vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2,
             tie_word_embeddings=family == "qwen2_tied"))
-    before = [[id(p) for p in g] for g in update_groups(model)]
+    before = [[id(p) for p in g] for g in update_groups(model, *find_decoder_layers(model))]
     engine = attach(model, _plan(3), device=torch.device("cpu"), nvme_dir=str(tmp_path))
     try:
         assert before == [[id(p) for p in g] for g in engine.steps.update_groups]

@@ -52,7 +52,7 @@ from lazytrain_accel.engine.loss.loss_patch import FusedLoss, apply_fused_loss
 from lazytrain_accel.engine.memory import quantized
 from lazytrain_accel.engine.memory.grads import GradSink
 from lazytrain_accel.engine.memory.nvme import NvmeSpill
-from lazytrain_accel.engine.memory.residents import ResidentParams, output_side, owners
+from lazytrain_accel.engine.memory.residents import ResidentParams, owners, update_groups
 from lazytrain_accel.engine.memory.weights import master_dtype
 from lazytrain_accel.engine.model import hf_checkpointing
 from lazytrain_accel.engine.model.binding import bind_call, drop_cache
@@ -90,9 +90,8 @@ class StreamingEngine:
         self.compute_dtype = compute_dtype or torch.float32
         self._layers = list(layers)
         self._stack_signature = inspect.signature(parent.forward)
-        self._layer_params = [list(layer.parameters()) for layer in self._layers]
-        in_layers = {id(p) for ps in self._layer_params for p in ps}
-        resident = [p for p in model.parameters() if id(p) not in in_layers]
+        early, *self._layer_params, late = update_groups(model, parent, layers_attr,
+                                                         self._layers)
         self._buffer_devices = move_buffers(model, self.device)
         for p in model.parameters():  # fp32 host masters; frozen weights stay as stored
             if quantized.is_packed(p):
@@ -100,7 +99,7 @@ class StreamingEngine:
             elif p.device.type != "cpu" or p.dtype != master_dtype(p):
                 p.data = p.data.to("cpu", master_dtype(p))
         self.streams = make_streams(self.device, emulation)
-        self._build_parts(nvme_dir, resident, output_side(model, parent, layers_attr, resident))
+        self._build_parts(nvme_dir, early + late, late)
         self._model_patch = ModelPatch(self, model, parent, self._layers, self.residents.params,
                                        head_modules=owners(model, self.residents.late))
         self.fused_loss: FusedLoss | None = None

@@ -119,6 +119,20 @@ class ResidentParams:
         self.on_device, self._on_device_ids, self._master_bytes = [], set(), 0
 
 
+def update_groups(model: nn.Module, stack: nn.Module, layers_attr: str,
+                  layers: list[nn.Module]) -> list[list[nn.Parameter]]:
+    """Every parameter of `model` by update group, in update order: the input-side
+    residents, each decoder layer's parameters, the output-side residents (`output_side`).
+    The engine's groups (`StepCoordinator.update_groups`), and the node store's placement
+    by owner before the engine exists (`run/node_layout.py`)."""
+    layer_params = [list(layer.parameters()) for layer in layers]
+    in_layers = {id(p) for ps in layer_params for p in ps}
+    resident = [p for p in model.parameters() if id(p) not in in_layers]
+    late = {id(p) for p in output_side(model, stack, layers_attr, resident)}
+    return [[p for p in resident if id(p) not in late], *layer_params,
+            [p for p in resident if id(p) in late]]
+
+
 def output_side(model: nn.Module, stack: nn.Module, layers_attr: str,
                 params: list[nn.Parameter]) -> list[nn.Parameter]:
     """Of the resident `params`, those the forward reads only after the decoder layers:
