@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import sys
 import time
 from collections.abc import Sequence
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
 import torch
+from job_server import serve_jobs
 from torch import nn
 
 from lazytrain_accel.distributed import node_store
@@ -72,15 +72,7 @@ def main() -> None:
     p.add_argument("--param-delay-s", type=float, default=0.05)
     args = p.parse_args()
     node_store.shared_params(nn.Linear(1, 1))  # imports what the ranks need, once
-    for line in sys.stdin:
-        name, filling = line.split()
-        pid = os.fork()
-        if pid == 0:
-            launch(args, name, filling)
-            os._exit(0)
-        print(pid, flush=True)
-        while os.waitpid(-1, os.WNOHANG) != (0, 0):  # reap the jobs killed so far
-            pass
+    serve_jobs(lambda words: launch(args, *words))
 
 
 if __name__ == "__main__":

@@ -29,13 +29,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate.utils import ProjectConfiguration
+from job_server import serve_jobs
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
@@ -170,18 +170,13 @@ def launch(directory: Path, port: str, mode: str) -> None:
 
 def main() -> None:
     native.load_kernel()  # loaded once here, not by each rank of each job (no thread starts)
-    for line in sys.stdin:
-        directory, port, mode = line.split()
+
+    def job(words: list[str]) -> None:
+        directory, port, mode = words
         Path(directory).mkdir(parents=True, exist_ok=True)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                launch(Path(directory), port, mode)
-            finally:
-                os._exit(0)
-        print(pid, flush=True)
-        while os.waitpid(-1, os.WNOHANG) != (0, 0):  # reap the jobs killed so far
-            pass
+        launch(Path(directory), port, mode)
+
+    serve_jobs(job)
 
 
 if __name__ == "__main__":
