@@ -22,7 +22,9 @@ def test_27b_on_8_gpus_plans_where_8_copies_would_not_fit(
     assert (s["gpus_per_node"], s["nodes"]) == (8, 1)
     assert s["peak_cpu_bytes"] <= 1024 * GIB < 8 * s["one_gpu_peak_cpu_bytes"]
     assert s["node_tokens_per_s"] == pytest.approx(8 * s["tokens_per_s"])
-    assert 0.9 * 8 * s["one_gpu_tokens_per_s"] < s["node_tokens_per_s"] <= (
+    # 0.887 x 8 GPUs alone at the preset's derived host rate, 12.5e9 params/s, with 1.9 s
+    # of the node's split update exposed (0.944 at the former hand-set 2e9).
+    assert 0.85 * 8 * s["one_gpu_tokens_per_s"] < s["node_tokens_per_s"] <= (
         8 * s["one_gpu_tokens_per_s"])
     assert main(["plan", *RUN_27B, "--gpus-per-node", "8", "--nodes", "2"]) == 0
     out = capsys.readouterr().out
