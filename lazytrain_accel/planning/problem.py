@@ -471,6 +471,7 @@ def with_node_links(problem: Problem, hardware: HardwareProfile) -> Problem:
     update_bytes_per_s = host_update_bytes_per_s(
         hardware, update_param_count=problem.host_update_param_count,
         compute_s=problem.compute_s)
+
     def share(pcie_bytes_per_s: float) -> float:
         return link_bytes_per_s(pcie_bytes_per_s, hardware, problem.gpus_per_node,
                                 update_bytes_per_s=update_bytes_per_s)
