@@ -8,7 +8,17 @@ each updates a disjoint share of the layers on 1/N of the cores, so:
   buffers, its boundaries homed in DRAM) N times (`host.py`, `ranks=`);
 * host memory bandwidth: the N GPUs' H2D and D2H streams and the N updates all read and
   write the same DRAM, so each GPU's link runs at
-  `min(its PCIe rate, (eta * B_host - R * U) / (2 N))` (`link_bytes_per_s`);
+  `min(its PCIe rate, (eta * B_host - D) / (2 N))` (`link_bytes_per_s`), where D is the
+  updates' DRAM traffic averaged over the step (`host_update_bytes_per_s`): the bytes
+  they move each step, `P_u * U`, over the step, which lasts at least the compute-only
+  step `C` and at least the update itself (`P_u / R`: each step's update ends before the
+  next one's), so `D = P_u U / max(C, P_u / R) = min(R U, P_u U / C)`. An update that
+  takes the whole step (or longer) is charged `R U`, as if it ran all step; a faster one
+  takes less of the step and is charged the same `P_u U / C`, never more. `C` is a lower
+  bound of every plan's step, so `D` bounds the average from above whatever the plan.
+  The MIP and the simulator price each link at one rate, so the update's traffic is
+  spread over the step: a link moves more than its rate outside the update's window and
+  less within it, and what a step moves in all is what the rate prices;
 * the update: each share at `R / N` parameters a second, the N shares side by side
   (`share_update_params_per_s`). Ownership (`owner_of_groups`, the one rule the engine's
   split update and the simulator both use): the parameter groups in forward order (the
@@ -43,29 +53,43 @@ def check_node_shape(*, gpus_per_node: int, nodes: int) -> None:
             raise ValueError(f"{flag}={value!r} must be an integer >= 1")
 
 
-def host_stream_bytes_per_s(hardware: HardwareProfile, gpus_per_node: int) -> float:
+def host_update_bytes_per_s(hardware: HardwareProfile, *, update_param_count: int,
+                            compute_s: float) -> float:
+    """The node's host updates' DRAM bytes a second, averaged over a step: the
+    `update_param_count` (P_u, the node's host-updated parameters) x
+    `HOST_UPDATE_BYTES_PER_PARAM` bytes each step moves, over the step's least length,
+    max(`compute_s` (the compute-only step), P_u / R (the update's own seconds)). At most
+    R U, reached when the update takes the whole step or longer."""
+    update_s = update_param_count / hardware.cpu_optimizer_params_per_s
+    step_s = max(compute_s, update_s)
+    return update_param_count * HOST_UPDATE_BYTES_PER_PARAM / step_s if step_s > 0 else 0.0
+
+
+def host_stream_bytes_per_s(hardware: HardwareProfile, gpus_per_node: int, *,
+                            update_bytes_per_s: float) -> float:
     """One GPU's share of the host DRAM bandwidth for one of its DMA streams: what the
-    N updates leave of `HOST_MEMORY_EFFICIENCY` x the theoretical bandwidth, over
-    `STREAMS_PER_GPU` x N streams."""
+    N updates (`update_bytes_per_s`, `host_update_bytes_per_s`) leave of
+    `HOST_MEMORY_EFFICIENCY` x the theoretical bandwidth, over `STREAMS_PER_GPU` x N
+    streams."""
     usable = HOST_MEMORY_EFFICIENCY * hardware.host_memory_or_default()
-    update = hardware.cpu_optimizer_params_per_s * HOST_UPDATE_BYTES_PER_PARAM
-    left = usable - update
+    left = usable - update_bytes_per_s
     if left <= 0:
         raise ValueError(
             f"hardware profile {hardware.name!r}: the host update alone "
-            f"({update / 1e9:.1f} GB/s at cpu_optimizer_params_per_s="
-            f"{hardware.cpu_optimizer_params_per_s:.3g}) fills the usable host memory "
-            f"bandwidth ({usable / 1e9:.1f} GB/s of host_memory_bytes_per_s="
-            f"{hardware.host_memory_or_default():.3g}); correct host_memory_bytes_per_s in "
-            "the profile")
+            f"({update_bytes_per_s / 1e9:.1f} GB/s averaged over the step at "
+            f"cpu_optimizer_params_per_s={hardware.cpu_optimizer_params_per_s:.3g}) fills "
+            f"the usable host memory bandwidth ({usable / 1e9:.1f} GB/s of "
+            f"host_memory_bytes_per_s={hardware.host_memory_or_default():.3g}); correct "
+            "host_memory_bytes_per_s in the profile")
     return left / (STREAMS_PER_GPU * gpus_per_node)
 
 
 def link_bytes_per_s(pcie_bytes_per_s: float, hardware: HardwareProfile,
-                     gpus_per_node: int) -> float:
+                     gpus_per_node: int, *, update_bytes_per_s: float) -> float:
     """A GPU's H2D or D2H rate on a node of `gpus_per_node`: its PCIe rate, or its share
     of the host memory bandwidth where that is less."""
-    return min(pcie_bytes_per_s, host_stream_bytes_per_s(hardware, gpus_per_node))
+    return min(pcie_bytes_per_s, host_stream_bytes_per_s(
+        hardware, gpus_per_node, update_bytes_per_s=update_bytes_per_s))
 
 
 def share_update_params_per_s(hardware: HardwareProfile, gpus_per_node: int) -> float:

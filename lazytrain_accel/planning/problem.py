@@ -24,7 +24,7 @@ same code returns floats for a fixed plan and linear expressions for the MIP's v
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lazytrain_accel.device_update import DEVICE_UPDATE_CHUNK_ELEMENTS
@@ -36,7 +36,11 @@ from lazytrain_accel.planning.host import (
     check_optimizer,
     host_base_terms,
 )
-from lazytrain_accel.planning.node import check_node_shape, link_bytes_per_s
+from lazytrain_accel.planning.node import (
+    check_node_shape,
+    host_update_bytes_per_s,
+    link_bytes_per_s,
+)
 from lazytrain_accel.planning.plan import (
     RESIDENT_UPDATES,
     Home,
@@ -322,6 +326,13 @@ class Problem:
         return sum(self.base_duration_s(w) for w in range(self.num_windows))
 
     @property
+    def host_update_param_count(self) -> int:
+        """Parameters the node's host updates each step (P_u): every layer's, and the
+        residents' unless the GPU updates them."""
+        residents = self.resident_update_param_count if self.resident_update == "host" else 0
+        return self.num_layers * self.layer_update_param_count + residents
+
+    @property
     def gpu_reserve_bytes(self) -> int:
         return self.budgets.gpu_reserve_bytes
 
@@ -424,7 +435,7 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
     tile_fwd_s, tile_bwd_s = tile_overhead_s(
         batch_size=model.batch_size, seq_len=model.seq_len,
         tile_tokens=model.tile_tokens or 0, attention_block_tokens=model.attention_block_tokens)
-    return Problem(
+    problem = Problem(
         num_layers=model.num_layers, max_block=K, boundary_bytes=model.boundary_bytes,
         layer_param_bytes=model.layer_param_bytes, layer_grad_bytes=model.layer_grad_bytes,
         fwd_s=model.layer_fwd_flops / flops_per_s + dequant_s + tile_fwd_s,
@@ -436,8 +447,7 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         fwd_overhead_s=hardware.layer_forward_overhead_s,
         bwd_overhead_s=hardware.layer_backward_overhead_s,
         step_overhead_s=hardware.step_overhead_s,
-        h2d_bytes_per_s=link_bytes_per_s(hardware.h2d_bytes_per_s, hardware, gpus_per_node),
-        d2h_bytes_per_s=link_bytes_per_s(hardware.d2h_bytes_per_s, hardware, gpus_per_node),
+        h2d_bytes_per_s=hardware.h2d_bytes_per_s, d2h_bytes_per_s=hardware.d2h_bytes_per_s,
         nvme_read_bytes_per_s=hardware.nvme_read_bytes_per_s,
         nvme_write_bytes_per_s=hardware.nvme_write_bytes_per_s,
         static_gpu_bytes=sum(b for _, b in terms), gpu_base_terms=tuple(terms),
@@ -451,6 +461,23 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         device_update_s=resident_trainable / hardware.gpu_optimizer_params_per_s,
         optimizer=optimizer, gpus_per_node=gpus_per_node,
     )
+    return with_node_links(problem, hardware)
+
+
+def with_node_links(problem: Problem, hardware: HardwareProfile) -> Problem:
+    """`problem` (priced at the PCIe rates) with each link at its share of the host DRAM
+    that the node's updates leave, their traffic averaged over the compute-only step
+    (`node.py`: `link_bytes_per_s`, `host_update_bytes_per_s`)."""
+    update_bytes_per_s = host_update_bytes_per_s(
+        hardware, update_param_count=problem.host_update_param_count,
+        compute_s=problem.compute_s)
+
+    def share(pcie_bytes_per_s: float) -> float:
+        return link_bytes_per_s(pcie_bytes_per_s, hardware, problem.gpus_per_node,
+                                update_bytes_per_s=update_bytes_per_s)
+
+    return replace(problem, h2d_bytes_per_s=share(problem.h2d_bytes_per_s),
+                   d2h_bytes_per_s=share(problem.d2h_bytes_per_s))
 
 
 def resident_tail_d2h_bytes(model: ModelProfile, *, on_device: bool) -> int:

@@ -29,6 +29,18 @@ HOST_MEMORY_EFFICIENCY = 0.75
 #: reads the fp32 gradient (4), fp32 master (4) and two 1-byte moments (2), writes the
 #: master (4), the moments (2) and the bf16 compute copy (2).
 HOST_UPDATE_BYTES_PER_PARAM = 18
+#: The fraction of a STREAM-like triad's bandwidth that the hybrid 8-bit update reaches
+#: when it streams from DRAM, by the kernel variant the host CPU runs (the dispatch picks
+#: by the CPU's features, docs/optimizer.md): the rows without clipping of the quiet run
+#: of `bench/optimizer.py --params-m 200 --threads 2 --in-cache-reps 0` on 2026-12-05
+#: (docs/benchmarks.md "The presets' host update rate"): 205.5M parameters, 2 threads,
+#: AMD EPYC Zen 5 KVM guest with 2 vCPUs, load average 0.4-1.0; the avx512 variant 41.9
+#: GB/s = 83% of the 50.6 GB/s triad, the avx2 variant (its AVX2 build on the same CPU)
+#: 32.1 GB/s = 63% (torch's fused fp32 AdamW 49.6 GB/s = 98%). Those rows counted 16
+#: bytes a parameter (no bf16 copy written) and the rate is priced at 18. Measured on 2
+#: threads of a VM, not on a server's many cores: an estimate there. No Arm (Grace) figure
+#: has been measured, so no preset has an Arm host.
+HOST_UPDATE_TRIAD_FRACTION: dict[str, float] = {"avx512": 0.83, "avx2": 0.63}
 #: Pageable over pinned host<->device copy rate where none was measured: MegaTrain's
 #: figures for one GPU, ~14 GB/s H2D from pageable memory against ~21 GB/s pinned (the
 #: driver stages pageable copies through its own pinned buffer, a second memcpy).
@@ -61,6 +73,18 @@ _MAY_BE_ZERO = frozenset({"layer_forward_overhead_s", "layer_backward_overhead_s
 def device_update_params_per_s(memory_bytes_per_s: float) -> float:
     """The residents' update on the GPU, bandwidth-bound at the streaming share."""
     return DEQUANT_EFFICIENCY * memory_bytes_per_s / DEVICE_UPDATE_BYTES_PER_PARAM
+
+
+def host_update_params_per_s(host_memory_bytes_per_s: float, host_isa: str) -> float:
+    """The host's 8-bit update, bandwidth-bound: the triad's share of the theoretical DRAM
+    bandwidth (`HOST_MEMORY_EFFICIENCY`) x the fraction of the triad the kernel variant
+    for `host_isa` reaches (`HOST_UPDATE_TRIAD_FRACTION`), over the bytes it moves a
+    parameter."""
+    if host_isa not in HOST_UPDATE_TRIAD_FRACTION:
+        raise ValueError(f"host_isa={host_isa!r} has no measured kernel fraction; give one "
+                         f"of {sorted(HOST_UPDATE_TRIAD_FRACTION)}")
+    return (host_memory_bytes_per_s * HOST_MEMORY_EFFICIENCY
+            * HOST_UPDATE_TRIAD_FRACTION[host_isa] / HOST_UPDATE_BYTES_PER_PARAM)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -215,19 +239,29 @@ _HOPPER_ACHIEVED = ("achieved rate 0.32 x peak: back-derived from the paper's H8
                     "forward re-run, 13 recomputed layers and attention are counted)")
 _AMPERE_ACHIEVED = ("achieved rate 0.45 x peak: estimate of an end-to-end transformer layer "
                     "(GEMMs + attention + elementwise) on Ampere/Ada, not the GEMM peak")
-_OPTIMIZER = "host optimizer {rate:.0e} params/s: estimate of a memory-bound fused 8-bit AdamW"
+_OPTIMIZER = ("host optimizer {rate:.3g} params/s = host DRAM {bw:.1f} GB/s x "
+              f"{HOST_MEMORY_EFFICIENCY} (a triad's share of it) x "
+              "{fraction} (the 8-bit update's fraction of the triad, its {isa} variant on "
+              "this {isa} host: bench/optimizer.py --params-m 200 --threads 2, 2026-12-05, "
+              "Zen 5 guest, load 0.4-1.0; docs/benchmarks.md 'The presets' host update "
+              f"rate') / {HOST_UPDATE_BYTES_PER_PARAM} bytes a parameter (gradient 4, "
+              "master 8, moment codes 4, bf16 compute copy 2)")
 _DEVICE_UPDATE = ("GPU update of the residents {rate:.1e} params/s: {eff} x the memory "
                   "bandwidth over the " + str(DEVICE_UPDATE_BYTES_PER_PARAM) + " bytes a "
                   "parameter the 8-bit update's torch path moves (an estimate)")
 _DGX_HOST = ("host DRAM 614.4 GB/s: 2 Xeon Platinum 8480C (NVIDIA DGX H100/H200 user guide) "
-             "x 8 channels DDR5-4800 (Intel ARK, Xeon Platinum 8480+) x 8 bytes")
+             "x 8 channels DDR5-4800 (Intel ARK, Xeon Platinum 8480+) x 8 bytes; "
+             "Sapphire Rapids runs AVX-512")
 _DGX_A100_HOST = ("host DRAM 409.6 GB/s: 2 AMD EPYC 7742 (NVIDIA DGX A100 user guide) x 8 "
-                  "channels DDR4-3200 (AMD EPYC 7742 product page) x 8 bytes")
+                  "channels DDR4-3200 (AMD EPYC 7742 product page) x 8 bytes; Zen 2: "
+                  "AVX2, no AVX-512")
 _WORKSTATION_DDR4_HOST = ("host DRAM 204.8 GB/s: 8 channels DDR4-3200 (AMD Ryzen Threadripper "
                           "PRO 3000WX product page) x 8 bytes, an assumed workstation (512 GiB "
-                          "takes 8 DIMMs)")
+                          "takes 8 DIMMs); Zen 2: AVX2, no AVX-512")
 _WORKSTATION_DDR5_HOST = ("host DRAM 166.4 GB/s: 4 channels DDR5-5200 (AMD Ryzen Threadripper "
-                          "7000 product page) x 8 bytes, an assumed workstation")
+                          "7000 product page) x 8 bytes, an assumed workstation; Zen 4 runs "
+                          "AVX-512 on 256-bit units, the fraction was measured on Zen 5's "
+                          "full-width ones")
 _LAYER_OVERHEAD = (f"layer run overhead {GPU_LAYER_FORWARD_OVERHEAD_S * 1e3:.1f} ms forward, "
                    f"{GPU_LAYER_BACKWARD_OVERHEAD_S * 1e3:.1f} ms backward, step overhead "
                    f"{GPU_STEP_OVERHEAD_S * 1e3:.0f} ms: estimates (the first kernel "
@@ -241,11 +275,13 @@ _DEQUANT = ("dequantization {rate:.0f} GB/s moved: {eff} x the {bw:.0f} GB/s mem
 
 def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb: float,
             peak_tflops: float, efficiency: float, h2d_gbps: float, d2h_gbps: float,
-            nvme_read_gbps: float, nvme_write_gbps: float, optimizer_params_per_s: float,
-            memory_gbps: float, host_memory_gbps: float, source: list[str]
-            ) -> HardwareProfile:
-    """A preset in the units vendor sheets use (GiB, TB, TFLOPS, GB/s)."""
+            nvme_read_gbps: float, nvme_write_gbps: float, memory_gbps: float,
+            host_memory_gbps: float, host_isa: str, source: list[str]) -> HardwareProfile:
+    """A preset in the units vendor sheets use (GiB, TB, TFLOPS, GB/s); its host update
+    rate follows from its host DRAM bandwidth and its CPU's vector ISA, the one the
+    kernel's dispatch would pick there (`host_update_params_per_s`)."""
     device_update = device_update_params_per_s(memory_gbps * 1e9)
+    host_update = host_update_params_per_s(host_memory_gbps * 1e9, host_isa)
     return HardwareProfile(
         name=name, gpu_name=gpu_name, gpu_memory_bytes=int(gpu_gib * _GIB),
         cpu_memory_bytes=int(cpu_gib * _GIB), nvme_bytes=int(nvme_tb * 1e12),
@@ -253,13 +289,15 @@ def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb
         achieved_flops_per_s=peak_tflops * efficiency * 1e12,
         h2d_bytes_per_s=h2d_gbps * 1e9, d2h_bytes_per_s=d2h_gbps * 1e9,
         nvme_read_bytes_per_s=nvme_read_gbps * 1e9, nvme_write_bytes_per_s=nvme_write_gbps * 1e9,
-        cpu_optimizer_params_per_s=optimizer_params_per_s,
+        cpu_optimizer_params_per_s=host_update,
         dequant_bytes_per_s=DEQUANT_EFFICIENCY * memory_gbps * 1e9,
         gpu_optimizer_params_per_s=device_update,
         host_memory_bytes_per_s=host_memory_gbps * 1e9,
         h2d_pageable_bytes_per_s=PAGEABLE_SHARE * h2d_gbps * 1e9,
         d2h_pageable_bytes_per_s=PAGEABLE_SHARE * d2h_gbps * 1e9,
-        source="; ".join([*source, _PAGEABLE, _OPTIMIZER.format(rate=optimizer_params_per_s),
+        source="; ".join([*source, _PAGEABLE,
+                          _OPTIMIZER.format(rate=host_update, bw=host_memory_gbps, isa=host_isa,
+                                            fraction=HOST_UPDATE_TRIAD_FRACTION[host_isa]),
                           _DEVICE_UPDATE.format(rate=device_update, eff=DEQUANT_EFFICIENCY),
                           _DEQUANT.format(rate=DEQUANT_EFFICIENCY * memory_gbps,
                                           eff=DEQUANT_EFFICIENCY, bw=memory_gbps),
@@ -271,34 +309,34 @@ def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb
 HARDWARE_PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (
     _preset(name="h800", gpu_name="NVIDIA H800 80GB", gpu_gib=79.1, cpu_gib=1024, nvme_tb=3.84,
             peak_tflops=989.4, efficiency=0.32, h2d_gbps=12.0, d2h_gbps=12.0,
-            nvme_read_gbps=2.83, nvme_write_gbps=3.35, optimizer_params_per_s=2e9,
-            memory_gbps=3350, host_memory_gbps=614.4,
+            nvme_read_gbps=2.83, nvme_write_gbps=3.35, memory_gbps=3350, host_memory_gbps=614.4,
+            host_isa="avx512",
             source=["peak 989.4 dense bf16 TFLOPS: NVIDIA H100/H800 SXM5 datasheet",
                     _HOPPER_ACHIEVED, f"PCIe Gen5 12 GB/s each way: {_PAPER}", _NVME_PAPER,
                     "host 1 TiB: assumed (8-GPU server class)", _DGX_HOST]),
     _preset(name="h200", gpu_name="NVIDIA H200 141GB", gpu_gib=139.8, cpu_gib=1024,
             nvme_tb=3.84, peak_tflops=989.4, efficiency=0.32, h2d_gbps=50.0, d2h_gbps=50.0,
-            nvme_read_gbps=6.8, nvme_write_gbps=4.0, optimizer_params_per_s=2e9,
-            memory_gbps=4800, host_memory_gbps=614.4,
+            nvme_read_gbps=6.8, nvme_write_gbps=4.0, memory_gbps=4800, host_memory_gbps=614.4,
+            host_isa="avx512",
             source=["peak 989.4 dense bf16 TFLOPS: NVIDIA H200 SXM datasheet",
                     _HOPPER_ACHIEVED, "PCIe 5.0 x16 50 GB/s each way: typical pinned result "
                     "(~80% of the 63 GB/s link)", _NVME_DC, "host 1 TiB: assumed", _DGX_HOST]),
     _preset(name="a100-80g", gpu_name="NVIDIA A100 80GB", gpu_gib=79.2, cpu_gib=1024,
             nvme_tb=3.84, peak_tflops=312.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
-            nvme_read_gbps=6.8, nvme_write_gbps=4.0, optimizer_params_per_s=2e9,
-            memory_gbps=2039, host_memory_gbps=409.6,
+            nvme_read_gbps=6.8, nvme_write_gbps=4.0, memory_gbps=2039, host_memory_gbps=409.6,
+            host_isa="avx2",
             source=["peak 312 dense bf16 TFLOPS: NVIDIA A100 datasheet", _AMPERE_ACHIEVED,
                     _PCIE4, _NVME_DC, "host 1 TiB: assumed", _DGX_A100_HOST]),
     _preset(name="a100-40g", gpu_name="NVIDIA A100 40GB", gpu_gib=39.4, cpu_gib=512,
             nvme_tb=3.84, peak_tflops=312.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
-            nvme_read_gbps=6.8, nvme_write_gbps=4.0, optimizer_params_per_s=2e9,
-            memory_gbps=1555, host_memory_gbps=409.6,
+            nvme_read_gbps=6.8, nvme_write_gbps=4.0, memory_gbps=1555, host_memory_gbps=409.6,
+            host_isa="avx2",
             source=["peak 312 dense bf16 TFLOPS: NVIDIA A100 datasheet", _AMPERE_ACHIEVED,
                     _PCIE4, _NVME_DC, "host 512 GiB: assumed", _DGX_A100_HOST]),
     _preset(name="rtx3090", gpu_name="NVIDIA GeForce RTX 3090", gpu_gib=23.7, cpu_gib=512,
             nvme_tb=2.0, peak_tflops=71.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
-            nvme_read_gbps=2.83, nvme_write_gbps=3.35, optimizer_params_per_s=1e9,
-            memory_gbps=936, host_memory_gbps=204.8,
+            nvme_read_gbps=2.83, nvme_write_gbps=3.35, memory_gbps=936, host_memory_gbps=204.8,
+            host_isa="avx2",
             source=["peak 71 dense bf16 TFLOPS (fp32 accumulate): NVIDIA Ampere GA102 "
                     "whitepaper", _AMPERE_ACHIEVED, _PCIE4,
                     f"{_NVME_PAPER} (the paper's second testbed)",
@@ -306,8 +344,8 @@ HARDWARE_PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (
                     _WORKSTATION_DDR4_HOST]),
     _preset(name="rtx4090", gpu_name="NVIDIA GeForce RTX 4090", gpu_gib=23.6, cpu_gib=256,
             nvme_tb=2.0, peak_tflops=165.2, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
-            nvme_read_gbps=7.45, nvme_write_gbps=6.9, optimizer_params_per_s=1e9,
-            memory_gbps=1008, host_memory_gbps=166.4,
+            nvme_read_gbps=7.45, nvme_write_gbps=6.9, memory_gbps=1008, host_memory_gbps=166.4,
+            host_isa="avx512",
             source=["peak 165.2 dense bf16 TFLOPS (fp32 accumulate): NVIDIA Ada AD102 "
                     "whitepaper", _AMPERE_ACHIEVED, _PCIE4,
                     "NVMe 7.45 / 6.9 GB/s: vendor sheet of a PCIe 4.0 consumer SSD (Samsung "

@@ -49,15 +49,42 @@ def test_host_bytes_count_the_shared_state_once_and_each_ranks_buffers_n_times()
     assert node == SHARED_BYTES + 8 * PER_RANK_BYTES + 8 * (2 + 3) * A
 
 
+def _node_link_bytes_per_s(update_params_per_s: float, gpus_per_node: int) -> float:
+    """The H2D rate of the 4-layer chain on a 100 GB/s host at that update rate."""
+    model, hardware = _chain(h2d_gbps=40.0, d2h_gbps=40.0)
+    hardware = dataclasses.replace(hardware, host_memory_bytes_per_s=100e9,
+                                   cpu_optimizer_params_per_s=update_params_per_s)
+    return build_problem(model, hardware, gpus_per_node=gpus_per_node).h2d_bytes_per_s
+
+
 def test_links_share_the_host_memory_bandwidth() -> None:
     model, hardware = _chain(h2d_gbps=12.0, d2h_gbps=10.0)
     hardware = dataclasses.replace(hardware, host_memory_bytes_per_s=100e9,
-                                   cpu_optimizer_params_per_s=1e9)
-    # usable 0.75 x 100 GB/s, less the update's 1e9 x 18 B/s: 57 GB/s over 2 N streams.
-    for n, h2d, d2h in ((1, 12e9, 10e9), (2, 12e9, 10e9), (4, 7.125e9, 7.125e9),
-                        (8, 3.5625e9, 3.5625e9)):
+                                   cpu_optimizer_params_per_s=1e8)
+    # The update (5.4 s at 1e8 params/s) outlasts the compute-only step (0.83 s), so it is
+    # charged all step: usable 0.75 x 100 GB/s less 1e8 x 18 B/s, 73.2 GB/s over 2 N streams.
+    for n, h2d, d2h in ((1, 12e9, 10e9), (2, 12e9, 10e9), (4, 9.15e9, 9.15e9),
+                        (8, 4.575e9, 4.575e9)):
         p = build_problem(model, hardware, gpus_per_node=n)
+        assert p.host_update_param_count == TRAINABLE
+        assert p.compute_s < TRAINABLE / 1e8
         assert (p.h2d_bytes_per_s, p.d2h_bytes_per_s) == pytest.approx((h2d, d2h))
+
+
+def test_the_update_is_charged_by_its_share_of_the_step() -> None:
+    """The updates move P_u x 18 bytes a step, over at least the compute-only step C and
+    at least their own P_u / R seconds: an update that takes exactly C is charged R U as
+    if it ran all step (the all-step rule), and a faster one the same, never more."""
+    compute_s = build_problem(*_chain(), gpus_per_node=8).compute_s
+    whole_step = TRAINABLE / compute_s  # params/s at which the update takes exactly C
+    all_step = (0.75 * 100e9 - whole_step * 18) / (2 * 8)
+    assert _node_link_bytes_per_s(whole_step, 8) == pytest.approx(all_step)
+    faster = [_node_link_bytes_per_s(whole_step * k, 8) for k in (1, 2, 10, 1000)]
+    assert faster == pytest.approx([all_step] * 4)
+    for rate in (1e7, 1e8, 0.5 * whole_step, whole_step, 1e10, 1e12):
+        # never below the all-step charge R U, which only slower updates reach
+        assert _node_link_bytes_per_s(rate, 8) >= (0.75 * 100e9 - rate * 18) / 16 * (
+            1 - 1e-12)
 
 
 def test_without_a_host_bandwidth_one_gpu_is_never_host_bound() -> None:
@@ -65,12 +92,13 @@ def test_without_a_host_bandwidth_one_gpu_is_never_host_bound() -> None:
     assert hardware.host_memory_bytes_per_s is None
     p = build_problem(model, hardware)
     assert (p.h2d_bytes_per_s, p.d2h_bytes_per_s) == (40e9, 8e9)
-    assert build_problem(model, hardware, gpus_per_node=2).h2d_bytes_per_s == 20e9
+    assert 20e9 <= build_problem(model, hardware, gpus_per_node=2).h2d_bytes_per_s < 40e9
 
 
 def test_an_update_that_fills_the_host_bandwidth_is_refused() -> None:
     model, hardware = _chain()
-    hardware = dataclasses.replace(hardware, host_memory_bytes_per_s=20e9)
+    # the update's 11.6 GB/s averaged over the step against 0.75 x 15 GB/s usable
+    hardware = dataclasses.replace(hardware, host_memory_bytes_per_s=15e9)
     with pytest.raises(ValueError, match="host_memory_bytes_per_s"):
         build_problem(model, hardware, gpus_per_node=2)
 

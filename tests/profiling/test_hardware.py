@@ -9,7 +9,14 @@ import sys
 
 import pytest
 
-from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
+from lazytrain_accel.profiling.hardware import (
+    HARDWARE_PRESETS,
+    HOST_MEMORY_EFFICIENCY,
+    HOST_UPDATE_BYTES_PER_PARAM,
+    HOST_UPDATE_TRIAD_FRACTION,
+    HardwareProfile,
+    host_update_params_per_s,
+)
 from lazytrain_accel.profiling.hardware_spec import load_hardware
 
 _REQUIRED = {"h800", "h200", "a100-80g", "a100-40g", "rtx3090", "rtx4090"}
@@ -28,6 +35,39 @@ def test_h800_carries_the_paper_measurements() -> None:
     assert hw.h2d_bytes_per_s == hw.d2h_bytes_per_s == 12e9
     assert (hw.nvme_read_bytes_per_s, hw.nvme_write_bytes_per_s) == (2.83e9, 3.35e9)
     assert "2608.11919" in hw.source
+
+
+# The vector ISA of each preset's host CPU (its `source` names the CPU): the variant of
+# the kernel its dispatch picks there.
+_HOST_ISA = {"h800": "avx512", "h200": "avx512", "a100-80g": "avx2", "a100-40g": "avx2",
+             "rtx3090": "avx2", "rtx4090": "avx512"}
+
+
+@pytest.mark.parametrize("name", sorted(HARDWARE_PRESETS))
+def test_preset_host_update_rate_follows_from_its_host_bandwidth(name: str) -> None:
+    hw, isa = HARDWARE_PRESETS[name], _HOST_ISA[name]
+    fraction = HOST_UPDATE_TRIAD_FRACTION[isa]
+    triad_bytes_per_s = HOST_MEMORY_EFFICIENCY * hw.host_memory_bytes_per_s
+    assert hw.cpu_optimizer_params_per_s == pytest.approx(
+        triad_bytes_per_s * fraction / HOST_UPDATE_BYTES_PER_PARAM)
+    # its source names the three figures and where the measured one comes from
+    assert f"host DRAM {hw.host_memory_bytes_per_s / 1e9:.1f} GB/s x" in hw.source
+    assert f"x {fraction} (the 8-bit update's fraction of the triad, its {isa} variant" \
+        in hw.source
+    assert f"/ {HOST_UPDATE_BYTES_PER_PARAM} bytes a parameter" in hw.source
+    assert "bench/optimizer.py" in hw.source and "docs/benchmarks.md" in hw.source
+
+
+def test_h200_host_update_rate_is_the_one_the_docs_quote() -> None:
+    # docs/optimizer.md and docs/benchmarks.md (the 405B re-plan) quote 21.25e9 params/s:
+    # 614.4 GB/s x 0.75 x 0.83 (avx512) / 18
+    assert HARDWARE_PRESETS["h200"].cpu_optimizer_params_per_s == pytest.approx(
+        21.248e9, rel=1e-3)
+
+
+def test_a_host_isa_without_a_measured_fraction_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"host_isa='sve'.*avx2"):
+        host_update_params_per_s(614.4e9, "sve")
 
 
 def test_gpu_memory_ordering_is_sane() -> None:
