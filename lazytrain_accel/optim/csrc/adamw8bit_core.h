@@ -131,8 +131,11 @@ inline void update_moments(float* __restrict param, const grad_t* __restrict gra
   float max_m = 0.0f, max_v = 0.0f;
   int64_t first = 0;
 #ifdef LAZYTRAIN_EXPLICIT_AVX2
-  first = avx2::update_moments(param, grad, m_codes, v_codes, absmax_m, absmax_v, m_out, v_out,
-                               n, c, max_m, max_v);
+  first = c.clip_coef != 1.0f
+              ? avx2::update_moments<true>(param, grad, m_codes, v_codes, absmax_m, absmax_v,
+                                           m_out, v_out, n, c, max_m, max_v)
+              : avx2::update_moments<false>(param, grad, m_codes, v_codes, absmax_m, absmax_v,
+                                            m_out, v_out, n, c, max_m, max_v);
 #endif
 #pragma omp simd reduction(max : max_m, max_v)
   for (int64_t i = first; i < n; ++i) {
