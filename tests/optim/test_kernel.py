@@ -75,6 +75,22 @@ def test_bf16_compute_copy_is_written_in_the_same_pass(backend) -> None:
         assert torch.equal(out, p.detach().to(torch.bfloat16))
 
 
+@pytest.mark.usefixtures("kernel_variant")
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_every_variant_writes_the_bf16_copy_rounded_to_nearest_even(offset) -> None:
+    """The vector variants write the copy with their own loops (AVX2: streaming stores
+    where the copy is 32-byte aligned, plain ones elsewhere): each must round as torch."""
+    params = make_params(2)
+    opt = HybridAdamW8bit(params, backend="native", lr=1e-2)
+    set_random_grads(params, seed=0)
+    outs = [torch.empty(p.numel() + offset, dtype=torch.bfloat16)[offset:] for p in params]
+    assert opt.begin_step()
+    opt.step_params(params, out_bf16=outs)
+    opt.end_step()
+    for p, out in zip(params, outs, strict=True):
+        assert torch.equal(out, p.detach().reshape(-1).to(torch.bfloat16))
+
+
 def test_non_contiguous_compute_copy_is_still_written() -> None:
     params = make_params(3)[:1]
     opt = HybridAdamW8bit(params, lr=1e-2)

@@ -81,6 +81,7 @@ void adamw8bit_step(at::Tensor param, at::Tensor grad, at::Tensor m_codes, at::T
         update_block(b, static_cast<const float*>(g) + start, s);
       }
     }
+    if (out != nullptr) fence_streaming_stores();
   });
 }
 

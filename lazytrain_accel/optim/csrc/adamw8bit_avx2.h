@@ -160,5 +160,35 @@ inline int64_t encode_block(const float* __restrict m, const float* __restrict v
   return i;
 }
 
+// The bf16 compute copy, 16 values a step, round to nearest even (to_bf16_bits). Written
+// with streaming stores where 32-byte aligned: the copy is not read on this core again
+// (the device copy reads it from memory), so it skips the read for ownership of each
+// line (2 of the 4 bytes per parameter a cached store moves); the caller fences.
+inline __m256i bf16_bits8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+}
+
+inline int64_t write_bf16(const float* __restrict param, uint16_t* __restrict out, int64_t n) {
+  const bool aligned = (reinterpret_cast<uintptr_t>(out) & 31) == 0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    // packus works per 128-bit lane: [a0-3 b0-3 | a4-7 b4-7] -> 64-bit quarters 0 2 1 3
+    const __m256i words = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(bf16_bits8(_mm256_loadu_ps(param + i)),
+                            bf16_bits8(_mm256_loadu_ps(param + i + 8))),
+        0xD8);
+    __m256i* target = reinterpret_cast<__m256i*>(out + i);
+    if (aligned) {
+      _mm256_stream_si256(target, words);
+    } else {
+      _mm256_storeu_si256(target, words);
+    }
+  }
+  return i;
+}
+
 }  // namespace avx2
 }  // namespace lazytrain_core

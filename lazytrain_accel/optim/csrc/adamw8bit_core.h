@@ -171,8 +171,20 @@ inline void encode_block(const float* __restrict m, const float* __restrict v,
 }
 
 inline void write_bf16(const float* __restrict param, uint16_t* __restrict out, int64_t n) {
+  int64_t first = 0;
+#ifdef LAZYTRAIN_EXPLICIT_AVX2
+  first = avx2::write_bf16(param, out, n);
+#endif
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16_bits(param[i]);
+  for (int64_t i = first; i < n; ++i) out[i] = to_bf16_bits(param[i]);
+}
+
+// Orders this thread's streaming stores (write_bf16) before whatever it does next: the
+// threads' work is joined after this, and the copy read.
+inline void fence_streaming_stores() {
+#ifdef LAZYTRAIN_EXPLICIT_AVX2
+  _mm_sfence();
+#endif
 }
 
 template <typename grad_t>
