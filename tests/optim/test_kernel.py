@@ -89,6 +89,17 @@ def test_every_variant_writes_the_bf16_copy_rounded_to_nearest_even(offset) -> N
     opt.end_step()
     for p, out in zip(params, outs, strict=True):
         assert torch.equal(out, p.detach().reshape(-1).to(torch.bfloat16))
+    # masters on rounding ties (low 16 bits 0x8000), odd and even, kept by lr=0
+    gen = torch.Generator().manual_seed(1)
+    high = torch.randint(0x3F00, 0x4100, (4099,), generator=gen, dtype=torch.int32)
+    ties = torch.nn.Parameter(((high << 16) | 0x8000).view(torch.float32))
+    set_random_grads([ties], seed=1)
+    opt = HybridAdamW8bit([ties], backend="native", lr=0.0, weight_decay=0.0)
+    out = torch.empty(ties.numel() + offset, dtype=torch.bfloat16)[offset:]
+    assert opt.begin_step()
+    opt.step_params([ties], out_bf16=[out])
+    opt.end_step()
+    assert torch.equal(out, ties.detach().to(torch.bfloat16))
 
 
 def test_non_contiguous_compute_copy_is_still_written() -> None:
