@@ -50,12 +50,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
 
-from lazytrain_accel.checkpoints import layout as layout
+from lazytrain_accel.checkpoints import direct, layout
 from lazytrain_accel.checkpoints import shares as sc
 
 logger = logging.getLogger("lazytrain_accel")
@@ -100,6 +100,9 @@ class PendingSave:
         self.update_waited_s = 0.0
         self.written_bytes = 0
         self.duration_s: float | None = None  # from start to publication
+        #: The writer's own: wall seconds until every group was written (in the page
+        #: cache), then fsyncing the files, and the CPU seconds its thread used.
+        self.write_s = self.fsync_s = self.writer_cpu_s = 0.0
         self._start_s = time.perf_counter()
         # Not a daemon: an interpreter exiting right after save_state finishes the save.
         self._thread = threading.Thread(target=self._run, name="lazytrain-checkpoint")
@@ -133,14 +136,19 @@ class PendingSave:
     # ---- the writer thread --------------------------------------------------------------
     def _run(self) -> None:
         try:
+            staging = direct.Staging()
             with contextlib.ExitStack() as files:
-                handles = [files.enter_context(open(path, "wb")) for path, _ in self._files]
+                handles = [files.enter_context(direct.DirectFile(path, staging))
+                           for path, _ in self._files]
                 for f, (_, header) in zip(handles, self._files, strict=True):
                     f.write(header)
                 self._write_groups(handles)
                 for f in handles:
-                    f.flush()
-                    os.fsync(f.fileno())
+                    f.finish()
+                self.write_s = time.perf_counter() - self._start_s
+                for f in handles:
+                    f.fsync()
+                self.fsync_s = time.perf_counter() - self._start_s - self.write_s
             if self._stack is None:  # not rank 0: mark, then wait for rank 0's rename
                 _mark(self._tmp / f".written-{self._rank}", "")
                 self._wait_published()
@@ -158,10 +166,11 @@ class PendingSave:
         finally:
             for event in self._written:
                 event.set()  # training goes on, whatever happened here
+            self.writer_cpu_s = time.thread_time()
         if self._error is None:
             self._published()
 
-    def _write_groups(self, handles: Sequence[BinaryIO]) -> None:
+    def _write_groups(self, handles: Sequence[direct.DirectFile]) -> None:
         opened = 0  # the gates of the groups before this one are open
         for entry in self._entries:
             for g in range(opened, min(entry.group, len(self._written))):
@@ -171,7 +180,8 @@ class PendingSave:
         for event in self._written:  # every byte is in the files (the kernel's copy)
             event.set()
 
-    def _write(self, f: BinaryIO, tensor: torch.Tensor, dtype: torch.dtype | None) -> None:
+    def _write(self, f: direct.DirectFile, tensor: torch.Tensor, dtype: torch.dtype | None
+               ) -> None:
         data = layout.tensor_bytes(tensor, dtype)
         for start in range(0, len(data), _CHUNK_BYTES):
             chunk = data[start:start + _CHUNK_BYTES]
@@ -215,9 +225,10 @@ class PendingSave:
         if self._stack is None:
             return  # rank 0 logs the save and rotates
         logger.info("lazytrain: checkpoint %s written (async, %.2f s, %.3f GB at %.0f MB/s "
-                    "from rank 0; the update waited %.2f s for it)", self.final, duration_s,
+                    "from rank 0: written in %.2f s, fsynced in %.2f s, the writer's CPU "
+                    "%.2f s; the update waited %.2f s for it)", self.final, duration_s,
                     self.written_bytes / 1e9, self.written_bytes / 1e6 / max(duration_s, 1e-9),
-                    self.update_waited_s)
+                    self.write_s, self.fsync_s, self.writer_cpu_s, self.update_waited_s)
         try:
             self._on_published()
         except Exception as err:  # the checkpoint exists; rotation is best effort
