@@ -18,10 +18,23 @@ the group's gate. The next update of group g first waits at that gate
 bytes waits until g is on the disk, so nothing is copied and the checkpoint holds step k
 exactly. The forward of step k+1 reads masters, never writes them, so it runs freely.
 
-One writer thread per rank on purpose: its work is `write(2)` of bytes that are already
-in memory (the GIL released, the core idle while the disk takes them), and one sequential
-stream per file is what a disk writes fastest; a second writer would compete with the
-update thread for the cores `threads.py` sized the pools for.
+A gate opens once g's bytes are out of the tensors (in the staging buffer or on the
+disk), not once they are durable: it guards the masters against the next update; the
+fsync of every file belongs to the publication. The files are written past the page
+cache (`direct.py`: on a VM guest a buffered write cost the writer 2-3 CPU seconds per GB
+in fresh page-cache pages, taken from the training's cores; `O_DIRECT` a memory copy).
+
+Which rank's update may change a group's bytes is what decides who writes it: under the
+node store the masters are shared, and a group is updated by its owner only (on a CPU
+"device" the device-homed residents too have one owner, `split_update.
+start_split_update`; the others hold no gradients for them and `step_params` skips them),
+so the owner's gate covers every update of the bytes it writes. Groups every rank owns
+exist only on a GPU, where each rank updates its own device copy.
+
+One writer thread per rank on purpose: its work is a memory copy and `pwrite(2)` (the GIL
+released, the core idle while the disk takes the bytes), and one sequential stream per
+file is what a disk writes fastest; a second writer would compete with the update thread
+for the cores `threads.py` sized the pools for.
 
 The atomic protocol is `share_checkpoint`'s: rank 0 opens a temporary directory beside
 the target and names it to every rank, every file is fsynced, the manifest is written
@@ -34,9 +47,10 @@ leaves the previous checkpoint and a `.tmp-<pid>` directory that `recover` remov
 writer error removes the temporary directory, opens every gate (training goes on) and is
 raised on every rank by its next save, `load_state` or `end_training`.
 
-Memory: what the writer holds beyond the state is one tensor, copied alone to cast it to
-the export dtype or to read it off the device (none in the model's dtype on the host),
-below one group's bytes; `preflight.py` `save_buffer_bytes` counts it in the host check.
+Memory: what the writer holds beyond the state is its staging buffer (16 MiB) and one
+tensor, copied alone to cast it to the export dtype or to read it off the device (none in
+the model's dtype on the host), below one group's bytes; `preflight.py`
+`save_buffer_bytes` counts the tensor in the host check.
 """
 
 from __future__ import annotations
