@@ -15,7 +15,7 @@ group's weights to its shard files and its optimizer state (and masters, under a
 dtype) to its share file, straight from the tensors the optimizer updates; then it opens
 the group's gate. The next update of group g first waits at that gate
 (`StepCoordinator.save_gate`, `LayerwiseUpdate(before_group=)`): the only writer of g's
-bytes waits until g is on the disk, so nothing is copied and the checkpoint holds step k
+bytes waits until g is written out, so no copy of the state is held and the checkpoint holds step k
 exactly. The forward of step k+1 reads masters, never writes them, so it runs freely.
 
 A gate opens once g's bytes are out of the tensors (in the staging buffer or on the
@@ -114,8 +114,8 @@ class PendingSave:
         self.update_waited_s = 0.0
         self.written_bytes = 0
         self.duration_s: float | None = None  # from start to publication
-        #: The writer's own: wall seconds until every group was written (in the page
-        #: cache), then fsyncing the files, and the CPU seconds its thread used.
+        #: The writer's own: wall seconds until every group was written (out of the
+        #: tensors), then fsyncing the files, and the CPU seconds its thread used.
         self.write_s = self.fsync_s = self.writer_cpu_s = 0.0
         self._start_s = time.perf_counter()
         # Not a daemon: an interpreter exiting right after save_state finishes the save.
@@ -191,7 +191,7 @@ class PendingSave:
                 self._written[g].set()
             opened = max(opened, entry.group)
             self._write(handles[entry.file], entry.tensor, entry.dtype)
-        for event in self._written:  # every byte is in the files (the kernel's copy)
+        for event in self._written:  # every byte is out of the tensors (staged or written)
             event.set()
 
     def _write(self, f: direct.DirectFile, tensor: torch.Tensor, dtype: torch.dtype | None
