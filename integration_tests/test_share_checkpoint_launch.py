@@ -121,3 +121,27 @@ def test_the_last_checkpoint_loads_after_a_rank_is_killed(tmp_path: Path) -> Non
     sc.load_optimizer(optimizer, ckpt, manifest, sc.param_names(model), lambda p: True,
                       world_size=1)
     assert len(optimizer.state) == sum(len(s["params"]) for s in manifest["shares"]) > 0
+
+
+def test_device_residents_on_a_cpu_device_are_saved_before_their_owner_updates_them(
+        tmp_path: Path) -> None:
+    """`resident_update="device"` on a CPU "device" under the node store: the residents'
+    masters are the shared ones, updated on the training thread by their one owner (no
+    group is every rank's there), which is also the rank that writes them. A throttled
+    async save at step 2 while steps 3-4 run holds what a blocking save holds: the owner's
+    device update waited at its gate, and no other rank wrote those bytes."""
+    env = {"LAZYTRAIN_RESIDENT_UPDATE": "device"}
+    args = ("--lazytrain", "--plan", "auto", "--batch-size", "4", "--save-at", "2")
+    ckpt, blocking = tmp_path / "ckpt", tmp_path / "blocking"
+    _launch(tmp_path, "async", *args, "--steps", "4", "--ckpt-dir", str(ckpt),
+            "--finish-save-at-end", num_processes=2,
+            env={**env, "LAZYTRAIN_CHECKPOINT_WRITE_BYTES_PER_S": "500000"})
+    assert json.loads((ckpt / "lazytrain_plan.json").read_text())["resident_update"] == "device"
+    shares = sc.read_manifest(ckpt)["shares"]
+    last = max(g for s in shares for g in s["groups"])  # the output residents
+    assert [s["rank"] for s in shares if last in s["groups"]] == [1]  # owned by one rank
+    _launch(tmp_path, "blocking", *args, "--steps", "2", "--ckpt-dir", str(blocking),
+            num_processes=2, env={**env, "LAZYTRAIN_CHECKPOINT_MODE": "sync"})
+    assert _weights(blocking).keys() == _weights(ckpt).keys()
+    assert all(torch.equal(t, _weights(ckpt)[n]) for n, t in _weights(blocking).items())
+    assert _share_digest(blocking, shares) == _share_digest(ckpt, shares)

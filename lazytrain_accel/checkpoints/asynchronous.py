@@ -15,13 +15,26 @@ group's weights to its shard files and its optimizer state (and masters, under a
 dtype) to its share file, straight from the tensors the optimizer updates; then it opens
 the group's gate. The next update of group g first waits at that gate
 (`StepCoordinator.save_gate`, `LayerwiseUpdate(before_group=)`): the only writer of g's
-bytes waits until g is on the disk, so nothing is copied and the checkpoint holds step k
+bytes waits until g is written out, so no copy of the state is held and the checkpoint holds step k
 exactly. The forward of step k+1 reads masters, never writes them, so it runs freely.
 
-One writer thread per rank on purpose: its work is `write(2)` of bytes that are already
-in memory (the GIL released, the core idle while the disk takes them), and one sequential
-stream per file is what a disk writes fastest; a second writer would compete with the
-update thread for the cores `threads.py` sized the pools for.
+A gate opens once g's bytes are out of the tensors (in the staging buffer or on the
+disk), not once they are durable: it guards the masters against the next update; the
+fsync of every file belongs to the publication. The files are written past the page
+cache (`direct.py`: on a VM guest a buffered write cost the writer 2-3 CPU seconds per GB
+in fresh page-cache pages, taken from the training's cores; `O_DIRECT` a memory copy).
+
+Which rank's update may change a group's bytes is what decides who writes it: under the
+node store the masters are shared, and a group is updated by its owner only (on a CPU
+"device" the device-homed residents too have one owner, `split_update.
+start_split_update`; the others hold no gradients for them and `step_params` skips them),
+so the owner's gate covers every update of the bytes it writes. Groups every rank owns
+exist only on a GPU, where each rank updates its own device copy.
+
+One writer thread per rank on purpose: its work is a memory copy and `pwrite(2)` (the GIL
+released, the core idle while the disk takes the bytes), and one sequential stream per
+file is what a disk writes fastest; a second writer would compete with the update thread
+for the cores `threads.py` sized the pools for.
 
 The atomic protocol is `share_checkpoint`'s: rank 0 opens a temporary directory beside
 the target and names it to every rank, every file is fsynced, the manifest is written
@@ -34,9 +47,10 @@ leaves the previous checkpoint and a `.tmp-<pid>` directory that `recover` remov
 writer error removes the temporary directory, opens every gate (training goes on) and is
 raised on every rank by its next save, `load_state` or `end_training`.
 
-Memory: what the writer holds beyond the state is one tensor, copied alone to cast it to
-the export dtype or to read it off the device (none in the model's dtype on the host),
-below one group's bytes; `preflight.py` `save_buffer_bytes` counts it in the host check.
+Memory: what the writer holds beyond the state is its staging buffer (16 MiB) and one
+tensor, copied alone to cast it to the export dtype or to read it off the device (none in
+the model's dtype on the host), below one group's bytes; `preflight.py`
+`save_buffer_bytes` counts the tensor in the host check.
 """
 
 from __future__ import annotations
@@ -50,12 +64,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
 
-from lazytrain_accel.checkpoints import layout as layout
+from lazytrain_accel.checkpoints import direct, layout
 from lazytrain_accel.checkpoints import shares as sc
 
 logger = logging.getLogger("lazytrain_accel")
@@ -100,6 +114,9 @@ class PendingSave:
         self.update_waited_s = 0.0
         self.written_bytes = 0
         self.duration_s: float | None = None  # from start to publication
+        #: The writer's own: wall seconds until every group was written (out of the
+        #: tensors), then fsyncing the files, and the CPU seconds its thread used.
+        self.write_s = self.fsync_s = self.writer_cpu_s = 0.0
         self._start_s = time.perf_counter()
         # Not a daemon: an interpreter exiting right after save_state finishes the save.
         self._thread = threading.Thread(target=self._run, name="lazytrain-checkpoint")
@@ -133,14 +150,19 @@ class PendingSave:
     # ---- the writer thread --------------------------------------------------------------
     def _run(self) -> None:
         try:
+            staging = direct.Staging()
             with contextlib.ExitStack() as files:
-                handles = [files.enter_context(open(path, "wb")) for path, _ in self._files]
+                handles = [files.enter_context(direct.DirectFile(path, staging))
+                           for path, _ in self._files]
                 for f, (_, header) in zip(handles, self._files, strict=True):
                     f.write(header)
                 self._write_groups(handles)
                 for f in handles:
-                    f.flush()
-                    os.fsync(f.fileno())
+                    f.finish()
+                self.write_s = time.perf_counter() - self._start_s
+                for f in handles:
+                    f.fsync()
+                self.fsync_s = time.perf_counter() - self._start_s - self.write_s
             if self._stack is None:  # not rank 0: mark, then wait for rank 0's rename
                 _mark(self._tmp / f".written-{self._rank}", "")
                 self._wait_published()
@@ -158,20 +180,22 @@ class PendingSave:
         finally:
             for event in self._written:
                 event.set()  # training goes on, whatever happened here
+            self.writer_cpu_s = time.thread_time()
         if self._error is None:
             self._published()
 
-    def _write_groups(self, handles: Sequence[BinaryIO]) -> None:
+    def _write_groups(self, handles: Sequence[direct.DirectFile]) -> None:
         opened = 0  # the gates of the groups before this one are open
         for entry in self._entries:
             for g in range(opened, min(entry.group, len(self._written))):
                 self._written[g].set()
             opened = max(opened, entry.group)
             self._write(handles[entry.file], entry.tensor, entry.dtype)
-        for event in self._written:  # every byte is in the files (the kernel's copy)
+        for event in self._written:  # every byte is out of the tensors (staged or written)
             event.set()
 
-    def _write(self, f: BinaryIO, tensor: torch.Tensor, dtype: torch.dtype | None) -> None:
+    def _write(self, f: direct.DirectFile, tensor: torch.Tensor, dtype: torch.dtype | None
+               ) -> None:
         data = layout.tensor_bytes(tensor, dtype)
         for start in range(0, len(data), _CHUNK_BYTES):
             chunk = data[start:start + _CHUNK_BYTES]
@@ -215,9 +239,10 @@ class PendingSave:
         if self._stack is None:
             return  # rank 0 logs the save and rotates
         logger.info("lazytrain: checkpoint %s written (async, %.2f s, %.3f GB at %.0f MB/s "
-                    "from rank 0; the update waited %.2f s for it)", self.final, duration_s,
+                    "from rank 0: written in %.2f s, fsynced in %.2f s, the writer's CPU "
+                    "%.2f s; the update waited %.2f s for it)", self.final, duration_s,
                     self.written_bytes / 1e9, self.written_bytes / 1e6 / max(duration_s, 1e-9),
-                    self.update_waited_s)
+                    self.write_s, self.fsync_s, self.writer_cpu_s, self.update_waited_s)
         try:
             self._on_published()
         except Exception as err:  # the checkpoint exists; rotation is best effort

@@ -11,7 +11,8 @@ transformers parses it). The weights are in the dtype the model holds each tenso
 (fp32 for the trainable masters), or in one the user names for export (e.g. bf16); then
 the share files keep the fp32 masters a resume needs (`share_checkpoint.write_share`).
 
-Memory: every tensor is read where it lives and written as it is; a tensor cast to the
+Memory: every tensor is read where it lives and written as it is, through one staging
+buffer of 16 MiB past the page cache (`checkpoints/direct.py`); a tensor cast to the
 export dtype, or not contiguous, is converted alone just before its bytes are written. So
 a save adds at most one tensor's bytes to the host (below one layer group's), never a
 copy of the model (`preflight` counts one layer's bytes for it).
@@ -20,12 +21,13 @@ copy of the model (`preflight` counts one layer's bytes for it).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
+
+from lazytrain_accel.checkpoints.direct import DirectFile, Staging
 
 WEIGHTS = "model.safetensors"
 INDEX = f"{WEIGHTS}.index.json"
@@ -58,15 +60,15 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
 
 def write_safetensors(path: Path, tensors: Named, *, dtype: torch.dtype | None = None,
                       metadata: Mapping[str, str] | None = None) -> int:
-    """Write `tensors` as a safetensors file one tensor at a time (`write_tensor`).
+    """Write `tensors` as a safetensors file one tensor at a time (`tensor_bytes`).
     Returns the bytes written; the file is fsynced."""
     header = safetensors_header(tensors, dtype=dtype, metadata=metadata)
-    with open(path, "wb") as f:
+    with DirectFile(path, Staging()) as f:  # past the page cache: checkpoints/direct.py
         f.write(header)
         for _, t in tensors:
-            write_tensor(f, t, dtype)
-        f.flush()
-        os.fsync(f.fileno())
+            f.write(tensor_bytes(t, dtype))
+        f.finish()
+        f.fsync()
     return len(header) + sum(exported_bytes(t, dtype) for _, t in tensors)
 
 
@@ -87,13 +89,6 @@ def safetensors_header(tensors: Named, *, dtype: torch.dtype | None = None,
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return len(raw).to_bytes(8, "little") + raw
-
-
-def write_tensor(f: BinaryIO, tensor: torch.Tensor, dtype: torch.dtype | None) -> int:
-    """Append `tensor`'s bytes (`tensor_bytes`) to `f`. Returns the bytes written."""
-    data = tensor_bytes(tensor, dtype)
-    f.write(data)
-    return len(data)
 
 
 def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None) -> memoryview:

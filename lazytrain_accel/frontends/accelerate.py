@@ -196,8 +196,7 @@ class Accelerator(accelerate.Accelerator):
         weights in the layout `from_pretrained` expects, the optimizer state per share,
         atomic. A layer-wise update still running is waited for: the checkpoint holds
         its result."""
-        self.lazytrain_wait_for_checkpoint()  # a second save waits for the first
-        self._lazytrain_synchronize()
+        self.lazytrain_settle_before_save()
         if self.lazytrain is not None:
             return self._lazytrain_save_shares(output_dir, safe_serialization, kwargs)
         if self.lazytrain_plugin is None or output_dir is None or self.num_processes > 1:
@@ -270,6 +269,13 @@ class Accelerator(accelerate.Accelerator):
         finally:
             if state.engine is not None:
                 state.engine.steps.save_gate = None
+
+    def lazytrain_settle_before_save(self) -> None:
+        """What every save (`save_state`, the Trainer's checkpoint) waits for first: a
+        pending save, published (a second save waits for the first), then the running
+        layer-wise update, whole (the checkpoint holds the step's result)."""
+        self.lazytrain_wait_for_checkpoint()
+        self._lazytrain_synchronize()
 
     def _lazytrain_save_plan(self, directory: Path) -> None:
         if self.lazytrain is not None and self.is_main_process:

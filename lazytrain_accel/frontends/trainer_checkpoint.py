@@ -74,8 +74,7 @@ def make_checkpoints_atomic(trainer: Trainer) -> None:
     def save_checkpoint(model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
         accelerator = trainer.accelerator
         if getattr(accelerator, "lazytrain", None) is not None:
-            accelerator.lazytrain_wait_for_checkpoint()  # a second save waits for the first
-            accelerator._lazytrain_synchronize()  # the weights saved are the step's update
+            accelerator.lazytrain_settle_before_save()
         synchronous_because = _synchronous_because(trainer)
         if synchronous_because is None:
             return _save_beside_training(trainer, stock_save, model, trial, args, kwargs)
