@@ -15,7 +15,10 @@ boundaries on NVMe):
    per-layer-run overhead (layer_probe.py: tiny layers through the engine) is
    measured beside it, on the synchronous backend (taken out of the rest) and on the
    emulated one the plans run on (the hardware profile's `layer_*_overhead_s`).
-2. Links get rates that make transfers comparable to that compute (H2D: a layer's weights
+2. The emulated device runs without poisoning copies' destinations at issue
+   (`poison_copies=False`: that fill is a memset of every byte moved, on the training
+   thread, which a GPU's copies do not cost; the tests keep it, it proves the waits).
+   Links get rates that make transfers comparable to that compute (H2D: a layer's weights
    in `H2D_FORWARDS` layer forwards, ...); the hardware profile holds them, the plans are
    made for it and the emulation throttles each link to exactly that rate (no jitter).
 3. Each plan runs on the emulated device in rounds; a round times, back to back, the
@@ -108,6 +111,7 @@ class _Case:
         self.model = _model(config)
         self.engine = attach(self.model, plan, device=torch.device("cpu"), nvme_dir=nvme_dir,
                              emulation=EmulationSettings(seed=0, jitter_s=0.0,
+                                                         poison_copies=False,
                                                          link_bytes_per_s=links))
         self.optimizer = (HybridAdamW8bit(self.model.parameters(), lr=1e-4)
                           if with_optimizer else None)
@@ -194,7 +198,7 @@ PROBE_REPEATS = 9
 def _emulated() -> EmulationSettings:
     """The emulated device the plans run on, links unthrottled (the probe's layers move
     a few bytes)."""
-    return EmulationSettings(seed=0, jitter_s=0.0)
+    return EmulationSettings(seed=0, jitter_s=0.0, poison_copies=False)
 
 
 def measure_compute(config: dict, batch: int, seq: int, steps: int

@@ -52,6 +52,29 @@ def test_a_copy_does_not_bump_the_version_a_second_time_later():
     assert dst._version == version
 
 
+def test_a_timed_run_leaves_destinations_unpoisoned_and_bumps_each_version_once():
+    """`poison_copies=False` (bench/fidelity.py: the fill is host work a GPU's copy does
+    not cost): a destination keeps its bytes until the copy lands, and its version still
+    moves once, at issue, as the engine's checks expect; an NVMe read's target too."""
+    streams = EmulatedStreams(CPU, EmulationSettings(
+        seed=0, link_bytes_per_s={"h2d": 40_000.0}, poison_copies=False))
+    src, dst = torch.ones(1024), torch.zeros(1024)
+    before = dst._version
+    with streams.copy_stream("h2d"):
+        streams.copy_(torch.empty(1024), src)  # 0.1 s ahead of the copy checked below
+        streams.copy_(dst, src)
+        version = dst._version
+        event = streams.record()
+    assert not event.query()
+    assert version == before + 1 and (dst == 0).all()  # unfilled before the wait
+    target = torch.zeros(16)
+    streams.poison(target)
+    assert (target == 0).all()
+    streams.host_waits(event)
+    assert torch.equal(dst, src) and dst._version == version
+    streams.close()
+
+
 def test_throttled_links_take_bytes_over_rate_and_count_host_blocking():
     streams = _slow(h2d=1e6)
     start = time.perf_counter()

@@ -6,7 +6,9 @@ CUDA code paths (staging buffers, events, waits, staging reuse) on a CPU:
 * each side stream is a worker thread with a FIFO queue; a copy runs later, on it;
 * each event is a real completion flag (the worker's progress past the recording point);
 * the destination of a copy is poisoned when the copy is enqueued (NaN for floats, a
-  sentinel for integers), so reading it before waiting yields NaN, not a lucky answer;
+  sentinel for integers), so reading it before waiting yields NaN, not a lucky answer
+  (`poison_copies`; a timed run turns it off: the fill is host work a GPU's copies do
+  not cost, a memset of every byte moved, on the training thread);
 * `claim(buffer)` raises `BufferReuseError` when a staging buffer is handed out again
   before the host waited for the last copy that used it (a generation check, exact and
   independent of timing);
@@ -75,6 +77,10 @@ class EmulationSettings:
     jitter_s: float = DEFAULT_JITTER_S
     #: Byte rate per link ("h2d", "d2h", "nvme_read", "nvme_write"); missing = unthrottled.
     link_bytes_per_s: dict[str, float] = field(default_factory=dict)
+    #: Poison each copy's destination (and an NVMe read's) at issue. Off only where the
+    #: host's time is measured against a device's (bench/fidelity.py): the check is what
+    #: proves the waits, and every test keeps it.
+    poison_copies: bool = True
 
     @classmethod
     def from_env(cls) -> EmulationSettings | None:
@@ -250,7 +256,10 @@ class EmulatedStreams:
         if worker is None:  # the compute stream is the host thread itself
             dst.copy_(src)
             return
-        poison_(dst)  # bumps dst's version once, at issue, as a CUDA copy_ does
+        if self.settings.poison_copies:
+            poison_(dst)  # bumps dst's version once, at issue, as a CUDA copy_ does
+        else:
+            torch.autograd.graph.increment_version(dst)  # as the fill would
         target = _alias(dst)  # the worker's write must not bump it a second time, later
         rate = self.settings.link_bytes_per_s.get(worker.name)
         nbytes = src.numel() * src.element_size()
@@ -317,7 +326,8 @@ class EmulatedStreams:
         return True  # host memory stands in for pinned memory here
 
     def poison(self, tensor: torch.Tensor) -> None:
-        poison_(tensor)
+        if self.settings.poison_copies:
+            poison_(tensor)
 
     @contextmanager
     def io_link(self, link: IoLink, nbytes: int) -> Iterator[None]:
