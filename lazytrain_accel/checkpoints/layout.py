@@ -59,11 +59,14 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
 
 
 def write_safetensors(path: Path, tensors: Named, *, dtype: torch.dtype | None = None,
-                      metadata: Mapping[str, str] | None = None) -> int:
-    """Write `tensors` as a safetensors file one tensor at a time (`tensor_bytes`).
+                      metadata: Mapping[str, str] | None = None,
+                      staging: Staging | None = None) -> int:
+    """Write `tensors` as a safetensors file one tensor at a time (`tensor_bytes`),
+    through `staging` (a new buffer if None: files written one after another share one).
     Returns the bytes written; the file is fsynced."""
     header = safetensors_header(tensors, dtype=dtype, metadata=metadata)
-    with DirectFile(path, Staging()) as f:  # past the page cache: checkpoints/direct.py
+    staging = staging if staging is not None else Staging()
+    with DirectFile(path, staging) as f:  # past the page cache: checkpoints/direct.py
         f.write(header)
         for _, t in tensors:
             f.write(tensor_bytes(t, dtype))
@@ -133,8 +136,9 @@ def write_weight_files(directory: Path, tensors: Named, *, max_shard_bytes: int,
         write_safetensors(directory / WEIGHTS, shards[0], dtype=dtype)
         return [WEIGHTS]
     files = [shard_file(i + 1, len(shards)) for i in range(len(shards))]
+    staging = Staging()  # one buffer for every shard: its pages are touched once
     for file, shard in zip(files, shards, strict=True):
-        write_safetensors(directory / file, shard, dtype=dtype)
+        write_safetensors(directory / file, shard, dtype=dtype, staging=staging)
     write_index(directory, files, [[(name, exported_bytes(t, dtype)) for name, t in shard]
                                    for shard in shards])
     return [*files, INDEX]
