@@ -77,8 +77,10 @@ from lazytrain_accel.planning import Budgets, build_problem, make_plan, simulate
 from lazytrain_accel.planning.problem import GPU_RESERVE_FRACTION
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.simulate import is_optimizer_lane
+from lazytrain_accel.profiling.calibration import HOST_WORK_RATES, RATE_FIELDS
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
+from lazytrain_accel.profiling.measure import measure_host_work
 from lazytrain_accel.profiling.model_configs import geometry_from_config, profile_model
 from lazytrain_accel.profiling.profile import ModelProfile
 
@@ -125,23 +127,30 @@ class _Case:
             self.model.zero_grad(set_to_none=True)
 
     def steady_steps(self, ids: torch.Tensor, steps: int
-                     ) -> tuple[float, float, float, float]:
+                     ) -> tuple[float, float, float, float, dict[str, float]]:
         """Medians over `steps` steps, each following a step (so it waits for that step's
         update), of (seconds, layer compute seconds in it, seconds the previous step's
         update thread ran: the residents' update on the device, if any, runs on the
         training thread beside it, within that span, as the emulated device is async;
-        seconds the training thread waited, `stall_s`)."""
+        seconds the training thread waited, `stall_s`; the training thread's work per
+        transfer: its seconds, and the rates of each kind as the run calibrates them,
+        `HOST_WORK_RATES`)."""
         self._step(ids)
-        runs = []
+        runs, samples = [], []
         for _ in range(steps):
             self.engine.reset_stats()
             start = time.perf_counter()
             self._step(ids)
             elapsed, stats = time.perf_counter() - start, self.engine.stats()
             runs.append((elapsed, stats.compute_s + stats.recompute_s,
-                         stats.optimizer_update_s, stats.stall_s))
+                         stats.optimizer_update_s, stats.stall_s,
+                         sum(stats.host_work_s.values())))
+            samples.append({name: stats.host_work_bytes[kind] / stats.host_work_s[kind]
+                            for name, kind in HOST_WORK_RATES.items()
+                            if stats.host_work_s[kind] > 0})
         self.engine.synchronize()  # no update left running into another case's step
-        return tuple(statistics.median(run[k] for run in runs) for k in range(4))
+        host = {"host_s": statistics.median(run[4] for run in runs), **_medians(samples)}
+        return (*(statistics.median(run[k] for run in runs) for k in range(4)), host)
 
 
 class _Calibration:
@@ -167,13 +176,17 @@ class _Calibration:
         loss = self.model(input_ids=ids, labels=ids).loss
         forward_s = self.engine.stats().compute_s
         loss.backward()
-        wall_s, total_s = time.perf_counter() - start, self.engine.stats().compute_s
+        wall_s, stats = time.perf_counter() - start, self.engine.stats()
+        total_s = stats.compute_s
         self.model.zero_grad(set_to_none=True)
         runs_s = 0.0 if overhead is None else overhead.step_s + self.layers * (
             overhead.forward_s + overhead.backward_s)
+        # this synchronous engine's weight copies and gradient hand-offs are its links: on
+        # the emulated device the links copy and the host stages and folds (`host_s`)
+        copies_s = sum(stats.transfer_s.values())
         return {"fwd_s": forward_s / self.layers,
                 "bwd_s": (total_s - 2 * forward_s) / self.layers,
-                "rest_s": max(wall_s - total_s - runs_s, 0.0)}
+                "rest_s": max(wall_s - total_s - runs_s - copies_s, 0.0)}
 
     def seconds(self, compute: dict[str, float]) -> float:
         """The step's compute seconds in `compute` (forwards, backwards with their re-run,
@@ -230,7 +243,8 @@ def measured_profile(config: dict, batch: int, seq: int, compute: dict[str, floa
 
 
 def _hardware(h2d: float, d2h: float, nvme: float, optimizer_params_per_s: float,
-              overhead: LayerOverheads | None = None) -> HardwareProfile:
+              overhead: LayerOverheads | None = None,
+              host_rates: tuple[float, float] = (0.0, 0.0)) -> HardwareProfile:
     overhead = overhead or LayerOverheads(forward_s=0.0, backward_s=0.0, step_s=0.0)
     return HardwareProfile(
         name="cpu-emulated", gpu_name="emulated async device", gpu_memory_bytes=64 * GIB,
@@ -242,6 +256,11 @@ def _hardware(h2d: float, d2h: float, nvme: float, optimizer_params_per_s: float
         # on the training thread beside the update thread, as on a GPU: the emulated
         # device is async (the engine's `device_update_beside_host`)
         gpu_optimizer_params_per_s=optimizer_params_per_s, device_runs_async=True,
+        # the emulated device computes on the training thread, which stages and folds too;
+        # the plans are made at a probe's rates (`measure_host_work`), each round
+        # predicted at its steps' own
+        compute_on_host=True, host_stage_bytes_per_s=host_rates[0],
+        host_fold_bytes_per_s=host_rates[1],
         layer_forward_overhead_s=overhead.forward_s,
         layer_backward_overhead_s=overhead.backward_s, step_overhead_s=overhead.step_s,
         source="bench/fidelity.py: compute measured on this CPU, links chosen against it")
@@ -323,13 +342,16 @@ def optimizer_rate(config: dict, batch: int, seq: int, steps: int) -> float:
 
 
 def link_hardware(profile: ModelProfile, compute: dict[str, float],
-                  optimizer_params_per_s: float, overhead: LayerOverheads | None = None
-                  ) -> HardwareProfile:
+                  optimizer_params_per_s: float, overhead: LayerOverheads | None = None,
+                  host_rates: tuple[float, float] = (0.0, 0.0)) -> HardwareProfile:
+    """The emulated device's profile: links chosen against `compute`, the host's work per
+    transfer at `host_rates` (stage, fold bytes/s; 0: not priced)."""
     fwd_s, bwd_s = compute["fwd_s"], compute["bwd_s"]
     return _hardware(h2d=profile.layer_param_bytes / (H2D_FORWARDS * fwd_s),
                      d2h=profile.layer_grad_bytes / (D2H_BACKWARDS * (fwd_s + bwd_s)),
                      nvme=profile.boundary_bytes / (NVME_FORWARDS * fwd_s),
-                     optimizer_params_per_s=optimizer_params_per_s, overhead=overhead)
+                     optimizer_params_per_s=optimizer_params_per_s, overhead=overhead,
+                     host_rates=host_rates)
 
 
 def plans(profile: ModelProfile, hw: HardwareProfile) -> dict[str, object]:
@@ -376,10 +398,13 @@ def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, roun
                   + emulated.step_s)
         for name, case in cases.items():
             (row[name], row[f"{name}_layers"], row[f"{name}_update"],
-             row[f"{name}_waited"]) = case.steady_steps(ids, steps)
+             row[f"{name}_waited"], row[f"{name}_host"]) = case.steady_steps(ids, steps)
             # the step's compute: its layers as timed in it, the rest as calibrated, the
-            # layer runs' overhead as measured on the emulated backend
-            row[f"{name}_compute"] = row[f"{name}_layers"] + row["compute"]["rest_s"] + runs_s
+            # layer runs' overhead as measured on the emulated backend, and the host's work
+            # per transfer (the compute's thread does it here: its `host_s` is predicted
+            # beside the compute's, not in the exposed term)
+            row[f"{name}_compute"] = (row[f"{name}_layers"] + row["compute"]["rest_s"] + runs_s
+                                      + row[f"{name}_host"]["host_s"])
         out.append(row)
     for engine in [calibration.engine, *(case.engine for case in cases.values())]:
         engine.detach()
@@ -390,7 +415,7 @@ def run_plan(config: dict, plan, hw: HardwareProfile, batch: int, seq: int, roun
 
 def predict(plan, config: dict, batch: int, seq: int, compute: dict[str, float],
             hw: HardwareProfile, *, optimizer_params_per_s: float | None = None,
-            overhead: LayerOverheads | None = None):
+            overhead: LayerOverheads | None = None, host: dict[str, float] | None = None):
     """`plan`'s simulated step on `compute`'s profile, with the host update at
     `optimizer_params_per_s` (None: without it).
 
@@ -402,6 +427,9 @@ def predict(plan, config: dict, batch: int, seq: int, compute: dict[str, float],
         hw = dataclasses.replace(hw, layer_forward_overhead_s=overhead.forward_s,
                                  layer_backward_overhead_s=overhead.backward_s,
                                  step_overhead_s=overhead.step_s)
+    if host:  # the host's work per transfer at the rates the step ran them
+        hw = dataclasses.replace(hw, **{RATE_FIELDS[name]: rate for name, rate in host.items()
+                                        if name in HOST_WORK_RATES})
     if optimizer_params_per_s is not None:
         hw = dataclasses.replace(hw, cpu_optimizer_params_per_s=optimizer_params_per_s,
                                  gpu_optimizer_params_per_s=optimizer_params_per_s)
@@ -425,24 +453,28 @@ def predictions(plan, config: dict, batch: int, seq: int, meas: dict, hw: Hardwa
     with the optimizer) and update rate, and on the durations timed inside its steps
     (layer compute; the update thread's run time, `host_params` updated on it)."""
     update_s, overhead = meas["step_opt_update"], meas.get("overhead")
+    host, host_opt = meas["step_host"], meas["step_opt_host"]
     return {
-        "step": predict(plan, config, batch, seq, meas["compute"], hw, overhead=overhead),
+        "step": predict(plan, config, batch, seq, meas["compute"], hw, overhead=overhead,
+                        host=host),
         "opt": predict(plan, config, batch, seq, meas["compute_opt"], hw,
-                       optimizer_params_per_s=meas["optimizer_rate"], overhead=overhead),
+                       optimizer_params_per_s=meas["optimizer_rate"], overhead=overhead,
+                       host=host_opt),
         "step_in": predict(plan, config, batch, seq,
                            in_step(plan, meas["compute"], meas["step_layers"]), hw,
-                           overhead=overhead),
+                           overhead=overhead, host=host),
         "opt_in": predict(plan, config, batch, seq,
                           in_step(plan, meas["compute_opt"], meas["step_opt_layers"]), hw,
                           optimizer_params_per_s=(host_params / update_s if update_s > 0
                                                   else meas["optimizer_rate"]),
-                          overhead=overhead),
+                          overhead=overhead, host=host_opt),
     }
 
 
 HEADER = (f"{'model':>5} {'plan':>11} {'homes g/c/n/r residents':>24} | {'step pred':>9} "
           f"{'meas':>6} "
-          f"{'ratio':>5} | {'compute pred':>12} {'meas':>6} | {'exposed pred':>12} "
+          f"{'ratio':>5} | {'compute pred':>12} {'meas':>6} | {'host pred':>9} {'meas':>6} "
+          f"| {'exposed pred':>12} "
           f"{'waited':>6} {'ratio':>5} {'step-compute':>12} {'ratio':>5} "
           f"| {'+optim pred':>11} {'meas':>6} {'ratio':>5} | {'opt exposed pred':>16} "
           f"{'meas':>6} | {'update pred':>11} {'meas':>6} | in-step ratios: step +optim")
@@ -460,7 +492,8 @@ def _row(model: str, name: str, plan, preds: dict, meas: dict) -> str:
     optimizer = meas["step_opt"] - meas["step_opt_compute"] - exposed
     return (f"{model:>5} {name:>11} {homes:>24} | {pred.step_s:9.3f} {meas['step']:6.3f} "
             f"{meas['step'] / pred.step_s:5.2f} | {pred.step_s - pred.exposed_s:12.3f} "
-            f"{meas['step_compute']:6.3f} | {pred.exposed_s:12.3f} {waited:6.3f} "
+            f"{meas['step_compute']:6.3f} | {pred.host_s:9.3f} {meas['step_host']['host_s']:6.3f} "
+            f"| {pred.exposed_s:12.3f} {waited:6.3f} "
             f"{exposed_ratio(waited, pred.exposed_s)} {exposed:12.3f} "
             f"{exposed_ratio(exposed, pred.exposed_s)} "
             f"| {pred_opt.step_s:11.3f} {meas['step_opt']:6.3f} "
@@ -519,7 +552,7 @@ def main() -> None:
         compute, overhead = measure_compute(config, batch, seq, args.steps)
         profile = measured_profile(config, batch, seq, compute)
         hw = link_hardware(profile, compute, optimizer_rate(config, batch, seq, args.steps),
-                           overhead)
+                           overhead, measure_host_work(torch.device("cpu")))
         print(f"# {name}: {profile.geometry.total_param_count / 1e6:.0f}M parameters, "
               f"{profile.num_layers} layers, batch {batch} x {seq}; measured layer fwd "
               f"{compute['fwd_s'] * 1e3:.1f} ms, bwd {compute['bwd_s'] * 1e3:.1f} ms, rest "
@@ -528,7 +561,10 @@ def main() -> None:
               f"{overhead.step_s * 1e3:.0f} ms; links H2D "
               f"{hw.h2d_bytes_per_s / 1e6:.0f}, "
               f"D2H {hw.d2h_bytes_per_s / 1e6:.0f}, NVMe {hw.nvme_read_bytes_per_s / 1e6:.1f} "
-              f"MB/s; optimizer {hw.cpu_optimizer_params_per_s / 1e6:.0f}M params/s", flush=True)
+              f"MB/s; optimizer {hw.cpu_optimizer_params_per_s / 1e6:.0f}M params/s; host "
+              f"stage {hw.host_stage_bytes_per_s / 1e9:.1f}, fold "
+              f"{hw.host_fold_bytes_per_s / 1e9:.1f} GB/s (the plans'; each round is "
+              f"predicted at its steps' own)", flush=True)
         for plan_name, plan in plans(profile, hw).items():
             if plan_name not in args.plans.split(","):
                 continue

@@ -25,6 +25,11 @@ TIERS: tuple[str, ...] = ("device", "host_pinned", "host_pageable", "nvme")
 TRANSFER_KINDS: tuple[str, ...] = (
     "d2h", "nvme_write", "nvme_read", "h2d", "weights_h2d", "grads_d2h",
 )
+#: The host's own work per transfer on an async device, on the training thread
+#: (`Accounting.host_work`): a layer's weights cast into a pinned staging buffer before
+#: their H2D copy, a layer's gradients folded from their staging buffer into `.grad`
+#: (with their norms) after their D2H copy. Bytes are the device copy's.
+HOST_WORK_KINDS: tuple[str, ...] = ("weights_stage", "grads_fold")
 
 
 class Interval(Protocol):
@@ -86,6 +91,10 @@ class StepStats:
     device_update_s: float = 0.0
     transfer_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(TRANSFER_KINDS, 0.0))
     transfer_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRANSFER_KINDS, 0))
+    host_work_s: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(HOST_WORK_KINDS, 0.0))
+    host_work_bytes: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(HOST_WORK_KINDS, 0))
     peak_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     current_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     layer_forwards: int = 0
@@ -134,7 +143,8 @@ class Accounting:
                 compute_s=s.compute_s, recompute_s=s.recompute_s, stall_s=s.stall_s,
                 optimizer_wait_s=s.optimizer_wait_s, optimizer_update_s=s.optimizer_update_s,
                 device_update_s=s.device_update_s, transfer_s=dict(s.transfer_s),
-                transfer_bytes=dict(s.transfer_bytes),
+                transfer_bytes=dict(s.transfer_bytes), host_work_s=dict(s.host_work_s),
+                host_work_bytes=dict(s.host_work_bytes),
                 peak_bytes=dict(now.peak_bytes), current_bytes=dict(now.current_bytes),
                 layer_forwards=s.layer_forwards, layer_backwards=s.layer_backwards,
                 layer_recomputes=s.layer_recomputes,
@@ -170,6 +180,21 @@ class Accounting:
             yield
         finally:
             self.add("stall_s", time.perf_counter() - start)
+
+    @contextmanager
+    def host_work(self, kind: str, nbytes: int) -> Iterator[None]:
+        """Add the host seconds of the enclosed work the training thread does for a
+        transfer of `nbytes` (`HOST_WORK_KINDS`); no wait inside (wrap those in
+        `stalled`)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - start
+            with self._lock:
+                for stats in (self._stats, self._totals):
+                    stats.host_work_s[kind] += seconds
+                    stats.host_work_bytes[kind] += nbytes
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:

@@ -119,6 +119,9 @@ class Prediction:
     # The engine's per-layer-run overhead (hooks, weight acquire, gradient hand-off, the
     # Python between layers), in step_s, not in compute_s or recompute_s.
     overhead_s: float = 0.0
+    # The host's work per transfer where it takes the compute's time (a CPU or emulated
+    # device: weights staged, gradients folded), in step_s, not in compute_s.
+    host_s: float = 0.0
 
 
 @dataclass(kw_only=True, frozen=True)

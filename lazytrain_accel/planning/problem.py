@@ -177,6 +177,15 @@ class Problem:
     device_update_s: float = 0.0
     # The host optimizer `cpu_base_terms` prices (`host.OPTIMIZERS`).
     optimizer: str = "hybrid8bit"
+    # The training thread's work per transfer (`HardwareProfile.host_stage_bytes_per_s`,
+    # `host_fold_bytes_per_s`; 0: not priced): one layer's weights cast into a staging
+    # buffer before their H2D copy (S), one layer's gradients folded into `.grad` after
+    # their D2H copy (Fd). With `host_on_compute` (a CPU or emulated device) that work
+    # takes the compute's time; on a GPU it runs beside the queued kernels, which wait for
+    # it only when the host falls behind.
+    stage_s: float = 0.0
+    fold_s: float = 0.0
+    host_on_compute: bool = False
     # Local ranks sharing the node's host (`node.py`): each runs this plan, so each rank's
     # own host terms count this many times; the link rates are already their shares.
     gpus_per_node: int = 1
@@ -222,8 +231,15 @@ class Problem:
         return max(e - s - 2, 0) * max(stall, 0.0)
 
     def block_cost_s(self, s: int, e: int) -> float:
-        """Seconds block (s, e) adds to its window B_e: recompute plus re-stream stall."""
-        return self.recompute_s(s, e) + self.restream_stall_s(s, e)
+        """Seconds block (s, e) adds to the step: recompute plus re-stream stall in its
+        window B_e, plus the host staging its e-s-2 extra loads where the compute waits for
+        it (`host_on_compute`; spread over the windows as `restream_windows` loads)."""
+        return self.recompute_s(s, e) + self.restream_stall_s(s, e) + self.restream_host_s(s, e)
+
+    def restream_host_s(self, s: int, e: int) -> float:
+        """The host staging of block (s, e)'s extra loads, where it takes the compute's
+        time (`host_on_compute`), else 0."""
+        return max(e - s - 2, 0) * self.stage_s if self.host_on_compute else 0.0
 
     def weight_h2d_bytes(self, window: int) -> int:
         """Weights prefetched for the next window's layer (none when it is the same layer)."""
@@ -248,14 +264,53 @@ class Problem:
         return ((w - 1, P), (w, (n - 3) * P), (w + 1, -P if n >= 3 else 0))
 
     def window_durations_s(self, edges: Mapping[tuple[int, int], Any]) -> list[Any]:
-        """Per window, compute seconds; `edges` maps chosen blocks to their weight (1 for a
-        fixed plan, a binary variable in the MIP)."""
+        """Per window, compute seconds (with the host's work per transfer where it runs on
+        the compute's thread, `host_on_compute`); `edges` maps chosen blocks to their
+        weight (1 for a fixed plan, a binary variable in the MIP)."""
         dur: list[Any] = [self.base_duration_s(w) for w in range(self.num_windows)]
         for (s, e), x in edges.items():
             if e - s >= 2:
                 w = backward_window(e, self.num_layers)
-                dur[w] = dur[w] + self.block_cost_s(s, e) * x
+                dur[w] = dur[w] + (self.recompute_s(s, e) + self.restream_stall_s(s, e)) * x
+        if self.host_on_compute:
+            dur = [d + h for d, h in zip(dur, self.host_window_s(edges), strict=True)]
         return dur
+
+    def link_time_s(self, link: str, edges: Mapping[tuple[int, int], Any]) -> list[Any]:
+        """Per window, the seconds `link` can run in it before any exposure: the window's
+        duration, less the host's work where that holds the link back (H2D where the host
+        is the compute's thread: the window's staging comes before its weights' copy, and
+        its boundaries' copies queue behind that)."""
+        dur = self.window_durations_s(edges)
+        if link != "h2d" or not self.host_on_compute:
+            return dur
+        return [d - h for d, h in zip(dur, self.host_window_s(edges), strict=True)]
+
+    def folds_in(self, window: int) -> int:
+        """Layers whose gradients the host folds into `.grad` at the start of `window`: the
+        engine's two staging buffers take turns, so putting layer k's gradients (after
+        B_k, in B_{k-1}'s window) first folds layer k+2's: layer m's in B_{m-3}'s window;
+        layers 1..3 fold after the last window (`host_tail_s`)."""
+        L = self.num_layers
+        first_backward = backward_window(L, L)
+        if window < first_backward:
+            return 0
+        j = L - (window - first_backward)  # window runs B_j
+        return 1 if 4 <= j + 3 <= L else 0
+
+    def host_window_s(self, edges: Mapping[tuple[int, int], Any]) -> list[Any]:
+        """Per window, the host's work per transfer (weighted like `window_durations_s`):
+        staging the weights the window loads (prefetches and re-streams), folding the
+        gradients `folds_in` it."""
+        weights = self.mandatory_bytes(edges)["h2d"]
+        return [nbytes * (self.stage_s / self.layer_param_bytes) + self.folds_in(w) * self.fold_s
+                for w, nbytes in enumerate(weights)]
+
+    @property
+    def host_tail_s(self) -> float:
+        """The folds after the last window (layers 1..3, or all of fewer): the training
+        thread's drain at the end of the backward, after the last gradients' copy."""
+        return min(3, self.num_layers) * self.fold_s
 
     def mandatory_bytes(self, edges: Mapping[tuple[int, int], Any]) -> dict[str, list[Any]]:
         """Per link and window, the bytes that move whatever the homes: weights (and the
@@ -314,8 +369,8 @@ class Problem:
     # ---- constants of the step -------------------------------------------------------
     @property
     def prologue_s(self) -> float:
-        """Layer 1's weights arrive before anything can run."""
-        return self.layer_param_bytes / self.h2d_bytes_per_s
+        """Layer 1's weights arrive (staged, then copied) before anything can run."""
+        return self.stage_s + self.layer_param_bytes / self.h2d_bytes_per_s
 
     @property
     def tail_s(self) -> float:
@@ -324,6 +379,14 @@ class Problem:
     @property
     def compute_s(self) -> float:
         return sum(self.base_duration_s(w) for w in range(self.num_windows))
+
+    @property
+    def host_s(self) -> float:
+        """The host's work per transfer that a step without blocks waits for: every
+        window's where it takes the compute's time (`host_on_compute`), and the tail's
+        drain (the prologue's staging is in `prologue_s`)."""
+        windows_s = sum(self.host_window_s({})) if self.host_on_compute else 0.0
+        return windows_s + self.host_tail_s
 
     @property
     def host_update_param_count(self) -> int:
@@ -373,7 +436,7 @@ class Problem:
     def step_floor_s(self) -> float:
         """Step seconds no plan avoids: compute, layer 1's weights, the last gradients.
         A plan's step is this plus its objective (recompute, stalls, exposure)."""
-        return self.compute_s + self.prologue_s + self.tail_s
+        return self.compute_s + self.prologue_s + self.tail_s + self.host_s
 
 
 def weight_buffer_count(max_block: int) -> int:
@@ -460,8 +523,19 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         resident_update=resident_update,
         device_update_s=resident_trainable / hardware.gpu_optimizer_params_per_s,
         optimizer=optimizer, gpus_per_node=gpus_per_node,
+        # the engine stages and folds on an async device only (a CPU's copies are its links)
+        stage_s=_host_work_s(model.layer_param_bytes, hardware.host_stage_bytes_per_s
+                             if hardware.device_runs_async else 0.0),
+        fold_s=_host_work_s(model.layer_grad_bytes, hardware.host_fold_bytes_per_s
+                            if hardware.device_runs_async else 0.0),
+        host_on_compute=hardware.compute_on_host,
     )
     return with_node_links(problem, hardware)
+
+
+def _host_work_s(nbytes: int, bytes_per_s: float) -> float:
+    """Seconds of host work on `nbytes` at `bytes_per_s`; 0 where the rate is not priced."""
+    return nbytes / bytes_per_s if bytes_per_s > 0 else 0.0
 
 
 def with_node_links(problem: Problem, hardware: HardwareProfile) -> Problem:

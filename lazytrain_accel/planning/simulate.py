@@ -59,6 +59,8 @@ HOST_OPTIMIZER = "host_optimizer"
 #: The residents' update on the GPU (`Plan.resident_update="device"`): before the next
 #: step's compute on the same stream, so a lane of its own in this step's timeline.
 DEVICE_OPTIMIZER = "device_optimizer"
+#: The host's work per transfer on a GPU (on a CPU device it is the compute's lane).
+HOST = "host"
 #: The lanes of the update, which the step's own end and exposure leave out.
 OPTIMIZER_LANES = (HOST_OPTIMIZER, DEVICE_OPTIMIZER)
 
@@ -87,8 +89,11 @@ class SimulationResult:
     peak_nvme_bytes: int
     optimizer_exposed_s: float  # next forward waiting for an update (0 without it)
     # The engine's per-layer-run overhead (`Problem.overhead_s`), which compute_s and
-    # recompute_s leave out: step_s = compute_s + recompute_s + overhead_s + exposed_s.
+    # recompute_s leave out, and the host's work per transfer on the compute's lane
+    # (`Problem.host_on_compute`): step_s = compute_s + recompute_s + overhead_s + host_s
+    # + exposed_s.
     overhead_s: float = 0.0
+    host_s: float = 0.0
     ops: list[SimOp] = field(default_factory=list)
     memory_bytes: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
 
@@ -100,7 +105,7 @@ class SimulationResult:
             peak_gpu_bytes=self.peak_gpu_bytes, peak_cpu_bytes=self.peak_cpu_bytes,
             peak_nvme_bytes=self.peak_nvme_bytes, tokens_per_s=self.tokens_per_s,
             tflops=self.tflops, optimizer_exposed_s=self.optimizer_exposed_s,
-            overhead_s=self.overhead_s)
+            overhead_s=self.overhead_s, host_s=self.host_s)
 
 
 class _StepBuilder:
@@ -120,13 +125,24 @@ class _StepBuilder:
         self.head = self.resident = -1
         self.grad: dict[int, int] = {}
         self.moves: dict[tuple[int, TransferKind], list[int]] = {}
+        # The host's work per transfer (`Problem.stage_s`, `fold_s`), where priced: before
+        # each layer run the engine stages what it prefetches there (and folds the
+        # gradients `folds_in` its window), on the compute's thread (`host_on_compute`)
+        # or the host's own lane, whose kernels the device runs after it.
+        self.host_priced = p.stage_s > 0 or p.fold_s > 0
+        self.host_lane = "compute" if p.host_on_compute else HOST
+        self.host_op: int | None = None  # the host op of the layer run issued last
+        self.loads: list[int] = []  # weight loads in issue order (two staging buffers)
+        self.fold_op: dict[int, int] = {}  # layer -> the host op that folded its gradients
 
     def weight(self, key: tuple[str, int], after_start: list[int], window: int) -> None:
         slot = self.slots.keep(key[1])  # a layer still held is not loaded again
         if slot is None:
             name = f"W{key[1]}" if key[0] == "layer" else f"RW{key[1]}"
+            staged = self.stage() if self.host_priced else []
             op = self.q.add(name, "h2d", self.p.layer_param_bytes / self.p.h2d_bytes_per_s,
-                            after_start=after_start, window=window)
+                            after_start=after_start, after_end=staged, window=window)
+            self.loads.append(op)
             busy = () if self.running is None else (self.running,)
             slot = self.slots.pick(busy=busy, for_prefetch=False)
             assert slot is not None  # two slots or more, one running
@@ -134,13 +150,45 @@ class _StepBuilder:
             self.slot_op[slot] = op
         self.weights[key] = self.slot_op[slot]
 
+    def stage(self) -> list[int]:
+        """A load's staging on the current host op, once the H2D copy that last read its
+        staging buffer (two loads back) is done: the op the load's copy waits for."""
+        host = self.host_op
+        assert host is not None  # build() opens a host op before the first load
+        self.q.ops[host].duration_s += self.p.stage_s
+        if len(self.loads) >= 2:
+            self.q.depend(host, [self.loads[-2]])
+        return [host]
+
+    def host(self, name: str, window: int) -> int:
+        """A host op (its work added as the engine does it: `stage`, folds)."""
+        self.host_op = self.q.add(f"H:{name}", self.host_lane, 0.0, window=window)
+        return self.host_op
+
     def compute(self, name: str, seconds: float, window: int, after_end: list[int],
                 layer: int | None = None) -> int:
+        if self.host_priced:
+            host = self.host(name, window)
+            if self.p.host_on_compute:  # the window starts with the host's work
+                self.window_start.setdefault(window, host)
+            else:  # the host issues the run's kernels after its work
+                after_end = [*after_end, host]
+            self.fold(window, host)
         op = self.q.add(name, "compute", seconds, after_end=after_end, window=window)
         self.window_start.setdefault(window, op)
         if layer is not None:
             self.running = self.slots.ran(layer)
         return op
+
+    def fold(self, window: int, host: int) -> None:
+        """At a backward window's first run, the host folds layer j+3's gradients (B_j's
+        window: `Problem.folds_in`) once their copy is done."""
+        first = self.window_start.get(window, host) == host
+        if first and self.p.fold_s > 0 and self.p.folds_in(window):
+            layer = self.L - (window - backward_window(self.L, self.L)) + 3
+            self.q.ops[host].duration_s += self.p.fold_s
+            self.q.depend(host, [self.grad[layer]])
+            self.fold_op[layer] = host
 
     def forward(self, j: int) -> None:
         w = forward_window(j, self.L)
@@ -221,6 +269,8 @@ class _StepBuilder:
             self.q.depend(first, issued.get(w - 1, []))
 
     def build(self) -> EventQueue:
+        if self.host_priced:
+            self.host("prologue", -1)
         self.weight(("layer", 1), [], -1)
         for j in range(1, self.L + 1):
             self.forward(j)
@@ -231,6 +281,12 @@ class _StepBuilder:
         self.resident = self.q.add(
             "G_resident", "d2h", (self.p.tail_d2h_bytes - self.p.layer_grad_bytes)
             / self.p.d2h_bytes_per_s, after_end=[self.bwd[1]], window=end)
+        if self.p.fold_s > 0:  # the engine's drain at the end of the backward
+            tail = [j for j in range(1, self.L + 1) if j not in self.fold_op]
+            host = self.host("drain", end)
+            self.q.ops[host].duration_s = len(tail) * self.p.fold_s
+            self.q.depend(host, [self.grad[j] for j in tail])
+            self.fold_op.update(dict.fromkeys(tail, host))
         self.chain_moves()
         self.window_barriers()
         return self.q
@@ -269,9 +325,10 @@ class _StepBuilder:
         ops = [first]
         for j in range(1, self.L + 1):
             after = not beside and (p.resident_update == "device" or owners[j] == owners[0])
+            home = self.fold_op.get(j, self.grad[j])  # its gradients in `.grad`
             ops.append(self.q.add(f"U{j}", host_optimizer_lane(owners[j]),
                                   p.layer_update_param_count / rate,
-                                  after_end=[self.grad[j]] + ([first] if after else []),
+                                  after_end=[home] + ([first] if after else []),
                                   after_start=[first] if beside else [], window=end))
         if p.resident_update == "host":
             ops.append(self.q.add("U_head", host_optimizer_lane(owners[-1]), head / rate,
@@ -335,16 +392,20 @@ def _peak(static_bytes: int, events: list[tuple[float, int]]) -> tuple[int, list
 def _exposure(q: EventQueue, step_ops: list[SimOp]) -> dict[str, float]:
     """Seconds the compute queue waited, charged to the link it waited for; the tail after
     the last compute to the link that finishes last."""
-    by_link = dict.fromkeys(LINKS, 0.0)
+    by_link = dict.fromkeys(LINKS, 0.0)  # and the host's lane on a GPU, where it binds
+
+    def charge(resource: str, seconds: float) -> None:
+        by_link[resource] = by_link.get(resource, 0.0) + seconds
+
     prev_end = 0.0
     for k in q.queues["compute"]:
         op = q.ops[k]
         if op.start_s > prev_end and op.blocked_by >= 0:
-            by_link[q.ops[op.blocked_by].resource] += op.start_s - prev_end
+            charge(q.ops[op.blocked_by].resource, op.start_s - prev_end)
         prev_end = op.end_s
     last = max(step_ops, key=lambda op: op.end_s)
     if last.end_s > prev_end:
-        by_link[last.resource] += last.end_s - prev_end
+        charge(last.resource, last.end_s - prev_end)
     return by_link
 
 
@@ -401,13 +462,15 @@ def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,
     overhead_s = p.overhead_s(runs)
     recompute_s = sum(q.ops[k].duration_s for k in b.recompute.values()) \
         - runs * p.fwd_overhead_s
+    host_s = sum(q.ops[k].duration_s for k in q.queues["compute"]
+                 if q.ops[k].name.startswith("H:"))
     compute_s = sum(q.ops[k].duration_s for k in q.queues["compute"]) - recompute_s \
-        - overhead_s
+        - overhead_s - host_s
     return SimulationResult(
         step_s=step_s, compute_s=compute_s, recompute_s=recompute_s,
         exposed_s=sum(by_link.values()) + optimizer_s, exposed_by_link_s=by_link,
         tokens_per_s=p.tokens_per_step / step_s,
         tflops=6.0 * p.param_count * p.tokens_per_step / step_s / 1e12,
         peak_gpu_bytes=peaks["gpu"], peak_cpu_bytes=peaks["cpu"], peak_nvme_bytes=peaks["nvme"],
-        optimizer_exposed_s=optimizer_s, overhead_s=overhead_s, ops=q.ops,
+        optimizer_exposed_s=optimizer_s, overhead_s=overhead_s, host_s=host_s, ops=q.ops,
         memory_bytes=curves)

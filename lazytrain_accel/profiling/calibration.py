@@ -21,7 +21,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from lazytrain_accel.profiling.hardware import HardwareProfile
 
@@ -30,11 +30,14 @@ LINK_KINDS: dict[str, tuple[str, ...]] = {
     "h2d": ("h2d", "weights_h2d"), "d2h": ("d2h", "grads_d2h"),
     "nvme_read": ("nvme_read",), "nvme_write": ("nvme_write",),
 }
+#: The host's work per transfer (engine/stats.py `HOST_WORK_KINDS`) behind each rate.
+HOST_WORK_RATES: dict[str, str] = {"host_stage": "weights_stage", "host_fold": "grads_fold"}
 #: The profile field each calibrated rate replaces.
 RATE_FIELDS: dict[str, str] = {
     "h2d": "h2d_bytes_per_s", "d2h": "d2h_bytes_per_s",
     "nvme_read": "nvme_read_bytes_per_s", "nvme_write": "nvme_write_bytes_per_s",
     "compute": "achieved_flops_per_s", "host_update": "cpu_optimizer_params_per_s",
+    "host_stage": "host_stage_bytes_per_s", "host_fold": "host_fold_bytes_per_s",
 }
 #: A rate is not estimated from a step that measured less than this of it: timer noise.
 MIN_MEASURED_S = 1e-3
@@ -56,6 +59,9 @@ class StepSample:
     layer_flops: float  # the FLOPs of those runs
     optimizer_update_s: float  # the host's layer-wise update
     updated_param_count: int  # parameters that update stepped
+    # per `HOST_WORK_KINDS`, the training thread's own work for the transfers (async device)
+    host_work_s: Mapping[str, float] = field(default_factory=dict)
+    host_work_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
 def step_rates(sample: StepSample) -> dict[str, float]:
@@ -71,6 +77,10 @@ def step_rates(sample: StepSample) -> dict[str, float]:
         rates["compute"] = sample.layer_flops / sample.layer_compute_s
     if sample.optimizer_update_s >= MIN_MEASURED_S and sample.updated_param_count > 0:
         rates["host_update"] = sample.updated_param_count / sample.optimizer_update_s
+    for name, kind in HOST_WORK_RATES.items():
+        seconds, nbytes = sample.host_work_s.get(kind, 0.0), sample.host_work_bytes.get(kind, 0)
+        if seconds >= MIN_MEASURED_S and nbytes > 0:
+            rates[name] = nbytes / seconds
     return rates
 
 
@@ -176,9 +186,11 @@ def calibration_note(hardware: HardwareProfile) -> str | None:
 
 
 def drifts(planned: HardwareProfile, measured: HardwareProfile) -> list[tuple[str, float, float]]:
-    """(rate, planned value, measured value) of every calibrated rate, the one that
-    drifted most first."""
-    rows = [(name, getattr(planned, f), getattr(measured, f)) for name, f in RATE_FIELDS.items()]
+    """(rate, planned value, measured value) of every calibrated rate the plan priced, the
+    one that drifted most first (a host work rate of 0 was not priced: nothing to drift
+    from)."""
+    rows = [(name, getattr(planned, f), getattr(measured, f)) for name, f in RATE_FIELDS.items()
+            if getattr(planned, f) > 0 and getattr(measured, f) > 0]
     return sorted(rows, key=lambda r: -abs(math.log(r[2] / r[1])))
 
 

@@ -67,7 +67,8 @@ GPU_STEP_OVERHEAD_S = 1e-3
 MEASURED_NAME_PREFIX = "measured-"
 #: Fields that may be 0 (a cost that a machine may not have); every other number is > 0.
 _MAY_BE_ZERO = frozenset({"layer_forward_overhead_s", "layer_backward_overhead_s",
-                          "step_overhead_s"})
+                          "step_overhead_s", "host_stage_bytes_per_s",
+                          "host_fold_bytes_per_s"})
 
 
 def device_update_params_per_s(memory_bytes_per_s: float) -> float:
@@ -135,6 +136,18 @@ class HardwareProfile:
     # them): `PAGEABLE_SHARE` of the pinned rates (`pageable_links`).
     h2d_pageable_bytes_per_s: float | None = None
     d2h_pageable_bytes_per_s: float | None = None
+    # The training thread's own work per transfer on an async device (engine/stats.py
+    # `HOST_WORK_KINDS`), in bytes of the device copy a second: a layer's weights cast
+    # into a pinned staging buffer before their H2D copy, a layer's gradients folded from
+    # theirs into `.grad` (with their norms) after their D2H copy. Measured on this
+    # machine (`measure.py`) and calibrated by each run; 0 (presets, profiles written
+    # without them): not priced.
+    host_stage_bytes_per_s: float = 0.0
+    host_fold_bytes_per_s: float = 0.0
+    # The device's compute runs on the training thread (a CPU device, the emulated async
+    # device): the host's work per transfer then takes the compute's time; on a GPU it
+    # runs beside the queued kernels, and the device waits only when the host falls behind.
+    compute_on_host: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -60,6 +60,23 @@ def _measure_link(device: torch.device, nbytes: int) -> tuple[float, float]:
     return nbytes / h2d_s, nbytes / d2h_s
 
 
+def measure_host_work(device: torch.device, numel: int = 16 * _MIB) -> tuple[float, float]:
+    """(stage, fold) bytes/s of the device copy, as the engine's training thread does them
+    on an async device (engine/memory/weights.py, grads.py): fp32 masters cast into a
+    (pinned on CUDA) staging buffer of the compute dtype; that dtype's staged gradients
+    copied into kept fp32 `.grad` storage, then their norms."""
+    pin = device.type == "cuda"
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    master = torch.randn(numel)
+    staging = torch.empty(numel, dtype=dtype, pin_memory=pin)
+    grad = torch.zeros(numel)
+    nbytes = numel * staging.element_size()
+    stage_s = _best_time_s(lambda: staging.copy_(master), torch.device("cpu"))
+    fold_s = _best_time_s(lambda: torch._foreach_norm([grad.copy_(staging)]),
+                          torch.device("cpu"))
+    return nbytes / stage_s, nbytes / fold_s
+
+
 def _drop_page_cache(fd: int) -> None:
     # Without this the read-back is served from RAM and reports memory speed.
     if hasattr(os, "posix_fadvise"):
@@ -190,7 +207,7 @@ def _vendor_peak_flops_per_s(gpu_name: str, measured: float) -> float:
 #: What the probes measure beyond rates (the optimizer's kernel, the residents' device
 #: update, the engine's layer overhead); in the cache key, so a cache made by an earlier
 #: release's probes is measured again.
-_OPTIMIZER_PROBE = "hybrid_adamw8bit+device_residents+layer_overhead"
+_OPTIMIZER_PROBE = "hybrid_adamw8bit+device_residents+layer_overhead+host_work"
 
 
 def _host_update_kernel() -> str:
@@ -226,6 +243,7 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
     dequant, dequant_how = _measure_dequant(device)
     host_update = _measure_optimizer(device)
     layer_forward_s, layer_backward_s, step_s = _measure_layer_overheads(device)
+    stage, fold = measure_host_work(device)
     gpu_name = _gpu_name(device)
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return HardwareProfile(
@@ -240,14 +258,16 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
         device_runs_async=device.type == "cuda",
         dequant_bytes_per_s=dequant,
         layer_forward_overhead_s=layer_forward_s, layer_backward_overhead_s=layer_backward_s,
-        step_overhead_s=step_s,
+        step_overhead_s=step_s, host_stage_bytes_per_s=stage, host_fold_bytes_per_s=fold,
+        compute_on_host=device.type != "cuda",
         source=(f"measured by lazytrain_accel on {platform.node()} at {when} with torch "
                 f"{torch.__version__}: {link_bytes // _MIB} MiB host<->device copies, a "
                 f"{probe_bytes // _MIB} MiB file in {nvme_dir}, a square matmul "
                 f"({'bf16' if device.type == 'cuda' else 'fp32'}), a HybridAdamW8bit step of 10M "
                 f"params at {torch.get_num_threads()} threads ({_host_update_kernel()} kernel; "
                 f"and of 16M on the device), {dequant_how}, tiny decoder layers "
-                f"through the engine (layer_probe.py)"),
+                f"through the engine (layer_probe.py), 16M-element weight staging and "
+                "gradient folds"),
     )
 
 

@@ -207,7 +207,10 @@ class Replanner:
             layer_compute_s=(after.compute_s + after.recompute_s
                              - before.compute_s - before.recompute_s),
             layer_flops=flops, optimizer_update_s=after.optimizer_update_s
-            - before.optimizer_update_s, updated_param_count=updated)
+            - before.optimizer_update_s, updated_param_count=updated,
+            host_work_s={k: v - before.host_work_s[k] for k, v in after.host_work_s.items()},
+            host_work_bytes={k: v - before.host_work_bytes[k]
+                             for k, v in after.host_work_bytes.items()})
 
     def _too_soon(self) -> bool:
         changes = self.switches + self.reverts

@@ -38,7 +38,7 @@ def test_compute_is_measured_per_term():
 def test_rates_plans_and_one_round(tmp_path):
     profile = fidelity.measured_profile(TINY, 2, 16, COMPUTE)
     assert profile.layer_fwd_flops == pytest.approx(COMPUTE["fwd_s"] * 1e12)
-    hw = fidelity.link_hardware(profile, COMPUTE, 1e8)
+    hw = fidelity.link_hardware(profile, COMPUTE, 1e8, host_rates=(1e10, 5e9))
     # a layer's weights take H2D_FORWARDS layer forwards on the throttled link
     assert profile.layer_param_bytes / hw.h2d_bytes_per_s == pytest.approx(
         fidelity.H2D_FORWARDS * COMPUTE["fwd_s"])
@@ -71,13 +71,20 @@ def test_rates_plans_and_one_round(tmp_path):
     runs_s = ((plan.num_layers + plan.recomputed_layer_runs) * ran.forward_s
               + plan.num_layers * ran.backward_s + ran.step_s)
     assert ran.forward_s > 0 and pred.overhead_s == pytest.approx(runs_s)
+    # the host's work per transfer: the compute's thread does it on the emulated device,
+    # so the step's compute holds what it measured, and the prediction the same work at
+    # the rates the step ran it
+    host = measured["step_host"]
+    assert host["host_s"] > 0 and host["host_stage"] > 0 and host["host_fold"] > 0
     assert measured["step_compute"] == pytest.approx(
-        measured["step_layers"] + measured["compute"]["rest_s"] + runs_s)
+        measured["step_layers"] + measured["compute"]["rest_s"] + runs_s + host["host_s"])
+    assert hw.compute_on_host and pred.host_s > 0
     row = fidelity._row("tiny", "auto+nvme", plans["auto+nvme"], preds, measured)
-    assert row.count("|") == 7
+    assert row.count("|") == 8
+    assert row.split("|")[3].split() == [f"{pred.host_s:.3f}", f"{host['host_s']:.3f}"]
     # the exposed term twice: waited (stall_s), then the step less its compute
     exposed_s = measured["step"] - measured["step_compute"]
-    _, waited, waited_ratio, difference, difference_ratio = row.split("|")[3].split()
+    _, waited, waited_ratio, difference, difference_ratio = row.split("|")[4].split()
     assert (waited, waited_ratio) == (f"{measured['step_waited']:.3f}",
                                       f"{measured['step_waited'] / pred.exposed_s:.2f}")
     assert (difference, difference_ratio) == (f"{exposed_s:.3f}",

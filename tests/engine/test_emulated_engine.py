@@ -117,3 +117,26 @@ def test_a_failure_under_the_emulation_names_its_seed(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "emulated async device" in out.stdout
     assert "LAZYTRAIN_EMULATE_ASYNC=1 LAZYTRAIN_EMULATE_SEED=17" in out.stdout
+
+
+def test_the_host_work_per_transfer_is_timed_and_gradients_keep_their_storage(tmp_path):
+    """On an async device the training thread stages each weight load and folds each
+    layer's gradients (`StepStats.host_work_s`, the planner's `stage_s` and `fold_s`):
+    their bytes are the links' own, and `.grad` keeps one storage across steps (a fresh
+    one each step faulted in every page on the training thread)."""
+    model, engine = _emulated_engine(tmp_path, seed=0)
+    ids = batches(1)[0]
+    storage: list[list[int]] = []
+    for _ in range(2):
+        engine.reset_stats()
+        model(input_ids=ids, labels=ids).loss.backward()
+        engine.synchronize()
+        stats = engine.stats()
+        assert stats.host_work_bytes["weights_stage"] == stats.transfer_bytes["weights_h2d"] > 0
+        assert stats.host_work_bytes["grads_fold"] == stats.transfer_bytes["grads_d2h"] > 0
+        assert all(seconds > 0 for seconds in stats.host_work_s.values())
+        layers = [p for j in range(1, 11) for p in engine.layer_params(j)]
+        storage.append([p.grad.data_ptr() for p in layers])
+        model.zero_grad(set_to_none=True)
+    assert storage[0] == storage[1]
+    engine.detach()

@@ -1,11 +1,13 @@
 """Agreement as a property (issue 34): over drawn problems (model families, batch shapes,
-budgets, where the residents' update runs; compute-, H2D-, D2H- and NVMe-bound rates), the
+budgets, where the residents' update runs; compute-, H2D-, D2H- and NVMe-bound rates; the
+host's work per transfer unpriced, on the compute's thread, or beside a GPU's kernels), the
 plan `make_plan` returns, priced by the simulator with the host update beside it, is never
 slower than a baseline (megatrain, checkpoint_all, offload_all) or, in a re-plan after one
 link slows 12x, than the running plan, beyond `TOLERANCE`; nor is the MIP's own pick
 (`Solution.mip_step_s` where the simulator preferred another). Where the MIP's objective
 and the simulator disagree beyond it, the failure names the term mispriced: the windows'
-compute, a link's exposure, or the host update's overlap with the next step.
+compute, the host's work per transfer, a link's exposure, or the host update's overlap
+with the next step.
 """
 
 from __future__ import annotations
@@ -52,11 +54,22 @@ def _model(family: str, layers: int, batch_size: int, seq_len: int, vocab_size: 
                          batch_size=batch_size, seq_len=seq_len, compute_bytes_per_elem=4)
 
 
-def _hardware(model: ModelProfile, regime: str, async_device: bool) -> HardwareProfile:
+#: The host's work per transfer (`HardwareProfile.host_stage_bytes_per_s`, ...): a layer's
+#: staging and its fold in these fractions of one layer forward; None: not priced.
+HOST_WORK = {"none": None, "fast": (0.3, 0.5), "slow": (1.5, 2.0)}
+
+
+def _hardware(model: ModelProfile, regime: str, async_device: bool, host: str = "none",
+              compute_on_host: bool = False) -> HardwareProfile:
     """Rates set against one layer's forward (1e10 FLOP/s): the regime's links are
-    `SLOW` x what would hide their traffic behind it, the others 20x faster than that."""
+    `SLOW` x what would hide their traffic behind it, the others 20x faster than that; the
+    host's work per transfer as `HOST_WORK[host]`, on the compute's thread or not."""
     flops = 1e10
     fwd_s = model.layer_fwd_flops / flops
+    fractions = HOST_WORK[host]
+    stage, fold = (0.0, 0.0) if fractions is None else (
+        model.layer_param_bytes / (fractions[0] * fwd_s),
+        model.layer_grad_bytes / (fractions[1] * fwd_s))
     fast = {"h2d": model.layer_param_bytes, "d2h": model.layer_grad_bytes,
             "nvme": model.boundary_bytes}
     rate = {k: (SLOW if k == regime else 20.0) * b / fwd_s for k, b in fast.items()}
@@ -65,7 +78,8 @@ def _hardware(model: ModelProfile, regime: str, async_device: bool) -> HardwareP
         h2d_bytes_per_s=rate["h2d"], d2h_bytes_per_s=rate["d2h"],
         nvme_read_bytes_per_s=rate["nvme"], nvme_write_bytes_per_s=rate["nvme"],
         cpu_optimizer_params_per_s=model.layer_trainable_param_count / fwd_s,
-        device_runs_async=async_device)
+        device_runs_async=async_device, host_stage_bytes_per_s=stage,
+        host_fold_bytes_per_s=fold, compute_on_host=compute_on_host)
 
 
 def d2h_drift() -> tuple:
@@ -94,7 +108,8 @@ def problems(draw: st.DrawFn) -> tuple:
     model = _model(draw(st.sampled_from(FAMILIES)), layers, draw(st.sampled_from((2, 4, 8))),
                    draw(st.sampled_from((32, 64, 128))))
     regime = draw(st.sampled_from(REGIMES))
-    hardware = _hardware(model, regime, draw(st.booleans()))
+    hardware = _hardware(model, regime, draw(st.booleans()),
+                         draw(st.sampled_from(tuple(HOST_WORK))), draw(st.booleans()))
     budgets = budgets_in_slots(model, hardware, gpu_slots=draw(st.integers(3, layers + 2)),
                                cpu_slots=draw(st.integers(0, layers)),
                                nvme_slots=draw(st.integers(0, layers)))
@@ -121,10 +136,16 @@ def mispriced(p: Problem, plan: Plan, model: ModelProfile, hardware: HardwarePro
     from the simulator's, as a sentence."""
     sim = simulate(plan, model, hardware, include_optimizer=False)
     step_s, sol = sim.step_s, plan.solver
-    recompute_s = sum(p.block_cost_s(s, e) for s, e in plan.blocks)
+    restream_s = sum(p.restream_host_s(s, e) for s, e in plan.blocks)
+    recompute_s = sum(p.block_cost_s(s, e) for s, e in plan.blocks) - restream_s
+    # the host's work on the compute's thread (the prologue's staging and the drain too),
+    # else on its own lane: exposed where it binds (the prologue and the drain always)
+    host_s = p.host_s + p.stage_s + restream_s if p.host_on_compute else 0.0
+    waits_s = p.prologue_s + p.tail_s - (p.stage_s if p.host_on_compute else -p.host_tail_s)
     terms = {"window (compute, recompute, overhead)": (
         p.compute_s + recompute_s, sim.compute_s + sim.recompute_s + sim.overhead_s),
-        "link (exposure)": (sum(sol.exposed_s) + p.prologue_s + p.tail_s, sim.exposed_s),
+        "host (weights staged, gradients folded)": (host_s, sim.host_s),
+        "link (exposure)": (sum(sol.exposed_s) + waits_s, sim.exposed_s),
         "overlap (the host update beside the next step)": (
             0.0, plan.prediction.optimizer_exposed_s)}
     bad = [f"{name}: MIP {mip:.4g} s, simulator {simulated:.4g} s ({sim.exposed_by_link_s})"

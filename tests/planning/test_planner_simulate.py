@@ -198,3 +198,50 @@ def test_concurrent_saves_of_one_plan_path_never_take_each_others_file(
     assert errors_of_concurrent_calls(lambda: plan.save(path)) == []
     assert Plan.load(path) == plan
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary left
+
+
+def _host_priced(*, stage_s: float, fold_s: float, on_compute: bool) -> tuple:
+    """An 8-layer chain whose links hide behind compute, the host's work per transfer
+    priced at `stage_s` a layer's weights and `fold_s` a layer's gradients."""
+    model, bare = chain(num_layers=8, h2d_gbps=100.0, d2h_gbps=100.0)
+    hardware = dataclasses.replace(
+        bare, host_stage_bytes_per_s=model.layer_param_bytes / stage_s,
+        host_fold_bytes_per_s=model.layer_grad_bytes / fold_s, compute_on_host=on_compute)
+    return model, bare, hardware
+
+
+def test_the_hosts_work_per_transfer_takes_the_compute_thread_on_a_cpu_device() -> None:
+    model, bare, hardware = _host_priced(stage_s=0.01, fold_s=0.02, on_compute=True)
+    budgets = budgets_in_slots(model, hardware, gpu_slots=6, cpu_slots=0, nvme_slots=0,
+                               max_recompute_block=4)
+    request = PlanRequest(budgets=budgets, max_recompute_block=4, gap=0.0)
+    plan = make_plan(model, hardware, request)
+    assert plan.recomputed_layer_runs > 0  # re-streamed layers are staged too
+    without = simulate(plan, model, bare, include_optimizer=False)
+    result = simulate(plan, model, hardware, include_optimizer=False)
+    loads = sum(1 for op in result.ops if op.resource == "h2d" and op.name[0] in "RW")
+    assert result.host_s == pytest.approx(loads * 0.01 + 8 * 0.02)
+    # (less what the host's work hides: a wait of a few microseconds on a link)
+    assert result.step_s == pytest.approx(without.step_s + result.host_s, rel=1e-4)
+    assert result.step_s == pytest.approx(result.compute_s + result.recompute_s
+                                          + result.overhead_s + result.host_s + result.exposed_s)
+    # the MIP prices the same step: its floor and objective hold the host's work
+    p = build_problem(model, hardware, budgets=budgets, max_recompute_block=4)
+    mip_s = p.step_floor_s() + plan.solver.objective_s
+    assert mip_s == pytest.approx(result.step_s, rel=1e-4)  # the tie-breakers apart
+
+
+def test_on_a_gpu_the_hosts_work_hides_behind_the_kernels_until_it_is_longer() -> None:
+    model, bare, fast = _host_priced(stage_s=0.01, fold_s=0.02, on_compute=False)
+    plan = make_plan(model, bare, PlanRequest(strategy="checkpoint_all"))
+    without = simulate(plan, model, bare, include_optimizer=False)
+    hidden = simulate(plan, model, fast, include_optimizer=False)
+    assert hidden.host_s == 0.0  # not the compute's thread
+    # what the device waits for: staging the first two layers, the drain's last folds
+    assert without.step_s < hidden.step_s <= without.step_s + 2 * 0.01 + 3 * 0.02 + 1e-9
+    _, _, slow = _host_priced(stage_s=0.08, fold_s=0.02, on_compute=False)  # > a forward
+    bound = simulate(plan, model, slow, include_optimizer=False)
+    assert bound.exposed_by_link_s["host"] > 8 * (0.08 - 0.05) - 1e-9
+    p = build_problem(model, slow, max_recompute_block=1)
+    solution = make_plan(model, slow, PlanRequest(strategy="checkpoint_all")).solver
+    assert p.step_floor_s() + solution.objective_s == pytest.approx(bound.step_s, rel=0.05)

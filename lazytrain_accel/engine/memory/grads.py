@@ -31,6 +31,9 @@ class GradSink:
         self._staging = [streams.empty_host(torch.Size([max_numel]), grad_dtype)
                          for _ in range(2)] if streams.is_async else []
         self._pending: list[tuple[int, list[nn.Parameter], Event | None]] = []
+        # Each parameter's host `.grad` storage, made at its first fold and reused every
+        # step (`owned_grad`).
+        self._grads: dict[nn.Parameter, torch.Tensor] = {}
         self._next = 0
         self._staging_bytes = 2 * max_numel * torch.empty(0, dtype=grad_dtype).element_size()
         if self._staging:
@@ -70,7 +73,9 @@ class GradSink:
             for p in params:
                 grads.append(staging[offset:offset + p.numel()].view(p.shape))
                 offset += p.numel()
-            self.fold(params, grads, owned=False)
+            nbytes = offset * staging.element_size()
+            with self._acct.host_work("grads_fold", nbytes):
+                self.fold(params, grads, owned=False)
             del self._pending[k]
             return
 
@@ -85,10 +90,22 @@ class GradSink:
             elif owned and g.dtype == p.dtype and g.device == p.device:
                 p.grad = g
             else:  # a staging view or a cast: `.grad` needs its own storage
-                p.grad = g.to(device=p.device, dtype=p.dtype, copy=True)
+                p.grad = self.owned_grad(p).copy_(g)
         self.record_norms(params)
         for hook in self.ready_hooks:
             hook(params)
+
+    def owned_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """`p`'s host gradient storage, allocated once and reused each step after the
+        optimizer's `zero_grad(set_to_none=True)` dropped `.grad` (the update of a layer
+        is done before its next backward folds into it). A fresh tensor each step would
+        fault in every page of the model's fp32 gradients on first touch, on the training
+        thread; the planner counts these bytes as host memory held all step anyway
+        (`planning/host.py` `GRAD_TERM`)."""
+        grad = self._grads.get(p)
+        if grad is None:
+            grad = self._grads[p] = torch.empty_like(p, memory_format=torch.contiguous_format)
+        return grad
 
     def record_norms(self, params: list[nn.Parameter]) -> None:
         """Remember the squared norm of each parameter's current `.grad`."""
@@ -103,3 +120,4 @@ class GradSink:
         if self._staging:
             self._acct.free("host_pinned", self._staging_bytes)
         self._staging = []
+        self._grads.clear()

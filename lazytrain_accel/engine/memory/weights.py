@@ -172,12 +172,13 @@ class WeightPool:
         with self._acct.stalled():
             streams.host_waits(self._staging_free[k])  # previous H2D from this staging done
         streams.claim(staging)
-        if copy is not None:  # the update's compute copy: a plain memcpy, no cast
-            offset = copy.numel()
-            staging[:offset].copy_(copy)
-        for p in params if copy is None else ():
-            staging[offset:offset + p.numel()].view(p.shape).copy_(p.data)
-            offset += p.numel()
+        with self._acct.host_work("weights_stage", nbytes):
+            if copy is not None:  # the update's compute copy: a plain memcpy, no cast
+                offset = copy.numel()
+                staging[:offset].copy_(copy)
+            for p in params if copy is None else ():
+                staging[offset:offset + p.numel()].view(p.shape).copy_(p.data)
+                offset += p.numel()
         event = self._copy_to_slot(slot, self._slots[slot][:offset], staging[:offset],
                                    nbytes=nbytes)
         self._staging_free[k] = event
