@@ -221,6 +221,8 @@ class ShareHooks(GradReadyHooks, Protocol):
 
     def grad_sq_norms(self) -> dict[nn.Parameter, float]: ...
 
+    def release_grads(self, params: list[nn.Parameter]) -> None: ...
+
 
 class ShareReducer:
     """Overlapped per-layer gradient reduce to each group's owner (module docstring)."""
@@ -266,8 +268,8 @@ class ShareReducer:
                 self._pending.append((work, flat, ps, owner))
                 self._reduced.update(ps)
                 continue
-            for p in ps:  # `flat` holds them now (a copy): no second copy in flight
-                p.grad = None
+            # `flat` holds them now (a copy): no second copy in flight, none kept
+            self._engine.release_grads(ps)
             work = dist.reduce(flat, dst=self._layout.node_ranks[owner],
                                op=dist.ReduceOp.SUM, group=self._layout.intra,
                                async_op=True)

@@ -139,4 +139,7 @@ def test_the_host_work_per_transfer_is_timed_and_gradients_keep_their_storage(tm
         storage.append([p.grad.data_ptr() for p in layers])
         model.zero_grad(set_to_none=True)
     assert storage[0] == storage[1]
+    assert engine.sink.kept_bytes() == stats.host_work_bytes["grads_fold"]  # fp32 both
+    engine.release_grads(layers)  # a split update's non-owner keeps none of them
+    assert engine.sink.kept_bytes() == 0 and all(p.grad is None for p in layers)
     engine.detach()

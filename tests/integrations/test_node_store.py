@@ -391,6 +391,10 @@ def test_a_rank_holds_only_its_shares_gradients_and_a_few_in_flight(monkeypatch)
         def grad_sq_norms(self) -> dict:
             return {}
 
+        def release_grads(self, params) -> None:
+            for p in params:
+                p.grad = None
+
     for name, value in (("get_world_size", 2), ("get_rank", 0), ("get_backend", "gloo")):
         monkeypatch.setattr(split_update.dist, name, lambda value=value: value)
     monkeypatch.setattr(split_update.dist, "reduce", reduce)

@@ -368,6 +368,12 @@ class StreamingEngine:
         for p in self.sink.sq_norms:
             self.sink.sq_norms[p] *= factor
 
+    def release_grads(self, params: list[nn.Parameter]) -> None:
+        """Drop the `.grad` of `params` and the host storage the engine keeps for them
+        across steps (`GradSink.owned_grad`): for a rank that hands its gradients away
+        (the split update's non-owners), whose host holds no copy of them."""
+        self.sink.release(params)
+
     def register_grad_ready_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> None:
         """Call `hook(params)` each time a streamed layer's gradients have been folded
         into the host `.grad` of `params` (once per layer per backward pass)."""

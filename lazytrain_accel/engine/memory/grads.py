@@ -107,6 +107,16 @@ class GradSink:
             grad = self._grads[p] = torch.empty_like(p, memory_format=torch.contiguous_format)
         return grad
 
+    def kept_bytes(self) -> int:
+        """Bytes of the `.grad` storage kept across steps (`owned_grad`)."""
+        return sum(g.numel() * g.element_size() for g in self._grads.values())
+
+    def release(self, params: list[nn.Parameter]) -> None:
+        """Drop the `.grad` of `params` and their kept storage (`owned_grad`)."""
+        for p in params:
+            p.grad = None
+            self._grads.pop(p, None)
+
     def record_norms(self, params: list[nn.Parameter]) -> None:
         """Remember the squared norm of each parameter's current `.grad`."""
         if not params:
