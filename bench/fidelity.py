@@ -44,7 +44,13 @@ boundaries on NVMe):
    `stall_s`: on the emulated device compute is that thread, so a wait on a link, NVMe or
    a staging buffer is compute not running), and "step-compute", the step less its
    compute (a difference of two figures ten times its size, so 2-3% of noise on either
-   moves it 20-30%, and it also holds host work the calibration did not see). Optimizer
+   moves it 20-30%). Both are compared with the exposed term the simulator predicts on
+   the compute the engine timed inside the step (the in-step prediction, as a run's own
+   calibration prices it): an exposed term is a link's seconds less the compute beside
+   it, and the compute runs 5-10% slower beside the emulated links' workers than alone.
+   The host's work per transfer (the training thread stages each weight load and folds
+   each layer's gradients, `StepStats.host_work_s`) is predicted beside it at the rates
+   the step ran it ("host", part of the step's compute on this device). Optimizer
    exposure = the step-compute time the optimizer adds (with minus without).
 
     python bench/fidelity.py [--models demo,large] [--plans auto,megatrain,...] [--rounds 3]
@@ -481,21 +487,24 @@ HEADER = (f"{'model':>5} {'plan':>11} {'homes g/c/n/r residents':>24} | {'step p
 
 
 def _row(model: str, name: str, plan, preds: dict, meas: dict) -> str:
-    pred, pred_opt = preds["step"], preds["opt"]
+    pred, pred_opt, terms = preds["step"], preds["opt"], preds["step_in"]
     homes = "/".join(str(n) for n in plan.count_homes().values()) + (
         " gpu" if plan.resident_update == "device" else " host")
     # the exposed term measured twice: the seconds the training thread waited (the
     # engine's stall_s: every wait timed where it blocks), and the step less its compute
-    # (a difference of two figures ~10x its size: 2-3% noise on either moves it 20-30%;
-    # it also holds host work outside the calibration, e.g. staging copies)
+    # (a difference of two figures ~10x its size: 2-3% noise on either moves it 20-30%).
+    # Its prediction and the host's are the simulator's on the compute the engine timed
+    # inside the step (`terms`, as a run's calibration prices it): an exposed term is a
+    # link's seconds less the compute beside it, so the compute the link workers leave
+    # the step (5-10% slower than alone on 2 cores) moves it 2-3x as much.
     waited, exposed = meas["step_waited"], meas["step"] - meas["step_compute"]
     optimizer = meas["step_opt"] - meas["step_opt_compute"] - exposed
     return (f"{model:>5} {name:>11} {homes:>24} | {pred.step_s:9.3f} {meas['step']:6.3f} "
             f"{meas['step'] / pred.step_s:5.2f} | {pred.step_s - pred.exposed_s:12.3f} "
-            f"{meas['step_compute']:6.3f} | {pred.host_s:9.3f} {meas['step_host']['host_s']:6.3f} "
-            f"| {pred.exposed_s:12.3f} {waited:6.3f} "
-            f"{exposed_ratio(waited, pred.exposed_s)} {exposed:12.3f} "
-            f"{exposed_ratio(exposed, pred.exposed_s)} "
+            f"{meas['step_compute']:6.3f} | {terms.host_s:9.3f} {meas['step_host']['host_s']:6.3f} "
+            f"| {terms.exposed_s:12.3f} {waited:6.3f} "
+            f"{exposed_ratio(waited, terms.exposed_s)} {exposed:12.3f} "
+            f"{exposed_ratio(exposed, terms.exposed_s)} "
             f"| {pred_opt.step_s:11.3f} {meas['step_opt']:6.3f} "
             f"{meas['step_opt'] / pred_opt.step_s:5.2f} | {pred_opt.optimizer_exposed_s:16.3f} "
             f"{optimizer:6.3f} | {_update_s(pred_opt):11.3f} {meas['step_opt_update']:6.3f} "

@@ -78,17 +78,18 @@ def test_rates_plans_and_one_round(tmp_path):
     assert host["host_s"] > 0 and host["host_stage"] > 0 and host["host_fold"] > 0
     assert measured["step_compute"] == pytest.approx(
         measured["step_layers"] + measured["compute"]["rest_s"] + runs_s + host["host_s"])
-    assert hw.compute_on_host and pred.host_s > 0
+    terms = preds["step_in"]  # the exposed and host terms: on the step's own compute
+    assert hw.compute_on_host and terms.host_s > 0
     row = fidelity._row("tiny", "auto+nvme", plans["auto+nvme"], preds, measured)
     assert row.count("|") == 8
-    assert row.split("|")[3].split() == [f"{pred.host_s:.3f}", f"{host['host_s']:.3f}"]
+    assert row.split("|")[3].split() == [f"{terms.host_s:.3f}", f"{host['host_s']:.3f}"]
     # the exposed term twice: waited (stall_s), then the step less its compute
     exposed_s = measured["step"] - measured["step_compute"]
     _, waited, waited_ratio, difference, difference_ratio = row.split("|")[4].split()
     assert (waited, waited_ratio) == (f"{measured['step_waited']:.3f}",
-                                      f"{measured['step_waited'] / pred.exposed_s:.2f}")
+                                      f"{measured['step_waited'] / terms.exposed_s:.2f}")
     assert (difference, difference_ratio) == (f"{exposed_s:.3f}",
-                                              f"{exposed_s / pred.exposed_s:.2f}")
+                                              f"{exposed_s / terms.exposed_s:.2f}")
 
 
 def test_the_update_is_timed_as_a_step_runs_it():

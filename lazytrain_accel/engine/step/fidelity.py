@@ -26,7 +26,8 @@ _ADVICE = {
     "exposed_s": "transfers or optimizer updates are less hidden than planned; check the "
                  "profile's link rates and other traffic on the bus or the host",
     "other_s": "work outside the streamed layers (embeddings, head, loss, optimizer, data "
-               "loading) takes longer than planned",
+               "loading, the host's weight staging and gradient folds) takes longer than "
+               "planned",
 }
 
 
