@@ -47,9 +47,10 @@ def hardware_for_backend(config: LazyTrainConfig, hardware: HardwareProfile
     """`hardware` as the engine's backend will run: the emulated async device stands in
     for a GPU, so the residents' device update runs beside the host's there too
     (`StepCoordinator`), and the simulator must model it that way
-    (`device_runs_async`); a profile measured on this CPU says otherwise."""
-    if config.emulate_async and not hardware.device_runs_async:
-        hardware = dataclasses.replace(hardware, device_runs_async=True)
+    (`device_runs_async`; a profile measured on this CPU says otherwise), but its compute
+    is the training thread, which also stages and folds (`compute_on_host`)."""
+    if config.emulate_async and not (hardware.device_runs_async and hardware.compute_on_host):
+        hardware = dataclasses.replace(hardware, device_runs_async=True, compute_on_host=True)
     return hardware_for_optimizer(config, hardware)
 
 

@@ -75,7 +75,8 @@ def test_a_timed_run_leaves_destinations_unpoisoned_and_bumps_each_version_once(
     streams.close()
 
 
-def test_throttled_links_take_bytes_over_rate_and_count_host_blocking():
+def test_throttled_links_take_bytes_over_rate():
+    """(What the host waits on them is the engine's `stall_s`: test_backend_clock.py.)"""
     streams = _slow(h2d=1e6)
     start = time.perf_counter()
     with streams.copy_stream("h2d"):
@@ -83,7 +84,6 @@ def test_throttled_links_take_bytes_over_rate_and_count_host_blocking():
         event = streams.record()
     streams.host_waits(event)
     assert time.perf_counter() - start >= 0.1
-    assert streams.blocked_s["h2d"] >= 0.09 and streams.blocked_s["d2h"] == 0.0
 
 
 def test_copies_queued_back_to_back_stream_at_the_link_rate_however_late_the_worker_wakes(

@@ -236,8 +236,6 @@ class EmulatedStreams:
         self._local = threading.local()
         self._host_seen = dict.fromkeys(self._workers, 0)  # newest op the host waited for
         self._last_use: dict[int, tuple[str, int]] = {}  # storage -> (link, op) last using it
-        #: Seconds the host was blocked waiting on each side stream (exposed transfers).
-        self.blocked_s = dict.fromkeys(self._workers, 0.0)
         self._stop = weakref.finalize(self, _stop_all, list(self._workers.values()))
 
     def _current(self) -> _Worker | None:
@@ -297,12 +295,10 @@ class EmulatedStreams:
         if event is None or event.worker is None:
             return
         name = event.worker.name
-        start = time.perf_counter()
         try:
             event.synchronize()
         except RuntimeError as err:
             raise RuntimeError(f"{err}; {replay_hint(self.seed)}") from err.__cause__
-        self.blocked_s[name] += time.perf_counter() - start
         self._host_seen[name] = max(self._host_seen[name], event.seq)
 
     def claim(self, buffer: torch.Tensor) -> None:
