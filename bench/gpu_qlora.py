@@ -49,6 +49,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 #: plugin at `prepare` (`frozen_weights="nf4"`; the stock run quantizes it the same way).
 FORMATS = ("nf4", "int8", "prepare:nf4")
 PREPARE = "prepare:"
+#: The check's measured profile, saved beside the base model for the plugin runs.
+HARDWARE_JSON = "hardware.json"
 
 
 @dataclass(kw_only=True)
@@ -216,8 +218,12 @@ def _sync(device: torch.device) -> None:
 
 
 def _plugin(setting: QloraSetting, work: Path, fmt: str) -> LazyTrainPlugin:
+    """Planned on the check's measured profile, which `run_phase` saves beside `work`:
+    `hardware="auto"` measured this machine again for this phase's own NVMe directory (a
+    third of the dry run)."""
     frozen = fmt.removeprefix(PREPARE) if fmt.startswith(PREPARE) else "keep"
-    return LazyTrainPlugin(plan="auto", hardware="auto", optimizer="keep",
+    return LazyTrainPlugin(plan="auto", hardware=str(work.parent / HARDWARE_JSON),
+                           optimizer="keep",
                            gpu_memory_limit_gb=setting.gpu_memory_limit_gb,
                            solver_time_limit_s=10, nvme_dir=str(work / "nvme"),
                            emulate_async=setting.emulate_async or None, frozen_weights=frozen)
@@ -319,6 +325,7 @@ def run_phase(setting: QloraSetting, hardware: HardwareProfile,
         return report
     with tempfile.TemporaryDirectory(prefix="lazytrain_qlora_") as work:
         base = Path(work) / "base"
+        hardware.save(Path(work) / HARDWARE_JSON)
         if _attempt(report, "base", lambda: save_base(setting, base)):
             for fmt in formats:
                 _attempt(report, fmt, lambda fmt=fmt: report["results"].append(

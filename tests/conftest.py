@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,3 +49,14 @@ def errors_of_concurrent_calls() -> Callable[[Callable[[], object]], list[BaseEx
         return errors
 
     return run
+
+
+@pytest.fixture(scope="session")
+def measured_hardware(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the first test that measures this machine (`hardware="auto"`: the GPU check's
+    dry run, the demo, the user guide's `load_hardware("auto")`) leaves its profile for
+    the tests after it, as a user's cache would: measuring takes 15-40 s of a loaded
+    2-core machine, and the profile is the machine's, not the test's. Users copy its
+    `hardware-*.json` into their cache before they run and back after. A test run alone
+    measures; tests/profiling/test_measure.py tests the measuring itself."""
+    return tmp_path_factory.mktemp("measured_hardware")

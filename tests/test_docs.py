@@ -47,16 +47,6 @@ def test_fence_parser_finds_only_runnable_blocks() -> None:
     assert runnable_blocks(page) == [("python", 2, "print(1)\n"), ("shell", 8, "echo hi\n")]
 
 
-@pytest.fixture(scope="module")
-def measured_hardware(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the first page that measures this machine (`hardware="auto"`: the demo, the
-    user guide's `load_hardware("auto")`) leaves its profile for the pages after it, as a
-    user's cache would: measuring takes ~40 s of a loaded 2-core machine, and the profile
-    is the machine's, not the page's. A page run alone measures; tests/profiling/
-    test_measure.py tests the measuring itself."""
-    return tmp_path_factory.mktemp("measured_hardware")
-
-
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
 def test_doc_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                         measured_hardware: Path) -> None:

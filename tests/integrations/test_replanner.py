@@ -46,34 +46,36 @@ def _one_thread_each() -> Iterator[None]:
 #: whole window to run the new plan.
 WINDOW = replan.MEASURED_STEPS
 LAST_SWITCH_STEP = WINDOW[0] - 1
-#: The "off" run's steps timed in place of the window: its plan never changes and its
-#: steps are the emulated links' sleeps (4.3 s each, step 1 alike), so steps 2-4 time it as
-#: steps 8-10 do, and six of its slowest steps are not run.
+#: The claimed plan's steps timed in place of the window: the "auto" run's first steps run
+#: it with the re-planner idle (its first measured step is `WARMUP_STEPS` + 1 = 4, and the
+#: solve starts after it), and the steps are the emulated links' sleeps (4.3 s each, step
+#: 1 alike, as "off" ran them: 4.33-4.34 s both), so auto's steps 2-4 time it as an "off"
+#: run's steps 8-10 do; the "off" run itself only plans (0 steps): its plan's homes.
 OFF_WINDOW = (2, 4)
 
 
 @pytest.mark.slow
 def test_a_link_20x_slower_than_claimed_is_replanned_before_steps_8_to_10(
         tmp_path, caplog) -> None:
-    """The emulated links' sleeps make most of each step (bench/replan.py), so the three
-    runs differ by their plans, not by the machine's load: the off run's NVMe boundaries
+    """The emulated links' sleeps make most of each step (bench/replan.py), so the runs
+    differ by their plans, not by the machine's load: the off plan's NVMe boundaries
     take ~2 s each way, the true plan's step ~1.3 s."""
     with caplog.at_level(logging.DEBUG, logger="lazytrain_accel"):
-        runs = replan.compare(WINDOW[1], tmp_path, off_steps=OFF_WINDOW[1])
+        runs = replan.compare(WINDOW[1], tmp_path, off_steps=0)
     off, auto, true = runs["off"], runs["auto"], runs["true"]
     why = [f"{r.relativeCreated / 1e3:.1f} s {r.getMessage()[:200]}" for r in caplog.records
            if "drifted" in r.getMessage() or "re-planned" in r.getMessage()
            or "keeping it" in r.getMessage()]
     assert "nvme" in off.homes and "nvme" not in auto.homes and "nvme" not in true.homes
-    assert len(auto.switches) == 1 and auto.switches[0] <= LAST_SWITCH_STEP, (
+    assert len(auto.switches) == 1 and OFF_WINDOW[1] < auto.switches[0] <= LAST_SWITCH_STEP, (
         auto.switches, [round(s, 2) for s in auto.step_s], why)
     assert auto.reverts == []
-    off_s = off.mean_step_s(*OFF_WINDOW)
+    off_s = auto.mean_step_s(*OFF_WINDOW)  # off's plan, before the switch
     auto_s, true_s = (r.mean_step_s(*WINDOW) for r in (auto, true))
-    assert auto_s <= 0.85 * off_s, (auto.step_s, off.step_s)
+    assert auto_s <= 0.85 * off_s, auto.step_s
     assert abs(auto_s / true_s - 1) <= 0.15, (auto.step_s, true.step_s)
     # fp32: a plan moves data, not math (auto ran off's plan, then true's)
-    assert auto.losses == true.losses and auto.losses[:OFF_WINDOW[1]] == off.losses
+    assert auto.losses == true.losses
 
 
 @pytest.mark.slow
