@@ -19,19 +19,21 @@ One process, the phases alternating round by round (as bench/optimizer.py does):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
-from optimizer import cpu_description, make_params
+from optimizer import cpu_description, kernel_variant, make_params
 
 from lazytrain_accel.optim import HybridAdamW8bit, clipping
 
 
-def phases(params: list[torch.nn.Parameter]) -> dict[str, Callable[[], None]]:
+def phases(params: list[torch.nn.Parameter], variant: str) -> dict[str, Callable[[], None]]:
     grads = [p.grad for p in params]
-    ours = HybridAdamW8bit(params, lr=1e-5, max_grad_norm=1e9)
+    with kernel_variant(variant):
+        ours = HybridAdamW8bit(params, lr=1e-5, max_grad_norm=1e9)
     fused = torch.optim.AdamW(params, lr=1e-5, fused=True)
     norms: list[torch.Tensor] = clipping.tensor_norms(grads)
 
@@ -43,9 +45,10 @@ def phases(params: list[torch.nn.Parameter]) -> dict[str, Callable[[], None]]:
 
     def update(coef: float) -> Callable[[], None]:
         def run() -> None:
+            ours.max_grad_norm = None  # no norm pass: begin_step decides coefficient 1
             ours.begin_step()
-            ours._context = ours._context.__class__(  # the coefficient, without a norm pass
-                apply=True, clip_coef=coef, group_of=ours._context.group_of)
+            ours.max_grad_norm = 1e9
+            ours._context = dataclasses.replace(ours._context, clip_coef=coef)
             ours.step_params(params)
             ours.end_step()
         return run
@@ -70,12 +73,13 @@ def main() -> None:
     parser.add_argument("--params-m", type=int, default=200, help="millions of parameters")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--variant", default="avx2", help="our kernel variant (avx2, avx512)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"cpu: {cpu_description()}; {args.threads} thread(s)")
+    print(f"cpu: {cpu_description()}; {args.threads} thread(s); ours[{args.variant}]")
     params = make_params(args.params_m)
     numel = sum(p.numel() for p in params)
-    steps = phases(params)
+    steps = phases(params, args.variant)
     for step in steps.values():
         step()  # state allocated, pages touched, outside the timing
     wall_s: dict[str, list[float]] = {name: [] for name in steps}
