@@ -5,8 +5,10 @@ medians and ratios; never run by pytest.
     python bench/optimizer_phases.py [--params-m 200] [--threads 2] [--rounds 5]
 
 One process, the phases alternating round by round (as bench/optimizer.py does):
-- `norm:foreach`: the per-tensor norms as `clipping.tensor_norms` takes them
-  (`torch._foreach_norm(grads, dtype=float32)`), the pass our clipping adds;
+- `norm:tensor_norms`: the per-tensor norms as `clipping.tensor_norms` takes them (the
+  tensors shared among torch's threads), the pass our clipping adds;
+- `norm:one foreach`: the same norms from one `torch._foreach_norm(grads, dtype=float32)`
+  call, on one thread (how `tensor_norms` took them before);
 - `norm:combine+coef`: their global norm and the clip coefficient (`.item()` included);
 - `ours:update`, `ours:update(coef<1)`: the kernel's pass, with coefficient 1 and below 1
   (the multiply is inside the kernel: no pass of its own);
@@ -37,8 +39,11 @@ def phases(params: list[torch.nn.Parameter], variant: str) -> dict[str, Callable
     fused = torch.optim.AdamW(params, lr=1e-5, fused=True)
     norms: list[torch.Tensor] = clipping.tensor_norms(grads)
 
-    def norm_foreach() -> None:
+    def norm_tensor_norms() -> None:
         norms[:] = clipping.tensor_norms(grads)
+
+    def norm_one_foreach() -> None:
+        torch._foreach_norm(grads, 2.0, dtype=torch.float32)
 
     def combine_coef() -> None:
         clipping.clip_coefficient(clipping.combine_norms(norms), 1e9)
@@ -61,7 +66,8 @@ def phases(params: list[torch.nn.Parameter], variant: str) -> dict[str, Callable
     def torch_norm() -> None:
         torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0).item()
 
-    return {"norm:foreach": norm_foreach, "norm:combine+coef": combine_coef,
+    return {"norm:tensor_norms": norm_tensor_norms, "norm:one foreach": norm_one_foreach,
+            "norm:combine+coef": combine_coef,
             "ours:update": update(1.0), "ours:update(coef<1)": update(1.0 - 2**-20),
             "ours+clip:step": ours_clip_step, "clip_grad_norm_:norm": torch_norm,
             "clip_grad_norm_:mul": lambda: torch._foreach_mul_(grads, 1.0),
