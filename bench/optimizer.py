@@ -9,8 +9,11 @@ each sees the same machine load:
   the instruction set forced), without and with clipping, without and with the bf16
   compute-copy write;
 - torch AdamW, fused, fp32, without and with `clip_grad_norm_`;
-- DeepSpeed's DeepSpeedCPUAdam (fp32, AdamW mode) when it builds here (`pip install
-  .[bench]`; its JIT needs ninja and a compiler): otherwise the reason is printed;
+- DeepSpeed's DeepSpeedCPUAdam (fp32 states, AdamW mode, the same hyperparameters, with
+  and without `clip_grad_norm_`) when it builds here (`pip install .[bench]`; its JIT needs
+  ninja and a compiler, ~100 s per build on a 2-core Zen 5): its builder's own SIMD width
+  (AVX-512 where the CPU has it), and on an AVX-512 CPU its AVX2 build too (`avx256`), so
+  the AVX2 builds compare on one machine; otherwise the reason is printed;
 - a STREAM triad in C++ (bench/stream_triad.cpp, streaming stores), the ceiling.
 Each prints achieved GB/s (the bytes it must move per parameter, `BYTES_PER_PARAM`), its
 fraction of the triad's, params/s and its time relative to fused AdamW's. `--code-choice`
@@ -29,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -38,7 +42,10 @@ GB = 1e9
 #: Bytes each contender must move per parameter: grad 4 read; fp32 master 4 + 4; ours two
 #: 1-byte codes read and written (4), fp32 AdamW two fp32 moments (16); clipping reads the
 #: gradient once more for the norm (+4); the compute copy writes bf16 (+2); the triad
-#: reads two fp32 and writes one (12, streaming stores).
+#: reads two fp32 and writes one (12, streaming stores). DeepSpeed's fp32 CPUAdam moves what
+#: fused AdamW does (28). These are the bytes each must move: torch's `clip_grad_norm_` (the
+#: "+clip" rows of fused AdamW and DeepSpeed) also rewrites the gradients in place, 8 more
+#: bytes than counted (40 in all), where ours applies the coefficient inside the update.
 BYTES_PER_PARAM = {"ours": 16, "ours+bf16": 18, "ours+clip": 20, "ours+clip+bf16": 22,
                    "adamw_fused": 28, "adamw_fused+clip": 32, "deepspeed_cpuadam": 28,
                    "deepspeed_cpuadam+clip": 32, "triad": 12}
@@ -107,14 +114,64 @@ def with_clip(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer,
     return step
 
 
-def deepspeed_adam(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | str:
-    """DeepSpeed's CPUAdam in fp32 AdamW mode, or why it cannot run here."""
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+#: DeepSpeed's builds measured: the SIMD width its builder picks for this CPU, then the
+#: AVX2 build (`-D__AVX256__`, `-march=x86-64-v3`) an AVX2-only CPU gets, on x86 CPUs that
+#: run it. Named by DeepSpeed's `simd_width` macro.
+_DEEPSPEED_AVX256 = ("-D__AVX256__", "-march=x86-64-v3")
 
-        return DeepSpeedCPUAdam(params, lr=1e-5, adamw_mode=True, fp32_optimizer_states=True)
-    except Exception as error:  # import, JIT build or CPU-feature failures alike
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+def deepspeed_builders() -> dict[str, Any] | str:
+    """DeepSpeed's CPUAdam op builders by SIMD label ("avx512", "avx256", ...), or why
+    DeepSpeed is not here."""
+    try:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+    except Exception as error:  # not installed, or its import fails on this machine
+        return _reason(error)
+    native_simd = CPUAdamBuilder().simd_width()
+    builders: dict[str, Any] = {native_simd.strip("-D_").lower(): CPUAdamBuilder()}
+    if native_simd != _DEEPSPEED_AVX256[0] and {"avx2", "fma"} <= native.cpu_flags():
+
+        class Avx256Builder(CPUAdamBuilder):
+            """DeepSpeed's CPUAdam built with AVX2 intrinsics and no AVX-512 instructions,
+            under a name of its own (its own JIT cache entry)."""
+
+            def __init__(self) -> None:
+                super(CPUAdamBuilder, self).__init__(name="cpu_adam_avx256")
+
+            def simd_width(self) -> str:
+                return _DEEPSPEED_AVX256[0]
+
+            def cpu_arch(self) -> str:
+                return _DEEPSPEED_AVX256[1]
+
+        builders["avx256"] = Avx256Builder()
+    return builders
+
+
+def deepspeed_adam(params: list[torch.nn.Parameter], builder: Any
+                   ) -> torch.optim.Optimizer | str:
+    """DeepSpeed's CPUAdam, fp32 states, AdamW mode, our hyperparameters, its op built by
+    `builder` (JIT, timed), or why it cannot run here."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam, cpu_adam
+
+        start_s = time.perf_counter()
+        builder.load()  # cached per name: the constructor's load() finds this op
+        print(f"DeepSpeed {builder.name} loaded (built or found in the JIT cache) in "
+              f"{time.perf_counter() - start_s:.0f} s")
+        saved = cpu_adam.CPUAdamBuilder
+        cpu_adam.CPUAdamBuilder = lambda: builder  # the constructor loads this build
+        try:
+            return DeepSpeedCPUAdam(params, lr=1e-5, weight_decay=1e-2, adamw_mode=True,
+                                    fp32_optimizer_states=True)
+        finally:
+            cpu_adam.CPUAdamBuilder = saved
+    except Exception as error:  # JIT build or CPU-feature failures alike
+        return _reason(error)
+
+
+def _reason(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
 
 
 def build_triad(numel: int) -> Callable[[], None]:
@@ -149,15 +206,21 @@ def contenders(params: list[torch.nn.Parameter], triad_numel: int
                     name = "ours" + "+clip" * clip + "+bf16" * bf16
                     steps[f"{name}[{variant}]"] = ours(params, clip=clip,
                                                        outs=outs if bf16 else None)
-    fused = torch.optim.AdamW(params, lr=1e-5, fused=True)
+    fused = torch.optim.AdamW(params, lr=1e-5, weight_decay=1e-2, fused=True)
     for clip in (False, True):
         steps["adamw_fused" + "+clip" * clip] = with_clip(params, fused, clip)
-    deepspeed = deepspeed_adam(params)
-    if isinstance(deepspeed, str):
-        print(f"DeepSpeedCPUAdam not measured: {deepspeed}")
-    else:
+    builders = deepspeed_builders()
+    if isinstance(builders, str):
+        print(f"DeepSpeedCPUAdam not measured: {builders}")
+        builders = {}
+    for simd, builder in builders.items():
+        deepspeed = deepspeed_adam(params, builder)
+        if isinstance(deepspeed, str):
+            print(f"DeepSpeedCPUAdam[{simd}] not measured: {deepspeed}")
+            continue
         for clip in (False, True):
-            steps["deepspeed_cpuadam" + "+clip" * clip] = with_clip(params, deepspeed, clip)
+            steps[f"deepspeed_cpuadam{'+clip' * clip}[{simd}]"] = with_clip(params, deepspeed,
+                                                                             clip)
     if triad_numel > 0:
         steps["triad"] = build_triad(triad_numel)
     return steps
@@ -189,13 +252,13 @@ def report(step_s: dict[str, tuple[float, float]], numel: int, triad_numel: int,
     triad = bytes_per_param("triad") * triad_numel / step_s["triad"][0]
     fused_s, fused_cpu_s = step_s["adamw_fused"]
     print(f"\n{threads} thread(s), {numel / 1e6:.1f}M parameters; triad {triad / GB:.1f} GB/s")
-    print(f"{'update':26s} {'step s':>7s} {'vs fused':>8s} {'cpu s':>7s} {'vs fused':>8s} "
+    print(f"{'update':32s} {'step s':>7s} {'vs fused':>8s} {'cpu s':>7s} {'vs fused':>8s} "
           f"{'GB/s':>5s} {'of triad':>8s} {'Mparams/s':>9s}")
     for name, (seconds, cpu_s) in step_s.items():
         if name == "triad":
             continue
         achieved = bytes_per_param(name) * numel / seconds
-        print(f"{name:26s} {seconds:7.4f} {seconds / fused_s:7.2f}x {cpu_s:7.3f} "
+        print(f"{name:32s} {seconds:7.4f} {seconds / fused_s:7.2f}x {cpu_s:7.3f} "
               f"{cpu_s / fused_cpu_s:7.2f}x {achieved / GB:5.1f} {achieved / triad:8.0%} "
               f"{numel / seconds / 1e6:9.0f}")
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lazytrain_accel.optim import HybridAdamW8bit
+from lazytrain_accel.optim import HybridAdamW8bit, clipping
 
 from .helpers import assert_states_equal, clone_params, make_params, set_random_grads
 
@@ -152,3 +152,22 @@ def test_max_grad_norm_is_settable_between_steps() -> None:
     set_random_grads(params, seed=1)
     opt.step()
     assert opt.last_grad_norm is not None and opt.last_grad_norm > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_shared_among_threads_equal_one_foreach_norm_bit_for_bit(dtype) -> None:
+    """`tensor_norms` spreads a CPU model's gradients over torch's threads: each tensor's
+    norm and their order must stay those of one `torch._foreach_norm` call."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = [700_001, 5, 300_000, 1 << 20, 4096, 123_457, 1]  # over PARALLEL_NORM_MIN_NUMEL
+    grads = [(torch.randn(n, generator=gen) * (i + 1)).to(dtype) for i, n in enumerate(sizes)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        norms = clipping.tensor_norms(grads)
+    finally:
+        torch.set_num_threads(threads)
+    expected = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    assert len(norms) == len(expected)
+    for norm, want in zip(norms, expected, strict=True):
+        assert norm.dtype == torch.float32 and torch.equal(norm, want)
