@@ -145,17 +145,16 @@ def _add_block_counts(m: Model, p: Problem, v: _Vars, cache: list) -> None:
 
 
 def _add_links(m: Model, p: Problem, v: _Vars) -> None:
+    dur = p.window_durations_s(v.x)
     mandatory = p.mandatory_bytes(v.x)
     W = p.num_windows
-    free = {}  # seconds each link has for activations in each window
-    for link in LINKS:
-        time_s = p.link_time_s(link, v.x)
-        free[link] = [time_s[w] + v.exposed[w]
-                      - mandatory[link][w] * (1 / p.rate_bytes_per_s(link)) for w in range(W)]
+    free = {  # seconds each link has for activations in each window
+        link: [dur[w] + v.exposed[w] - mandatory[link][w] * (1 / p.rate_bytes_per_s(link))
+               for w in range(W)] for link in LINKS}
     if not p.host_on_compute and (p.stage_s or p.fold_s):
         # On a GPU the host's work runs beside the kernels; a window whose host work is
         # longer than its compute waits for the host (the kernels are issued after it).
-        dur, host = p.window_durations_s(v.x), p.host_window_s(v.x)
+        host = p.host_window_s(v.x)
         for w in range(W):
             m.addCons(v.exposed[w] >= host[w] - dur[w], name=f"host_bound_{w}")
     for link in ("h2d", "d2h"):
@@ -179,22 +178,21 @@ def _add_links(m: Model, p: Problem, v: _Vars) -> None:
 
 
 def _free_deltas_s(p: Problem, edges: list[tuple[int, int]], windows: dict[str, set[int]],
-                   base_time: dict[str, list[float]], base_bytes: dict[str, list[float]]
+                   base_dur: list[float], base_bytes: dict[str, list[float]]
                    ) -> dict[tuple[str, int], list[tuple[tuple[int, int], float]]]:
     """(link, window) -> [(edge, seconds that edge alone adds to the window's free time
     on the link)] for the given windows of each link, from `Problem`'s cost methods (a
     block's recompute lengthens `B_e`, its weight re-stream takes H2D time there and one
-    window earlier), against the windows without blocks (`base_time`: each link's
-    `Problem.link_time_s`, `base_bytes`)."""
+    window earlier), against the windows without blocks (`base_dur`, `base_bytes`)."""
     deltas: dict[tuple[str, int], list[tuple[tuple[int, int], float]]] = {}
     for edge in edges:
         if edge[1] - edge[0] < 2:
             continue
-        nbytes = p.mandatory_bytes({edge: 1})
+        dur, nbytes = p.window_durations_s({edge: 1}), p.mandatory_bytes({edge: 1})
         for link, wanted in windows.items():
-            rate, time_s = p.rate_bytes_per_s(link), p.link_time_s(link, {edge: 1})
+            rate = p.rate_bytes_per_s(link)
             for w in wanted:
-                d = time_s[w] - base_time[link][w] - (nbytes[link][w] - base_bytes[link][w]) / rate
+                d = dur[w] - base_dur[w] - (nbytes[link][w] - base_bytes[link][w]) / rate
                 if d:
                     deltas.setdefault((link, w), []).append((edge, d))
     return deltas
@@ -214,10 +212,9 @@ def _add_hop_floors(m: Model, p: Problem, v: _Vars) -> None:
         return
     hop = {link: {i: p.transfer_windows(link, i, Home.NVME)[0] for i in v.nvme}
            for link in ("d2h", "h2d")}
-    base_time = {link: p.link_time_s(link, {}) for link in hop}
-    base_bytes = p.mandatory_bytes({})
+    base_dur, base_bytes = p.window_durations_s({}), p.mandatory_bytes({})
     deltas = _free_deltas_s(p, list(v.x), {k: set(ws.values()) for k, ws in hop.items()},
-                            base_time, base_bytes)
+                            base_dur, base_bytes)
     for link, windows in hop.items():
         rate = p.rate_bytes_per_s(link)
         demand_s = p.boundary_bytes / rate
@@ -226,7 +223,7 @@ def _add_hop_floors(m: Model, p: Problem, v: _Vars) -> None:
             for (s, e), d in deltas.get((link, w), []):  # each other, so take the best
                 if not s < i < e and s != i:
                     best_into[e] = max(best_into.get(e, 0.0), d)
-            free_max = base_time[link][w] - base_bytes[link][w] / rate + sum(best_into.values())
+            free_max = base_dur[w] - base_bytes[link][w] / rate + sum(best_into.values())
             if demand_s > free_max:
                 m.addCons(v.exposed[w] >= (demand_s - free_max) * v.nvme[i],
                           name=f"hop_floor_{link}_{i}")

@@ -272,19 +272,11 @@ class Problem:
             if e - s >= 2:
                 w = backward_window(e, self.num_layers)
                 dur[w] = dur[w] + (self.recompute_s(s, e) + self.restream_stall_s(s, e)) * x
-        if self.host_on_compute:
-            dur = [d + h for d, h in zip(dur, self.host_window_s(edges), strict=True)]
+        if self.host_on_compute:  # window w+1's host work ends window w: the engine does it
+            # before it waits for the run's weights, beside the copies still in flight
+            host = self.host_window_s(edges)
+            dur = [d + h for d, h in zip(dur, [*host[1:], 0.0], strict=True)]
         return dur
-
-    def link_time_s(self, link: str, edges: Mapping[tuple[int, int], Any]) -> list[Any]:
-        """Per window, the seconds `link` can run in it before any exposure: the window's
-        duration, less the host's work where that holds the link back (H2D where the host
-        is the compute's thread: the window's staging comes before its weights' copy, and
-        its boundaries' copies queue behind that)."""
-        dur = self.window_durations_s(edges)
-        if link != "h2d" or not self.host_on_compute:
-            return dur
-        return [d - h for d, h in zip(dur, self.host_window_s(edges), strict=True)]
 
     def folds_in(self, window: int) -> int:
         """Layers whose gradients the host folds into `.grad` at the start of `window`: the
@@ -369,8 +361,11 @@ class Problem:
     # ---- constants of the step -------------------------------------------------------
     @property
     def prologue_s(self) -> float:
-        """Layer 1's weights arrive (staged, then copied) before anything can run."""
-        return self.stage_s + self.layer_param_bytes / self.h2d_bytes_per_s
+        """Layer 1's weights arrive (staged, then copied) before anything can run; where
+        the host is the compute's thread, its first window's work (staging layer 2) runs
+        beside that copy."""
+        first_s = self.host_window_s({})[0] if self.host_on_compute else 0.0
+        return self.stage_s + max(self.layer_param_bytes / self.h2d_bytes_per_s, first_s)
 
     @property
     def tail_s(self) -> float:
@@ -383,9 +378,10 @@ class Problem:
     @property
     def host_s(self) -> float:
         """The host's work per transfer that a step without blocks waits for: every
-        window's where it takes the compute's time (`host_on_compute`), and the tail's
-        drain (the prologue's staging is in `prologue_s`)."""
-        windows_s = sum(self.host_window_s({})) if self.host_on_compute else 0.0
+        window's but the first where it takes the compute's time (`host_on_compute`), and
+        the tail's drain (the prologue's staging and the first window's are in
+        `prologue_s`)."""
+        windows_s = sum(self.host_window_s({})[1:]) if self.host_on_compute else 0.0
         return windows_s + self.host_tail_s
 
     @property

@@ -56,12 +56,12 @@ def schedule_transfers(p: Problem, homes: list[Home] | tuple[Home, ...],
                        exposed_s: list[float] | tuple[float, ...]) -> list[Transfer]:
     """Per-window transfers of activation bytes, given the solver's exposure per window."""
     edges = block_weights(homes)
+    duration_s = p.window_durations_s(edges)
     mandatory = p.mandatory_bytes(edges)
     A = p.boundary_bytes
 
     def capacity(link: str) -> list[float]:
-        time_s = p.link_time_s(link, edges)
-        return [p.rate_bytes_per_s(link) * (time_s[w] + exposed_s[w] + ROUND_OFF_S)
+        return [p.rate_bytes_per_s(link) * (duration_s[w] + exposed_s[w] + ROUND_OFF_S)
                 - mandatory[link][w] for w in range(p.num_windows)]
 
     def jobs(link: str) -> list[tuple[int, int, int, int]]:
@@ -85,14 +85,13 @@ def window_objective_s(p: Problem, homes: list[Home] | tuple[Home, ...],
     """The MIP's objective (without tie-breakers) at fixed homes and transfers: block
     costs, plus per window the excess of its slowest link over its compute."""
     edges = block_weights(homes)
-    time_s = {k: p.link_time_s(k, edges) for k in LINKS}
+    duration_s = p.window_durations_s(edges)
     traffic = {k: [float(b) for b in v] for k, v in p.mandatory_bytes(edges).items()}
     for t in transfers:
         traffic[t.kind.value][t.window] += t.bytes
     # on a GPU, a window whose host work outlasts its compute waits for the host
     host_s = ([0.0] * p.num_windows if p.host_on_compute
-              else [h - d for h, d in zip(p.host_window_s(edges), p.window_durations_s(edges),
-                                          strict=True)])
-    exposed = sum(max([0.0, host_s[w]] + [traffic[k][w] / p.rate_bytes_per_s(k) - time_s[k][w]
+              else [h - d for h, d in zip(p.host_window_s(edges), duration_s, strict=True)])
+    exposed = sum(max([0.0, host_s[w]] + [traffic[k][w] / p.rate_bytes_per_s(k) - duration_s[w]
                                           for k in LINKS]) for w in range(p.num_windows))
     return sum(p.block_cost_s(s, e) for s, e in edges) + exposed

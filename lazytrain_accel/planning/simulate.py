@@ -26,6 +26,14 @@ earlier window, issued before it on its queue, so no plan can deadlock (`_check_
   coefficient is known (the last layer's gradients home); the host updates U1..UL beside
   it on a GPU (`HardwareProfile.device_runs_async`), after it on a CPU device, and the
   next step starts after U_device;
+* the host's work per transfer, where priced (`Problem.stage_s`, `fold_s`): a host op
+  before each layer run (not gated by its window's barrier: the engine stages and folds
+  before it waits for the run's weights) stages the loads issued with it (each load's copy after its
+  staging, each staging after the copy that last read its buffer, two loads back) and, at
+  a backward window's first run, folds layer j+3's gradients (`Problem.folds_in`; layers
+  1..3 in the drain after B_1); on the compute's lane where the device computes on the
+  training thread (`Problem.host_on_compute`), else on a "host" lane whose runs' kernels
+  wait for it; an update U_j waits for its layer's fold;
 * on a node of N ranks (`Plan.gpus_per_node`, `node.py`) the update is split as the
   engine splits it (`owner_of_groups`: contiguous runs of U_embed, U1..UL, U_head balanced
   by parameters): each share walks its run in order on its own lane at the node's rate /
@@ -167,11 +175,10 @@ class _StepBuilder:
 
     def compute(self, name: str, seconds: float, window: int, after_end: list[int],
                 layer: int | None = None) -> int:
-        if self.host_priced:
+        if self.host_priced:  # before the run, not gated by the window's barrier: the
+            # engine stages its prefetch, and folds, before it waits for the run's weights
             host = self.host(name, window)
-            if self.p.host_on_compute:  # the window starts with the host's work
-                self.window_start.setdefault(window, host)
-            else:  # the host issues the run's kernels after its work
+            if not self.p.host_on_compute:  # the host issues the run's kernels after it
                 after_end = [*after_end, host]
             self.fold(window, host)
         op = self.q.add(name, "compute", seconds, after_end=after_end, window=window)
@@ -183,7 +190,7 @@ class _StepBuilder:
     def fold(self, window: int, host: int) -> None:
         """At a backward window's first run, the host folds layer j+3's gradients (B_j's
         window: `Problem.folds_in`) once their copy is done."""
-        first = self.window_start.get(window, host) == host
+        first = window not in self.window_start
         if first and self.p.fold_s > 0 and self.p.folds_in(window):
             layer = self.L - (window - backward_window(self.L, self.L)) + 3
             self.q.ops[host].duration_s += self.p.fold_s
