@@ -278,24 +278,25 @@ class Problem:
             dur = [d + h for d, h in zip(dur, [*host[1:], 0.0], strict=True)]
         return dur
 
-    def folds_in(self, window: int) -> int:
-        """Layers whose gradients the host folds into `.grad` at the start of `window`: the
-        engine's two staging buffers take turns, so putting layer k's gradients (after
-        B_k, in B_{k-1}'s window) first folds layer k+2's: layer m's in B_{m-3}'s window;
-        layers 1..3 fold after the last window (`host_tail_s`)."""
+    def fold_in(self, window: int) -> int | None:
+        """The layer whose gradients the host folds into `.grad` at the start of `window`,
+        if any: the engine's two staging buffers take turns, so putting layer k's
+        gradients (after B_k, in B_{k-1}'s window) first folds layer k+2's: layer m's in
+        B_{m-3}'s window; layers 1..3 fold after the last window (`host_tail_s`)."""
         L = self.num_layers
         first_backward = backward_window(L, L)
         if window < first_backward:
-            return 0
-        j = L - (window - first_backward)  # window runs B_j
-        return 1 if 4 <= j + 3 <= L else 0
+            return None
+        layer = L - (window - first_backward) + 3  # window runs B_{layer-3}
+        return layer if layer <= L else None
 
     def host_window_s(self, edges: Mapping[tuple[int, int], Any]) -> list[Any]:
         """Per window, the host's work per transfer (weighted like `window_durations_s`):
         staging the weights the window loads (prefetches and re-streams), folding the
-        gradients `folds_in` it."""
+        gradients it folds (`fold_in`)."""
         weights = self.mandatory_bytes(edges)["h2d"]
-        return [nbytes * (self.stage_s / self.layer_param_bytes) + self.folds_in(w) * self.fold_s
+        return [nbytes * (self.stage_s / self.layer_param_bytes)
+                + (self.fold_s if self.fold_in(w) is not None else 0.0)
                 for w, nbytes in enumerate(weights)]
 
     @property

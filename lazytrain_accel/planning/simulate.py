@@ -30,7 +30,7 @@ earlier window, issued before it on its queue, so no plan can deadlock (`_check_
   before each layer run (not gated by its window's barrier: the engine stages and folds
   before it waits for the run's weights) stages the loads issued with it (each load's copy after its
   staging, each staging after the copy that last read its buffer, two loads back) and, at
-  a backward window's first run, folds layer j+3's gradients (`Problem.folds_in`; layers
+  a backward window's first run, folds layer j+3's gradients (`Problem.fold_in`; layers
   1..3 in the drain after B_1); on the compute's lane where the device computes on the
   training thread (`Problem.host_on_compute`), else on a "host" lane whose runs' kernels
   wait for it; an update U_j waits for its layer's fold;
@@ -135,11 +135,12 @@ class _StepBuilder:
         self.moves: dict[tuple[int, TransferKind], list[int]] = {}
         # The host's work per transfer (`Problem.stage_s`, `fold_s`), where priced: before
         # each layer run the engine stages what it prefetches there (and folds the
-        # gradients `folds_in` its window), on the compute's thread (`host_on_compute`)
+        # gradients `fold_in` names for its window), on the compute's thread (`host_on_compute`)
         # or the host's own lane, whose kernels the device runs after it.
         self.host_priced = p.stage_s > 0 or p.fold_s > 0
         self.host_lane = "compute" if p.host_on_compute else HOST
         self.host_op: int | None = None  # the host op of the layer run issued last
+        self.host_ops: list[int] = []
         self.loads: list[int] = []  # weight loads in issue order (two staging buffers)
         self.fold_op: dict[int, int] = {}  # layer -> the host op that folded its gradients
 
@@ -171,6 +172,7 @@ class _StepBuilder:
     def host(self, name: str, window: int) -> int:
         """A host op (its work added as the engine does it: `stage`, folds)."""
         self.host_op = self.q.add(f"H:{name}", self.host_lane, 0.0, window=window)
+        self.host_ops.append(self.host_op)
         return self.host_op
 
     def compute(self, name: str, seconds: float, window: int, after_end: list[int],
@@ -189,10 +191,9 @@ class _StepBuilder:
 
     def fold(self, window: int, host: int) -> None:
         """At a backward window's first run, the host folds layer j+3's gradients (B_j's
-        window: `Problem.folds_in`) once their copy is done."""
-        first = window not in self.window_start
-        if first and self.p.fold_s > 0 and self.p.folds_in(window):
-            layer = self.L - (window - backward_window(self.L, self.L)) + 3
+        window: `Problem.fold_in`) once their copy is done."""
+        layer = self.p.fold_in(window)
+        if window not in self.window_start and self.p.fold_s > 0 and layer is not None:
             self.q.ops[host].duration_s += self.p.fold_s
             self.q.depend(host, [self.grad[layer]])
             self.fold_op[layer] = host
@@ -469,8 +470,7 @@ def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,
     overhead_s = p.overhead_s(runs)
     recompute_s = sum(q.ops[k].duration_s for k in b.recompute.values()) \
         - runs * p.fwd_overhead_s
-    host_s = sum(q.ops[k].duration_s for k in q.queues["compute"]
-                 if q.ops[k].name.startswith("H:"))
+    host_s = sum(q.ops[k].duration_s for k in b.host_ops) if p.host_on_compute else 0.0
     compute_s = sum(q.ops[k].duration_s for k in q.queues["compute"]) - recompute_s \
         - overhead_s - host_s
     return SimulationResult(

@@ -138,10 +138,13 @@ def mispriced(p: Problem, plan: Plan, model: ModelProfile, hardware: HardwarePro
     step_s, sol = sim.step_s, plan.solver
     restream_s = sum(p.restream_host_s(s, e) for s, e in plan.blocks)
     recompute_s = sum(p.block_cost_s(s, e) for s, e in plan.blocks) - restream_s
-    # the host's work on the compute's thread (the prologue's staging and the drain too),
-    # else on its own lane: exposed where it binds (the prologue and the drain always)
-    host_s = p.host_s + p.stage_s + restream_s if p.host_on_compute else 0.0
-    waits_s = p.prologue_s + p.tail_s - (p.stage_s if p.host_on_compute else -p.host_tail_s)
+    # the host's work on the compute's thread (the prologue's staging, the first window's
+    # beside layer 1's copy, and the drain too), else on its own lane: exposed where it
+    # binds (the prologue and the drain always)
+    prologue_host_s = p.stage_s + p.host_window_s({})[0] if p.host_on_compute else 0.0
+    host_s = p.host_s + prologue_host_s + restream_s if p.host_on_compute else 0.0
+    waits_s = p.prologue_s + p.tail_s - (prologue_host_s if p.host_on_compute
+                                         else -p.host_tail_s)
     terms = {"window (compute, recompute, overhead)": (
         p.compute_s + recompute_s, sim.compute_s + sim.recompute_s + sim.overhead_s),
         "host (weights staged, gradients folded)": (host_s, sim.host_s),
