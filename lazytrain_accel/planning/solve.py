@@ -271,15 +271,18 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
                             running=running)
         others = [] if r.strategy in BASELINES else baseline_plans(
             p, profile, hardware, strategy=r.strategy, include_optimizer=r.include_optimizer)
+        if r.resident_update == "auto" and not host_only:
+            # each candidate places its residents as "auto" does before they compete: the
+            # MIP's pick may leave no room for them on the GPU where a baseline does
+            def placed(candidate: Plan) -> Plan:
+                return with_device_residents(candidate, profile, hardware, budgets) or candidate
+
+            plan, others = placed(plan), [(name, placed(other)) for name, other in others]
         return fastest(plan, others, budgets)
 
     def plan_for(profile: ModelProfile) -> Plan:
-        if forced == "device":
-            plan = residents_on_device(profile, solved, hardware, budgets)
-        else:
-            plan = solved(profile, forced)
-            if r.resident_update == "auto" and not host_only:
-                plan = with_device_residents(plan, profile, hardware, budgets) or plan
+        plan = (residents_on_device(profile, solved, hardware, budgets) if forced == "device"
+                else solved(profile, forced))
         return dataclasses.replace(plan, nodes=r.nodes)
 
     def plan_head(profile: ModelProfile) -> Plan:

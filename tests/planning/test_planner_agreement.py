@@ -102,6 +102,23 @@ def d2h_drift() -> tuple:
     return model, hardware, PlanRequest(budgets=budgets, time_limit_s=10), "d2h"
 
 
+def auto_residents_lost() -> tuple:
+    """A drawn problem that a wider, randomized search found (issue 34): tiny Llama,
+    D2H-bound, 4 GPU slots plus room for the residents, `resident_update="auto"`. The MIP's
+    pick (one boundary recomputed, the residents on the host) leaves no room for the
+    residents on the GPU; `checkpoint_all` does, and with them there simulates 0.88x the
+    pick. "auto" placed them only after the pick had beaten the baselines (each with its
+    residents on the host), so the plan simulated 1.13x `checkpoint_all`'s."""
+    model = _model("llama", 5, 2, 64)
+    hardware = _hardware(model, "d2h", False, "none", True)
+    budgets = budgets_in_slots(model, hardware, gpu_slots=4, cpu_slots=0, nvme_slots=4)
+    extra_bytes = (build_problem(model, hardware, resident_update="device").static_gpu_bytes
+                   - build_problem(model, hardware).static_gpu_bytes)
+    budgets = dataclasses.replace(budgets, gpu_bytes=budgets.gpu_bytes + extra_bytes)
+    return model, hardware, PlanRequest(budgets=budgets, max_recompute_block=4, time_limit_s=10,
+                                        resident_update="auto"), "d2h"
+
+
 @st.composite
 def problems(draw: st.DrawFn) -> tuple:
     layers = draw(st.integers(3, 6))
@@ -200,3 +217,19 @@ def test_the_plan_is_never_slower_than_a_plan_the_planner_already_has() -> None:
 
     check()
     assert len(checked) >= EXAMPLES // 2, f"only {len(checked)} of {EXAMPLES} planned"
+
+
+def test_auto_places_the_residents_of_every_candidate_before_they_compete() -> None:
+    """The returned plan is within `TOLERANCE` of every baseline planned with "auto". The
+    MIP's own pick still loses here (so the property test above does not take this
+    instance): with the residents charged to the GPU its capacity rows count each term at
+    its own peak (a layer's weights and two staging boundaries more than the all-GPU plan's
+    simulated peak), and no plan fits; docs/planner.md "Known limits"."""
+    model, hardware, request, _ = auto_residents_lost()
+    plan = make_plan(model, hardware, request)
+    for name in BASELINES:
+        baseline = _plan(model, hardware, dataclasses.replace(request, strategy=name))
+        if baseline is not None:
+            assert plan.prediction.step_s <= (1 + TOLERANCE) * baseline.prediction.step_s, (
+                name, plan.prediction.step_s, baseline.prediction.step_s,
+                baseline.resident_update)
