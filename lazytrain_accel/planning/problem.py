@@ -9,8 +9,9 @@ same code returns floats for a fixed plan and linear expressions for the MIP's v
 
 * Windows (plan.py indexing): F_1..F_L then B_L..B_1. F_j lasts one layer forward run;
   B_j lasts the layer's backward run (its forward re-run plus its backward), plus the
-  block's recompute runs when j ends a recompute block; B_L also holds the head (final
-  norm, lm_head, loss) and the step's own overhead (`step_overhead_s`). Every layer run
+  block's recompute runs when j ends a recompute block; F_L also holds the head (final
+  norm, lm_head, loss) and the step's own overhead (`step_overhead_s`), after its forward
+  run (the engine issues B_L's transfers after the head). Every layer run
   also costs the engine's per-run overhead (`fwd_overhead_s`, `bwd_overhead_s`); the
   three come from `HardwareProfile` (`layer_*_overhead_s`, `step_overhead_s`).
 * Mandatory traffic per window: the next window's layer weights (H2D), the previous
@@ -143,7 +144,7 @@ class Problem:
     fwd_overhead_s: float = 0.0
     bwd_overhead_s: float = 0.0
     # What a step costs once besides its layer runs and the head's FLOPs (embedding,
-    # masks, loss and optimizer calls), charged in B_L beside the head.
+    # masks, loss and optimizer calls), charged in F_L beside the head.
     step_overhead_s: float = 0.0
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
@@ -214,11 +215,15 @@ class Problem:
             + self.num_layers * self.bwd_overhead_s + self.step_overhead_s
 
     def base_duration_s(self, window: int) -> float:
-        """Compute seconds of a window without recompute."""
+        """Compute seconds of a window without recompute. The head (and the step's own
+        overhead) ends the last forward window: the engine issues window L's transfers at
+        the first backward run, after the head, and nothing waits at the head for those
+        the last forward issued (the first backward's weights)."""
         L = self.num_layers
         if window < L:
-            return self.fwd_run_s
-        return self.bwd_run_s + (self.head_s + self.step_overhead_s if window == L else 0.0)
+            return self.fwd_run_s + (self.head_s + self.step_overhead_s if window == L - 1
+                                     else 0.0)
+        return self.bwd_run_s
 
     def recompute_s(self, s: int, e: int) -> float:
         """R[s,e]: re-running layers s+1..e-1 forward, at the start of window B_e."""

@@ -204,11 +204,11 @@ class _StepBuilder:
         if j == self.L:
             self.slots.forget_all_but(j)
         self.issue(w, next_layer=j + 1 if j < self.L else j)  # B_L runs on F_L's buffer
+        if j == self.L:  # in F_L's window: window L's transfers start after it
+            self.head = self.compute("head", self.p.head_s + self.p.step_overhead_s, w, [])
 
     def backward(self, j: int) -> None:
         p, w = self.p, backward_window(j, self.L)
-        if j == self.L:
-            self.head = self.compute("head", p.head_s + p.step_overhead_s, w, [])
         s, e = self.plan.block_of(j - 1)
         if e == j and e - s >= 2:
             for k in range(s + 1, e):

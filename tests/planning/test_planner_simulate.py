@@ -89,6 +89,23 @@ def test_megatrain_recompute_costs_time_and_restream() -> None:
     assert len(weight_loads) == 6  # layers 1-3 and 5-7 cross PCIe a third time
 
 
+def test_the_head_streams_beside_what_the_last_forward_issued() -> None:
+    """The engine runs the head between the last forward run and the first backward run,
+    which issues B_L's transfers: the re-stream of the last block's first layer, issued in
+    F_L, streams beside the head, and only that block's first re-run waits for it. The
+    window model holds the head in F_L's window, so the MIP prices the same step."""
+    model, hardware = chain(num_layers=8, fwd_s=0.05, h2d_gbps=6.0)  # a load: ~1.8 forwards
+    plan = make_plan(model, hardware, PlanRequest(strategy="megatrain"))
+    assert plan.blocks[-1] == (4, 8)
+    result = simulate(plan, model, hardware, include_optimizer=False)
+    ops = {op.name: op for op in result.ops}
+    assert ops["RW5"].end_s > ops["F8"].end_s  # still streaming when F8 ends
+    assert ops["head"].start_s == pytest.approx(ops["F8"].end_s)  # nothing to wait for
+    assert ops["R5"].start_s == pytest.approx(max(ops["head"].end_s, ops["RW5"].end_s))
+    p = build_problem(model, hardware)
+    assert p.step_floor_s() + plan.solver.objective_s == pytest.approx(result.step_s, rel=0.01)
+
+
 def test_plan_json_round_trip_and_foreign_fingerprint(tmp_path: Path) -> None:
     model, hardware = chain(num_layers=6)
     budgets = budgets_in_slots(model, hardware, gpu_slots=4, cpu_slots=2, nvme_slots=1)
