@@ -222,9 +222,10 @@ def test_the_plan_is_never_slower_than_a_plan_the_planner_already_has() -> None:
 def test_auto_places_the_residents_of_every_candidate_before_they_compete() -> None:
     """The returned plan is within `TOLERANCE` of every baseline planned with "auto". The
     MIP's own pick still loses here (so the property test above does not take this
-    instance): with the residents charged to the GPU its capacity rows count each term at
-    its own peak (a layer's weights and two staging boundaries more than the all-GPU plan's
-    simulated peak), and no plan fits; docs/planner.md "Known limits"."""
+    instance): with the residents charged to the GPU its capacity row, which charges every
+    plan the third weight buffer and the staging boundaries (a layer's weights and two
+    boundaries more than the all-GPU plan's simulated peak), admits no plan; docs/planner.md
+    "Known limits"."""
     model, hardware, request, _ = auto_residents_lost()
     plan = make_plan(model, hardware, request)
     for name in BASELINES:
