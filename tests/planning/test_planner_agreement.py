@@ -102,6 +102,12 @@ def d2h_drift() -> tuple:
     return model, hardware, PlanRequest(budgets=budgets, time_limit_s=10), "d2h"
 
 
+def _resident_room_bytes(model: ModelProfile, hardware: HardwareProfile) -> int:
+    """The device bytes the residents' update on the GPU adds to the static ones."""
+    return (build_problem(model, hardware, resident_update="device").static_gpu_bytes
+            - build_problem(model, hardware).static_gpu_bytes)
+
+
 def auto_residents_lost() -> tuple:
     """A drawn problem that a wider, randomized search found (issue 34): tiny Llama,
     D2H-bound, 4 GPU slots plus room for the residents, `resident_update="auto"`. The MIP's
@@ -112,9 +118,8 @@ def auto_residents_lost() -> tuple:
     model = _model("llama", 5, 2, 64)
     hardware = _hardware(model, "d2h", False, "none", True)
     budgets = budgets_in_slots(model, hardware, gpu_slots=4, cpu_slots=0, nvme_slots=4)
-    extra_bytes = (build_problem(model, hardware, resident_update="device").static_gpu_bytes
-                   - build_problem(model, hardware).static_gpu_bytes)
-    budgets = dataclasses.replace(budgets, gpu_bytes=budgets.gpu_bytes + extra_bytes)
+    budgets = dataclasses.replace(
+        budgets, gpu_bytes=budgets.gpu_bytes + _resident_room_bytes(model, hardware))
     return model, hardware, PlanRequest(budgets=budgets, max_recompute_block=4, time_limit_s=10,
                                         resident_update="auto"), "d2h"
 
@@ -132,10 +137,8 @@ def problems(draw: st.DrawFn) -> tuple:
                                nvme_slots=draw(st.integers(0, layers)))
     resident_update = draw(st.sampled_from(("host", "device", "auto")))
     if resident_update != "host":  # room for the residents on the GPU, or some of it
-        extra_bytes = (build_problem(model, hardware, resident_update="device").static_gpu_bytes
-                       - build_problem(model, hardware).static_gpu_bytes)
         budgets = dataclasses.replace(budgets, gpu_bytes=budgets.gpu_bytes + int(
-            draw(st.sampled_from((0.5, 1.0, 1.1))) * extra_bytes))
+            draw(st.sampled_from((0.5, 1.0, 1.1))) * _resident_room_bytes(model, hardware)))
     request = PlanRequest(budgets=budgets, max_recompute_block=draw(st.sampled_from((2, 4))),
                           time_limit_s=10, resident_update=resident_update)
     return model, hardware, request, draw(st.sampled_from(("h2d", "d2h", "nvme")))
