@@ -26,6 +26,7 @@ import argparse
 import faulthandler
 import hashlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -136,6 +137,7 @@ def write_progress(accelerator: Any, ckpt_dir: str, step: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--lazytrain", action="store_true")
+    p.add_argument("--verbose", action="store_true", help="the plugin's INFO lines")
     p.add_argument("--plan", default=None)
     p.add_argument("--optimizer", default=None)
     p.add_argument("--steps", type=int, default=6)
@@ -163,6 +165,8 @@ def main() -> None:
     p.add_argument("--finish-save-at-end", action="store_true",
                    help="train on while an async save is written; its progress.json last")
     args = p.parse_args()
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
     faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True)
 
     set_seed(0)

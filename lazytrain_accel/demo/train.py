@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from lazytrain_accel.engine.step.fidelity import FidelityMonitor
 from lazytrain_accel.progress import PlainProgress
-from lazytrain_accel.run.replanner import predicted_step_s
+from lazytrain_accel.run.replanner import current_prediction, predicted_step_s
 
 
 @dataclass(kw_only=True)
@@ -101,8 +101,8 @@ def train(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optim
             step_times_s.append(step_s)
             step_stall_s = engine.stats().stall_s
             stall_s += step_stall_s
-            fidelity.add_step(accelerator.lazytrain.run.plan.prediction, step_s, engine.stats(),
-                              console.log)
+            fidelity.add_step(current_prediction(accelerator.lazytrain.replanner, engine.plan),
+                              step_s, engine.stats(), console.log)
             tokens = batch["input_ids"].numel()
             update(f"loss {loss_value:.3f}  {tokens / step_s:,.0f} tok/s  "
                    f"stall {step_stall_s * 1e3:.1f} ms")

@@ -1,10 +1,11 @@
 """What the ranks of a multi-process launch must share, checked at `prepare`, and how they
 leave together at exit (issue 22 item 5).
 
-* Agreement: every rank builds its own model and plans on its own, so a rank given another
-  plugin option, environment or model would stream another plan and deadlock or diverge
-  in the gradient reduce. `check_ranks_agree` all-gathers a fingerprint of the model's
-  parameters and of the plan's decisions and refuses, naming the ranks, when they differ.
+* Agreement: every rank builds its own model, and rank 0 plans for all (`from_first`), so
+  a rank given another model or another plugin option would train something else than
+  the plan says, or have its option silently dropped. `check_ranks_agree` all-gathers a
+  fingerprint of the model's parameters, of the plan options and of the plan received,
+  and refuses, naming the ranks, when they differ.
 * Exit: a script that ends without `accelerator.end_training()` leaves the default process
   group to the interpreter's finalization, where torch.distributed's C++ state is torn
   down after Python's and a rank can abort (SIGABRT, "terminate called without an active
@@ -20,10 +21,12 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -35,55 +38,138 @@ logger = logging.getLogger("lazytrain_accel")
 #: How long a rank waits at exit for the others before it destroys its group anyway.
 EXIT_BARRIER_S = 60
 
+T = TypeVar("T")
+
+
+def is_multi_process() -> bool:
+    """Whether this process is one of several ranks of an initialized process group."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def from_first(make: Callable[[], T]) -> T:
+    """`make()` run by global rank 0 alone and received by every rank (one broadcast):
+    what one process measures, probes or solves for the whole launch. An exception on rank
+    0 is raised on every rank (the same type where it pickles), never left as a hang.
+    Every rank calls this; with one process it is `make()`."""
+    if not is_multi_process():
+        return make()
+    box: list[Any] = [None]
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("value", make())
+        except Exception as err:  # every rank must leave the broadcast, with the error
+            error = err
+            box[0] = ("error", _portable(err))
+    dist.broadcast_object_list(box, src=0)
+    kind, payload = box[0]
+    if error is not None:
+        raise error
+    if kind == "error":
+        raise payload from RuntimeError("raised on rank 0, which decides for every rank")
+    return payload
+
+
+def _portable(err: Exception) -> Exception:
+    """`err` where it survives pickling (its type and message on the other ranks), else a
+    `RuntimeError` carrying its type's name and message."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:  # an __init__ that unpickling cannot call: keep the words
+        return RuntimeError(f"{type(err).__name__}: {err}")
+
+
+def gathered(value: T) -> list[T]:
+    """Every rank's `value`, in rank order (one all-gather); `[value]` with one process."""
+    if not is_multi_process():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def agreed_max(values: list[int], device: torch.device) -> list[int]:
+    """The element-wise largest of every rank's `values` (one all-reduce of a small tensor
+    on `device`, the one the group's backend reduces on): a shape every rank then plans
+    for alike. `values` with one process."""
+    if not is_multi_process():
+        return list(values)
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    tensor = torch.tensor(values, dtype=torch.int64, device=on)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
 
 def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def rank_key(plan: Plan, model: nn.Module) -> dict[str, str]:
-    """This rank's fingerprints: the model (parameter names, shapes, dtypes, trainability)
-    and the plan's decisions (run fingerprint, strategy, homes, optimizer, tiling, node
-    shape)."""
+#: The plugin options a plan is made from that every rank must give alike: rank 0 plans
+#: with its own, so another value on another rank would be silently dropped. Budgets are
+#: not here (each rank's counts: the plan is made for the least, `run/shared.py`), nor the
+#: batch shape (the largest any rank sizes, `run/state.py`).
+PLAN_OPTIONS = ("plan", "hardware", "optimizer", "max_recompute_block", "loss_chunk_tokens",
+                "resident_update", "frozen_weights", "node_store", "replan")
+
+
+def global_rank() -> int:
+    return dist.get_rank() if is_multi_process() else 0
+
+
+def plan_digest(plan: Plan) -> str:
+    """A short fingerprint of `plan`'s decisions (what `check_ranks_agree` compares)."""
+    return _digest(_decisions(plan))
+
+
+def _decisions(plan: Plan) -> dict[str, Any]:
+    return {"run": plan.fingerprint, "strategy": plan.strategy,
+            "homes": [h.value for h in plan.homes], "optimizer": plan.optimizer,
+            "resident_update": plan.resident_update,
+            "loss_chunk_tokens": plan.loss_chunk_tokens, "tiling": plan.tiling,
+            "tile_tokens": plan.tile_tokens, "gpus_per_node": plan.gpus_per_node,
+            "nodes": plan.nodes}
+
+
+def rank_key(plan: Plan, model: nn.Module, options: dict[str, Any]) -> dict[str, str]:
+    """This rank's fingerprints: the model (parameter names, shapes, dtypes, trainability),
+    the plugin `options` a plan is made from (`PLAN_OPTIONS`), and the plan's decisions
+    (run fingerprint, strategy, homes, optimizer, tiling, node shape)."""
     params = [[n, list(p.shape), str(p.dtype), p.requires_grad]
               for n, p in model.named_parameters()]
-    decisions = {"run": plan.fingerprint, "strategy": plan.strategy,
-                 "homes": [h.value for h in plan.homes], "optimizer": plan.optimizer,
-                 "resident_update": plan.resident_update,
-                 "loss_chunk_tokens": plan.loss_chunk_tokens, "tiling": plan.tiling,
-                 "tile_tokens": plan.tile_tokens, "gpus_per_node": plan.gpus_per_node,
-                 "nodes": plan.nodes}
-    return {"model": _digest(params), "plan": _digest(decisions),
+    return {"model": _digest(params), "plan options": _digest(options),
+            "plan": plan_digest(plan),
+            "plan options_summary": ", ".join(f"{k}={v}" for k, v in options.items()),
             "plan_summary": f"{plan.strategy}, homes {plan.count_homes()}, optimizer "
                             f"{plan.optimizer}"}
 
 
-def check_ranks_agree(plan: Plan, model: nn.Module) -> None:
-    """Raise `ValueError` at prepare when the launch's ranks differ in model or plan."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+def check_ranks_agree(plan: Plan, model: nn.Module, options: dict[str, Any]) -> None:
+    """Raise `ValueError` at prepare when the launch's ranks differ in model, in the plugin
+    options a plan is made from, or in the plan they received."""
+    if not is_multi_process():
         return
-    keys: list[dict[str, str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(keys, rank_key(plan, model))
-    for what in ("model", "plan"):
+    keys = gathered(rank_key(plan, model, options))
+    for what in ("model", "plan options", "plan"):
         ranks: dict[str, list[int]] = {}
         for rank, key in enumerate(keys):
             ranks.setdefault(key[what], []).append(rank)
         if len(ranks) > 1:
+            summary = f"{what}_summary"
             sides = "; ".join(f"ranks {r}: {what} {digest}" + (
-                f" ({keys[r[0]]['plan_summary']})" if what == "plan" else "")
+                f" ({keys[r[0]][summary]})" if summary in keys[r[0]] else "")
                 for digest, r in ranks.items())
             raise ValueError(
                 f"the ranks of this launch disagree on the {what} ({sides}): every rank must "
                 "build the same model and pass the same LazyTrainPlugin options and "
-                "LAZYTRAIN_* environment (plan, optimizer, budgets, hardware), so that "
-                "all stream one plan")
+                "LAZYTRAIN_* environment (plan, optimizer, hardware), so that all stream "
+                "one plan")
 
 
 def least(value: int) -> int:
     """The least of every rank's `value` (one all-gather): a figure each rank reads on its
     own (free host memory) made the same on all, so they decide alike."""
-    values: list[int | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, int(value))
-    return min(v for v in values if v is not None)
+    return min(gathered(int(value)))
 
 
 def bind_local_cores(*, local_rank: int, node_id: str) -> list[int] | None:

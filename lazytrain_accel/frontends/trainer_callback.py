@@ -21,7 +21,7 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from lazytrain_accel.engine.step.fidelity import FidelityMonitor, StepTerms
 from lazytrain_accel.progress import PlainProgress, is_terminal
 from lazytrain_accel.run import setup
-from lazytrain_accel.run.replanner import predicted_step_s
+from lazytrain_accel.run.replanner import current_prediction, predicted_step_s
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -112,7 +112,7 @@ class LazyTrainCallback(TrainerCallback):
                                grad_accum_steps=args.gradient_accumulation_steps)
         metrics[f"{PREFIX}skipped_steps"] = self._state().guard.skipped_steps
         logs.update(metrics)
-        predicted = StepTerms.predicted(run.plan.prediction,
+        predicted = StepTerms.predicted(current_prediction(self._state().replanner, run.plan),
                                         micro_batches=args.gradient_accumulation_steps)
         measured = StepTerms.measured(self._measured_s, engine.stats(), steps=self._steps)
         logger.info("lazytrain: %s", self._fidelity.observe(predicted, measured))

@@ -11,10 +11,14 @@ from lazytrain_accel.profiling.profile import ModelProfile
 
 
 def run_fingerprint(model: ModelProfile, hardware: HardwareProfile) -> str:
-    """Hash of what a plan depends on: model geometry, batch shape, hardware capacities.
+    """Hash of what a plan depends on and what stays put: model geometry, batch shape,
+    the device and the device's and host's total memory.
 
     Rates are left out on purpose: re-measuring bandwidth on the same machine gives
-    slightly different numbers and must not invalidate a plan.
+    slightly different numbers and must not invalidate a plan. So is the drive's free
+    space, a reading that moves whenever a file is written (two ranks reading it a moment
+    apart fingerprinted two plans); the NVMe bytes a plan homes are checked against the
+    free space before it runs (`preflight.check_nvme_dir`).
     """
     geometry = model.geometry.to_dict()
     geometry.pop("name")
@@ -23,8 +27,7 @@ def run_fingerprint(model: ModelProfile, hardware: HardwareProfile) -> str:
         "batch_size": model.batch_size,
         "seq_len": model.seq_len,
         "compute_bytes_per_elem": model.compute_bytes_per_elem,
-        "hardware": [hardware.gpu_name, hardware.gpu_memory_bytes, hardware.cpu_memory_bytes,
-                     hardware.nvme_bytes],
+        "hardware": [hardware.gpu_name, hardware.gpu_memory_bytes, hardware.cpu_memory_bytes],
     }
     if model.weights is not None:  # LoRA / QLoRA: what trains and how the rest is stored
         key["weights"] = model.weights.to_dict()

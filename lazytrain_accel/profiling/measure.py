@@ -9,6 +9,7 @@ memory is half of host RAM (the other half is the host tier; both share one RAM)
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -27,6 +28,7 @@ import torch
 
 from lazytrain_accel.optim import HybridAdamW8bit, native
 from lazytrain_accel.profiling.hardware import MEASURED_NAME_PREFIX, HardwareProfile, preset_for_gpu
+from lazytrain_accel.profiling.workload import WORKLOAD_FIELDS
 
 _MIB = 1024**2
 
@@ -205,9 +207,10 @@ def _vendor_peak_flops_per_s(gpu_name: str, measured: float) -> float:
 
 
 #: What the probes measure beyond rates (the optimizer's kernel, the residents' device
-#: update, the engine's layer overhead); in the cache key, so a cache made by an earlier
-#: release's probes is measured again.
-_OPTIMIZER_PROBE = "hybrid_adamw8bit+device_residents+layer_overhead+host_work"
+#: update, the engine's layer overhead) and what a calibration keeps (the machine's rates
+#: only); in the cache key, so a cache made by an earlier release is measured again.
+_OPTIMIZER_PROBE = ("hybrid_adamw8bit+device_residents+layer_overhead+host_work"
+                    "+machine_only_calibration")
 
 
 def _host_update_kernel() -> str:
@@ -227,13 +230,22 @@ def _machine_key(device: torch.device, nvme_dir: Path) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> HardwareProfile:
+def local_capacities(device: torch.device | None = None) -> dict[str, int | str]:
+    """This process's device and host as a profile's `gpu_name`, `gpu_memory_bytes` and
+    `cpu_memory_bytes` (totals, no timing): what each rank of a launch reads of its own
+    (`run/shared.py`). On a CPU the "device" and the host tier share the RAM, half each."""
+    device = _device_or_default(device)
     ram_bytes = psutil.virtual_memory().total
     if device.type == "cuda":
-        gpu_bytes = torch.cuda.get_device_properties(device).total_memory
-        cpu_bytes = ram_bytes
+        gpu_bytes, cpu_bytes = torch.cuda.get_device_properties(device).total_memory, ram_bytes
     else:
         gpu_bytes = cpu_bytes = ram_bytes // 2
+    return {"gpu_name": _gpu_name(device), "gpu_memory_bytes": int(gpu_bytes),
+            "cpu_memory_bytes": int(cpu_bytes)}
+
+
+def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> HardwareProfile:
+    capacities = local_capacities(device)
     # A host memcpy reaches its steady rate on far less than a PCIe transfer needs.
     link_bytes = probe_bytes if device.type == "cuda" else min(probe_bytes, 64 * _MIB)
     h2d, d2h = _measure_link(device, link_bytes)
@@ -244,11 +256,12 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
     host_update = _measure_optimizer(device)
     layer_forward_s, layer_backward_s, step_s = _measure_layer_overheads(device)
     stage, fold = measure_host_work(device)
-    gpu_name = _gpu_name(device)
+    gpu_name = str(capacities["gpu_name"])
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return HardwareProfile(
         name=f"{MEASURED_NAME_PREFIX}{platform.node() or 'host'}", gpu_name=gpu_name,
-        gpu_memory_bytes=int(gpu_bytes), cpu_memory_bytes=int(cpu_bytes),
+        gpu_memory_bytes=int(capacities["gpu_memory_bytes"]),
+        cpu_memory_bytes=int(capacities["cpu_memory_bytes"]),
         nvme_bytes=int(shutil.disk_usage(nvme_dir).free),
         peak_bf16_flops_per_s=_vendor_peak_flops_per_s(gpu_name, matmul),
         achieved_flops_per_s=matmul, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
@@ -297,10 +310,14 @@ def measure_hardware(*, cache_dir: str, nvme_dir: str, refresh: bool = False,
 
 def save_calibrated(profile: HardwareProfile, *, cache_dir: str, nvme_dir: str,
                     device: torch.device | None = None) -> Path:
-    """Keep `profile` (a run's calibration, `profiling/calibration.py`) as this machine's:
-    the next `measure_hardware` returns it."""
+    """Keep the machine's rates of `profile` (a run's calibration,
+    `profiling/calibration.py`) as this machine's: the next `measure_hardware` returns
+    them. Its workload's rates (`workload.WORKLOAD_FIELDS`: compute, fitted step overhead)
+    stay those measured here, for any model: the run keeps its own under its workload."""
+    measured = HardwareProfile.load(_cache_path("hardware", cache_dir, nvme_dir, device))
     path = _cache_path("calibrated", cache_dir, nvme_dir, device)
-    profile.save(path)
+    dataclasses.replace(profile, **{name: getattr(measured, name)
+                                    for name in WORKLOAD_FIELDS}).save(path)
     return path
 
 

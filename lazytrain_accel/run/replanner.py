@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from lazytrain_accel.engine.stats import StepStats
 from lazytrain_accel.planning import Budgets, Plan, PlanInfeasibleError
+from lazytrain_accel.planning.plan import Prediction
 from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.profiling.calibration import (
     RATE_FIELDS,
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
     import torch
 
     from lazytrain_accel.config import LazyTrainConfig
+    from lazytrain_accel.profiling.profile import ModelProfile
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -78,6 +80,8 @@ MIN_STEPS_BETWEEN_SWITCHES = 20
 DRIFT_FACTOR = 1.5
 #: Steps a new plan runs before its measured step is compared with the old plan's.
 GUARD_STEPS = 3
+#: The plan's own prediction this far off the first calibrated steps is explained in a line.
+FIRST_PREDICTION_TOLERANCE = 0.25
 
 
 class ReplannedEngine(Protocol):
@@ -133,7 +137,7 @@ class Replanner:
         # plan, the plan running then, the rates that drifted).
         self._candidate: tuple[HardwareProfile, Plan, Plan, list[str]] | None = None
         self._executor: ThreadPoolExecutor | None = None
-        self._predicted: tuple[HardwareProfile, Plan, float] | None = None
+        self._predicted: tuple[HardwareProfile, Plan, Prediction] | None = None
         # After a switch: (the median step before it, the run it replaced, the plan taken).
         self._guard: tuple[float, PreparedRun, Plan] | None = None
 
@@ -159,6 +163,8 @@ class Replanner:
             self.run.hardware, self.estimate.medians(),
             where="the engine's measurements of this run"))
         if self.estimate.settled() and self.overhead_fit.full():
+            if self.calibrated is None:
+                self._explain_first_prediction(measured)
             self.calibrated = measured
         if self._pending is not None:
             if not self._pending.done():
@@ -330,17 +336,55 @@ class Replanner:
         return simulate(plan, self.run.model_profile, hardware,
                         include_optimizer=self._include_optimizer).step_s
 
+    def _explain_first_prediction(self, measured: HardwareProfile) -> None:
+        """The first settled calibration: where the plan's own prediction was more than
+        `FIRST_PREDICTION_TOLERANCE` off the measured steps, say in one line which rate
+        (or the step's fitted overhead) it was off by most: the one that, put alone into
+        the planned profile, prices the running plan closest to the measured step."""
+        plan, planned = self.run.plan, self.run.hardware
+        measured_s = statistics.median(self.step_s[-self.estimate.window_steps:])
+        if abs(measured_s / plan.prediction.step_s - 1) <= FIRST_PREDICTION_TOLERANCE:
+            return
+        names = [n for n in RATE_FIELDS if getattr(planned, RATE_FIELDS[n]) > 0
+                 and getattr(measured, RATE_FIELDS[n]) > 0] + ["step overhead"]
+        fields = {**RATE_FIELDS, "step overhead": "step_overhead_s"}
+
+        def error_s(name: str) -> float:
+            alone = replace(planned, **{fields[name]: getattr(measured, fields[name])})
+            return abs(self._step_on(plan, alone) - measured_s)
+
+        name = min(names, key=error_s)
+        if name == "step overhead":
+            was = (f"the step's overhead outside its priced work: the profile said "
+                   f"{planned.step_overhead_s * 1e3:.3g} ms, this run fits "
+                   f"{measured.step_overhead_s * 1e3:.3g} ms")
+        else:
+            was = (f"the {format_rate(name, getattr(planned, fields[name]))} the plan assumed; "
+                   f"this run measures {format_rate(name, getattr(measured, fields[name]))}")
+        logger.warning("lazytrain: the plan's prediction (%.3f s a step) was %.2fx off the "
+                       "measured %.3f s, most of it from %s; predictions from here on use the "
+                       "measured rates", plan.prediction.step_s,
+                       measured_s / plan.prediction.step_s, measured_s, was)
+
     # ---- what a progress line shows --------------------------------------------------
     @property
     def predicted_step_s(self) -> float:
         """The running plan's step: on the calibrated profile once there is one, else its
         own prediction."""
+        return self.prediction.step_s
+
+    @property
+    def prediction(self) -> Prediction:
+        """The running plan's prediction: on the calibrated profile once there is one,
+        else its own (what the fidelity monitor compares the measured steps with)."""
         plan, hardware = self.run.plan, self.calibrated
         if hardware is None:
-            return plan.prediction.step_s
+            return plan.prediction
         if (self._predicted is None or self._predicted[0] is not hardware
                 or self._predicted[1] is not plan):
-            self._predicted = (hardware, plan, self._step_on(plan, hardware))
+            self._predicted = (hardware, plan, simulate(
+                plan, self.run.model_profile, hardware,
+                include_optimizer=self._include_optimizer).prediction())
         return self._predicted[2]
 
     def close(self) -> None:
@@ -350,35 +394,62 @@ class Replanner:
             self._executor = None
 
 
-def predicted_step_s(replanner: Replanner | None, plan: Plan) -> float:
+def predicted_step_s(replanner: Predicting | None, plan: Plan) -> float:
     """The step a progress line prints beside the measured one: the running plan's at the
     calibrated rates once `replanner` has them, else the plan's own prediction."""
-    return plan.prediction.step_s if replanner is None else replanner.predicted_step_s
+    return current_prediction(replanner, plan).step_s
+
+
+class Predicting(Protocol):
+    """A re-planner as the progress lines read it (`Replanner`, `LaunchReplanner`)."""
+
+    @property
+    def prediction(self) -> Prediction: ...
+
+
+def current_prediction(replanner: Predicting | None, plan: Plan) -> Prediction:
+    """The running `plan`'s prediction at the calibrated rates once `replanner` has them,
+    else the plan's own."""
+    return plan.prediction if replanner is None else replanner.prediction
 
 
 def replanner_for(config: LazyTrainConfig, *, engine: ReplannedEngine, state: CurrentRun,
-                  device: torch.device) -> Replanner:
-    """The re-planner of a run of `config`; a profile measured on this machine
-    (`hardware="auto"`, links not emulated) is saved calibrated for the next run."""
+                  device: torch.device, budgets: Budgets) -> Replanner:
+    """The re-planner of a run of `config` within `budgets`; a profile measured on this
+    machine (`hardware="auto"`, links not emulated) is saved calibrated for the next run:
+    its machine rates for any run, its compute and step overhead for this workload."""
     from lazytrain_accel.config import OptimizerChoice
     from lazytrain_accel.run import setup
     save = None
     if config.hardware == "auto" and not config.emulate_async:
-        from lazytrain_accel.profiling.measure import save_calibrated
-
         def save(profile: HardwareProfile) -> None:
-            try:
-                save_calibrated(profile, cache_dir=config.cache_dir, nvme_dir=config.nvme_dir,
-                                device=device)
-            except OSError as err:  # a read-only cache must not stop training
-                logger.warning("lazytrain: could not keep the calibrated profile (%s)", err)
+            _save_calibration(config, profile, state.run.model_profile, device)
 
     resident_update = state.run.plan.resident_update
     return Replanner(
-        engine=engine, state=state, budgets=setup.budgets_for(config, state.run.hardware),
+        engine=engine, state=state, budgets=budgets,
         solve=lambda r: setup.solve_plan(config, r.model_profile, r.hardware,
                                          resident_update=resident_update,
                                          time_limit_s=config.solver_time_limit_s,
-                                         running=r.plan),
+                                         budgets=budgets, running=r.plan),
         min_gain=config.replan_min_gain, save_profile=save,
         include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT)
+
+
+def _save_calibration(config: LazyTrainConfig, profile: HardwareProfile,
+                      model_profile: ModelProfile, device: torch.device) -> None:
+    """Keep a run's calibration: the machine's rates per machine (`save_calibrated`), the
+    compute rate and fitted step overhead under this workload (`profiling/workload.py`)."""
+    import torch
+
+    from lazytrain_accel.profiling.measure import save_calibrated
+    from lazytrain_accel.profiling.workload import rates_of, save_workload, workload_key
+
+    try:
+        save_calibrated(profile, cache_dir=config.cache_dir, nvme_dir=config.nvme_dir,
+                        device=device)
+    except (OSError, ValueError) as err:  # a read-only cache must not stop training
+        logger.warning("lazytrain: could not keep the calibrated profile (%s)", err)
+    key = workload_key(model_profile, device_name=profile.gpu_name,
+                       threads=torch.get_num_threads())
+    save_workload(config.cache_dir, key, rates_of(profile, source="calibrated by a run"))

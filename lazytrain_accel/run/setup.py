@@ -145,11 +145,13 @@ def engine_loss_chunk_tokens(config: LazyTrainConfig) -> int | str:
 
 def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
                  hardware: HardwareProfile, *, resident_update: str | None = None,
-                 gpus_per_node: int = 1, nodes: int = 1) -> Plan:
+                 gpus_per_node: int = 1, nodes: int = 1, budgets: Budgets | None = None
+                 ) -> Plan:
     """The plan named by `config.plan`, solved or loaded from the cache, fingerprint-checked;
     `resident_update` overrides the config's (a re-plan passes its engine's);
     `gpus_per_node`: the local ranks sharing this host's copy (a node store), planned as
-    one node (`planning/node.py`), of `nodes` such nodes."""
+    one node (`planning/node.py`), of `nodes` such nodes; `budgets`: the launch's
+    (`run/shared.py`), default `config`'s on `hardware`."""
     fingerprint = run_fingerprint(model_profile, hardware)
     if is_plan_file(config):
         plan = Plan.load(config.plan)
@@ -157,7 +159,7 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
         return plan
     strategy = "lazytrain" if config.plan == "auto" else config.plan
     resident_update = resident_update or config.resident_update
-    budgets = budgets_for(config, hardware)
+    budgets = budgets or budgets_for(config, hardware)
     # the rates too (the fingerprint leaves them out): a calibrated profile plans anew
     rates = {k: v for k, v in hardware.to_dict().items() if k.endswith("_per_s")}
     key = json.dumps([fingerprint, strategy, budgets.gpu_bytes, budgets.cpu_bytes,
@@ -234,15 +236,16 @@ def budgets_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Budgets:
 
 def solve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
                hardware: HardwareProfile, *, resident_update: str,
-               time_limit_s: float, gpus_per_node: int = 1,
-               running: Plan | None = None) -> Plan:
+               time_limit_s: float, budgets: Budgets | None = None,
+               gpus_per_node: int = 1, running: Plan | None = None) -> Plan:
     """A new plan of `config`'s strategy on `hardware` (no cache, no refusal search) within
     `time_limit_s`: what the re-planner solves on its thread, never priced slower than the
     `running` plan it may replace. Raises `PlanInfeasibleError` when none fits."""
     from lazytrain_accel.planning import make_plan
 
     strategy = "lazytrain" if config.plan == "auto" else config.plan
-    request = plan_request(config, strategy=strategy, budgets=budgets_for(config, hardware),
+    request = plan_request(config, strategy=strategy,
+                           budgets=budgets or budgets_for(config, hardware),
                            resident_update=resident_update, gpus_per_node=gpus_per_node,
                            time_limit_s=time_limit_s, running=running)
     return make_plan(model_profile, hardware, request)

@@ -22,8 +22,9 @@ from lazytrain_accel import preflight, threads
 from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.distributed import node_store, ranks, split_update
 from lazytrain_accel.distributed.data_parallel import GradientAllReducer
-from lazytrain_accel.run import batch_shape, setup
+from lazytrain_accel.run import batch_shape, setup, shared
 from lazytrain_accel.run.node_layout import NodeLayout, node_layout_for, share_store
+from lazytrain_accel.run.replan_ranks import LaunchReplanner, LaunchTotals
 from lazytrain_accel.run.replanner import Replanner, replanner_for
 from lazytrain_accel.run.step import installed_step
 from lazytrain_accel.run.step_guard import StepGuard
@@ -31,7 +32,7 @@ from lazytrain_accel.run.step_guard import StepGuard
 if TYPE_CHECKING:
     from lazytrain_accel.checkpoints.asynchronous import PendingSave
     from lazytrain_accel.engine import StreamingEngine
-    from lazytrain_accel.planning import Plan
+    from lazytrain_accel.planning import Budgets, Plan
     from lazytrain_accel.profiling.hardware import HardwareProfile
 
 logger = logging.getLogger("lazytrain_accel")
@@ -66,11 +67,13 @@ class RunState:
     #: the current plan with the profiles it was made from: set by `adopt` only
     run: setup.PreparedRun
     layout: NodeLayout
+    #: what every rank plans within: per tier, the least of the ranks' (`run/shared.py`)
+    budgets: Budgets
     #: None once `end` detached it
     engine: StreamingEngine | None
     guard: StepGuard
     #: fits the profile to measured rates and switches plans (replan="auto")
-    replanner: Replanner | None = None
+    replanner: Replanner | LaunchReplanner | None = None
     #: one host copy per node, mapped by every local rank (None: each rank its own)
     store: node_store.NodeStore | None = None
     reducer: GradientAllReducer | split_update.ShareReducer | None = None
@@ -82,7 +85,8 @@ class RunState:
     def plan_for(self, sizing: batch_shape.Sizing, hardware: HardwareProfile) -> setup.PreparedRun:
         """A re-plan for `sizing` on `hardware`, the residents where the engine keeps them."""
         return plan_for(self.plugin, self.model, sizing, hardware, launch=self.launch,
-                        layout=self.layout, resident_update=self.run.plan.resident_update)
+                        layout=self.layout, budgets=self.budgets,
+                        resident_update=self.run.plan.resident_update)
 
     def adopt(self, run: setup.PreparedRun, sizing: batch_shape.Sizing | None = None) -> None:
         """`run` (planned for `sizing`, default the current shape) becomes the run's: the
@@ -141,18 +145,30 @@ class RunState:
 
 def plan_for(config: LazyTrainConfig, model: nn.Module, sizing: batch_shape.Sizing,
              hardware: HardwareProfile, *, launch: Launch, layout: NodeLayout,
-             resident_update: str | None = None) -> setup.PreparedRun:
-    """Profile and plan for `sizing`; summarize the plan unless it is provisional. A
-    re-plan passes the attached engine's `resident_update` (the residents stay put)."""
+             budgets: Budgets, resident_update: str | None = None,
+             before_attach: bool = False) -> setup.PreparedRun:
+    """Profile and plan for `sizing` within `budgets`; summarize the plan unless it is
+    provisional. Global rank 0 prices the workload's compute (timing the model's own
+    layers `before_attach`) and solves; every rank receives both, so all run one plan.
+    Every rank calls this. A re-plan passes the attached engine's `resident_update` (the
+    residents stay put)."""
+    compute_dtype = setup.compute_dtype_for(launch.mixed_precision)
     model_profile = setup.profile_for_run(
         model, batch_size=sizing.batch_size, seq_len=sizing.seq_len,
-        compute_dtype=setup.compute_dtype_for(launch.mixed_precision),
-        loss_chunk_tokens=config.loss_chunk_tokens)
-    plan = setup.resolve_plan(config, model_profile, hardware, resident_update=resident_update,
-                              gpus_per_node=layout.node_ranks, nodes=layout.nodes)
+        compute_dtype=compute_dtype, loss_chunk_tokens=config.loss_chunk_tokens)
+
+    def decide() -> tuple[HardwareProfile, Plan]:
+        priced = hardware if sizing.provisional else shared.workload_priced(
+            config, model, model_profile, hardware, device=launch.device,
+            compute_dtype=compute_dtype, may_time=before_attach)
+        return priced, setup.resolve_plan(
+            config, model_profile, priced, resident_update=resident_update,
+            gpus_per_node=layout.node_ranks, nodes=layout.nodes, budgets=budgets)
+
+    priced, plan = ranks.from_first(decide)
     if launch.is_main_process and not sizing.provisional:
         logger.info("%s (sized from %s)", setup.format_plan_summary(plan), sizing.source)
-    return setup.PreparedRun(model_profile=model_profile, hardware=hardware, plan=plan)
+    return setup.PreparedRun(model_profile=model_profile, hardware=priced, plan=plan)
 
 
 def build_run_state(config: LazyTrainConfig, model: nn.Module, loader: Any, *,
@@ -168,13 +184,19 @@ def build_run_state(config: LazyTrainConfig, model: nn.Module, loader: Any, *,
         from lazytrain_accel.engine.memory.quantize_base import quantize_frozen_linears
 
         quantize_frozen_linears(model, config.frozen_weights, compute_dtype or torch.float32)
-    sizing = batch_shape.size_run(loader, model, config, seq_bound=launch.seq_bound)
-    hardware = _hardware_for(config)
+    sizing = _agreed(batch_shape.size_run(loader, model, config, seq_bound=launch.seq_bound),
+                     launch)
+    hardware, budgets = shared.shared_hardware(config, device=launch.device,
+                                               is_main_process=launch.is_main_process)
     layout = node_layout_for(config, model, num_processes=launch.num_processes,
                              is_main_process=launch.is_main_process)
-    run = plan_for(config, model, sizing, hardware, launch=launch, layout=layout)
+    run = plan_for(config, model, sizing, hardware, launch=launch, layout=layout,
+                   budgets=budgets, before_attach=True)
     if launch.num_processes > 1:  # one model and one plan on every rank, a clean exit
-        ranks.check_ranks_agree(run.plan, model)
+        ranks.check_ranks_agree(run.plan, model, {
+            name: str(getattr(config, name)) for name in ranks.PLAN_OPTIONS})
+        logger.info("lazytrain: rank %d runs plan %s", ranks.global_rank(),
+                    ranks.plan_digest(run.plan))
         ranks.register_exit_teardown(launch.synchronize)
     _check_host_memory(config, model, run, layout, launch)
     store = share_store(config, model, layout, local_process_index=launch.local_process_index,
@@ -189,7 +211,7 @@ def build_run_state(config: LazyTrainConfig, model: nn.Module, loader: Any, *,
                       max_nonfinite_skips=config.max_nonfinite_skips,
                       raise_on_interrupt=launch.interrupt_raises)
     state = RunState(plugin=config, launch=launch, model=model, sizing=sizing, run=run,
-                     layout=layout, engine=engine, guard=guard, store=store)
+                     layout=layout, budgets=budgets, engine=engine, guard=guard, store=store)
     _wire_replanning(state)
     guard.install_sigint()
     _wire_reducer(state)
@@ -203,11 +225,14 @@ def _bind_threads(config: LazyTrainConfig, launch: Launch) -> None:
     threads.apply_threads(config.threads, device=launch.device)  # before any timing
 
 
-def _hardware_for(config: LazyTrainConfig) -> HardwareProfile:
-    from lazytrain_accel.profiling.hardware_spec import load_hardware
-
-    return setup.hardware_for_backend(config, load_hardware(
-        config.hardware, cache_dir=config.cache_dir, nvme_dir=config.nvme_dir))
+def _agreed(sizing: batch_shape.Sizing, launch: Launch) -> batch_shape.Sizing:
+    """`sizing` with the largest batch and sequence any rank sized (each reads its own
+    shard's first batch): every rank plans for one shape."""
+    if launch.num_processes == 1:
+        return sizing
+    batch_size, seq_len, seq_cap = ranks.agreed_max(
+        [sizing.batch_size, sizing.seq_len, sizing.seq_cap], launch.device)
+    return dataclasses.replace(sizing, batch_size=batch_size, seq_len=seq_len, seq_cap=seq_cap)
 
 
 def _check_host_memory(config: LazyTrainConfig, model: nn.Module, run: setup.PreparedRun,
@@ -229,15 +254,26 @@ def _check_host_memory(config: LazyTrainConfig, model: nn.Module, run: setup.Pre
 
 
 def _wire_replanning(state: RunState) -> None:
-    """A batch beyond the plan re-plans upward; `replan="auto"` (one process) follows the
-    measured rates. A plan file is the user's: never re-planned."""
+    """A batch beyond the plan re-plans upward, every rank for the largest batch any runs;
+    `replan="auto"` follows the measured rates, on several ranks as rank 0 decides from
+    all of theirs (`run/replan_ranks.py`). A plan file is the user's: never re-planned."""
     config, engine = state.plugin, state.engine
     if setup.is_plan_file(config):
         return
     engine.replan = state.replan
-    if config.replan == "auto" and state.launch.num_processes == 1:
+    if state.launch.num_processes > 1:  # one shape on every rank: they re-plan together
+        device = state.launch.device
+        engine.agree_shape = lambda batch, seq: tuple(ranks.agreed_max([batch, seq], device))
+    if config.replan != "auto":
+        return
+    if state.launch.num_processes == 1:
         state.replanner = replanner_for(config, engine=engine, state=state,
-                                        device=state.launch.device)
+                                        device=state.launch.device, budgets=state.budgets)
+        return
+    totals = LaunchTotals(engine)
+    state.replanner = LaunchReplanner(state=state, totals=totals, replanner=replanner_for(
+        config, engine=totals, state=state, device=state.launch.device,
+        budgets=state.budgets) if ranks.global_rank() == 0 else None)
 
 
 def _wire_reducer(state: RunState) -> None:

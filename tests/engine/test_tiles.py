@@ -168,6 +168,6 @@ def test_ranks_that_tile_differently_disagree_on_the_plan() -> None:
     model = build_model("llama", 2)
     plan = make_plan("megatrain", 2)
     keys = {ranks.rank_key(dataclasses.replace(plan, tiling=tiling, tile_tokens=tokens),
-                           model)["plan"]
+                           model, {})["plan"]
             for tiling, tokens in (("none", 0), ("mlp", 8), ("layer", 8), ("layer", 16))}
     assert len(keys) == 4

@@ -153,6 +153,31 @@ def test_the_step_overhead_is_fitted_so_the_calibrated_prediction_is_the_measure
     assert replanner.predicted_step_s == pytest.approx(10.0, rel=0.02)
 
 
+def _first_prediction_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "the plan's prediction" in r.getMessage()]
+
+
+def test_a_first_prediction_far_off_is_explained_once_by_the_term_that_was(plans,
+                                                                          caplog) -> None:
+    """Links at the claimed rates, steps of 10 s where the plan said about 5: one line,
+    at the first calibration, names the step's overhead (the only term that was off)."""
+    run, budgets, _ = plans
+    fast_s = WRITE_BYTES / replan.CLAIMED_NVME_BYTES_PER_S
+    drive(run, budgets, run.plan, before_s=10.0, after_s=10.0, steps=12,
+          write_s=lambda step: fast_s)
+    (line,) = _first_prediction_lines(caplog)
+    assert f"({run.plan.prediction.step_s:.3f} s a step) was" in line
+    assert "off the measured 10.000 s, most of it from the step's overhead" in line
+
+
+def test_a_first_prediction_that_held_is_not_explained(plans, caplog) -> None:
+    run, budgets, _ = plans
+    fast_s = WRITE_BYTES / replan.CLAIMED_NVME_BYTES_PER_S
+    drive(run, budgets, run.plan, before_s=run.plan.prediction.step_s,
+          after_s=run.plan.prediction.step_s, steps=12, write_s=lambda step: fast_s)
+    assert _first_prediction_lines(caplog) == []
+
+
 @pytest.fixture(scope="module")
 def d2h_drift() -> tuple:
     """Issue 34's device->host drift, solved offline: the Llama run's profile, its config,

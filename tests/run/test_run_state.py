@@ -42,6 +42,7 @@ def _state() -> RunState:
     first = _run(1.0)
     engine = FakeEngine(first.plan)
     state = RunState(plugin=None, launch=None, model=None, run=first, layout=NodeLayout(),
+                     budgets=None,
                      sizing=Sizing(batch_size=2, seq_len=6, source="the first batch"),
                      engine=engine, guard=None)
     state.replanner = Replanner(engine=engine, state=state, budgets=None,

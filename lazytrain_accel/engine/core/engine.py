@@ -172,6 +172,9 @@ class StreamingEngine:
         self._mask_verdicts: dict[tuple[int, int], bool] = {}  # 4-D mask: plain causal?
         #: `replan(batch, seq) -> Plan | None`, asked before a batch beyond the plan runs
         self.replan: Callable[[int, int], Plan | None] | None = None
+        #: `agree_shape(batch, seq) -> (batch, seq)`: the largest any rank runs now, so
+        #: that the ranks of a launch re-plan together (None: one process)
+        self.agree_shape: Callable[[int, int], tuple[int, int]] | None = None
 
     # ---- model pass bracketing -------------------------------------------------------
     def before_model(self) -> None:
@@ -262,6 +265,8 @@ class StreamingEngine:
         plan = self.plan
         batch = hidden.shape[0] if hidden.dim() > 2 else 1
         seq = hidden.numel() // hidden.shape[-1] // batch
+        if self.agree_shape is not None:
+            batch, seq = self.agree_shape(batch, seq)
         if batch * seq <= plan.batch_size * plan.seq_len:
             return
         new = self.replan(batch, seq) if self.replan is not None else None

@@ -1,0 +1,132 @@
+"""The model's own compute at `prepare`: its first layer and head timed at the run's shape,
+and the workload rates cached under the workload, never applied to another."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from lazytrain_accel.config import LazyTrainConfig
+from lazytrain_accel.engine.model.discovery import find_decoder_layers
+from lazytrain_accel.profiling import measure
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+from lazytrain_accel.profiling.layer_timing import ComputeTiming, time_model_compute
+from lazytrain_accel.profiling.workload import (
+    WorkloadRates,
+    load_workload,
+    save_workload,
+    with_workload,
+    workload_key,
+)
+from lazytrain_accel.run import setup, shared
+from tests.engine.engine_helpers import build_model
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2", "bloom"])
+def test_the_first_layer_and_head_are_timed_on_their_real_inputs(arch: str) -> None:
+    """Families that call their layers with rotary tables (qwen2), positionally (gpt2) or
+    with an alibi bias and tuple outputs (bloom): each layer's inputs are the model's own,
+    and the model's parameters get no gradient from the probe."""
+    model = build_model(arch, 2)
+    timing = time_model_compute(model, find_decoder_layers(model)[2], batch_size=2,
+                                seq_len=16, device=torch.device("cpu"), compute_dtype=None,
+                                repeats=3)
+    assert timing.layer_forward_s > 0 and timing.layer_backward_s > 0 and timing.head_s > 0
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_rate_prices_every_layer_run_and_the_head_as_the_planner_does() -> None:
+    profile = setup.profile_for_run(build_model("qwen2", 4), batch_size=2, seq_len=16,
+                                    compute_dtype=None)
+    timing = ComputeTiming(layer_forward_s=1.0, layer_backward_s=3.0, head_s=2.0)
+    flops = 4 * (2 * profile.layer_fwd_flops + profile.layer_bwd_flops) + 3 * profile.head_fwd_flops
+    assert timing.flops_per_s(profile) == pytest.approx(flops / (4 * 4.0 + 2.0))
+
+
+def test_a_workload_key_is_its_model_shape_dtype_device_and_threads() -> None:
+    model = build_model("qwen2", 2)
+    profile = setup.profile_for_run(model, batch_size=2, seq_len=16, compute_dtype=None)
+    key = workload_key(profile, device_name="cpu", threads=2)
+    others = [
+        setup.profile_for_run(model, batch_size=4, seq_len=16, compute_dtype=None),
+        setup.profile_for_run(model, batch_size=2, seq_len=32, compute_dtype=None),
+        setup.profile_for_run(model, batch_size=2, seq_len=16, compute_dtype=torch.bfloat16),
+        setup.profile_for_run(build_model("qwen2", 3), batch_size=2, seq_len=16,
+                              compute_dtype=None),
+    ]
+    keys = {workload_key(p, device_name="cpu", threads=2) for p in others}
+    keys |= {workload_key(profile, device_name="gpu", threads=2),
+             workload_key(profile, device_name="cpu", threads=1)}
+    assert key not in keys and len(keys) == 6
+    assert key == workload_key(dataclasses.replace(profile), device_name="cpu", threads=2)
+
+
+def _auto(tmp_path) -> LazyTrainConfig:
+    return LazyTrainConfig(hardware="auto", cache_dir=str(tmp_path / "cache"),
+                           nvme_dir=str(tmp_path / "nvme"))
+
+
+def test_prepare_times_the_workload_once_then_reads_it_back(tmp_path, monkeypatch) -> None:
+    config, model = _auto(tmp_path), build_model("qwen2", 2)
+    profile = setup.profile_for_run(model, batch_size=2, seq_len=16, compute_dtype=None)
+    roofline = HARDWARE_PRESETS["h800"]
+    kwargs = dict(device=torch.device("cpu"), compute_dtype=None)
+    # after the engine is attached nothing is timed: the profile's rate stands
+    assert shared.workload_priced(config, model, profile, roofline, may_time=False,
+                                  **kwargs) is roofline
+    timed = shared.workload_priced(config, model, profile, roofline, may_time=True, **kwargs)
+    assert timed.achieved_flops_per_s != roofline.achieved_flops_per_s
+    assert "the model's own layer and head timed at 2 x 16" in timed.source
+    monkeypatch.setattr(shared, "_time_workload", lambda *a, **k: pytest.fail("timed again"))
+    again = shared.workload_priced(config, model, profile, roofline, may_time=True, **kwargs)
+    assert again.achieved_flops_per_s == timed.achieved_flops_per_s
+    # another shape is another workload: not timed, it keeps the profile's rate
+    longer = setup.profile_for_run(model, batch_size=2, seq_len=32, compute_dtype=None)
+    assert shared.workload_priced(config, model, longer, roofline, may_time=False,
+                                  **kwargs) is roofline
+    # a preset keeps its sourced efficiency
+    preset = dataclasses.replace(config, hardware="h800")
+    assert shared.workload_priced(preset, model, profile, roofline, may_time=True,
+                                  **kwargs) is roofline
+
+
+def test_a_layer_the_probe_cannot_call_keeps_the_roofline_and_says_so(tmp_path, monkeypatch,
+                                                                      caplog) -> None:
+    config, model = _auto(tmp_path), build_model("qwen2", 2)
+    profile = setup.profile_for_run(model, batch_size=2, seq_len=16, compute_dtype=None)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(find_decoder_layers(model)[2][0], "forward", broken)
+    with caplog.at_level(logging.WARNING, logger="lazytrain_accel"):
+        priced = shared.workload_priced(config, model, profile, HARDWARE_PRESETS["h800"],
+                                        device=torch.device("cpu"), compute_dtype=None,
+                                        may_time=True)
+    assert priced is HARDWARE_PRESETS["h800"]
+    assert "could not time the model's own layers (RuntimeError: no such kernel)" in caplog.text
+
+
+def test_a_calibration_keeps_the_machine_rates_per_machine_and_the_rest_per_workload(
+        tmp_path, monkeypatch) -> None:
+    """A run's calibration once made the next run of another model plan at its compute
+    rate (6x off): the machine's file keeps the links and the update, and the compute rate
+    and fitted overhead go under the workload that measured them."""
+    cache, nvme = str(tmp_path / "cache"), str(tmp_path / "nvme")
+    base = dataclasses.replace(HARDWARE_PRESETS["h800"], name="measured-x")
+    monkeypatch.setattr(measure, "_measure", lambda *a: base)
+    measure.measure_hardware(cache_dir=cache, nvme_dir=nvme)
+    run = dataclasses.replace(base, h2d_bytes_per_s=1e9, achieved_flops_per_s=1.4e10,
+                              step_overhead_s=0.5)
+    measure.save_calibrated(run, cache_dir=cache, nvme_dir=nvme)
+    machine = measure.measure_hardware(cache_dir=cache, nvme_dir=nvme)
+    assert machine.h2d_bytes_per_s == 1e9  # a machine rate: kept for every run
+    assert machine.achieved_flops_per_s == base.achieved_flops_per_s
+    assert machine.step_overhead_s == base.step_overhead_s
+    save_workload(cache, "k", WorkloadRates(achieved_flops_per_s=1.4e10, step_overhead_s=0.5))
+    assert load_workload(cache, "other") is None
+    applied = with_workload(machine, load_workload(cache, "k"))
+    assert (applied.achieved_flops_per_s, applied.step_overhead_s) == (1.4e10, 0.5)
