@@ -9,7 +9,6 @@ memory is half of host RAM (the other half is the host tier; both share one RAM)
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import hashlib
 import json
@@ -28,7 +27,6 @@ import torch
 
 from lazytrain_accel.optim import HybridAdamW8bit, native
 from lazytrain_accel.profiling.hardware import MEASURED_NAME_PREFIX, HardwareProfile, preset_for_gpu
-from lazytrain_accel.profiling.workload import WORKLOAD_FIELDS
 
 _MIB = 1024**2
 
@@ -207,10 +205,9 @@ def _vendor_peak_flops_per_s(gpu_name: str, measured: float) -> float:
 
 
 #: What the probes measure beyond rates (the optimizer's kernel, the residents' device
-#: update, the engine's layer overhead) and what a calibration keeps (the machine's rates
-#: only); in the cache key, so a cache made by an earlier release is measured again.
-_OPTIMIZER_PROBE = ("hybrid_adamw8bit+device_residents+layer_overhead+host_work"
-                    "+machine_only_calibration")
+#: update, the engine's layer overhead); in the cache key, so a cache made by an earlier
+#: release's probes is measured again.
+_OPTIMIZER_PROBE = "hybrid_adamw8bit+device_residents+layer_overhead+host_work"
 
 
 def _host_update_kernel() -> str:
@@ -289,36 +286,19 @@ def measure_hardware(*, cache_dir: str, nvme_dir: str, refresh: bool = False,
                      probe_bytes: int = 256 * _MIB) -> HardwareProfile:
     """Measure this machine (or read the cached measurement) as a `HardwareProfile`.
 
-    `device` defaults to the first CUDA device, else the CPU. A profile a run calibrated
-    (`save_calibrated`) is preferred to the measured one. `refresh=True` ignores both and
-    overwrites the measured one (the calibrated one is dropped). `probe_bytes` sizes the
-    copy and NVMe probes.
+    `device` defaults to the first CUDA device, else the CPU. `refresh=True` measures
+    again and overwrites the cache. `probe_bytes` sizes the copy and NVMe probes. What a
+    run calibrates is kept per workload, not here (`workload.py`).
     """
     measured = _cache_path("hardware", cache_dir, nvme_dir, device)
-    calibrated = _cache_path("calibrated", cache_dir, nvme_dir, device)
-    for cache in (calibrated, measured):
-        if cache.is_file() and not refresh:
-            try:
-                return HardwareProfile.load(cache)
-            except ValueError:
-                pass  # a cache from another release or a torn write: measure again
-    calibrated.unlink(missing_ok=True)
+    if measured.is_file() and not refresh:
+        try:
+            return HardwareProfile.load(measured)
+        except ValueError:
+            pass  # a cache from another release or a torn write: measure again
     profile = _measure(_device_or_default(device), _nvme_path(nvme_dir), probe_bytes)
     profile.save(measured)
     return profile
-
-
-def save_calibrated(profile: HardwareProfile, *, cache_dir: str, nvme_dir: str,
-                    device: torch.device | None = None) -> Path:
-    """Keep the machine's rates of `profile` (a run's calibration,
-    `profiling/calibration.py`) as this machine's: the next `measure_hardware` returns
-    them. Its workload's rates (`workload.WORKLOAD_FIELDS`: compute, fitted step overhead)
-    stay those measured here, for any model: the run keeps its own under its workload."""
-    measured = HardwareProfile.load(_cache_path("hardware", cache_dir, nvme_dir, device))
-    path = _cache_path("calibrated", cache_dir, nvme_dir, device)
-    dataclasses.replace(profile, **{name: getattr(measured, name)
-                                    for name in WORKLOAD_FIELDS}).save(path)
-    return path
 
 
 def _device_or_default(device: torch.device | None) -> torch.device:

@@ -1,11 +1,15 @@
 """Rates that belong to a workload, cached under it and never applied to another.
 
-A machine's links, drive and host update rate hold for any model (`measure.py` caches them
-per machine). The compute rate and the step's fitted overhead do not: a 128-wide layer
-and a 4096-wide one reach different fractions of a roofline, and the overhead fitted on
-one run holds that run's head, loss and data loading. They are kept per workload: the
-model's geometry and trainable split, the batch shape, the compute dtype, the device and
-the thread count (`workload_key`).
+The machine's probes (`measure.py`: a large copy, a file, a 10M-parameter update, a square
+matmul) hold for any model and are cached per machine. What a run measures does not: a
+128-wide layer and a 4096-wide one reach different fractions of a roofline; a run's
+copies and its update run at the rates of its own tensor sizes (the demo's 0.75 MiB
+copies ran at 4.5 GB/s where the 64 MiB probe ran at 10.5, its 1.6M parameters in ten
+groups updated at 89M params/s where the probe's one 10M tensor ran at 1,432M); and the
+step overhead fitted on one run holds that run's head, loss and data loading. So the
+compute rate timed at `prepare` and every rate a run calibrates are kept per workload:
+the model's geometry and trainable split, the batch shape, the compute dtype, the device
+and the thread count (`workload_key`).
 """
 
 from __future__ import annotations
@@ -14,25 +18,32 @@ import dataclasses
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from lazytrain_accel.profiling.calibration import RATE_FIELDS
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.profile import ModelProfile
 
 logger = logging.getLogger("lazytrain_accel")
 
-#: The `HardwareProfile` fields a workload owns.
-WORKLOAD_FIELDS = ("achieved_flops_per_s", "step_overhead_s")
+#: The `HardwareProfile` fields a workload may own: every calibrated rate, the fitted
+#: step overhead.
+WORKLOAD_FIELDS = (*RATE_FIELDS.values(), "step_overhead_s")
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkloadRates:
-    achieved_flops_per_s: float  # the model's own layers and head at the batch shape
-    #: the step's overhead a run fitted (`calibration.StepOverheadFit`); None: not fitted,
-    #: the machine's probe (`layer_probe.py`) stands
-    step_overhead_s: float | None = None
+    #: `WORKLOAD_FIELDS` values measured on this workload (the compute rate timed at
+    #: `prepare`; a run's calibrated rates and fitted step overhead)
+    rates: dict[str, float] = field(default_factory=dict)
     source: str = ""
+
+    def __post_init__(self) -> None:
+        foreign = sorted(set(self.rates) - set(WORKLOAD_FIELDS))
+        if foreign:
+            raise ValueError(f"WorkloadRates.rates has {foreign}: a workload owns only "
+                             f"{list(WORKLOAD_FIELDS)}")
 
 
 def workload_key(profile: ModelProfile, *, device_name: str, threads: int) -> str:
@@ -54,8 +65,9 @@ def load_workload(cache_dir: str, key: str) -> WorkloadRates | None:
     """The rates cached under `key`, or None (none yet, or a torn or foreign file)."""
     try:
         data = json.loads(_path(cache_dir, key).read_text())
-        return WorkloadRates(**data)
-    except (OSError, ValueError, TypeError):
+        return WorkloadRates(rates={k: float(v) for k, v in data["rates"].items()},
+                             source=str(data["source"]))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 
 
@@ -72,16 +84,15 @@ def save_workload(cache_dir: str, key: str, rates: WorkloadRates) -> None:
 
 
 def with_workload(hardware: HardwareProfile, rates: WorkloadRates) -> HardwareProfile:
-    """`hardware` with `rates` in place of its compute rate (and fitted overhead)."""
-    fields: dict[str, float] = {"achieved_flops_per_s": rates.achieved_flops_per_s}
-    if rates.step_overhead_s is not None:
-        fields["step_overhead_s"] = rates.step_overhead_s
+    """`hardware` with the workload's `rates` in place of its own."""
     head, sep, base = hardware.source.partition(" | base: ")
-    return dataclasses.replace(hardware, **fields,
+    return dataclasses.replace(hardware, **rates.rates,
                                source=f"{head}; workload: {rates.source}{sep}{base}")
 
 
 def rates_of(hardware: HardwareProfile, *, source: str) -> WorkloadRates:
-    """The workload's part of a (calibrated) `hardware`."""
-    return WorkloadRates(achieved_flops_per_s=hardware.achieved_flops_per_s,
-                         step_overhead_s=hardware.step_overhead_s, source=source)
+    """The workload's part of a (calibrated) `hardware`: every `WORKLOAD_FIELDS` rate it
+    prices (a host work rate of 0 is not priced, so not kept)."""
+    return WorkloadRates(rates={name: float(getattr(hardware, name)) for name in WORKLOAD_FIELDS
+                                if getattr(hardware, name) > 0 or name == "step_overhead_s"},
+                         source=source)

@@ -61,7 +61,6 @@ from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.run.setup import PreparedRun
 
 if TYPE_CHECKING:
-    import torch
 
     from lazytrain_accel.config import LazyTrainConfig
     from lazytrain_accel.profiling.profile import ModelProfile
@@ -414,16 +413,16 @@ def current_prediction(replanner: Predicting | None, plan: Plan) -> Prediction:
 
 
 def replanner_for(config: LazyTrainConfig, *, engine: ReplannedEngine, state: CurrentRun,
-                  device: torch.device, budgets: Budgets) -> Replanner:
+                  budgets: Budgets) -> Replanner:
     """The re-planner of a run of `config` within `budgets`; a profile measured on this
-    machine (`hardware="auto"`, links not emulated) is saved calibrated for the next run:
-    its machine rates for any run, its compute and step overhead for this workload."""
+    machine (`hardware="auto"`, links not emulated) is saved calibrated for the next run
+    of this workload."""
     from lazytrain_accel.config import OptimizerChoice
     from lazytrain_accel.run import setup
     save = None
     if config.hardware == "auto" and not config.emulate_async:
         def save(profile: HardwareProfile) -> None:
-            _save_calibration(config, profile, state.run.model_profile, device)
+            _save_calibration(config, profile, state.run.model_profile)
 
     resident_update = state.run.plan.resident_update
     return Replanner(
@@ -437,19 +436,13 @@ def replanner_for(config: LazyTrainConfig, *, engine: ReplannedEngine, state: Cu
 
 
 def _save_calibration(config: LazyTrainConfig, profile: HardwareProfile,
-                      model_profile: ModelProfile, device: torch.device) -> None:
-    """Keep a run's calibration: the machine's rates per machine (`save_calibrated`), the
-    compute rate and fitted step overhead under this workload (`profiling/workload.py`)."""
+                      model_profile: ModelProfile) -> None:
+    """Keep a run's calibration under its workload (`profiling/workload.py`): its rates
+    were measured on this model's copies, groups and layers, and apply to no other."""
     import torch
 
-    from lazytrain_accel.profiling.measure import save_calibrated
     from lazytrain_accel.profiling.workload import rates_of, save_workload, workload_key
 
-    try:
-        save_calibrated(profile, cache_dir=config.cache_dir, nvme_dir=config.nvme_dir,
-                        device=device)
-    except (OSError, ValueError) as err:  # a read-only cache must not stop training
-        logger.warning("lazytrain: could not keep the calibrated profile (%s)", err)
     key = workload_key(model_profile, device_name=profile.gpu_name,
                        threads=torch.get_num_threads())
     save_workload(config.cache_dir, key, rates_of(profile, source="calibrated by a run"))

@@ -110,7 +110,7 @@ def _time_workload(model: nn.Module, profile: ModelProfile, hardware: HardwarePr
                 "matmul's roofline: %.3g)", rate / 1e12, profile.batch_size, profile.seq_len,
                 hardware.achieved_flops_per_s / 1e12)
     return WorkloadRates(
-        achieved_flops_per_s=rate,
+        rates={"achieved_flops_per_s": rate},
         source=(f"the model's own layer and head timed at {profile.batch_size} x "
                 f"{profile.seq_len} ({compute_dtype or torch.float32}): layer forward "
                 f"{timing.layer_forward_s * 1e3:.3g} ms, backward run "

@@ -268,12 +268,12 @@ def _wire_replanning(state: RunState) -> None:
         return
     if state.launch.num_processes == 1:
         state.replanner = replanner_for(config, engine=engine, state=state,
-                                        device=state.launch.device, budgets=state.budgets)
+                                        budgets=state.budgets)
         return
     totals = LaunchTotals(engine)
     state.replanner = LaunchReplanner(state=state, totals=totals, replanner=replanner_for(
-        config, engine=totals, state=state, device=state.launch.device,
-        budgets=state.budgets) if ranks.global_rank() == 0 else None)
+        config, engine=totals, state=state, budgets=state.budgets)
+        if ranks.global_rank() == 0 else None)
 
 
 def _wire_reducer(state: RunState) -> None:

@@ -11,12 +11,12 @@ import torch
 
 from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.engine.model.discovery import find_decoder_layers
-from lazytrain_accel.profiling import measure
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.layer_timing import ComputeTiming, time_model_compute
 from lazytrain_accel.profiling.workload import (
     WorkloadRates,
     load_workload,
+    rates_of,
     save_workload,
     with_workload,
     workload_key,
@@ -110,23 +110,28 @@ def test_a_layer_the_probe_cannot_call_keeps_the_roofline_and_says_so(tmp_path, 
     assert "could not time the model's own layers (RuntimeError: no such kernel)" in caplog.text
 
 
-def test_a_calibration_keeps_the_machine_rates_per_machine_and_the_rest_per_workload(
-        tmp_path, monkeypatch) -> None:
-    """A run's calibration once made the next run of another model plan at its compute
-    rate (6x off): the machine's file keeps the links and the update, and the compute rate
-    and fitted overhead go under the workload that measured them."""
-    cache, nvme = str(tmp_path / "cache"), str(tmp_path / "nvme")
-    base = dataclasses.replace(HARDWARE_PRESETS["h800"], name="measured-x")
-    monkeypatch.setattr(measure, "_measure", lambda *a: base)
-    measure.measure_hardware(cache_dir=cache, nvme_dir=nvme)
-    run = dataclasses.replace(base, h2d_bytes_per_s=1e9, achieved_flops_per_s=1.4e10,
-                              step_overhead_s=0.5)
-    measure.save_calibrated(run, cache_dir=cache, nvme_dir=nvme)
-    machine = measure.measure_hardware(cache_dir=cache, nvme_dir=nvme)
-    assert machine.h2d_bytes_per_s == 1e9  # a machine rate: kept for every run
-    assert machine.achieved_flops_per_s == base.achieved_flops_per_s
-    assert machine.step_overhead_s == base.step_overhead_s
-    save_workload(cache, "k", WorkloadRates(achieved_flops_per_s=1.4e10, step_overhead_s=0.5))
-    assert load_workload(cache, "other") is None
-    applied = with_workload(machine, load_workload(cache, "k"))
-    assert (applied.achieved_flops_per_s, applied.step_overhead_s) == (1.4e10, 0.5)
+def test_a_runs_calibration_is_kept_for_its_workload_and_no_other(tmp_path) -> None:
+    """A run's calibration once made the next run of another model plan at its rates
+    (6x off): every rate a run calibrates, measured on its own copies, update groups and
+    layers, and its fitted step overhead, go under its workload only; the next run of
+    another model starts from the machine's probes and its own timed layers."""
+    config = _auto(tmp_path)
+    demo = setup.profile_for_run(build_model("qwen2", 2), batch_size=2, seq_len=16,
+                                 compute_dtype=None)
+    other = setup.profile_for_run(build_model("llama", 2), batch_size=2, seq_len=16,
+                                  compute_dtype=None)
+    machine = HARDWARE_PRESETS["h800"]
+    calibrated = dataclasses.replace(machine, h2d_bytes_per_s=1e9,
+                                     cpu_optimizer_params_per_s=8.9e7,
+                                     achieved_flops_per_s=1.4e10, step_overhead_s=0.5)
+    kept = rates_of(calibrated, source="a test")
+    assert set(kept.rates) >= {"h2d_bytes_per_s", "cpu_optimizer_params_per_s",
+                               "achieved_flops_per_s", "step_overhead_s"}
+    save_workload(config.cache_dir, workload_key(demo, device_name="cpu", threads=2), kept)
+    again = with_workload(machine, load_workload(
+        config.cache_dir, workload_key(demo, device_name="cpu", threads=2)))
+    assert dataclasses.replace(again, source="") == dataclasses.replace(calibrated, source="")
+    assert load_workload(config.cache_dir, workload_key(other, device_name="cpu",
+                                                        threads=2)) is None
+    with pytest.raises(ValueError, match="a workload owns only"):
+        WorkloadRates(rates={"gpu_memory_bytes": 1.0})
