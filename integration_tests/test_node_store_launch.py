@@ -76,8 +76,13 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
                        "--samples-out", str(d / "samples.json"))
             # threads=0 as a user's launch has it (tests/conftest.py sets
             # LAZYTRAIN_THREADS for the in-process tests, and an explicit count would
-            # leave the ranks' cores unbound)
-            env = {**PSS_ENV, "LAZYTRAIN_NODE_STORE": store, "LAZYTRAIN_THREADS": "0"}
+            # leave the ranks' cores unbound): each rank gets its cores' share. One process
+            # accumulating M micro-batches stands for M ranks: it runs at one rank's
+            # share, since a GEMM's sums may split by threads (MKL on a Xeon with AMX gave
+            # 2e-7 apart at 2 threads against 1; the AVX-512 Zen 5 did not)
+            threads = max(1, len(os.sched_getaffinity(0)) // micro_batches) \
+                if processes == 1 else 0
+            env = {**PSS_ENV, "LAZYTRAIN_NODE_STORE": store, "LAZYTRAIN_THREADS": str(threads)}
             if nodes == 1:
                 losses = _launch(d, "run", *args, *outputs, num_processes=processes, env=env)
             else:

@@ -46,6 +46,23 @@ def is_multi_process() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+_control_groups: dict[int, Any] = {}
+
+
+def control_group() -> Any:
+    """A gloo group beside the default one for this package's own small collectives (the
+    profile and plan from rank 0, the shape of a batch, the re-planner's totals). They are
+    issued on the training thread while the update's gradient reduce may be in flight on
+    the default group from its own thread; in one group the ranks could pair one rank's
+    shape with another's gradients. The first call is collective (every rank, at
+    `prepare`); later calls return the same group while the default group lives."""
+    key = id(dist.group.WORLD)
+    if key not in _control_groups:
+        _control_groups.clear()
+        _control_groups[key] = dist.new_group(backend="gloo")
+    return _control_groups[key]
+
+
 def from_first(make: Callable[[], T]) -> T:
     """`make()` run by global rank 0 alone and received by every rank (one broadcast):
     what one process measures, probes or solves for the whole launch. An exception on rank
@@ -61,7 +78,7 @@ def from_first(make: Callable[[], T]) -> T:
         except Exception as err:  # every rank must leave the broadcast, with the error
             error = err
             box[0] = ("error", _portable(err))
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=control_group())
     kind, payload = box[0]
     if error is not None:
         raise error
@@ -85,19 +102,17 @@ def gathered(value: T) -> list[T]:
     if not is_multi_process():
         return [value]
     values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
+    dist.all_gather_object(values, value, group=control_group())
     return values
 
 
-def agreed_max(values: list[int], device: torch.device) -> list[int]:
-    """The element-wise largest of every rank's `values` (one all-reduce of a small tensor
-    on `device`, the one the group's backend reduces on): a shape every rank then plans
-    for alike. `values` with one process."""
+def agreed_max(values: list[int]) -> list[int]:
+    """The element-wise largest of every rank's `values` (one all-reduce of a small CPU
+    tensor): a shape every rank then plans for alike. `values` with one process."""
     if not is_multi_process():
         return list(values)
-    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    tensor = torch.tensor(values, dtype=torch.int64, device=on)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    tensor = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=control_group())
     return [int(v) for v in tensor.tolist()]
 
 

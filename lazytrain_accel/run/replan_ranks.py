@@ -104,10 +104,6 @@ class LaunchReplanner:
             return self.replanner.prediction
         return self._state.run.plan.prediction
 
-    @property
-    def predicted_step_s(self) -> float:
-        return self.prediction.step_s
-
     def close(self) -> None:
         if self.replanner is not None:
             self.replanner.close()

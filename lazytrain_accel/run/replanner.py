@@ -61,7 +61,6 @@ from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.run.setup import PreparedRun
 
 if TYPE_CHECKING:
-
     from lazytrain_accel.config import LazyTrainConfig
     from lazytrain_accel.profiling.profile import ModelProfile
 

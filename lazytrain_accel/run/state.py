@@ -178,6 +178,8 @@ def build_run_state(config: LazyTrainConfig, model: nn.Module, loader: Any, *,
     re-planner, the node store and the gradient reducer. The optimizer joins later."""
     from lazytrain_accel.engine import attach
 
+    if launch.num_processes > 1:
+        ranks.control_group()  # collective: every rank creates it here, before any use
     _bind_threads(config, launch)
     compute_dtype = setup.compute_dtype_for(launch.mixed_precision)
     if config.frozen_weights != "keep":  # before profiling: plan the packed base
@@ -231,7 +233,7 @@ def _agreed(sizing: batch_shape.Sizing, launch: Launch) -> batch_shape.Sizing:
     if launch.num_processes == 1:
         return sizing
     batch_size, seq_len, seq_cap = ranks.agreed_max(
-        [sizing.batch_size, sizing.seq_len, sizing.seq_cap], launch.device)
+        [sizing.batch_size, sizing.seq_len, sizing.seq_cap])
     return dataclasses.replace(sizing, batch_size=batch_size, seq_len=seq_len, seq_cap=seq_cap)
 
 
@@ -262,8 +264,7 @@ def _wire_replanning(state: RunState) -> None:
         return
     engine.replan = state.replan
     if state.launch.num_processes > 1:  # one shape on every rank: they re-plan together
-        device = state.launch.device
-        engine.agree_shape = lambda batch, seq: tuple(ranks.agreed_max([batch, seq], device))
+        engine.agree_shape = lambda batch, seq: tuple(ranks.agreed_max([batch, seq]))
     if config.replan != "auto":
         return
     if state.launch.num_processes == 1:
