@@ -90,12 +90,24 @@ def workload_priced(config: LazyTrainConfig, model: nn.Module, profile: ModelPro
     return hardware if rates is None else with_workload(hardware, rates)
 
 
+#: The most tokens the layer timing runs a layer on at once: a longer batch (a sequence
+#: the engine runs in tiles) is timed as one sequence of this many tokens, so the probe
+#: never needs the untiled working set the plan avoids.
+MAX_TIMED_TOKENS = 16384
+
+
 def _time_workload(model: nn.Module, profile: ModelProfile, hardware: HardwareProfile, *,
                    device: torch.device, compute_dtype: torch.dtype | None
                    ) -> WorkloadRates | None:
     from lazytrain_accel.engine.model.discovery import find_decoder_layers
     from lazytrain_accel.profiling.layer_timing import time_model_compute
+    from lazytrain_accel.profiling.model_configs import profile_model
 
+    if profile.tokens_per_step > MAX_TIMED_TOKENS:
+        profile = profile_model(profile.geometry, batch_size=1,
+                                seq_len=min(profile.seq_len, MAX_TIMED_TOKENS),
+                                compute_bytes_per_elem=profile.compute_bytes_per_elem,
+                                weights=profile.weights)
     try:
         timing = time_model_compute(model, find_decoder_layers(model)[2],
                                     batch_size=profile.batch_size, seq_len=profile.seq_len,

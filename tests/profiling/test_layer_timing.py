@@ -93,6 +93,26 @@ def test_prepare_times_the_workload_once_then_reads_it_back(tmp_path, monkeypatc
                                   **kwargs) is roofline
 
 
+def test_a_batch_beyond_the_timed_tokens_is_timed_as_one_shorter_sequence(
+        tmp_path, monkeypatch) -> None:
+    """A long batch (the engine runs it in tiles) is timed as one sequence of
+    `MAX_TIMED_TOKENS`, never at its untiled working set."""
+    config, model = _auto(tmp_path), build_model("qwen2", 2)
+    profile = setup.profile_for_run(model, batch_size=4, seq_len=32, compute_dtype=None)
+    shapes = []
+
+    def timed(model, layers, *, batch_size, seq_len, **kwargs):
+        shapes.append((batch_size, seq_len))
+        return ComputeTiming(layer_forward_s=1.0, layer_backward_s=2.0, head_s=1.0)
+
+    monkeypatch.setattr(shared, "MAX_TIMED_TOKENS", 16)
+    monkeypatch.setattr("lazytrain_accel.profiling.layer_timing.time_model_compute", timed)
+    priced = shared.workload_priced(config, model, profile, HARDWARE_PRESETS["h800"],
+                                    device=torch.device("cpu"), compute_dtype=None,
+                                    may_time=True)
+    assert shapes == [(1, 16)] and "timed at 1 x 16" in priced.source
+
+
 def test_a_layer_the_probe_cannot_call_keeps_the_roofline_and_says_so(tmp_path, monkeypatch,
                                                                       caplog) -> None:
     config, model = _auto(tmp_path), build_model("qwen2", 2)
