@@ -3,6 +3,7 @@
 # torch build, installs lazytrain_accel, then runs what was asked.
 #   ./dev.sh demo [demo flags]     the main job: `lazytrain demo`
 #   ./dev.sh test [pytest flags]   the whole test suite (tests/ and integration_tests/)
+#   ./dev.sh test-fast [flags]     the same less the slow tests and those that start processes
 #   ./dev.sh lazytrain ...         any CLI command inside the environment
 # torch: with an NVIDIA GPU (nvidia-smi lists one) the CUDA build from PyPI; without one,
 # torch==${LAZYTRAIN_CPU_TORCH:-2.13.0} (on this project's build machines that release is
@@ -36,9 +37,11 @@ cmd="${1:-help}"
 case "$cmd" in
   demo)
     exec "$venv/bin/lazytrain" demo "$@" ;;
-  test)
+  test|test-fast)
+    fast=()
+    [ "$cmd" = test-fast ] && fast=(-m "not slow and not subprocess and not multirank")
     set +e
-    "$py" -m pytest tests integration_tests "$@"
+    "$py" -m pytest tests integration_tests "${fast[@]}" "$@"
     rc=$?
     set -e
     if [ "$rc" -eq 5 ]; then
@@ -49,5 +52,5 @@ case "$cmd" in
   lazytrain)
     exec "$venv/bin/lazytrain" "$@" ;;
   *)
-    sed -n '2,9p' "$0"; exit 2 ;;
+    sed -n '2,10p' "$0"; exit 2 ;;
 esac

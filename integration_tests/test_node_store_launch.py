@@ -220,7 +220,8 @@ def test_a_small_dev_shm_trains_as_one_process(launch: Callable[..., Run],
     copy and warns of nothing. node_store_dir=/dev/shm cannot hold it: each rank keeps its
     own copy, with one warning naming the bytes and the fix. Both exit 0 on every rank
     and log the losses of one process accumulating the global batch, bit for bit (that
-    run is the parity test's)."""
+    run is the parity test's, at one rank's share of the cores: the ranks take theirs,
+    threads=0, as `launch` runs them)."""
     why = _small_shm_unavailable()
     if why is not None:
         pytest.skip(why)
@@ -230,7 +231,7 @@ def test_a_small_dev_shm_trains_as_one_process(launch: Callable[..., Run],
         d.mkdir()
         proc = _run(d, "--losses", str(d / "losses.json"), *PSS_ARGS, "--batch-size", "4",
                     "--state-out", str(d / "state_"), num_processes=2, prefix=SMALL_SHM,
-                    env={"LAZYTRAIN_NODE_STORE_DIR": store_dir})
+                    env={"LAZYTRAIN_NODE_STORE_DIR": store_dir, "LAZYTRAIN_THREADS": "0"})
         report = proc.stdout + proc.stderr
         assert proc.returncode == 0, report[-6000:]
         warned = [line for line in report.splitlines() if line.startswith("lazytrain: ")]

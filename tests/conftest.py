@@ -19,6 +19,28 @@ from accelerate.state import AcceleratorState, GradientState, PartialState
 os.environ.setdefault("LAZYTRAIN_THREADS", str(torch.get_num_threads()))
 
 
+#: Words in a test module's source that say its tests start processes, and of those, the
+#: ones that say they start several ranks of one launch (`pytest_collection_modifyitems`).
+_STARTS_PROCESSES = ("subprocess", "multiprocessing", "accelerate.commands.launch")
+_STARTS_RANKS = ("--num_processes", "num_processes=", "init_process_group", "mp.spawn")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Markers by rule, not by hand, over every collected test (tests/ and
+    integration_tests/): `subprocess` where the test's module starts processes,
+    `multirank` where it launches several ranks (`./dev.sh test-fast` leaves both out,
+    and `slow`)."""
+    sources: dict[Path, str] = {}
+    for item in items:
+        path = Path(item.path)
+        if path not in sources:
+            sources[path] = path.read_text()
+        if any(word in sources[path] for word in _STARTS_PROCESSES):
+            item.add_marker(pytest.mark.subprocess)
+        if any(word in sources[path] for word in _STARTS_RANKS):
+            item.add_marker(pytest.mark.multirank)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state() -> Iterator[None]:
     yield
