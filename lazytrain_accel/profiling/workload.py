@@ -1,15 +1,11 @@
 """Rates that belong to a workload, cached under it and never applied to another.
 
-The machine's probes (`measure.py`: a large copy, a file, a 10M-parameter update, a square
-matmul) hold for any model and are cached per machine. What a run measures does not: a
-128-wide layer and a 4096-wide one reach different fractions of a roofline; a run's
-copies and its update run at the rates of its own tensor sizes (the demo's 0.75 MiB
-copies ran at 4.5 GB/s where the 64 MiB probe ran at 10.5, its 1.6M parameters in ten
-groups updated at 89M params/s where the probe's one 10M tensor ran at 1,432M); and the
-step overhead fitted on one run holds that run's head, loss and data loading. So the
-compute rate timed at `prepare` and every rate a run calibrates are kept per workload:
-the model's geometry and trainable split, the batch shape, the compute dtype, the device
-and the thread count (`workload_key`).
+The machine's probes (`measure.py`) hold for any model and are cached per machine. What
+a run measures does not: a layer's share of the roofline depends on its width and the
+batch shape, a run's copies and update run at the rates of its own tensor sizes, and a
+fitted step overhead holds that run's head, loss and data loading (figures:
+docs/user_guide.md "Who measures, who plans, what is cached"). So the compute rate timed
+at `prepare` and every rate a run calibrates are kept per workload (`workload_key`).
 """
 
 from __future__ import annotations
