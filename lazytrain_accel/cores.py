@@ -1,31 +1,13 @@
 """Cores per rank: each local rank of a launch bound to a set of cores of its own.
 
-Without binding every rank may run on every core: the scheduler moves the ranks' compute
-and update threads between cores and, on a multi-socket host, between sockets, away from
-the memory they update (DeepSpeed measured 1.3x on a CPU-offload step from binding alone).
-So at `prepare` each local rank binds its threads (`os.sched_setaffinity`, every thread
-the process has, and the ones it starts later inherit it) to its part of the cores the
-launcher gave the ranks (`sched_getaffinity`: taskset, cgroup cpusets):
-
-* the sets are disjoint and together cover the usable cores (sizes within one core of
-  each other on one socket);
-* on a multi-socket host (`/sys/devices/system/node/node*/cpulist`) the ranks are dealt
-  to the sockets (one each, the rest in proportion to their usable cores), and each
-  socket's cores are split
-  among its ranks, so a rank's set stays inside one socket whenever there are at least
-  as many ranks as sockets; with fewer ranks a rank takes whole sockets;
-* more ranks than cores: rank r takes core r mod cores (ranks share cores round-robin,
-  one core each) rather than refusing the launch.
-
-The memory a rank allocates itself (its moments, gradients, staging) is first touched by
-its bound threads, so it lands on its socket. The node store's shared masters are
-allocated by the local leader, so they are placed by owner instead: before the leader
-reserves the segment, each update group's bytes get the NUMA node of the rank that owns
-the group (`node_of_cores` of its bound cores; `distributed/first_touch.py`). The
-planner already gives each rank 1/N of the node's update rate and cores
-(`planning/node.py`), the same split. Not bound: a
-launcher that pinned the ranks itself (their masks differ), an explicit `threads`
-setting (the user's choice), `bind_cores="off"`.
+At `prepare` each local rank binds every thread it has (and so the ones it starts later)
+to its part of the cores the launcher left usable (`sched_getaffinity`: taskset, cgroup
+cpusets), so the memory it first touches lands on its socket. The sets are disjoint and
+cover the usable cores; on a multi-socket host each socket gets at least one rank, and a
+rank stays inside one socket whenever there are at least as many ranks as sockets; with
+more ranks than cores, rank r takes core r mod cores. Not bound: a launcher that pinned
+the ranks itself (their masks differ), an explicit `threads`, `bind_cores="off"`.
+Docs: docs/user_guide.md "7. Several GPUs" ("Cores per rank").
 """
 
 from __future__ import annotations

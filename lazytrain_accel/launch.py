@@ -3,19 +3,13 @@
     python -m lazytrain_accel.launch SCRIPT.py --lazytrain [--lazytrain_config CFG] ARGS...
     accelerate launch -m lazytrain_accel.launch SCRIPT.py --lazytrain ARGS...
 
-`--lazytrain` and `--lazytrain_config` (a YAML/JSON file or inline JSON object with the
-`LazyTrainPlugin` fields) are taken out of the arguments; the script sees only its own
-ARGS, so its stock `HfArgumentParser`/argparse never meets an unknown flag. Without
-`--lazytrain` the script runs exactly as `python SCRIPT.py ARGS...` would: nothing is
-imported or patched.
-
-With it, every `transformers.Trainer` (subclasses included) the script builds gets
-`apply_lazytrain_to_trainer`. The hook sits on the `Trainer` class of the module
-`transformers.trainer`, installed from an import hook each time that module is executed:
-transformers' `_LazyModule` replaces `sys.modules["transformers"]` and resolves
-`transformers.Trainer` only on first access, so patching names (`transformers.Trainer =
-...`) before or after that is lost or bypassed (`from transformers.trainer import
-Trainer`, subclasses created earlier), while the class object is what all of them share.
+`--lazytrain` and `--lazytrain_config` (a YAML/JSON file or an inline JSON object of
+`LazyTrainPlugin` fields) are taken out: the script sees only its own ARGS. Without
+`--lazytrain` nothing is imported or patched. With it, every `transformers.Trainer`
+(subclasses included) gets `apply_lazytrain_to_trainer`, through a hook on the class of
+`transformers.trainer`, installed by an import hook each time that module executes
+(transformers' lazy module loses or bypasses a patched name). docs/trainer.md
+"Unmodified scripts".
 """
 
 from __future__ import annotations

@@ -2,29 +2,13 @@
 
     python -m lazytrain_accel.layer_probe [--device cpu] [--threads N]
 
-prints `{"forward_s": ..., "backward_s": ..., "step_s": ...}`: the seconds a layer's
-forward run (a forward or a recompute re-run) and its backward run (re-run with grad +
-backward) cost beyond the time the engine times as that layer's compute
-(`StepStats.compute_s`): the engine's work around each layer (weight acquire and
-prefetch issue, boundary placement, the autograd Function, the gradient hand-off) and
-the Python between layers; and what a step costs besides its layers and their FLOPs
-(the model's embedding, masks, head and loss calls, the engine's per-pass hooks, the
-optimizer call on the training thread). No FLOP count prices that work;
-`HardwareProfile.layer_forward_overhead_s` / `layer_backward_overhead_s` /
-`step_overhead_s` carry it into the cost model (`planning/problem.py`).
-
-How: two models of tiny decoder layers (hidden 16, 4 tokens: their compute is almost
-nothing) run training steps through the real engine (`attach`, every boundary on the
-device, no recompute; HybridAdamW8bit through `step_layerwise`) on `device`; the
-difference of the two models' forward (and backward) wall time minus the difference of
-their timed layer compute, per extra layer, is the per-run overhead; the smaller
-model's step less its layers' compute and runs is the step's. Medians of interleaved
-repeats, so a change of machine load hits both.
-
-A program above the engine and the optimizer, not a part of `profiling/`: it imports the
-engine, the planner and `optim`, and the planner imports `profiling`, so
-`profiling/measure.py` runs this module in a subprocess (nothing in the package imports
-it) and no import runs back down the layers (`tests/test_import_graph.py`).
+prints `{"forward_s": ..., "backward_s": ..., "step_s": ...}`: what a layer's forward run
+and backward run cost beyond the compute the engine times for them, and what a step costs
+besides its layers (`HardwareProfile.layer_*_overhead_s`, `step_overhead_s`). Two models
+of tiny decoder layers train through the real engine; the difference of their wall time
+less their timed compute, per extra layer, is the per-run overhead (medians of interleaved
+repeats). It imports the engine, the planner and `optim`, so `profiling/measure.py` runs
+it in a subprocess and nothing imports it. Docs: docs/planner.md "The step as windows".
 """
 
 from __future__ import annotations

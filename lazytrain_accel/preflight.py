@@ -212,7 +212,7 @@ _CHECKPOINT_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def save_buffer_bytes(model: object, *, checkpoint_dtype: str, resident_update: str) -> int:
-    """The host bytes a save holds beyond the run's state (issue 33 item 4): the writer
+    """The host bytes a save holds beyond the run's state: the writer
     (checkpoints/layout.py `tensor_bytes`) writes a tensor from where it lives and copies
     one, alone, only to cast it to `checkpoint_dtype` or to read it off the device (the
     residents' masters and states under `resident_update="device"`). The bound is the

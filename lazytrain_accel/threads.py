@@ -1,23 +1,13 @@
-"""How many threads torch's intra-op pool gets, so a LazyTrain step does not
-oversubscribe the cores (docs/user_guide.md "Threads").
+"""How many threads torch's intra-op pool gets, so a LazyTrain step does not oversubscribe
+the cores (docs/user_guide.md "2. Configuration", `threads`).
 
-A step keeps three kinds of threads busy: the training thread (forward and backward,
-through torch's intra-op pool), the update thread (the hybrid 8-bit AdamW kernel, whose
-`at::parallel_for` sizes itself from the same pool setting, from its own thread) and the
-copy workers (the NVMe writer; it waits on the disk, not on a core). OpenMP workers spin
-while they wait, so a pool larger than the free cores does not just share them: under one
-competing busy process on 2 cores the demo ran at half the speed of one thread. The rule:
-
-    threads = usable cores (sched_getaffinity: taskset, cgroup cpusets), divided among
-              this machine's training processes (LOCAL_WORLD_SIZE, set by torchrun and
-              accelerate launch) unless the launcher already pinned each to its own cores
-              - cores other processes keep busy (measured for a quarter second: the
-              machine's busy CPU time minus this process's, also divided among them)
-              - 1 on a GPU run (the training thread launches kernels and drives copies
-                while the update kernel runs; on a CPU run it *is* the pool's first thread)
-
-at least 1. `LazyTrainConfig.threads` (`LAZYTRAIN_THREADS`) = N > 0 sets N instead; with
-the default 0, an `OMP_NUM_THREADS` in the environment is the user's choice and is kept.
+A step keeps the training thread, the update thread (whose kernel sizes itself from the
+same pool setting) and the NVMe copy worker busy at once, and OpenMP workers spin while
+they wait, so a pool larger than the free cores is much worse than a smaller one. The
+rule: the usable cores (`sched_getaffinity`), divided among this machine's training
+processes (`LOCAL_WORLD_SIZE`) unless the launcher pinned each, less the cores other
+processes keep busy (watched for a quarter second), less 1 on a GPU run; at least 1.
+`LazyTrainConfig.threads` = N > 0 sets N; with 0, an `OMP_NUM_THREADS` is kept.
 """
 
 from __future__ import annotations

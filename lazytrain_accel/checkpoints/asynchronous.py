@@ -1,56 +1,14 @@
-"""A checkpoint written beside training, from the masters themselves (issue 33 items 1,
-2 and 4).
+"""Checkpoints written beside training, from the masters themselves (`checkpoint_mode="async"`).
 
-`save_state` (the layer-wise update on, one process or several) captures what is small
-at the save's step, synchronously on every rank: the stock state (scheduler, RNG,
-samplers, the plan), the files' headers, `config.json`, the weights' index and the
-manifest's content. It then starts one writer thread per rank and returns. Each rank
-writes what it alone updates: one process writes everything; under the node store each
-rank writes the masters and the optimizer share of the update groups it owns (rank 0
-also those every rank updates, on their device copies, and the tensors no update writes),
-so no rank reads bytes another rank's update may be changing; replicated ranks (each its
-own copy) leave it all to rank 0. A writer walks its update groups in order (0: input
-residents, j: layer j, L+1: output residents, then tensors no update writes), appends each
-group's weights to its shard files and its optimizer state (and masters, under an export
-dtype) to its share file, straight from the tensors the optimizer updates; then it opens
-the group's gate. The next update of group g first waits at that gate
-(`StepCoordinator.save_gate`, `LayerwiseUpdate(before_group=)`): the only writer of g's
-bytes waits until g is written out, so no copy of the state is held and the checkpoint holds step k
-exactly. The forward of step k+1 reads masters, never writes them, so it runs freely.
-
-A gate opens once g's bytes are out of the tensors (in the staging buffer or on the
-disk), not once they are durable: it guards the masters against the next update; the
-fsync of every file belongs to the publication. The files are written past the page
-cache (`direct.py`: on a VM guest a buffered write cost the writer 2-3 CPU seconds per GB
-in fresh page-cache pages, taken from the training's cores; `O_DIRECT` a memory copy).
-
-Which rank's update may change a group's bytes is what decides who writes it: under the
-node store the masters are shared, and a group is updated by its owner only (on a CPU
-"device" the device-homed residents too have one owner, `split_update.
-start_split_update`; the others hold no gradients for them and `step_params` skips them),
-so the owner's gate covers every update of the bytes it writes. Groups every rank owns
-exist only on a GPU, where each rank updates its own device copy.
-
-One writer thread per rank on purpose: its work is a memory copy and `pwrite(2)` (the GIL
-released, the core idle while the disk takes the bytes), and one sequential stream per
-file is what a disk writes fastest; a second writer would compete with the update thread
-for the cores `threads.py` sized the pools for.
-
-The atomic protocol is `share_checkpoint`'s: rank 0 opens a temporary directory beside
-the target and names it to every rank, every file is fsynced, the manifest is written
-last, then the rename, then rotation. Across ranks the writers meet in the directory: a
-rank whose files are on the disk leaves a `.written-<rank>` mark (`.failed-<rank>` with
-its error), rank 0 publishes once every rank's mark is there and removes the marks first,
-and the other ranks' saves end when the temporary directory is gone: published if the
-target is now that directory (the same inode), failed otherwise. A kill at any moment
-leaves the previous checkpoint and a `.tmp-<pid>` directory that `recover` removes; a
-writer error removes the temporary directory, opens every gate (training goes on) and is
-raised on every rank by its next save, `load_state` or `end_training`.
-
-Memory: what the writer holds beyond the state is its staging buffer (16 MiB) and one
-tensor, copied alone to cast it to the export dtype or to read it off the device (none in
-the model's dtype on the host), below one group's bytes; `preflight.py`
-`save_buffer_bytes` counts the tensor in the host check.
+`save_state` writes what is small at the save's step on every rank (stock state, headers,
+`config.json`, the index, the manifest's content), starts one writer thread per rank and
+returns. A writer walks the update groups its own rank's update changes (0: input
+residents, j: layer j, L+1: output residents, then the tensors no update writes) and
+writes them straight from the tensors. Invariant: the next update of group g waits at g's
+gate (`StepCoordinator.save_gate`) until g's bytes are out of the tensors, so the
+checkpoint holds step k exactly and no copy of the state is made. Publication is the
+atomic directory of `shares.py`, rank 0 renaming once every rank's mark is there.
+Design: docs/architecture.md "Checkpoints beside training"; docs/user_guide.md "8. Checkpoints".
 """
 
 from __future__ import annotations

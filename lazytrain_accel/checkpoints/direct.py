@@ -1,27 +1,14 @@
 """Checkpoint files written past the page cache (`O_DIRECT`), through one small aligned
 staging buffer: the bytes go from the tensors to the disk, not into fresh page-cache
-pages first.
+pages first (which a VM guest pays for with the training's cores).
 
-Why: a buffered `write(2)` of a checkpoint copies every byte into page-cache pages the
-kernel takes from its free memory. On a VM guest that reports free pages to its host
-(virtio-balloon free page reporting, the machine docs/benchmarks.md measures), each such
-page costs a host fault on first touch: 2-3 CPU seconds per GB on the writer thread,
-which the training threads share the cores with, and a 200-400 MB/s "disk". The same
-disk took `O_DIRECT` writes of 16 MiB at 2.5-3.8 GB/s for 0.03 CPU seconds per GB
-(`bench/checkpoint.py` and the figures beside it). Off a VM, `O_DIRECT` still leaves the
-training's page cache (the dataset, the NVMe tier's files) alone. Where a disk is slower
-than the step can hide a save behind, the next updates wait at their gates either way;
-the page cache would only have moved the wait to the fsync at publication.
-
-How: `O_DIRECT` wants the buffer's address, each write's length and its file offset
-aligned to the device's block. A safetensors file packs tensors of any length after a
-header of any length, so every byte goes through `Staging` (one page-aligned buffer of
-`STAGING_BYTES`, shared by all the files a writer has open: sequential writers use one at
-a time). A file's bytes past its last whole block (its tail, < `BLOCK_BYTES`) stay in
-the staging buffer, or in the file's own small copy while another file uses it; `finish`
-writes the tail padded to a block and truncates the file to its length. Where the file
-system refuses `O_DIRECT` (tmpfs, some FUSE file systems), the same writes go through the
-page cache. Memory: `STAGING_BYTES` per writer, whatever the checkpoint's size.
+`O_DIRECT` wants the buffer's address, each write's length and its file offset aligned to
+the device's block, so every byte goes through `Staging` (one page-aligned buffer of
+`STAGING_BYTES` that a writer's files share); a file's tail past its last whole block
+waits there until `finish` writes it padded and truncates the file to its length. Where
+the file system refuses `O_DIRECT` (tmpfs, some FUSE) the same writes go through the page
+cache. Memory: `STAGING_BYTES` per writer, whatever the checkpoint's size. Why: docs/
+architecture.md "Checkpoints beside training"; figures: docs/benchmarks.md "Checkpoints".
 """
 
 from __future__ import annotations
@@ -38,7 +25,8 @@ import numpy as np
 #: The alignment `O_DIRECT` needs on Linux block devices (a 512-byte sector device
 #: accepts it too).
 BLOCK_BYTES = 4096
-#: Bytes per `pwrite(2)` at full speed (4-64 MiB measured alike on the bench's disk).
+#: Bytes per `pwrite(2)`: large enough for the disk's full speed (docs/benchmarks.md
+#: "Checkpoints beside training").
 STAGING_BYTES = 16 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: buffered
 

@@ -1,21 +1,14 @@
-"""A checkpoint's weights in the layout `from_pretrained` expects (issue 33 item 3).
+"""A checkpoint's weights in the layout `from_pretrained` expects.
 
-    ckpt/
-      model-00001-of-00003.safetensors    the weights, each tensor once, in model order,
-      ...                                 cut into shards of at most `max_shard_bytes`
-      model.safetensors.index.json        {"metadata": {"total_size"}, "weight_map"}
+    ckpt/model-0000i-of-0000n.safetensors   each tensor once, in model order, in shards
+    ckpt/model.safetensors.index.json       of at most `max_shard_bytes` (default "50GB")
 
-or one `model.safetensors` (no index) when they fit in one shard, as `save_pretrained`
-writes them. The default shard size is `save_pretrained`'s ("50GB", decimal as
-transformers parses it). The weights are in the dtype the model holds each tensor in
-(fp32 for the trainable masters), or in one the user names for export (e.g. bf16); then
-the share files keep the fp32 masters a resume needs (`share_checkpoint.write_share`).
-
-Memory: every tensor is read where it lives and written as it is, through one staging
-buffer of 16 MiB past the page cache (`checkpoints/direct.py`); a tensor cast to the
-export dtype, or not contiguous, is converted alone just before its bytes are written. So
-a save adds at most one tensor's bytes to the host (below one layer group's), never a
-copy of the model (`preflight` counts one layer's bytes for it).
+or one `model.safetensors` (no index) when they fit one shard, as `save_pretrained`
+writes them; each tensor in the dtype the model holds it in (fp32 masters), or in an
+export dtype (then the share files keep the masters). Every tensor is written from where
+it lives through `direct.py`'s staging buffer; only a cast or non-contiguous one is
+copied, alone, so a save adds at most one tensor's bytes to the host
+(`preflight.save_buffer_bytes`). Docs: docs/user_guide.md "8. Checkpoints".
 """
 
 from __future__ import annotations

@@ -1,40 +1,14 @@
-"""Checkpoints of a node store's split update: each weight once, the optimizer state per
-share, a manifest (issue 22 items 3 and 5).
+"""Share checkpoints: each weight once, the optimizer state per rank's share, a manifest.
 
-With the node store every local rank's parameters are views of one shared segment, and
-each rank holds the optimizer state of its share only, so accelerate's stock
-`save_state` would write the one rank's state it sees (rank 0's) and its safetensors
-de-duplication would take every parameter for an alias of the segment. Instead:
-
-    ckpt/
-      model.safetensors            the fp32 masters, each weight once (tied aliases once),
-        (or shards + index:        ... written by global rank 0: `from_pretrained(ckpt)`;
-         checkpoint_layout.py)     in `checkpoint_dtype` (then the shares hold the masters)
-      config.json
-      optimizer_share_<r>.safetensors   rank r's share: "<param name>/<state key>" tensors
-                                   (8-bit codes, absmax scales, fp32 moments, step);
-                                   non-tensor state values in its metadata
-      lazytrain_shares.json        the manifest, written last (MANIFEST_FIELDS)
-      lazytrain_plan.json, scheduler.bin, random_states_<i>.pkl, ...   stock / plan
-
-One process, or replicated ranks without a node store: rank 0 writes the one share (and
-with the layer-wise update, beside training: `async_checkpoint.py`).
-
-The save is atomic (`checkpoint.atomic_directory`): global rank 0 opens the temporary
-directory beside the target and broadcasts its path, every rank writes its files into
-it, the ranks report (an all-gather: ok or the error), rank 0 writes the manifest and
-publishes (fsync, rename), a last broadcast tells every rank the outcome. A failure on
-any rank removes the temporary directory, leaves the previous checkpoint, and raises on
-every rank naming the failed ranks.
-
-Loading (`load_shares`, any world size): every rank checks the manifest's layout hash
-against its model, loads the masters of the parameter groups it owns now (with the node
-store the others' writes land in the same shared memory; without it, every rank loads
-all), and the optimizer state of the parameters it owns now, from whichever share files
-hold them (the manifest names each share's parameters). The state is per parameter, so
-a checkpoint of N ranks re-shards onto M; a stock checkpoint (`optimizer.bin`, the full
-state of one process) is one share. Not feasible (a share file missing, another model,
-another optimizer): refused with a sentence naming both world sizes.
+Under the node store every parameter is a view of one shared segment and each rank holds
+the optimizer state of its share only, so stock `save_state` would save rank 0's state
+alone and de-duplicate every parameter as an alias. Instead: the weights (`layout.py`),
+`optimizer_share_<r>.safetensors` per rank ("<param name>/<state key>" tensors) and
+`lazytrain_shares.json` (`MANIFEST_FIELDS`), written last; one process or replicated
+ranks write one share. The save is atomic (`atomic.py`, published by global rank 0): a
+failure on any rank keeps the previous checkpoint and raises on every rank. `load_shares`
+checks the layout hash and re-shards a checkpoint of N ranks onto any M.
+Docs: docs/user_guide.md "7. Several GPUs" ("Checkpoints") and "8. Checkpoints".
 """
 
 from __future__ import annotations
@@ -512,7 +486,7 @@ def _no_automatic_naming(accelerator: Any) -> Iterator[None]:
 def save_shares(accelerator: Any, final: Path, write_stock: Callable[[Path], None], *,
                 weights: bool = True, optimizer_state: bool = True,
                 label: str = "save_state") -> None:
-    """Write the checkpoint at `final` from every rank (module docstring); every rank
+    """Write the checkpoint at `final` from every rank (`save_on_every_rank`); every rank
     calls it at the same point, after the step's update. Without a split update (one
     process, or replicated ranks) rank 0 writes the one share. `weights=False`:
     `write_stock` writes the weights (the Trainer's `save_model`);

@@ -1,28 +1,14 @@
 """First-touch placement of the node store's segment: each update group's masters on the
-NUMA node (socket) of the local rank that owns the group (issue 30 item 5).
+NUMA node (socket) of the local rank that owns the group.
 
-Each step a rank's update reads and writes its share of the masters; on a multi-socket
-host, memory on another socket is reached over the socket link, at a fraction of the
-local bandwidth. The local leader reserves and fills the whole segment, so with the
-default policy every page would land on the leader's socket. Instead, after the segment
-is sized and before its bytes are reserved (`node_store._create`), each owner's byte
-ranges get a NUMA policy: `mbind(MPOL_PREFERRED, its node)` on a mapping of the segment.
-For shared memory (a memfd, a file on tmpfs) the kernel keeps that policy per range of
-the file, not of the mapping, so the reservation (`posix_fallocate`) then allocates each
-page on its owner's node; no page is written before it (the SIGBUS guarantee stands).
-Preferred, not bound: a full node lends pages from another rather than failing the
-reservation.
-
-* One NUMA node (or no sysfs): nothing is placed, no system call, no message (the caller
-  passes no placements).
-* `mbind` refused (EPERM under a container's seccomp profile, ENOSYS, an architecture
-  without a known call number): one info line, and the pages stay where the leader
-  allocates them. Placement is an optimisation, never a failure.
-* A `node_store_dir` that is not tmpfs (hugetlbfs) keeps no policy per file range: the
-  call is made, and the pages stay on the leader's node.
-* Boundaries: a page holding the end of one parameter and the start of the next goes to
-  the first; the header and the generations share the first parameter's page; groups
-  every rank updates (`EVERY_RANK`) keep the default policy (the leader's node).
+After the segment is sized and before its bytes are reserved (`node_store._create`),
+each owner's byte ranges get `mbind(MPOL_PREFERRED, its node)`; for shared memory the
+kernel keeps the policy per file range, so the reservation then allocates each page on
+its owner's node (no page is written before it). An optimisation, never a failure: one
+NUMA node places nothing, a refused `mbind` is one info line. A page two groups share goes
+to the first; the header and the generations share the first parameter's page;
+`EVERY_RANK` groups keep the default policy (the leader's node).
+Docs: docs/user_guide.md "7. Several GPUs" ("Cores per rank").
 """
 
 from __future__ import annotations

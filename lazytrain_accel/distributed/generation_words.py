@@ -1,25 +1,13 @@
-"""`GenerationWords`: the node store's per-group update generations, read and written
-only with acquire/release atomics (`csrc/generation_words.cpp`, loaded with ctypes).
+"""`GenerationWords`: the node store's per-group update generations, read and written only
+with acquire/release atomics (`csrc/generation_words.cpp`, loaded with ctypes).
 
-Why native: a split update's owner writes a group's masters and moments, then raises the
-group's generation; the other ranks poll the generation and then read the group. The
-generation must be stored with release semantics after those writes and loaded with
-acquire semantics before the reads, or a reader on a weakly ordered CPU (aarch64: Grace,
-GH200/GB200) may see generation g and still read the masters of g - 1, training on stale
-weights with no error. Python has no such store, so the words are written only through
-the helper and the Python-visible `view` is read-only.
-
-The masters themselves are written by the update thread's kernel (OpenMP or torch
-intra-op workers, joined before the kernel returns: the join orders their writes before
-the publishing thread's release store), and read after the acquire load by the thread
-that waited (or by a thread it hands the work to through a lock or queue, which orders
-them again).
-
-The helper is built on first use with the system C++ compiler (under a hash of its
-source, the machine and the flags, in torch's extension root, so it is built once), in
-well under a second. Where it cannot be built, or the CPU has no lock-free 8-byte atomics
-(a lock would hold within one process only), `unavailable_because` says why and the node
-store is refused: each rank keeps its own copy.
+An owner raises a group's generation after writing its masters; the other ranks poll it,
+then read the group. Only a release store and acquire loads keep a weakly ordered CPU
+(aarch64) from showing generation g with the masters of g - 1; Python has no such store,
+so the words are written only through the helper and the Python `view` is read-only.
+The helper is built once, on first use, with the system C++ compiler; where it cannot be
+(or 8-byte atomics are not lock-free), `unavailable_because` says why and the node store
+is refused. Docs: docs/user_guide.md "7. Several GPUs" ("Publication of an update").
 """
 
 from __future__ import annotations

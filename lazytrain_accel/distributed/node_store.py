@@ -1,32 +1,14 @@
 """`NodeStore`: one host copy of a model's parameters per node, in shared memory.
 
-The local ranks of a node map one segment and point each parameter's `.data` at its
-slice of it, so N ranks hold one copy of the fp32 masters (and of frozen weights) instead
-of N. The local leader (local rank 0) creates the segment, reserves its bytes
-(`posix_fallocate`: a full filesystem is an error here, never a SIGBUS mid-fill), fills
-it from its model, and hands the open descriptor to the other local ranks over a Unix
-socket (`segment_handoff.py`), which map it. On a multi-socket host each update group's
-bytes first get the NUMA node of the rank that owns the group, so the reservation
-allocates them there (`first_touch.py`).
-
-The segment never has a name that could outlive the job. By default it is anonymous
-(`memfd_create`): its pages come from the kernel's shared-memory pool, bounded by host
-memory (the host budget `preflight` checks), not by the size of /dev/shm, so a
-container's 64 MiB /dev/shm does not limit it. With `node_store_dir` (e.g. a hugetlbfs
-mount) it is a file created there exclusively (`O_CREAT | O_EXCL | O_NOFOLLOW`, mode
-0600) and unlinked at once; that directory's free bytes bound it (`preflight`). Either
-way the kernel frees the pages when the last rank holding them exits, however it dies.
-
-Safety: a file found under the store's name is opened only when it is a regular file
-owned by this user with no permission for anybody else (`fstat` of the descriptor opened,
-so the checked file is the one read); a killed leader's (empty, or headerless) is
-removed, anything else refused with `UnsafeSegmentError`, never read or removed. A
-handed-over descriptor must be a regular file of this user, from a peer of this user.
-
-Layout: a header (magic, version, the leader's pid, the byte size, a hash of the
-parameters' names, shapes and dtypes, so ranks that built different models fail at
-`prepare`), one int64 update generation per parameter group (`generations`, see
-`distributed/split_update.py`), then each parameter, 64-byte aligned.
+The local ranks map one segment and point each parameter's `.data` at its slice, so N
+ranks hold one copy of the fp32 masters and frozen weights. The local leader creates it,
+reserves every byte (`posix_fallocate`: a full filesystem is an error, never a SIGBUS
+mid-fill), fills it and hands the descriptor to the others (`segment_handoff.py`). The
+segment has no name that could outlive the job (a memfd, or a file in `node_store_dir`
+unlinked at once); a file found under its name is opened only when it is a regular file
+of this user that nobody else may read, else refused (`UnsafeSegmentError`). Layout: a
+header (magic, version, leader pid, size, a hash of names, shapes and dtypes), one int64
+generation per group, each parameter 64-byte aligned. Docs: docs/user_guide.md "7. Several GPUs".
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What the ranks of a multi-process launch must share, checked at `prepare`, and how they
-leave together at exit (issue 22 item 5).
+leave together at exit.
 
 * Agreement: every rank builds its own model, and rank 0 plans for all (`from_first`), so
   a rank given another model or another plugin option would train something else than

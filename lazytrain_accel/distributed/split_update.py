@@ -1,52 +1,13 @@
 """The optimizer update split across the local ranks that share a `NodeStore`.
 
-Ownership (`planning/node.py:owner_of_groups`, the rule the planner's simulator uses too):
-the parameter groups in forward order (0: input residents, j: decoder layer j, L+1:
-output residents) are cut into contiguous runs of about equal trainable bytes, one per
-local rank, so every rank's update thread walks its run in forward order as the
-single-process update does. Groups whose masters live on the device
-(`Plan.resident_update="device"`) are owned by every rank (`EVERY_RANK`): their gradients
-are all-reduced and each rank updates its own.
-
-Gradients (`ShareReducer`): as a layer's gradients land on the host (the engine's
-grad-ready hook) an asynchronous `reduce` sends their sum to the owner, overlapped with
-the backward of the layers below. The send buffer is a flattened copy, so every rank
-drops the layer's `.grad` as soon as it is taken (`p.grad = None`): a rank that does not
-own the layer keeps only that buffer, freed once the reduce has completed, and never
-more than `MAX_FOREIGN_IN_FLIGHT` of them (it waits for the oldest); the owner keeps its
-buffer, which receives the sum. `finish()` waits, and the owner's `.grad` becomes its
-slices of that buffer divided by the world size. So during the backward a rank holds
-its share's gradients once plus a few layers in flight, not every layer's gradients
-twice (`.grad` and the buffer): what FSDP2's per-layer reduce-scatter holds. A layer
-reduced twice in one step (a second backward before the step) sends what it gathered
-since the first, and the owner adds the two sums.
-
-The global norm (clipping, the non-finite guard) is that of one process, bit for bit:
-each owner contributes its parameters' norms (`gather`: one `all_reduce` of a vector
-with one entry per parameter, written by its owner only, so the sum is that value
-exactly) and every rank combines them in the one-process order (`clipping.
-combine_norms`); a sum of per-share sums would round differently, and a clip
-coefficient off in its last bit makes every weight differ. So every rank clips by the
-same coefficient and skips a non-finite step together.
-
-Several nodes (`NodeGroups`, 2-D process groups): every node holds its own copy and the
-same ownership, so local rank l owns the same share on every node. A share's gradients
-are reduced within the node to its owner (the node's group), then all-reduced across the
-nodes' owners of that share (local rank l's group across the nodes), launched as soon as
-the node's reduce of that layer has completed; each node's owner then updates its node's
-copy with the same summed gradient, so the copies stay bit-identical. The global norm
-counts the first node's owners only.
-
-Waits (`NodePeers`): the owner of group g raises `generations[g]` in the node store
-after updating it; the next forward of group g on any rank waits until it reaches the
-number of applied steps (`begin_step`), so a layer is never read before its owner's
-update of the same step. A waiter checks every `LIVENESS_CHECK_S` that the owner's
-process (pids all-gathered at the start) still runs, so a rank killed mid-step is named
-within a second, not after `OWNER_WAIT_TIMEOUT_S`; collectives with a dead peer fail in
-torch.distributed itself (gloo: the peer's connection closes). The owner publishes with a
-release store after its writes to the group, a reader polls with acquire loads
-(`GenerationWords`), so a generation is never seen before the writes it stands for, on
-any CPU (x86's total store order would hide the difference; aarch64's would not).
+Ownership is `planning/node.py:owner_of_groups` (the simulator's rule too): contiguous
+runs of groups in forward order, balanced by bytes; device-homed groups are every rank's
+(`EVERY_RANK`). `ShareReducer` sends each layer's gradients to their owner as they land,
+overlapped with the backward, then, across nodes, all-reduces each share among its
+owners. The global norm is one process's, bit for bit (`gather`, `combine_norms`).
+`NodePeers`: a group is read only once its owner's generation reaches the step (release
+store, acquire loads: `GenerationWords`); a dead owner is named within `LIVENESS_CHECK_S`.
+Design: docs/architecture.md "Several ranks on a node"; docs/user_guide.md "7. Several GPUs".
 """
 
 from __future__ import annotations
@@ -225,7 +186,8 @@ class ShareHooks(GradReadyHooks, Protocol):
 
 
 class ShareReducer:
-    """Overlapped per-layer gradient reduce to each group's owner (module docstring)."""
+    """Overlapped per-layer gradient reduce to each group's owner (docs/architecture.md
+    "Several ranks on a node")."""
 
     def __init__(self, engine: ShareHooks, groups: Sequence[Sequence[nn.Parameter]],
                  owners: Sequence[int], *, peers: NodePeers, layout: NodeGroups,

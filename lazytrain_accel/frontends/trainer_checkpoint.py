@@ -1,43 +1,15 @@
 """Atomic Trainer checkpoints: `checkpoint-N` appears whole or not at all.
 
-The Trainer writes `checkpoint-N` file by file into the output directory, so a process
-killed mid-save leaves a partial folder that `resume_from_checkpoint=True` would pick as
-the latest. Under LazyTrain each save goes to a staging folder beside it, is flushed to
-the disk, then renamed into place (`checkpoints.atomic` flushes); checkpoint
-rotation runs only after the rename, so an older checkpoint is never deleted before the
-new one is complete.
-
-Several replicated ranks (no node store) save through `share_checkpoint.
-save_on_every_rank` too: every rank's stock save (rank 0's weights and optimizer.pt,
-every rank's `rng_state_<r>.pth`) goes into one temporary directory rank 0 publishes
-once all have written, so no rank writes into a folder that another is replacing.
-
-Under the node store (several local ranks, one host copy, each rank holding the optimizer
-state of its share) the save goes through `share_checkpoint.save_shares`: every rank
-checks it names the same `checkpoint-<step>`, rank 0 opens the temporary directory, every
-rank runs the stock save into a folder of its own inside it (rank 0: the weights through
-`save_model`, `scheduler.pt`, `trainer_state.json`...; every rank its `rng_state_<r>.pth`)
-and writes `optimizer_share_<r>.safetensors`; rank 0 checks the weights file holds every
-weight, writes `lazytrain_shares.json` and publishes. No `optimizer.pt`: rank 0's
-`optimizer.state_dict()` would hold its share only. `resume_from_checkpoint` loads each
-rank's share (re-sharding onto another world size) in `_load_optimizer_and_scheduler`.
-
-Asynchronous (`checkpoint_mode="async"`, the default, with the layer-wise update; one
-process or several): `_save_checkpoint` starts the save through
-`accelerator.lazytrain_start_save`, the writer `save_state` uses
-(`checkpoints/asynchronous.py`), and returns. At the save's step, into the temporary
-directory: the stock save with the weights left to the writer (`trainer_state.json`,
-`scheduler.pt`, `config.json`, the generation config, the tokenizer, `training_args.bin`,
-the plan; every rank its `rng_state_<r>.pth`). Each rank's writer then writes what its own
-update changes (under the node store: the groups it owns), the masters as sharded
-safetensors with their index (what `from_pretrained` reads) and the optimizer share, in
-group order while the next steps run, the next update of each group waiting until it is
-written; rank 0 writes the manifest last and renames. The Trainer's rotation runs once
-the checkpoint is published; the next save, the end of `train()` (before the best model
-is loaded) and `end_training` wait for it. A save that fails is raised there, the
-previous checkpoint kept. `save_only_model`, a model that is not a `PreTrainedModel` (a
-PEFT adapter) or `checkpoint_mode="sync"`: synchronous, as above; the log line says
-which and why.
+Each save goes to a staging folder beside `checkpoint-N`, is flushed, then renamed into
+place (`checkpoints.atomic`); rotation runs only after the rename. Replicated ranks save
+through `shares.save_on_every_rank` (one temporary directory rank 0 publishes); under the
+node store through `shares.save_shares` (every rank's stock save in a folder of its own,
+its `optimizer_share_<r>.safetensors`, the manifest; no `optimizer.pt`). Asynchronous
+(`checkpoint_mode="async"`, the default with the layer-wise update): `_save_checkpoint`
+writes the stock files of the save's step, starts the writer `save_state` uses
+(`checkpoints/asynchronous.py`) and returns. `save_only_model`, a model that is not a
+`PreTrainedModel` or `checkpoint_mode="sync"`: synchronous, the log line says why.
+Docs: docs/trainer.md "Checkpoints", docs/user_guide.md "8. Checkpoints".
 """
 
 from __future__ import annotations

@@ -3,11 +3,10 @@ fits among the MIP's pick, the baselines, and (during a re-plan) the running pla
 
 The MIP prices a plan by its window model; the simulator by one event-driven step with
 the host update beside it. Where they disagree, or where the MIP answered a narrower
-question than the one asked (issue 34: a re-plan that kept the residents' update on the
-GPU charged them to the GPU budget before solving, so the MIP had to offload over a link
-the gradients already saturated, while the plan whose homes were solved without them, then
-moved, simulated 1.7x faster), a plan the planner already has must not lose to the new one. The
-result says so when the MIP's own pick lost (`Solution.mip_lost_to`, a log line).
+question than the one asked (residents kept on the GPU charged to its budget before the
+solve), a plan the planner already has must not lose to the new one. The result says so
+when the MIP's own pick lost (`Solution.mip_lost_to`, a log line).
+Docs: docs/planner.md "The simulator has the last word".
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """The host-memory model: every byte a run holds in host DRAM, term by term.
 
-One list of terms serves the MIP's CPU capacity row (`Problem.host_terms`), the simulator's
-static host bytes, the refusals (`refusal.py`) and `preflight.py`'s check before the engine
-allocates. What the engine allocates, and where:
-
-* fp32 masters and fp32 gradient accumulators of every parameter the host updates
-  (`engine/core/engine.py`, `engine/memory/grads.py` `GradSink.fold`);
-* the host optimizer's state: hybrid 8-bit moments with their fp32 absmax per block, or a
-  kept optimizer, priced as AdamW (two fp32 moments);
-* frozen weights as stored (LoRA / QLoRA bases);
-* the layers' compute-dtype copies written by the overlapped hybrid update when compute is
-  not fp32 (`engine/memory/weights.py` `WeightPool.compute_copy`: every non-packed parameter of
-  every layer, pageable). Charged whenever the hybrid operator runs at a lower compute
-  dtype, so with `overlap_step=False` (no copies) this is an upper bound;
-* pinned staging: two layers of weights in the compute dtype (`WeightPool`), a packed
-  layer's bytes beside each device weight slot (`PackedWeightPool`), two layers of
-  gradients (`GradSink`);
-* per plan: NVMe bounce buffers for boundaries on their way to and from the file, and the
-  boundaries homed in host DRAM.
-
-On a node of N local ranks (`ranks`, `node.py`) the ranks share one copy of the masters,
-gradient accumulators, optimizer state, frozen weights and compute copies, so those terms
-count once; each rank's pinned staging, NVMe bounce buffers and DRAM-homed boundaries are
-its own, so those count N times.
+One list of terms serves the MIP's CPU capacity row (`Problem.host_terms`), the
+simulator's static host bytes, the refusals (`refusal.py`) and `preflight.py`'s check
+before the engine allocates: fp32 masters and gradient accumulators, the host optimizer's
+state, frozen weights as stored, the layers' compute-dtype copies (an upper bound with
+`overlap_step=False`), pinned staging, NVMe bounce buffers and DRAM-homed boundaries. On a
+node of N local ranks (`node.py`) the shared terms count once, each rank's staging,
+bounce buffers and boundaries N times.
+Docs: docs/planner.md "The MIP" (`F_C`) and "Several GPUs on a node".
 """
 
 from __future__ import annotations

@@ -112,7 +112,8 @@ def _add_block_counts(m: Model, p: Problem, v: _Vars, cache: list) -> None:
     other than L, and each recomputes at most c: recomputed <= c (GPU homes - 1). The
     product is linearized by the binary choice of c (`longest_block_{c}`) and the GPU
     homes split by it (`gpu_homes_at_{c}`). Without these rows the relaxation cannot see
-    that a tight GPU caps the recompute, and SCIP searched minutes (issue 15).
+    that a tight GPU caps the recompute, and SCIP may search for minutes (docs/planner.md
+    "The MIP").
 
     In the elastic model the slots grow by the GPU shortfall `sigma` (in boundaries), split
     by c like the homes (`gpu_slack_at_{c}`, at most what c could use): the same rows, so
@@ -207,7 +208,8 @@ def _add_hop_floors(m: Model, p: Problem, v: _Vars) -> None:
     compatible with n_i = 1 into it (at most one edge enters a boundary). Where a
     boundary does not fit that, `e_w >= (A / rate - free_max) n_i` is valid, and much
     stronger than the hop row, whose LP lengthens the window by a fraction of a block that
-    cannot coexist with the hop (issue 15: the 60 s stops of tight 64-layer chains)."""
+    cannot coexist with the hop (without it tight 64-layer chains stop at the time
+    limit, docs/planner.md "The MIP")."""
     if not v.nvme:
         return
     hop = {link: {i: p.transfer_windows(link, i, Home.NVME)[0] for i in v.nvme}

@@ -1,32 +1,13 @@
-"""The node model: N GPUs of one node share one host (issue 22, docs/planner.md "Several
-GPUs on a node").
+"""The node model: N GPUs of one node share one host (docs/planner.md "Several GPUs on a
+node" defines every symbol here).
 
-The local ranks map one copy of the host state (masters, moments, compute copies) and
-each updates a disjoint share of the layers on 1/N of the cores, so:
-
-* host bytes: the shared terms once, each rank's own buffers (staging, NVMe bounce
-  buffers, its boundaries homed in DRAM) N times (`host.py`, `ranks=`);
-* host memory bandwidth: the N GPUs' H2D and D2H streams and the N updates all read and
-  write the same DRAM, so each GPU's link runs at
-  `min(its PCIe rate, (eta * B_host - D) / (2 N))` (`link_bytes_per_s`), where D is the
-  updates' DRAM traffic averaged over the step (`host_update_bytes_per_s`): the bytes
-  they move each step, `P_u * U`, over the step, which lasts at least the compute-only
-  step `C` and at least the update itself (`P_u / R`: each step's update ends before the
-  next one's), so `D = P_u U / max(C, P_u / R) = min(R U, P_u U / C)`. An update that
-  takes the whole step (or longer) is charged `R U`, as if it ran all step; a faster one
-  takes less of the step and is charged the same `P_u U / C`, never more. `C` is a lower
-  bound of every plan's step, so `D` bounds the average from above whatever the plan.
-  The MIP and the simulator price each link at one rate, so the update's traffic is
-  spread over the step: a link moves more than its rate outside the update's window and
-  less within it, and what a step moves in all is what the rate prices;
-* the update: each share at `R / N` parameters a second, the N shares side by side
-  (`share_update_params_per_s`). Ownership (`owner_of_groups`, the one rule the engine's
-  split update and the simulator both use): the parameter groups in forward order (the
-  input residents, layers 1..L, the output residents) are cut into N contiguous runs of
-  about equal bytes, so rank 0 owns the input side and the first layers: the next
-  forward's early layers wait on rank 0's update only, the later ones on ranks that
-  updated them side by side meanwhile.
-
+The local ranks map one copy of the host state and each updates a disjoint share of the
+layers on 1/N of the cores, so: the shared host bytes count once, each rank's own buffers
+N times (`host.py`, `ranks=`); each GPU's link runs at `min(PCIe, (eta B_host - D) / (2 N))`
+(`link_bytes_per_s`), D the updates' DRAM traffic averaged over the step,
+`min(R U, P_u U / C)` (`host_update_bytes_per_s`), an upper bound whatever the plan; each
+share updates at `R / N` (`share_update_params_per_s`). Ownership (`owner_of_groups`, also
+the engine's split update): contiguous runs of groups in forward order, balanced by bytes.
 Every rank runs the same per-rank plan; a node's tokens/s is N times a rank's.
 """
 

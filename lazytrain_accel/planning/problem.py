@@ -1,25 +1,12 @@
 """The planning problem: one training step of a layer chain as windows, links and tiers.
 
-This is the one cost model. Every duration, byte count and window index the MIP
-(`milp.py`), the schedule decoder and window objective (`schedule.py`), the baselines
-(`no_solver.py`) and the simulator (`simulate.py`) use is a method here; the methods that
-depend on the plan's choices take the edge weights (`{(s, e): x}`) or tier counts, so the
-same code returns floats for a fixed plan and linear expressions for the MIP's variables
-(see docs/planner.md):
-
-* Windows (plan.py indexing): F_1..F_L then B_L..B_1. F_j lasts one layer forward run;
-  B_j lasts the layer's backward run (its forward re-run plus its backward), plus the
-  block's recompute runs when j ends a recompute block; F_L also holds the head (final
-  norm, lm_head, loss) and the step's own overhead (`step_overhead_s`), after its forward
-  run (the engine issues B_L's transfers after the head). Every layer run
-  also costs the engine's per-run overhead (`fwd_overhead_s`, `bwd_overhead_s`); the
-  three come from `HardwareProfile` (`layer_*_overhead_s`, `step_overhead_s`).
-* Mandatory traffic per window: the next window's layer weights (H2D), the previous
-  backward layer's weight gradients (D2H), and the weight re-stream of recompute.
-* Activation traffic: boundary i homed off the GPU is offloaded (D2H) in F_{i+1}..F_L and
-  reloaded (H2D) in B_L..B_{i+2}; an NVMe boundary is written to NVMe one window after
-  its D2H may start (F_{i+2}..F_L) and read one window before its H2D must end
-  (B_L..B_{i+3}), and crosses PCIe as well.
+This is the one cost model: every duration, byte count and window index the MIP
+(`milp.py`), the schedule decoder (`schedule.py`), the baselines (`no_solver.py`) and the
+simulator (`simulate.py`) use is a method here. The methods that depend on the plan's
+choices take the edge weights (`{(s, e): x}`) or tier counts, so the same code returns
+floats for a fixed plan and linear expressions for the MIP's variables. Windows follow
+plan.py's indexing, F_1..F_L then B_L..B_1; what each window lasts and moves (weights,
+gradients, boundaries, recompute, overheads): docs/planner.md "The step as windows".
 """
 
 from __future__ import annotations
@@ -66,9 +53,9 @@ LINKS: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write")
 DEVICE_RESIDENT_BYTES_PER_PARAM = (MASTER_BYTES_PER_PARAM + GRAD_BYTES_PER_PARAM
                                    + round(OPTIMIZER_STATE_BYTES_PER_PARAM["hybrid8bit"]))
 #: The GPU update's temporaries: 64 bytes per element of one chunk, the largest resident
-#: tensor or `DEVICE_UPDATE_CHUNK_ELEMENTS` elements, whichever is smaller
-#: (its torch path peaked at 33 bytes an element on the CPU, measured by peak RSS; the rest
-#: is room for the caching allocator).
+#: tensor or `DEVICE_UPDATE_CHUNK_ELEMENTS` elements, whichever is smaller: about twice
+#: what its torch path was measured to peak at (docs/benchmarks.md "Optimizer"), the rest
+#: room for the caching allocator.
 DEVICE_UPDATE_BYTES_PER_ELEMENT = 64
 
 DEVICE_RESIDENT_TERM = ("the residents' fp32 masters, gradients and 8-bit Adam state (updated "

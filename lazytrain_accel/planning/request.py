@@ -15,8 +15,7 @@ from lazytrain_accel.planning.problem import Budgets
 
 #: Seconds the elastic re-solve that names a refusal's shortfall may take: it starts from
 #: the baseline closest to fitting, so on a limit it still names what that plan lacks.
-#: 3 s: on tight 64-layer refusals and the 27B request it named the same shortfall at 3 s
-#: as at 5 s, and a refusal stays inside issue 15's 5 s median (docs/benchmarks.md).
+#: Why 3 s: docs/benchmarks.md "Planner".
 DIAGNOSE_TIME_LIMIT_S = 3.0
 
 

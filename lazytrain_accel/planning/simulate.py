@@ -1,44 +1,13 @@
 """A discrete-event run of one training step of a `Plan` on a profile.
 
-Resources are serial FIFO queues: GPU compute, H2D, D2H, NVMe read, NVMe write, and the
-host optimizer. An op starts when its queue is free and its dependencies are met, as on
-the engine's streams; a window starts when the previous window's compute and transfers
-are done (the engine's barrier), and every dependency points to an op of the same or an
-earlier window, issued before it on its queue, so no plan can deadlock (`_check_order`):
-
-* weights of the next window's layer are issued when a window starts, into the engine's
-  device buffers (`slots.py:WeightSlots`, the policy `engine/memory/weights.py` runs: two, plus
-  one for the first recomputed layer, prefetched one window before its block); a layer
-  still held (re-run in its block's recompute) is not loaded again;
-* a window's activation transfers are issued when it starts; an NVMe write waits for its
-  boundary's D2H, an NVMe read for its write, an H2D for its read;
-* B_e of block (s, e) first re-runs layers s+1..e-1 forward, each waiting for its
-  re-streamed weights; the block cache holds them until layers e..s+1 ran backward;
-* a backward waits for its input boundary's reload and for a free gradient buffer (two);
-* NVMe boundaries hold host memory from their D2H until their write ends (and from their
-  read until their H2D ends), counted in the host peak rather than throttled;
-* the host optimizer updates in the engine's order (engine/step/overlap.py), each group once its
-  gradients are home: the input side's residents (U_embed), layers 1..L (U1..UL), the
-  output side's (U_head: final norm, untied head); the next step starts after U_embed, its
-  forward of layer j waits only for Uj and its head for U_head (`optimizer_exposed_s`);
-* with `Plan.resident_update="device"` the residents' gradients stay on the device and
-  their update runs there (U_device, on the "device_optimizer" lane) once the clip
-  coefficient is known (the last layer's gradients home); the host updates U1..UL beside
-  it on a GPU (`HardwareProfile.device_runs_async`), after it on a CPU device, and the
-  next step starts after U_device;
-* the host's work per transfer, where priced (`Problem.stage_s`, `fold_s`): a host op
-  before each layer run (not gated by its window's barrier: the engine stages and folds
-  before it waits for the run's weights) stages the loads issued with it (each load's copy after its
-  staging, each staging after the copy that last read its buffer, two loads back) and, at
-  a backward window's first run, folds layer j+3's gradients (`Problem.fold_in`; layers
-  1..3 in the drain after B_1); on the compute's lane where the device computes on the
-  training thread (`Problem.host_on_compute`), else on a "host" lane whose runs' kernels
-  wait for it; an update U_j waits for its layer's fold;
-* on a node of N ranks (`Plan.gpus_per_node`, `node.py`) the update is split as the
-  engine splits it (`owner_of_groups`: contiguous runs of U_embed, U1..UL, U_head balanced
-  by parameters): each share walks its run in order on its own lane at the node's rate /
-  N, so the next forward's first layers wait on share 0's run alone; the host peak counts
-  every rank's boundaries.
+Resources are serial FIFO queues (GPU compute, H2D, D2H, NVMe read, NVMe write, the host
+and device optimizers); an op starts when its queue is free and its dependencies are met,
+as on the engine's streams, and a window starts when the previous window's compute and
+transfers are done. Invariant: every dependency points to an op issued before it on its
+queue, so no plan can deadlock (`_check_order`). The ops mirror the engine: its weight
+slots (`slots.py:WeightSlots`), boundary hops, recompute blocks, the host's staging and
+folding, the layer-wise update in the engine's order (split by `owner_of_groups` on a
+node). What each op waits for: docs/planner.md "The simulator" and "The step as windows".
 """
 
 from __future__ import annotations

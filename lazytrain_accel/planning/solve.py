@@ -323,8 +323,8 @@ def residents_on_device(profile: ModelProfile, solved: Callable[[ModelProfile, s
     """The faster of two plans with the residents' update on the GPU: solved with their
     bytes charged to the GPU budget, and solved without them, then moved there where the
     homes leave room (what "auto" does). The first alone has fewer GPU slots for the
-    boundaries: a re-plan of an engine whose residents live on the GPU got a plan 1.7x
-    slower than the second (issue 34)."""
+    boundaries and can be much slower (docs/planner.md "Where the residents' update
+    runs")."""
     plans, refusal = [], None
     try:
         plans.append(solved(profile, "device"))

@@ -1,25 +1,14 @@
-"""Sequence tiles as a planning decision (`tile_tokens="auto"`, issue 23).
+"""Sequence tiles as a planning decision (`tile_tokens="auto"`).
 
-At long sequence one layer's backward working set outgrows the GPU: its token-wise parts
-(the MLP's [S, intermediate] tensors) first, then the whole-sequence attention call's q, o,
-dO, dQ and fp32 dQ accumulator and the norms' [S, hidden] outputs. Tiles shrink the first
-to one tile's; query blocks run the whole layer in sequence tiles
-(`engine/sequence/layer_tiles.py`), which leaves K, V, their gradients and one
-[S, hidden] gradient whole (`profiling/working_set.py`); for a model whose layers run
-whole (`profiling/whole_layers.py`) the same candidates are sized as they run: untiled, attention
-in query blocks. Candidates whose kernels would index a tensor of 2^31
-elements or more (`working_set.int32_index_overflow`) are dropped; when all would, the
-refusal names the tensor. Each extra tile or block
-costs a kernel re-launch (`working_set.TILE_LAUNCH_S`), so the planner takes the fastest
-plan among the least-tiled candidates that can fit: untiled when it fits and tiling buys
-no speed (room for more GPU homes is the only speed tiling can buy).
-
-Candidates, least tiled first: untiled; token-wise tiles of `TILE_CHOICES_TOKENS` with
-whole-sequence attention; the same tiles with attention in query blocks of the tile's
-size. A candidate whose fixed GPU bytes and the two GPU-homed boundaries (0 and L) exceed
-the GPU budget cannot fit and is skipped without a solve; the first that may fit is
-planned with the next one, the faster plan kept. When none may fit, the most tiled is
-planned anyway, so the refusal names the term left over (`refusal.py`).
+At long sequence one layer's backward working set outgrows the GPU. Candidates, least
+tiled first: untiled; token-wise tiles of `TILE_CHOICES_TOKENS` with whole-sequence
+attention; the same tiles with the whole layer in sequence tiles (a layer that runs whole,
+`profiling/whole_layers.py`: attention in query blocks). Each extra tile re-launches
+kernels (`working_set.TILE_LAUNCH_S`), so the planner takes the fastest plan among the
+least-tiled candidates that can fit. A candidate whose kernels would index 2^31 elements,
+or whose fixed GPU bytes exceed the budget, is skipped without a solve; when none may
+fit, the most tiled is planned so that the refusal names the term left over.
+Docs: docs/planner.md "Long context".
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Calibration: a hardware profile's rates fitted to what a run measured (no torch).
 
-The engine times each copy on the link that runs it (engine/stats.py: CUDA events on a
-GPU, the side stream's worker on the emulated device), so bytes over seconds of copies is
-the link's rate with waits left out. The layers' compute seconds against their FLOPs give
-the achieved compute rate; the layer-wise update's seconds against the parameters it
-updated give the host optimizer's rate. One step's figures are noisy (jitter, other
-processes), so `RateEstimate` keeps the median of the recent steps and says when those
-medians have settled; `calibrate` writes them into a copy of the profile.
-
-What no rate prices is fitted as a time: the step's own overhead (`step_overhead_s`) is
-the median of the measured step less the simulated step of the running plan at the
-calibrated rates without it (`StepOverheadFit`). It holds what the layer probe's terms
-miss on this machine: the issue and bookkeeping of the boundaries' copies on the training
-thread, data loading, the optimizer call, the Python between passes.
+The engine times each copy on the link that runs it, so bytes over seconds of copies is
+the link's rate with waits left out; the layers' compute against their FLOPs gives the
+compute rate, the layer-wise update's seconds the host optimizer's. `RateEstimate` keeps
+the median of the recent steps and says when those medians have settled; `calibrate`
+writes them into a copy of the profile. The step's own overhead, which no rate prices, is
+fitted as a time (`StepOverheadFit`: the median of the measured step less the simulated
+one without it). Docs: docs/planner.md "Re-planning".
 """
 
 from __future__ import annotations
@@ -43,8 +37,9 @@ RATE_FIELDS: dict[str, str] = {
 MIN_MEASURED_S = 1e-3
 #: The median is over this many recent steps: one outlier step in three moves nothing.
 WINDOW_STEPS = 3
-#: Settled: each median moved by at most `TOLERANCE` over this many steps. A step on a
-#: busy 2-core machine varies by 10-20%; a drift that matters is larger.
+#: Settled: each median moved by at most `TOLERANCE` over this many steps: about what a
+#: busy machine's steps vary by (docs/benchmarks.md "Re-planning on measured rates"); a
+#: drift that matters is larger.
 SETTLE_STEPS = 2
 TOLERANCE = 0.2
 

@@ -31,15 +31,9 @@ HOST_MEMORY_EFFICIENCY = 0.75
 HOST_UPDATE_BYTES_PER_PARAM = 18
 #: The fraction of a STREAM-like triad's bandwidth that the hybrid 8-bit update reaches
 #: when it streams from DRAM, by the kernel variant the host CPU runs (the dispatch picks
-#: by the CPU's features, docs/optimizer.md): the rows without clipping of the quiet run
-#: of `bench/optimizer.py --params-m 200 --threads 2 --in-cache-reps 0` on 2026-12-05
-#: (docs/benchmarks.md "The presets' host update rate"): 205.5M parameters, 2 threads,
-#: AMD EPYC Zen 5 KVM guest with 2 vCPUs, load average 0.4-1.0; the avx512 variant 41.9
-#: GB/s = 83% of the 50.6 GB/s triad, the avx2 variant (its AVX2 build on the same CPU)
-#: 32.1 GB/s = 63% (torch's fused fp32 AdamW 49.6 GB/s = 98%). Those rows counted 16
-#: bytes a parameter (no bf16 copy written) and the rate is priced at 18. Measured on 2
-#: threads of a VM, not on a server's many cores: an estimate there. No Arm (Grace) figure
-#: has been measured, so no preset has an Arm host.
+#: by the CPU's features, docs/optimizer.md). Measured on 2 threads of a VM, so an
+#: estimate for a server's cores; no Arm host has a figure, so no preset has an Arm host.
+#: The run and its figures: docs/benchmarks.md "The presets' host update rate".
 HOST_UPDATE_TRIAD_FRACTION: dict[str, float] = {"avx512": 0.83, "avx2": 0.63}
 #: Pageable over pinned host<->device copy rate where none was measured: MegaTrain's
 #: figures for one GPU, ~14 GB/s H2D from pageable memory against ~21 GB/s pinned (the

@@ -1,28 +1,13 @@
 """Whether a model's decoder layers can run in sequence tiles, decided from its config once.
 
-A sequence-tiled layer (`engine/sequence/layer_tiles.py`) runs whole instead where it cannot run in
-tiles, and its backward working set is then the untiled one (the MLP in tiles, attention
-in query blocks: q, o, dO, dQ of the whole sequence, its norms' outputs and residual
-whole), several times the tiled one at long sequence. The planner has to size such a layer
-as it will run, so the decision is made here, from the model's config alone, and read by
-both sides: the profile's geometry (`ModelGeometry.whole_layer_reason`, set by
-`families.geometry_from_config` and `live.geometry_from_model`), which the working set
-reads (`working_set.layer_working_set`), and the engine (`Runtime`), whose layers then run
-whole from their first call without trying tiles.
-
-What the config decides:
-
-* an MoE layer recording its router logits (`output_router_logits`, the auxiliary loss):
-  its router hands them to transformers' output collector, once per call, which a layer
-  run in tiles would do once per tile;
-* attention declared non-causal (`is_causal` False in the config): a tile's queries see
-  only the key prefix.
-
-What no config says is still found by the engine at a layer's first tiled call
-(`layer_tiles.Unsupported`: attention called other than once per tile, extra outputs, a
-collector fed some other way, a mask without causal structure) or per call (a kwarg that
-needs a gradient; a forward that depends on the grad mode, `quantized`); the engine then
-runs the layer whole and warns that the plan sized it as tiled.
+A layer that cannot runs whole, with a much larger backward working set at long sequence,
+so the planner must size it as it will run: the decision is made here, from the config
+alone, and read by both sides (`ModelGeometry.whole_layer_reason` for the working set,
+`Runtime` for the engine, whose layers then never try tiles). The config decides: an MoE
+layer recording its router logits (`output_router_logits`), attention declared
+non-causal. What no config says the engine finds at a layer's first tiled call
+(`layer_tiles.Unsupported`) or per call; it then runs the layer whole and warns that the
+plan sized it as tiled. Docs: docs/planner.md "Long context" ("Layers that run whole").
 """
 
 from __future__ import annotations

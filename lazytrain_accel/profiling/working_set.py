@@ -1,35 +1,13 @@
 """One layer's backward working set, term by term: the one formula the MIP's GPU row, the
-simulator's static bytes and the refusals read (docs/planner.md, "Working set").
+simulator's static bytes and the refusals read.
 
-A streamed layer re-runs its forward from its input boundary and then runs its backward.
-Its input boundary itself is not counted here: it is a GPU home or a staging slot of the
-plan (`problem.py`). What is counted, per token (h = hidden, q = heads x head_dim,
-kv = kv_heads x head_dim, I = intermediate, b = compute bytes per element):
-
-* attention, whole sequence (one SDPA flash / memory-efficient call, no S x S matrix):
-  q, o, dO, dQ at q each, k, v, dK, dV at kv each, the kernel's fp32 dQ accumulator
-  (4 q bytes) and the fp32 logsumexp (4 per head);
-* sequence-tiled layers (`attention_block_tokens` > 0, `engine/sequence/layer_tiles.py`): the
-  whole layer runs in tiles of that many positions per sequence, its attention as the
-  tile's queries against the key prefix. Whole-sequence tensors are then only K, V, their
-  fp32 gradient accumulators and one SDPA backward's compute-dtype dK, dV partials of the
-  key prefix (attention), and the layer's output gradient arriving, which its input
-  gradient overwrites tile by tile (boundaries); everything else is one tile's: the
-  untiled formula below at the tile's tokens (its q side, its MLP in tiles of
-  `tile_tokens`, its norms and residuals: the token-wise term). Weight gradients are
-  summed over tiles in fp32 beside one tile's;
-* token-wise (the MLP, the block the engine tiles): the MLP intermediates autograd keeps
-  (gate, up, act(gate), their product for a gated MLP; fc1 and its activation otherwise)
-  and two I-wide transient gradients, for all tokens untiled or for one tile of
-  `tile_tokens`;
-* boundaries and norms ([S, h] tensors of the whole sequence): the layer's output
-  gradient arriving and its input gradient leaving, the residual between attention and
-  MLP, and each of the layer's `NORMS_PER_LAYER` norms' normalized input and output
-  (autograd keeps both; outside the MLP nothing is tiled), plus the fp32 copy of its input
-  an RMSNorm keeps when the compute dtype is narrower (measured against this formula on
-  a CPU: `tests/integrations/test_long_sample.py`);
-* weight gradients: the trainable ones before they stream to the host, plus the
-  dequantized copy of the largest packed matrix (bitsandbytes).
+A streamed layer re-runs its forward from its input boundary, then runs its backward; the
+input boundary itself is a GPU home or a staging slot of the plan (`problem.py`), not
+counted here. The terms (attention, token-wise, boundaries and norms, weight gradients),
+untiled, with the MLP in tiles or with the whole layer in sequence tiles (then only K, V,
+their gradients and one [S, h] gradient are whole-sequence), with their symbols:
+docs/planner.md "Long context"; `tests/integrations/test_long_sample.py` measures them on
+a CPU.
 """
 
 from __future__ import annotations

@@ -1,34 +1,14 @@
 """`Replanner`: the plan follows the machine it runs on (`replan="auto"`).
 
-Called once per optimizer step, at its boundary (`on_step`), it
-
-1. takes the step's measurements as differences of the engine's run totals
-   (`StreamingEngine.total_stats`, untouched by the progress lines' resets), skipping the
-   first `warmup_steps` (allocation, page faults, lazy init);
-2. keeps the median of each rate over recent steps (`profiling/calibration.py`) and a
-   calibrated profile once those medians have settled (`predicted_step_s` prices the
-   running plan on it); the step's own overhead (`step_overhead_s`), which no rate
-   prices, is fitted there as the median of the measured step less the simulated one
-   (`StepOverheadFit`), so the MIP and the simulator both see it;
-3. when a rate's median differs from the one the running plan was made with (or the
-   latest judged solve was) by more than `drift_factor`, solves for the measured profile
-   at once (a 20x drift shows in the first step measured) on a background thread, to
-   optimality or the solver's gap within its own time limit (training goes on: the solver
-   runs without the GIL), from the running plan: the solve returns it where the simulator
-   prices every new plan slower (`PlanRequest.running`). An earlier version cut the solve
-   at about one step: it stopped 14.5% from its bound on a plan that ran 1.24x slower
-   than the one it replaced;
-4. at each step boundary after the solve ends, prices both plans with the same simulator
-   on the medians then and switches (`RunState.adopt`: the run's one current plan, the
-   engine's copy set from it) only when the new one is predicted `min_gain` faster, fits
-   the budgets, and is not a time-limited incumbent more than `min_gain` from its bound;
-   never while the answer depends on a rate still moving (`_consider_candidate`); at most
-   one switch per `min_steps_between_switches` steps;
-5. `GUARD_STEPS` steps after a switch, compares their median with the median of the
-   `GUARD_STEPS` before it: when the new plan measured more than `min_gain` slower (the
-   simulator mispriced it on this machine), goes back to the previous plan, logged once.
-
-A plan changes where boundaries live, never the math: losses stay bit for bit.
+At each optimizer-step boundary (`on_step`) it takes the step's measurements from the
+engine's run totals (after `warmup_steps`) and keeps each rate's median, with a calibrated
+profile once they settle (`profiling/calibration.py`). When a median drifts more than
+`drift_factor` from the plan's, it solves on a background thread, from the running plan.
+It switches (`RunState.adopt`) only when the new plan is predicted `min_gain` faster,
+fits, and no rate still moving could undo that, at most once per
+`min_steps_between_switches`; `GUARD_STEPS` after a switch it goes back when the new plan
+measured `min_gain` slower. A plan changes where boundaries live, never the math.
+Docs: docs/planner.md "Re-planning".
 """
 
 from __future__ import annotations
@@ -71,10 +51,9 @@ WARMUP_STEPS = 3
 #: Switches are at least this many steps apart.
 MIN_STEPS_BETWEEN_SWITCHES = 20
 #: A solve starts when a measured rate is this factor off the plan's. A smaller drift is
-#: within what the rates of a busy machine swing by (the emulated links measured 1.1-2.3x
-#: below their throttle on a loaded 2-core VM) and seldom moves the best plan by
+#: within what the rates of a busy machine swing by and seldom moves the best plan by
 #: `replan_min_gain`; each solve takes a core from training. The 20x drifts of a wrong
-#: preset or a contended NVMe are far beyond it.
+#: preset or a contended NVMe are far beyond it. Figures: docs/benchmarks.md "Re-planning".
 DRIFT_FACTOR = 1.5
 #: Steps a new plan runs before its measured step is compared with the old plan's.
 GUARD_STEPS = 3

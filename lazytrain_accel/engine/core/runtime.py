@@ -157,10 +157,9 @@ class Runtime:
         """Put `layer` on its device weights, having started loading `prefetch`, in
         order, behind its own load. The prefetches are issued before the wait for
         `layer`'s weights: where that wait blocks the host (a CPU's compute stream, the
-        emulated device), issuing after it left the H2D link idle between two layers'
-        loads for the host's issue time (its wake-up and the staging copy, 4-5 ms a layer
-        on the 116M fidelity model); on CUDA the wait is the stream's and the order is
-        the same as before."""
+        emulated device), issuing them after it would leave the H2D link idle between two
+        layers' loads for the host's issue time (its wake-up and the staging copy); on
+        CUDA the wait is the stream's, so the order changes nothing there."""
         self.pool.load(layer)
         for nxt in prefetch:
             if nxt != layer:

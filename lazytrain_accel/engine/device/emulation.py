@@ -1,31 +1,14 @@
 """An emulated async device for CPU runs: a missing synchronization becomes a failure.
 
 `EmulatedStreams` implements `Streams` with `is_async = True`, so the engine runs its
-CUDA code paths (staging buffers, events, waits, staging reuse) on a CPU:
-
-* each side stream is a worker thread with a FIFO queue; a copy runs later, on it;
-* each event is a real completion flag (the worker's progress past the recording point);
-* the destination of a copy is poisoned when the copy is enqueued (NaN for floats, a
-  sentinel for integers), so reading it before waiting yields NaN, not a lucky answer
-  (`poison_copies`; a timed run turns it off: the fill is host work a GPU's copies do
-  not cost, a memset of every byte moved, on the training thread);
-* `claim(buffer)` raises `BufferReuseError` when a staging buffer is handed out again
-  before the host waited for the last copy that used it (a generation check, exact and
-  independent of timing);
-* each worker sleeps a seeded random time before each op (jitter), so orderings vary
-  with the seed and a failure replays with it (errors name it);
-* optionally each link is throttled to a byte rate, so overlap is measured, not assumed;
-  a throttled copy lands in pieces at the link's pace, the last piece at its end. Copies
-  queued back to back stream at exactly that rate, as a DMA engine moves them: each
-  begins when the one before it was due to end (or when it was issued, if later), on
-  the stream's own clock, so the worker's wake-up between ops (a GIL hand-off from a
-  busy host thread costs up to the 5 ms switch interval) is not charged to the link;
-* intervals on a side stream are timed by its worker as it runs them (markers in its
-  queue, as CUDA events time a stream's execution), not by the host that issued them.
-
-Compute runs synchronously on the host thread, so "compute waits for an event" blocks
-the host. What this cannot show: the CUDA calls themselves (stream semantics, the caching
-allocator's reuse that `record_stream` guards against, pinned-memory DMA).
+CUDA code paths on a CPU: each side stream is a worker thread with a FIFO queue, each
+event a real completion flag; a copy's destination is poisoned at enqueue (a read before
+the wait sees NaN); `claim` raises `BufferReuseError` for a staging buffer handed out
+before its last copy was waited for; seeded jitter varies the orderings (errors name the
+seed); links may be throttled to a byte rate on each stream's own clock, and a side
+stream's intervals are timed by its worker. Compute runs on the host thread. Not shown:
+the CUDA calls themselves (stream semantics, `record_stream`, pinned-memory DMA).
+Design: docs/engine.md "Emulated async device".
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Copy streams and events behind one interface, with three backends.
 
 The weight pool, gradient sink, activation store and NVMe spill are written against
-`Streams`; only the primitives (side streams, events, `record_stream`, pinned memory)
-differ per backend:
-
-* `CudaStreams`: two CUDA side streams (one per PCIe direction, so H2D and D2H overlap
-  as the simulator assumes), CUDA events, pinned host buffers.
-* `SyncStreams` (CPU default): every copy completes when issued; events are None.
-* `EmulatedStreams` (`engine/device/emulation.py`, CPU with `LAZYTRAIN_EMULATE_ASYNC=1`): each
-  side stream is a worker thread, each event a completion flag, copies happen later on
-  the worker, destinations are poisoned at enqueue. It drives the CUDA code paths
-  (`is_async` is True), so their ordering logic runs, and fails, on a CPU.
-
-`make_streams` (`engine/device/backends.py`) picks one; it lives apart so that the emulated
-backend can import this interface without this module importing it back.
+`Streams`: `CudaStreams` (one CUDA side stream per PCIe direction, so H2D and D2H overlap
+as the simulator assumes; CUDA events, pinned host buffers), `SyncStreams` (the CPU
+default: a copy is done when issued, events are None) and `EmulatedStreams`
+(`emulation.py`, `LAZYTRAIN_EMULATE_ASYNC=1`: the CUDA code paths on a CPU). `make_streams`
+(`backends.py`) picks one; it lives apart so that the emulated backend can import this
+interface without this module importing it back. Docs: docs/engine.md "Emulated async device".
 """
 
 from __future__ import annotations
@@ -196,8 +189,9 @@ class CudaStreams(SyncStreams):
 
     def register_pinned(self, buffer: torch.Tensor, *, max_chunk_bytes: int) -> bool:
         """Page-lock a shared mapping in this process (each rank registers its own
-        mapping of the same pages; MegaTrain measured ~21 GB/s H2D against ~14 pageable),
-        in chunks (`engine/device/pinning.py`); False, warned once, when it cannot be."""
+        mapping of the same pages; pinned copies outrun pageable ones: `PAGEABLE_SHARE`
+        in `profiling/hardware.py`), in chunks (`engine/device/pinning.py`); False,
+        warned once, when it cannot be."""
         cudart = torch.cuda.cudart()
         return register_in_chunks(
             buffer.data_ptr(), buffer.numel() * buffer.element_size(),

@@ -1,24 +1,14 @@
 """Packed frozen weights (bitsandbytes `Params4bit`, `Int8Params`): streamed as stored.
 
-A QLoRA base keeps its linear weights packed (4-bit: two weights per uint8, plus a
-`QuantState` of absmax scales; LLM.int8: int8 plus per-row `SCB` scales). They are never
-cast to a float master nor copied into the compute-dtype slot of `weights.WeightPool`
-(that cast would turn packed bytes into numbers): `PackedWeightPool` streams the float
-parameters through the pool as before, and for the packed ones moves the stored bytes and
-their scales to the device while the layer runs (staged and ordered like the float
-copy: `PackedWeightPool`), so bitsandbytes' own modules compute with them there. Nothing
-is dequantized here.
-
-On a synchronous CPU device the packed host tensors already are the device copy: they
-are used in place. That also keeps bitsandbytes' CPU repacking
-(`_convert_weight_packed_for_cpu`: an eval-mode forward rewrites `param.data` and flags
-its `QuantState`) on the real parameter, as in a stock run. Under the emulated async
-device it happens on the slot's copy; at release the pool repacks the host master the same
-way (`PackedWeightPool._adopt_cpu_repack`: the same function on the same bytes, so the
-same result) and lays its slot bytes out anew, so the master ends as a stock run's does.
-Which linears repack depends on the grad mode (`forward_follows_grad_mode`): layers that
-hold such linears run their no-graph forward with grad enabled, as stock does
-(`runtime.Runtime.run_layer`).
+A QLoRA base's packed linear weights are never cast to a float master nor copied into the
+compute-dtype slot of `weights.WeightPool` (the cast would turn packed bytes into
+numbers): `PackedWeightPool` streams the float parameters as before and moves the packed
+bytes and their scales to the device beside them, staged and ordered like the float copy,
+so bitsandbytes' own modules compute with them there. Nothing is dequantized here. On a
+synchronous CPU device the packed host tensors are used in place, so bitsandbytes'
+eval-mode CPU repack happens on the real parameter as in a stock run; under the emulated
+device the pool repacks the host master the same way (`_adopt_cpu_repack`).
+Docs: docs/engine.md "Execution model" (**Weights**, "Eval mode").
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """Resident parameters (embeddings, final norm, head, ...): device copies during a pass.
 
-Their masters stay on the host like every other parameter. While a pass uses them,
-`param.data` is a compute-dtype device copy and `.grad` accumulates on the device;
-when no forward awaits its backward any more, the device gradient is folded into the
-host `.grad` (stashed while the copy was in) and `param.data` returns to the master.
-Two sides (`output_side`): the input side (embeddings) is swapped in when the model's
-forward starts, the output side (final norm, untied head) only when its first module
-runs (`swap_in_late`), after the last decoder layer, so the layer-wise update may still
-be writing its masters while the layers run.
-When the device copy would be the master itself (a master on the device in the compute
-dtype: device = CPU with fp32 compute, or a GPU master in fp32) the parameter is used in
-place and autograd accumulates `.grad` directly; only its norm is recorded at the end of
-the backward (copying 100 MB embeddings to an identical buffer and back costs ~5% of a
-CPU step for nothing).
-With `Plan.resident_update="device"` the trainable residents' fp32 masters live on the
-device (`device_masters`): the pass casts them there, their gradients fold into a device
-`.grad`, and the engine updates them there (`StreamingEngine.step_layerwise`).
+Their masters stay on the host. While a pass uses them, `param.data` is a compute-dtype
+device copy and `.grad` accumulates on the device; once no forward awaits its backward,
+the device gradient is folded into the host `.grad` and `param.data` returns to the
+master. The input side is swapped in when the model's forward starts, the output side
+(final norm, untied head) only when its first module runs (`swap_in_late`), so the
+layer-wise update may still write its masters while the layers run. Where the copy would
+be the master itself (fp32 on the CPU) the parameter is used in place. With
+`Plan.resident_update="device"` the trainable masters live on the device (`device_masters`).
+Docs: docs/engine.md "Execution model" (**Residents**).
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Double-buffered device weight pool: a layer's compute copy lives here while it runs.
 
-Masters stay where `param.data` points when a layer is idle (host, fp32). To run layer j
-its parameters' `.data` are swapped to views of a device slot holding the compute-dtype
-copy, and swapped back afterwards. Two slots (the running layer and the prefetched next),
-three when the plan recomputes (`weight_slots`): the backward before a recompute block
-(s, e) prefetches both the block's first re-run layer s+1 and layer e, and layer e stays
-loaded while s+1..e-1 re-run, as `planning/simulate.py` schedules it. Which slot a load
-takes is `planning/slots.py:WeightSlots`, the policy the simulator runs too: a layer
-prefetched (or asked for again while loaded) and not run since is never evicted by a
-prefetch. With an async backend (CUDA, or its CPU emulation) a master
-goes master -> pinned staging (dtype cast on the host) -> slot on the H2D side stream; two
-staging buffers take turns, so only two layers' worth of pinned memory exist, never a
-pinned model copy.
-
-Compute copies: when the compute dtype is not fp32, the layer-wise optimizer update writes
-each layer's compute-dtype copy (host, pageable) in the same pass that updates its master
-(`compute_copy` / `compute_copy_written`), and loads stream from it: no dtype cast on the
-training thread. A copy is used only while its masters are the tensors it was written
-from, at the same parameter version (an in-place edit under `no_grad`, `load_state_dict`
-or `p.data = ...` makes the load cast from the master again).
+Masters stay where `param.data` points when a layer is idle (host, fp32); to run layer j
+its parameters' `.data` point at views of a device slot holding the compute-dtype copy.
+Two slots, three when the plan recomputes; which slot a load takes is
+`planning/slots.py:WeightSlots`, the policy the simulator runs too. On an async backend a
+master goes through one of two pinned staging buffers (the cast on the host) to its slot
+on the H2D side stream: never a pinned copy of the model. Below fp32 the layer-wise update
+writes each layer's compute copy (`compute_copy`), and loads stream from it while its
+masters are the same tensors at the same version.
+Docs: docs/engine.md "Execution model" (**Weights**).
 """
 
 from __future__ import annotations

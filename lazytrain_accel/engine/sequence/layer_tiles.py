@@ -1,37 +1,14 @@
-"""Sequence-tiled decoder layers (`Plan.tiling` "layer", issue 23).
+"""Sequence-tiled decoder layers (`Plan.tiling` "layer").
 
-In a decoder layer only attention mixes tokens: its norms, projections, rotary embedding,
-residuals and MLP are token-wise. So a layer runs over tiles of `attention_block_tokens`
-positions per sequence, its own `forward` called on each tile (every family alike: nothing
-in the layer is found by name), while transformers' attention interface is pointed at
-`LAYER_TILES_ATTENTION` (this module's), which sees the tile's q, k, v:
-
-* forward (no grad), tiles in order: the tile's k, v go into one [batch, kv_heads, S, d]
-  K and V buffer; the tile's queries attend to the key prefix [0, end) (causal with the
-  diagonal at the bottom right, as a chunked prefill does), so the output of the tile is
-  final and written into the layer's output. Nothing else whole-sequence exists: no q, o,
-  norm output or MLP intermediate beyond one tile's.
-* backward re-run: a key pass runs each tile's forward up to its attention call (stopped
-  there: `_KeysDone`) to fill K and V; then the tiles run again in reverse order, each with
-  grad on its own slice of the layer input: its attention is `_TileAttention`, whose
-  backward re-runs the block's SDPA with grad against the key prefix, one kv head at a
-  time (a GQA flash backward expands dK, dV to every query head), adds the prefix's dK,
-  dV into fp32 accumulators and returns the tile's own rows of them, complete because every
-  later tile has already run. The tile's input gradient goes into its slice of one
-  [batch, S, hidden] tensor, its weight gradients are summed over tiles (fp32 where the
-  compute dtype is narrower).
-
-Whole-sequence tensors of a layer's backward are then its output gradient, its input
-gradient, K, V, their fp32 gradient accumulators and one SDPA call's dK, dV partials of the
-key prefix (`profiling/working_set.py` counts exactly these, plus one tile's working set).
-Every kernel sees at most a tile's [tokens, width] or the [kv_heads, S, d] key prefix, so
-a [S, hidden] hidden state past 2^31 elements needs no kernel to index it whole.
-
-Each tile re-runs under the RNG state its forward drew from (captured per tile), so
-dropout in the layer draws the same numbers. A layer this cannot run is run whole instead
-(`Unsupported`, said once by the runtime): it hands tensors to transformers' output
-collector (MoE router logits with the auxiliary loss on), calls attention other than once
-per tile, returns more than its hidden state, or attends without a causal structure.
+Only attention mixes tokens, so a layer runs over tiles of `attention_block_tokens`
+positions, its own `forward` called on each tile, while transformers' attention interface
+points at `LAYER_TILES_ATTENTION`, which sees the tile's q, k, v. Forward: each tile's k, v
+fill one K and V buffer and its queries attend to the key prefix, so its output is final.
+Backward: a key pass refills K, V (`_KeysDone`), then the tiles re-run in reverse with
+grad, `_TileAttention` summing the prefix's dK, dV in fp32; each tile replays its forward's
+RNG state. Whole-sequence tensors are only K, V, their gradients, one SDPA call's dK, dV
+partials and one [S, hidden] gradient (`profiling/working_set.py`). A layer this cannot
+run in tiles (`Unsupported`) runs whole. Design: docs/engine.md "Long context".
 """
 
 from __future__ import annotations

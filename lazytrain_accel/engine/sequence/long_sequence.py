@@ -1,32 +1,14 @@
 """Attention at long sequence: no S x S mask or score matrix on the streamed path.
 
-From `LONG_SEQ_TOKENS` tokens per sequence a streamed layer call must not build one:
-attention runs through SDPA's fused kernels (flash or memory-efficient on CUDA, the flash
-CPU kernel on a CPU) with `is_causal` and no mask. Transformers (`masking_utils.sdpa_mask`)
-already passes no mask to sdpa attention when the 2-D attention mask is absent or all ones;
-what would make the model build one is refused before it does, once per pass, on the
-decoder stack's inputs (`check_inputs`):
-
-* eager attention (transformers builds a 4-D mask for it even with no mask given);
-* a 2-D attention mask with zeros (padding): transformers turns it into a 4-D
-  [batch, 1, S, S] mask for sdpa;
-* `position_ids` that restart inside a row (packed samples) with no mask: transformers
-  builds a block-diagonal S x S mask for sdpa from them (flash attention takes them as
-  sequence boundaries instead, and passes).
-
-What still reaches a layer is handled there, once per layer call (`check_call`):
-
-* eager attention (it materializes [batch, heads, S, S] scores): refused, naming
-  `attn_implementation="sdpa"`;
-* a 4-D mask (the user's own, or transformers' for padding or a sliding window): dropped
-  when it is plain causal (sdpa then runs `is_causal`), else refused;
-* a hidden state of 2^31 elements or more (int32 indexing in kernels): refused at any
-  length unless the layer runs in sequence tiles (`layer_tiles.py`: its kernels see one
-  tile; K and V past 2^31 are refused there).
-
-While such a layer runs (`fused_attention`) SDPA's math backend is switched off, so a call
-that would fall back to it (attention dropout on a CPU, an unsupported dtype) raises a
+From `LONG_SEQ_TOKENS` tokens per sequence attention runs through SDPA's fused kernels
+with `is_causal` and no mask. What would make the model build an S x S mask is refused
+once per pass, on the decoder stack's inputs (`check_inputs`: eager attention, a padded
+2-D mask, packed `position_ids` with no mask); at each layer call (`check_call`) eager
+attention is refused, a plain causal 4-D mask dropped and any other refused, and a hidden
+state of 2^31 elements or more refused unless the layer runs in sequence tiles. While such
+a layer runs (`fused_attention`) SDPA's math backend is off, so a fallback to it raises a
 `LongSequenceError` naming the cause instead of allocating S x S scores.
+Design: docs/engine.md "Long context" (**Attention at long sequence**).
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
-"""Attention in query blocks (`Plan.tiling` "layer") inside a streamed layer.
+"""Attention in query blocks inside a streamed layer (a layer that cannot run in tiles).
 
-Transformers routes a layer's attention through `ALL_ATTENTION_FUNCTIONS[config.
-_attn_implementation]`. While a streamed layer runs with query blocks (`query_blocks`),
-the attention modules' configs name `QUERY_BLOCKS_ATTENTION`, registered here: it calls
-SDPA once per block of queries [a, b) against keys [0, b), causal with the diagonal offset
-by a (`causal_lower_right`: on CUDA a fused kernel with no mask; elsewhere a
-[b - a, b] bool mask, never S x S). A 4-D mask, where one is left (below
-`long_sequence.LONG_SEQ_TOKENS`), is sliced per block instead.
-
-`_BlockedAttention` keeps q, k, v ([batch, heads, S, head_dim]) and no per-block state:
-its forward runs the blocks under no_grad into one output; its backward re-runs each block
-with grad, writes dQ into the block's slice of one tensor and sums dK, dV over the blocks
-in fp32 accumulators. So the SDPA backward's own buffers (its fp32 dQ accumulator, the
-logsumexp, the block's output) exist for one block at a time; q, o, dO and dQ of the whole
-sequence still do, as the layer's projections make and take them
-(`profiling/working_set.py` counts exactly this).
-
-Only SDPA is blocked: a model loaded with another attention implementation, attention
-dropout (a block re-run would draw other dropout), logit soft-capping, a position bias or
-attention sinks are refused, at attach or at the call.
+While such a layer runs, its attention modules' configs name `QUERY_BLOCKS_ATTENTION`:
+SDPA once per block of queries [a, b) against keys [0, b), causal with the diagonal
+offset by a (never an S x S mask; a 4-D mask, where one is left, is sliced per block).
+`_BlockedAttention` keeps only q, k, v: its backward re-runs each block with grad, writes
+dQ into the block's slice and sums dK, dV in fp32, so SDPA's backward buffers exist for
+one block at a time (q, o, dO, dQ of the whole sequence still do). Only SDPA is blocked:
+another attention implementation, attention dropout, soft-capping, a position bias or
+sinks are refused. Design: docs/engine.md "Long context" (**Attention in query blocks**).
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Sequence tiles for a streamed layer's token-wise block (its MLP, MoE experts included).
 
-At long sequence the MLP's intermediates ([tokens, intermediate] each, several live in its
-backward) are the largest tensors a layer allocates. As ALST's TiledMLP does, the MLP runs
-over tiles of `Plan.tile_tokens` tokens: while a streamed layer runs (`Runtime.run_layer`,
-`Runtime.rerun_with_grad`) its MLP's `forward` is replaced on the instance (`tiled`) by a
-call through `_TiledCall`, whose forward runs the tiles one by one under no_grad into a
-preallocated output, and whose backward re-runs each tile with grad (RNG and autocast
-replayed: dropout draws what the forward drew), writes the input gradient into its slice
-of a preallocated tensor and sums the weight gradients over the tiles. Only one tile's
-intermediates exist at a time. Tiles cut the flattened tokens ([batch * seq, hidden]):
-the MLP mixes no tokens, and router logits come out in the untiled run's order.
-
-Tensors the MLP hands to transformers' output collector (MoE router logits) are taken per
-tile, concatenated in token order and returned as outputs of the Function, so the router
-auxiliary loss's gradient reaches the tiles' backward (`captures.py`).
+As ALST's TiledMLP does, the MLP runs over tiles of `Plan.tile_tokens` flattened tokens:
+while a streamed layer runs, its MLP's `forward` is replaced on the instance (`tiled`) by
+`_TiledCall`, whose forward runs the tiles under no_grad into a preallocated output and
+whose backward re-runs each tile with grad (RNG and autocast replayed), writes its input
+gradient slice and sums the weight gradients: one tile's intermediates at a time. Router
+logits the MLP hands to transformers' output collector are taken per tile and returned
+in token order (`captures.py`), so the aux loss's gradient reaches the tiles' backward.
+Design: docs/engine.md "Long context" (**Tiled token-wise block**).
 """
 
 from __future__ import annotations
