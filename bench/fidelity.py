@@ -77,6 +77,7 @@ from lazytrain_accel.engine import attach
 from lazytrain_accel.engine.device.emulation import EmulationSettings
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.engine.step.overlap import LayerwiseUpdate
+from lazytrain_accel.engine.step.worker import UpdateWorker
 from lazytrain_accel.layer_probe import LayerOverheadProbe, LayerOverheads
 from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning import Budgets, build_problem, make_plan, simulate
@@ -292,6 +293,7 @@ class _UpdateBeside:
         self.optimizer = HybridAdamW8bit(self.model.parameters(), lr=1e-4)
         self._gradients()
         self.optimizer.step()  # allocates the 8-bit states
+        self.worker = UpdateWorker()
 
     def _gradients(self) -> None:
         for p in self.model.parameters():
@@ -304,9 +306,9 @@ class _UpdateBeside:
         accounting = Accounting()
         if not self.optimizer.begin_step():
             raise RuntimeError("the calibration update's gradients are not finite")
-        update = LayerwiseUpdate(self.optimizer, self.model, self.groups, accounting)
-        update.thread.start()
-        self.optimizer.zero_grad(set_to_none=True)
+        update = LayerwiseUpdate(self.optimizer, self.groups, accounting)
+        self.worker.submit(update.run)
+        update.defer_zero_grad(set_to_none=True)  # as the step's `zero_grad()` is
         try:
             measured = beside()
         finally:

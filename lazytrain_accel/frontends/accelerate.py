@@ -188,6 +188,21 @@ class Accelerator(accelerate.Accelerator):
         self._lazytrain_synchronize()
         super().wait_for_everyone()
 
+    def wait_for_update(self) -> None:
+        """Block until the optimizer update that `optimizer.step()` left running is whole.
+        The next forward, `state_dict()`, `unwrap_model` and `wait_for_everyone` wait
+        themselves; a loop that reads parameter values right after the step must call
+        this first, or it reads some layers updated and others not."""
+        self._lazytrain_synchronize()
+
+    def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> nn.Module:
+        """Stock `unwrap_model`; with LazyTrain it first waits for a running update, so
+        the parameters of the model it returns are the updated ones."""
+        self._lazytrain_synchronize()
+        return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper,
+                                    keep_torch_compile=keep_torch_compile)
+
     # ---- state ----------------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **kwargs: Any) -> str:

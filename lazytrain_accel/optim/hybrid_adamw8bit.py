@@ -1,19 +1,13 @@
 """`HybridAdamW8bit`: AdamW on host fp32 masters with blockwise 8-bit moments.
 
-State per parameter of >= `min_8bit_numel` elements: `exp_avg_codes`/`exp_avg_sq_codes`
-(uint8, one per element) and `exp_avg_absmax`/`exp_avg_sq_absmax` (fp32, one per block),
-about 2.03 bytes per parameter at block 256. Smaller tensors (norms, biases) keep fp32
-`exp_avg`/`exp_avg_sq`: they are few bytes and the most sensitive to quantization.
-
-A step is `begin_step()` (global norm, clip coefficient, finite check: once), then
-`step_params(...)` over any partition of the parameters (the engine calls it layer by
-layer on a worker thread, in forward order), then `end_step()`. `step()` does all three,
-inline; under the LazyTrain Accelerator `optimizer.step()` is `run/step.py:OptimizerStep`,
-which calls them itself (layer by layer on the engine's thread). `begin_step()` freezes each group's
-hyperparameters for the step, so an LR scheduler stepped while the layer-wise update
-still runs changes the next step, not the rest of this one. Each update is one fused
-pass per tensor (`native.py` kernel, or the bit-identical torch path of `reference.py`)
-with the clip scale applied inside it.
+State per parameter of >= `min_8bit_numel` elements: uint8 codes per element and an fp32
+absmax per block for each moment (~2.03 bytes per parameter at block 256); smaller
+tensors keep fp32 moments. A step is `begin_step()` (global norm, clip coefficient,
+finite check: once), `step_params(...)` over any partition of the parameters (the engine:
+layer by layer on its update worker), then `end_step()`; `step()` does all three, or on a
+LazyTrain run hands over to `run_step` (`run/step.py:OptimizerStep`). `begin_step()`
+freezes each group's hyperparameters for the step. Each update is one fused pass per
+tensor (`native.py`, or the bit-identical `reference.py`). docs/optimizer.md.
 """
 
 from __future__ import annotations
@@ -109,6 +103,12 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         #: guards what they share (the step's updated set, `self.state`'s entries). The
         #: math itself needs no lock: each parameter is updated by one thread, once.
         self._shared_lock = threading.Lock()
+        #: Set by the engine that updates this optimizer layer by layer: given a
+        #: `zero_grad()`'s `set_to_none`, True if a running update took it over.
+        self.zero_grad_gate: Callable[[bool], bool] | None = None
+        #: Set once by a LazyTrain run (`run/step.py:OptimizerStep.install`): what
+        #: `step(closure)` runs instead, called as `run_step(self, closure)`.
+        self.run_step: Callable[[HybridAdamW8bit, Callable[[], float] | None], Any] | None = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -168,6 +168,8 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         return self._grad_norm_cache
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.zero_grad_gate is not None and self.zero_grad_gate(set_to_none):
+            return  # each group's gradients are cleared right after its update
         super().zero_grad(set_to_none=set_to_none)
         self._forget_gradients()
 
@@ -178,16 +180,20 @@ class HybridAdamW8bit(torch.optim.Optimizer):
 
     # --- the step, whole or per layer ---------------------------------------------------
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One AdamW step over every parameter with a gradient (skipped if non-finite)."""
+        """One AdamW step over every parameter with a gradient (skipped if non-finite);
+        on a LazyTrain run, the run's step (`run_step`). torch's own wrapper of this
+        method runs the step hooks around either."""
+        if self.run_step is not None:
+            return self.run_step(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.begin_step():
-            self.step_params([p for group in self.param_groups for p in group["params"]])
-        self.end_step()
+        with torch.no_grad():
+            if self.begin_step():
+                self.step_params([p for group in self.param_groups for p in group["params"]])
+            self.end_step()
         return loss
 
     def begin_step(self, *, check_finite: bool = False) -> bool:

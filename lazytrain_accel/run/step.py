@@ -78,34 +78,31 @@ class OptimizerStep:
 
     def install(self, optimizer: torch.optim.Optimizer,
                 replaced: torch.optim.Optimizer | None = None) -> None:
-        """Make this `optimizer.step` (on the instance; LR schedulers re-bind
-        `step.__func__`, so it is a function bound to the optimizer). The hybrid
-        operator's step runs torch's step hooks around it, as its own `step` would.
-        `replaced`: the user's optimizer that `optimizer` replaced (never stepped)."""
+        """Make this `optimizer.step`, once, at prepare. The hybrid operator's own `step`
+        calls it (`HybridAdamW8bit.run_step`), inside torch's wrapper that runs the step
+        hooks; any other optimizer's `step` is replaced on the instance by a function
+        bound to it (LR schedulers re-bind `step.__func__`). `replaced`: the user's
+        optimizer that `optimizer` replaced (never stepped)."""
         previous = optimizer.step  # a bound method, or a scheduler's wrapper around it
         if isinstance(optimizer, HybridAdamW8bit):
             self.guard.count_in(optimizer.skips)  # it decides and counts the skips
-            step = torch.optim.Optimizer.profile_hook_step(self.__call__)
+            optimizer.run_step = self
         else:
             self._own_step = previous
 
             def step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
                 return self(opt, *args, **kwargs)
-        # A scheduler built before prepare() wraps `step` of the optimizer it was given and
-        # checks at its first step that the wrapper ran (torch's `_opt_called`). Keep the
-        # mark on `optimizer.step`; where the wrapper is no longer called (the replaced
-        # optimizer's, and `previous` once the hybrid operator's step bypasses it), one
-        # post-hook sets what it set, or torch warns that the scheduler stepped first
-        # (test_one_step.py fails loudly if torch renames the field).
-        unstepped = [] if replaced is None or replaced is optimizer else [replaced]
-        if getattr(previous, "_wrapped_by_lr_sched", False):
-            step._wrapped_by_lr_sched = True
-            if self._own_step is None:
-                unstepped.append(optimizer)
-        if unstepped:
-            optimizer.register_step_post_hook(partial(_mark_stepped, unstepped))
-        optimizer.step = MethodType(step, optimizer)
+            # a scheduler built before prepare checks that its wrapper is still there
+            if getattr(previous, "_wrapped_by_lr_sched", False):
+                step._wrapped_by_lr_sched = True
+            optimizer.step = MethodType(step, optimizer)
         optimizer._lazytrain_step = self
+        if replaced is not None and replaced is not optimizer:
+            # A scheduler built on the replaced optimizer checks at its first step that
+            # its wrapper of that optimizer's `step` ran (torch's `_opt_called`), which
+            # is never called now: a post-hook sets the mark (docs/architecture.md
+            # "Patched points").
+            optimizer.register_step_post_hook(partial(_mark_stepped, [replaced]))
 
     def __call__(self, optimizer: torch.optim.Optimizer,
                  closure: Callable[[], float] | None = None) -> Any:
@@ -166,7 +163,7 @@ class OptimizerStep:
 
 
 def _mark_stepped(optimizers: list[torch.optim.Optimizer], *_: Any) -> None:
-    """A step post-hook: what an LR scheduler's wrapper of each one's `step` would set."""
+    """A step post-hook: what an LR scheduler's wrapper of each one's `step` sets."""
     for optimizer in optimizers:
         optimizer._opt_called = True
 

@@ -2,35 +2,11 @@
 
 The model's own forward, masks, rotary embeddings, loss and `loss.backward()` stay
 untouched: only each decoder layer's `forward` is replaced (on the instance) by a call
-through the layer Function, and hooks bracket each model pass (`patching.py`).
-
-The life of one training step, top-down (file:function):
-
-1. `model(...)`: `engine.py:StreamingEngine.before_model` waits for the input-side
-   residents' update (group 0 of a running layer-wise update) and swaps their device
-   copies in; the decoder
-   stack's pre-hook `new_pass` starts a fresh pass.
-2. Each decoder layer call: `patching.py:_streamed_forward` -> `call_layer` ->
-   `binding.py:bind_call` / `drop_cache` -> `layer_call.py:ForwardState.call` ->
-   `_LayerFunction.forward` -> `runtime.py:Runtime.run_layer` ->
-   `weights.py:WeightPool.acquire` (waits for layer j's update only, streams its
-   compute copy) and `prefetch(j + 1)`.
-3. `loss.backward()`: `_LayerFunction.backward` -> `ForwardState.run_backward` ->
-   `_begin_backward` (waits for the whole update) -> `Runtime.rerun_with_grad` ->
-   `grads.py:GradSink.put` (host `.grad`, squared norms recorded); the autograd callback
-   `_finish_backward` drains the sink, closes the pass and folds the residents' grads.
-4. `optimizer.step()`: `run/step.py:OptimizerStep`, the step top-down (without a run,
-   `step_layerwise` -> `step.py:StepCoordinator.step`): wait for the previous update,
-   norms of the landed gradients, `begin_step` (finite check, clip coefficient), then
-   `StepCoordinator.update` starts `overlap.py:LayerwiseUpdate` on a thread: input-side
-   residents, layer 1..L, output-side residents, each layer's compute copy written in
-   the same pass (residents whose masters live on the device are updated by the
-   training thread, beside the thread where the device is async); `step()` returns at
-   once. The next forward's final norm and head wait for the last group (`before_head`,
-   a pre-hook on their modules).
-5. `optimizer.zero_grad()` / `model.zero_grad()`: deferred per group by the update
-   (`LayerwiseUpdate._deferred_zero_grad`); the next step's forward starts at 1. while
-   the update still runs.
+through the layer Function, and hooks bracket each model pass (`patching.py`). This module
+owns the pass bracketing (`before_model`, `new_pass`, `before_head`), the layer calls
+(`call_layer`), the backward's start and end (`_begin_backward`, `_finish_backward`) and
+the public queries. The life of one step, function by function: docs/engine.md "The life
+of one step, in the code" and docs/architecture.md "The life of one step".
 """
 
 from __future__ import annotations
@@ -162,7 +138,6 @@ class StreamingEngine:
         last = len(self._layers) + 1
         #: Begin, wait and end of each optimizer step (`engine/step/coordinator.py`).
         self.steps = StepCoordinator(
-            model=self.model,
             groups=[self.residents.early, *self._layer_params, self.residents.late],
             device_groups=(0, last) if self.residents.on_device else (), copies=self.pool,
             accounting=self.acct, device_update_beside_host=self.streams.is_async,
@@ -312,6 +287,16 @@ class StreamingEngine:
         self.steps.wait()  # gradients of this pass must not meet a running update
         self.queue_finalizer()
 
+    def defer_zero_grad(self, set_to_none: bool) -> bool:
+        return self.steps.defer_zero_grad(set_to_none)
+
+    def wait_for_update(self) -> None:
+        """Block until the running optimizer update (if any) is whole. `optimizer.step()`
+        returns while it runs; the next forward, `state_dict()` and the Accelerator's
+        `unwrap_model` wait themselves, but a loop reading the parameters' values right
+        after the step reads some groups updated and others not unless it calls this."""
+        self.steps.wait()
+
     def queue_finalizer(self) -> None:
         # Keyed by graph task: a backward that raised never ran its callback, and the
         # next backward must queue its own.
@@ -425,6 +410,7 @@ class StreamingEngine:
         self.sink.close()
         self.spill.close()
         self.streams.close()
+        self.steps.close()
 
 
 def attach(model: nn.Module, plan: Plan, *, device: torch.device,

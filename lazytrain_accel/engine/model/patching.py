@@ -3,8 +3,9 @@
 Each decoder layer's `forward` is replaced on the instance by `_streamed_forward`, which
 finds its engine through a `_Link` attribute; hooks on the model and on the decoder stack
 bracket each pass (`StreamingEngine.before_model` / `after_model` / `new_pass` /
-`end_pass`), and `state_dict()` / `load_state_dict()` first wait for a running update.
-`ModelPatch.restore()` undoes all of it (`StreamingEngine.detach`).
+`end_pass`), `state_dict()` / `load_state_dict()` first wait for a running update, and
+`zero_grad()` is deferred while one runs (torch has no hook for it: docs/architecture.md
+"Patched points"). `ModelPatch.restore()` undoes all of it (`StreamingEngine.detach`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class PatchedEngine(Protocol):
         """Queue the end-of-backward callback (a resident's gradient has accumulated)."""
         ...
 
+    def defer_zero_grad(self, set_to_none: bool) -> bool:
+        """Whether a running update took the `zero_grad()` over (see `LayerwiseUpdate`)."""
+        ...
+
 
 def _none() -> None:
     return None
@@ -83,6 +88,14 @@ def _check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         link.engine.check_inputs(args, kwargs)
 
 
+def _zero_grad_after_update(model: nn.Module, set_to_none: bool = True) -> None:
+    """`model.zero_grad()`: deferred per group while an update runs (the Trainer calls it
+    right after `optimizer.step()`), else the module's own."""
+    link = model.__dict__.get(_LINK)
+    if link is None or not link.engine.defer_zero_grad(set_to_none):
+        type(model).zero_grad(model, set_to_none)
+
+
 def _streamed_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
     link = layer.__dict__.get(_LINK)
     if link is None:
@@ -101,6 +114,9 @@ class ModelPatch:
         for index, layer in enumerate(layers, start=1):
             layer.forward = types.MethodType(_streamed_forward, layer)
             layer.__dict__[_LINK] = _Link(engine, index)
+        self._model = model
+        self._saved_zero_grad = model.__dict__.get("zero_grad")
+        model.zero_grad = types.MethodType(_zero_grad_after_update, model)
         self._linked = [model, parent, *head_modules]
         for module in self._linked:
             module.__dict__[_LINK] = _Link(engine)
@@ -139,6 +155,10 @@ class ModelPatch:
                 layer.forward = saved
         for module in self._linked:
             module.__dict__.pop(_LINK, None)
+        if self._saved_zero_grad is None:
+            del self._model.zero_grad
+        else:
+            self._model.zero_grad = self._saved_zero_grad
 
 
 def move_buffers(model: nn.Module, device: torch.device) -> dict[nn.Module, torch.device]:

@@ -1,20 +1,13 @@
 """`StepCoordinator`: one optimizer step of a streamed model, from begin to end.
 
-`StepCoordinator.update` launches the update of a step that `run/step.py:OptimizerStep`
-(what `optimizer.step()` is on a LazyTrain run) let through; `StepCoordinator.step` is
-the engine's own step for callers without a run. The coordinator also owns the rest of
-the step's life: the waits of the next forward for each group's update (`wait_for_group`,
-`is_group_updated`), the wait for the whole update (`wait`), and, through the running
-`LayerwiseUpdate`, the deferral of `zero_grad()` until each group has been updated.
-
-Groups are updated in forward order: group 0 = the input side's residents (embeddings),
-group j = decoder layer j, group L+1 = the output side's residents (final norm, untied
-head). The residents whose masters live on the device (`Plan.resident_update="device"`)
-are updated by the training thread, the rest by the update thread. Where the device runs
-queued work while the host goes on (`Streams.is_async`: a GPU, and the emulated device
-that stands in for one), the training thread queues the residents' update after the
-update thread has started, so both run side by side; on a synchronous CPU device it runs
-first. `HardwareProfile.device_runs_async` tells the simulator the same thing.
+`update` launches the update of a step that `run/step.py:OptimizerStep` let through
+(`step`: the engine's own step for callers without a run) on the run's one
+`UpdateWorker`; the coordinator also answers the next forward's waits per group
+(`wait_for_group`, `is_group_updated`), the wait for the whole update (`wait`) and the
+deferral of `zero_grad()`. Groups run in forward order (0: input residents, j: layer j,
+L+1: output residents); residents whose masters live on the device are updated by the
+training thread, beside the worker where the device is async (`Streams.is_async`),
+before it on a synchronous CPU. docs/engine.md "Step overlap".
 """
 
 from __future__ import annotations
@@ -27,6 +20,7 @@ from torch import nn
 
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.engine.step.overlap import CopyTarget, LayerwiseOptimizer, LayerwiseUpdate
+from lazytrain_accel.engine.step.worker import UpdateWorker
 
 
 class SaveGate(Protocol):
@@ -57,12 +51,11 @@ class PeerUpdates(Protocol):
 class StepCoordinator:
     """Begin, wait and end of each optimizer step of one streamed model."""
 
-    def __init__(self, *, model: nn.Module, groups: Sequence[Sequence[nn.Parameter]],
+    def __init__(self, *, groups: Sequence[Sequence[nn.Parameter]],
                  device_groups: Sequence[int], copies: CopyTarget,
                  accounting: Accounting, device_update_beside_host: bool,
                  grad_sq_norms: Callable[[], Mapping[nn.Parameter, float]],
                  awaiting_backward: Callable[[], bool]) -> None:
-        self._model = model
         self._groups = [list(g) for g in groups]  # forward order, every parameter
         #: The groups whose masters live on the device (the residents with
         #: `Plan.resident_update="device"`): the training thread updates them.
@@ -74,6 +67,7 @@ class StepCoordinator:
         self._grad_sq_norms = grad_sq_norms
         self._awaiting_backward = awaiting_backward
         self._update: LayerwiseUpdate | None = None
+        self._worker = UpdateWorker()
         #: Set by a node store's split update: the groups other ranks own and update.
         self.peers: PeerUpdates | None = None
         #: Set while a checkpoint save runs beside training: the update of group g first
@@ -125,17 +119,35 @@ class StepCoordinator:
         device_done = threading.Event()
         if not self.device_update_beside_host:
             self._update_on_device(optimizer, groups, device_groups, device_done, fail=None)
-        self._update = LayerwiseUpdate(optimizer, self._model, groups, self._acct,
+        self._adopt(optimizer)
+        self._update = LayerwiseUpdate(optimizer, groups, self._acct,
                                        copies=self._copies, device_groups=device_groups,
                                        device_update_done=device_done,
                                        foreign_groups=peers.foreign_groups if peers else (),
                                        on_group_done=peers.publish if peers else None,
                                        before_group=self._wait_for_save())
-        self._update.thread.start()
+        self._worker.submit(self._update.run)
         if self.device_update_beside_host:
             self._update_on_device(optimizer, groups, device_groups, device_done,
                                    fail=self._update)
         return None
+
+    def _adopt(self, optimizer: LayerwiseOptimizer) -> None:
+        """An optimizer with a `zero_grad_gate` (the hybrid operator) defers its
+        `zero_grad()` to this coordinator while an update runs; set once."""
+        if getattr(optimizer, "zero_grad_gate", False) is None:
+            optimizer.zero_grad_gate = self.defer_zero_grad
+
+    def defer_zero_grad(self, set_to_none: bool) -> bool:
+        """A `zero_grad()` of the model or the optimizer: True if the running update took
+        it over (each group cleared right after its update), False if none runs."""
+        update = self._update
+        return update is not None and update.defer_zero_grad(set_to_none)
+
+    def close(self) -> None:
+        """Wait for the running update, then end the update worker's thread."""
+        self.wait()
+        self._worker.close()
 
     def _wait_for_save(self) -> Callable[[int], None] | None:
         gate = self.save_gate

@@ -1,25 +1,16 @@
-"""Optimizer/forward overlap: a layer-by-layer update on a CPU thread (`LayerwiseUpdate`,
-started and waited for by `engine/step/coordinator.py:StepCoordinator`).
+"""Optimizer/forward overlap: a layer-by-layer update (`LayerwiseUpdate`, one job of the
+run's `UpdateWorker`, launched and waited for by `coordinator.py:StepCoordinator`).
 
-Groups are updated in forward order: group 0 = the input side's resident parameters
-(embeddings; a head tied to them included), group j = layer j, group L+1 = the output
-side's (final norm, untied head). The next forward of layer j waits only for group j, its
-head only for group L+1. Where the compute dtype is not fp32
-the update also writes each layer's compute-dtype copy in the same pass (`CopyTarget`,
-the weight pool), so the next stream of that layer needs no cast on the training thread.
-
-`optimizer.zero_grad()` and `model.zero_grad()` called while the update runs are
-deferred per group: a group's gradients are cleared right after its update, never
-before, so a prompt `zero_grad()` cannot erase gradients still unread.
-`model.parameters()` and `model.named_parameters()` wait for the whole update, so a loop
-that reads the weights right after `optimizer.step()` reads updated ones. (All are patched
-on the instance for the duration of the update; a method bound before the step
-bypasses them.)
+Groups are updated in forward order: group 0 = the input side's residents, group j =
+layer j, group L+1 = the output side's. The next forward of layer j waits only for group
+j. Where the compute dtype is not fp32 the update also writes each layer's compute-dtype
+copy (`CopyTarget`, the weight pool). A `zero_grad()` while the update runs is deferred
+per group (`defer_zero_grad`): a group's gradients are cleared right after its update,
+never before. docs/engine.md "Optimizer/forward overlap".
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,9 +20,6 @@ import torch
 from torch import nn
 
 from lazytrain_accel.engine.stats import Accounting
-
-#: Model methods that read the masters: while the update runs they wait for it first.
-_WAITING_READS = ("parameters", "named_parameters")
 
 
 class LayerwiseOptimizer(Protocol):
@@ -58,9 +46,9 @@ class CopyTarget(Protocol):
 
 
 class LayerwiseUpdate:
-    """The host's update of `groups` in forward order, on its own `thread`, which the
-    caller starts (`StepCoordinator.update` starts it itself, so the update thread's
-    hand-off stays one frame below the step: tests/integrations/test_one_step.py).
+    """The host's update of `groups` in forward order: `run` is the job the caller hands
+    to the run's `UpdateWorker` (`StepCoordinator.update`, one frame below the step:
+    tests/integrations/test_one_step.py).
 
     `device_groups` are updated by the training thread instead (`StepCoordinator`), which
     sets `device_update_done` when it has; the thread ends the step (`end_step`) only then.
@@ -71,7 +59,7 @@ class LayerwiseUpdate:
     (`checkpoints/asynchronous.py`), which the update is about to overwrite.
     """
 
-    def __init__(self, optimizer: LayerwiseOptimizer, model: nn.Module,
+    def __init__(self, optimizer: LayerwiseOptimizer,
                  groups: list[list[nn.Parameter]], accounting: Accounting,
                  copies: CopyTarget | None = None,
                  device_groups: Sequence[int] = (),
@@ -85,7 +73,6 @@ class LayerwiseUpdate:
         self._on_group_done = on_group_done
         self._device_groups = frozenset(device_groups)
         self._device_update_done = device_update_done
-        self._patched = (optimizer, model)
         self._groups = groups
         self._acct = accounting
         self._copies = copies
@@ -93,15 +80,10 @@ class LayerwiseUpdate:
         self._lock = threading.Lock()
         self._zero: bool | None = None  # set_to_none of a deferred zero_grad, if any
         self._error: BaseException | None = None
-        for owner in self._patched:  # instance patches, removed when the update ends
-            owner.__dict__["zero_grad"] = self._deferred_zero_grad
-        for name in _WAITING_READS:
-            model.__dict__[name] = functools.partial(self._read_after_update, model, name)
-        # Not a daemon: the interpreter's exit joins it, so a script that ends right after
-        # `optimizer.step()` never leaves it inside torch while finalizing (abort, -6).
-        self.thread = threading.Thread(target=self._run, name="lazytrain-step")
+        self._finished = threading.Event()
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The update, whole; an error is kept for the training thread's next `wait`."""
         start = time.perf_counter()
         try:
             for index, (group, done) in enumerate(zip(self._groups, self._done, strict=True)):
@@ -127,30 +109,28 @@ class LayerwiseUpdate:
             self._error = err
         finally:
             with self._lock:
-                for owner in self._patched:
-                    owner.__dict__.pop("zero_grad", None)
-                for name in _WAITING_READS:
-                    self._patched[1].__dict__.pop(name, None)
                 for done in self._done:
                     done.set()
             self._acct.add("optimizer_update_s", time.perf_counter() - start)
+            self._finished.set()
 
     def _compute_copy(self, index: int) -> list[torch.Tensor] | None:
         """Where group `index`'s compute-dtype copy goes (decoder layers only), if any."""
         layer = 0 < index < len(self._groups) - 1  # a decoder layer (not a resident group)
         return self._copies.compute_copy(index) if self._copies is not None and layer else None
 
-    def _deferred_zero_grad(self, set_to_none: bool = True) -> None:
+    def defer_zero_grad(self, set_to_none: bool = True) -> bool:
+        """A `zero_grad()` during the update: clear the updated groups' gradients now and
+        each other group's right after its update. False once the update has ended (the
+        caller clears them itself)."""
         with self._lock:
+            if self._finished.is_set():
+                return False
             self._zero = set_to_none
             for group, done in zip(self._groups, self._done, strict=True):
                 if done.is_set():
                     _zero(group, set_to_none)
-
-    def _read_after_update(self, model: nn.Module, name: str, *args: Any, **kwargs: Any
-                           ) -> Any:
-        self.wait()
-        return getattr(type(model), name)(model, *args, **kwargs)
+            return True
 
     def is_ready(self, group: int) -> bool:
         return self._done[group].is_set()
@@ -159,7 +139,7 @@ class LayerwiseUpdate:
         """Block until `group` (None: every group) is updated; re-raise a thread error."""
         start = time.perf_counter()
         if group is None:
-            self.thread.join()
+            self._finished.wait()
         else:
             self._done[group].wait()
         waited_s = time.perf_counter() - start
