@@ -1,16 +1,12 @@
-"""The native fused kernel: built on first use with torch.utils.cpp_extension, or absent.
+"""The native fused kernel: a torch.library op built on first use, or absent.
 
-`load_kernel()` returns the compiled module for the best instruction-set variant this CPU
-runs (`VARIANTS`, chosen from the CPU's feature flags), or None when it cannot be built
-here (no compiler, no ninja, an unusual platform); the optimizer then uses the pure-torch
-path of `reference.py`, which computes the same bits, 25-35x slower, and says so once,
-loudly. Each variant is compiled for a named instruction set (`-march=x86-64-v3` for
-AVX2, never `-march=native` alone), so a build shared by two machines through one cache
-never runs an instruction the other CPU lacks; the cache name hashes everything the
-binary depends on: the variant's flags, the kernel's sources, the torch version and the
-Python ABI. Two checkouts or venvs on one machine then keep separate builds instead of
-overwriting each other's (a rebuild of 10-20 s on every switch), and a build that exists
-is loaded, not rebuilt.
+`load_kernel()` returns the `NativeKernel` of the best instruction-set variant this CPU
+runs (`VARIANTS`, picked by the CPU's flags): its op `lazytrain_<variant>::adamw8bit_step`,
+registered from C++ in a namespace per variant (variants coexist in one process), runs
+without the GIL. None when it cannot be built here: the optimizer then runs
+`reference.py`, the same bits, 25-35x slower, and says so once. Each variant is compiled
+for a named instruction set, never `-march=native`; its cache name hashes its flags, the
+sources, torch and the Python ABI. Design: docs/optimizer.md "Native kernel".
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
@@ -100,10 +95,19 @@ def variant_named(name: str) -> KernelVariant:
                      f"{[v.name for v in VARIANTS]}")
 
 
+def op_namespace(variant: KernelVariant) -> str:
+    """The torch.library namespace of `variant`'s ops: `torch.ops.lazytrain_avx2`, ..."""
+    return f"lazytrain_{variant.name}"
+
+
+def _cflags(variant: KernelVariant) -> list[str]:
+    return [*KERNEL_CFLAGS, *variant.cflags, f"-DLAZYTRAIN_OPS={op_namespace(variant)}"]
+
+
 def _build_name(variant: KernelVariant) -> str:
     abi = f"{sys.implementation.cache_tag}|{sysconfig.get_config_var('SOABI')}"
     torch_build = f"{torch.__version__}|{torch.version.git_version}"
-    flags = " ".join([*KERNEL_CFLAGS, *variant.cflags])
+    flags = " ".join(_cflags(variant))
     sources = b"".join(path.read_bytes() for path in (_SOURCE, *_HEADERS))
     digest = hashlib.sha1("|".join([platform.machine(), abi, torch_build, flags]).encode()
                           + sources).hexdigest()[:12]
@@ -155,15 +159,29 @@ def _expected_constants() -> tuple[int, ...]:
 TORCH_PATH_SLOWDOWN = 30.0
 
 
+@dataclass(kw_only=True, frozen=True)
+class NativeKernel:
+    """One variant's loaded ops. `adamw8bit_step(param, grad, exp_avg_codes,
+    exp_avg_absmax, exp_avg_sq_codes, exp_avg_sq_absmax, out_bf16, beta1, beta2, eps,
+    decay, step_size, inv_bias_correction2_sqrt, clip_coef, block_size)` updates the first
+    six tensors (and `out_bf16`, when not None) in place; the rest is `kernel_info`'s."""
+
+    adamw8bit_step: torch._ops.OpOverload
+    instruction_set: str  # what the build's flags compiled it for (a variant's name)
+    code_constants: tuple[int, ...]  # the codes' constants, as `_expected_constants()`
+    max_block_size: int
+    library: str  # the shared library the ops came from
+
+
 @functools.cache
-def load_kernel(variant: str | None = None) -> ModuleType | None:
-    """The compiled kernel module for `variant` (default: the best this CPU runs), built
-    once per machine; None, with one loud warning, if it cannot be built here."""
+def load_kernel(variant: str | None = None) -> NativeKernel | None:
+    """The kernel's ops for `variant` (default: the best this CPU runs), built once per
+    machine; None, with one loud warning, if it cannot be built here."""
     if EXP_AVG_CODE.shift != EXP_AVG_SQ_CODE.shift:
         raise AssertionError("the native kernel assumes both moments share one mantissa width")
     chosen = runnable_variants()[0] if variant is None else variant_named(variant)
     try:
-        module = _build(chosen)
+        library = _build(chosen)
     except Exception as error:  # any build failure means: use the torch path
         logger.warning(
             "lazytrain: the native 8-bit AdamW kernel (%s) could not be built (%s: %s). The "
@@ -174,25 +192,80 @@ def load_kernel(variant: str | None = None) -> ModuleType | None:
             chosen.name, type(error).__name__,
             str(error).splitlines()[0] if str(error) else "", TORCH_PATH_SLOWDOWN)
         return None
-    if tuple(module.code_constants) != _expected_constants():
+    kernel = _bind(chosen, library)
+    if tuple(kernel.code_constants) != _expected_constants():
         raise RuntimeError(
-            f"native kernel codes {tuple(module.code_constants)} differ from codes.py "
+            f"native kernel codes {tuple(kernel.code_constants)} differ from codes.py "
             f"{_expected_constants()}: update csrc/adamw8bit_core.h together with codes.py"
         )
-    return module
+    return kernel
 
 
-def _build(variant: KernelVariant) -> ModuleType:
+#: op namespace -> the library that registered it in this process. A namespace registers
+#: once: loading another build of a loaded variant (its sources changed, another
+#: TORCH_EXTENSIONS_DIR) would abort the process in torch's static registration
+_LOADED: dict[str, str] = {}
+#: the namespaces whose `adamw8bit_step` has its fake kernel (`_fake_adamw8bit_step`)
+_FAKE_REGISTERED: set[str] = set()
+
+
+def _build(variant: KernelVariant) -> str:
+    """Build `variant` (unless built) and load it: its ops join torch.ops; the path."""
     from torch.utils.cpp_extension import load
 
     name = _build_name(variant)
     directory = _build_directory(name)
-    if not (directory / f"{name}.so").is_file():
+    library = str(directory / f"{name}.so")
+    loaded = _LOADED.get(op_namespace(variant))
+    if loaded == library:
+        return library  # loaded: calling load() again could rebuild it under a new name
+    if loaded is not None:
+        raise RuntimeError(f"another build of the {variant.name} kernel is loaded in this "
+                           f"process ({loaded}); restart Python to load {library}")
+    if not Path(library).is_file():
         logger.warning("lazytrain: building the 8-bit optimizer kernel for %s (first use with "
                        "this source, torch and Python only, ~10-20 s) in %s", variant.name,
                        directory)
     directory.mkdir(parents=True, exist_ok=True)
     clear_stale_build_lock(directory)
-    return load(name=name, build_directory=str(directory), sources=[str(_SOURCE)],
-                extra_cflags=[*KERNEL_CFLAGS, *variant.cflags], extra_ldflags=["-fopenmp"],
-                verbose=False)
+    load(name=name, build_directory=str(directory), sources=[str(_SOURCE)],
+         extra_cflags=_cflags(variant), extra_ldflags=["-fopenmp"], is_python_module=False,
+         verbose=False)
+    _LOADED[op_namespace(variant)] = library
+    return library
+
+
+def _bind(variant: KernelVariant, library: str) -> NativeKernel:
+    namespace = op_namespace(variant)
+    ops = getattr(torch.ops, namespace)
+    if namespace not in _FAKE_REGISTERED:
+        torch.library.register_fake(f"{namespace}::adamw8bit_step", _fake_adamw8bit_step)
+        _FAKE_REGISTERED.add(namespace)
+    instruction_set, constants, max_block_size = ops.kernel_info()
+    return NativeKernel(adamw8bit_step=ops.adamw8bit_step.default,
+                        instruction_set=instruction_set, code_constants=tuple(constants),
+                        max_block_size=max_block_size, library=library)
+
+
+def _fake_adamw8bit_step(
+        param: torch.Tensor, grad: torch.Tensor, exp_avg_codes: torch.Tensor,
+        exp_avg_absmax: torch.Tensor, exp_avg_sq_codes: torch.Tensor,
+        exp_avg_sq_absmax: torch.Tensor, out_bf16: torch.Tensor | None, beta1: float,
+        beta2: float, eps: float, decay: float, step_size: float,
+        inv_bias_correction2_sqrt: float, clip_coef: float, block_size: int) -> None:
+    """The op's fake kernel (torch.compile, fake tensors): it only writes in place, so
+    this checks the dtypes and sizes the C++ kernel checks, and returns nothing."""
+    n = param.numel()
+    blocks = (n + block_size - 1) // block_size
+    torch._check(param.dtype == torch.float32 and grad.dtype in (torch.float32, torch.bfloat16),
+                 lambda: f"master {param.dtype} / gradient {grad.dtype}: fp32 / fp32 or bf16")
+    torch._check(exp_avg_codes.dtype == exp_avg_sq_codes.dtype == torch.uint8,
+                 lambda: "codes must be uint8")
+    torch._check(grad.numel() == n and exp_avg_codes.numel() == n
+                 and exp_avg_sq_codes.numel() == n,
+                 lambda: f"gradient/codes sizes differ from the master's {n} elements")
+    torch._check(exp_avg_absmax.numel() == blocks and exp_avg_sq_absmax.numel() == blocks,
+                 lambda: f"absmax must have one value per block ({blocks})")
+    torch._check(out_bf16 is None or (out_bf16.dtype == torch.bfloat16
+                                      and out_bf16.numel() == n),
+                 lambda: f"out_bf16 must be bf16 with the master's {n} elements")

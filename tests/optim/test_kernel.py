@@ -19,10 +19,10 @@ _VECTOR_VARIANTS = [v.name for v in native.runnable_variants() if v.name != "por
 def kernel_variant(request, monkeypatch) -> str:
     """Runs the test with the optimizer's kernel built for one variant."""
     require_kernel()
-    module = native.load_kernel(request.param)
-    assert module is not None, f"the {request.param} variant did not build"
-    assert module.instruction_set == request.param  # its flags were really applied
-    monkeypatch.setattr(native, "load_kernel", lambda: module)
+    kernel = native.load_kernel(request.param)
+    assert kernel is not None, f"the {request.param} variant did not build"
+    assert kernel.instruction_set == request.param  # its flags were really applied
+    monkeypatch.setattr(native, "load_kernel", lambda: kernel)
     return request.param
 
 

@@ -57,13 +57,17 @@ def test_a_missing_build_says_one_line_while_it_builds(source, tmp_path, monkeyp
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     calls = []
 
-    def fake_load(*, name, build_directory, **_):
+    def fake_load(*, name, build_directory, is_python_module, **_):
+        assert not is_python_module  # the ops register themselves: no pybind module
         calls.append(build_directory)
         (tmp_path / "ext" / name / f"{name}.so").write_text("")
-        return types.SimpleNamespace(code_constants=native._expected_constants())
+        return str(tmp_path / "ext" / name / f"{name}.so")
 
     monkeypatch.setattr("torch.utils.cpp_extension.load", fake_load)
-    for _ in range(2):
+    monkeypatch.setattr(native, "_bind", lambda variant, library: types.SimpleNamespace(
+        code_constants=native._expected_constants()))
+    for _ in range(2):  # two processes: neither holds a build of the variant yet
+        monkeypatch.setattr(native, "_LOADED", {})
         native.load_kernel.cache_clear()
         with caplog.at_level(logging.WARNING, logger=native.logger.name):
             assert native.load_kernel() is not None
@@ -90,6 +94,24 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_a_fresh_one_kept(tmp_pat
     assert not native.clear_stale_build_lock(tmp_path)  # no lock: nothing to do
 
 
+def test_another_build_of_a_loaded_variant_is_refused_not_loaded(tmp_path, monkeypatch,
+                                                                 caplog):
+    """A variant's ops register once per process: loading another build of it (its
+    sources changed, another TORCH_EXTENSIONS_DIR) would abort Python, so the load is
+    refused before it, with the reason, and the optimizer takes the torch path."""
+    best = native.runnable_variants()[0]
+    monkeypatch.setattr(native, "_LOADED", {native.op_namespace(best): "/elsewhere/old.so"})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+
+    def no_load(**_):
+        raise AssertionError("loaded beside the other build")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_load)
+    with caplog.at_level(logging.WARNING, logger=native.logger.name):
+        assert native.load_kernel.__wrapped__() is None
+    assert "another build" in caplog.text and "/elsewhere/old.so" in caplog.text
+
+
 def test_a_failed_build_warns_once_with_the_fix_and_the_plan_prices_the_torch_path(
         tmp_path, monkeypatch, caplog):
     """The build fails for real (CXX names no compiler): one warning says how much slower
@@ -104,6 +126,7 @@ def test_a_failed_build_warns_once_with_the_fix_and_the_plan_prices_the_torch_pa
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(native, "_LOADED", {})  # build for real, even where it is loaded
     h800 = HARDWARE_PRESETS["h800"]
     native.load_kernel.cache_clear()
     try:

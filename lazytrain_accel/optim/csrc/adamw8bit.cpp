@@ -1,19 +1,32 @@
-// Fused AdamW step with blockwise 8-bit float moments, on the CPU: the torch binding.
+// Fused AdamW step with blockwise 8-bit float moments, on the CPU: the torch.library op.
 //
 // The arithmetic of one block lives in adamw8bit_core.h (torch-free, see there for the
-// bit-exact contract); this file checks the tensors and spreads the blocks over ATen's
-// OpenMP threads. native.py compiles it once per instruction-set variant (AVX2, AVX-512,
-// ...) and loads the one this CPU supports.
-// ATen's tensor and the pybind casters only, not <torch/extension.h> (the whole C++
-// frontend): a build takes a quarter of the compiler time (9 s instead of 40 s a variant).
+// bit-exact contract); this file checks the tensors, spreads the blocks over ATen's
+// OpenMP threads and registers the ops in the namespace LAZYTRAIN_OPS (native.py passes
+// -DLAZYTRAIN_OPS=lazytrain_<variant>, so two variants' builds load in one process and a
+// profiler trace names the variant): `adamw8bit_step` (its fake kernel is native.py's) and
+// `kernel_info`. No pybind: torch.ops releases the GIL while the kernel runs. ATen's tensor
+// and torch/library.h only, not <torch/extension.h> (the whole C++ frontend, 4x the
+// compiler time).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include "adamw8bit_core.h"
+
+#ifndef LAZYTRAIN_OPS
+#error "build with -DLAZYTRAIN_OPS=<op namespace> (native.py does)"
+#endif
+// expands LAZYTRAIN_OPS before TORCH_LIBRARY pastes it into its names
+#define LAZYTRAIN_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define LAZYTRAIN_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 
 namespace {
 
@@ -85,13 +98,28 @@ void adamw8bit_step(at::Tensor param, at::Tensor grad, at::Tensor m_codes, at::T
   });
 }
 
+// (instruction set, the codes' constants for native.py to compare with codes.py, largest block)
+std::tuple<std::string, std::vector<int64_t>, int64_t> kernel_info() {
+  return {kInstructionSet,
+          {kShift, kSignedOffset, kSignedMax, kUnsignedOffset, kUnsignedMax},
+          kMaxBlock};
+}
+
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("adamw8bit_step", &adamw8bit_step, py::call_guard<py::gil_scoped_release>(),
-        "Fused AdamW step with blockwise 8-bit moments (in place).");
-  m.attr("code_constants") =
-      py::make_tuple(kShift, kSignedOffset, kSignedMax, kUnsignedOffset, kUnsignedMax);
-  m.attr("max_block_size") = kMaxBlock;
-  m.attr("instruction_set") = kInstructionSet;
+LAZYTRAIN_LIBRARY(LAZYTRAIN_OPS, m) {
+  // where the fake kernel (shapes for torch.compile and fake tensors) is registered
+  m.set_python_module("lazytrain_accel.optim.native");
+  // in place: the master, both moments' codes and absmax, and the bf16 copy when given
+  m.def("adamw8bit_step(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg_codes, "
+        "Tensor(c!) exp_avg_absmax, Tensor(d!) exp_avg_sq_codes, Tensor(e!) exp_avg_sq_absmax, "
+        "Tensor(f!)? out_bf16, float beta1, float beta2, float eps, float decay, "
+        "float step_size, float inv_bias_correction2_sqrt, float clip_coef, "
+        "int block_size) -> ()");
+  m.def("kernel_info() -> (str instruction_set, int[] code_constants, int max_block_size)",
+        &kernel_info);
+}
+
+LAZYTRAIN_LIBRARY_IMPL(LAZYTRAIN_OPS, CPU, m) {
+  m.impl("adamw8bit_step", &adamw8bit_step);
 }
