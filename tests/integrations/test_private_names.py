@@ -1,4 +1,5 @@
-"""Private names of transformers / accelerate that LazyTrain patches or reads.
+"""Private names of torch / transformers / accelerate that LazyTrain patches or reads
+(docs/architecture.md "Patched points").
 
 Each one is a point where an upgrade can silently change behaviour (a patch that no longer
 runs, a flag nobody reads). This test fails with the name and where LazyTrain uses it, so an
@@ -11,6 +12,7 @@ import inspect
 
 import accelerate
 import pytest
+import torch
 import transformers
 from accelerate.optimizer import AcceleratedOptimizer
 from transformers import Trainer
@@ -33,6 +35,8 @@ PATCHED = [
      "engine/model/hf_checkpointing.py keeps it off"),
     (accelerate.Accelerator, "prepare_model", "frontends/accelerate.py streams instead"),
     (accelerate.Accelerator, "prepare_optimizer", "frontends/accelerate.py"),
+    (accelerate.Accelerator, "unwrap_model", "frontends/accelerate.py waits for the update"),
+    (torch.optim.Optimizer, "register_step_post_hook", "run/step.py marks a replaced one"),
 ]
 
 
@@ -80,3 +84,17 @@ def test_the_checkpoint_file_names_the_node_store_save_uses_still_exist():
     assert trainer.OPTIMIZER_NAME == "optimizer.pt"
     assert trainer_utils.PREFIX_CHECKPOINT_DIR == "checkpoint"
     assert callable(trainer_pt_utils.reissue_pt_warnings)
+
+
+def test_torch_names_the_run_relies_on_still_exist():
+    """`model.zero_grad` is patched at attach and forwards `set_to_none`; an LR scheduler
+    built on an optimizer the hybrid operator replaced reads `_opt_called`, which
+    run/step.py's post-hook sets."""
+    assert "set_to_none" in inspect.signature(torch.nn.Module.zero_grad).parameters
+    assert "set_to_none" in inspect.signature(torch.optim.Optimizer.zero_grad).parameters
+    source = inspect.getsource(torch.optim.lr_scheduler.LRScheduler)
+    assert "_opt_called" in source and "_wrapped_by_lr_sched" in source, (
+        "torch's LR schedulers no longer check `_opt_called`: run/step.py:_mark_stepped "
+        "sets a mark nobody reads")
+    assert "_optimizers" in vars(accelerate.Accelerator(cpu=True)), (
+        "Accelerator._optimizers (checkpoints' stock save_state leaves ours out) is gone")
