@@ -40,8 +40,11 @@ case "$cmd" in
   test|test-fast)
     fast=()
     [ "$cmd" = test-fast ] && fast=(-m "not slow and not subprocess and not multirank")
+    # two worker processes (pytest-xdist), each module's tests on one worker (its
+    # module-scoped reference runs shared); LAZYTRAIN_TEST_WORKERS=0: all in this process
     set +e
-    "$py" -m pytest tests integration_tests "${fast[@]}" "$@"
+    "$py" -m pytest tests integration_tests "${fast[@]}" -n "${LAZYTRAIN_TEST_WORKERS:-2}" \
+      --dist loadfile "$@"
     rc=$?
     set -e
     if [ "$rc" -eq 5 ]; then
