@@ -290,12 +290,8 @@ class StreamingEngine:
     def defer_zero_grad(self, set_to_none: bool) -> bool:
         return self.steps.defer_zero_grad(set_to_none)
 
-    def wait_for_update(self) -> None:
-        """Block until the running optimizer update (if any) is whole. `optimizer.step()`
-        returns while it runs; the next forward, `state_dict()` and the Accelerator's
-        `unwrap_model` wait themselves, but a loop reading the parameters' values right
-        after the step reads some groups updated and others not unless it calls this."""
-        self.steps.wait()
+    def wait_for_reads(self) -> None:
+        self.steps.wait_for_reads()
 
     def queue_finalizer(self) -> None:
         # Keyed by graph task: a backward that raised never ran its callback, and the

@@ -4,8 +4,9 @@ Each decoder layer's `forward` is replaced on the instance by `_streamed_forward
 finds its engine through a `_Link` attribute; hooks on the model and on the decoder stack
 bracket each pass (`StreamingEngine.before_model` / `after_model` / `new_pass` /
 `end_pass`), `state_dict()` / `load_state_dict()` first wait for a running update, and
-`zero_grad()` is deferred while one runs (torch has no hook for it: docs/architecture.md
-"Patched points"). `ModelPatch.restore()` undoes all of it (`StreamingEngine.detach`).
+(torch has no hook for them: docs/architecture.md "Patched points") `parameters()` /
+`named_parameters()` wait for it and `zero_grad()` is deferred while it runs.
+`ModelPatch.restore()` undoes all of it (`StreamingEngine.detach`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,10 @@ class PatchedEngine(Protocol):
         """Whether a running update took the `zero_grad()` over (see `LayerwiseUpdate`)."""
         ...
 
+    def wait_for_reads(self) -> None:
+        """Wait for this rank's running update (if any): its masters are about to be read."""
+        ...
+
 
 def _none() -> None:
     return None
@@ -88,6 +93,23 @@ def _check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         link.engine.check_inputs(args, kwargs)
 
 
+def _read_after_update(name: str) -> Any:
+    """`model.parameters()` / `named_parameters()`: the module's own, once a running
+    update is whole, so a loop that reads the weights right after `optimizer.step()`
+    reads updated ones."""
+    def read(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        link = model.__dict__.get(_LINK)
+        if link is not None:
+            link.engine.wait_for_reads()
+        return getattr(type(model), name)(model, *args, **kwargs)
+    return read
+
+
+#: The model's methods replaced on the instance at attach (docs/architecture.md
+#: "Patched points"): the reads wait for a running update, `zero_grad` defers to it.
+_MODEL_METHODS = ("parameters", "named_parameters", "zero_grad")
+
+
 def _zero_grad_after_update(model: nn.Module, set_to_none: bool = True) -> None:
     """`model.zero_grad()`: deferred per group while an update runs (the Trainer calls it
     right after `optimizer.step()`), else the module's own."""
@@ -115,7 +137,9 @@ class ModelPatch:
             layer.forward = types.MethodType(_streamed_forward, layer)
             layer.__dict__[_LINK] = _Link(engine, index)
         self._model = model
-        self._saved_zero_grad = model.__dict__.get("zero_grad")
+        self._saved_methods = {name: model.__dict__.get(name) for name in _MODEL_METHODS}
+        model.parameters = types.MethodType(_read_after_update("parameters"), model)
+        model.named_parameters = types.MethodType(_read_after_update("named_parameters"), model)
         model.zero_grad = types.MethodType(_zero_grad_after_update, model)
         self._linked = [model, parent, *head_modules]
         for module in self._linked:
@@ -155,10 +179,11 @@ class ModelPatch:
                 layer.forward = saved
         for module in self._linked:
             module.__dict__.pop(_LINK, None)
-        if self._saved_zero_grad is None:
-            del self._model.zero_grad
-        else:
-            self._model.zero_grad = self._saved_zero_grad
+        for name, saved in self._saved_methods.items():
+            if saved is None:
+                del self._model.__dict__[name]
+            else:
+                setattr(self._model, name, saved)
 
 
 def move_buffers(model: nn.Module, device: torch.device) -> dict[nn.Module, torch.device]:

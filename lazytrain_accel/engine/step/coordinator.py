@@ -144,6 +144,12 @@ class StepCoordinator:
         update = self._update
         return update is not None and update.defer_zero_grad(set_to_none)
 
+    def wait_for_reads(self) -> None:
+        """Block until this rank's running update (if any) is whole, its error raised;
+        the step stays running for `wait` (which also waits for the peers)."""
+        if self._update is not None:
+            self._update.wait()
+
     def close(self) -> None:
         """Wait for the running update, then end the update worker's thread."""
         self.wait()
