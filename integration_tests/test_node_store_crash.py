@@ -34,7 +34,7 @@ import pytest
 
 from integration_tests.test_accelerate_launch import _free_port
 from lazytrain_accel.checkpoints import layout
-from lazytrain_accel.checkpoints import shares as sc
+from lazytrain_accel.checkpoints import share_format as sc
 from lazytrain_accel.distributed import node_store
 
 SCRIPTS = Path(__file__).parent / "scripts"

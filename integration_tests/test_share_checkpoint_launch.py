@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from integration_tests.test_accelerate_launch import _launch, _run
-from lazytrain_accel.checkpoints import layout
-from lazytrain_accel.checkpoints import shares as sc
+from lazytrain_accel.checkpoints import layout, resume
+from lazytrain_accel.checkpoints import share_format as sc
 from lazytrain_accel.optim import HybridAdamW8bit
 
 ARGS = ("--lazytrain", "--plan", "offload_all", "--steps", "4")  # hybrid 8-bit, overlapped
@@ -118,8 +118,8 @@ def test_the_last_checkpoint_loads_after_a_rank_is_killed(tmp_path: Path) -> Non
     assert manifest["optimizer_steps"] == 1
     model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     optimizer = HybridAdamW8bit(model.parameters(), backend="torch")
-    sc.load_optimizer(optimizer, ckpt, manifest, sc.param_names(model), lambda p: True,
-                      world_size=1)
+    resume.load_optimizer(optimizer, ckpt, manifest, sc.param_names(model), lambda p: True,
+                          world_size=1)
     assert len(optimizer.state) == sum(len(s["params"]) for s in manifest["shares"]) > 0
 
 

@@ -110,7 +110,7 @@ def test_a_trainer_checkpoint_under_the_store_resumes_as_the_uninterrupted_run(
     only), and the weights in one shard per rank with their index, every weight once."""
     from safetensors import safe_open
 
-    from lazytrain_accel.checkpoints import shares as sc
+    from lazytrain_accel.checkpoints import share_format as sc
     config = json.dumps({"plan": "offload_all", "optimizer": "hybrid8bit"})
     extra = ("--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2")
     # A throttled writer (a few seconds for this model) is still writing while steps 3-4

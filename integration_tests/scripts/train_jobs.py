@@ -39,7 +39,8 @@ from job_server import serve_jobs
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.checkpoints import shares as sc
+from lazytrain_accel.checkpoints import resume
+from lazytrain_accel.checkpoints import share_format as sc
 from lazytrain_accel.optim import native
 
 #: Each rank writes ~65 MB of a checkpoint: ~1.5 s a save at this rate.
@@ -72,7 +73,7 @@ def owned_digests(accelerator: Any) -> dict[str, str]:
     other rank updates its own), by name."""
     state = accelerator.lazytrain
     names = sc.param_names(state.model)
-    owned = sc.owned_params(state.engine) or list(names)
+    owned = resume.owned_params(state.engine) or list(names)
     return {names[p]: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8)
                                      .numpy().tobytes()).hexdigest() for p in owned}
 

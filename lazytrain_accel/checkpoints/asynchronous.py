@@ -7,7 +7,7 @@ residents, j: layer j, L+1: output residents, then the tensors no update writes)
 writes them straight from the tensors. Invariant: the next update of group g waits at g's
 gate (`StepCoordinator.save_gate`) until g's bytes are out of the tensors, so the
 checkpoint holds step k exactly and no copy of the state is made. Publication is the
-atomic directory of `shares.py`, rank 0 renaming once every rank's mark is there.
+atomic directory of `publication.py`, rank 0 renaming once every rank's mark is there.
 Design: docs/architecture.md "Checkpoints beside training"; docs/user_guide.md "8. Checkpoints".
 """
 
@@ -22,13 +22,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from lazytrain_accel.checkpoints import direct, layout
-from lazytrain_accel.checkpoints import shares as sc
+from lazytrain_accel.checkpoints import publication as pub
+from lazytrain_accel.checkpoints import share_format as fmt
+
+if TYPE_CHECKING:
+    from lazytrain_accel.config import LazyTrainConfig
+    from lazytrain_accel.engine import StreamingEngine
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -37,6 +42,35 @@ logger = logging.getLogger("lazytrain_accel")
 _CHUNK_BYTES = 16 << 20
 #: How often rank 0 looks for the other ranks' marks, and they for the publication.
 _POLL_S = 0.02
+
+
+class SavedRun(Protocol):
+    """What a checkpoint reads of the run (`run/state.py:RunState`)."""
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+
+    @property
+    def engine(self) -> StreamingEngine | None: ...
+
+
+class CheckpointedAccelerator(Protocol):
+    """What a share checkpoint's save and load read of the LazyTrain Accelerator
+    (`frontends/accelerate.py`, a layer above): the run, the plugin's checkpoint settings
+    (`checkpoint_dtype`, `checkpoint_max_shard_bytes`, `checkpoint_write_bytes_per_s`)
+    and the step."""
+
+    @property
+    def lazytrain(self) -> SavedRun | None: ...
+
+    @property
+    def lazytrain_plugin(self) -> LazyTrainConfig | None: ...
+
+    @property
+    def step(self) -> int: ...
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -126,12 +160,12 @@ class PendingSave:
                 self._wait_published()
             else:
                 self._wait_for_ranks()
-                (self._tmp / sc.MANIFEST).write_text(json.dumps(self._manifest, indent=1))
+                (self._tmp / fmt.MANIFEST).write_text(json.dumps(self._manifest, indent=1))
                 self._stack.close()  # fsync, rename into place: the checkpoint exists now
         except BaseException as err:  # raised on the training thread by wait()
             self._error = err
             if self._stack is not None:
-                sc.abandon(self._stack, err)
+                pub.abandon(self._stack, err)
             else:
                 with contextlib.suppress(OSError):  # rank 0 may have abandoned already
                     _mark(self._tmp / f".failed-{self._rank}", f"{type(err).__name__}: {err}")
@@ -238,20 +272,21 @@ class _Part:
     share_record: dict[str, Any]
 
 
-def start_save(accelerator: Any, final: Path, write_stock: Callable[[Path], None], *,
+def start_save(accelerator: CheckpointedAccelerator, final: Path,
+               write_stock: Callable[[Path], None], *,
                on_published: Callable[[], None]) -> PendingSave:
     """On every rank at the same point, after the step's update: open the checkpoint's
     temporary directory (rank 0, named to all), write the small files now and start this
     rank's writer of the rest (module docstring). Any rank's failure here is raised on
     every rank, the previous checkpoint untouched."""
-    rank, world = sc.rank_and_world()
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # one node writes the weights
+    rank, world = pub.rank_and_world()
+    local = pub.local_world_size(world)  # one node writes the weights
     model, optimizer = accelerator.lazytrain.model, accelerator.lazytrain.optimizer
     plugin, engine = accelerator.lazytrain_plugin, accelerator.lazytrain.engine
     groups = engine.steps.update_groups
     dtype = layout.CHECKPOINT_DTYPES[plugin.checkpoint_dtype]
-    mine, params = sc.my_share(engine, optimizer, rank=rank, world=world)
-    tmp, stack = sc.open_on_every_rank(final, label="save_state")
+    mine, params = pub.my_share(engine, optimizer, rank=rank, world=world)
+    tmp, stack = pub.open_on_every_rank(final, label="save_state")
     part: _Part | None = None
     try:
         write_stock(tmp)  # scheduler, RNG, samplers, the plan: at this step
@@ -266,22 +301,23 @@ def start_save(accelerator: Any, final: Path, write_stock: Callable[[Path], None
     except BaseException as err:  # reported to rank 0, raised on every rank
         if world == 1 or not isinstance(err, Exception):
             if stack is not None:
-                sc.abandon(stack, err)
+                pub.abandon(stack, err)
             raise
-        report = ("error", sc.describe_error(err))
-    reports = sc.gather_reports(report, stack, final=final, label="save_state")
+        report = ("error", pub.describe_error(err))
+    reports = pub.gather_reports(report, stack, final=final, label="save_state")
     assert part is not None  # every rank reported "ok"
     try:
         files, entries = _files(tmp, part, [sizes for sizes, _ in reports], rank=rank,
                                 dtype=dtype)
         manifest = None
         if stack is not None:
-            sc.write_config(tmp, model)
-            manifest = sc.run_manifest(accelerator, optimizer,
-                                       [record for _, record in reports])
+            fmt.write_config(tmp, model)
+            manifest = fmt.run_manifest(model, optimizer, [record for _, record in reports],
+                                        step=int(accelerator.step), world_size=world,
+                                        local_world_size=local)
     except BaseException as err:
         if stack is not None:
-            sc.abandon(stack, err)
+            pub.abandon(stack, err)
         raise
     return PendingSave(final=final, tmp=tmp, rank=rank, world=world, groups=len(groups),
                        files=files, entries=entries, stack=stack, manifest=manifest,
@@ -300,7 +336,7 @@ def _part(model: nn.Module, optimizer: torch.optim.Optimizer,
     # `.data` at a weight slot the pool refills with other layers (a torn tensor on a CPU,
     # the compute-dtype copy on a GPU).
     ordered = [(g, name, t.detach()) for g, name, t in
-               group_order(sc.unique_state(model), groups) if g in weight_groups]
+               group_order(fmt.unique_state(model), groups) if g in weight_groups]
     by_name = {name: (g, name, t) for g, name, t in ordered}
     shards = [[by_name[name] for name, _ in shard] for shard in layout.plan_shards(
         [(n, t) for _, n, t in ordered], max_shard_bytes=max_shard_bytes, dtype=dtype)
@@ -309,13 +345,13 @@ def _part(model: nn.Module, optimizer: torch.optim.Optimizer,
     if params:
         group_of = {id(p): g for g, ps in enumerate(groups) for p in ps}
         in_order = sorted(params, key=lambda p: group_of.get(id(p), len(groups)))
-        named, metadata, written = sc.share_tensors(optimizer, in_order, sc.param_names(model),
+        named, metadata, written = fmt.share_tensors(optimizer, in_order, fmt.param_names(model),
                                                     weights_dtype=dtype)
         header = layout.safetensors_header([(key, t) for key, t, _ in named],
                                            metadata=metadata)
         tensors = [(group_of.get(id(p), len(groups)), t) for _, t, p in named]
     return _Part(shards=shards, share_header=header, share_tensors=tensors,
-                 share_record=sc.share_record(rank=rank, mine=mine, optimizer=optimizer,
+                 share_record=fmt.share_record(rank=rank, mine=mine, optimizer=optimizer,
                                               params=params, written=written))
 
 

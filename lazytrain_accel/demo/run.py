@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -30,6 +30,9 @@ from lazytrain_accel.demo.report import hardware_table, model_table, plan_column
 from lazytrain_accel.demo.train import TrainResult, train
 from lazytrain_accel.planning import Budgets
 from lazytrain_accel.threads import apply_threads
+
+if TYPE_CHECKING:
+    from lazytrain_accel.frontends.accelerate import Accelerator
 
 SUMMARY_FILE = "demo_summary.json"
 #: The one default output directory (README, docs, .gitignore).
@@ -133,7 +136,7 @@ def _schedule(optimizer: torch.optim.Optimizer, steps: int) -> Any:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _evaluate(label: str, accelerator: Any, model: Any, tokenizer: Any, records: list[dict],
+def _evaluate(label: str, accelerator: Accelerator, model: Any, tokenizer: Any, records: list[dict],
               settings: DemoSettings, console: Console, *, shown: int) -> EvalResult:
     start = time.perf_counter()
     result = exact_match(model, tokenizer, records, device=accelerator.device,

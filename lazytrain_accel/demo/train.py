@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -18,6 +18,9 @@ from torch.profiler import ProfilerActivity, profile
 from lazytrain_accel.engine.step.fidelity import FidelityMonitor
 from lazytrain_accel.progress import PlainProgress
 from lazytrain_accel.run.replanner import current_prediction, predicted_step_s
+
+if TYPE_CHECKING:
+    from lazytrain_accel.frontends.accelerate import Accelerator
 
 
 @dataclass(kw_only=True)
@@ -47,9 +50,9 @@ def _trace_context(trace_path: Path | None) -> Any:
     return profile(activities=activities, record_shapes=False)
 
 
-def _optimizer_step(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, batch: dict[str, torch.Tensor], *,
-                    max_grad_norm: float) -> float:
+def _optimizer_step(accelerator: Accelerator, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, scheduler: Any,
+                    batch: dict[str, torch.Tensor], *, max_grad_norm: float) -> float:
     """One step of plain Accelerate code; the loss as a float."""
     loss = model(**batch).loss
     accelerator.backward(loss)
@@ -73,7 +76,7 @@ def _progress_bar(console: Console, steps: int, *, enabled: bool) -> Iterator[An
         yield lambda info: progress.update(task, advance=1, info=info)
 
 
-def train(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+def train(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
           scheduler: Any, loader: Any, *, steps: int, max_grad_norm: float,
           console: Console, trace_path: Path | None) -> TrainResult:
     """`steps` optimizer steps; the step chosen for tracing (the second, once caches are

@@ -104,7 +104,7 @@ def write_mean_grads(flat: torch.Tensor, params: list[nn.Parameter], world_size:
 
 def adopt_mean_grads(flat: torch.Tensor, params: list[nn.Parameter], world_size: int) -> None:
     """`write_mean_grads` for parameters whose `.grad` was dropped once `flat` took it
-    (`split_update.ShareReducer`): each `.grad` becomes a view of its slice of `flat`
+    (`grad_reduce.ShareReducer`): each `.grad` becomes a view of its slice of `flat`
     divided by `world_size` (the same values, no second copy); added to a `.grad` that is
     already there (the same layer reduced twice in one step)."""
     flat = flat.to("cpu").div_(world_size)

@@ -115,7 +115,7 @@ class NodeStore:
         self._buffer = buffer  # kept alive: every parameter is a view of it
         self.bytes = torch.frombuffer(buffer, dtype=torch.uint8)
         self.header = self.bytes[:8 * _HEADER_FIELDS].view(torch.int64)
-        # written only by the owners' release stores (split_update.py); zero when created
+        # written only by the owners' release stores (peer_sync.py); zero when created
         self.generations = GenerationWords(buffer, offset_bytes=8 * _HEADER_FIELDS,
                                            count=num_groups)
 

@@ -14,20 +14,24 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import MethodType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import accelerate
 import torch
 from torch import nn
 
 from lazytrain_accel.checkpoints import asynchronous as async_checkpoint
-from lazytrain_accel.checkpoints import shares as share_checkpoint
 from lazytrain_accel.checkpoints.atomic import atomic_directory, recover, recover_all
+from lazytrain_accel.checkpoints.share_format import read_manifest
 from lazytrain_accel.config import LazyTrainConfig
-from lazytrain_accel.distributed import split_update
+from lazytrain_accel.distributed.grad_reduce import clip_shares
+from lazytrain_accel.frontends import share_checkpoint
 from lazytrain_accel.run import setup
 from lazytrain_accel.run.state import Launch, RunState, build_run_state
 from lazytrain_accel.run.step import OptimizerStep, installed_step
+
+if TYPE_CHECKING:
+    from lazytrain_accel.planning import Plan
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -84,7 +88,8 @@ class Accelerator(accelerate.Accelerator):
         return super().prepare_model(model, device_placement=device_placement,
                                      evaluation_mode=evaluation_mode)
 
-    def _lazytrain_prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> Any:
+    def _lazytrain_prepare_optimizer(self, optimizer: torch.optim.Optimizer
+                                     ) -> accelerate.optimizer.AcceleratedOptimizer:
         if self.lazytrain is None:
             raise ValueError("prepare the model before (or together with) its optimizer: "
                              "LazyTrain rebuilds the optimizer on the streamed model's host "
@@ -101,7 +106,8 @@ class Accelerator(accelerate.Accelerator):
         step.on_boundary = lambda skipped: self._lazytrain_stepped(prepared, skipped)
         return prepared
 
-    def _lazytrain_stepped(self, prepared: Any, skipped: bool) -> None:
+    def _lazytrain_stepped(self, prepared: accelerate.optimizer.AcceleratedOptimizer,
+                           skipped: bool) -> None:
         """A step boundary: tell accelerate whether the step was skipped (its schedulers
         and the Trainer consult `step_was_skipped`); the re-planner may switch plans."""
         prepared._is_overflow = skipped
@@ -179,7 +185,7 @@ class Accelerator(accelerate.Accelerator):
             installed_step(optimizer).set_norms(optimizer)  # the step then keeps them
             return optimizer.grad_norm()
         if state is not None and state.store is not None:  # each rank: its share's grads
-            return split_update.clip_shares(parameters, max_norm, norm_type, state.reducer)
+            return clip_shares(parameters, max_norm, norm_type, state.reducer)
         return super().clip_grad_norm_(parameters, max_norm, norm_type)
 
     def wait_for_everyone(self) -> None:
@@ -190,9 +196,10 @@ class Accelerator(accelerate.Accelerator):
 
     def wait_for_update(self) -> None:
         """Block until the optimizer update that `optimizer.step()` left running is whole.
-        The next forward, `state_dict()`, `unwrap_model` and `wait_for_everyone` wait
-        themselves; a loop that reads parameter values right after the step must call
-        this first, or it reads some layers updated and others not."""
+        The next forward, the model's `parameters()` and `state_dict()`, `unwrap_model`
+        and `wait_for_everyone` wait themselves; other reads of the masters or of
+        `optimizer.state` right after the step must call this first, or they read some
+        layers updated and others not."""
         self._lazytrain_synchronize()
 
     def unwrap_model(self, model: nn.Module, keep_fp32_wrapper: bool = True,
@@ -207,7 +214,7 @@ class Accelerator(accelerate.Accelerator):
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **kwargs: Any) -> str:
         """Stock `save_state` plus the plan. With LazyTrain the streamed model and its
-        optimizer go to a share checkpoint (`checkpoints/shares.py`): the
+        optimizer go to a share checkpoint (`frontends/share_checkpoint.py`): the
         weights in the layout `from_pretrained` expects, the optimizer state per share,
         atomic. A layer-wise update still running is waited for: the checkpoint holds
         its result."""
@@ -226,7 +233,7 @@ class Accelerator(accelerate.Accelerator):
 
     def _lazytrain_save_shares(self, output_dir: str | None, safe_serialization: bool,
                                kwargs: dict[str, Any]) -> str:
-        """A share checkpoint (`checkpoints/shares.py`): rank 0 writes the
+        """A share checkpoint (`frontends/share_checkpoint.py`): rank 0 writes the
         weights once, every rank its share of the optimizer state (without a node store:
         rank 0 the whole), rank 0 the manifest last; atomic. With the layer-wise update
         and `checkpoint_mode="async"`: written beside the next steps, each rank its own
@@ -302,7 +309,7 @@ class Accelerator(accelerate.Accelerator):
             input_dir = self._lazytrain_recover(input_dir)
         self._lazytrain_synchronize()  # no update may write the masters being loaded
         state = self.lazytrain
-        manifest = (share_checkpoint.read_manifest(Path(input_dir))
+        manifest = (read_manifest(Path(input_dir))
                     if state is not None and input_dir is not None else None)
         if manifest is not None or (state is not None and state.store is not None
                                     and input_dir is not None):
@@ -339,7 +346,7 @@ class Accelerator(accelerate.Accelerator):
             super().wait_for_everyone()
         return str(share_checkpoint.latest_directory(self)) if latest else input_dir
 
-    def lazytrain_adopt_shape(self, previous: Any) -> None:
+    def lazytrain_adopt_shape(self, previous: Plan) -> None:
         """A checkpoint's plan sized for longer batches than this run's (it re-planned
         upward before it was saved): plan for that shape too, so resuming matches it."""
         self.lazytrain.adopt_shape(previous)

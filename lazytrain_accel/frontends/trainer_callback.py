@@ -165,7 +165,7 @@ def _without_ours(on_log: Any) -> Any:
     return filtered
 
 
-def mean_loss_since_log(trainer: Any, state: TrainerState) -> float | None:
+def mean_loss_since_log(trainer: Trainer, state: TrainerState) -> float | None:
     """The training loss the Trainer's next log will report: its on-device sum since the
     last log (`_tr_loss`, over `global_step - _globalstep_last_logged` steps; read only,
     tests/integrations/test_trainer_progress.py fails if transformers renames them)."""

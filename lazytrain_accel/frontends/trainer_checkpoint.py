@@ -2,9 +2,9 @@
 
 Each save goes to a staging folder beside `checkpoint-N`, is flushed, then renamed into
 place (`checkpoints.atomic`); rotation runs only after the rename. Replicated ranks save
-through `shares.save_on_every_rank` (one temporary directory rank 0 publishes); under the
-node store through `shares.save_shares` (every rank's stock save in a folder of its own,
-its `optimizer_share_<r>.safetensors`, the manifest; no `optimizer.pt`). Asynchronous
+through `publication.save_on_every_rank` (one temporary directory rank 0 publishes); under
+the node store through `share_checkpoint.save_shares` (every rank's stock save in a folder
+of its own, its `optimizer_share_<r>.safetensors`, the manifest; no `optimizer.pt`). Asynchronous
 (`checkpoint_mode="async"`, the default with the layer-wise update): `_save_checkpoint`
 writes the stock files of the save's step, starts the writer `save_state` uses
 (`checkpoints/asynchronous.py`) and returns. `save_only_model`, a model that is not a
@@ -27,6 +27,9 @@ from transformers import PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from lazytrain_accel.checkpoints.atomic import fsync_dir, fsync_tree, owner_alive, recover
+from lazytrain_accel.checkpoints.publication import save_on_every_rank
+from lazytrain_accel.checkpoints.share_format import check_weights_complete, read_manifest
+from lazytrain_accel.frontends import share_checkpoint
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -166,7 +169,6 @@ def _weights_left_to_the_writer(trainer: Trainer) -> Iterator[None]:
 def _save_shared_checkpoint(trainer: Trainer, stock_save: Any, model: Any, trial: Any,
                             *args: Any, **kwargs: Any) -> Path:
     """The Trainer's checkpoint under the node store (module docstring), on every rank."""
-    from lazytrain_accel.checkpoints import shares as share_checkpoint
     accelerator = trainer.accelerator
     run_dir, final = _agreed_checkpoint_dir(trainer, trial)
 
@@ -178,7 +180,7 @@ def _save_shared_checkpoint(trainer: Trainer, stock_save: Any, model: Any, trial
             trainer._lazytrain_saving_shares = False
         if trainer.args.process_index == 0:  # save_model wrote them: every weight, none
             # de-duplicated away
-            share_checkpoint.check_weights_complete(tmp, accelerator.lazytrain.model)
+            check_weights_complete(tmp, accelerator.lazytrain.model)
 
     share_checkpoint.save_shares(accelerator, final, write_stock, weights=False,
                                  optimizer_state=not trainer.args.save_only_model,
@@ -193,11 +195,10 @@ def _save_from_every_rank(trainer: Trainer, stock_save: Any, model: Any, trial: 
     """The Trainer's checkpoint of several replicated ranks (no node store): rank 0
     writes the weights, optimizer.pt, ...; every rank its rng_state_<r>.pth, all into one
     temporary directory that rank 0 publishes once every rank has written
-    (`share_checkpoint.save_on_every_rank`): no rank writes into a folder another
+    (`publication.save_on_every_rank`): no rank writes into a folder another
     replaces."""
-    from lazytrain_accel.checkpoints import shares as share_checkpoint
     run_dir, final = _agreed_checkpoint_dir(trainer, trial)
-    share_checkpoint.save_on_every_rank(
+    save_on_every_rank(
         final, lambda tmp: _stock_save_into(tmp, trainer, stock_save, run_dir, model, trial,
                                             args, kwargs),
         label="Trainer._save_checkpoint")
@@ -281,11 +282,10 @@ def load_shared_optimizer(trainer: Trainer, checkpoint: str) -> None:
     import torch
     from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
-    from lazytrain_accel.checkpoints import shares as share_checkpoint
     accelerator = trainer.accelerator
     directory = Path(checkpoint)
     accelerator._lazytrain_synchronize()  # no update may write the state being loaded
-    manifest = share_checkpoint.read_manifest(directory)
+    manifest = read_manifest(directory)
     share_checkpoint.load_optimizer_shares(accelerator, directory, manifest, OPTIMIZER_NAME)
     scheduler = directory / SCHEDULER_NAME
     if not scheduler.is_file():

@@ -274,7 +274,7 @@ def _save_plan_with_checkpoints(trainer: Trainer) -> None:
             lazytrain.run.plan.save(Path(output_dir) / PLAN_FILE)
 
     def load(checkpoint: str | None) -> None:
-        from lazytrain_accel.checkpoints.shares import MANIFEST
+        from lazytrain_accel.checkpoints.share_format import MANIFEST
 
         lazytrain = getattr(trainer.accelerator, "lazytrain", None)
         if checkpoint and lazytrain is not None and lazytrain.optimizer is not None and (

@@ -17,7 +17,8 @@ from torch import nn
 
 from lazytrain_accel import preflight
 from lazytrain_accel.config import ANONYMOUS_SEGMENT, LazyTrainConfig
-from lazytrain_accel.distributed import generation_words, node_store, ranks, split_update
+from lazytrain_accel.distributed import generation_words, node_store, ranks
+from lazytrain_accel.distributed.ownership import share_owners
 from lazytrain_accel.engine.memory.residents import update_groups
 from lazytrain_accel.engine.model.discovery import find_decoder_layers
 from lazytrain_accel.planning.node import EVERY_RANK
@@ -89,7 +90,7 @@ def share_store(config: LazyTrainConfig, model: nn.Module, layout: NodeLayout, *
 def segment_nodes(model: nn.Module, rank_nodes: list[int], *, device: torch.device,
                   resident_update: str) -> list[int | None]:
     """The NUMA node of each of the store's parameters (`node_store.shared_params`): that
-    of the local rank owning its update group (`split_update.share_owners`, the split
+    of the local rank owning its update group (`ownership.share_owners`, the split
     update's rule, over the engine's update groups); None for a group every rank updates
     (residents with their masters on each GPU, as `start_split_update` decides)."""
     groups = update_groups(model, *find_decoder_layers(model))
@@ -97,7 +98,7 @@ def segment_nodes(model: nn.Module, rank_nodes: list[int], *, device: torch.devi
     on_gpus = (0, len(groups) - 1) if (
         device.type != "cpu" and resident_update == "device"
         and any(p.requires_grad and p.is_floating_point() for p in resident)) else ()
-    owners = split_update.share_owners(groups, len(rank_nodes), every_rank=on_gpus)
+    owners = share_owners(groups, len(rank_nodes), every_rank=on_gpus)
     node_of = {id(p): None if owner == EVERY_RANK else rank_nodes[owner]
                for group, owner in zip(groups, owners, strict=True) for p in group}
     return [node_of.get(id(p)) for _, p in node_store.shared_params(model)]

@@ -22,6 +22,8 @@ from lazytrain_accel import preflight, threads
 from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.distributed import node_store, ranks, split_update
 from lazytrain_accel.distributed.data_parallel import GradientAllReducer
+from lazytrain_accel.distributed.grad_reduce import ShareReducer
+from lazytrain_accel.distributed.ownership import node_groups
 from lazytrain_accel.run import batch_shape, setup, shared
 from lazytrain_accel.run.node_layout import NodeLayout, node_layout_for, share_store
 from lazytrain_accel.run.replan_ranks import LaunchReplanner, LaunchTotals
@@ -76,7 +78,7 @@ class RunState:
     replanner: Replanner | LaunchReplanner | None = None
     #: one host copy per node, mapped by every local rank (None: each rank its own)
     store: node_store.NodeStore | None = None
-    reducer: GradientAllReducer | split_update.ShareReducer | None = None
+    reducer: GradientAllReducer | ShareReducer | None = None
     #: the optimizer rebuilt on the streamed model's host masters (set at its prepare)
     optimizer: torch.optim.Optimizer | None = None
     #: a checkpoint being written beside training (`checkpoint_mode="async"`)
@@ -283,9 +285,8 @@ def _wire_reducer(state: RunState) -> None:
     engine, launch = state.engine, state.launch
     if state.store is not None:
         _, node_id = node_store.launch_identity(os.environ)
-        groups = split_update.node_groups(local_rank=launch.local_process_index,
-                                          local_world_size=state.layout.node_ranks,
-                                          node_id=node_id)
+        groups = node_groups(local_rank=launch.local_process_index,
+                             local_world_size=state.layout.node_ranks, node_id=node_id)
         state.reducer = split_update.start_split_update(
             engine, generations=state.store.generations, layout=groups,
             should_reduce=launch.should_reduce)

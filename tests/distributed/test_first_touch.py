@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lazytrain_accel import cores
-from lazytrain_accel.distributed import first_touch, node_store, ranks, split_update
+from lazytrain_accel.distributed import first_touch, node_store, ownership, ranks
 from lazytrain_accel.distributed.first_touch import Placement
 from lazytrain_accel.engine.memory.residents import update_groups
 from lazytrain_accel.engine.model.discovery import find_decoder_layers
@@ -72,7 +72,7 @@ def test_each_groups_bytes_go_to_its_owners_socket(tmp_path: Path) -> None:
     nodes = segment_nodes(model, rank_nodes, device=torch.device("cpu"),
                           resident_update="host")
     groups = update_groups(model, *find_decoder_layers(model))
-    owners = split_update.share_owners(groups, 4)
+    owners = ownership.share_owners(groups, 4)
     assert owners == [0, 0, 1, 2, 3, 3]  # embeddings, 4 layers, final norm and head
     node_of = {id(p): rank_nodes[o] for g, o in zip(groups, owners, strict=True) for p in g}
     params = node_store.shared_params(model)

@@ -25,7 +25,8 @@ from fault_helpers import BATCH, SEQ, VOCAB, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
 from lazytrain_accel.checkpoints import asynchronous as async_checkpoint
-from lazytrain_accel.checkpoints import shares as sc
+from lazytrain_accel.checkpoints import resume
+from lazytrain_accel.checkpoints import share_format as sc
 from lazytrain_accel.checkpoints.atomic import recover
 from lazytrain_accel.optim import HybridAdamW8bit
 
@@ -133,7 +134,7 @@ def test_the_writer_writes_the_masters_while_the_next_forward_swaps_the_weights(
     for name, p in model.named_parameters():
         p.data = masters[name]
     fresh = tiny_model(seed=7)
-    sc.load_weights(fresh, tmp_path / "ckpt", loads=lambda t: True)
+    resume.load_weights(fresh, tmp_path / "ckpt", loads=lambda t: True)
     for name, p in fresh.named_parameters():
         assert torch.equal(p, masters[name]), name
     acc.end_training()
@@ -154,9 +155,9 @@ def _check_latest_loads(root: Path) -> tuple[str, bool]:
     assert manifest is not None, f"{latest.name} was published without its manifest"
     model = tiny_model(seed=7)
     optimizer = HybridAdamW8bit(model.parameters(), lr=1.0)
-    sc.load_weights(model, latest, loads=lambda t: True)
-    sc.load_optimizer(optimizer, latest, manifest, sc.param_names(model), lambda p: True,
-                      world_size=1)
+    resume.load_weights(model, latest, loads=lambda t: True)
+    resume.load_optimizer(optimizer, latest, manifest, sc.param_names(model), lambda p: True,
+                          world_size=1)
     assert len(optimizer.state) == len(list(model.parameters()))
     return latest.name, bool(saves)
 

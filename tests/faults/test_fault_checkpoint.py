@@ -16,13 +16,14 @@ from accelerate.utils import DataLoaderConfiguration
 from fault_helpers import BATCH, SEQ, VOCAB, tiny_model
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
-from lazytrain_accel.checkpoints import atomic, shares
+from lazytrain_accel.checkpoints import atomic
 from lazytrain_accel.checkpoints.atomic import (
     atomic_directory,
     recover,
     recover_all,
     remove_directory,
 )
+from lazytrain_accel.frontends import share_checkpoint
 from lazytrain_accel.frontends.accelerate import PLAN_FILE
 from lazytrain_accel.optim import HybridAdamW8bit
 
@@ -116,9 +117,9 @@ def test_the_latest_checkpoint_is_never_what_a_killed_save_left(tmp_path: Path) 
     assert sorted(os.listdir(parent)) == [f".checkpoint_3.tmp-{live}", "checkpoint_0",
                                           "checkpoint_1"]
     accelerator = SimpleNamespace(project_dir=str(tmp_path))
-    assert shares.latest_directory(accelerator) == parent / "checkpoint_1"
+    assert share_checkpoint.latest_directory(accelerator) == parent / "checkpoint_1"
     with pytest.raises(FileNotFoundError, match=r"no checkpoint_<i> folder in .*: pass"):
-        shares.latest_directory(SimpleNamespace(project_dir=str(tmp_path / "none")))
+        share_checkpoint.latest_directory(SimpleNamespace(project_dir=str(tmp_path / "none")))
 
 
 def _run(tmp_path: Path, steps: range, rng: dict[str, torch.Tensor], optimizer: str, *,

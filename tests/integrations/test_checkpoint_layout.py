@@ -16,8 +16,10 @@ from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils.hub import convert_file_size_to_int
 
 from lazytrain_accel.checkpoints import layout as layout
-from lazytrain_accel.checkpoints import shares as sc
+from lazytrain_accel.checkpoints import resume
+from lazytrain_accel.checkpoints import share_format as sc
 from lazytrain_accel.config import CHECKPOINT_DTYPE_CHOICES, LazyTrainConfig
+from lazytrain_accel.frontends import share_checkpoint
 from lazytrain_accel.optim import HybridAdamW8bit
 
 SMALL_SHARD_BYTES = 40_000  # the tiny model's ~190 KB of fp32 weights: several shards
@@ -82,7 +84,7 @@ def test_small_shards_get_an_index_and_from_pretrained_reloads_them_exactly(
                                      loaded.state_dict().items(), strict=True):
         assert name == name2 and torch.equal(p, q), name
     fresh = _model(seed=3)
-    assert sc.load_weights(fresh, tmp_path, loads=lambda t: True) == len(
+    assert resume.load_weights(fresh, tmp_path, loads=lambda t: True) == len(
         sc.unique_state(model))
     assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), model.parameters(),
                                                  strict=True))
@@ -108,9 +110,9 @@ def test_bf16_export_weights_with_the_fp32_masters_in_the_share(tmp_path: Path) 
     holds the fp32 masters; the resume gets the masters and the state bit for bit."""
     model, optimizer = _trained()
     final = tmp_path / "ckpt"
-    sc.save_shares(_accelerator(model, optimizer, dtype="bfloat16",
-                                max_shard_bytes=SMALL_SHARD_BYTES), final,
-                   write_stock=lambda d: None)
+    share_checkpoint.save_shares(_accelerator(model, optimizer, dtype="bfloat16",
+                                              max_shard_bytes=SMALL_SHARD_BYTES), final,
+                                 write_stock=lambda d: None)
     assert (final / layout.INDEX).is_file() and (final / sc.MANIFEST).is_file()
     exported = Qwen2ForCausalLM.from_pretrained(final)
     for (name, p), q in zip(model.state_dict().items(), exported.state_dict().values(),
@@ -119,8 +121,8 @@ def test_bf16_export_weights_with_the_fp32_masters_in_the_share(tmp_path: Path) 
 
     fresh = _model(seed=5)
     new = HybridAdamW8bit(fresh.parameters(), lr=1.0, backend="torch")
-    sc.load_shares(_accelerator(fresh, new, dtype="auto", max_shard_bytes=1),
-                   final, sc.read_manifest(final))
+    share_checkpoint.load_shares(_accelerator(fresh, new, dtype="auto", max_shard_bytes=1),
+                                 final, sc.read_manifest(final))
     for (name, p), q in zip(fresh.named_parameters(), model.parameters(), strict=True):
         assert p.dtype == torch.float32 and torch.equal(p, q), name
     saved, loaded = _state(optimizer, model), _state(new, fresh)

@@ -17,7 +17,14 @@ import torch
 from torch import nn
 
 from lazytrain_accel import preflight
-from lazytrain_accel.distributed import node_store, segment_handoff, split_update
+from lazytrain_accel.distributed import (
+    grad_reduce,
+    node_store,
+    ownership,
+    peer_sync,
+    segment_handoff,
+    split_update,
+)
 from lazytrain_accel.distributed.generation_words import GenerationWords
 from lazytrain_accel.distributed.node_store import SegmentSpaceError, UnsafeSegmentError
 from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
@@ -280,14 +287,14 @@ def test_a_waiter_names_a_dead_owner_within_a_second() -> None:
     time.sleep(0.2)
     try:
         assert not node_store.pid_alive(dead.pid) and node_store.pid_alive(os.getpid())
-        peers = split_update.NodePeers(GenerationWords(bytearray(16), offset_bytes=0,
-                                                         count=2),
-                                         [0, 1], 0, pids=[os.getpid(), dead.pid])
+        peers = peer_sync.NodePeers(GenerationWords(bytearray(16), offset_bytes=0,
+                                                    count=2),
+                                    [0, 1], 0, pids=[os.getpid(), dead.pid])
         peers.begin_step()
         start = time.monotonic()
         with pytest.raises(RuntimeError, match=rf"local rank 1 \(pid {dead.pid}\) died"):
             peers.wait(1)
-        assert time.monotonic() - start < 3 * split_update.LIVENESS_CHECK_S
+        assert time.monotonic() - start < 3 * peer_sync.LIVENESS_CHECK_S
         peers.wait(0)  # its own group: never waits
     finally:
         dead.wait()
@@ -295,7 +302,7 @@ def test_a_waiter_names_a_dead_owner_within_a_second() -> None:
 
 def test_a_waiter_returns_once_a_live_owner_publishes() -> None:
     generations = GenerationWords(bytearray(16), offset_bytes=0, count=2)
-    peers = split_update.NodePeers(generations, [0, 1], 0, pids=[os.getpid()] * 2)
+    peers = peer_sync.NodePeers(generations, [0, 1], 0, pids=[os.getpid()] * 2)
     peers.begin_step()
     assert not peers.is_ready(1)
     generations.publish(1, 1)  # the owner's publish, as seen through the segment
@@ -328,22 +335,22 @@ def test_node_groups_are_the_launchs_nodes_and_local_ranks(monkeypatch) -> None:
     order): its node's group, its local rank's group across the nodes, the node's ranks."""
     places = [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
     created: list[list[int]] = []
-    monkeypatch.setattr(split_update.dist, "get_world_size", lambda: 4)
-    monkeypatch.setattr(split_update.dist, "get_rank", lambda: 3)
-    monkeypatch.setattr(split_update.dist, "all_gather_object",
+    monkeypatch.setattr(ownership.dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(ownership.dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(ownership.dist, "all_gather_object",
                         lambda out, _: out.__setitem__(slice(None), places))
-    monkeypatch.setattr(split_update.dist, "new_group",
+    monkeypatch.setattr(ownership.dist, "new_group",
                         lambda ranks: created.append(list(ranks)) or tuple(ranks))
-    layout = split_update.node_groups(local_rank=1, local_world_size=2, node_id="b")
+    layout = ownership.node_groups(local_rank=1, local_world_size=2, node_id="b")
     assert created == [[0, 2], [1, 3], [0, 1], [2, 3]]  # every rank creates every group
     assert (layout.node, layout.nodes, layout.local_rank) == (1, 2, 1)
     assert layout.node_ranks == (1, 3) and layout.intra == (1, 3)
     assert layout.cross == (2, 3)  # local rank 1 on node "a" (rank 2) and on "b" (rank 3)
     bad = [("a", 0), ("a", 0), ("b", 0), ("b", 1)]
-    monkeypatch.setattr(split_update.dist, "all_gather_object",
+    monkeypatch.setattr(ownership.dist, "all_gather_object",
                         lambda out, _: out.__setitem__(slice(None), bad))
     with pytest.raises(ValueError, match="taken"):
-        split_update.node_groups(local_rank=1, local_world_size=2, node_id="b")
+        ownership.node_groups(local_rank=1, local_world_size=2, node_id="b")
 
 
 def test_a_rank_holds_only_its_shares_gradients_and_a_few_in_flight(monkeypatch) -> None:
@@ -396,14 +403,14 @@ def test_a_rank_holds_only_its_shares_gradients_and_a_few_in_flight(monkeypatch)
                 p.grad = None
 
     for name, value in (("get_world_size", 2), ("get_rank", 0), ("get_backend", "gloo")):
-        monkeypatch.setattr(split_update.dist, name, lambda value=value: value)
-    monkeypatch.setattr(split_update.dist, "reduce", reduce)
+        monkeypatch.setattr(grad_reduce.dist, name, lambda value=value: value)
+    monkeypatch.setattr(grad_reduce.dist, "reduce", reduce)
     engine = Engine()
-    peers = split_update.NodePeers(torch.zeros(6, dtype=torch.int64), owners, 0,
-                                     pids=[os.getpid()] * 2)
-    reducer = split_update.ShareReducer(
+    peers = peer_sync.NodePeers(torch.zeros(6, dtype=torch.int64), owners, 0,
+                                pids=[os.getpid()] * 2)
+    reducer = grad_reduce.ShareReducer(
         engine, layers, owners, peers=peers,
-        layout=split_update.NodeGroups(local_rank=0, node=0, nodes=1, node_ranks=(0, 1)),
+        layout=ownership.NodeGroups(local_rank=0, node=0, nodes=1, node_ranks=(0, 1)),
         should_reduce=lambda: True)
     layer_bytes = sum(p.numel() * 4 for p in layers[0])
     grads = {}
@@ -414,10 +421,10 @@ def test_a_rank_holds_only_its_shares_gradients_and_a_few_in_flight(monkeypatch)
         assert all(p.grad is None for p in layers[j])  # the flat buffer took them
         in_flight = sum(not w.done for w, (_, dst) in zip(works, launched, strict=True)
                         if dst == 1)
-        assert in_flight <= split_update.MAX_FOREIGN_IN_FLIGHT
+        assert in_flight <= grad_reduce.MAX_FOREIGN_IN_FLIGHT
         owned_so_far = sum(1 for k in range(j, 6) if owners[k] == 0)
         assert reducer.held_grad_bytes() <= layer_bytes * (
-            owned_so_far + split_update.MAX_FOREIGN_IN_FLIGHT)
+            owned_so_far + grad_reduce.MAX_FOREIGN_IN_FLIGHT)
     reducer.finish()
     assert reducer.held_grad_bytes() == 0 and all(w.done for w in works)
     for j, owner in enumerate(owners):

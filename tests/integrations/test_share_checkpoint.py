@@ -1,6 +1,7 @@
-"""Share checkpoints (checkpoints/shares.py), in process with fake shares: the
-weights file `from_pretrained` loads, the optimizer state per share, re-sharding onto
-another world size, and the refusals."""
+"""Share checkpoints (checkpoints/share_format.py, publication.py, resume.py and
+frontends/share_checkpoint.py), in process with fake shares: the weights file
+`from_pretrained` loads, the optimizer state per share, re-sharding onto another world
+size, and the refusals."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lazytrain_accel.checkpoints import shares as sc
+from lazytrain_accel.checkpoints import resume
+from lazytrain_accel.checkpoints import share_format as sc
+from lazytrain_accel.frontends import share_checkpoint
 from lazytrain_accel.optim import HybridAdamW8bit
 
 
@@ -113,8 +116,8 @@ def test_the_state_per_share_reshards_onto_any_world_size(
         new = optimizer_cls(fresh.parameters(), lr=1.0, **kwargs)
         ids = {id(p) for p in share}
         sc.check_layout(manifest, fresh, world_size=loaded_by)
-        sc.load_optimizer(new, tmp_path / "ckpt", manifest, sc.param_names(fresh),
-                          lambda p, ids=ids: id(p) in ids, world_size=loaded_by)
+        resume.load_optimizer(new, tmp_path / "ckpt", manifest, sc.param_names(fresh),
+                              lambda p, ids=ids: id(p) in ids, world_size=loaded_by)
         assert new.param_groups[0]["lr"] == 0.0123
         assert new.param_groups[0]["betas"] == optimizer.param_groups[0]["betas"]
         assert set(new.state) <= set(share)
@@ -131,7 +134,7 @@ def test_a_rank_loads_only_the_masters_it_owns(tmp_path: Path) -> None:
     fresh = _model(seed=5)
     before = {n: p.detach().clone() for n, p in fresh.named_parameters()}
     owned = {id(p) for p in _shares(list(fresh.parameters()), 2)[1]}
-    count = sc.load_weights(fresh, tmp_path / "ckpt", loads=lambda t: id(t) in owned)
+    count = resume.load_weights(fresh, tmp_path / "ckpt", loads=lambda t: id(t) in owned)
     assert count == len(owned)
     for (name, p), q in zip(fresh.named_parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q if id(p) in owned else before[name]), name
@@ -143,7 +146,7 @@ def test_a_stock_optimizer_file_is_one_share(tmp_path: Path) -> None:
     fresh = _model(seed=5)
     new = HybridAdamW8bit(fresh.parameters(), lr=1.0, backend="torch")
     first = set(list(fresh.parameters())[:4])
-    sc.load_stock_optimizer(new, tmp_path / "optimizer.bin", lambda p: p in first)
+    resume.load_stock_optimizer(new, tmp_path / "optimizer.bin", lambda p: p in first)
     assert set(new.state) == first
     for p, q in zip(list(fresh.parameters())[:4], model.parameters(), strict=False):
         for key, value in optimizer.state[q].items():
@@ -163,12 +166,12 @@ def test_what_cannot_be_resharded_is_refused_naming_both_sizes(tmp_path: Path) -
     names = sc.param_names(fresh)
     refused = r"holds AdamW state \(written by 2 ranks\).*\(on 3\) is HybridAdamW8bit"
     with pytest.raises(ValueError, match=refused):
-        sc.load_optimizer(HybridAdamW8bit(fresh.parameters(), backend="torch"),
-                          tmp_path / "ckpt", manifest, names, lambda p: True, world_size=3)
+        resume.load_optimizer(HybridAdamW8bit(fresh.parameters(), backend="torch"),
+                              tmp_path / "ckpt", manifest, names, lambda p: True, world_size=3)
     (tmp_path / "ckpt" / sc.share_file(1)).unlink()
     with pytest.raises(ValueError, match="re-shard the checkpoint written by 2 ranks onto 3"):
-        sc.load_optimizer(torch.optim.AdamW(fresh.parameters()), tmp_path / "ckpt",
-                          manifest, names, lambda p: True, world_size=3)
+        resume.load_optimizer(torch.optim.AdamW(fresh.parameters()), tmp_path / "ckpt",
+                              manifest, names, lambda p: True, world_size=3)
 
 
 def test_the_manifest_records_the_launch_and_every_share(tmp_path: Path) -> None:
@@ -212,7 +215,8 @@ def test_a_save_is_atomic_and_loads_back(tmp_path: Path, one_rank_group: None) -
     model, optimizer = _trained(HybridAdamW8bit)
     accelerator = _fake_accelerator(model, optimizer)
     final = tmp_path / "ckpt"
-    sc.save_shares(accelerator, final, write_stock=lambda d: (d / "stock.txt").write_text("1"))
+    share_checkpoint.save_shares(accelerator, final,
+                                 write_stock=lambda d: (d / "stock.txt").write_text("1"))
     assert sorted(p.name for p in final.iterdir()) == sorted(
         ["config.json", "model.safetensors", sc.MANIFEST, sc.share_file(0), "stock.txt"])
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -222,14 +226,14 @@ def test_a_save_is_atomic_and_loads_back(tmp_path: Path, one_rank_group: None) -
 
     with pytest.raises(RuntimeError, match=r"previous checkpoint .* kept: .*rank 0: OSError: "
                                            r"disk full"):
-        sc.save_shares(accelerator, final, write_stock=failing)
+        share_checkpoint.save_shares(accelerator, final, write_stock=failing)
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temporary left
     assert (final / "stock.txt").is_file()
 
     fresh = _model(seed=5)
     _into_one_storage(fresh)
     new = HybridAdamW8bit(fresh.parameters(), lr=1.0, backend="torch")
-    sc.load_shares(_fake_accelerator(fresh, new), final, sc.read_manifest(final))
+    share_checkpoint.load_shares(_fake_accelerator(fresh, new), final, sc.read_manifest(final))
     assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), model.parameters(),
                                                  strict=True))
     assert _state_bytes(new, fresh).keys() == _state_bytes(optimizer, model).keys()
@@ -242,16 +246,16 @@ def test_automatic_naming_picks_the_next_folder_and_rotates(tmp_path: Path) -> N
                                   save_iteration=3, is_main_process=True)
     for i in (0, 1, 2):
         (tmp_path / "checkpoints" / f"checkpoint_{i}").mkdir(parents=True)
-    final = sc.target_directory(accelerator, None)
+    final = share_checkpoint.target_directory(accelerator, None)
     assert final == tmp_path / "checkpoints" / "checkpoint_3"
     assert len(list(final.parent.iterdir())) == 3  # nothing removed before the save
     final.mkdir()
-    sc.rotate(accelerator, final)
+    share_checkpoint.rotate(accelerator, final)
     assert sorted(p.name for p in final.parent.iterdir()) == ["checkpoint_2", "checkpoint_3"]
     config.automatic_checkpoint_naming = False
-    assert sc.target_directory(accelerator, "x") == Path("x")
+    assert share_checkpoint.target_directory(accelerator, "x") == Path("x")
     with pytest.raises(ValueError, match="needs an output_dir"):
-        sc.target_directory(accelerator, None)
+        share_checkpoint.target_directory(accelerator, None)
 
 
 def test_the_weights_check_counts_every_element_of_the_written_files(tmp_path: Path) -> None:
@@ -284,8 +288,8 @@ def test_the_trainer_resume_loads_the_shares_and_refuses_a_one_share_file(
     new = HybridAdamW8bit(fresh.parameters(), lr=1.0, backend="torch")
     accelerator = SimpleNamespace(lazytrain=SimpleNamespace(engine=None, model=fresh,
                                                             optimizer=new))
-    sc.load_optimizer_shares(accelerator, tmp_path / "ckpt",
-                             sc.read_manifest(tmp_path / "ckpt"), "optimizer.pt")
+    share_checkpoint.load_optimizer_shares(accelerator, tmp_path / "ckpt",
+                                           sc.read_manifest(tmp_path / "ckpt"), "optimizer.pt")
     saved, loaded = _state_bytes(optimizer, model), _state_bytes(new, fresh)
     assert saved.keys() == loaded.keys()  # both shares, re-sharded 2 -> 1
     assert all(torch.equal(v, loaded[k]) if isinstance(v, torch.Tensor) else v == loaded[k]
@@ -298,9 +302,10 @@ def test_the_trainer_resume_loads_the_shares_and_refuses_a_one_share_file(
     torch.save({**state, "state": {i: s for i, s in state["state"].items() if i in first}},
                tmp_path / "old" / "optimizer.pt")
     with pytest.raises(ValueError, match="one share only"):
-        sc.load_optimizer_shares(accelerator, tmp_path / "old", None, "optimizer.pt")
+        share_checkpoint.load_optimizer_shares(accelerator, tmp_path / "old", None, "optimizer.pt")
     with pytest.raises(FileNotFoundError, match="no optimizer state"):
-        sc.load_optimizer_shares(accelerator, tmp_path, None, "optimizer.pt")
+        share_checkpoint.load_optimizer_shares(accelerator, tmp_path, None, "optimizer.pt")
     manifest = {**sc.read_manifest(tmp_path / "ckpt"), "optimizer": None}
     with pytest.raises(ValueError, match="save_only_model"):
-        sc.load_optimizer_shares(accelerator, tmp_path / "ckpt", manifest, "optimizer.pt")
+        share_checkpoint.load_optimizer_shares(accelerator, tmp_path / "ckpt", manifest,
+                                               "optimizer.pt")

@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from lazytrain_accel.checkpoints import asynchronous as async_checkpoint
-from lazytrain_accel.checkpoints import shares as sc
+from lazytrain_accel.checkpoints import share_format as sc
 from lazytrain_accel.frontends.transformers import LazyTrainTrainer
 
 STEPS, SAVE_STEPS = 4, 2

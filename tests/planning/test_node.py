@@ -126,7 +126,7 @@ def test_the_update_is_split_in_contiguous_runs_at_the_share_rate() -> None:
 def test_the_simulator_splits_the_update_by_the_engines_rule(ranks: int,
                                                              resident_update: str) -> None:
     """The lanes are `owner_of_groups` of the groups' trainable parameters: the rule
-    `distributed/split_update.py` gives the engine's ranks (test_node_store.py)."""
+    `distributed/ownership.py` gives the engine's ranks (test_node_store.py)."""
     model, hardware = _chain()
     hardware = dataclasses.replace(hardware, host_memory_bytes_per_s=1e12)
     plan = make_plan(model, hardware, PlanRequest(strategy="checkpoint_all", gpus_per_node=ranks,

@@ -1,0 +1,244 @@
+"""The gradient reduce of a split update: each layer's gradients to their owner.
+
+`ShareReducer` sends each layer's gradients to their owning local rank as they land
+(an asynchronous `reduce`, overlapped with the backward; at most `MAX_FOREIGN_IN_FLIGHT`
+send buffers of other ranks' layers held), then, across nodes, all-reduces each share
+among its owners; owners take the mean as `.grad`. The global norm is one process's, bit
+for bit: each value written by the rank that counts it (`gather`), combined in the
+one-process order (`clip_shares`, `combine_norms`).
+Design: docs/architecture.md "Several ranks on a node" ("Gradients", "The global norm").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lazytrain_accel.distributed.data_parallel import (
+    GradReadyHooks,
+    adopt_mean_grads,
+    flat_grads,
+    reduce_device,
+    write_mean_grads,
+)
+from lazytrain_accel.distributed.ownership import NodeGroups
+from lazytrain_accel.distributed.peer_sync import NodePeers
+from lazytrain_accel.optim.clipping import clip_coefficient, combine_norms, tensor_norms
+from lazytrain_accel.planning.node import EVERY_RANK
+
+#: Reduces of layers another rank owns that may be in flight at once on a rank: each
+#: holds that layer's flattened fp32 gradients until it completes.
+MAX_FOREIGN_IN_FLIGHT = 2
+
+
+class ShareHooks(GradReadyHooks, Protocol):
+    """What the reducer needs of the engine (`StreamingEngine`)."""
+
+    def grad_sq_norms(self) -> dict[nn.Parameter, float]: ...
+
+    def release_grads(self, params: list[nn.Parameter]) -> None: ...
+
+
+class ShareReducer:
+    """Overlapped per-layer gradient reduce to each group's owner (docs/architecture.md
+    "Several ranks on a node")."""
+
+    def __init__(self, engine: ShareHooks, groups: Sequence[Sequence[nn.Parameter]],
+                 owners: Sequence[int], *, peers: NodePeers, layout: NodeGroups,
+                 should_reduce: Callable[[], bool]) -> None:
+        self._world_size = dist.get_world_size()
+        self._layout = layout
+        self._rank = layout.local_rank  # owners are local ranks
+        self._engine = engine
+        self._peers = peers  # names a dead rank when a collective fails
+        self._groups = [list(g) for g in groups]
+        self._owner_of = {p: owner for g, owner in zip(groups, owners, strict=True)
+                          for p in g}
+        self._should_reduce = should_reduce
+        # (work, flat, params, owner) in launch order for the groups this rank owns (and
+        # every-rank groups); `_crossed` of them have had their second stage (across the
+        # nodes) launched. `_foreign`: reduces of other ranks' groups still in flight.
+        self._pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter], int]] = []
+        self._foreign: list[tuple[dist.Work, torch.Tensor]] = []
+        self._crossed = 0
+        self._across: list[dist.Work] = []
+        self._reduced: set[nn.Parameter] = set()
+        self._norm_tables: tuple[dict[nn.Parameter, float], dict[nn.Parameter, float]
+                                 ] | None = None
+        self._backend_device = reduce_device()
+        engine.register_grad_ready_hook(self._on_layer_grads)
+
+    def _on_layer_grads(self, params: list[nn.Parameter]) -> None:
+        if self._should_reduce():
+            self._launch([p for p in params if p.grad is not None])
+            self._cross_nodes(block=False)
+
+    def _launch(self, params: list[nn.Parameter]) -> None:
+        by_owner: dict[int, list[nn.Parameter]] = {}
+        for p in params:
+            by_owner.setdefault(self._owner_of.get(p, EVERY_RANK), []).append(p)
+        for owner, ps in by_owner.items():
+            flat = flat_grads(ps, self._backend_device)
+            if owner == EVERY_RANK:  # every rank of every node: one all-reduce
+                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
+                self._pending.append((work, flat, ps, owner))
+                self._reduced.update(ps)
+                continue
+            # `flat` holds them now (a copy): no second copy in flight, none kept
+            self._engine.release_grads(ps)
+            work = dist.reduce(flat, dst=self._layout.node_ranks[owner],
+                               op=dist.ReduceOp.SUM, group=self._layout.intra,
+                               async_op=True)
+            if owner == self._rank:
+                self._pending.append((work, flat, ps, owner))
+            else:
+                self._foreign.append((work, flat))
+            self._reduced.update(ps)
+        self._release_foreign(keep=MAX_FOREIGN_IN_FLIGHT)
+
+    def _release_foreign(self, *, keep: int) -> None:
+        """Drop the send buffers of other ranks' groups whose reduce has completed,
+        oldest first, waiting while more than `keep` are in flight."""
+        while self._foreign:
+            work, _ = self._foreign[0]
+            if len(self._foreign) <= keep and not work.is_completed():
+                return
+            self._wait(work)
+            del self._foreign[0]
+
+    def held_grad_bytes(self) -> int:
+        """Bytes of the flattened gradients this reducer holds now (its own groups'
+        buffers awaiting `finish`, other ranks' in flight)."""
+        return sum(flat.numel() * flat.element_size()
+                   for flat in [f for _, f, _, _ in self._pending]
+                   + [f for _, f in self._foreign])
+
+    def _cross_nodes(self, *, block: bool) -> None:
+        """Launch, in launch order, the across-nodes all-reduce of each of this rank's
+        groups whose reduce within the node has completed (all of them when `block`):
+        the owners of a share on every node issue the same collectives in the same order."""
+        if self._layout.nodes == 1:
+            return
+        while self._crossed < len(self._pending):
+            work, flat, _, owner = self._pending[self._crossed]
+            if owner == self._rank:
+                if not block and not work.is_completed():
+                    return
+                self._wait(work)
+                self._across.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM,
+                                                    group=self._layout.cross, async_op=True))
+            self._crossed += 1
+
+    def _wait(self, work: dist.Work) -> None:
+        try:
+            work.wait()
+        except RuntimeError as err:
+            raise self._peers.named_failure(err) from err
+
+    def finish(self) -> None:
+        """Reduce what the hooks did not cover (residents), wait; owners take the mean
+        as `.grad` and re-measure the engine's norms; the others hold no gradients."""
+        groups_rest = [p for g in self._groups for p in g
+                       if p.grad is not None and p not in self._reduced]
+        self._launch(groups_rest)
+        self._cross_nodes(block=True)
+        for work in self._across:
+            self._wait(work)
+        self._release_foreign(keep=0)
+        for work, flat, params, owner in self._pending:
+            self._wait(work)
+            if owner == EVERY_RANK:
+                write_mean_grads(flat, params, self._world_size)
+            else:
+                adopt_mean_grads(flat, params, self._world_size)
+            self._engine.refresh_grad_sq_norms(params)
+        self._pending.clear()
+        self._across.clear()
+        self._crossed = 0
+        self._reduced.clear()
+        self._norm_tables = None
+
+    def _counts(self, p: nn.Parameter) -> bool:
+        """Whether this rank contributes `p` to the global norm: its owner on the first
+        node (each node's owners hold the same reduced share); rank 0 for every-rank
+        groups."""
+        owner = self._owner_of[p]
+        return self._layout.node == 0 and (
+            owner == self._rank or (owner == EVERY_RANK and self._rank == 0))
+
+    def gather(self, *tables: Mapping[nn.Parameter, float]
+               ) -> list[dict[nn.Parameter, float]]:
+        """Every rank's `tables` (per-parameter values of the gradients it holds) merged,
+        on every rank: one `all_reduce` of a float64 vector holding, per parameter, which
+        table has it (1-based, 0: none) and its value, written by the rank that counts it
+        (`_counts`) and 0 on the others, so each sum is that rank's value exactly (inf and
+        nan included). Every rank calls at the same point."""
+        params = list(self._owner_of)
+        which = torch.zeros(len(params), dtype=torch.float64)
+        values = torch.zeros(len(params), dtype=torch.float64)
+        for i, p in enumerate(params):
+            for t, table in enumerate(tables):
+                if p in table and self._counts(p):
+                    which[i], values[i] = t + 1, table[p]
+        both = torch.cat([which, values]).to(self._backend_device)
+        try:
+            dist.all_reduce(both, op=dist.ReduceOp.SUM)
+        except RuntimeError as err:
+            raise self._peers.named_failure(err) from err
+        which, values = both.cpu().view(2, -1).tolist()
+        if any(w not in range(len(tables) + 1) for w in which):
+            raise RuntimeError("two ranks counted the same parameter's gradient norm: the "
+                               "ranks disagree on the parameter owners")
+        merged: list[dict[nn.Parameter, float]] = [{} for _ in tables]
+        for p, w, value in zip(params, which, values, strict=True):
+            if w:
+                merged[int(w) - 1][p] = value
+        return merged
+
+    def grad_norm_tables(self) -> tuple[dict[nn.Parameter, float],
+                                        dict[nn.Parameter, float]]:
+        """(norms measured now, squared norms the engine measured as they landed) of every
+        parameter's reduced gradient, from its owner: what one process's clipping
+        (`HybridAdamW8bit.grad_norm`) reads. Gathered once per step, by the first caller
+        after `finish`."""
+        if self._norm_tables is None:
+            known = self._engine.grad_sq_norms()
+            mine = [p for p in self._owner_of if p.grad is not None and self._counts(p)]
+            sq = {p: known[p] for p in mine if p in known}
+            to_measure = [p for p in mine if p not in known]
+            measured = {p: float(n) for p, n in zip(
+                to_measure, tensor_norms([p.grad for p in to_measure]), strict=True)}
+            self._norm_tables = tuple(self.gather(measured, sq))
+        return self._norm_tables
+
+    def global_grad_sq_norm(self) -> float:
+        """Squared L2 norm of the whole reduced gradient (the non-finite guard's)."""
+        measured, sq = self.grad_norm_tables()
+        return sum(n * n for n in measured.values()) + sum(sq.values())
+
+
+def clip_shares(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float,
+                reducer: ShareReducer) -> torch.Tensor:
+    """`clip_grad_norm_` where this rank holds only its share's gradients: each
+    gradient's norm from its owner (`ShareReducer.gather`), combined in the order of
+    `parameters` as `torch.nn.utils.clip_grad_norm_` does on one process (so the same
+    norm and coefficient, bit for bit), the coefficient applied to the local share."""
+    if norm_type != 2:
+        raise ValueError(f"norm_type={norm_type}: a split update clips by the L2 norm only; "
+                         "use norm_type=2 or LazyTrainPlugin(node_store='off')")
+    params = list(parameters)
+    local = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in local]
+    # torch's own per-tensor norms (clip_grad_norm_'s call), as one process computes them
+    norms = torch._foreach_norm(grads, 2.0) if grads else []
+    (every,) = reducer.gather({p: float(n) for p, n in zip(local, norms, strict=True)})
+    norm = combine_norms([torch.tensor(every[p], dtype=torch.float32) for p in params
+                          if p in every])
+    coef = clip_coefficient(norm, float(max_norm))
+    if grads:
+        torch._foreach_mul_(grads, coef)
+    return norm

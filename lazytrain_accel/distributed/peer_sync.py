@@ -1,0 +1,103 @@
+"""Peer sync: a rank reads a group only once its owner has updated it for the step.
+
+`NodePeers` is the engine's `PeerUpdates` (`engine/step/coordinator.py`) under the node
+store: the owner of group g raises `generations[g]` after updating it (a release store),
+every other local rank polls it with acquire loads (`GenerationWords`) until it reaches
+the number of applied steps. A waiter checks every `LIVENESS_CHECK_S` that the owner's
+process still runs, so a dead owner is named within a second, and gives up on a live one
+after `OWNER_WAIT_TIMEOUT_S`.
+Design: docs/architecture.md "Several ranks on a node" ("Waits").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from lazytrain_accel.distributed.generation_words import GenerationWords
+from lazytrain_accel.distributed.node_store import pid_alive
+from lazytrain_accel.planning.node import EVERY_RANK
+
+#: Longest sleep between two polls of a peer's generation.
+_POLL_MAX_S = 1e-3
+#: A live peer's update taking longer than this is taken for a hung rank.
+OWNER_WAIT_TIMEOUT_S = 1800.0
+#: How often a waiter checks that the owner it waits for still runs.
+LIVENESS_CHECK_S = 0.5
+
+
+class NodePeers:
+    """This node's other local ranks as the engine's `PeerUpdates` sees them
+    (`engine/step/coordinator.py`, a Protocol): per-group update generations in the node
+    store, written by owners, read by all."""
+
+    def __init__(self, generations: GenerationWords, owners: Sequence[int], rank: int, *,
+                 pids: Sequence[int]) -> None:
+        self._generations = generations  # in the node store, shared by the local ranks
+        self._owners = list(owners)
+        self._rank = rank
+        self._pids = list(pids)  # of each local rank
+        self._applied = 0  # steps applied so far (every rank skips the same steps)
+
+    def owns(self, group: int) -> bool:
+        return self._owners[group] in (self._rank, EVERY_RANK)
+
+    @property
+    def foreign_groups(self) -> list[int]:
+        return [g for g in range(len(self._owners)) if not self.owns(g)]
+
+    def begin_step(self) -> None:
+        """An applied (not skipped) step begins: every group's next read needs it."""
+        self._applied += 1
+
+    def publish(self, group: int) -> None:
+        """This rank has updated `group` (owned) for the current step: called after the
+        group's writes, on the thread that made them or one that joined it."""
+        if self._owners[group] == self._rank:
+            self._generations.publish(group, self._applied)
+
+    def publish_all(self) -> None:
+        for g in range(len(self._owners)):
+            self.publish(g)
+
+    def is_ready(self, group: int) -> bool:
+        """Whether `group` may be read now (an acquire load: when True, its owner's
+        writes of this step are visible to this thread)."""
+        return self.owns(group) or self._generations.read(group) >= self._applied
+
+    def wait(self, group: int) -> None:
+        """Block until `group`'s owner has updated it for every applied step; raise
+        naming the owner when its process is gone or it hangs."""
+        sleep_s = 1e-5
+        start = checked = time.monotonic()
+        while not self.is_ready(group):
+            owner, now = self._owners[group], time.monotonic()
+            if now - checked > LIVENESS_CHECK_S:
+                checked = now
+                if not pid_alive(self._pids[owner]):
+                    raise RuntimeError(
+                        f"local rank {owner} (pid {self._pids[owner]}) died while this rank "
+                        f"(rank {self._rank}) waited for its update of parameter group "
+                        f"{group}; stopping (see rank {owner}'s log and the launcher's "
+                        "report; resume from the last checkpoint)")
+            if now - start > OWNER_WAIT_TIMEOUT_S:
+                raise RuntimeError(
+                    f"local rank {owner} (pid {self._pids[owner]}) has not updated "
+                    f"parameter group {group} for {OWNER_WAIT_TIMEOUT_S:.0f} s and still "
+                    "runs: it hangs (see its log)")
+            time.sleep(sleep_s)
+            sleep_s = min(2 * sleep_s, _POLL_MAX_S)
+
+    def wait_all(self) -> None:
+        for g in range(len(self._owners)):
+            self.wait(g)
+
+    def named_failure(self, err: RuntimeError) -> RuntimeError:
+        """`err` of a collective, restated naming the local ranks whose process is gone
+        (gloo says only "connection reset by peer"); `err` itself when all run."""
+        dead = [(r, pid) for r, pid in enumerate(self._pids) if not pid_alive(pid)]
+        if not dead:
+            return err
+        names = ", ".join(f"local rank {r} (pid {pid})" for r, pid in dead)
+        return RuntimeError(f"{names} died mid-step; rank {self._rank} stops (see the "
+                            f"launcher's report; resume from the last checkpoint): {err}")
