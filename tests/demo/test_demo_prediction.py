@@ -119,6 +119,7 @@ def _fit_and_predict(tmp_path, path, overhead) -> tuple[float, str]:
     return measured_s / predicted_s, note
 
 
+@pytest.mark.alone
 def test_calibrated_demo_prediction_tracks_measured_steps(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("LAZYTRAIN_THREADS", "1")
     torch.set_num_threads(1)

@@ -24,6 +24,7 @@ ATTEMPTS = 2
 _LINE = re.compile(r"^step (\d+)/\d+ .* step ([\d.]+) s \(predicted ([\d.]+) s\)$")
 
 
+@pytest.mark.alone
 def test_the_calibrated_prediction_tracks_the_measured_step(
         tmp_path: Path, hardware_json: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
