@@ -26,7 +26,7 @@ from engine_helpers import ARCH_CONFIGS, PLAN_KINDS, batches, build_model, make_
 
 from lazytrain_accel.engine import attach
 
-#: Relative loss difference tolerated in bf16 (as tests/integrations' bf16 check).
+#: Relative loss difference tolerated in bf16 (as tests/frontends' bf16 check).
 BF16_REL_TOL = 2e-2
 
 

@@ -4,7 +4,7 @@ memory growth of the step, step seconds) and saves every gradient to `--grads`.
 Modes: `layer` / `tiled` / `untiled` run through the Accelerate plugin (`layer`: the whole
 layer in sequence tiles, `Plan.tiling` "layer"; `tiled`: the MLP only, "mlp"; set on the
 engine's plan, the fused loss on), `stock` is plain transformers with gradient
-checkpointing. Run by `bench/long_context.py` and `tests/integrations/test_long_sample.py`.
+checkpointing. Run by `bench/long_context.py` and `tests/frontends/test_long_sample.py`.
 
 Memory: VmHWM (peak resident set, reset through /proc/self/clear_refs) after the step,
 minus VmRSS just before it. Beside it, for the plugin modes, the planner's prediction of

@@ -185,7 +185,7 @@ def run(*, hardware: HardwareProfile, links: HardwareProfile, replan: str, steps
 def compare(steps: int, workdir: Path, *, off_steps: int | None = None) -> dict[str, RunResult]:
     """The three runs of the module docstring; "off" runs `off_steps` (default `steps`):
     its plan never changes, so a few steps time it, and 0 only plans (its homes; "auto"
-    runs that plan until it switches: tests/integrations/test_replanner.py)."""
+    runs that plan until it switches: tests/frontends/test_replanner.py)."""
     truth, claimed = true_profile(), claimed_profile()
     runs = {name: run(hardware=claimed, links=truth, replan=name,
                       steps=steps if name == "auto" or off_steps is None else off_steps,

@@ -168,7 +168,7 @@ def _without_ours(on_log: Any) -> Any:
 def mean_loss_since_log(trainer: Trainer, state: TrainerState) -> float | None:
     """The training loss the Trainer's next log will report: its on-device sum since the
     last log (`_tr_loss`, over `global_step - _globalstep_last_logged` steps; read only,
-    tests/integrations/test_trainer_progress.py fails if transformers renames them)."""
+    tests/frontends/test_trainer_progress.py fails if transformers renames them)."""
     total = getattr(trainer, "_tr_loss", None)
     last_logged = getattr(trainer, "_globalstep_last_logged", None)
     if not isinstance(total, torch.Tensor) or not isinstance(last_logged, int):

@@ -238,7 +238,7 @@ class HybridAdamW8bit(torch.optim.Optimizer):
         `out_bf16[i]`, when given, receives the bf16 copy of `params[i]` after its update,
         written in the same pass when it is a contiguous CPU tensor. The update of each
         tensor is dispatched here, one frame above the kernel: this is what the engine's
-        update thread calls (tests/integrations/test_one_step.py counts the frames).
+        update thread calls (tests/frontends/test_one_step.py counts the frames).
         """
         context = self._context
         if context is None:

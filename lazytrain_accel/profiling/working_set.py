@@ -6,7 +6,7 @@ input boundary itself is a GPU home or a staging slot of the plan (`problem.py`)
 counted here. The terms (attention, token-wise, boundaries and norms, weight gradients),
 untiled, with the MLP in tiles or with the whole layer in sequence tiles (then only K, V,
 their gradients and one [S, h] gradient are whole-sequence), with their symbols:
-docs/planner.md "Long context"; `tests/integrations/test_long_sample.py` measures them on
+docs/planner.md "Long context"; `tests/frontends/test_long_sample.py` measures them on
 a CPU.
 """
 

@@ -83,7 +83,7 @@ def _hardware(model: ModelProfile, regime: str, async_device: bool, host: str = 
 
 
 def d2h_drift() -> tuple:
-    """What issue 34's run found (tests/integrations/test_replanner.py, bench/replan.py
+    """What issue 34's run found (tests/frontends/test_replanner.py, bench/replan.py
     `compare_d2h_drift`): Llama, batch 8 x 128, 8 GPU and 6 host boundaries of room, the
     emulated device's links; the plan for them updates the residents on the GPU, and a
     re-plan after the device->host link slows 12x kept them there by charging them to the

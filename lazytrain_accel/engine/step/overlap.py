@@ -48,7 +48,7 @@ class CopyTarget(Protocol):
 class LayerwiseUpdate:
     """The host's update of `groups` in forward order: `run` is the job the caller hands
     to the run's `UpdateWorker` (`StepCoordinator.update`, one frame below the step:
-    tests/integrations/test_one_step.py).
+    tests/frontends/test_one_step.py).
 
     `device_groups` are updated by the training thread instead (`StepCoordinator`), which
     sets `device_update_done` when it has; the thread ends the step (`end_step`) only then.
