@@ -129,7 +129,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ours.setLevel(logging.INFO)
     try:
         result = {"root": root,
-                  "async": _train(root / "async", root / "cache", mode="async"),
+                  # slower still, so that its first save outlasts the next step on a
+                  # loaded machine (the precondition of the first test below)
+                  "async": _train(root / "async", root / "cache", mode="async",
+                                  rate=SLOW_WRITE_BYTES_PER_S / 3),
                   "sync": _train(root / "sync", root / "cache", mode="sync")}
         (root / "resumed").mkdir()
         shutil.copytree(root / "async" / "checkpoint-2", root / "resumed" / "checkpoint-2")
