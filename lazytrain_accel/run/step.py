@@ -102,7 +102,7 @@ class OptimizerStep:
             # its wrapper of that optimizer's `step` ran (torch's `_opt_called`), which
             # is never called now: a post-hook sets the mark (docs/architecture.md
             # "Patched points").
-            optimizer.register_step_post_hook(partial(_mark_stepped, [replaced]))
+            optimizer.register_step_post_hook(partial(_mark_stepped, replaced))
 
     def __call__(self, optimizer: torch.optim.Optimizer,
                  closure: Callable[[], float] | None = None) -> Any:
@@ -162,10 +162,9 @@ class OptimizerStep:
         return bad
 
 
-def _mark_stepped(optimizers: list[torch.optim.Optimizer], *_: Any) -> None:
-    """A step post-hook: what an LR scheduler's wrapper of each one's `step` sets."""
-    for optimizer in optimizers:
-        optimizer._opt_called = True
+def _mark_stepped(replaced: torch.optim.Optimizer, *_: Any) -> None:
+    """A step post-hook: what an LR scheduler's wrapper of `replaced.step` sets."""
+    replaced._opt_called = True
 
 
 def _update_whole(optimizer: HybridAdamW8bit) -> None:

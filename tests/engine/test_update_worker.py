@@ -97,3 +97,19 @@ def test_close_lets_queued_jobs_finish_and_refuses_new_ones():
     assert ran == [0, 1, 2] and not worker.thread.is_alive()
     with pytest.raises(RuntimeError, match="closed"):
         worker.submit(lambda: None)
+
+
+def test_an_optimizer_stepped_by_a_second_engine_defers_its_zero_grad_to_that_one(tmp_path):
+    from lazytrain_accel.optim import HybridAdamW8bit
+
+    model = build_model("llama", 2)
+    opt = HybridAdamW8bit(model.parameters(), lr=1e-3)
+    ids = batches(1)[0]
+    for _ in range(2):  # attached, stepped, detached; then again with a new engine
+        engine = attach(model, make_plan("checkpoint_all", 2), device=CPU,
+                        nvme_dir=str(tmp_path))
+        model(input_ids=ids, labels=ids).loss.backward()
+        engine.step_layerwise(opt)
+        assert opt.zero_grad_gate == engine.steps.defer_zero_grad
+        opt.zero_grad()
+        engine.detach()

@@ -134,8 +134,10 @@ class StepCoordinator:
 
     def _adopt(self, optimizer: LayerwiseOptimizer) -> None:
         """An optimizer with a `zero_grad_gate` (the hybrid operator) defers its
-        `zero_grad()` to this coordinator while an update runs; set once."""
-        if getattr(optimizer, "zero_grad_gate", False) is None:
+        `zero_grad()` to this coordinator while an update runs: set at its first step
+        here, and again if another engine's coordinator held it."""
+        gate = getattr(optimizer, "zero_grad_gate", False)
+        if gate is not False and gate != self.defer_zero_grad:
             optimizer.zero_grad_gate = self.defer_zero_grad
 
     def defer_zero_grad(self, set_to_none: bool) -> bool:
