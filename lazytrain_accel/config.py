@@ -83,7 +83,7 @@ _DEFAULTS: dict[str, Any] = {
     "emulate_seed": 0,
     "emulate_links": "off",
     "threads": 0,
-    "overlap_step": True,
+    "overlap_step": "auto",
     "frozen_weights": "keep",
     "resident_update": "auto",
     "node_store": "auto",
@@ -194,6 +194,8 @@ class LazyTrainConfig:
         overlap_step: with optimizer="hybrid8bit", `optimizer.step()` starts the update
             layer by layer on a CPU thread and returns; the next forward of layer j waits
             only for layer j (docs/engine.md "Step overlap"). False runs it serially.
+            "auto" (default) overlaps unless the device is this CPU (not emulated): there
+            the compute takes every core and an update beside it only oversubscribes them.
         frozen_weights: "keep" streams frozen weights as loaded (a bitsandbytes base stays
             packed); "nf4" / "fp4" / "int8" quantize the frozen linears of the decoder
             layers with bitsandbytes at `prepare` (QLoRA from a bf16 base).
@@ -395,7 +397,7 @@ _FLOAT_FIELDS = ("gpu_memory_limit_gb", "cpu_memory_limit_gb", "nvme_limit_gb",
 _INT_FIELDS = ("max_recompute_block", "max_nonfinite_skips", "loss_chunk_tokens",
                "batch_size", "seq_len", "emulate_seed", "threads",
                "checkpoint_max_shard_bytes")
-_AUTO_FIELDS = ("loss_chunk_tokens",)  # also accept "auto"
+_AUTO_FIELDS = ("loss_chunk_tokens", "overlap_step")  # also accept "auto"
 _BOOL_FIELDS = ("emulate_async", "overlap_step")
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                "0": False, "false": False, "no": False, "off": False}

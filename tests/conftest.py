@@ -17,6 +17,10 @@ from accelerate.state import AcceleratorState, GradientState, PartialState
 # run that tests compare bit for bit. Keep the count torch started with
 # (tests/test_threads.py checks the rule itself).
 os.environ.setdefault("LAZYTRAIN_THREADS", str(torch.get_num_threads()))
+# The suite proves the overlapped update on this CPU device, where `overlap_step="auto"`
+# runs it serially (run/step.py `update_overlaps`; tests/frontends/test_one_step.py
+# checks that default, and the serial path where a test sets it off).
+os.environ.setdefault("LAZYTRAIN_OVERLAP_STEP", "1")
 
 
 #: Words in a test module's source that say its tests start processes, and of those, the

@@ -28,7 +28,7 @@ from lazytrain_accel.distributed.grad_reduce import clip_shares
 from lazytrain_accel.frontends import share_checkpoint
 from lazytrain_accel.run import setup
 from lazytrain_accel.run.state import Launch, RunState, build_run_state
-from lazytrain_accel.run.step import OptimizerStep, installed_step
+from lazytrain_accel.run.step import OptimizerStep, installed_step, update_overlaps
 
 if TYPE_CHECKING:
     from lazytrain_accel.planning import Plan
@@ -126,9 +126,10 @@ class Accelerator(accelerate.Accelerator):
         optimizer.register_load_state_dict_pre_hook(lambda *_: self._lazytrain_synchronize())
         state = self.lazytrain
         # optimizer="keep" (any torch optimizer) steps serially, inline
-        step = OptimizerStep(guard=state.guard, engine=state.engine,
-                             overlapped=isinstance(optimizer, HybridAdamW8bit)
-                             and self.lazytrain_plugin.overlap_step,
+        plugin = self.lazytrain_plugin
+        overlapped = isinstance(optimizer, HybridAdamW8bit) and update_overlaps(
+            plugin.overlap_step, device=self.device, emulated=bool(plugin.emulate_async))
+        step = OptimizerStep(guard=state.guard, engine=state.engine, overlapped=overlapped,
                              shares=state.reducer if state.store is not None else None)
         step.install(optimizer, replaced=replaced)
         return step

@@ -77,8 +77,9 @@ def _synchronous_because(trainer: Trainer) -> str | None:
     if accelerator.lazytrain_plugin.checkpoint_mode != "async":
         return "checkpoint_mode='sync'"
     if not accelerator.lazytrain_saves_async():
-        return ("the update runs inline (optimizer='keep' or overlap_step=False), so no "
-                "per-layer wait can order it after the save")
+        return ("the update runs inline (optimizer='keep', overlap_step=False, or "
+                "overlap_step='auto' on a CPU device), so no per-layer wait can order it "
+                "after the save")
     if trainer.args.save_only_model:
         return "save_only_model"
     if not isinstance(trainer.model, PreTrainedModel):

@@ -168,7 +168,8 @@ class Problem:
     # The training thread's work per transfer (`HardwareProfile.host_stage_bytes_per_s`,
     # `host_fold_bytes_per_s`; 0: not priced): one layer's weights cast into a staging
     # buffer before their H2D copy (S), one layer's gradients folded into `.grad` after
-    # their D2H copy (Fd). With `host_on_compute` (a CPU or emulated device) that work
+    # their D2H copy (Fd); on a synchronous device (a CPU) the copies themselves, at the
+    # links' rates (`build_problem`). With `host_on_compute` (a CPU or emulated device) that work
     # takes the compute's time; on a GPU it runs beside the queued kernels, which wait for
     # it only when the host falls behind.
     stage_s: float = 0.0
@@ -487,6 +488,12 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
     tile_fwd_s, tile_bwd_s = tile_overhead_s(
         batch_size=model.batch_size, seq_len=model.seq_len,
         tile_tokens=model.tile_tokens or 0, attention_block_tokens=model.attention_block_tokens)
+    # The engine stages and folds on an async device. A synchronous one (a CPU) copies a
+    # layer's weights in and its gradients out on the training thread, so the copies
+    # themselves are that thread's work per transfer, at the links' rates.
+    stage_bytes_per_s, fold_bytes_per_s = (
+        (hardware.host_stage_bytes_per_s, hardware.host_fold_bytes_per_s)
+        if hardware.device_runs_async else (hardware.h2d_bytes_per_s, hardware.d2h_bytes_per_s))
     problem = Problem(
         num_layers=model.num_layers, max_block=K, boundary_bytes=model.boundary_bytes,
         layer_param_bytes=model.layer_param_bytes, layer_grad_bytes=model.layer_grad_bytes,
@@ -512,11 +519,8 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         resident_update=resident_update,
         device_update_s=resident_trainable / hardware.gpu_optimizer_params_per_s,
         optimizer=optimizer, gpus_per_node=gpus_per_node,
-        # the engine stages and folds on an async device only (a CPU's copies are its links)
-        stage_s=_host_work_s(model.layer_param_bytes, hardware.host_stage_bytes_per_s
-                             if hardware.device_runs_async else 0.0),
-        fold_s=_host_work_s(model.layer_grad_bytes, hardware.host_fold_bytes_per_s
-                            if hardware.device_runs_async else 0.0),
+        stage_s=_host_work_s(model.layer_param_bytes, stage_bytes_per_s),
+        fold_s=_host_work_s(model.layer_grad_bytes, fold_bytes_per_s),
         host_on_compute=hardware.compute_on_host,
     )
     return with_node_links(problem, hardware)

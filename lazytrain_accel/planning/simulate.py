@@ -391,8 +391,20 @@ def _optimizer_exposed_s(b: _StepBuilder, updates: list[int], step_s: float) -> 
     U1..UL, then U_head on the host). It starts once the first has ended; its forward of
     layer j would start at step_s + prologue + (j-1) f, and layer j's weights stream to
     the device (P/h2d, the prologue's length) only once Uj has ended; its head, at
-    step_s + prologue + L f, needs U_head."""
+    step_s + prologue + L f, needs U_head.
+
+    Where the device's compute is the host's cores (`host_on_compute`: a CPU device, the
+    emulated device), the update takes those cores from the next forward rather than
+    running beside it: the step pays each lane's whole update (the slowest lane's), as
+    if it ran after the step (measured on a 2-core Xeon: the overlapped step ran 1.0-1.1x
+    the serial one, docs/benchmarks.md "The plan at prepare")."""
     ops, p = b.q.ops, b.p
+    if p.host_on_compute:
+        lane_s: dict[str, float] = {}
+        for u in updates:
+            lane_s[ops[u].resource] = lane_s.get(ops[u].resource, 0.0) + ops[u].duration_s
+        device_s = lane_s.pop(DEVICE_OPTIMIZER, 0.0)  # the training thread's, before them
+        return device_s + max(lane_s.values(), default=0.0)
     first, *rest = (ops[u].end_s - step_s for u in updates)
     layers = rest[:b.L]
     late_s = [first] + [end_s - j * p.fwd_run_s for j, end_s in enumerate(layers)]

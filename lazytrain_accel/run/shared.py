@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from lazytrain_accel.config import LazyTrainConfig
+from lazytrain_accel.config import LazyTrainConfig, OptimizerChoice
 from lazytrain_accel.distributed import ranks
 from lazytrain_accel.planning import Budgets
 from lazytrain_accel.profiling.hardware import HardwareProfile
@@ -84,7 +84,8 @@ def workload_priced(config: LazyTrainConfig, model: nn.Module, profile: ModelPro
     rates = load_workload(config.cache_dir, key)
     if rates is None and may_time:
         rates = _time_workload(model, profile, hardware, device=device,
-                               compute_dtype=compute_dtype)
+                               compute_dtype=compute_dtype,
+                               hybrid=config.optimizer == OptimizerChoice.HYBRID8BIT)
         if rates is not None:
             save_workload(config.cache_dir, key, rates)
     return hardware if rates is None else with_workload(hardware, rates)
@@ -97,10 +98,13 @@ MAX_TIMED_TOKENS = 16384
 
 
 def _time_workload(model: nn.Module, profile: ModelProfile, hardware: HardwareProfile, *,
-                   device: torch.device, compute_dtype: torch.dtype | None
+                   device: torch.device, compute_dtype: torch.dtype | None, hybrid: bool
                    ) -> WorkloadRates | None:
+    """The compute rate of the model's own first layer and head and, under the hybrid
+    operator, the host update's rate on that layer's group; None where the layer cannot
+    be called alone."""
     from lazytrain_accel.engine.model.discovery import find_decoder_layers
-    from lazytrain_accel.profiling.layer_timing import time_model_compute
+    from lazytrain_accel.profiling.layer_timing import time_layer_update, time_model_compute
     from lazytrain_accel.profiling.model_configs import profile_model
 
     if profile.tokens_per_step > MAX_TIMED_TOKENS:
@@ -121,9 +125,21 @@ def _time_workload(model: nn.Module, profile: ModelProfile, hardware: HardwarePr
     logger.info("lazytrain: the model's layers run at %.3g TFLOP/s at %d x %d (the square "
                 "matmul's roofline: %.3g)", rate / 1e12, profile.batch_size, profile.seq_len,
                 hardware.achieved_flops_per_s / 1e12)
-    return WorkloadRates(
-        rates={"achieved_flops_per_s": rate},
-        source=(f"the model's own layer and head timed at {profile.batch_size} x "
-                f"{profile.seq_len} ({compute_dtype or torch.float32}): layer forward "
-                f"{timing.layer_forward_s * 1e3:.3g} ms, backward run "
-                f"{timing.layer_backward_s * 1e3:.3g} ms, head {timing.head_s * 1e3:.3g} ms"))
+    rates = {"achieved_flops_per_s": rate}
+    source = (f"the model's own layer and head timed at {profile.batch_size} x "
+              f"{profile.seq_len} ({compute_dtype or torch.float32}): layer forward "
+              f"{timing.layer_forward_s * 1e3:.3g} ms, backward run "
+              f"{timing.layer_backward_s * 1e3:.3g} ms, head {timing.head_s * 1e3:.3g} ms")
+    if hybrid and profile.layer_trainable_param_count > 0:
+        try:
+            update = time_layer_update(find_decoder_layers(model)[2][0],
+                                       compute_dtype=compute_dtype, on_gpu=device.type == "cuda")
+        except Exception as err:  # as the layer's: never a reason to stop the run
+            logger.warning("lazytrain: could not time the update of the model's own layer "
+                           "(%s: %s); pricing it at the probe's %.3gM params/s",
+                           type(err).__name__, err, hardware.cpu_optimizer_params_per_s / 1e6)
+            return WorkloadRates(rates=rates, source=source)
+        rates["cpu_optimizer_params_per_s"] = update
+        source += (f"; its update {update / 1e6:.3g}M params/s (the 10M-parameter probe's "
+                   f"{hardware.cpu_optimizer_params_per_s / 1e6:.3g}M)")
+    return WorkloadRates(rates=rates, source=source)

@@ -52,6 +52,18 @@ class ShareNorms(Protocol):
 OTHER_RANKS = "a parameter another rank owns"
 
 
+def update_overlaps(setting: bool | str, *, device: torch.device, emulated: bool) -> bool:
+    """Whether the hybrid update runs on its thread beside the next forward
+    (`LazyTrainConfig.overlap_step`). "auto" does so where the device computes apart from
+    the host's cores (a GPU, the emulated async device, which proves that path); on a
+    CPU device the compute takes every core (`threads.py`) and the update beside it only
+    oversubscribes them: the overlapped step measured 1.09x the serial one on a 2-core
+    Xeon (`bench/step_overlap.py`, docs/benchmarks.md "The plan at prepare")."""
+    if setting == "auto":
+        return device.type != "cpu" or emulated
+    return bool(setting)
+
+
 class OptimizerStep:
     """`optimizer.step()` of one optimizer of a LazyTrain run (`install` puts it there).
 

@@ -235,3 +235,28 @@ def test_a_kept_optimizers_step_returns_its_closures_loss(tmp_path: Path) -> Non
     assert loss is not None and float(loss) == 3.0
     assert acc.lazytrain.guard.steps == 1
     acc.end_training()
+
+
+def test_the_update_overlaps_by_default_where_the_device_is_not_the_hosts_cores(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`overlap_step="auto"` (the default) runs the update inline on a CPU device, whose
+    compute takes every core, and on its thread beside the next forward on a GPU and on
+    the emulated async device; True and False are kept as set."""
+    from lazytrain_accel.run.step import installed_step, update_overlaps
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert not update_overlaps("auto", device=cpu, emulated=False)
+    assert update_overlaps("auto", device=cpu, emulated=True)
+    assert update_overlaps("auto", device=gpu, emulated=False)
+    assert update_overlaps(True, device=cpu, emulated=False)
+    assert not update_overlaps(False, device=gpu, emulated=False)
+    monkeypatch.delenv("LAZYTRAIN_OVERLAP_STEP", raising=False)  # the suite sets it on
+    monkeypatch.delenv("LAZYTRAIN_EMULATE_ASYNC", raising=False)
+    acc = _accelerator(tmp_path, checkpoint_mode="async")
+    model = _tiny_model()
+    acc.prepare(model, HybridAdamW8bit(model.parameters()))
+    assert acc.lazytrain_plugin.overlap_step == "auto"
+    step = installed_step(acc.lazytrain.optimizer)
+    assert step is not None and not step.overlapped
+    assert not acc.lazytrain_saves_async()  # no per-group wait to order a save after
+    acc.end_training()

@@ -263,3 +263,37 @@ def test_on_a_gpu_the_hosts_work_hides_behind_the_kernels_until_it_is_longer() -
     p = build_problem(model, slow, max_recompute_block=1)
     solution = make_plan(model, slow, PlanRequest(strategy="checkpoint_all")).solver
     assert p.step_floor_s() + solution.objective_s == pytest.approx(bound.step_s, rel=0.05)
+
+
+def test_on_a_cpu_device_the_update_takes_the_computes_cores_and_adds_to_the_step() -> None:
+    """Where the device's compute is the host's cores, the overlapped update does not hide
+    behind the next forward: the step pays it whole (the slowest share's lane); on a GPU
+    the same plan pays only what the next forward waits for."""
+    model, hardware = chain(num_layers=6)
+    hardware = dataclasses.replace(hardware, cpu_optimizer_params_per_s=2e10)
+    plan = make_plan(model, hardware, PlanRequest(strategy="checkpoint_all",
+                                                  resident_update="host"))
+    hidden = simulate(plan, model, hardware)
+    on_host = dataclasses.replace(hardware, compute_on_host=True)
+    without = simulate(plan, model, on_host, include_optimizer=False)
+    serial = simulate(plan, model, on_host)
+    update_s = sum(op.duration_s for op in serial.ops if op.resource == "host_optimizer")
+    assert update_s == pytest.approx(model.trainable_param_count
+                                     / hardware.cpu_optimizer_params_per_s)
+    assert serial.optimizer_exposed_s == pytest.approx(update_s)
+    assert serial.step_s == pytest.approx(without.step_s + update_s)
+    assert hidden.optimizer_exposed_s < 0.5 * update_s
+
+
+def test_a_synchronous_device_copies_on_the_training_thread_at_the_links_rates() -> None:
+    """A CPU device runs a layer's weight copy and gradient copy on the training thread:
+    priced as its work per transfer at the links' rates, not as staging and folding
+    (which it does not do); an async device keeps its staging and folding rates."""
+    model, hardware = chain(num_layers=4)
+    hardware = dataclasses.replace(hardware, host_stage_bytes_per_s=1e12,
+                                   host_fold_bytes_per_s=1e12, compute_on_host=True)
+    cpu = build_problem(model, dataclasses.replace(hardware, device_runs_async=False))
+    assert cpu.stage_s == pytest.approx(model.layer_param_bytes / hardware.h2d_bytes_per_s)
+    assert cpu.fold_s == pytest.approx(model.layer_grad_bytes / hardware.d2h_bytes_per_s)
+    emulated = build_problem(model, hardware)
+    assert emulated.stage_s == pytest.approx(model.layer_param_bytes / 1e12)

@@ -12,7 +12,11 @@ import torch
 from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.engine.model.discovery import find_decoder_layers
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
-from lazytrain_accel.profiling.layer_timing import ComputeTiming, time_model_compute
+from lazytrain_accel.profiling.layer_timing import (
+    ComputeTiming,
+    time_layer_update,
+    time_model_compute,
+)
 from lazytrain_accel.profiling.workload import (
     WorkloadRates,
     load_workload,
@@ -91,6 +95,34 @@ def test_prepare_times_the_workload_once_then_reads_it_back(tmp_path, monkeypatc
     preset = dataclasses.replace(config, hardware="h800")
     assert shared.workload_priced(preset, model, profile, roofline, may_time=True,
                                   **kwargs) is roofline
+
+
+def test_the_update_is_timed_on_the_first_layers_own_group(tmp_path) -> None:
+    """Under the hybrid operator the host update is priced at its rate on the model's first
+    layer's trainable tensors (what the engine's update runs per group), cached with the
+    compute rate; a kept torch optimizer leaves the probe's rate. The model is untouched."""
+    model = build_model("qwen2", 2)
+    layer = find_decoder_layers(model)[2][0]
+    before = [p.detach().clone() for p in model.parameters()]
+    assert time_layer_update(layer, compute_dtype=None, on_gpu=False, repeats=3) > 0
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        time_layer_update(layer, compute_dtype=None, on_gpu=False)
+    for p in layer.parameters():
+        p.requires_grad_(True)
+    profile = setup.profile_for_run(model, batch_size=2, seq_len=16, compute_dtype=None)
+    probe = HARDWARE_PRESETS["h800"]
+    kwargs = dict(device=torch.device("cpu"), compute_dtype=None, may_time=True)
+    hybrid = shared.workload_priced(_auto(tmp_path / "a"), model, profile, probe, **kwargs)
+    assert hybrid.cpu_optimizer_params_per_s != probe.cpu_optimizer_params_per_s
+    assert "its update" in hybrid.source
+    keep = dataclasses.replace(_auto(tmp_path / "b"), optimizer="keep")
+    kept = shared.workload_priced(keep, model, profile, probe, **kwargs)
+    assert kept.cpu_optimizer_params_per_s == probe.cpu_optimizer_params_per_s
+    assert kept.achieved_flops_per_s != probe.achieved_flops_per_s
 
 
 def test_a_batch_beyond_the_timed_tokens_is_timed_as_one_shorter_sequence(
