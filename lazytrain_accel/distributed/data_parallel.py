@@ -86,7 +86,14 @@ def reduce_device() -> torch.device:
 
 
 def flat_grads(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
-    """The `.grad`s of `params` as one fp32 vector on `device` (what one collective sends)."""
+    """The `.grad`s of `params` as one fp32 vector on `device` (what one collective sends).
+    One contiguous fp32 gradient already on `device` is sent as it is, not copied: a
+    resident's (an embedding's) is the largest tensor a rank holds, and a copy beside it
+    doubled its bytes on every rank while its reduce ran."""
+    if len(params) == 1:
+        grad = params[0].grad
+        if grad.dtype == torch.float32 and grad.is_contiguous() and grad.device == device:
+            return grad.view(-1)
     flat = torch.cat([p.grad.reshape(-1).to(torch.float32) for p in params])
     return flat.to(device, non_blocking=True)
 

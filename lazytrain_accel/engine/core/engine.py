@@ -360,6 +360,12 @@ class StreamingEngine:
         (the split update's non-owners), whose host holds no copy of them."""
         self.sink.release(params)
 
+    def record_grad_sq_norms(self, params: list[nn.Parameter]) -> None:
+        """Record the squared norms of `params`' current `.grad` now (residents used in
+        place, whose norms the end of the pass records: for a reducer that sends them
+        earlier)."""
+        self.sink.record_norms(params)
+
     def register_grad_ready_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> None:
         """Call `hook(params)` each time a streamed layer's gradients have been folded
         into the host `.grad` of `params` (once per layer per backward pass)."""
