@@ -190,20 +190,32 @@ def _head_run(model: nn.Module, hidden: torch.Tensor, device: torch.device,
     return run
 
 
+#: The most parameters `time_layer_update` updates: a 70B layer's 856M would take a few
+#: GB of host memory and seconds at `prepare`; past this the kernel's rate on large
+#: tensors is what the group runs at anyway.
+MAX_TIMED_UPDATE_PARAMS = 16 * 2**20
+
+
 def time_layer_update(layer: nn.Module, *, compute_dtype: torch.dtype | None,
                       on_gpu: bool, repeats: int = 9, budget_s: float = 1.0) -> float:
     """Params/s of the host update of a copy of `layer`'s trainable parameters, as the
     engine's update runs one layer's group: one clipped HybridAdamW8bit step with the
     norms given, through `step_params` (its per-tensor work included: small tensors such
     as norms keep fp32 moments and take the reference path), writing the compute-dtype
-    copy in the same pass where a GPU streams it (`on_gpu`, a bf16 compute dtype). The
-    measure's 10M-parameter probe is the kernel's rate on one large tensor; a 256-wide
-    layer's group ran at a third of it on a 2-core Xeon (docs/benchmarks.md "The plan at
-    prepare")."""
-    from lazytrain_accel.optim import HybridAdamW8bit
+    copy in the same pass where a GPU streams it (`on_gpu`, a bf16 compute dtype). Of a
+    layer larger than `MAX_TIMED_UPDATE_PARAMS`, its tensors in order up to that many
+    (the last one cut). The measure's 10M-parameter probe is the kernel's rate on one
+    large tensor; a 256-wide layer's group ran at a third of it on a 2-core Xeon
+    (docs/benchmarks.md "The plan at prepare")."""
+    from lazytrain_accel.profiling.measure import clipped_step
 
-    params = [nn.Parameter(p.detach().to("cpu", torch.float32).clone())
-              for p in layer.parameters() if p.requires_grad]
+    params, left = [], MAX_TIMED_UPDATE_PARAMS
+    for p in (p for p in layer.parameters() if p.requires_grad):
+        if left == 0:
+            break
+        taken = p.detach() if p.numel() <= left else p.detach().reshape(-1)[:left]
+        params.append(nn.Parameter(taken.to("cpu", torch.float32).clone()))
+        left -= taken.numel()
     if not params:
         raise ValueError("the layer has no trainable parameters to time an update of")
     generator = torch.Generator().manual_seed(0)
@@ -211,13 +223,6 @@ def time_layer_update(layer: nn.Module, *, compute_dtype: torch.dtype | None,
         p.grad = torch.randn(p.shape, generator=generator) * 1e-3
     copies = ([torch.empty(p.shape, dtype=torch.bfloat16) for p in params]
               if on_gpu and compute_dtype == torch.bfloat16 else None)
-    optimizer = HybridAdamW8bit(params, lr=1e-6, max_grad_norm=1.0)
-
-    def step() -> None:
-        optimizer.set_grad_sq_norms(dict.fromkeys(params, 1.0))  # the engine's norms
-        optimizer.begin_step()
-        optimizer.step_params(params, out_bf16=copies)
-        optimizer.end_step()
-
+    step = clipped_step(params, copies)
     seconds = _medians_s([step], torch.device("cpu"), repeats=repeats, budget_s=budget_s)[0]
     return sum(p.numel() for p in params) / seconds

@@ -125,7 +125,7 @@ def _measure_optimizer(device: torch.device, num_params: int = 10_000_000) -> fl
     param = torch.nn.Parameter(torch.randn(num_params))
     param.grad = torch.full_like(param, 1e-3)
     out = [torch.empty(num_params, dtype=torch.bfloat16)] if device.type == "cuda" else None
-    return num_params / _best_time_s(_clipped_step(param, out), torch.device("cpu"))
+    return num_params / _best_time_s(clipped_step([param], out), torch.device("cpu"))
 
 
 def _measure_device_optimizer(device: torch.device, host_rate: float,
@@ -137,18 +137,19 @@ def _measure_device_optimizer(device: torch.device, host_rate: float,
         return host_rate
     param = torch.nn.Parameter(torch.randn(num_params, device=device))
     param.grad = torch.full_like(param, 1e-3, dtype=torch.bfloat16)
-    return num_params / _best_time_s(_clipped_step(param, None), device)
+    return num_params / _best_time_s(clipped_step([param], None), device)
 
 
-def _clipped_step(param: torch.nn.Parameter, out: list[torch.Tensor] | None
-                  ) -> Callable[[], None]:
-    """One clipped HybridAdamW8bit step of `param`, with norms given (the engine's)."""
-    optimizer = HybridAdamW8bit([param], lr=1e-3, max_grad_norm=1.0)
+def clipped_step(params: list[torch.nn.Parameter], out: list[torch.Tensor] | None
+                 ) -> Callable[[], None]:
+    """One clipped HybridAdamW8bit step of `params` (`out`: their bf16 copies, written in
+    the same pass), with norms given (the engine's)."""
+    optimizer = HybridAdamW8bit(params, lr=1e-3, max_grad_norm=1.0)
 
     def step() -> None:
-        optimizer.set_grad_sq_norms({param: 1.0})  # the engine's norms: no norm pass
+        optimizer.set_grad_sq_norms(dict.fromkeys(params, 1.0))  # the engine's: no norm pass
         optimizer.begin_step()
-        optimizer.step_params([param], out_bf16=out)
+        optimizer.step_params(params, out_bf16=out)
         optimizer.end_step()
 
     return step

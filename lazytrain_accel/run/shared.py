@@ -138,8 +138,8 @@ def _time_workload(model: nn.Module, profile: ModelProfile, hardware: HardwarePr
             logger.warning("lazytrain: could not time the update of the model's own layer "
                            "(%s: %s); pricing it at the probe's %.3gM params/s",
                            type(err).__name__, err, hardware.cpu_optimizer_params_per_s / 1e6)
-            return WorkloadRates(rates=rates, source=source)
-        rates["cpu_optimizer_params_per_s"] = update
-        source += (f"; its update {update / 1e6:.3g}M params/s (the 10M-parameter probe's "
-                   f"{hardware.cpu_optimizer_params_per_s / 1e6:.3g}M)")
+        else:
+            rates["cpu_optimizer_params_per_s"] = update
+            source += (f"; its update {update / 1e6:.3g}M params/s (the 10M-parameter "
+                       f"probe's {hardware.cpu_optimizer_params_per_s / 1e6:.3g}M)")
     return WorkloadRates(rates=rates, source=source)

@@ -97,7 +97,7 @@ def test_prepare_times_the_workload_once_then_reads_it_back(tmp_path, monkeypatc
                                   **kwargs) is roofline
 
 
-def test_the_update_is_timed_on_the_first_layers_own_group(tmp_path) -> None:
+def test_the_update_is_timed_on_the_first_layers_own_group(tmp_path, monkeypatch) -> None:
     """Under the hybrid operator the host update is priced at its rate on the model's first
     layer's trainable tensors (what the engine's update runs per group), cached with the
     compute rate; a kept torch optimizer leaves the probe's rate. The model is untouched."""
@@ -107,6 +107,20 @@ def test_the_update_is_timed_on_the_first_layers_own_group(tmp_path) -> None:
     assert time_layer_update(layer, compute_dtype=None, on_gpu=False, repeats=3) > 0
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    # a layer past the cap is timed on its tensors in order up to it, the last one cut
+    from lazytrain_accel.profiling import layer_timing, measure
+    timed: list[int] = []
+    clipped_step = measure.clipped_step
+
+    def counting_step(params, out):
+        timed.append(sum(p.numel() for p in params))
+        return clipped_step(params, out)
+
+    monkeypatch.setattr(layer_timing, "MAX_TIMED_UPDATE_PARAMS", 1000)
+    monkeypatch.setattr(measure, "clipped_step", counting_step)
+    assert time_layer_update(layer, compute_dtype=None, on_gpu=False, repeats=3) > 0
+    assert timed == [1000] < [sum(p.numel() for p in layer.parameters())]
+    monkeypatch.undo()
     for p in layer.parameters():
         p.requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
