@@ -1,11 +1,13 @@
 """One copy of the training state per node at 4 ranks (issue 45 item 3), at its peak.
 
-`bench/node.py` launches the same 117M-parameter Llama (vocab 8000: its embeddings and
+`bench/node.py` launches (`accelerate.commands.launch`, `--num_processes`) the same
+117M-parameter Llama (vocab 8000: its embeddings and
 untied head are 16.4M of it) at 1 and 4 CPU processes and samples the ranks' summed PSS
 through the timed steps; the state is the peak less each process's bare runtime. The
 engine's device tier is left out of both: on this CPU device it is host pages standing for
 each GPU's memory (two weight slots of one layer each, per rank; on a GPU node they are
-not host bytes), and it does not grow with the model's depth.
+not host bytes), and it does not grow with the model's depth. Marked `alone`: beside
+another test's processes the reduces complete later and the peak rose to 1.31x.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -28,6 +32,7 @@ def _state_bytes(row: dict) -> int:
     return row["state"] - row["device_tier"]
 
 
+@pytest.mark.alone
 def test_four_ranks_hold_the_state_of_a_117m_model_once(tmp_path: Path) -> None:
     """At most 1.3x one process's state at 4 ranks. Before the output residents' gradients
     were sent with the first layer's (each rank held the untied head's fp32 gradient
