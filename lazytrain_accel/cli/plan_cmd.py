@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -32,6 +33,7 @@ from lazytrain_accel.planning import (
 )
 from lazytrain_accel.planning.admission import max_seq_len
 from lazytrain_accel.planning.infeasible import with_largest_batch
+from lazytrain_accel.planning.nvme_traffic import nvme_traffic
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.solve import with_device_residents
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS, HardwareProfile
@@ -95,6 +97,9 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
         p.add_argument(flag, type=float,
                        help=f"{what} budget in GiB (default: LAZYTRAIN_{env}, else 0 = the "
                        "hardware profile's)")
+    p.add_argument("--nvme-drives", type=positive_int, default=1,
+                   help="NVMe drives striped under nvme_dir (RAID-0, or one nvme_dir per "
+                   "drive): the profile's NVMe rates are one drive's, times this (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -124,11 +129,25 @@ def _load(args: argparse.Namespace) -> tuple[dict, HardwareProfile, Budgets]:
         config = load_model_config(args.model)
         hardware = load_hardware(args.hardware, cache_dir=env_setting("cache_dir"),
                                  nvme_dir=env_setting("nvme_dir"))
+        hardware = with_drives(hardware, args.nvme_drives)
         budgets = Budgets.from_hardware(hardware, args.gpu_memory_gb, args.cpu_memory_gb,
                                         args.nvme_gb)
     except (ValueError, OSError) as err:  # unknown presets, unreadable files: inputs
         raise CliError(str(err), exit_code=2) from None
     return config, hardware, budgets
+
+
+def with_drives(hardware: HardwareProfile, drives: int) -> HardwareProfile:
+    """`hardware` with `drives` of its NVMe drive striped: its rates times `drives` (an
+    upper bound: Ratel measured 1 / 3 / 6 / 12 drives give 37.5 / 81.1 / 121.7 / 142
+    TFLOPS, docs/user_guide.md "When the state is larger than RAM")."""
+    if drives == 1:
+        return hardware
+    return dataclasses.replace(
+        hardware, name=f"{hardware.name} x{drives} NVMe",
+        nvme_read_bytes_per_s=drives * hardware.nvme_read_bytes_per_s,
+        nvme_write_bytes_per_s=drives * hardware.nvme_write_bytes_per_s,
+        source=f"{hardware.source}; {drives} drives striped: NVMe rates x {drives}")
 
 
 def _profile(config: dict, args: argparse.Namespace, batch_size: int,
@@ -170,7 +189,18 @@ def _summary(plan: Plan, numbers: Any, geometry: ModelGeometry) -> dict[str, Any
             tokens=plan.batch_size * plan.seq_len, width=geometry.hidden_size),
         "gpus_per_node": plan.gpus_per_node, "nodes": plan.nodes,
         "node_tokens_per_s": plan.gpus_per_node * numbers.tokens_per_s,
+        "state_nvme_layers": {part: len(layers) for part, layers
+                              in plan.state.to_dict().items()},
     }
+
+
+def _traffic_summary(plan: Plan, model: ModelProfile, hardware: HardwareProfile
+                     ) -> dict[str, Any]:
+    t = nvme_traffic(plan, model, hardware)
+    return {"nvme_read_bytes": t.read_bytes, "nvme_written_bytes": t.written_bytes,
+            "nvme_busy_s": t.busy_s, "nvme_bandwidth_share": t.bandwidth_share,
+            "nvme_added_s": t.drive_added_s, "floor_s": t.floor_s,
+            "step_over_floor": plan.prediction.step_s / t.floor_s}
 
 
 def _print(summary: dict[str, Any], as_json: bool) -> None:
@@ -196,6 +226,7 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
     print(f"  peaks: GPU {summary['peak_gpu_bytes'] / _GIB:.2f} GiB, CPU "
           f"{summary['peak_cpu_bytes'] / _GIB:.2f} GiB, NVMe "
           f"{summary['peak_nvme_bytes'] / _GIB:.2f} GiB")
+    _print_state(summary)
     print(f"  solver: {summary['status']}, {summary['solve_s']:.2f} s, gap "
           f"{summary['gap']:.2%}")
     _print_node(summary)
@@ -209,6 +240,26 @@ def _print(summary: dict[str, Any], as_json: bool) -> None:
             print(f"    (megatrain updates every parameter on the host, as MegaTrain does; "
                   f"given the residents' GPU update too: {given:.1f} TFLOPS, "
                   f"{summary['tflops'] / given:.3f}x)")
+
+
+def _print_state(summary: dict[str, Any]) -> None:
+    """The host state's NVMe homes, the step's NVMe traffic and the floor, and the state
+    baselines beside the plan."""
+    on_nvme = summary["state_nvme_layers"]
+    if any(on_nvme.values()):
+        print(f"  host state on NVMe (layers): masters and moments {on_nvme['optimizer']}, "
+              f"gradients {on_nvme['grads']}, compute copies {on_nvme['copies']}; the rest "
+              "in DRAM")
+    if summary.get("nvme_read_bytes"):
+        print(f"  NVMe per step: {summary['nvme_read_bytes'] / 1e9:.1f} GB read, "
+              f"{summary['nvme_written_bytes'] / 1e9:.1f} GB written, drives busy "
+              f"{summary['nvme_busy_s']:.1f} s ({summary['nvme_bandwidth_share']:.0%} of the "
+              f"step), adding {summary['nvme_added_s']:.1f} s; floor {summary['floor_s']:.1f} "
+              f"s (compute or drives), step {summary['step_over_floor']:.2f}x the floor")
+    for name, step_s in summary.get("host_state_baselines", {}).items():
+        print(f"  vs host state {name}: " + (f"step {step_s:.1f} s, "
+                                             f"{step_s / summary['step_s']:.3f}x this plan's"
+                                             if step_s else "it does not fit"))
 
 
 def _print_tiles(summary: dict[str, Any]) -> None:
@@ -306,6 +357,13 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.output:
         plan.save(args.output)
     summary = _summary(plan, plan.prediction, model.geometry)
+    summary.update(_traffic_summary(plan, model, hardware))
+    if plan.state.any:  # the state baselines, in the same budgets
+        summary["host_state_baselines"] = {}
+        for name in ("dram", "greedy", "all_nvme"):
+            other = _plan_or_none(model, hardware, _request(args, budgets, host_state=name))
+            summary["host_state_baselines"][name] = (None if other is None
+                                                     else other.prediction.step_s)
     if args.strategy != "megatrain":  # the paper's comparison, in the same budgets
         mega = _plan_or_none(model, hardware, _request(
             args, budgets, strategy="megatrain", resident_update="auto"))

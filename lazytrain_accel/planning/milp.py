@@ -158,9 +158,10 @@ def _add_links(m: Model, p: Problem, v: _Vars) -> None:
         host = p.host_window_s(v.x)
         for w in range(W):
             m.addCons(v.exposed[w] >= host[w] - dur[w], name=f"host_bound_{w}")
-    for link in ("h2d", "d2h"):
+    for link in LINKS:  # the weights, gradients and NVMe-homed state each window moves
         for w in range(W):
-            m.addCons(free[link][w] >= 0, name=f"mandatory_{link}_{w}")
+            if link in ("h2d", "d2h") or mandatory[link][w]:
+                m.addCons(free[link][w] >= 0, name=f"mandatory_{link}_{w}")
     for link in LINKS:
         moved = v.nvme if link.startswith("nvme") else {
             i: _offloaded(v, i) for i in sorted(set(v.cpu) | set(v.nvme))}
@@ -261,7 +262,9 @@ def build_milp(p: Problem, *, allow_cpu: bool = True, allow_nvme: bool = True,
     edges = p.edges()
     if fixed_homes is not None:  # the full model, plus a baseline's blocks longer than K
         kept = [i for i, h in enumerate(fixed_homes) if h != Home.RECOMPUTE]
-        edges += [b for b in itertools.pairwise(kept) if b[1] - b[0] > p.max_block]
+        copies = set(p.state.copies)  # never a block re-running an NVMe-homed copy
+        edges += [b for b in itertools.pairwise(kept) if b[1] - b[0] > p.max_block
+                  and not copies.intersection(range(b[0] + 1, b[1]))]
     m = Model("lazytrain_plan")
     m.hideOutput()
     v = _add_variables(m, p, edges, allow_cpu, allow_nvme)

@@ -14,9 +14,12 @@ from lazytrain_accel.planning.schedule import blocks_of, schedule_transfers, win
 
 
 def admissible(p: Problem, homes: list[Home] | tuple[Home, ...]) -> bool:
-    """Whether fixed `homes` respect the MIP's structure: blocks start on the GPU, and
-    every offloaded boundary has windows to leave and come back in."""
+    """Whether fixed `homes` respect the MIP's structure: blocks start on the GPU, no
+    block re-runs a layer whose compute copy lives on NVMe (`Problem.edges`), and every
+    offloaded boundary has windows to leave and come back in."""
     if any(e - s >= 2 and homes[s] != Home.GPU for s, e in blocks_of(homes)):
+        return False
+    if any(homes[j] == Home.RECOMPUTE for j in p.state.copies if j < len(homes)):
         return False
     return all(p.can_offload(i, nvme=h == Home.NVME) for i, h in enumerate(homes)
                if h in (Home.CPU, Home.NVME))

@@ -89,6 +89,44 @@ def backward_window(layer: int, num_layers: int) -> int:
     return 2 * num_layers - layer
 
 
+#: The parts of a decoder layer's host state the planner may home on NVMe
+#: (`StateHomes`): its fp32 master with its optimizer moments (read before the layer's
+#: update, written after it), its fp32 gradient (written as it arrives in the backward,
+#: read by the update) and its compute-dtype copy (written by the update, read before the
+#: layer's backward). docs/planner.md "Host state on NVMe".
+STATE_PARTS: tuple[str, ...] = ("optimizer", "grads", "copies")
+
+
+@dataclass(kw_only=True, frozen=True)
+class StateHomes:
+    """The decoder layers (1-based) whose state part lives on NVMe, per `STATE_PARTS`;
+    every other layer's part, and the residents' state, lives in host DRAM."""
+
+    optimizer: tuple[int, ...] = ()
+    grads: tuple[int, ...] = ()
+    copies: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for part in STATE_PARTS:
+            layers = getattr(self, part)
+            if list(layers) != sorted(set(layers)) or any(
+                    isinstance(j, bool) or not isinstance(j, int) or j < 1 for j in layers):
+                raise PlanError(f"state homes {part}={layers!r}: give increasing layer "
+                                "numbers >= 1")
+            object.__setattr__(self, part, tuple(layers))
+
+    @property
+    def any(self) -> bool:
+        """Whether any state lives on NVMe."""
+        return any(getattr(self, part) for part in STATE_PARTS)
+
+    def on_nvme(self, part: str, layer: int) -> bool:
+        return layer in getattr(self, part)
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {part: list(getattr(self, part)) for part in STATE_PARTS}
+
+
 @dataclass(kw_only=True)
 class Transfer:
     """`bytes` of boundary `boundary` moved by `kind` during window `window`."""
@@ -192,10 +230,15 @@ class Plan:
     # nodes. A plan file without them: one GPU.
     gpus_per_node: int = 1
     nodes: int = 1
+    # The decoder layers whose host state lives on NVMe (`StateHomes`); a plan file
+    # without it: all in DRAM.
+    state: StateHomes = field(default_factory=StateHomes)
     version: int = PLAN_FORMAT_VERSION
 
     def __post_init__(self) -> None:
         self.homes = [Home(h) for h in self.homes]
+        if isinstance(self.state, dict):
+            self.state = StateHomes(**{k: tuple(v) for k, v in self.state.items()})
         self.blocks = [tuple(b) for b in self.blocks]
         self.transfers = [
             t if isinstance(t, Transfer) else Transfer(**{**t, "kind": TransferKind(t["kind"])})
@@ -218,6 +261,9 @@ class Plan:
         if self.solver.homes is None or list(self.solver.homes) != self.homes:
             raise PlanError("plan solver homes differ from the plan's: build a plan from its "
                             "solution (`solve.plan_from_solution`) or replace both")
+        if any(j > self.num_layers for part in STATE_PARTS for j in getattr(self.state, part)):
+            raise PlanError(f"plan state homes {self.state.to_dict()} name a layer past "
+                            f"{self.num_layers}")
         if self.resident_update not in RESIDENT_UPDATES:
             raise PlanError(f"plan resident_update={self.resident_update!r} is not one of "
                             f"{RESIDENT_UPDATES}")
@@ -265,6 +311,7 @@ class Plan:
         out["blocks"] = [list(b) for b in self.blocks]
         out["transfers"] = [{**asdict(t), "kind": t.kind.value} for t in self.transfers]
         out["solver"] = self.solver.to_dict()
+        out["state"] = self.state.to_dict()
         return out
 
     @classmethod

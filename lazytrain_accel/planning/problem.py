@@ -12,7 +12,7 @@ gradients, boundaries, recompute, overheads): docs/planner.md "The step as windo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from lazytrain_accel.device_update import DEVICE_UPDATE_CHUNK_ELEMENTS
@@ -23,6 +23,7 @@ from lazytrain_accel.planning.host import (
     activation_host_terms,
     check_optimizer,
     host_base_terms,
+    writes_compute_copies,
 )
 from lazytrain_accel.planning.node import (
     check_node_shape,
@@ -32,8 +33,16 @@ from lazytrain_accel.planning.node import (
 from lazytrain_accel.planning.plan import (
     RESIDENT_UPDATES,
     Home,
+    StateHomes,
     backward_window,
     forward_window,
+)
+from lazytrain_accel.planning.state import (
+    StateSizes,
+    backward_state_bytes,
+    host_terms_with_state,
+    nvme_state_bytes,
+    state_sizes,
 )
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.profile import ModelProfile
@@ -178,6 +187,13 @@ class Problem:
     # Local ranks sharing the node's host (`node.py`): each runs this plan, so each rank's
     # own host terms count this many times; the link rates are already their shares.
     gpus_per_node: int = 1
+    # One decoder layer's host state by part (`state.py`), which parts of which layers
+    # live on NVMe (`StateHomes`; `cpu_base_terms` are net of them), and the host terms
+    # with every part in DRAM (what `with_state_homes` starts from).
+    state_sizes: StateSizes = field(default_factory=lambda: StateSizes(
+        optimizer_bytes=0, grads_bytes=0, copies_bytes=0))
+    state: StateHomes = field(default_factory=StateHomes)
+    dram_cpu_base_terms: tuple[tuple[str, int], ...] = ()
 
     # ---- windows -------------------------------------------------------------------
     @property
@@ -307,12 +323,29 @@ class Problem:
             for w, nbytes in self.restream_windows(s, e):
                 if nbytes:
                     h2d[w] = h2d[w] + nbytes * x
+        state = self.state_window_bytes
         return {"h2d": h2d, "d2h": [self.grad_d2h_bytes(w) for w in range(W)],
-                "nvme_read": [0] * W, "nvme_write": [0] * W}
+                "nvme_read": list(state["nvme_read"]), "nvme_write": list(state["nvme_write"])}
+
+    @property
+    def state_window_bytes(self) -> dict[str, list[int]]:
+        """Per NVMe link and window, the bytes the host state's NVMe homes move in the
+        step (gradients written, compute copies read: `state.py`)."""
+        return backward_state_bytes(self.state, self.state_sizes, self.num_layers,
+                                    folds=self.fold_s > 0)
+
+    @property
+    def nvme_state_bytes(self) -> int:
+        """NVMe bytes the host state's homes take."""
+        return nvme_state_bytes(self.state, self.state_sizes)
 
     def edges(self) -> list[tuple[int, int]]:
+        """The MIP's candidate blocks: up to K layers long, none re-running a layer whose
+        compute copy lives on NVMe (its re-run would read the file again, `state.py`)."""
         L, K = self.num_layers, self.max_block
-        return [(s, e) for s in range(L) for e in range(s + 1, min(s + K, L) + 1)]
+        copies = set(self.state.copies)
+        return [(s, e) for s in range(L) for e in range(s + 1, min(s + K, L) + 1)
+                if not copies.intersection(range(s + 1, e))]
 
     # ---- links -----------------------------------------------------------------------
     def rate_bytes_per_s(self, link: str) -> float:
@@ -413,7 +446,8 @@ class Problem:
         of `cache` boundaries (longest block - 1): counts or the MIP's sums of variables."""
         A = self.boundary_bytes
         return {"gpu": self.gpu_fixed_bytes + A * (gpu + cache),
-                "cpu": sum(b for _, b in self.host_terms(cpu=cpu)), "nvme": A * nvme}
+                "cpu": sum(b for _, b in self.host_terms(cpu=cpu)),
+                "nvme": A * nvme + self.nvme_state_bytes}
 
     def budget_bytes(self, tier: str) -> int:
         return {"gpu": self.budgets.gpu_bytes, "cpu": self.budgets.cpu_bytes,
@@ -421,7 +455,8 @@ class Problem:
 
     def fixed_bytes(self, tier: str) -> int:
         """The part of a tier's need that no home changes (the base of a refusal)."""
-        return {"gpu": self.gpu_fixed_bytes, "cpu": self.cpu_fixed_bytes, "nvme": 0}[tier]
+        return {"gpu": self.gpu_fixed_bytes, "cpu": self.cpu_fixed_bytes,
+                "nvme": self.nvme_state_bytes}[tier]
 
     def step_floor_s(self) -> float:
         """Step seconds no plan avoids: compute, layer 1's weights, the last gradients.
@@ -439,11 +474,12 @@ def weight_buffer_count(max_block: int) -> int:
 def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
                   budgets: Budgets | None = None, max_recompute_block: int = 8,
                   resident_update: str = "host", optimizer: str = "hybrid8bit",
-                  gpus_per_node: int = 1) -> Problem:
+                  gpus_per_node: int = 1, state: StateHomes | None = None) -> Problem:
     """The instance for `model` at its batch shape on `hardware` under `budgets`, with the
     residents' update on the host or the GPU (`resident_update`, `RESIDENT_UPDATES`) and
     the host state of `optimizer` (`host.OPTIMIZERS`), for one of `gpus_per_node` ranks
-    sharing the host (`node.py`: `budgets.cpu_bytes` is the node's)."""
+    sharing the host (`node.py`: `budgets.cpu_bytes` is the node's), the layers' host
+    state homed as `state` says (None: all in DRAM; `with_state_homes`)."""
     check_optimizer(optimizer)
     check_node_shape(gpus_per_node=gpus_per_node, nodes=1)
     if resident_update not in RESIDENT_UPDATES:
@@ -522,8 +558,28 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         stage_s=_host_work_s(model.layer_param_bytes, stage_bytes_per_s),
         fold_s=_host_work_s(model.layer_grad_bytes, fold_bytes_per_s),
         host_on_compute=hardware.compute_on_host,
+        state_sizes=state_sizes(
+            update_param_count=model.layer_trainable_param_count, optimizer=optimizer,
+            copy_bytes=layer_copy_bytes(model, optimizer)),
+        dram_cpu_base_terms=host_terms,
     )
-    return with_node_links(problem, hardware)
+    return with_state_homes(with_node_links(problem, hardware), state or StateHomes())
+
+
+def layer_copy_bytes(model: ModelProfile, optimizer: str) -> int:
+    """One layer's compute-dtype copy the hybrid update writes (`host.py`'s term per layer)."""
+    if not writes_compute_copies(model, optimizer):
+        return 0
+    packed = 0 if model.weights is None else model.weights.layer_packed_param_count
+    return (model.geometry.layer_param_count - packed) * model.compute_bytes_per_elem
+
+
+def with_state_homes(p: Problem, state: StateHomes) -> Problem:
+    """`p` with the layers' host state homed as `state` says: the DRAM terms less what
+    lives on NVMe, plus the buffers it streams through (`state.py`)."""
+    terms = host_terms_with_state(p.dram_cpu_base_terms, state, p.state_sizes)
+    return replace(p, state=state, cpu_base_terms=terms,
+                   static_cpu_bytes=sum(b for _, b in terms))
 
 
 def _host_work_s(nbytes: int, bytes_per_s: float) -> float:

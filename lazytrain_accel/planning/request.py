@@ -12,6 +12,10 @@ from lazytrain_accel.config import RESIDENT_UPDATE_CHOICES
 from lazytrain_accel.planning.node import check_node_shape
 from lazytrain_accel.planning.plan import Plan
 from lazytrain_accel.planning.problem import Budgets
+from lazytrain_accel.planning.state_search import CANDIDATE_NAMES
+
+#: `PlanRequest.host_state`: the planner's choice, all in DRAM, or one candidate.
+HOST_STATES: tuple[str, ...] = ("auto", "dram", *CANDIDATE_NAMES)
 
 #: Seconds the elastic re-solve that names a refusal's shortfall may take: it starts from
 #: the baseline closest to fitting, so on a limit it still names what that plan lacks.
@@ -41,9 +45,15 @@ class PlanRequest:
     # The plan a re-plan runs now: the MIP's warm start where it fits, and returned
     # (re-priced) when the simulator prices it faster than every new plan.
     running: Plan | None = None
+    # Where the layers' host state may live when DRAM cannot hold it all (`HOST_STATES`):
+    # "auto" (the fastest of `state_search.state_candidates`), "dram" (never on NVMe:
+    # refused where it does not fit), or one candidate by name (the baselines).
+    host_state: str = "auto"
 
     def __post_init__(self) -> None:
         check_node_shape(gpus_per_node=self.gpus_per_node, nodes=self.nodes)
+        if self.host_state not in HOST_STATES:
+            raise ValueError(f"host_state={self.host_state!r} is not one of {HOST_STATES}")
         if self.resident_update not in RESIDENT_UPDATE_CHOICES:
             raise ValueError(f"resident_update={self.resident_update!r} is not one of "
                              f"{RESIDENT_UPDATE_CHOICES}")

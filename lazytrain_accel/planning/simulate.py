@@ -26,6 +26,12 @@ from lazytrain_accel.planning.plan import (
 )
 from lazytrain_accel.planning.problem import LINKS, Problem, build_problem
 from lazytrain_accel.planning.slots import WeightSlots, weight_slots
+from lazytrain_accel.planning.state import (
+    STATE_STAGING_GROUPS,
+    copy_read_window,
+    grad_write_window,
+    update_io_bytes,
+)
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.model_configs import with_loss_chunk, with_tiles
@@ -38,8 +44,12 @@ HOST_OPTIMIZER = "host_optimizer"
 DEVICE_OPTIMIZER = "device_optimizer"
 #: The host's work per transfer on a GPU (on a CPU device it is the compute's lane).
 HOST = "host"
+#: The update phase's reads and writes of the host state homed on NVMe (`state.py`):
+#: after the step, beside the next forward, as the update itself.
+STATE_READ = "state_read"
+STATE_WRITE = "state_write"
 #: The lanes of the update, which the step's own end and exposure leave out.
-OPTIMIZER_LANES = (HOST_OPTIMIZER, DEVICE_OPTIMIZER)
+OPTIMIZER_LANES = (HOST_OPTIMIZER, DEVICE_OPTIMIZER, STATE_READ, STATE_WRITE)
 
 
 def host_optimizer_lane(share: int) -> str:
@@ -112,14 +122,25 @@ class _StepBuilder:
         self.host_ops: list[int] = []
         self.loads: list[int] = []  # weight loads in issue order (two staging buffers)
         self.fold_op: dict[int, int] = {}  # layer -> the host op that folded its gradients
+        # The host state homed on NVMe (`Plan.state`): per layer, the window that reads its
+        # compute copy and the one that writes its gradient, and those ops once issued.
+        L, folds = self.L, p.fold_s > 0
+        self.copy_reads_in = {copy_read_window(j, L): j for j in plan.state.copies
+                              if copy_read_window(j, L) is not None}
+        self.grad_writes_in = {grad_write_window(j, L, folds=folds): j
+                               for j in plan.state.grads}
+        self.copy_read: dict[int, int] = {}
+        self.grad_write: dict[int, int] = {}
 
-    def weight(self, key: tuple[str, int], after_start: list[int], window: int) -> None:
+    def weight(self, key: tuple[str, int], after_start: list[int], window: int,
+               after_end: tuple[int, ...] = ()) -> None:
         slot = self.slots.keep(key[1])  # a layer still held is not loaded again
         if slot is None:
             name = f"W{key[1]}" if key[0] == "layer" else f"RW{key[1]}"
             staged = self.stage() if self.host_priced else []
             op = self.q.add(name, "h2d", self.p.layer_param_bytes / self.p.h2d_bytes_per_s,
-                            after_start=after_start, after_end=staged, window=window)
+                            after_start=after_start, after_end=[*staged, *after_end],
+                            window=window)
             self.loads.append(op)
             busy = () if self.running is None else (self.running,)
             slot = self.slots.pick(busy=busy, for_prefetch=False)
@@ -204,16 +225,34 @@ class _StepBuilder:
     def issue(self, w: int, next_layer: int | None) -> None:
         """Transfers issued when window w starts."""
         start = [self.window_start[w]]
+        self.state_io(w, start)
         for s, e in self.plan.blocks:  # first recomputed layer of the block after next
             if e - s >= 2 and backward_window(e, self.L) - 1 == w:
                 self.weight(("recompute", s + 1), start, w)
-        if next_layer is not None:
-            self.weight(("layer", next_layer), start, w)
+        if next_layer is not None:  # a backward load of a copy homed on NVMe reads it first
+            read = self.copy_read.get(next_layer) if w >= self.L else None
+            self.weight(("layer", next_layer), start, w, () if read is None else (read,))
         for t in self.plan.transfers_in(w):
             op = self.q.add(f"{t.kind.value}:{t.boundary}", t.kind.value,
                             t.bytes / self.p.rate_bytes_per_s(t.kind.value),
                             after_start=start, window=w)
             self.moves.setdefault((t.boundary, t.kind), []).append(op)
+
+    def state_io(self, w: int, start: list[int]) -> None:
+        """The NVMe-homed state's traffic of window w (`state.py`): a compute copy read for
+        the next window's backward load, a gradient written once the host has it."""
+        p = self.p
+        j = self.copy_reads_in.get(w)
+        if j is not None:
+            self.copy_read[j] = self.q.add(
+                f"CR{j}", "nvme_read", p.state_sizes.copies_bytes / p.nvme_read_bytes_per_s,
+                after_start=start, window=w)
+        j = self.grad_writes_in.get(w)
+        if j is not None:
+            home = self.fold_op.get(j, self.grad[j])
+            self.grad_write[j] = self.q.add(
+                f"GW{j}", "nvme_write", p.state_sizes.grads_bytes / p.nvme_write_bytes_per_s,
+                after_start=start, after_end=[home], window=w)
 
     def chain_moves(self) -> None:
         """NVMe write after its D2H, read after its write, H2D after its read; within one
@@ -299,14 +338,27 @@ class _StepBuilder:
         # side), after a CPU device's (it runs on the training thread first) or, on the
         # share that runs it, U_embed.
         beside = p.resident_update == "device" and hardware.device_runs_async
-        ops = [first]
+        ops, writes = [first], []
         for j in range(1, self.L + 1):
             after = not beside and (p.resident_update == "device" or owners[j] == owners[0])
             home = self.fold_op.get(j, self.grad[j])  # its gradients in `.grad`
+            read_bytes, write_bytes = update_io_bytes(self.plan.state, p.state_sizes, j)
+            if read_bytes:  # its state from NVMe, into a buffer of the update phase once
+                # the group that held it last has been written back
+                deps = [home, self.bwd[1], *([self.grad_write[j]] if j in self.grad_write
+                                             else [])]
+                if len(writes) >= STATE_STAGING_GROUPS:
+                    deps.append(writes[-STATE_STAGING_GROUPS])
+                home = self.q.add(f"SR{j}", STATE_READ, read_bytes / p.nvme_read_bytes_per_s,
+                                  after_end=deps, window=end)
             ops.append(self.q.add(f"U{j}", host_optimizer_lane(owners[j]),
                                   p.layer_update_param_count / rate,
                                   after_end=[home] + ([first] if after else []),
                                   after_start=[first] if beside else [], window=end))
+            if write_bytes:  # written behind, its buffer free after
+                writes.append(self.q.add(f"SW{j}", STATE_WRITE,
+                                         write_bytes / p.nvme_write_bytes_per_s,
+                                         after_end=[ops[-1]], window=end))
         if p.resident_update == "host":
             ops.append(self.q.add("U_head", host_optimizer_lane(owners[-1]), head / rate,
                                   after_end=[self.resident], window=end))
@@ -399,6 +451,8 @@ def _optimizer_exposed_s(b: _StepBuilder, updates: list[int], step_s: float) -> 
     if it ran after the step (measured on a 2-core Xeon: the overlapped step ran 1.0-1.1x
     the serial one, docs/benchmarks.md "The plan at prepare")."""
     ops, p = b.q.ops, b.p
+    if p.host_on_compute and b.plan.state.any:  # the update waits for its reads too
+        return max(ops[u].end_s for u in updates) - step_s
     if p.host_on_compute:
         lane_s: dict[str, float] = {}
         for u in updates:
@@ -427,7 +481,7 @@ def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,
     longest = max(e - s for s, e in plan.blocks)
     p = build_problem(model, hardware, max_recompute_block=longest,
                       resident_update=plan.resident_update, optimizer=plan.optimizer,
-                      gpus_per_node=plan.gpus_per_node)
+                      gpus_per_node=plan.gpus_per_node, state=plan.state)
     b = _StepBuilder(p, plan)
     q = b.build()
     updates = b.host_optimizer(hardware) if include_optimizer else []
@@ -443,7 +497,7 @@ def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,
     events["cpu"] = [(t, delta * p.gpus_per_node) for t, delta in events["cpu"]]
     peaks, curves = {}, {}
     for tier, static in (("gpu", p.static_gpu_bytes), ("cpu", p.static_cpu_bytes),
-                         ("nvme", 0)):
+                         ("nvme", p.nvme_state_bytes)):
         peaks[tier], curves[tier] = _peak(static, events[tier])
     # The compute queue's seconds split as the engine times them: layer compute (with the
     # head), recompute, and the per-run overhead outside the engine's layer timer.

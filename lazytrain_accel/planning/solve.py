@@ -22,11 +22,13 @@ from lazytrain_accel.planning.problem import (
     PlanInfeasibleError,
     Problem,
     build_problem,
+    with_state_homes,
 )
 from lazytrain_accel.planning.refusal import infeasible_error
 from lazytrain_accel.planning.request import DIAGNOSE_TIME_LIMIT_S, PlanRequest
 from lazytrain_accel.planning.schedule import blocks_of, schedule_transfers
 from lazytrain_accel.planning.simulate import simulate
+from lazytrain_accel.planning.state_search import needs_state_homes, state_candidates
 from lazytrain_accel.planning.tiles import plan_tiles
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
@@ -163,7 +165,7 @@ def plan_from_solution(p: Problem, solution: Solution, *, strategy: str,
                  loss_chunk_tokens=model.loss_chunk_tokens or 0,
                  tiling=tiling, tile_tokens=tile_tokens,
                  resident_update=p.resident_update, optimizer=p.optimizer,
-                 gpus_per_node=p.gpus_per_node)
+                 gpus_per_node=p.gpus_per_node, state=p.state)
     result = simulate(draft, model, hardware, include_optimizer=include_optimizer)
     return dataclasses.replace(draft, prediction=result.prediction())
 
@@ -265,13 +267,34 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
 
     def solved(profile: ModelProfile, resident_update: str) -> Plan:
         p = problem(profile, resident_update)
+        if not (r.include_optimizer and r.gpus_per_node == 1 and r.host_state != "dram"
+                and needs_state_homes(p)):
+            return solved_in(p, profile)
+        # the host state does not fit DRAM: the fastest of the state homes that do fit
+        recomputed = () if r.strategy not in BASELINES else tuple(
+            j for j, home in enumerate(BASELINES[r.strategy](p)) if home == Home.RECOMPUTE)
+        plans, refusal = [], None
+        for name, homes in state_candidates(p, recomputed=recomputed):
+            if r.host_state not in ("auto", name):
+                continue
+            try:
+                plans.append(solved_in(with_state_homes(p, homes), profile))
+            except PlanInfeasibleError as err:  # the last: every part that may, on NVMe
+                refusal = err
+        if plans:
+            return min(plans, key=lambda plan: plan.prediction.step_s)
+        if refusal is not None and set(refusal.shortfall_bytes) == {"cpu"}:
+            raise refusal  # short of DRAM even with every part that may on NVMe
+        return solved_in(p, profile)  # the refusal with every part in DRAM
+
+    def solved_in(p: Problem, profile: ModelProfile) -> Plan:
         plan = plan_problem(p, profile, hardware, strategy=r.strategy,
                             time_limit_s=r.time_limit_s, gap=r.gap,
                             include_optimizer=r.include_optimizer, diagnose_s=r.diagnose_s,
                             running=running)
         others = [] if r.strategy in BASELINES else baseline_plans(
             p, profile, hardware, strategy=r.strategy, include_optimizer=r.include_optimizer)
-        if r.resident_update == "auto" and not host_only:
+        if r.resident_update == "auto" and not host_only and not p.state.any:
             # each candidate places its residents as "auto" does before they compete: the
             # MIP's pick may leave no room for them on the GPU where a baseline does
             def placed(candidate: Plan) -> Plan:

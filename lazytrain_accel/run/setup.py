@@ -156,6 +156,12 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
     if is_plan_file(config):
         plan = Plan.load(config.plan)
         plan.check_fingerprint(fingerprint)
+        if plan.state.any:
+            raise ValueError(
+                f"plan file {config.plan} homes host state on NVMe ({plan.state.to_dict()}): "
+                "`lazytrain plan` prices such plans, but the engine does not stream the host "
+                "state from NVMe yet; give the run a DRAM budget that holds the state "
+                "(cpu_memory_limit_gb) and plan again")
         return plan
     strategy = "lazytrain" if config.plan == "auto" else config.plan
     resident_update = resident_update or config.resident_update
@@ -224,7 +230,10 @@ def plan_request(config: LazyTrainConfig, *, strategy: str, budgets: Budgets,
                                      else time_limit_s),
                        include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT,
                        resident_update=resident_update, gpus_per_node=gpus_per_node,
-                       nodes=nodes, running=running)
+                       nodes=nodes, running=running,
+                       # the engine does not stream host state from NVMe yet (issue 44):
+                       # a run whose state does not fit DRAM is refused as before
+                       host_state="dram")
 
 
 def budgets_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Budgets:

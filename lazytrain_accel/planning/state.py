@@ -1,0 +1,174 @@
+"""The host state's homes (`StateHomes`): what each choice costs in host DRAM, NVMe
+capacity and NVMe traffic, and in which window each byte moves.
+
+A decoder layer's host state has three parts (`plan.STATE_PARTS`), each in DRAM or in one
+file of its own on NVMe:
+
+* `optimizer`: its fp32 master and optimizer moments (`(4 + o) u` bytes, `u` the layer's
+  host-updated parameters): read before its update, written back after it, both in the
+  update phase that runs beside the next step's forward;
+* `grads`: its fp32 gradient (`4 u`): written in the backward, in the window after the
+  host has it whole (`grad_write_window`), read by its update;
+* `copies`: its compute-dtype copy (bf16/fp16 compute): written by its update (whose
+  output the next forward streams from DRAM), read one window before its backward load
+  (`copy_read_window`). Its recompute re-runs read the copy too, so a layer recomputed by
+  a block keeps its copy in DRAM (`Problem.edges` drops those blocks).
+
+The update phase streams each group through `STATE_STAGING_GROUPS` DRAM buffers: group
+j's reads start once group j-3's writes are done, its update once its reads are, its
+writes after its update (`simulate.py` runs it so). The residents' state stays in DRAM.
+Docs: docs/planner.md "Host state on NVMe".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lazytrain_accel.planning.host import (
+    COMPUTE_COPY_TERM,
+    GRAD_BYTES_PER_PARAM,
+    GRAD_TERM,
+    MASTER_BYTES_PER_PARAM,
+    MASTER_TERM,
+    OPTIMIZER_STATE_BYTES_PER_PARAM,
+    OPTIMIZER_TERM,
+)
+from lazytrain_accel.planning.plan import STATE_PARTS, StateHomes, backward_window
+
+#: DRAM buffers of whole groups' state the update phase cycles through: one being read,
+#: one being updated, one being written behind; the backward's copy reads and gradient
+#: writes use the same buffers (they are never live at once with the update phase's).
+STATE_STAGING_GROUPS = 3
+
+STATE_STAGING_TERM = f"NVMe state buffers ({STATE_STAGING_GROUPS} layers' state)"
+NVME_STATE_TERM = "host state homed on NVMe"
+
+
+@dataclass(kw_only=True, frozen=True)
+class StateSizes:
+    """Bytes of one decoder layer's host state, per part (`plan.STATE_PARTS`)."""
+
+    optimizer_bytes: int  # fp32 master + optimizer moments
+    grads_bytes: int  # fp32 gradient
+    copies_bytes: int  # compute-dtype copy (0 when the compute is fp32)
+
+    def part_bytes(self, part: str) -> int:
+        return getattr(self, f"{part}_bytes")
+
+    @property
+    def layer_bytes(self) -> int:
+        return sum(self.part_bytes(part) for part in STATE_PARTS)
+
+    @property
+    def staging_bytes(self) -> int:
+        """The DRAM the update phase streams NVMe-homed state through."""
+        return STATE_STAGING_GROUPS * self.layer_bytes
+
+
+def state_sizes(*, update_param_count: int, optimizer: str, copy_bytes: int) -> StateSizes:
+    """One layer's state parts: `update_param_count` host-updated parameters under
+    `optimizer`, and `copy_bytes` of compute-dtype copy."""
+    o = OPTIMIZER_STATE_BYTES_PER_PARAM[optimizer]
+    return StateSizes(
+        optimizer_bytes=int((MASTER_BYTES_PER_PARAM + o) * update_param_count),
+        grads_bytes=GRAD_BYTES_PER_PARAM * update_param_count, copies_bytes=copy_bytes)
+
+
+def nvme_state_bytes(homes: StateHomes, sizes: StateSizes) -> int:
+    """NVMe bytes the homes take."""
+    return sum(len(getattr(homes, part)) * sizes.part_bytes(part) for part in STATE_PARTS)
+
+
+def host_terms_with_state(terms: tuple[tuple[str, int], ...], homes: StateHomes,
+                          sizes: StateSizes) -> tuple[tuple[str, int], ...]:
+    """The host base terms (`host.host_base_terms`, every part in DRAM) less the parts
+    homed on NVMe, plus the buffers the NVMe-homed state streams through."""
+    if not homes.any:
+        return terms
+    u_bytes = sizes.grads_bytes // GRAD_BYTES_PER_PARAM  # parameters a layer updates
+    moved = {MASTER_TERM: MASTER_BYTES_PER_PARAM * u_bytes * len(homes.optimizer),
+             OPTIMIZER_TERM: (sizes.optimizer_bytes - MASTER_BYTES_PER_PARAM * u_bytes)
+             * len(homes.optimizer),
+             GRAD_TERM: sizes.grads_bytes * len(homes.grads),
+             COMPUTE_COPY_TERM: sizes.copies_bytes * len(homes.copies)}
+    out = []
+    for name, nbytes in terms:
+        for term, less in moved.items():
+            if name.startswith(term):
+                nbytes -= less
+        out.append((name, nbytes))
+    out.append((STATE_STAGING_TERM, sizes.staging_bytes))
+    return tuple(sorted(out, key=lambda t: -t[1]))
+
+
+def grad_write_window(layer: int, num_layers: int, *, folds: bool) -> int | None:
+    """The window in which layer `layer`'s gradient is written to NVMe, None when that
+    would be after the backward (then it stays in DRAM: its update reads it next).
+
+    The gradient leaves the device in B_{j-1}'s window; the host has it whole in the window
+    after (B_{j-2}), or where the host folds it (`Problem.fold_in`: B_{j-3}) in the one
+    after that (B_{j-4})."""
+    window = backward_window(layer, num_layers) + (4 if folds else 2)
+    return window if window < 2 * num_layers else None
+
+
+def copy_read_window(layer: int, num_layers: int) -> int | None:
+    """The window in which layer `layer`'s compute copy is read from NVMe: the one before
+    the window that loads it for its backward (B_{j+1}'s, which prefetches layer j); None
+    for the last layer, whose backward reuses its forward's weights."""
+    return backward_window(layer, num_layers) - 2 if layer < num_layers else None
+
+
+def allowed_layers(part: str, num_layers: int, *, folds: bool, copies_bytes: int
+                   ) -> tuple[int, ...]:
+    """The layers whose `part` may be homed on NVMe."""
+    layers = range(1, num_layers + 1)
+    if part == "grads":
+        return tuple(j for j in layers
+                     if grad_write_window(j, num_layers, folds=folds) is not None)
+    if part == "copies":
+        return tuple(layers) if copies_bytes else ()
+    return tuple(layers)
+
+
+def backward_state_bytes(homes: StateHomes, sizes: StateSizes, num_layers: int, *,
+                         folds: bool) -> dict[str, list[int]]:
+    """Per NVMe link, the bytes the homes move in each window of the step (the update
+    phase's traffic is after the step: `simulate.py`)."""
+    W = 2 * num_layers
+    out = {"nvme_read": [0] * W, "nvme_write": [0] * W}
+    for j in homes.grads:
+        w = grad_write_window(j, num_layers, folds=folds)
+        if w is None:
+            raise ValueError(f"layer {j}'s gradient has no window to be written in; keep it "
+                             "in DRAM (`allowed_layers`)")
+        out["nvme_write"][w] += sizes.grads_bytes
+    for j in homes.copies:
+        w = copy_read_window(j, num_layers)
+        if w is not None:
+            out["nvme_read"][w] += sizes.copies_bytes
+    return out
+
+
+def update_io_bytes(homes: StateHomes, sizes: StateSizes, layer: int) -> tuple[int, int]:
+    """(read, written) NVMe bytes of layer `layer`'s update: its master and moments, and
+    its gradient, read before; its master and moments, and its compute copy, written
+    after."""
+    read = (sizes.optimizer_bytes * homes.on_nvme("optimizer", layer)
+            + sizes.grads_bytes * homes.on_nvme("grads", layer))
+    written = (sizes.optimizer_bytes * homes.on_nvme("optimizer", layer)
+               + sizes.copies_bytes * homes.on_nvme("copies", layer))
+    return read, written
+
+
+def step_nvme_state_bytes(homes: StateHomes, sizes: StateSizes, num_layers: int
+                          ) -> tuple[int, int]:
+    """(read, written) NVMe bytes of the state per step: the update phase's and the
+    backward's."""
+    read = written = 0
+    for j in range(1, num_layers + 1):
+        r, w = update_io_bytes(homes, sizes, j)
+        read, written = read + r, written + w
+    read += sizes.copies_bytes * sum(1 for j in homes.copies if j < num_layers)
+    written += sizes.grads_bytes * len(homes.grads)
+    return read, written

@@ -1,0 +1,150 @@
+"""The host state's homes (issue 44, the planner's side): when DRAM cannot hold the
+layers' masters, moments, gradients and compute copies, `make_plan` homes the fewest of
+them on NVMe that fit, prices their traffic in the step's windows (MIP and simulator
+alike) and in the update phase, and is never slower than the state baselines (greedy,
+all on NVMe); the engine refuses such a plan until it streams the state."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan, simulate
+from lazytrain_accel.planning.nvme_traffic import nvme_traffic
+from lazytrain_accel.planning.plan import Plan, StateHomes
+from lazytrain_accel.planning.problem import GIB, build_problem, with_state_homes
+from lazytrain_accel.planning.request import PlanRequest
+from lazytrain_accel.planning.state import STATE_STAGING_TERM, update_io_bytes
+from lazytrain_accel.planning.state_search import state_candidates
+from lazytrain_accel.profiling.families import geometry_from_config
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+from lazytrain_accel.profiling.model_configs import (
+    geometry_from_config as preset_geometry,
+)
+from lazytrain_accel.profiling.model_configs import load_model_config, profile_model
+
+RTX4090 = HARDWARE_PRESETS["rtx4090"]
+
+
+def _tiny(layers: int = 6):
+    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 256,
+              "intermediate_size": 512, "num_hidden_layers": layers,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+              "max_position_embeddings": 512, "tie_word_embeddings": False}
+    return profile_model(geometry_from_config(config, name="tiny-llama"), batch_size=2,
+                         seq_len=64, compute_bytes_per_elem=2)
+
+
+def _slow_drive(model, layers_per_s: float):
+    """A machine whose drive moves `layers_per_s` layers' whole state a second (so the
+    state's traffic binds), its compute one layer forward per 10 ms."""
+    p = build_problem(model, RTX4090)
+    rate = layers_per_s * p.state_sizes.layer_bytes
+    return dataclasses.replace(
+        RTX4090, name="slow-drive", achieved_flops_per_s=model.layer_fwd_flops / 0.01,
+        nvme_read_bytes_per_s=rate, nvme_write_bytes_per_s=rate,
+        cpu_optimizer_params_per_s=model.layer_trainable_param_count / 0.005)
+
+
+def _budgets(model, hardware, *, dram_layers: float) -> Budgets:
+    """DRAM for the state's terms less all but `dram_layers` layers' state, plus room."""
+    p = build_problem(model, hardware)
+    short = (model.num_layers - dram_layers) * p.state_sizes.layer_bytes
+    return Budgets.from_hardware(hardware, cpu_memory_limit_gb=(p.cpu_fixed_bytes - short
+                                                                + 8 * p.boundary_bytes) / GIB)
+
+
+def test_the_state_moves_to_nvme_only_where_dram_is_short_and_the_plan_fits_it() -> None:
+    model = _tiny()
+    hardware = _slow_drive(model, 50.0)
+    roomy = make_plan(model, hardware, PlanRequest(time_limit_s=10))
+    assert not roomy.state.any  # all in DRAM where it fits: today's plans unchanged
+    budgets = _budgets(model, hardware, dram_layers=4.5)
+    with pytest.raises(PlanInfeasibleError, match="CPU"):
+        make_plan(model, hardware, PlanRequest(budgets=budgets, host_state="dram",
+                                               time_limit_s=10))
+    plan = make_plan(model, hardware, PlanRequest(budgets=budgets, time_limit_s=10))
+    assert plan.state.any
+    assert plan.prediction.peak_cpu_bytes <= budgets.cpu_bytes
+    p = with_state_homes(build_problem(model, hardware, budgets=budgets), plan.state)
+    assert any(name == STATE_STAGING_TERM for name, _ in p.cpu_base_terms)
+    assert plan.prediction.peak_nvme_bytes >= p.nvme_state_bytes > 0
+    for name in ("greedy", "all_nvme"):  # never priced slower than a state baseline
+        other = make_plan(model, hardware, PlanRequest(budgets=budgets, host_state=name,
+                                                       time_limit_s=10))
+        assert plan.prediction.step_s <= other.prediction.step_s * (1 + 1e-9), name
+
+
+def test_the_mip_and_the_simulator_price_the_states_window_traffic_alike() -> None:
+    """Gradients written and copies read in the step's windows, on a drive slow enough
+    that they bind: the MIP's window model and the simulated step (update left out) agree."""
+    model = _tiny(12)
+    hardware = _slow_drive(model, 4.0)
+    budgets = _budgets(model, hardware, dram_layers=6.0)
+    for name, homes in state_candidates(build_problem(model, hardware, budgets=budgets)):
+        try:
+            plan = make_plan(model, hardware, PlanRequest(budgets=budgets, host_state=name,
+                                                          time_limit_s=10))
+        except PlanInfeasibleError:
+            continue
+        assert plan.state == homes
+        p = with_state_homes(build_problem(model, hardware, budgets=budgets), homes)
+        sim = simulate(plan, model, hardware, include_optimizer=False)
+        mip_s = p.step_floor_s() + plan.solver.objective_s
+        assert sim.exposed_by_link_s["nvme_write"] + sim.exposed_by_link_s["nvme_read"] > 0
+        assert mip_s == pytest.approx(sim.step_s, rel=0.02), name
+
+
+def test_the_update_phase_reads_before_each_update_and_reuses_three_buffers() -> None:
+    model = _tiny(12)
+    hardware = _slow_drive(model, 4.0)
+    budgets = _budgets(model, hardware, dram_layers=6.0)
+    plan = make_plan(model, hardware, PlanRequest(budgets=budgets, host_state="all_nvme",
+                                                  time_limit_s=10))
+    ops = {op.name: op for op in simulate(plan, model, hardware).ops}
+    sizes = build_problem(model, hardware).state_sizes
+    for j in range(1, model.num_layers + 1):
+        read_bytes, _ = update_io_bytes(plan.state, sizes, j)
+        assert ops[f"SR{j}"].duration_s == pytest.approx(
+            read_bytes / hardware.nvme_read_bytes_per_s)
+        assert ops[f"U{j}"].start_s >= ops[f"SR{j}"].end_s
+        assert ops[f"SW{j}"].start_s >= ops[f"U{j}"].end_s
+        if j > 3:  # its buffer is the one group j-3 was written back from
+            assert ops[f"SR{j}"].start_s >= ops[f"SW{j - 3}"].end_s
+    dram = make_plan(model, hardware, PlanRequest(time_limit_s=10))
+    assert plan.prediction.optimizer_exposed_s > dram.prediction.optimizer_exposed_s
+
+
+def test_a_70b_full_fine_tune_plans_on_a_4090_with_128_gb_and_4_drives() -> None:
+    """The done-when's command (docs/benchmarks.md "Host state on NVMe"): it plans, its
+    host peak fits, and with 4 drives its step is within 1.15x of the physical floor."""
+    geometry = preset_geometry(load_model_config("llama3-70b"), name="llama3-70b")
+    model = profile_model(geometry, batch_size=4, seq_len=2048, loss_chunk_tokens=None,
+                          tile_tokens=None)
+    drives = 4
+    hardware = dataclasses.replace(
+        RTX4090, nvme_read_bytes_per_s=drives * RTX4090.nvme_read_bytes_per_s,
+        nvme_write_bytes_per_s=drives * RTX4090.nvme_write_bytes_per_s)
+    budgets = Budgets.from_hardware(hardware, cpu_memory_limit_gb=128, nvme_limit_gb=4000)
+    plan = make_plan(model, hardware, PlanRequest(budgets=budgets, time_limit_s=30))
+    assert plan.state.any and plan.prediction.peak_cpu_bytes <= budgets.cpu_bytes
+    traffic = nvme_traffic(plan, model, hardware)
+    assert traffic.read_bytes > 500e9 and traffic.written_bytes > 500e9
+    assert plan.prediction.step_s <= 1.15 * traffic.floor_s
+
+
+def test_the_state_homes_travel_in_the_plan_file_and_the_engine_refuses_them(tmp_path) -> None:
+    from lazytrain_accel.config import LazyTrainConfig
+    from lazytrain_accel.run.setup import resolve_plan
+
+    model = _tiny()
+    hardware = _slow_drive(model, 50.0)
+    plan = make_plan(model, hardware, PlanRequest(
+        budgets=_budgets(model, hardware, dram_layers=4.5), time_limit_s=10))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded.state == plan.state and isinstance(loaded.state, StateHomes)
+    with pytest.raises(ValueError, match="does not stream the host state"):
+        resolve_plan(LazyTrainConfig(plan=str(path)), model, hardware)
