@@ -1,22 +1,13 @@
 """The host state's homes (`StateHomes`): what each choice costs in host DRAM, NVMe
 capacity and NVMe traffic, and in which window each byte moves.
 
-A decoder layer's host state has three parts (`plan.STATE_PARTS`), each in DRAM or in one
-file of its own on NVMe:
-
-* `optimizer`: its fp32 master and optimizer moments (`(4 + o) u` bytes, `u` the layer's
-  host-updated parameters): read before its update, written back after it, both in the
-  update phase that runs beside the next step's forward;
-* `grads`: its fp32 gradient (`4 u`): written in the backward, in the window after the
-  host has it whole (`grad_write_window`), read by its update;
-* `copies`: its compute-dtype copy (bf16/fp16 compute): written by its update (whose
-  output the next forward streams from DRAM), read one window before its backward load
-  (`copy_read_window`). Its recompute re-runs read the copy too, so a layer recomputed by
-  a block keeps its copy in DRAM (`Problem.edges` drops those blocks).
-
-The update phase streams each group through `STATE_STAGING_GROUPS` DRAM buffers: group
-j's reads start once group j-3's writes are done, its update once its reads are, its
-writes after its update (`simulate.py` runs it so). The residents' state stays in DRAM.
+A decoder layer's host state has three parts (`plan.STATE_PARTS`), each in DRAM or in a
+file on NVMe: `optimizer` (fp32 master and moments: read before its update, written
+after it, in the update phase beside the next forward), `grads` (written in the backward
+once the host has them, `grad_write_window`; read by the update) and `copies` (the
+compute-dtype copy: written by the update, read before the backward's load,
+`copy_read_window`; a recomputed layer keeps it in DRAM). The update phase streams each
+group through `STATE_STAGING_GROUPS` DRAM buffers; the residents' state stays in DRAM.
 Docs: docs/planner.md "Host state on NVMe".
 """
 

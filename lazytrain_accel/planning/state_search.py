@@ -1,20 +1,11 @@
 """Which layers' host state lives on NVMe (`StateHomes`), when the DRAM budget cannot hold
 all of it: the candidates `make_plan` solves and simulates, the fastest kept.
 
-Every candidate homes the fewest parts that let the static host bytes fit the DRAM budget
-(with the NVMe bounce buffers the MIP always charges), in one order of parts and layers:
-
-* `greedy`: whole layers' state (all three parts) in DRAM in forward order until the
-  budget is full, the rest on NVMe (the baseline issue 44 names);
-* `backward_first`: compute copies and gradients first (half of their traffic runs in
-  the backward, where the drive has the backward's compute to hide under), the last
-  layers first, then masters and moments;
-* `optimizer_first`: masters and moments first, the last layers first (the next forward
-  needs the first layers' updates first), then gradients and copies;
-* `all_nvme`: every part of every layer that may be (ZeRO-Infinity's placement).
-
-Each of the first three also comes with room left for every boundary in DRAM, when that
-fits. The MIP solves the boundaries for each; `make_plan` keeps the fastest simulated.
+Each candidate homes the fewest (part, layer) pairs that let the static host bytes fit
+the DRAM budget, in one order: `greedy` (whole layers in DRAM in forward order, the
+rest on NVMe), `backward_first` (copies and gradients first: half their traffic runs in
+the backward), `optimizer_first` (masters and moments first), each also with room left
+for every boundary in DRAM; and `all_nvme` (ZeRO-Infinity's placement).
 Docs: docs/planner.md "Host state on NVMe".
 """
 
