@@ -7,41 +7,39 @@ the device's block, so every byte goes through `Staging` (one page-aligned buffe
 `STAGING_BYTES` that a writer's files share); a file's tail past its last whole block
 waits there until `finish` writes it padded and truncates the file to its length. Where
 the file system refuses `O_DIRECT` (tmpfs, some FUSE) the same writes go through the page
-cache. Memory: `STAGING_BYTES` per writer, whatever the checkpoint's size. Why: docs/
-architecture.md "Checkpoints beside training"; figures: docs/benchmarks.md "Checkpoints".
+cache. The primitives (aligned buffers, the `O_DIRECT` open and its fallbacks) are
+`storage/direct_io.py`'s. Memory: `STAGING_BYTES` per writer, whatever the checkpoint's
+size. Why: docs/architecture.md "Checkpoints beside training"; figures: docs/
+benchmarks.md "Checkpoints".
 """
 
 from __future__ import annotations
 
 import ctypes
-import errno
-import fcntl
-import mmap
 import os
 from pathlib import Path
 
 import numpy as np
 
-#: The alignment `O_DIRECT` needs on Linux block devices (a 512-byte sector device
-#: accepts it too).
-BLOCK_BYTES = 4096
+from lazytrain_accel.storage.direct_io import (
+    BLOCK_BYTES,
+    AlignedBuffer,
+    is_direct,
+    open_direct,
+    write_all,
+)
+
 #: Bytes per `pwrite(2)`: large enough for the disk's full speed (docs/benchmarks.md
 #: "Checkpoints beside training").
 STAGING_BYTES = 16 << 20
-_O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: buffered
 
 
-class Staging:
+class Staging(AlignedBuffer):
     """A page-aligned buffer of `size_bytes` (a multiple of `BLOCK_BYTES`) that the files
     of one writer take turns to fill (`DirectFile`); one thread writes them all."""
 
     def __init__(self, size_bytes: int = STAGING_BYTES) -> None:
-        if size_bytes <= 0 or size_bytes % BLOCK_BYTES:
-            raise ValueError(f"size_bytes={size_bytes} must be a positive multiple of "
-                             f"{BLOCK_BYTES}")
-        self._map = mmap.mmap(-1, size_bytes)  # anonymous: page-aligned, zeroed
-        self.view = memoryview(self._map)
-        self.address = np.frombuffer(self._map, dtype=np.uint8).ctypes.data
+        super().__init__(size_bytes)
         self.owner: DirectFile | None = None
         self.filled_bytes = 0
 
@@ -52,12 +50,7 @@ class DirectFile:
     `close` as for any file."""
 
     def __init__(self, path: Path, staging: Staging) -> None:
-        try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o666)
-        except OSError as err:
-            if err.errno != errno.EINVAL or not _O_DIRECT:
-                raise
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        self._fd = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         self._staging = staging
         self._offset_bytes = 0  # on the disk: whole blocks, the staging buffer's start
         self._tail = b""  # bytes past them, while another file holds the staging buffer
@@ -65,7 +58,7 @@ class DirectFile:
     @property
     def direct(self) -> bool:
         """Whether the writes bypass the page cache."""
-        return bool(_O_DIRECT) and bool(fcntl.fcntl(self._fd, fcntl.F_GETFL) & _O_DIRECT)
+        return is_direct(self._fd)
 
     def write(self, data: memoryview | bytes) -> int:
         """Append `data` (copied into the staging buffer, which is written whenever it is
@@ -134,20 +127,8 @@ class DirectFile:
         """Write the staging buffer's first `size_bytes` (whole blocks) at the file's
         offset; what was staged past them moves to the buffer's start."""
         staging = self._staging
-        done = 0
-        while done < size_bytes:
-            done += self._pwrite(staging.view[done:size_bytes], self._offset_bytes + done)
+        write_all(self._fd, staging.view[:size_bytes], self._offset_bytes)
         self._offset_bytes += size_bytes
         rest = staging.filled_bytes - size_bytes
         staging.view[:rest] = staging.view[size_bytes:staging.filled_bytes]
         staging.filled_bytes = rest
-
-    def _pwrite(self, data: memoryview, offset_bytes: int) -> int:
-        try:
-            return os.pwrite(self._fd, data, offset_bytes)
-        except OSError as err:  # a file system that opened O_DIRECT but refuses its writes
-            if err.errno != errno.EINVAL or not self.direct:
-                raise
-            flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
-            fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
-            return os.pwrite(self._fd, data, offset_bytes)
