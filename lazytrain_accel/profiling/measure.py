@@ -27,6 +27,7 @@ import torch
 
 from lazytrain_accel.optim import HybridAdamW8bit, native
 from lazytrain_accel.profiling.hardware import MEASURED_NAME_PREFIX, HardwareProfile, preset_for_gpu
+from lazytrain_accel.storage.direct_io import DirectIO
 
 _MIB = 1024**2
 
@@ -77,35 +78,41 @@ def measure_host_work(device: torch.device, numel: int = 16 * _MIB) -> tuple[flo
     return nbytes / stage_s, nbytes / fold_s
 
 
-def _drop_page_cache(fd: int) -> None:
-    # Without this the read-back is served from RAM and reports memory speed.
+def _drop_page_cache(path: Path) -> None:
+    # Where O_DIRECT was refused the read-back would be served from RAM and report
+    # memory speed; under O_DIRECT this drops nothing.
     if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _measure_nvme(directory: Path, nbytes: int, chunk_bytes: int = 16 * _MIB) -> tuple[
         float, float]:
-    """(read, write) bytes/s of a `nbytes` file written (fsync'd) then read cold."""
+    """(read, write) bytes/s of a `nbytes` file written (fsync'd) then read cold, as the
+    engine's state moves: `O_DIRECT` requests of `direct_io.CHUNK_BYTES`, several in
+    flight (`DirectIO`'s default workers), buffered where the file system refuses it.
+    The file repeats one random `chunk_bytes` tensor, read back into it."""
     directory.mkdir(parents=True, exist_ok=True)
-    chunk = torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8).numpy().tobytes()
-    chunks = max(1, nbytes // chunk_bytes)
+    chunk = torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8)
+    chunks = [chunk] * max(1, nbytes // chunk_bytes)
     fd, name = tempfile.mkstemp(prefix="lazytrain-probe-", dir=directory)
+    os.close(fd)
+    path = Path(name)
     try:
-        start = time.perf_counter()
-        for _ in range(chunks):
-            os.write(fd, chunk)
-        os.fsync(fd)
-        write_s = time.perf_counter() - start
-        _drop_page_cache(fd)
-        os.lseek(fd, 0, os.SEEK_SET)
-        start = time.perf_counter()
-        while os.read(fd, chunk_bytes):
-            pass
-        read_s = time.perf_counter() - start
+        with DirectIO() as io:
+            start = time.perf_counter()
+            io.write_tensors(path, chunks, durable=True).result()
+            write_s = time.perf_counter() - start
+            _drop_page_cache(path)
+            start = time.perf_counter()
+            io.read_tensors(path, chunks).result()
+            read_s = time.perf_counter() - start
     finally:
-        os.close(fd)
-        os.unlink(name)
-    total = chunks * chunk_bytes
+        path.unlink(missing_ok=True)
+    total = len(chunks) * chunk_bytes
     return total / max(read_s, 1e-9), total / max(write_s, 1e-9)
 
 
