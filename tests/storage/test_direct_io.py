@@ -1,16 +1,12 @@
 """The direct-I/O module (`storage/direct_io.py`): files of tensors written and read back
 bit for bit whatever their lengths, a bounded buffer pool, several requests in flight, and
-faults (EIO, ENOSPC: injected, and a real full tmpfs in a subprocess under `unshare`)
-that name the file and the remedy and leave no partial file."""
+faults (EIO, ENOSPC, injected) that name the file and the remedy and leave no partial
+file. A real full drive: test_direct_io_full_drive.py (it starts a process)."""
 
 from __future__ import annotations
 
 import errno
 import gc
-import shutil
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 import weakref
@@ -200,35 +196,3 @@ def test_finished_transfers_keep_no_tensor_and_close_waits(tmp_path: Path) -> No
     assert alive() is None
     with pytest.raises(RuntimeError, match="closed"):
         io.write_tensors(tmp_path / "late", [torch.ones(1)])
-
-
-_FULL_DRIVE = textwrap.dedent("""
-    import subprocess, sys, torch
-    from pathlib import Path
-    from lazytrain_accel.storage.direct_io import DirectIO, StateIOError
-    folder = Path(sys.argv[1])
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(folder)],
-                   check=True)
-    with DirectIO() as io:
-        try:
-            io.write_tensors(folder / "state.bin", [torch.ones(1 << 20)]).result(60)
-        except StateIOError as err:
-            print("errno", err.errno, "left", sorted(p.name for p in folder.iterdir()))
-            print(err)
-""")
-
-
-def test_a_full_drive_says_what_to_do_and_leaves_no_file(tmp_path: Path) -> None:
-    """A 2 MiB tmpfs (mounted in a private mount namespace) given 4 MiB: the buffered
-    fallback's real ENOSPC."""
-    if shutil.which("unshare") is None:
-        pytest.skip("no unshare(1) on this machine")
-    probe = subprocess.run(["unshare", "--mount", "--", "true"], capture_output=True,
-                           text=True, timeout=60)
-    if probe.returncode:
-        pytest.skip(f"unshare --mount is not permitted here: {probe.stderr.strip()}")
-    done = subprocess.run(["unshare", "--mount", "--", sys.executable, "-c", _FULL_DRIVE,
-                           str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert f"errno {errno.ENOSPC} left []" in done.stdout, done.stdout
-    assert "No space left on device" in done.stdout and "nvme_limit_gb" in done.stdout
