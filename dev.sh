@@ -45,10 +45,11 @@ case "$cmd" in
     fi
     # two worker processes (pytest-xdist), each module's tests on one worker (its
     # module-scoped reference runs shared; LAZYTRAIN_TEST_WORKERS=0: all in this process),
+    # the longest modules first (tests/conftest.py orders them; xdist keeps that order),
     # then the tests marked `alone` (they compare timings) with the machine to themselves
     set +e
     "$py" -m pytest tests integration_tests -m "$select" \
-      -n "${LAZYTRAIN_TEST_WORKERS:-2}" --dist loadfile "$@"
+      -n "${LAZYTRAIN_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
     rc=$?
     "$py" -m pytest tests integration_tests -m "$alone" "$@"
     rc_alone=$?

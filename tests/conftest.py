@@ -29,11 +29,56 @@ _STARTS_PROCESSES = ("subprocess", "multiprocessing", "accelerate.commands.launc
 _STARTS_RANKS = ("--num_processes", "num_processes=", "init_process_group", "mp.spawn")
 
 
+#: Seconds a module's tests took on one of two pytest-xdist workers (2 loaded cores,
+#: 2026-12-06: `.ci/run`'s main pass, and a run of the modules its slowest-30 list does
+#: not show), for the modules of 25 s or more. Only the order in which the workers take
+#: the modules follows from these (`_longest_modules_first`).
+_MODULE_SECONDS = {
+    "integration_tests/test_node_store_launch.py": 230,
+    "tests/frontends/test_replanner.py": 180,
+    "tests/frontends/test_long_sample.py": 170,
+    "tests/test_docs.py": 165,
+    "integration_tests/test_trainer.py": 165,
+    "integration_tests/test_trainer_node_launch.py": 160,
+    "integration_tests/test_share_checkpoint_launch.py": 110,
+    "integration_tests/test_user_scripts.py": 105,
+    "tests/bench/test_gpu_check_dry_run.py": 80,
+    "integration_tests/test_accelerate_launch.py": 80,
+    "integration_tests/test_trainer_launch.py": 65,
+    "integration_tests/test_qlora_launch.py": 55,
+    "tests/frontends/test_trl_long_sample.py": 55,
+    "integration_tests/test_replan_ranks.py": 50,
+    "tests/planning/test_planner_properties.py": 50,
+    "integration_tests/test_trainer_args.py": 50,
+    "tests/frontends/test_trainer_async_checkpoint.py": 45,
+    "integration_tests/test_launch_exit.py": 40,
+    "integration_tests/test_node_store_crash.py": 32,
+    "tests/faults/test_fault_async_checkpoint.py": 31,
+    "tests/engine/test_emulated_engine.py": 31,
+    "tests/demo/test_demo_cli.py": 29,
+    "tests/planning/test_planner_simulate.py": 28,
+    "integration_tests/test_peft_lora.py": 26,
+}
+
+
+def _longest_modules_first(items: list[pytest.Item]) -> None:
+    """On a pytest-xdist worker, the modules in `_MODULE_SECONDS` order, then the rest
+    by their number of tests (as xdist's own `--dist loadfile` order), each module's tests
+    in place. With `--no-loadscope-reorder` (dev.sh) the workers take the modules in this
+    order, so the last ones handed out are short: by test count alone the 1-test launch
+    modules (50 s each) came last, one worker running them while the other sat idle."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = sorted(modules, key=lambda m: (-_MODULE_SECONDS.get(m, 0), -len(modules[m])))
+    items[:] = [item for module in order for item in modules[module]]
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Markers by rule, not by hand, over every collected test (tests/ and
     integration_tests/): `subprocess` where the test's module starts processes,
     `multirank` where it launches several ranks (`./dev.sh test-fast` leaves both out,
-    and `slow`)."""
+    and `slow`). On an xdist worker, the longest modules first."""
     sources: dict[Path, str] = {}
     for item in items:
         path = Path(item.path)
@@ -43,6 +88,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.subprocess)
         if any(word in sources[path] for word in _STARTS_RANKS):
             item.add_marker(pytest.mark.multirank)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _longest_modules_first(items)
 
 
 @pytest.fixture(autouse=True)
