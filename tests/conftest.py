@@ -4,6 +4,7 @@ test picks its own mixed precision and device."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -130,6 +131,27 @@ def measured_hardware(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dry run, the demo, the user guide's `load_hardware("auto")`) leaves its profile for
     the tests after it, as a user's cache would: measuring takes 15-40 s of a loaded
     2-core machine, and the profile is the machine's, not the test's. Users copy its
-    `hardware-*.json` into their cache before they run and back after. A test run alone
-    measures; tests/profiling/test_measure.py tests the measuring itself."""
+    `hardware-*.json` into their cache before they run and back after
+    (`keep_measured_hardware`). One folder for all pytest-xdist workers of the run (their
+    base folders' parent), so a module on one worker takes the profile another's
+    measured. A test run alone measures; tests/profiling/test_measure.py tests the
+    measuring itself."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "measured_hardware"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("measured_hardware")
+
+
+@pytest.fixture(scope="session")
+def keep_measured_hardware(measured_hardware: Path) -> Callable[[Path], None]:
+    """`keep(cache)`: copy the `hardware-*.json` profiles of a test's cache into
+    `measured_hardware`, each whole at once (copied under a hidden name, then renamed), so
+    a test on the other xdist worker never reads half of one."""
+    def keep(cache: Path) -> None:
+        for profile in cache.glob("hardware-*.json"):
+            part = measured_hardware / f".{profile.name}.{os.getpid()}"
+            shutil.copy(profile, part)
+            os.replace(part, measured_hardware / profile.name)
+
+    return keep

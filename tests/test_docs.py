@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,8 @@ def test_fence_parser_finds_only_runnable_blocks() -> None:
 
 @pytest.mark.parametrize("page", _pages(), ids=lambda p: p.name)
 def test_doc_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                        measured_hardware: Path) -> None:
+                        measured_hardware: Path,
+                        keep_measured_hardware: Callable[[Path], None]) -> None:
     monkeypatch.chdir(tmp_path)
     for folder in ("examples", "bench"):  # docs run commands from the repository root
         (tmp_path / folder).symlink_to(DOCS.parent / folder)
@@ -71,8 +73,7 @@ def test_doc_blocks_run(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPa
                               capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
         assert done.returncode == 0, (f"{where} exited {done.returncode}\n{done.stdout[-2000:]}"
                                       f"\n{done.stderr[-2000:]}")
-    for profile in cache.glob("hardware-*.json"):
-        shutil.copy(profile, measured_hardware)
+    keep_measured_hardware(cache)
 
 
 def _layout_section() -> str:

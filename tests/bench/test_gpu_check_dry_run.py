@@ -12,7 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,16 +21,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory,
-              measured_hardware: Path) -> Iterator[Path]:
+def cache_dir(tmp_path_factory: pytest.TempPathFactory, measured_hardware: Path,
+              keep_measured_hardware: Callable[[Path], None]) -> Iterator[Path]:
     """One hardware profile for both dry runs and the tests after them
     (`measured_hardware`, tests/conftest.py): measuring it took a third of a run."""
     cache = tmp_path_factory.mktemp("cache")
     for profile in measured_hardware.glob("hardware-*.json"):
         shutil.copy(profile, cache)
     yield cache
-    for profile in cache.glob("hardware-*.json"):
-        shutil.copy(profile, measured_hardware)
+    keep_measured_hardware(cache)
 
 
 def dry_run(out: Path, cache_dir: Path, pythonpath: str = "") -> subprocess.CompletedProcess:
