@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pyscipopt import Model, quicksum
 
-from lazytrain_accel.planning.plan import Home, Solution
+from lazytrain_accel.planning.plan import STATE_PARTS, Home, Solution, StateHomes
 from lazytrain_accel.planning.problem import GIB, LINKS, Problem
+from lazytrain_accel.planning.state import (
+    STATE_STAGING_GROUPS,
+    allowed_layers,
+    update_io_bytes,
+)
 
 #: Tie-breakers in seconds, far below any gap we stop at: among equally fast plans prefer
 #: fewer materialized boundaries, fewer transfers, and NVMe last.
@@ -39,6 +44,15 @@ class _Vars:
     nvme: dict[int, object]
     exposed: list[object]
     slack: dict[str, object]
+    # Where the MIP decides the host state's homes (`Problem.decide_state`): per part, per
+    # layer, "on NVMe"; and the seconds the next step waits for the update phase.
+    state: dict[str, dict[int, object]] = field(default_factory=dict)
+    update_exposed: object | None = None
+
+    @property
+    def state_weights(self) -> dict[str, dict[int, object]] | None:
+        """The state's weights for `Problem`'s cost methods (None: the problem's homes)."""
+        return self.state or None
 
 
 def _add_variables(m: Model, p: Problem, edges: list[tuple[int, int]], allow_cpu: bool,
@@ -52,7 +66,11 @@ def _add_variables(m: Model, p: Problem, edges: list[tuple[int, int]], allow_cpu
     nvme = {i: m.addVar(f"home_nvme_{i}", vtype="B")
             for i in range(1, L) if allow_nvme and p.can_offload(i, nvme=True)}
     exposed = [m.addVar(f"exposed_s_{w}", lb=0.0) for w in range(p.num_windows)]
-    return _Vars(x=x, gpu=gpu, cpu=cpu, nvme=nvme, exposed=exposed, slack={})
+    state = {} if not p.decide_state else {
+        part: {j: m.addVar(f"state_{part}_nvme_{j}", vtype="B") for j in allowed_layers(
+            part, L, folds=p.fold_s > 0, copies_bytes=p.state_sizes.copies_bytes)}
+        for part in STATE_PARTS}
+    return _Vars(x=x, gpu=gpu, cpu=cpu, nvme=nvme, exposed=exposed, slack={}, state=state)
 
 
 def _home_sum(v: _Vars, i: int) -> object:
@@ -98,7 +116,8 @@ def _add_capacity(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
         v.slack = {k: m.addVar(f"shortfall_gib_{k}", lb=0.0) for k in ("gpu", "cpu", "nvme")}
     _add_block_counts(m, p, v, cache)
     need = p.tier_need_bytes(gpu=quicksum(v.gpu.values()), cache=quicksum(cache),
-                             cpu=quicksum(v.cpu.values()), nvme=quicksum(v.nvme.values()))
+                             cpu=quicksum(v.cpu.values()), nvme=quicksum(v.nvme.values()),
+                             state=v.state_weights)
     for tier, nbytes in need.items():  # rows in GiB: byte-sized coefficients hurt the LP
         m.addCons(nbytes * (1 / GIB) <= p.budget_bytes(tier) / GIB + v.slack.get(tier, 0.0),
                   name=f"capacity_{tier}")
@@ -147,7 +166,7 @@ def _add_block_counts(m: Model, p: Problem, v: _Vars, cache: list) -> None:
 
 def _add_links(m: Model, p: Problem, v: _Vars) -> None:
     dur = p.window_durations_s(v.x)
-    mandatory = p.mandatory_bytes(v.x)
+    mandatory = p.mandatory_bytes(v.x, state=v.state_weights)
     W = p.num_windows
     free = {  # seconds each link has for activations in each window
         link: [dur[w] + v.exposed[w] - mandatory[link][w] * (1 / p.rate_bytes_per_s(link))
@@ -177,6 +196,55 @@ def _add_links(m: Model, p: Problem, v: _Vars) -> None:
                 w, _ = p.transfer_windows(link, i, Home.NVME)
                 m.addCons(demand_s * v.nvme[i] <= free[link][w], name=f"hop_{link}_{i}")
     _add_hop_floors(m, p, v)
+
+
+def _add_state(m: Model, p: Problem, v: _Vars) -> None:
+    """The host state's homes where the MIP decides them (docs/planner.md "Host state on
+    NVMe"; capacities and window traffic are in `_add_capacity` and `_add_links`).
+
+    A layer a block re-runs keeps its compute copy in DRAM: one path edge covers each
+    layer, so the blocks re-running layer k plus its copy's NVMe home sum to at most 1
+    (`copy_not_rerun_{k}`). The update phase after the step is a flow shop through
+    `STATE_STAGING_GROUPS` buffers, as the simulator runs it: per layer j, in seconds
+    after the step, its reads end at `C1_j` (after the previous reads, and after layer
+    j-3's writes freed its buffer), its update at `C2_j` (after its reads and the previous
+    update), its writes at `C3_j` (after its update and the previous writes); these rows
+    are the longest paths of that schedule, exact at the minimum. The next forward waits
+    for layer j's update `C2_j - (j-1)(f + o_f)` seconds (where the compute is the host's
+    cores, for the whole update), `update_exposed_s` in the objective."""
+    if not v.state:
+        return
+    L, S = p.num_layers, p.state_sizes
+    for k in v.state["copies"]:
+        rerun = [xv for (s, e), xv in v.x.items() if e - s >= 2 and s < k < e]
+        if rerun:
+            m.addCons(quicksum(rerun) + v.state["copies"][k] <= 1, name=f"copy_not_rerun_{k}")
+    c1, c2, c3 = ([m.addVar(f"update_{name}_s_{j}", lb=0.0) for j in range(1, L + 1)]
+                  for name in ("read", "done", "written"))
+    first_s, u_s = p.first_update_s, p.layer_update_s
+    after_first = p.resident_update == "host" or not p.device_runs_async
+    for i in range(L):  # layer j = i + 1
+        read, written = update_io_bytes(v.state, S, i + 1)
+        r_s, w_s = read * (1 / p.nvme_read_bytes_per_s), written * (1 / p.nvme_write_bytes_per_s)
+        m.addCons(c1[i] >= (c1[i - 1] if i else 0.0) + r_s, name=f"update_read_after_{i + 1}")
+        if i >= STATE_STAGING_GROUPS:
+            m.addCons(c1[i] >= c3[i - STATE_STAGING_GROUPS] + r_s, name=f"update_buffer_{i + 1}")
+        m.addCons(c2[i] >= c1[i] + u_s, name=f"update_after_read_{i + 1}")
+        m.addCons(c2[i] >= (c2[i - 1] if i else (first_s if after_first else 0.0)) + u_s,
+                  name=f"update_after_update_{i + 1}")
+        m.addCons(c3[i] >= c2[i] + w_s, name=f"update_write_after_{i + 1}")
+        if i:
+            m.addCons(c3[i] >= c3[i - 1] + w_s, name=f"update_write_order_{i + 1}")
+    e = m.addVar("update_exposed_s", lb=0.0)
+    if p.host_on_compute:  # the update takes the compute's cores: the step pays it whole
+        m.addCons(e >= c2[L - 1] + p.head_update_s, name="update_whole")
+    else:
+        m.addCons(e >= first_s, name="update_first_late")
+        for i in range(L):
+            m.addCons(e >= c2[i] - i * p.fwd_run_s, name=f"update_late_{i + 1}")
+        m.addCons(e >= c2[L - 1] + p.head_update_s - p.prologue_s - L * p.fwd_run_s,
+                  name="update_head_late")
+    v.update_exposed = e
 
 
 def _free_deltas_s(p: Problem, edges: list[tuple[int, int]], windows: dict[str, set[int]],
@@ -239,7 +307,9 @@ def _add_objective(m: Model, p: Problem, v: _Vars, elastic: bool) -> None:
     recompute = quicksum(p.block_cost_s(s, e) * xv for (s, e), xv in v.x.items())
     ties = (TIE_MATERIALIZE_S * quicksum(_home_sum(v, i) for i in range(p.num_layers + 1))
             + TIE_OFFLOAD_S * quicksum(v.cpu.values()) + TIE_NVME_S * quicksum(v.nvme.values()))
-    m.setObjective(recompute + quicksum(v.exposed) + ties, "minimize")
+    update = 0.0 if v.update_exposed is None else v.update_exposed
+    state_ties = TIE_NVME_S * quicksum(q for part in v.state.values() for q in part.values())
+    m.setObjective(recompute + quicksum(v.exposed) + update + ties + state_ties, "minimize")
 
 
 def _fix_homes(m: Model, v: _Vars, homes: list[Home]) -> None:
@@ -271,6 +341,7 @@ def build_milp(p: Problem, *, allow_cpu: bool = True, allow_nvme: bool = True,
     _add_path(m, p, v)
     _add_capacity(m, p, v, elastic)
     _add_links(m, p, v)
+    _add_state(m, p, v)
     _add_objective(m, p, v, elastic)
     if fixed_homes is not None:
         _fix_homes(m, v, fixed_homes)
@@ -288,10 +359,21 @@ def _read_homes(m: Model, v: _Vars, num_layers: int) -> tuple[Home, ...]:
     return tuple(homes)
 
 
-def _add_start(m: Model, v: _Vars, homes: list[Home] | tuple[Home, ...]) -> None:
+def _read_state(m: Model, v: _Vars) -> StateHomes | None:
+    if not v.state:
+        return None
+    return StateHomes(**{part: tuple(sorted(j for j, q in table.items() if m.getVal(q) > 0.5))
+                         for part, table in v.state.items()})
+
+
+def _add_start(m: Model, v: _Vars, homes: list[Home] | tuple[Home, ...],
+               state: StateHomes | None = None) -> None:
     """A known feasible point (the best baseline) as SCIP's first incumbent: a partial
     solution of the binaries, which SCIP completes by solving the LP of the rest."""
     sol = m.createPartialSol()
+    for part, table in v.state.items() if state is not None else ():
+        for j, q in table.items():
+            m.setSolVal(sol, q, 1.0 if state.on_nvme(part, j) else 0.0)
     for i, home in enumerate(homes):
         for kind, table in ((Home.GPU, v.gpu), (Home.CPU, v.cpu), (Home.NVME, v.nvme)):
             if i in table:
@@ -315,8 +397,10 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
                allow_cpu: bool = True, allow_nvme: bool = True,
                fixed_homes: list[Home] | None = None, elastic: bool = False,
                start_homes: list[Home] | tuple[Home, ...] | None = None,
+               start_state: StateHomes | None = None,
                first_feasible: bool = False, node_limit: int | None = None) -> Solution:
-    """Solve `p`; `start_homes`, a feasible point, seeds the search (warm start);
+    """Solve `p`; `start_homes` (and where the MIP decides the state, `start_state`), a
+    feasible point, seeds the search (warm start);
     `first_feasible` stops at the first incumbent SCIP's own search finds (no warm
     start then), and `node_limit` after that many branch-and-bound nodes (status
     "nodelimit"): deterministic stand-ins for a time limit in tests."""
@@ -329,7 +413,7 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
     m.setParam("limits/gap", 0.0)
     m.setParam("limits/absgap", gap * step_floor_s)
     if start_homes is not None and fixed_homes is None and not first_feasible:
-        _add_start(m, v, start_homes)
+        _add_start(m, v, start_homes, start_state)
     if first_feasible:
         m.setParam("limits/solutions", 1)
     if node_limit is not None:
@@ -347,4 +431,5 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
         status=status, homes=_read_homes(m, v, p.num_layers),
         exposed_s=tuple(max(m.getVal(e), 0.0) for e in v.exposed), objective_s=m.getObjVal(),
         gap=_step_gap(m, status, step_floor_s), solve_s=solve_s,
-        shortfall_bytes={k: b for k, b in shortfall.items() if b > 0})
+        shortfall_bytes={k: b for k, b in shortfall.items() if b > 0},
+        state=_read_state(m, v))

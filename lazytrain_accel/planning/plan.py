@@ -181,6 +181,9 @@ class Solution:
     # pick's simulated step; "" and None when the MIP's pick was kept.
     mip_lost_to: str = ""
     mip_step_s: float | None = None
+    # The host state's homes where the MIP decided them (`Problem.decide_state`); None:
+    # the problem's own (a plan keeps them as `Plan.state`).
+    state: StateHomes | None = None
 
     @property
     def feasible(self) -> bool:
@@ -189,14 +192,18 @@ class Solution:
     def to_dict(self) -> dict[str, Any]:
         """JSON fields, the homes left out (a plan file holds them once, as `homes`)."""
         return {"status": self.status, "exposed_s": list(self.exposed_s),
+                "state": None if self.state is None else self.state.to_dict(),
                 "objective_s": self.objective_s, "gap": self.gap, "solve_s": self.solve_s,
                 "shortfall_bytes": dict(self.shortfall_bytes), "message": self.message,
                 "mip_lost_to": self.mip_lost_to, "mip_step_s": self.mip_step_s}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], homes: list[Home]) -> Solution:
+        state = data.get("state")
         return cls(**{**data, "homes": tuple(homes),
-                      "exposed_s": tuple(data.get("exposed_s", ()))})
+                      "exposed_s": tuple(data.get("exposed_s", ())),
+                      "state": None if state is None else StateHomes(
+                          **{k: tuple(v) for k, v in state.items()})})
 
 
 @dataclass(kw_only=True)

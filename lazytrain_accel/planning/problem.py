@@ -29,6 +29,7 @@ from lazytrain_accel.planning.node import (
     check_node_shape,
     host_update_bytes_per_s,
     link_bytes_per_s,
+    share_update_params_per_s,
 )
 from lazytrain_accel.planning.plan import (
     RESIDENT_UPDATES,
@@ -39,10 +40,12 @@ from lazytrain_accel.planning.plan import (
 )
 from lazytrain_accel.planning.state import (
     StateSizes,
+    StateWeights,
     backward_state_bytes,
     host_terms_with_state,
     nvme_state_bytes,
     state_sizes,
+    weights_of,
 )
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.profile import ModelProfile
@@ -194,6 +197,15 @@ class Problem:
         optimizer_bytes=0, grads_bytes=0, copies_bytes=0))
     state: StateHomes = field(default_factory=StateHomes)
     dram_cpu_base_terms: tuple[tuple[str, int], ...] = ()
+    # Whether the MIP decides the state's homes (`milp._add_state`: where the state does
+    # not fit DRAM) rather than taking `state` as given.
+    decide_state: bool = False
+    # One share's host update rate (`node.share_update_params_per_s`): the update phase's
+    # seconds, which the simulator prices and the MIP too where it decides the state.
+    update_params_per_s: float = 0.0
+    # Whether the device's work runs beside the host's (a GPU): the residents' update on
+    # the device then runs beside the host's layers rather than before them.
+    device_runs_async: bool = True
 
     # ---- windows -------------------------------------------------------------------
     @property
@@ -314,30 +326,46 @@ class Problem:
         thread's drain at the end of the backward, after the last gradients' copy."""
         return min(3, self.num_layers) * self.fold_s
 
-    def mandatory_bytes(self, edges: Mapping[tuple[int, int], Any]) -> dict[str, list[Any]]:
-        """Per link and window, the bytes that move whatever the homes: weights (and the
-        re-stream of recompute blocks, weighted like `window_durations_s`), gradients."""
+    def mandatory_bytes(self, edges: Mapping[tuple[int, int], Any],
+                        state: StateWeights | None = None) -> dict[str, list[Any]]:
+        """Per link and window, the bytes that move whatever the boundaries' homes:
+        weights (and the re-stream of recompute blocks, weighted like
+        `window_durations_s`), gradients, and the NVMe-homed host state's gradient writes
+        and copy reads (`state`: the MIP's weights; default this problem's homes)."""
         W = self.num_windows
         h2d: list[Any] = [self.weight_h2d_bytes(w) for w in range(W)]
         for (s, e), x in edges.items():
             for w, nbytes in self.restream_windows(s, e):
                 if nbytes:
                     h2d[w] = h2d[w] + nbytes * x
-        state = self.state_window_bytes
-        return {"h2d": h2d, "d2h": [self.grad_d2h_bytes(w) for w in range(W)],
-                "nvme_read": list(state["nvme_read"]), "nvme_write": list(state["nvme_write"])}
-
-    @property
-    def state_window_bytes(self) -> dict[str, list[int]]:
-        """Per NVMe link and window, the bytes the host state's NVMe homes move in the
-        step (gradients written, compute copies read: `state.py`)."""
-        return backward_state_bytes(self.state, self.state_sizes, self.num_layers,
-                                    folds=self.fold_s > 0)
+        nvme = backward_state_bytes(weights_of(self.state) if state is None else state,
+                                    self.state_sizes, self.num_layers, folds=self.fold_s > 0)
+        return {"h2d": h2d, "d2h": [self.grad_d2h_bytes(w) for w in range(W)], **nvme}
 
     @property
     def nvme_state_bytes(self) -> int:
         """NVMe bytes the host state's homes take."""
-        return nvme_state_bytes(self.state, self.state_sizes)
+        return nvme_state_bytes(weights_of(self.state), self.state_sizes)
+
+    @property
+    def first_update_s(self) -> float:
+        """The update phase's first op: the residents' update on the GPU, or the input
+        side's on the host (U_device, U_embed in `simulate.py`)."""
+        if self.resident_update == "device":
+            return self.device_update_s
+        return (self.resident_update_param_count - self.head_update_param_count) \
+            / self.update_params_per_s
+
+    @property
+    def layer_update_s(self) -> float:
+        """One layer's host update (U_j)."""
+        return self.layer_update_param_count / self.update_params_per_s
+
+    @property
+    def head_update_s(self) -> float:
+        """The output side's host update (U_head; none when the GPU updates it)."""
+        return (self.head_update_param_count / self.update_params_per_s
+                if self.resident_update == "host" else 0.0)
 
     def edges(self) -> list[tuple[int, int]]:
         """The MIP's candidate blocks: up to K layers long, none re-running a layer whose
@@ -433,21 +461,30 @@ class Problem:
         """Host bytes charged besides CPU homes: the static bytes and the NVMe staging."""
         return sum(b for _, b in self.host_terms(cpu=0))
 
-    def host_terms(self, *, cpu: Any, nvme_staging: Any = 1) -> tuple[tuple[str, Any], ...]:
+    def host_terms(self, *, cpu: Any, nvme_staging: Any = 1, state: StateWeights | None = None
+                   ) -> tuple[tuple[str, Any], ...]:
         """Every host term of a run with `cpu` boundaries homed in DRAM (a count or the
-        MIP's sum), NVMe bounce buffers times `nvme_staging` (the MIP charges them always)."""
-        return (*self.cpu_base_terms, *activation_host_terms(
+        MIP's sum), NVMe bounce buffers times `nvme_staging` (the MIP charges them always),
+        and the host state homed as `state` says (the MIP's weights, with the state's
+        buffers charged; default this problem's homes)."""
+        base = self.cpu_base_terms if state is None else host_terms_with_state(
+            self.dram_cpu_base_terms, state, self.state_sizes, staged=True)
+        return (*base, *activation_host_terms(
             boundary_bytes=self.boundary_bytes, cpu_homes=cpu,
             staging_boundaries=self.host_staging_boundaries, nvme_staging=nvme_staging,
             ranks=self.gpus_per_node))
 
-    def tier_need_bytes(self, *, gpu: Any, cache: Any, cpu: Any, nvme: Any) -> dict[str, Any]:
+    def tier_need_bytes(self, *, gpu: Any, cache: Any, cpu: Any, nvme: Any,
+                        state: StateWeights | None = None) -> dict[str, Any]:
         """Bytes each tier needs for `gpu`/`cpu`/`nvme` homed boundaries and a block cache
-        of `cache` boundaries (longest block - 1): counts or the MIP's sums of variables."""
+        of `cache` boundaries (longest block - 1): counts or the MIP's sums of variables;
+        the host state homed as `state` says (default this problem's homes)."""
         A = self.boundary_bytes
+        state_nvme = self.nvme_state_bytes if state is None else nvme_state_bytes(
+            state, self.state_sizes)
         return {"gpu": self.gpu_fixed_bytes + A * (gpu + cache),
-                "cpu": sum(b for _, b in self.host_terms(cpu=cpu)),
-                "nvme": A * nvme + self.nvme_state_bytes}
+                "cpu": sum(b for _, b in self.host_terms(cpu=cpu, state=state)),
+                "nvme": A * nvme + state_nvme}
 
     def budget_bytes(self, tier: str) -> int:
         return {"gpu": self.budgets.gpu_bytes, "cpu": self.budgets.cpu_bytes,
@@ -562,6 +599,8 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
             update_param_count=model.layer_trainable_param_count, optimizer=optimizer,
             copy_bytes=layer_copy_bytes(model, optimizer)),
         dram_cpu_base_terms=host_terms,
+        update_params_per_s=share_update_params_per_s(hardware, gpus_per_node),
+        device_runs_async=hardware.device_runs_async,
     )
     return with_state_homes(with_node_links(problem, hardware), state or StateHomes())
 
@@ -577,7 +616,9 @@ def layer_copy_bytes(model: ModelProfile, optimizer: str) -> int:
 def with_state_homes(p: Problem, state: StateHomes) -> Problem:
     """`p` with the layers' host state homed as `state` says: the DRAM terms less what
     lives on NVMe, plus the buffers it streams through (`state.py`)."""
-    terms = host_terms_with_state(p.dram_cpu_base_terms, state, p.state_sizes)
+    terms = host_terms_with_state(p.dram_cpu_base_terms, weights_of(state), p.state_sizes,
+                                  staged=state.any)
+    terms = tuple(sorted(terms, key=lambda t: -t[1]))
     return replace(p, state=state, cpu_base_terms=terms,
                    static_cpu_bytes=sum(b for _, b in terms))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lazytrain_accel.planning.events import EventQueue, SimOp
-from lazytrain_accel.planning.node import owner_of_groups, share_update_params_per_s
+from lazytrain_accel.planning.node import owner_of_groups
 from lazytrain_accel.planning.plan import (
     Home,
     Plan,
@@ -31,6 +31,7 @@ from lazytrain_accel.planning.state import (
     copy_read_window,
     grad_write_window,
     update_io_bytes,
+    weights_of,
 )
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
@@ -325,26 +326,27 @@ class _StepBuilder:
         and U1..UL on the host, beside it on an async device, else after it. On a node,
         each group on its owner's lane (`update_owners`) at the share's rate."""
         p, end = self.p, self.p.num_windows
-        rate = share_update_params_per_s(hardware, p.gpus_per_node)
-        head, owners = p.head_update_param_count, self.update_owners()
+        owners = self.update_owners()
         if p.resident_update == "device":
             first = self.q.add("U_device", DEVICE_OPTIMIZER, p.device_update_s,
                                after_end=[self.resident, self.grad[1]], window=end)
         else:
             first = self.q.add("U_embed", host_optimizer_lane(owners[0]),
-                               (p.resident_update_param_count - head) / rate,
+                               p.first_update_s,
                                after_end=[self.resident], window=end)
         # The host's layers start with a GPU's queued residents' update (they run side by
         # side), after a CPU device's (it runs on the training thread first) or, on the
         # share that runs it, U_embed.
         beside = p.resident_update == "device" and hardware.device_runs_async
         ops, writes = [first], []
+        streamed = self.plan.state.any  # every group through the update phase's buffers
         for j in range(1, self.L + 1):
             after = not beside and (p.resident_update == "device" or owners[j] == owners[0])
             home = self.fold_op.get(j, self.grad[j])  # its gradients in `.grad`
-            read_bytes, write_bytes = update_io_bytes(self.plan.state, p.state_sizes, j)
-            if read_bytes:  # its state from NVMe, into a buffer of the update phase once
-                # the group that held it last has been written back
+            read_bytes, write_bytes = update_io_bytes(weights_of(self.plan.state),
+                                                      p.state_sizes, j)
+            if streamed:  # its state from NVMe (none for a group all in DRAM) into the
+                # buffer group j-3 held, once that group has been written back
                 deps = [home, self.bwd[1], *([self.grad_write[j]] if j in self.grad_write
                                              else [])]
                 if len(writes) >= STATE_STAGING_GROUPS:
@@ -352,15 +354,15 @@ class _StepBuilder:
                 home = self.q.add(f"SR{j}", STATE_READ, read_bytes / p.nvme_read_bytes_per_s,
                                   after_end=deps, window=end)
             ops.append(self.q.add(f"U{j}", host_optimizer_lane(owners[j]),
-                                  p.layer_update_param_count / rate,
+                                  p.layer_update_s,
                                   after_end=[home] + ([first] if after else []),
                                   after_start=[first] if beside else [], window=end))
-            if write_bytes:  # written behind, its buffer free after
+            if streamed:  # written behind, in update order; its buffer free after
                 writes.append(self.q.add(f"SW{j}", STATE_WRITE,
                                          write_bytes / p.nvme_write_bytes_per_s,
                                          after_end=[ops[-1]], window=end))
         if p.resident_update == "host":
-            ops.append(self.q.add("U_head", host_optimizer_lane(owners[-1]), head / rate,
+            ops.append(self.q.add("U_head", host_optimizer_lane(owners[-1]), p.head_update_s,
                                   after_end=[self.resident], window=end))
         return ops
 

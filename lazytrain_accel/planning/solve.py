@@ -6,6 +6,7 @@ prediction, so `lazytrain plan` and `lazytrain simulate` print the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import warnings
@@ -16,7 +17,14 @@ from lazytrain_accel.planning.baselines import BASELINES, GPU_ONLY_BASELINES
 from lazytrain_accel.planning.fastest import fastest, repriced
 from lazytrain_accel.planning.loss_head import plan_loss_head
 from lazytrain_accel.planning.no_solver import admissible, evaluate_fixed
-from lazytrain_accel.planning.plan import Home, Plan, Prediction, Solution, tiling_of
+from lazytrain_accel.planning.plan import (
+    Home,
+    Plan,
+    Prediction,
+    Solution,
+    StateHomes,
+    tiling_of,
+)
 from lazytrain_accel.planning.problem import (
     Budgets,
     PlanInfeasibleError,
@@ -44,6 +52,13 @@ except ImportError as err:
 log = logging.getLogger(__name__)
 
 __all__ = ["STRATEGIES", "PlanRequest", "make_plan", "solve_problem"]
+
+#: The MIP that decides the host state's homes starts from the best candidate and stops
+#: at this limit or gap: its layers' binaries are near-symmetric, so proving the last
+#: fraction of a percent took SCIP past 60 s at 70B, for steps within 2% of the incumbent
+#: (docs/benchmarks.md "Host state on NVMe").
+STATE_TIME_LIMIT_S = 10.0
+STATE_GAP = 0.005
 
 #: Re-solves allowed when a simulated peak exceeds its budget (saturated links keep more
 #: boundaries in flight than the staging allowance).
@@ -114,10 +129,12 @@ def _fallback(p: Problem, names: tuple[str, ...], why: str, remedy: str) -> Solu
 
 def solve_problem(p: Problem, *, strategy: str, time_limit_s: float, gap: float = 0.001,
                   diagnose_s: float = DIAGNOSE_TIME_LIMIT_S,
-                  running: Sequence[Home] | None = None) -> Solution:
+                  running: Sequence[Home] | None = None,
+                  start: tuple[Sequence[Home], StateHomes] | None = None) -> Solution:
     """The solution of `strategy` on `p`; raises `PlanInfeasibleError` when none fits,
     naming the shortfall found within `diagnose_s` seconds. The MIP starts from the best
-    of the baselines and the `running` plan's homes, as the MIP prices them."""
+    of the baselines and the `running` plan's homes, as the MIP prices them, or from
+    `start` (boundary homes and state homes: where the MIP decides the state)."""
     diagnose_s = min(diagnose_s, time_limit_s)
     if strategy in BASELINES:
         return _baseline_solution(p, strategy, time_limit_s, diagnose_s)
@@ -127,9 +144,11 @@ def solve_problem(p: Problem, *, strategy: str, time_limit_s: float, gap: float 
     names = tuple(BASELINES) if offload else GPU_ONLY_BASELINES
     if solve_milp is None:
         return _fallback(p, names, NO_SOLVER_REASON, "Install PySCIPOpt (pip install PySCIPOpt)")
-    start = _best_fixed(p, names, running)  # the search starts from the best known plan
+    best = _best_fixed(p, names, running)  # the search starts from the best known plan
+    start_homes, start_state = (start if start is not None
+                                else (best[1].homes if best else None, None))
     solution = solve_milp(p, time_limit_s=time_limit_s, gap=gap, allow_cpu=offload,
-                          allow_nvme=offload, start_homes=start[1].homes if start else None)
+                          allow_nvme=offload, start_homes=start_homes, start_state=start_state)
     if solution.homes is not None:
         if solution.status not in ("optimal", "gaplimit"):  # a limit hit: the incumbent
             message = (f"MIP stopped ({solution.status}) after {solution.solve_s:.1f} s; "
@@ -153,6 +172,8 @@ def plan_from_solution(p: Problem, solution: Solution, *, strategy: str,
     host optimizer's overlapped update unless `include_optimizer=False`)."""
     if solution.homes is None:
         raise ValueError(f"solution has no homes (status {solution.status}): nothing to plan")
+    if solution.state is not None:  # the MIP decided the state's homes: price them
+        p = with_state_homes(dataclasses.replace(p, decide_state=False), solution.state)
     homes = list(solution.homes)
     tiling, tile_tokens = tiling_of(model.tile_tokens or 0, model.attention_block_tokens)
     draft = Plan(strategy=strategy, num_layers=p.num_layers, batch_size=model.batch_size,
@@ -186,12 +207,13 @@ def plan_problem(p: Problem, model: ModelProfile, hardware: HardwareProfile, *,
                  strategy: str, time_limit_s: float, gap: float,
                  include_optimizer: bool = True,
                  diagnose_s: float = DIAGNOSE_TIME_LIMIT_S,
-                 running: Sequence[Home] | None = None) -> Plan:
+                 running: Sequence[Home] | None = None,
+                 start: tuple[Sequence[Home], StateHomes] | None = None) -> Plan:
     """Solve, simulate, and solve again with more staging while a simulated peak exceeds
     its budget, so no plan's simulated peak does."""
     for _ in range(MAX_STAGING_ROUNDS):
         solution = solve_problem(p, strategy=strategy, time_limit_s=time_limit_s, gap=gap,
-                                 diagnose_s=diagnose_s, running=running)
+                                 diagnose_s=diagnose_s, running=running, start=start)
         plan = plan_from_solution(p, solution, strategy=strategy, model=model,
                                   hardware=hardware, include_optimizer=include_optimizer)
         bigger = _overflow(p, plan)
@@ -281,6 +303,16 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
                 plans.append(solved_in(with_state_homes(p, homes), profile))
             except PlanInfeasibleError as err:  # the last: every part that may, on NVMe
                 refusal = err
+        if plans and r.host_state == "auto" and r.strategy not in BASELINES \
+                and solve_milp is not None:  # the MIP decides, from the best candidate
+            best = min(plans, key=lambda plan: plan.prediction.step_s)
+            with contextlib.suppress(PlanInfeasibleError):  # else the candidates stand
+                plans.append(plan_problem(
+                    dataclasses.replace(p, decide_state=True), profile, hardware,
+                    strategy=r.strategy, time_limit_s=min(r.time_limit_s,
+                                                          STATE_TIME_LIMIT_S),
+                    gap=max(r.gap, STATE_GAP), include_optimizer=r.include_optimizer,
+                    diagnose_s=r.diagnose_s, start=(best.homes, best.state)))
         if plans:
             return min(plans, key=lambda plan: plan.prediction.step_s)
         if refusal is not None and set(refusal.shortfall_bytes) == {"cpu"}:

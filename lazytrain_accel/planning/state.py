@@ -13,7 +13,9 @@ Docs: docs/planner.md "Host state on NVMe".
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from lazytrain_accel.planning.host import (
     COMPUTE_COPY_TERM,
@@ -65,31 +67,42 @@ def state_sizes(*, update_param_count: int, optimizer: str, copy_bytes: int) -> 
         grads_bytes=GRAD_BYTES_PER_PARAM * update_param_count, copies_bytes=copy_bytes)
 
 
-def nvme_state_bytes(homes: StateHomes, sizes: StateSizes) -> int:
+#: Per part, per layer, the weight of "on NVMe": 1 for a fixed plan's homes (`weights_of`),
+#: a binary variable in the MIP; the cost functions below take either.
+StateWeights = Mapping[str, Mapping[int, Any]]
+
+
+def weights_of(homes: StateHomes) -> dict[str, dict[int, int]]:
+    """The weights of fixed homes."""
+    return {part: dict.fromkeys(getattr(homes, part), 1) for part in STATE_PARTS}
+
+
+def nvme_state_bytes(weights: StateWeights, sizes: StateSizes) -> Any:
     """NVMe bytes the homes take."""
-    return sum(len(getattr(homes, part)) * sizes.part_bytes(part) for part in STATE_PARTS)
+    return sum(sizes.part_bytes(part) * q for part in STATE_PARTS
+               for q in weights.get(part, {}).values())
 
 
-def host_terms_with_state(terms: tuple[tuple[str, int], ...], homes: StateHomes,
-                          sizes: StateSizes) -> tuple[tuple[str, int], ...]:
+def host_terms_with_state(terms: tuple[tuple[str, int], ...], weights: StateWeights,
+                          sizes: StateSizes, *, staged: bool) -> tuple[tuple[str, Any], ...]:
     """The host base terms (`host.host_base_terms`, every part in DRAM) less the parts
-    homed on NVMe, plus the buffers the NVMe-homed state streams through."""
-    if not homes.any:
+    homed on NVMe, plus (`staged`) the buffers the NVMe-homed state streams through."""
+    if not staged:
         return terms
-    u_bytes = sizes.grads_bytes // GRAD_BYTES_PER_PARAM  # parameters a layer updates
-    moved = {MASTER_TERM: MASTER_BYTES_PER_PARAM * u_bytes * len(homes.optimizer),
-             OPTIMIZER_TERM: (sizes.optimizer_bytes - MASTER_BYTES_PER_PARAM * u_bytes)
-             * len(homes.optimizer),
-             GRAD_TERM: sizes.grads_bytes * len(homes.grads),
-             COMPUTE_COPY_TERM: sizes.copies_bytes * len(homes.copies)}
+    count = {part: sum(weights.get(part, {}).values()) for part in STATE_PARTS}
+    u = sizes.grads_bytes // GRAD_BYTES_PER_PARAM  # parameters a layer updates
+    moved = {MASTER_TERM: MASTER_BYTES_PER_PARAM * u * count["optimizer"],
+             OPTIMIZER_TERM: (sizes.optimizer_bytes - MASTER_BYTES_PER_PARAM * u)
+             * count["optimizer"],
+             GRAD_TERM: sizes.grads_bytes * count["grads"],
+             COMPUTE_COPY_TERM: sizes.copies_bytes * count["copies"]}
     out = []
     for name, nbytes in terms:
         for term, less in moved.items():
             if name.startswith(term):
-                nbytes -= less
+                nbytes = nbytes - less
         out.append((name, nbytes))
-    out.append((STATE_STAGING_TERM, sizes.staging_bytes))
-    return tuple(sorted(out, key=lambda t: -t[1]))
+    return (*out, (STATE_STAGING_TERM, sizes.staging_bytes))
 
 
 def grad_write_window(layer: int, num_layers: int, *, folds: bool) -> int | None:
@@ -122,33 +135,34 @@ def allowed_layers(part: str, num_layers: int, *, folds: bool, copies_bytes: int
     return tuple(layers)
 
 
-def backward_state_bytes(homes: StateHomes, sizes: StateSizes, num_layers: int, *,
-                         folds: bool) -> dict[str, list[int]]:
+def backward_state_bytes(weights: StateWeights, sizes: StateSizes, num_layers: int, *,
+                         folds: bool) -> dict[str, list[Any]]:
     """Per NVMe link, the bytes the homes move in each window of the step (the update
     phase's traffic is after the step: `simulate.py`)."""
     W = 2 * num_layers
-    out = {"nvme_read": [0] * W, "nvme_write": [0] * W}
-    for j in homes.grads:
+    out: dict[str, list[Any]] = {"nvme_read": [0] * W, "nvme_write": [0] * W}
+    for j, q in weights.get("grads", {}).items():
         w = grad_write_window(j, num_layers, folds=folds)
         if w is None:
             raise ValueError(f"layer {j}'s gradient has no window to be written in; keep it "
                              "in DRAM (`allowed_layers`)")
-        out["nvme_write"][w] += sizes.grads_bytes
-    for j in homes.copies:
+        out["nvme_write"][w] = out["nvme_write"][w] + sizes.grads_bytes * q
+    for j, q in weights.get("copies", {}).items():
         w = copy_read_window(j, num_layers)
         if w is not None:
-            out["nvme_read"][w] += sizes.copies_bytes
+            out["nvme_read"][w] = out["nvme_read"][w] + sizes.copies_bytes * q
     return out
 
 
-def update_io_bytes(homes: StateHomes, sizes: StateSizes, layer: int) -> tuple[int, int]:
+def update_io_bytes(weights: StateWeights, sizes: StateSizes, layer: int) -> tuple[Any, Any]:
     """(read, written) NVMe bytes of layer `layer`'s update: its master and moments, and
     its gradient, read before; its master and moments, and its compute copy, written
     after."""
-    read = (sizes.optimizer_bytes * homes.on_nvme("optimizer", layer)
-            + sizes.grads_bytes * homes.on_nvme("grads", layer))
-    written = (sizes.optimizer_bytes * homes.on_nvme("optimizer", layer)
-               + sizes.copies_bytes * homes.on_nvme("copies", layer))
+    def q(part: str) -> Any:
+        return weights.get(part, {}).get(layer, 0)
+
+    read = sizes.optimizer_bytes * q("optimizer") + sizes.grads_bytes * q("grads")
+    written = sizes.optimizer_bytes * q("optimizer") + sizes.copies_bytes * q("copies")
     return read, written
 
 
@@ -156,9 +170,10 @@ def step_nvme_state_bytes(homes: StateHomes, sizes: StateSizes, num_layers: int
                           ) -> tuple[int, int]:
     """(read, written) NVMe bytes of the state per step: the update phase's and the
     backward's."""
+    weights = weights_of(homes)
     read = written = 0
     for j in range(1, num_layers + 1):
-        r, w = update_io_bytes(homes, sizes, j)
+        r, w = update_io_bytes(weights, sizes, j)
         read, written = read + r, written + w
     read += sizes.copies_bytes * sum(1 for j in homes.copies if j < num_layers)
     written += sizes.grads_bytes * len(homes.grads)

@@ -6,16 +6,19 @@ all on NVMe); the engine refuses such a plan until it streams the state."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
 
 from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan, simulate
+from lazytrain_accel.planning.milp import solve_milp
 from lazytrain_accel.planning.nvme_traffic import nvme_traffic
 from lazytrain_accel.planning.plan import Plan, StateHomes
 from lazytrain_accel.planning.problem import GIB, build_problem, with_state_homes
 from lazytrain_accel.planning.request import PlanRequest
-from lazytrain_accel.planning.state import STATE_STAGING_TERM, update_io_bytes
+from lazytrain_accel.planning.solve import plan_from_solution
+from lazytrain_accel.planning.state import STATE_STAGING_TERM, update_io_bytes, weights_of
 from lazytrain_accel.planning.state_search import state_candidates
 from lazytrain_accel.profiling.families import geometry_from_config
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
@@ -105,7 +108,7 @@ def test_the_update_phase_reads_before_each_update_and_reuses_three_buffers() ->
     ops = {op.name: op for op in simulate(plan, model, hardware).ops}
     sizes = build_problem(model, hardware).state_sizes
     for j in range(1, model.num_layers + 1):
-        read_bytes, _ = update_io_bytes(plan.state, sizes, j)
+        read_bytes, _ = update_io_bytes(weights_of(plan.state), sizes, j)
         assert ops[f"SR{j}"].duration_s == pytest.approx(
             read_bytes / hardware.nvme_read_bytes_per_s)
         assert ops[f"U{j}"].start_s >= ops[f"SR{j}"].end_s
@@ -148,3 +151,31 @@ def test_the_state_homes_travel_in_the_plan_file_and_the_engine_refuses_them(tmp
     assert loaded.state == plan.state and isinstance(loaded.state, StateHomes)
     with pytest.raises(ValueError, match="does not stream the host state"):
         resolve_plan(LazyTrainConfig(plan=str(path)), model, hardware)
+
+
+@pytest.mark.parametrize("compute_on_host", [False, True])
+def test_the_mip_decides_the_state_and_prices_the_update_phase_as_the_simulator(
+        compute_on_host: bool) -> None:
+    """Where DRAM is short the MIP picks each layer's parts itself (from the best
+    candidate): never slower than a candidate, and its objective, the update phase's
+    exposure included, is the simulated step's (on a GPU and where the update takes the
+    compute's cores)."""
+    model = _tiny(12)
+    hardware = dataclasses.replace(_slow_drive(model, 4.0), compute_on_host=compute_on_host,
+                                   device_runs_async=not compute_on_host)
+    budgets = _budgets(model, hardware, dram_layers=6.0)
+    p = build_problem(model, hardware, budgets=budgets)
+    decided = make_plan(model, hardware, PlanRequest(budgets=budgets, time_limit_s=10,
+                                                     resident_update="host"))
+    for name, _ in state_candidates(p):
+        with contextlib.suppress(PlanInfeasibleError):
+            other = make_plan(model, hardware, PlanRequest(
+                budgets=budgets, host_state=name, time_limit_s=10, resident_update="host"))
+            assert decided.prediction.step_s <= other.prediction.step_s * (1 + 1e-9), name
+    mip = solve_milp(dataclasses.replace(p, decide_state=True), time_limit_s=10, gap=0.0)
+    assert mip.state is not None and mip.state.any
+    plan = plan_from_solution(p, mip, strategy="lazytrain", model=model, hardware=hardware)
+    assert plan.state == mip.state
+    mip_s = p.step_floor_s() + mip.objective_s
+    assert mip_s == pytest.approx(plan.prediction.step_s, rel=0.02)
+    assert plan.prediction.optimizer_exposed_s > 0
