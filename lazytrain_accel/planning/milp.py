@@ -325,10 +325,11 @@ def _fix_homes(m: Model, v: _Vars, homes: list[Home]) -> None:
 
 
 def build_milp(p: Problem, *, allow_cpu: bool = True, allow_nvme: bool = True,
-               fixed_homes: list[Home] | None = None, elastic: bool = False
-               ) -> tuple[Model, _Vars]:
-    """The SCIP model of `p`; `fixed_homes` pins every boundary (baselines), `elastic`
-    adds capacity slack and minimizes it (to name what an infeasible request lacks)."""
+               fixed_homes: list[Home] | None = None, elastic: bool = False,
+               fixed_state: StateHomes | None = None) -> tuple[Model, _Vars]:
+    """The SCIP model of `p`; `fixed_homes` pins every boundary (baselines), `fixed_state`
+    the state's homes where the MIP decides them, `elastic` adds capacity slack and
+    minimizes it (to name what an infeasible request lacks)."""
     edges = p.edges()
     if fixed_homes is not None:  # the full model, plus a baseline's blocks longer than K
         kept = [i for i, h in enumerate(fixed_homes) if h != Home.RECOMPUTE]
@@ -345,6 +346,11 @@ def build_milp(p: Problem, *, allow_cpu: bool = True, allow_nvme: bool = True,
     _add_objective(m, p, v, elastic)
     if fixed_homes is not None:
         _fix_homes(m, v, fixed_homes)
+    for part, table in v.state.items() if fixed_state is not None else ():
+        for j, q in table.items():
+            value = 1.0 if fixed_state.on_nvme(part, j) else 0.0
+            m.chgVarLb(q, value)
+            m.chgVarUb(q, value)
     return m, v
 
 
@@ -397,7 +403,7 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
                allow_cpu: bool = True, allow_nvme: bool = True,
                fixed_homes: list[Home] | None = None, elastic: bool = False,
                start_homes: list[Home] | tuple[Home, ...] | None = None,
-               start_state: StateHomes | None = None,
+               start_state: StateHomes | None = None, fixed_state: StateHomes | None = None,
                first_feasible: bool = False, node_limit: int | None = None) -> Solution:
     """Solve `p`; `start_homes` (and where the MIP decides the state, `start_state`), a
     feasible point, seeds the search (warm start);
@@ -405,7 +411,7 @@ def solve_milp(p: Problem, *, time_limit_s: float = 60.0, gap: float = 0.01,
     start then), and `node_limit` after that many branch-and-bound nodes (status
     "nodelimit"): deterministic stand-ins for a time limit in tests."""
     m, v = build_milp(p, allow_cpu=allow_cpu, allow_nvme=allow_nvme,
-                      fixed_homes=fixed_homes, elastic=elastic)
+                      fixed_homes=fixed_homes, elastic=elastic, fixed_state=fixed_state)
     m.setParam("limits/time", max(time_limit_s, 0.01))
     # The gap is relative to the predicted step, not to the objective: the objective
     # (recompute + exposure) is often ~0 s, where a relative gap means nothing.

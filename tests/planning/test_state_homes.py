@@ -10,8 +10,15 @@ import contextlib
 import dataclasses
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from planner_chains import budgets_in_slots
+from test_planner_agreement import FAMILIES, HOST_WORK, REGIMES, TOLERANCE
+from test_planner_agreement import _hardware as _agreement_hardware
+from test_planner_agreement import _model as _agreement_model
 
 from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan, simulate
+from lazytrain_accel.planning.baselines import BASELINES
 from lazytrain_accel.planning.milp import solve_milp
 from lazytrain_accel.planning.nvme_traffic import nvme_traffic
 from lazytrain_accel.planning.plan import Plan, StateHomes
@@ -28,6 +35,8 @@ from lazytrain_accel.profiling.model_configs import (
 from lazytrain_accel.profiling.model_configs import load_model_config, profile_model
 
 RTX4090 = HARDWARE_PRESETS["rtx4090"]
+#: Drawn problems of the property test (each plans a dozen times: a few seconds each).
+STATE_EXAMPLES = 20
 
 
 def _tiny(layers: int = 6):
@@ -179,3 +188,80 @@ def test_the_mip_decides_the_state_and_prices_the_update_phase_as_the_simulator(
     mip_s = p.step_floor_s() + mip.objective_s
     assert mip_s == pytest.approx(plan.prediction.step_s, rel=0.02)
     assert plan.prediction.optimizer_exposed_s > 0
+
+
+@st.composite
+def state_problems(draw: st.DrawFn) -> tuple:
+    """test_planner_agreement.py's draws, 8 to 12 layers (a layer's state streams through
+    3 buffers: fewer layers leave nothing to gain), with the DRAM budget short of the
+    host state by `short` layers' state and NVMe room for all of it."""
+    layers = draw(st.integers(8, 12))
+    model = _agreement_model(draw(st.sampled_from(FAMILIES)), layers,
+                             draw(st.sampled_from((2, 4, 8))), draw(st.sampled_from((32, 64))))
+    hardware = _agreement_hardware(model, draw(st.sampled_from(REGIMES)), draw(st.booleans()),
+                                   draw(st.sampled_from(tuple(HOST_WORK))), draw(st.booleans()))
+    base = budgets_in_slots(model, hardware, gpu_slots=draw(st.integers(3, layers + 2)),
+                            cpu_slots=draw(st.integers(0, layers)),
+                            nvme_slots=draw(st.integers(0, layers)))
+    p = build_problem(model, hardware, budgets=base)
+    short = draw(st.sampled_from((0.5, 1.0, 2.0))) * p.state_sizes.layer_bytes
+    budgets = dataclasses.replace(
+        base, cpu_bytes=base.cpu_bytes - int(short),
+        nvme_bytes=base.nvme_bytes + layers * p.state_sizes.layer_bytes)
+    request = PlanRequest(budgets=budgets, max_recompute_block=draw(st.sampled_from((2, 4))),
+                          time_limit_s=10, resident_update="host")
+    return model, hardware, request
+
+
+def _check_state_priced_alike(plan: Plan, model, hardware, max_block: int) -> None:
+    """What the state adds to `plan`'s step, the MIP's rows against the simulator: in the
+    windows (the step less the same homes without the state) and in the update phase
+    (the next step's wait), each within the tolerance of the step. (The windows' own
+    pricing is test_planner_agreement.py's; budgets roomy: only the prices differ.)"""
+    roomy = Budgets(gpu_bytes=2**40, cpu_bytes=2**50, nvme_bytes=2**50)
+    bare = build_problem(model, hardware, budgets=roomy, max_recompute_block=max_block)
+    priced = with_state_homes(bare, plan.state)
+    homes = list(plan.homes)
+    mip_window_s = [solve_milp(q, gap=0.0, fixed_homes=homes).objective_s for q in (bare, priced)]
+    without = dataclasses.replace(plan, state=StateHomes())
+    sim_s = [simulate(x, model, hardware, include_optimizer=False).step_s for x in (without, plan)]
+    tolerance_s = TOLERANCE * plan.prediction.step_s
+    assert abs((mip_window_s[1] - mip_window_s[0]) - (sim_s[1] - sim_s[0])) <= tolerance_s
+    decided = solve_milp(dataclasses.replace(bare, decide_state=True), gap=0.0,
+                         fixed_homes=homes, fixed_state=plan.state)
+    update_s = decided.objective_s - mip_window_s[1]
+    assert abs(update_s - plan.prediction.optimizer_exposed_s) <= tolerance_s, plan.state
+
+
+def test_with_the_host_state_short_of_dram_no_plan_is_slower_than_a_baseline() -> None:
+    """The agreement property with the state's homes decided too: over drawn problems
+    (families, shapes, budgets; compute-, H2D-, D2H- and NVMe-bound rates; the host's
+    work per transfer unpriced, on the compute's thread or beside a GPU's kernels) the
+    plan is never priced slower than a boundary baseline or a state baseline (greedy, all
+    on NVMe) beyond the tolerance, and its host peak fits."""
+    checked: list[bool] = []
+
+    @settings(max_examples=STATE_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(state_problems())
+    def check(instance: tuple) -> None:
+        model, hardware, request = instance
+        try:
+            plan = make_plan(model, hardware, request)
+        except PlanInfeasibleError:
+            return
+        checked.append(plan.state.any)
+        assert plan.prediction.peak_cpu_bytes <= request.budgets.cpu_bytes
+        if plan.state.any:
+            _check_state_priced_alike(plan, model, hardware, request.max_recompute_block)
+        others = [("greedy", {"host_state": "greedy"}), ("all_nvme", {"host_state": "all_nvme"}),
+                  *((name, {"strategy": name}) for name in BASELINES)]
+        for name, change in others:
+            with contextlib.suppress(PlanInfeasibleError):
+                other = make_plan(model, hardware, dataclasses.replace(request, **change))
+                assert plan.prediction.step_s <= (1 + TOLERANCE) * other.prediction.step_s, (
+                    name, plan.state, other.state)
+
+    check()
+    assert sum(checked) >= STATE_EXAMPLES // 2, (
+        f"only {sum(checked)} of {STATE_EXAMPLES} planned state on NVMe")
