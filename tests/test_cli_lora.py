@@ -30,7 +30,9 @@ def test_lora_70b_on_a_bf16_base_says_why_it_does_not_fit(capsys) -> None:
 
 
 def test_full_fine_tune_refusal_points_at_lora(capsys) -> None:
-    run = [a for a in RUN if a not in ("--lora-rank", "16")]
+    # a drive too small for the state (with room there, the state goes to NVMe and the
+    # full fine-tune plans: tests/planning/test_state_homes.py)
+    run = [a for a in RUN if a not in ("--lora-rank", "16")] + ["--nvme-gb", "1"]
     assert main(["plan", *run]) == 2
     err = capsys.readouterr().err
     assert "the trainable parameters' fp32 masters" in err and "--lora-rank" in err
