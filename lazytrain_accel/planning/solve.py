@@ -292,32 +292,7 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
         if not (r.include_optimizer and r.gpus_per_node == 1 and r.host_state != "dram"
                 and needs_state_homes(p)):
             return solved_in(p, profile)
-        # the host state does not fit DRAM: the fastest of the state homes that do fit
-        recomputed = () if r.strategy not in BASELINES else tuple(
-            j for j, home in enumerate(BASELINES[r.strategy](p)) if home == Home.RECOMPUTE)
-        plans, refusal = [], None
-        for name, homes in state_candidates(p, recomputed=recomputed):
-            if r.host_state not in ("auto", name):
-                continue
-            try:
-                plans.append(solved_in(with_state_homes(p, homes), profile))
-            except PlanInfeasibleError as err:  # the last: every part that may, on NVMe
-                refusal = err
-        if plans and r.host_state == "auto" and r.strategy not in BASELINES \
-                and solve_milp is not None:  # the MIP decides, from the best candidate
-            best = min(plans, key=lambda plan: plan.prediction.step_s)
-            with contextlib.suppress(PlanInfeasibleError):  # else the candidates stand
-                plans.append(plan_problem(
-                    dataclasses.replace(p, decide_state=True), profile, hardware,
-                    strategy=r.strategy, time_limit_s=min(r.time_limit_s,
-                                                          STATE_TIME_LIMIT_S),
-                    gap=max(r.gap, STATE_GAP), include_optimizer=r.include_optimizer,
-                    diagnose_s=r.diagnose_s, start=(best.homes, best.state)))
-        if plans:
-            return min(plans, key=lambda plan: plan.prediction.step_s)
-        if refusal is not None and set(refusal.shortfall_bytes) == {"cpu"}:
-            raise refusal  # short of DRAM even with every part that may on NVMe
-        return solved_in(p, profile)  # the refusal with every part in DRAM
+        return plan_host_state(p, profile, hardware, r, solved_in)
 
     def solved_in(p: Problem, profile: ModelProfile) -> Plan:
         plan = plan_problem(p, profile, hardware, strategy=r.strategy,
@@ -355,6 +330,40 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
     kept = None if r.running is None or r.running.resident_update != plan.resident_update \
         else repriced(r.running, model, hardware, include_optimizer=r.include_optimizer)
     return plan if kept is None else fastest(plan, [("running", kept)], budgets)
+
+
+def plan_host_state(p: Problem, model: ModelProfile, hardware: HardwareProfile,
+                    r: PlanRequest, solved_in: Callable[[Problem, ModelProfile], Plan]) -> Plan:
+    """The plan of `p`, whose host state does not fit DRAM (`needs_state_homes`): the
+    fastest simulated of the state candidates each solved by `solved_in` (with the
+    boundary baselines), and of the MIP deciding the state itself from the best of them
+    (docs/planner.md "Host state on NVMe"); `r.host_state` may name one candidate. The
+    refusal where none fits: short of DRAM even with every part that may on NVMe, or
+    else the one with every part in DRAM."""
+    recomputed = () if r.strategy not in BASELINES else tuple(
+        j for j, home in enumerate(BASELINES[r.strategy](p)) if home == Home.RECOMPUTE)
+    plans, refusal = [], None
+    for name, homes in state_candidates(p, recomputed=recomputed):
+        if r.host_state not in ("auto", name):
+            continue
+        try:
+            plans.append(solved_in(with_state_homes(p, homes), model))
+        except PlanInfeasibleError as err:  # the last: every part that may, on NVMe
+            refusal = err
+    if plans and r.host_state == "auto" and r.strategy not in BASELINES \
+            and solve_milp is not None:  # the MIP decides, from the best candidate
+        best = min(plans, key=lambda plan: plan.prediction.step_s)
+        with contextlib.suppress(PlanInfeasibleError):  # else the candidates stand
+            plans.append(plan_problem(
+                dataclasses.replace(p, decide_state=True), model, hardware,
+                strategy=r.strategy, time_limit_s=min(r.time_limit_s, STATE_TIME_LIMIT_S),
+                gap=max(r.gap, STATE_GAP), include_optimizer=r.include_optimizer,
+                diagnose_s=r.diagnose_s, start=(best.homes, best.state)))
+    if plans:
+        return min(plans, key=lambda plan: plan.prediction.step_s)
+    if refusal is not None and set(refusal.shortfall_bytes) == {"cpu"}:
+        raise refusal
+    return solved_in(p, model)
 
 
 def baseline_plans(p: Problem, model: ModelProfile, hardware: HardwareProfile, *,
