@@ -24,6 +24,7 @@ TIERS: tuple[str, ...] = ("device", "host_pinned", "host_pageable", "nvme")
 #: Transfer kinds timed separately; the first four are the plan's `TransferKind`s.
 TRANSFER_KINDS: tuple[str, ...] = (
     "d2h", "nvme_write", "nvme_read", "h2d", "weights_h2d", "grads_d2h",
+    "state_nvme_write", "state_nvme_read",  # the host state homed on NVMe (`Plan.state`)
 )
 #: The host's own work per transfer on an async device, on the training thread
 #: (`Accounting.host_work`): a layer's weights cast into a pinned staging buffer before

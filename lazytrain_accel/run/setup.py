@@ -156,12 +156,12 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
     if is_plan_file(config):
         plan = Plan.load(config.plan)
         plan.check_fingerprint(fingerprint)
-        if plan.state.any:
+        if plan.state.optimizer or plan.state.grads:
             raise ValueError(
                 f"plan file {config.plan} homes host state on NVMe ({plan.state.to_dict()}): "
-                "`lazytrain plan` prices such plans, but the engine does not stream the host "
-                "state from NVMe yet; give the run a DRAM budget that holds the state "
-                "(cpu_memory_limit_gb) and plan again")
+                "`lazytrain plan` prices such plans, but the engine streams only the layers' "
+                "compute copies from NVMe yet; give the run a DRAM budget that holds the "
+                "masters, moments and gradients (cpu_memory_limit_gb) and plan again")
         return plan
     strategy = "lazytrain" if config.plan == "auto" else config.plan
     resident_update = resident_update or config.resident_update
@@ -231,8 +231,8 @@ def plan_request(config: LazyTrainConfig, *, strategy: str, budgets: Budgets,
                        include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT,
                        resident_update=resident_update, gpus_per_node=gpus_per_node,
                        nodes=nodes, running=running,
-                       # the engine does not stream host state from NVMe yet (issue 44):
-                       # a run whose state does not fit DRAM is refused as before
+                       # the engine streams only the compute copies from NVMe yet (issue
+                       # 44): a run whose state does not fit DRAM is refused as before
                        host_state="dram")
 
 

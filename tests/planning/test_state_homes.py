@@ -158,7 +158,8 @@ def test_the_state_homes_travel_in_the_plan_file_and_the_engine_refuses_them(tmp
     plan.save(path)
     loaded = Plan.load(path)
     assert loaded.state == plan.state and isinstance(loaded.state, StateHomes)
-    with pytest.raises(ValueError, match="does not stream the host state"):
+    assert plan.state.optimizer or plan.state.grads
+    with pytest.raises(ValueError, match="streams only the layers' compute copies"):
         resolve_plan(LazyTrainConfig(plan=str(path)), model, hardware)
 
 

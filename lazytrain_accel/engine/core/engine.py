@@ -26,6 +26,7 @@ from lazytrain_accel.engine.device.backends import make_streams
 from lazytrain_accel.engine.device.emulation import EmulationSettings
 from lazytrain_accel.engine.loss.loss_patch import FusedLoss, apply_fused_loss
 from lazytrain_accel.engine.memory import quantized
+from lazytrain_accel.engine.memory.copy_files import NvmeCopies
 from lazytrain_accel.engine.memory.grads import GradSink
 from lazytrain_accel.engine.memory.nvme import NvmeSpill
 from lazytrain_accel.engine.memory.residents import ResidentParams, owners, update_groups
@@ -94,6 +95,24 @@ class StreamingEngine:
         elif chunk_tokens:
             self.fused_loss = apply_fused_loss(self.model, chunk_tokens=chunk_tokens)
 
+    def _nvme_copies(self) -> NvmeCopies | None:
+        """The files of the compute copies the plan homes on NVMe (`Plan.state`), under
+        this engine's NVMe directory; None where it homes none. The other parts of the
+        host state on NVMe are not streamed yet: such a plan is refused here."""
+        state = self.plan.state
+        if state.optimizer or state.grads:
+            raise ValueError(
+                f"the plan homes masters and moments or gradients on NVMe ({state.to_dict()}):"
+                " the engine streams only the layers' compute copies from NVMe yet; plan with"
+                " host_state='dram' (a DRAM budget that holds them) for this run")
+        if not state.copies:
+            return None
+        if self.compute_dtype == torch.float32:
+            raise ValueError(f"the plan homes compute copies on NVMe (layers {state.copies}) "
+                             "but this run computes in fp32, which keeps none; plan for the "
+                             "run's compute dtype")
+        return NvmeCopies(self.spill.directory / "state", set(state.copies), self.acct)
+
     def _absorb_checkpointing(self) -> None:
         """HF checkpointing was requested: keep it off; say once who decides recompute."""
         hf_checkpointing.turn_off(self.model)
@@ -117,7 +136,8 @@ class StreamingEngine:
                                           accounting=self.acct,
                                           is_ready=lambda j: self.steps.is_group_updated(j),
                                           wait_ready=lambda j: self.steps.wait_for_group(j),
-                                          num_slots=weight_slots(self.plan))
+                                          num_slots=weight_slots(self.plan),
+                                          nvme_copies=self._nvme_copies())
         self.residents = ResidentParams(resident, late=late, device=self.device,
                                         compute_dtype=self.compute_dtype, sink=self.sink,
                                         accounting=self.acct,
@@ -267,6 +287,10 @@ class StreamingEngine:
         if plan.num_layers != self.plan.num_layers:
             raise ValueError(f"plan.num_layers={plan.num_layers} but the model has "
                              f"{self.plan.num_layers} decoder layers; plan for this model")
+        if plan.state != self.plan.state:
+            raise ValueError(f"the new plan homes the host state as {plan.state.to_dict()}, "
+                             f"this engine as {self.plan.state.to_dict()} (fixed at attach); "
+                             "plan with the running plan's state homes")
         if plan.resident_update != self.plan.resident_update:
             raise ValueError(f"the new plan updates the residents on the {plan.resident_update}"
                              f", this engine on the {self.plan.resident_update} (fixed at "

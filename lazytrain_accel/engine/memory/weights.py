@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lazytrain_accel.engine.device.streams import Event, Streams
+from lazytrain_accel.engine.memory.copy_files import NvmeCopies
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.planning.slots import WeightSlots
 
@@ -37,7 +38,7 @@ class WeightPool:
     def __init__(self, layer_params: list[list[nn.Parameter]], *, streams: Streams,
                  compute_dtype: torch.dtype, accounting: Accounting,
                  is_ready: Callable[[int], bool], wait_ready: Callable[[int], None],
-                 num_slots: int = 2) -> None:
+                 num_slots: int = 2, nvme_copies: NvmeCopies | None = None) -> None:
         self._params = layer_params  # index 0 = layer 1
         self._dtype = compute_dtype
         self._streams = streams
@@ -60,6 +61,9 @@ class WeightPool:
             accounting.allocate("host_pinned", NUM_STAGING * self._slot_bytes)
         self._copies: list[torch.Tensor | None] = [None] * len(layer_params)
         self._copy_keys: list[tuple[tuple[int, int], ...] | None] = [None] * len(layer_params)
+        #: The layers whose copies live on NVMe between their uses (`Plan.state.copies`):
+        #: their DRAM buffer is dropped after each load and read back for the next.
+        self._nvme = nvme_copies
 
     @property
     def num_slots(self) -> int:
@@ -152,6 +156,7 @@ class WeightPool:
                     for p, view in zip(params, self._views(slot, params), strict=True):
                         view.copy_(p.data)
         self._policy.filled(slot, layer)
+        self._drop_nvme_copy(layer)  # copied out above: back to its file until the next load
         return slot
 
     def _load_async(self, slot: int, params: list[nn.Parameter],
@@ -196,12 +201,14 @@ class WeightPool:
         if self._dtype == torch.float32 or not 1 <= layer <= len(self._params):
             return None
         params = self._params[layer - 1]
-        valid = self._fresh_copy(layer) is not None
+        # a copy in its file is not read back: the masters it was cast from are as valid
+        valid = self._copy_keys[layer - 1] == _master_key(params) \
+            and self._copies[layer - 1] is not None
         self._copy_keys[layer - 1] = None  # being rewritten: not to be streamed
+        if self._nvme is not None:
+            self._nvme.wait_written(layer)  # its last write read this buffer
         if self._copies[layer - 1] is None:
-            numel = sum(p.numel() for p in params)
-            self._copies[layer - 1] = torch.empty(numel, dtype=self._dtype)
-            self._acct.allocate("host_pageable", numel * self._copies[layer - 1].element_size())
+            self._copies[layer - 1] = self._new_copy(layer)
         views = _split(self._copies[layer - 1], params)
         if not valid:
             for p, view in zip(params, views, strict=True):
@@ -209,21 +216,50 @@ class WeightPool:
         return views
 
     def compute_copy_written(self, layer: int) -> None:
-        """The update has written `layer`'s copy from its new masters: stream from it."""
-        if self._copies[layer - 1] is not None:
+        """The update has written `layer`'s copy from its new masters: stream from it (and
+        where the plan homes it on NVMe, write it to its file behind)."""
+        copy = self._copies[layer - 1]
+        if copy is not None:
             self._copy_keys[layer - 1] = _master_key(self._params[layer - 1])
+            if self._nvme is not None and layer in self._nvme.layers:
+                self._nvme.write(layer, copy)
+
+    def _new_copy(self, layer: int) -> torch.Tensor:
+        numel = sum(p.numel() for p in self._params[layer - 1])
+        copy = torch.empty(numel, dtype=self._dtype)
+        self._acct.allocate("host_pageable", numel * copy.element_size())
+        return copy
 
     def _fresh_copy(self, layer: int) -> torch.Tensor | None:
+        """`layer`'s copy if it is its masters' (read back from its file where the plan
+        homes it on NVMe and its buffer was dropped), else None."""
         key = self._copy_keys[layer - 1]
         if key is None or key != _master_key(self._params[layer - 1]):
             return None
+        if self._copies[layer - 1] is None and self._nvme is not None:
+            copy = self._new_copy(layer)
+            with self._acct.stalled():
+                self._nvme.read(layer, copy)
+            self._copies[layer - 1] = copy
         return self._copies[layer - 1]
+
+    def _drop_nvme_copy(self, layer: int) -> None:
+        """Free the DRAM buffer of a copy the plan homes on NVMe, once its file has it."""
+        copy = self._copies[layer - 1]
+        if copy is None or self._nvme is None or layer not in self._nvme.layers \
+                or self._copy_keys[layer - 1] is None:
+            return
+        self._nvme.wait_written(layer)
+        self._copies[layer - 1] = None
+        self._acct.free("host_pageable", copy.numel() * copy.element_size())
 
     def close(self) -> None:
         for copy in self._copies:
             if copy is not None:
                 self._acct.free("host_pageable", copy.numel() * copy.element_size())
         self._copies = [None] * len(self._params)
+        if self._nvme is not None:
+            self._nvme.close()
         self._acct.free("device", len(self._slots) * self._slot_bytes)
         if self._staging:
             self._acct.free("host_pinned", NUM_STAGING * self._slot_bytes)

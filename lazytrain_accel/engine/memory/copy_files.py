@@ -1,0 +1,81 @@
+"""The compute-dtype copies of the layers whose copies the plan homes on NVMe
+(`Plan.state.copies`): a file each, written behind the update that makes the copy, read
+back for the layer's next load once its DRAM buffer was dropped (`WeightPool`).
+
+Files go through the one direct-I/O module (`storage/direct_io.py`: past the page cache,
+aligned, the tail kept) into `<engine's NVMe directory>/state`, which the engine removes
+with its boundary files (`NvmeSpill.close`, and at interpreter exit). A failed write or
+read raises its `StateIOError` at the next use of that layer's copy.
+Docs: docs/engine.md "Host state on NVMe".
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from lazytrain_accel.engine.stats import Accounting
+from lazytrain_accel.storage.direct_io import DirectIO
+
+#: One thread: the copies of one engine are written and read in layer order, beside the
+#: training thread and the update on a machine whose cores they share.
+COPY_IO_WORKERS = 1
+
+
+class NvmeCopies:
+    """Files of the compute copies of `layers` (1-based) under `directory`."""
+
+    def __init__(self, directory: Path, layers: set[int], accounting: Accounting) -> None:
+        self.layers = frozenset(layers)
+        self._directory = directory
+        self._acct = accounting
+        self._io = DirectIO(workers=COPY_IO_WORKERS)
+        self._writes: dict[int, Future[None]] = {}
+        self._sizes: dict[int, int] = {}
+
+    def _path(self, layer: int) -> Path:
+        return self._directory / f"copy-{layer}.bin"
+
+    def write(self, layer: int, copy: torch.Tensor) -> None:
+        """Write `copy` (layer `layer`'s, contiguous) behind: it must not change until
+        `wait_written(layer)` returns."""
+        self.wait_written(layer)  # the previous write of this file, whole
+        self._directory.mkdir(parents=True, exist_ok=True)
+        nbytes = copy.numel() * copy.element_size()
+        if layer not in self._sizes:
+            self._acct.allocate("nvme", nbytes)
+            self._sizes[layer] = nbytes
+        start = time.perf_counter()
+        write = self._io.write_tensors(self._path(layer), [copy])
+        write.add_done_callback(lambda done: done.exception() is None and self._acct.add_transfer(
+            "state_nvme_write", time.perf_counter() - start, nbytes))
+        self._writes[layer] = write
+
+    def wait_written(self, layer: int) -> None:
+        """Block until layer `layer`'s last write is on the drive; raise its error."""
+        write = self._writes.pop(layer, None)
+        if write is not None:
+            write.result()
+
+    def read(self, layer: int, out: torch.Tensor) -> None:
+        """Fill `out` with layer `layer`'s copy from its file (after its write)."""
+        self.wait_written(layer)
+        start = time.perf_counter()
+        self._io.read_tensors(self._path(layer), [out]).result()
+        self._acct.add_transfer("state_nvme_read", time.perf_counter() - start,
+                                out.numel() * out.element_size())
+
+    def close(self) -> None:
+        """Wait for the writes, end the I/O threads and remove the files."""
+        try:
+            for layer in list(self._writes):
+                self.wait_written(layer)
+        finally:
+            self._io.close()
+            for layer, nbytes in self._sizes.items():
+                self._path(layer).unlink(missing_ok=True)
+                self._acct.free("nvme", nbytes)
+            self._sizes = {}

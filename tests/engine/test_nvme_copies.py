@@ -1,0 +1,104 @@
+"""The layers' compute copies homed on NVMe (`Plan.state.copies`, issue 44): written to a
+file behind the update, their DRAM buffer dropped after each load and read back for the
+next; the run is the all-DRAM run bit for bit, the files are gone at detach, and the parts
+the engine does not stream yet are refused at attach."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+
+import pytest
+import torch
+from engine_helpers import batches, build_model, make_plan, twin
+
+from lazytrain_accel.engine import attach
+from lazytrain_accel.optim import HybridAdamW8bit
+from lazytrain_accel.planning.plan import StateHomes
+from lazytrain_accel.storage import direct_io
+from lazytrain_accel.storage.direct_io import StateIOError
+
+CPU = torch.device("cpu")
+LAYERS = 4
+
+
+def _train(model, plan, tmp_path, steps: int = 3):
+    engine = attach(model, plan, device=CPU, compute_dtype=torch.bfloat16,
+                    nvme_dir=str(tmp_path))
+    opt = HybridAdamW8bit(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+    losses, seen = [], []
+    for ids in batches(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        engine.step_layerwise(opt)
+        engine.synchronize()
+        opt.zero_grad()
+        seen.append({j: engine.pool._copies[j - 1] is None for j in range(1, LAYERS + 1)})
+    return engine, losses, seen
+
+
+@pytest.mark.parametrize("kind", ["checkpoint_all", "all_nvme"])
+def test_copies_on_nvme_train_bit_for_bit_as_in_dram_and_leave_no_file(tmp_path, kind):
+    ref = build_model("llama", LAYERS)
+    model = twin(ref)
+    plan = make_plan(kind, LAYERS)
+    ref_engine, ref_losses, _ = _train(ref, plan, tmp_path / "dram")
+    copies = (1, 2, 4)
+    engine, losses, seen = _train(
+        model, dataclasses.replace(plan, state=StateHomes(copies=copies)), tmp_path / "nvme")
+    assert losses == ref_losses
+    files = sorted(p.name for p in engine.spill.directory.joinpath("state").iterdir())
+    assert files == [f"copy-{j}.bin" for j in copies]
+    numel = sum(p.numel() for p in engine.layer_params(1))
+    assert (engine.spill.directory / "state" / "copy-1.bin").stat().st_size == 2 * numel
+    # after the backward's loads the NVMe-homed copies live in their files only (the
+    # update then rewrote them in DRAM: every layer but the ones homed on NVMe keeps one)
+    assert engine.total_stats().transfer_bytes["state_nvme_read"] > 0
+    assert engine.total_stats().transfer_bytes["state_nvme_write"] > 0
+    assert all(not seen[-1][j] for j in range(1, LAYERS + 1) if j not in copies)
+    directory = engine.spill.directory
+    engine.detach()
+    ref_engine.detach()
+    assert not directory.exists()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_failed_copy_write_says_what_to_do_and_the_engine_still_detaches(tmp_path,
+                                                                            monkeypatch):
+    model = build_model("llama", LAYERS)
+    plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS),
+                               state=StateHomes(copies=(2,)))
+    engine = attach(model, plan, device=CPU, compute_dtype=torch.bfloat16,
+                    nvme_dir=str(tmp_path))
+    opt = HybridAdamW8bit(model.parameters(), lr=1e-2)
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+
+    def broken(*_args, **_kwargs):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(direct_io.os, "pwrite", broken)
+    engine.step_layerwise(opt)
+    engine.synchronize()  # the update wrote layer 2's copy; its file's write failed
+    with pytest.raises(StateIOError, match=r"copy-2\.bin.*dmesg"):  # at its next use
+        model(input_ids=ids, labels=ids).loss.backward()
+    monkeypatch.undo()
+    directory = engine.spill.directory
+    engine.detach()
+    assert not directory.exists()
+
+
+def test_parts_the_engine_does_not_stream_yet_are_refused_at_attach(tmp_path):
+    model = build_model("llama", LAYERS)
+    for state in (StateHomes(optimizer=(1,)), StateHomes(grads=(3,))):
+        plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS), state=state)
+        with pytest.raises(ValueError, match="streams only the layers' compute copies"):
+            attach(model, plan, device=CPU, compute_dtype=torch.bfloat16,
+                   nvme_dir=str(tmp_path))
+    plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS),
+                               state=StateHomes(copies=(1,)))
+    with pytest.raises(ValueError, match="computes in fp32"):
+        attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
