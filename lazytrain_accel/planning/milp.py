@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pyscipopt import Model, quicksum
 
-from lazytrain_accel.planning.plan import STATE_PARTS, Home, Solution, StateHomes
+from lazytrain_accel.planning.plan import Home, Solution, StateHomes
 from lazytrain_accel.planning.problem import GIB, LINKS, Problem
 from lazytrain_accel.planning.state import (
     STATE_STAGING_GROUPS,
@@ -69,7 +69,7 @@ def _add_variables(m: Model, p: Problem, edges: list[tuple[int, int]], allow_cpu
     state = {} if not p.decide_state else {
         part: {j: m.addVar(f"state_{part}_nvme_{j}", vtype="B") for j in allowed_layers(
             part, L, folds=p.fold_s > 0, copies_bytes=p.state_sizes.copies_bytes)}
-        for part in STATE_PARTS}
+        for part in p.state_parts}
     return _Vars(x=x, gpu=gpu, cpu=cpu, nvme=nvme, exposed=exposed, slack={}, state=state)
 
 
@@ -215,10 +215,11 @@ def _add_state(m: Model, p: Problem, v: _Vars) -> None:
     if not v.state:
         return
     L, S = p.num_layers, p.state_sizes
-    for k in v.state["copies"]:
+    copies = v.state.get("copies", {})
+    for k, q in copies.items():
         rerun = [xv for (s, e), xv in v.x.items() if e - s >= 2 and s < k < e]
         if rerun:
-            m.addCons(quicksum(rerun) + v.state["copies"][k] <= 1, name=f"copy_not_rerun_{k}")
+            m.addCons(quicksum(rerun) + q <= 1, name=f"copy_not_rerun_{k}")
     c1, c2, c3 = ([m.addVar(f"update_{name}_s_{j}", lb=0.0) for j in range(1, L + 1)]
                   for name in ("read", "done", "written"))
     first_s, u_s = p.first_update_s, p.layer_update_s

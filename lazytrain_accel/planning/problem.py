@@ -33,6 +33,7 @@ from lazytrain_accel.planning.node import (
 )
 from lazytrain_accel.planning.plan import (
     RESIDENT_UPDATES,
+    STATE_PARTS,
     Home,
     StateHomes,
     backward_window,
@@ -42,6 +43,7 @@ from lazytrain_accel.planning.state import (
     StateSizes,
     StateWeights,
     backward_state_bytes,
+    homed_parts,
     host_terms_with_state,
     nvme_state_bytes,
     state_sizes,
@@ -200,6 +202,9 @@ class Problem:
     # Whether the MIP decides the state's homes (`milp._add_state`: where the state does
     # not fit DRAM) rather than taking `state` as given.
     decide_state: bool = False
+    # The parts the state's homes may put on NVMe (`plan.STATE_PARTS`, or fewer: a run
+    # plans only what its engine streams); the MIP charges their buffers where it decides.
+    state_parts: tuple[str, ...] = STATE_PARTS
     # One share's host update rate (`node.share_update_params_per_s`): the update phase's
     # seconds, which the simulator prices and the MIP too where it decides the state.
     update_params_per_s: float = 0.0
@@ -468,7 +473,7 @@ class Problem:
         and the host state homed as `state` says (the MIP's weights, with the state's
         buffers charged; default this problem's homes)."""
         base = self.cpu_base_terms if state is None else host_terms_with_state(
-            self.dram_cpu_base_terms, state, self.state_sizes, staged=True)
+            self.dram_cpu_base_terms, state, self.state_sizes, staged=self.state_parts)
         return (*base, *activation_host_terms(
             boundary_bytes=self.boundary_bytes, cpu_homes=cpu,
             staging_boundaries=self.host_staging_boundaries, nvme_staging=nvme_staging,
@@ -617,7 +622,7 @@ def with_state_homes(p: Problem, state: StateHomes) -> Problem:
     """`p` with the layers' host state homed as `state` says: the DRAM terms less what
     lives on NVMe, plus the buffers it streams through (`state.py`)."""
     terms = host_terms_with_state(p.dram_cpu_base_terms, weights_of(state), p.state_sizes,
-                                  staged=state.any)
+                                  staged=homed_parts(state))
     terms = tuple(sorted(terms, key=lambda t: -t[1]))
     return replace(p, state=state, cpu_base_terms=terms,
                    static_cpu_bytes=sum(b for _, b in terms))

@@ -15,7 +15,7 @@ from lazytrain_accel.planning.problem import Budgets
 from lazytrain_accel.planning.state_search import CANDIDATE_NAMES
 
 #: `PlanRequest.host_state`: the planner's choice, all in DRAM, or one candidate.
-HOST_STATES: tuple[str, ...] = ("auto", "dram", *CANDIDATE_NAMES)
+HOST_STATES: tuple[str, ...] = ("auto", "copies", "dram", *CANDIDATE_NAMES)
 
 #: Seconds the elastic re-solve that names a refusal's shortfall may take: it starts from
 #: the baseline closest to fitting, so on a limit it still names what that plan lacks.
@@ -46,8 +46,10 @@ class PlanRequest:
     # (re-priced) when the simulator prices it faster than every new plan.
     running: Plan | None = None
     # Where the layers' host state may live when DRAM cannot hold it all (`HOST_STATES`):
-    # "auto" (the fastest of `state_search.state_candidates`), "dram" (never on NVMe:
-    # refused where it does not fit), or one candidate by name (the baselines).
+    # "auto" (the fastest of `state_search.state_candidates` and the MIP's choice),
+    # "copies" (the same, only the compute copies on NVMe: what the engine streams
+    # today), "dram" (never on NVMe: refused where it does not fit), or one candidate by
+    # name (the baselines).
     host_state: str = "auto"
 
     def __post_init__(self) -> None:

@@ -342,15 +342,18 @@ def plan_host_state(p: Problem, model: ModelProfile, hardware: HardwareProfile,
     else the one with every part in DRAM."""
     recomputed = () if r.strategy not in BASELINES else tuple(
         j for j, home in enumerate(BASELINES[r.strategy](p)) if home == Home.RECOMPUTE)
+    chosen = r.host_state if r.host_state != "copies" else "auto"
+    if r.host_state == "copies":  # the parts the engine streams today
+        p = dataclasses.replace(p, state_parts=("copies",))
     plans, refusal = [], None
     for name, homes in state_candidates(p, recomputed=recomputed):
-        if r.host_state not in ("auto", name):
+        if chosen not in ("auto", name):
             continue
         try:
             plans.append(solved_in(with_state_homes(p, homes), model))
         except PlanInfeasibleError as err:  # the last: every part that may, on NVMe
             refusal = err
-    if plans and r.host_state == "auto" and r.strategy not in BASELINES \
+    if plans and chosen == "auto" and r.strategy not in BASELINES \
             and solve_milp is not None:  # the MIP decides, from the best candidate
         best = min(plans, key=lambda plan: plan.prediction.step_s)
         with contextlib.suppress(PlanInfeasibleError):  # else the candidates stand

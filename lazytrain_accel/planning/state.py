@@ -33,7 +33,7 @@ from lazytrain_accel.planning.plan import STATE_PARTS, StateHomes, backward_wind
 #: writes use the same buffers (they are never live at once with the update phase's).
 STATE_STAGING_GROUPS = 3
 
-STATE_STAGING_TERM = f"NVMe state buffers ({STATE_STAGING_GROUPS} layers' state)"
+STATE_STAGING_TERM = f"NVMe state buffers ({STATE_STAGING_GROUPS} layers' NVMe-homed parts)"
 NVME_STATE_TERM = "host state homed on NVMe"
 
 
@@ -52,10 +52,9 @@ class StateSizes:
     def layer_bytes(self) -> int:
         return sum(self.part_bytes(part) for part in STATE_PARTS)
 
-    @property
-    def staging_bytes(self) -> int:
-        """The DRAM the update phase streams NVMe-homed state through."""
-        return STATE_STAGING_GROUPS * self.layer_bytes
+    def staging_bytes(self, parts: tuple[str, ...] = STATE_PARTS) -> int:
+        """The DRAM the NVMe-homed `parts` stream through: `STATE_STAGING_GROUPS` layers'."""
+        return STATE_STAGING_GROUPS * sum(self.part_bytes(part) for part in parts)
 
 
 def state_sizes(*, update_param_count: int, optimizer: str, copy_bytes: int) -> StateSizes:
@@ -77,6 +76,11 @@ def weights_of(homes: StateHomes) -> dict[str, dict[int, int]]:
     return {part: dict.fromkeys(getattr(homes, part), 1) for part in STATE_PARTS}
 
 
+def homed_parts(homes: StateHomes) -> tuple[str, ...]:
+    """The parts some layer homes on NVMe (those the state buffers are charged for)."""
+    return tuple(part for part in STATE_PARTS if getattr(homes, part))
+
+
 def nvme_state_bytes(weights: StateWeights, sizes: StateSizes) -> Any:
     """NVMe bytes the homes take."""
     return sum(sizes.part_bytes(part) * q for part in STATE_PARTS
@@ -84,9 +88,10 @@ def nvme_state_bytes(weights: StateWeights, sizes: StateSizes) -> Any:
 
 
 def host_terms_with_state(terms: tuple[tuple[str, int], ...], weights: StateWeights,
-                          sizes: StateSizes, *, staged: bool) -> tuple[tuple[str, Any], ...]:
+                          sizes: StateSizes, *, staged: tuple[str, ...]
+                          ) -> tuple[tuple[str, Any], ...]:
     """The host base terms (`host.host_base_terms`, every part in DRAM) less the parts
-    homed on NVMe, plus (`staged`) the buffers the NVMe-homed state streams through."""
+    homed on NVMe, plus the buffers the `staged` parts stream through (none: unchanged)."""
     if not staged:
         return terms
     count = {part: sum(weights.get(part, {}).values()) for part in STATE_PARTS}
@@ -102,7 +107,7 @@ def host_terms_with_state(terms: tuple[tuple[str, int], ...], weights: StateWeig
             if name.startswith(term):
                 nbytes = nbytes - less
         out.append((name, nbytes))
-    return (*out, (STATE_STAGING_TERM, sizes.staging_bytes))
+    return (*out, (STATE_STAGING_TERM, sizes.staging_bytes(staged)))
 
 
 def grad_write_window(layer: int, num_layers: int, *, folds: bool) -> int | None:

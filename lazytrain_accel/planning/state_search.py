@@ -34,7 +34,7 @@ def _moves(p: Problem, order: str, recomputed: tuple[int, ...]) -> list[tuple[st
     L = p.num_layers
     allowed = {part: set(allowed_layers(part, L, folds=p.fold_s > 0,
                                         copies_bytes=p.state_sizes.copies_bytes))
-               for part in STATE_PARTS}
+               if part in p.state_parts else set() for part in STATE_PARTS}
     allowed["copies"] -= set(recomputed)
     if order == "greedy":  # the last layers' whole state first: DRAM keeps layers 1..k
         pairs = [(part, j) for j in range(L, 0, -1) for part in STATE_PARTS]

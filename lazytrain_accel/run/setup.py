@@ -232,8 +232,9 @@ def plan_request(config: LazyTrainConfig, *, strategy: str, budgets: Budgets,
                        resident_update=resident_update, gpus_per_node=gpus_per_node,
                        nodes=nodes, running=running,
                        # the engine streams only the compute copies from NVMe yet (issue
-                       # 44): a run whose state does not fit DRAM is refused as before
-                       host_state="dram")
+                       # 44): where the rest of the state does not fit DRAM the run is
+                       # refused as before
+                       host_state="copies")
 
 
 def budgets_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Budgets:

@@ -110,7 +110,8 @@ class RunState:
                            "fits: %s", batch_size, seq_len, err)
             return None
         # the larger plan may home more on NVMe: fail with a sentence, not an ENOSPC
-        preflight.check_nvme_dir(self.plugin.nvme_dir, preflight.nvme_need_bytes(run.plan))
+        preflight.check_nvme_dir(self.plugin.nvme_dir, preflight.nvme_need_bytes(
+            run.plan, run.model_profile, run.plan.optimizer))
         self.adopt(run, sizing)
         return run.plan
 

@@ -171,7 +171,7 @@ def test_nvme_dir_with_too_little_free_space_fails_in_prepare(tmp_path, monkeypa
     # The real free space is checked; a plan needing more than it fails with both figures.
     with pytest.raises(PreflightError, match="GiB free but the plan keeps"):
         preflight.check_nvme_dir(str(tmp_path), need_bytes=free + GIB)
-    monkeypatch.setattr(preflight, "nvme_need_bytes", lambda _plan: free + GIB)
+    monkeypatch.setattr(preflight, "nvme_need_bytes", lambda _plan, *_model: free + GIB)
     with pytest.raises(PreflightError, match="nvme_limit_gb"):
         _prepare(tmp_path, model, plan=path, nvme_dir=str(tmp_path / "nvme"))
     _assert_untouched(model)

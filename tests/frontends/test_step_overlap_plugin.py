@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,8 @@ def _groups(model: nn.Module) -> list[dict[str, Any]]:
 
 
 def _train(model: nn.Module, plugin: LazyTrainPlugin | None, *, epochs: int = 1,
-           mixed_precision: str = "no") -> tuple[list[float], dict[str, torch.Tensor]]:
+           mixed_precision: str = "no", on_prepared: Callable[[Any], Any] | None = None
+           ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """A user's loop: accumulate 2, clip 0.5, decay groups, LR schedule, dropout on.
 
     The stock run clips inside the operator too (`max_grad_norm`), as the plugin's
@@ -71,6 +73,8 @@ def _train(model: nn.Module, plugin: LazyTrainPlugin | None, *, epochs: int = 1,
         acc = Accelerator(cpu=True, gradient_accumulation_steps=2, plugin=plugin,
                           mixed_precision=mixed_precision)
     model, optimizer, loader, scheduler = acc.prepare(model, optimizer, _loader(), scheduler)
+    if on_prepared is not None:
+        on_prepared(acc)
     losses = []
     torch.manual_seed(5)  # the same dropout masks in every run
     for _ in range(epochs):

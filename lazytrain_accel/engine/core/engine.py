@@ -97,21 +97,26 @@ class StreamingEngine:
 
     def _nvme_copies(self) -> NvmeCopies | None:
         """The files of the compute copies the plan homes on NVMe (`Plan.state`), under
-        this engine's NVMe directory; None where it homes none. The other parts of the
-        host state on NVMe are not streamed yet: such a plan is refused here."""
-        state = self.plan.state
+        this engine's NVMe directory; None where the compute keeps no copies (fp32)."""
+        self._check_state(self.plan)
+        if self.compute_dtype == torch.float32:
+            return None
+        return NvmeCopies(self.spill.directory / "state", set(self.plan.state.copies),
+                          self.acct)
+
+    def _check_state(self, plan: Plan) -> None:
+        """Refuse a plan homing on NVMe a part of the host state the engine does not
+        stream yet (masters and moments, gradients), or copies an fp32 run keeps none of."""
+        state = plan.state
         if state.optimizer or state.grads:
             raise ValueError(
                 f"the plan homes masters and moments or gradients on NVMe ({state.to_dict()}):"
                 " the engine streams only the layers' compute copies from NVMe yet; plan with"
-                " host_state='dram' (a DRAM budget that holds them) for this run")
-        if not state.copies:
-            return None
-        if self.compute_dtype == torch.float32:
+                " host_state='copies' or 'dram' (a DRAM budget that holds them) for this run")
+        if state.copies and self.compute_dtype == torch.float32:
             raise ValueError(f"the plan homes compute copies on NVMe (layers {state.copies}) "
                              "but this run computes in fp32, which keeps none; plan for the "
                              "run's compute dtype")
-        return NvmeCopies(self.spill.directory / "state", set(state.copies), self.acct)
 
     def _absorb_checkpointing(self) -> None:
         """HF checkpointing was requested: keep it off; say once who decides recompute."""
@@ -287,10 +292,7 @@ class StreamingEngine:
         if plan.num_layers != self.plan.num_layers:
             raise ValueError(f"plan.num_layers={plan.num_layers} but the model has "
                              f"{self.plan.num_layers} decoder layers; plan for this model")
-        if plan.state != self.plan.state:
-            raise ValueError(f"the new plan homes the host state as {plan.state.to_dict()}, "
-                             f"this engine as {self.plan.state.to_dict()} (fixed at attach); "
-                             "plan with the running plan's state homes")
+        self._check_state(plan)
         if plan.resident_update != self.plan.resident_update:
             raise ValueError(f"the new plan updates the residents on the {plan.resident_update}"
                              f", this engine on the {self.plan.resident_update} (fixed at "
@@ -299,6 +301,7 @@ class StreamingEngine:
         self.runtime.set_plan(plan)  # refuses query blocks the layers cannot run
         self.plan = plan
         self.pool.grow(weight_slots(plan))
+        self.pool.home_copies(set(plan.state.copies))
         if self._loss_chunk_from_plan:
             self._set_loss_chunk(plan.loss_chunk_tokens)
 

@@ -29,12 +29,19 @@ class NvmeCopies:
     """Files of the compute copies of `layers` (1-based) under `directory`."""
 
     def __init__(self, directory: Path, layers: set[int], accounting: Accounting) -> None:
+        #: The layers homed on NVMe now; a re-plan may change them (`WeightPool` reads a
+        #: copy back from its file wherever it dropped the buffer, homed there or not).
         self.layers = frozenset(layers)
         self._directory = directory
         self._acct = accounting
-        self._io = DirectIO(workers=COPY_IO_WORKERS)
+        self._io: DirectIO | None = None  # its thread starts with the first write
         self._writes: dict[int, Future[None]] = {}
         self._sizes: dict[int, int] = {}
+
+    def _direct_io(self) -> DirectIO:
+        if self._io is None:
+            self._io = DirectIO(workers=COPY_IO_WORKERS)
+        return self._io
 
     def _path(self, layer: int) -> Path:
         return self._directory / f"copy-{layer}.bin"
@@ -49,7 +56,7 @@ class NvmeCopies:
             self._acct.allocate("nvme", nbytes)
             self._sizes[layer] = nbytes
         start = time.perf_counter()
-        write = self._io.write_tensors(self._path(layer), [copy])
+        write = self._direct_io().write_tensors(self._path(layer), [copy])
         write.add_done_callback(lambda done: done.exception() is None and self._acct.add_transfer(
             "state_nvme_write", time.perf_counter() - start, nbytes))
         self._writes[layer] = write
@@ -64,7 +71,7 @@ class NvmeCopies:
         """Fill `out` with layer `layer`'s copy from its file (after its write)."""
         self.wait_written(layer)
         start = time.perf_counter()
-        self._io.read_tensors(self._path(layer), [out]).result()
+        self._direct_io().read_tensors(self._path(layer), [out]).result()
         self._acct.add_transfer("state_nvme_read", time.perf_counter() - start,
                                 out.numel() * out.element_size())
 
@@ -74,7 +81,8 @@ class NvmeCopies:
             for layer in list(self._writes):
                 self.wait_written(layer)
         finally:
-            self._io.close()
+            if self._io is not None:
+                self._io.close()
             for layer, nbytes in self._sizes.items():
                 self._path(layer).unlink(missing_ok=True)
                 self._acct.free("nvme", nbytes)

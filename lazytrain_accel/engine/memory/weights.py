@@ -224,6 +224,13 @@ class WeightPool:
             if self._nvme is not None and layer in self._nvme.layers:
                 self._nvme.write(layer, copy)
 
+    def home_copies(self, layers: set[int]) -> None:
+        """Home the copies of `layers` on NVMe from their next update (a new plan)."""
+        if self._nvme is not None:
+            self._nvme.layers = frozenset(layers)
+        elif layers:
+            raise ValueError("this run keeps no compute copies (fp32): none to home on NVMe")
+
     def _new_copy(self, layer: int) -> torch.Tensor:
         numel = sum(p.numel() for p in self._params[layer - 1])
         copy = torch.empty(numel, dtype=self._dtype)

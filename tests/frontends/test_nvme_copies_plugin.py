@@ -1,0 +1,50 @@
+"""A run through the plugin whose DRAM budget cannot hold every layer's bf16 compute copy
+(issue 44): the plan homes some copies on NVMe (`host_state="copies"`, what the engine
+streams), the engine streams them, and the run trains bit for bit as with all in DRAM."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from test_step_overlap_plugin import _build, _train
+
+from lazytrain_accel import LazyTrainPlugin
+from lazytrain_accel.planning.problem import build_problem
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+from lazytrain_accel.run import setup
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+
+GIB = 2**30
+LAYERS = 8
+
+
+def _plugin(tmp_path: Path, cpu_memory_limit_gb: float = 0) -> LazyTrainPlugin:
+    return LazyTrainPlugin(plan="checkpoint_all", hardware="h800", resident_update="host",
+                           cache_dir=str(tmp_path / "c"), nvme_dir=str(tmp_path / "n"),
+                           cpu_memory_limit_gb=cpu_memory_limit_gb)
+
+
+def test_copies_homed_on_nvme_by_the_plan_train_as_in_dram(tmp_path: Path) -> None:
+    model = _build("llama", LAYERS)
+    profile = setup.profile_for_run(model, batch_size=2, seq_len=12,
+                                    compute_dtype=torch.bfloat16)
+    p = build_problem(profile, HARDWARE_PRESETS["h800"])
+    # short of DRAM by 1.5 layers' copies: with the copies' 3 buffers, 5 of 8 go to NVMe
+    budget_gb = (p.cpu_fixed_bytes - 1.5 * p.state_sizes.copies_bytes) / GIB
+    prepared: list = []
+    nvme = _plugin(tmp_path / "nvme", budget_gb)
+    losses, params = _train(model, nvme, mixed_precision="bf16", on_prepared=lambda acc: (
+        prepared.append((acc.lazytrain.run.plan.state.copies, acc.lazytrain.engine))))
+    dram_losses, dram_params = _train(_build("llama", LAYERS), _plugin(tmp_path / "dram"),
+                                      mixed_precision="bf16")
+    copies, engine = prepared[0]
+    assert len(copies) >= 5, copies
+    moved = engine.total_stats().transfer_bytes
+    assert moved["state_nvme_write"] > 0 and moved["state_nvme_read"] > 0, moved
+    assert losses == dram_losses
+    for name, value in dram_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
+    assert not any((tmp_path / "nvme" / "n").glob("lazytrain-*"))  # removed at the end
