@@ -20,9 +20,9 @@ import torch
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.storage.direct_io import DirectIO
 
-#: One thread: the copies of one engine are written and read in layer order, beside the
-#: training thread and the update on a machine whose cores they share.
-COPY_IO_WORKERS = 1
+#: Two threads, so two requests of a file in flight: one alone reached half the drive's
+#: `O_DIRECT` rate here (bench/nvme_state.py); they sleep in the kernel while they wait.
+COPY_IO_WORKERS = 2
 
 
 class NvmeCopies:
@@ -67,13 +67,15 @@ class NvmeCopies:
         if write is not None:
             write.result()
 
-    def read(self, layer: int, out: torch.Tensor) -> None:
-        """Fill `out` with layer `layer`'s copy from its file (after its write)."""
+    def read(self, layer: int, out: torch.Tensor) -> Future[None]:
+        """Start filling `out` with layer `layer`'s copy from its file (after its write,
+        waited for here); the future ends with the read."""
         self.wait_written(layer)
-        start = time.perf_counter()
-        self._direct_io().read_tensors(self._path(layer), [out]).result()
-        self._acct.add_transfer("state_nvme_read", time.perf_counter() - start,
-                                out.numel() * out.element_size())
+        start, nbytes = time.perf_counter(), out.numel() * out.element_size()
+        read = self._direct_io().read_tensors(self._path(layer), [out])
+        read.add_done_callback(lambda done: done.exception() is None and self._acct.add_transfer(
+            "state_nvme_read", time.perf_counter() - start, nbytes))
+        return read
 
     def close(self) -> None:
         """Wait for the writes, end the I/O threads and remove the files."""

@@ -14,6 +14,7 @@ Docs: docs/engine.md "Execution model" (**Weights**).
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 from torch import nn
@@ -62,8 +63,11 @@ class WeightPool:
         self._copies: list[torch.Tensor | None] = [None] * len(layer_params)
         self._copy_keys: list[tuple[tuple[int, int], ...] | None] = [None] * len(layer_params)
         #: The layers whose copies live on NVMe between their uses (`Plan.state.copies`):
-        #: their DRAM buffer is dropped after each load and read back for the next.
+        #: their DRAM buffer is dropped after each load and read back for the next, in the
+        #: backward one load ahead (`_reads`: layer -> buffer and its read).
         self._nvme = nvme_copies
+        self._reads: dict[int, tuple[torch.Tensor, Future[None]]] = {}
+        self._backward = False
 
     @property
     def num_slots(self) -> int:
@@ -83,10 +87,13 @@ class WeightPool:
         """Forget the loaded layers other than `layer` (the last forward layer): the
         backward loads its layers anew, in its own order, as the planner counts them."""
         self._policy.forget_all_but(layer)
+        self._backward = True
+        self._read_ahead(layer - 1)  # the backward's first load
 
     def invalidate(self) -> None:
         """Forget loaded copies: the masters may have been updated by an optimizer step."""
         self._policy.invalidate()
+        self._backward = False
 
     def prefetch(self, layer: int) -> None:
         """Start loading `layer` (1-based) if its master is final and a slot holds nothing
@@ -157,6 +164,8 @@ class WeightPool:
                         view.copy_(p.data)
         self._policy.filled(slot, layer)
         self._drop_nvme_copy(layer)  # copied out above: back to its file until the next load
+        if self._backward:
+            self._read_ahead(layer - 1)  # the backward's next load
         return slot
 
     def _load_async(self, slot: int, params: list[nn.Parameter],
@@ -207,6 +216,7 @@ class WeightPool:
         self._copy_keys[layer - 1] = None  # being rewritten: not to be streamed
         if self._nvme is not None:
             self._nvme.wait_written(layer)  # its last write read this buffer
+            self._forget_read(layer)  # a read ahead of a copy about to be rewritten
         if self._copies[layer - 1] is None:
             self._copies[layer - 1] = self._new_copy(layer)
         views = _split(self._copies[layer - 1], params)
@@ -244,11 +254,30 @@ class WeightPool:
         if key is None or key != _master_key(self._params[layer - 1]):
             return None
         if self._copies[layer - 1] is None and self._nvme is not None:
-            copy = self._new_copy(layer)
+            self._read_ahead(layer)  # unless one was started ahead
+            copy, read = self._reads.pop(layer)
             with self._acct.stalled():
-                self._nvme.read(layer, copy)
+                read.result()
             self._copies[layer - 1] = copy
         return self._copies[layer - 1]
+
+    def _read_ahead(self, layer: int) -> None:
+        """Start reading `layer`'s copy back from its file if it is there (valid, its
+        buffer dropped) and no read of it runs yet."""
+        if (self._nvme is None or not 1 <= layer <= len(self._params) or layer in self._reads
+                or self._copies[layer - 1] is not None
+                or self._copy_keys[layer - 1] != _master_key(self._params[layer - 1])):
+            return
+        copy = self._new_copy(layer)
+        self._reads[layer] = copy, self._nvme.read(layer, copy)
+
+    def _forget_read(self, layer: int) -> None:
+        """Wait for and free a read of `layer`'s copy nobody will use."""
+        pending = self._reads.pop(layer, None)
+        if pending is not None:
+            copy, read = pending
+            read.exception()  # finished either way; its buffer is not used
+            self._acct.free("host_pageable", copy.numel() * copy.element_size())
 
     def _drop_nvme_copy(self, layer: int) -> None:
         """Free the DRAM buffer of a copy the plan homes on NVMe, once its file has it."""
@@ -266,6 +295,8 @@ class WeightPool:
                 self._acct.free("host_pageable", copy.numel() * copy.element_size())
         self._copies = [None] * len(self._params)
         if self._nvme is not None:
+            for layer in list(self._reads):
+                self._forget_read(layer)
             self._nvme.close()
         self._acct.free("device", len(self._slots) * self._slot_bytes)
         if self._staging:
