@@ -78,5 +78,6 @@ def test_captured_attention_weights_carry_gradients(tmp_path):
 
 def test_captured_tensors_keep_no_forward_state_alive(tmp_path):
     model = build_model("mixtral", 4)
-    attach(model, make_plan("megatrain", 4), device=torch.device("cpu"), nvme_dir=str(tmp_path))
-    assert_states_die_by_refcount(model)
+    engine = attach(model, make_plan("megatrain", 4), device=torch.device("cpu"),
+                    nvme_dir=str(tmp_path))
+    assert_states_die_by_refcount(model, engine)

@@ -112,8 +112,8 @@ def test_opt_layerdrop_indexes_state_by_executed_position(kind, tmp_path):
 
 def test_store_keeps_no_graph_alive(tmp_path):
     model = build_model("qwen2", 10)
-    attach(model, make_plan("mixed", 10), device=CPU, nvme_dir=str(tmp_path))
-    assert_states_die_by_refcount(model)
+    engine = attach(model, make_plan("mixed", 10), device=CPU, nvme_dir=str(tmp_path))
+    assert_states_die_by_refcount(model, engine)
 
 
 def test_deepcopy_of_a_streamed_model_is_plain_and_self_contained(tmp_path):
