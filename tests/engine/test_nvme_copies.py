@@ -105,3 +105,27 @@ def test_parts_the_engine_does_not_stream_yet_are_refused_at_attach(tmp_path):
                                state=StateHomes(copies=(1,)))
     with pytest.raises(ValueError, match="computes in fp32"):
         attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
+
+
+def test_a_replan_homing_more_copies_on_nvme_keeps_the_run_exact(tmp_path):
+    """Layer 3 homed on NVMe by a new plan after its copy was written to DRAM only: its
+    buffer stays until its file holds that copy (written at its next update)."""
+    ref = build_model("llama", LAYERS)
+    model = twin(ref)
+    plan = make_plan("checkpoint_all", LAYERS)
+    _, ref_losses, _ = _train(ref, plan, tmp_path / "dram", steps=4)
+    engine = attach(model, dataclasses.replace(plan, state=StateHomes(copies=(1,))),
+                    device=CPU, compute_dtype=torch.bfloat16, nvme_dir=str(tmp_path / "nvme"))
+    opt = HybridAdamW8bit(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+    losses = []
+    for step, ids in enumerate(batches(4)):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.item())
+        engine.step_layerwise(opt)
+        engine.synchronize()
+        opt.zero_grad()
+        if step == 1:
+            engine.set_plan(dataclasses.replace(plan, state=StateHomes(copies=(1, 3))))
+    assert losses == ref_losses
+    engine.detach()

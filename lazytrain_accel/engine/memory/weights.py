@@ -67,6 +67,9 @@ class WeightPool:
         #: backward one load ahead (`_reads`: layer -> buffer and its read).
         self._nvme = nvme_copies
         self._reads: dict[int, tuple[torch.Tensor, Future[None]]] = {}
+        #: Which masters' version each layer's file holds (a buffer is dropped only when
+        #: its file holds the same: a layer homed there by a re-plan may have none yet)
+        self._file_keys: dict[int, tuple[tuple[int, int], ...]] = {}
         self._backward = False
 
     @property
@@ -233,6 +236,7 @@ class WeightPool:
             self._copy_keys[layer - 1] = _master_key(self._params[layer - 1])
             if self._nvme is not None and layer in self._nvme.layers:
                 self._nvme.write(layer, copy)
+                self._file_keys[layer] = self._copy_keys[layer - 1]
 
     def home_copies(self, layers: set[int]) -> None:
         """Home the copies of `layers` on NVMe from their next update (a new plan)."""
@@ -283,7 +287,8 @@ class WeightPool:
         """Free the DRAM buffer of a copy the plan homes on NVMe, once its file has it."""
         copy = self._copies[layer - 1]
         if copy is None or self._nvme is None or layer not in self._nvme.layers \
-                or self._copy_keys[layer - 1] is None:
+                or self._copy_keys[layer - 1] is None \
+                or self._file_keys.get(layer) != self._copy_keys[layer - 1]:
             return
         self._nvme.wait_written(layer)
         self._copies[layer - 1] = None
