@@ -23,12 +23,15 @@ CPU = torch.device("cpu")
 LAYERS = 4
 
 
-def _train(model, plan, tmp_path, steps: int = 3):
+def _train(model, plan, tmp_path, steps: int = 3, after_step=None):
+    """`steps` hybrid-8-bit steps with clipping in bf16; `after_step(engine, step)` after
+    each. Returns the engine, the losses and, per step, which layers' copies were out of
+    DRAM."""
     engine = attach(model, plan, device=CPU, compute_dtype=torch.bfloat16,
                     nvme_dir=str(tmp_path))
     opt = HybridAdamW8bit(model.parameters(), lr=1e-2, max_grad_norm=1.0)
     losses, seen = [], []
-    for ids in batches(steps):
+    for step, ids in enumerate(batches(steps)):
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         losses.append(loss.item())
@@ -36,6 +39,8 @@ def _train(model, plan, tmp_path, steps: int = 3):
         engine.synchronize()
         opt.zero_grad()
         seen.append({j: engine.pool._copies[j - 1] is None for j in range(1, LAYERS + 1)})
+        if after_step is not None:
+            after_step(engine, step)
     return engine, losses, seen
 
 
@@ -114,18 +119,12 @@ def test_a_replan_homing_more_copies_on_nvme_keeps_the_run_exact(tmp_path):
     model = twin(ref)
     plan = make_plan("checkpoint_all", LAYERS)
     _, ref_losses, _ = _train(ref, plan, tmp_path / "dram", steps=4)
-    engine = attach(model, dataclasses.replace(plan, state=StateHomes(copies=(1,))),
-                    device=CPU, compute_dtype=torch.bfloat16, nvme_dir=str(tmp_path / "nvme"))
-    opt = HybridAdamW8bit(model.parameters(), lr=1e-2, max_grad_norm=1.0)
-    losses = []
-    for step, ids in enumerate(batches(4)):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        losses.append(loss.item())
-        engine.step_layerwise(opt)
-        engine.synchronize()
-        opt.zero_grad()
+
+    def replan(engine, step: int) -> None:
         if step == 1:
             engine.set_plan(dataclasses.replace(plan, state=StateHomes(copies=(1, 3))))
+
+    engine, losses, _ = _train(model, dataclasses.replace(plan, state=StateHomes(copies=(1,))),
+                               tmp_path / "nvme", steps=4, after_step=replan)
     assert losses == ref_losses
     engine.detach()
