@@ -126,7 +126,7 @@ def _first_tensor(output: Any) -> torch.Tensor:
 
 def time_model_compute(model: nn.Module, layers: nn.ModuleList, *, batch_size: int,
                        seq_len: int, device: torch.device, compute_dtype: torch.dtype | None,
-                       repeats: int = 9, budget_s: float = 2.0) -> ComputeTiming:
+                       repeats: int = 25, budget_s: float = 1.0) -> ComputeTiming:
     """Time a copy of `layers[0]` (a decoder layer of `model`, which still holds its own
     weights: before the engine is attached) on its real inputs at `batch_size` x
     `seq_len`, and a copy of the head with its loss, on `device` in `compute_dtype`
@@ -226,3 +226,63 @@ def time_layer_update(layer: nn.Module, *, compute_dtype: torch.dtype | None,
     step = clipped_step(params, copies)
     seconds = _medians_s([step], torch.device("cpu"), repeats=repeats, budget_s=budget_s)[0]
     return sum(p.numel() for p in params) / seconds
+
+
+@dataclass(frozen=True, kw_only=True)
+class CopyTiming:
+    """Bytes/s of the training thread's copies of one layer, as the engine makes them
+    (`engine/memory/weights.py`, `grads.py`), each a median of a few runs."""
+
+    stage_bytes_per_s: float  # its parameters copied tensor by tensor into a flat buffer
+    fold_bytes_per_s: float | None  # its gradients handed back (None: nothing trainable)
+
+
+def time_layer_copies(layer: nn.Module, *, compute_dtype: torch.dtype | None,
+                      device_runs_async: bool, repeats: int = 9,
+                      budget_s: float = 0.5) -> CopyTiming:
+    """Time the per-layer copies of `layer` on the host, at the bytes of `compute_dtype`
+    (None: fp32) the engine counts them in. The weights: each parameter copied into its
+    view of one flat buffer of the compute dtype (a synchronous device's slot, an async
+    device's staging buffer). The gradients of its trainable parameters: on a synchronous
+    device autograd's own tensors become `.grad` and only their norms are taken; on an
+    async device the staged compute-dtype gradients are copied into fp32 `.grad` storage
+    first. A layer's dozen tensors copy at a fraction of one large buffer's rate (the
+    machine probe's): their per-tensor overhead is most of a small layer's load."""
+    dtype = compute_dtype or torch.float32
+    params = [p.detach().to("cpu") for p in layer.parameters()]
+    if not params:
+        raise ValueError("the layer has no parameters to time the copies of")
+    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype)
+    views = _flat_views(flat, params)
+
+    def stage() -> None:
+        for view, master in zip(views, params, strict=True):
+            view.copy_(master)
+
+    runs = [stage]
+    trainable = [p.detach().to("cpu", torch.float32) for p in layer.parameters()
+                 if p.requires_grad]
+    grads = [torch.randn_like(p) for p in trainable]
+    staged = _flat_views(torch.empty(sum(p.numel() for p in trainable), dtype=dtype), trainable)
+
+    def fold() -> None:
+        if device_runs_async:
+            for grad, view in zip(grads, staged, strict=True):
+                grad.copy_(view)
+        torch.stack(torch._foreach_norm(grads)).square().tolist()
+
+    if trainable:
+        runs.append(fold)
+    seconds = _medians_s(runs, torch.device("cpu"), repeats=repeats, budget_s=budget_s)
+    grad_bytes = sum(g.numel() for g in grads) * flat.element_size()
+    return CopyTiming(stage_bytes_per_s=flat.numel() * flat.element_size() / seconds[0],
+                      fold_bytes_per_s=grad_bytes / seconds[1] if trainable else None)
+
+
+def _flat_views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat` shaped like `tensors`, one after the other."""
+    views, offset = [], 0
+    for t in tensors:
+        views.append(flat[offset:offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views

@@ -130,6 +130,10 @@ def _time_workload(model: nn.Module, profile: ModelProfile, hardware: HardwarePr
               f"{profile.seq_len} ({compute_dtype or torch.float32}): layer forward "
               f"{timing.layer_forward_s * 1e3:.3g} ms, backward run "
               f"{timing.layer_backward_s * 1e3:.3g} ms, head {timing.head_s * 1e3:.3g} ms")
+    if profile.layer_param_bytes > 0:
+        rates.update(_layer_copy_rates(find_decoder_layers(model)[2][0], hardware,
+                                       compute_dtype=compute_dtype))
+        source += _copy_source(rates, hardware)
     if hybrid and profile.layer_trainable_param_count > 0:
         try:
             update = time_layer_update(find_decoder_layers(model)[2][0],
@@ -143,3 +147,41 @@ def _time_workload(model: nn.Module, profile: ModelProfile, hardware: HardwarePr
             source += (f"; its update {update / 1e6:.3g}M params/s (the 10M-parameter "
                        f"probe's {hardware.cpu_optimizer_params_per_s / 1e6:.3g}M)")
     return WorkloadRates(rates=rates, source=source)
+
+
+#: Where a layer's copies are priced: a synchronous device (a CPU) copies on the training
+#: thread at the link's rate (`planning/problem.py`), an async one stages and folds there.
+_COPY_FIELDS = {False: ("h2d_bytes_per_s", "d2h_bytes_per_s"),
+                True: ("host_stage_bytes_per_s", "host_fold_bytes_per_s")}
+
+
+def _layer_copy_rates(layer: nn.Module, hardware: HardwareProfile, *,
+                      compute_dtype: torch.dtype | None) -> dict[str, float]:
+    """The rates of the model's own layer's copies (`layer_timing.time_layer_copies`) in
+    the fields that price them on `hardware`'s kind of device; none where they cannot be
+    timed."""
+    from lazytrain_accel.profiling.layer_timing import time_layer_copies
+
+    try:
+        timing = time_layer_copies(layer, compute_dtype=compute_dtype,
+                                   device_runs_async=hardware.device_runs_async)
+    except Exception as err:  # as the layer's compute: never a reason to stop the run
+        logger.warning("lazytrain: could not time the copies of the model's own layer "
+                       "(%s: %s); pricing them at the machine probe's rates",
+                       type(err).__name__, err)
+        return {}
+    stage, fold = _COPY_FIELDS[hardware.device_runs_async]
+    rates = {stage: timing.stage_bytes_per_s}
+    if timing.fold_bytes_per_s is not None:
+        rates[fold] = timing.fold_bytes_per_s
+    return rates
+
+
+def _copy_source(rates: dict[str, float], hardware: HardwareProfile) -> str:
+    """How `_layer_copy_rates`' figures read in a profile's source, beside the probe's."""
+    said = [f"{what} at {rates[name] / 1e9:.3g} GB/s (the machine probe's "
+            f"{getattr(hardware, name) / 1e9:.3g})"
+            for what, name in zip(("weights copied in", "gradients handed back"),
+                                  _COPY_FIELDS[hardware.device_runs_async], strict=True)
+            if name in rates]
+    return f"; its {' and '.join(said)}, tensor by tensor" if said else ""

@@ -14,6 +14,7 @@ from lazytrain_accel.engine.model.discovery import find_decoder_layers
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.layer_timing import (
     ComputeTiming,
+    time_layer_copies,
     time_layer_update,
     time_model_compute,
 )
@@ -137,6 +138,53 @@ def test_the_update_is_timed_on_the_first_layers_own_group(tmp_path, monkeypatch
     kept = shared.workload_priced(keep, model, profile, probe, **kwargs)
     assert kept.cpu_optimizer_params_per_s == probe.cpu_optimizer_params_per_s
     assert kept.achieved_flops_per_s != probe.achieved_flops_per_s
+
+
+def test_a_layers_copies_are_timed_on_its_own_tensors_in_the_bytes_the_engine_counts(
+        monkeypatch) -> None:
+    """Weights: every parameter of the layer copied into a flat buffer of the compute
+    dtype; gradients: its trainable ones (fp32), none for a frozen layer."""
+    from lazytrain_accel.profiling import layer_timing
+
+    layer = find_decoder_layers(build_model("qwen2", 2))[2][0]
+    numel = sum(p.numel() for p in layer.parameters())
+    timed: list[int] = []
+
+    def seconds(runs, device, *, repeats, budget_s):
+        timed.append(len(runs))
+        for run in runs:
+            run()
+        return [2.0, 4.0][:len(runs)]
+
+    monkeypatch.setattr(layer_timing, "_medians_s", seconds)
+    fp32 = time_layer_copies(layer, compute_dtype=None, device_runs_async=False)
+    assert (fp32.stage_bytes_per_s, fp32.fold_bytes_per_s) == (numel * 4 / 2, numel * 4 / 4)
+    bf16 = time_layer_copies(layer, compute_dtype=torch.bfloat16, device_runs_async=True)
+    assert (bf16.stage_bytes_per_s, bf16.fold_bytes_per_s) == (numel * 2 / 2, numel * 2 / 4)
+    for p in layer.parameters():
+        p.requires_grad_(False)
+    frozen = time_layer_copies(layer, compute_dtype=None, device_runs_async=False)
+    assert (frozen.stage_bytes_per_s, frozen.fold_bytes_per_s) == (numel * 4 / 2, None)
+    assert timed == [2, 2, 1]
+
+
+@pytest.mark.parametrize("runs_async", [False, True])
+def test_the_layers_copies_price_the_training_threads_copies(tmp_path, runs_async) -> None:
+    """A synchronous device (a CPU) copies on the training thread at the links' rates, an
+    async one stages and folds there (`planning/problem.py`): the timed rates replace
+    those fields and no others."""
+    model = build_model("qwen2", 2)
+    profile = setup.profile_for_run(model, batch_size=2, seq_len=16, compute_dtype=None)
+    probe = dataclasses.replace(HARDWARE_PRESETS["h800"], device_runs_async=runs_async)
+    priced = shared.workload_priced(_auto(tmp_path), model, profile, probe,
+                                    device=torch.device("cpu"), compute_dtype=None,
+                                    may_time=True)
+    copies = ("host_stage_bytes_per_s", "host_fold_bytes_per_s")
+    links = ("h2d_bytes_per_s", "d2h_bytes_per_s")
+    timed, kept = (copies, links) if runs_async else (links, copies)
+    assert all(getattr(priced, f) != getattr(probe, f) for f in timed)
+    assert all(getattr(priced, f) == getattr(probe, f) for f in kept)
+    assert "weights copied in at" in priced.source and "tensor by tensor" in priced.source
 
 
 def test_a_batch_beyond_the_timed_tokens_is_timed_as_one_shorter_sequence(
