@@ -99,15 +99,15 @@ def clip_coefficient(total_norm: torch.Tensor, max_grad_norm: float) -> float:
 def split_precomputed(
     params: Sequence[torch.nn.Parameter], sq_norms: Mapping[torch.nn.Parameter, float]
 ) -> tuple[list[torch.Tensor], list[float]]:
-    """(gradients still to measure, squared norms already known) for params with a grad."""
+    """(gradients still to measure, squared norms already known) for params with a grad;
+    a known norm counts without one (the engine's of a gradient waiting in a file:
+    `engine/memory/grad_files.py`)."""
     to_measure: list[torch.Tensor] = []
     known: list[float] = []
     for param in params:
-        if param.grad is None:
-            continue
         if param in sq_norms:
             known.append(float(sq_norms[param]))
-        else:
+        elif param.grad is not None:
             to_measure.append(param.grad)
     return to_measure, known
 

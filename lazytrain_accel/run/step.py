@@ -141,6 +141,8 @@ class OptimizerStep:
                 result = steps.update(optimizer, None if hybrid and self.overlapped
                                       else inline)
             loss = loss if hybrid else result  # a "keep" optimizer ran the closure itself
+        elif steps is not None:
+            steps.skip()
         self.guard.record(bad)  # raises at a streak's limit
         if self.on_boundary is not None:
             self.on_boundary(bad is not None)

@@ -27,6 +27,7 @@ from lazytrain_accel.engine.device.emulation import EmulationSettings
 from lazytrain_accel.engine.loss.loss_patch import FusedLoss, apply_fused_loss
 from lazytrain_accel.engine.memory import quantized
 from lazytrain_accel.engine.memory.copy_files import NvmeCopies
+from lazytrain_accel.engine.memory.grad_files import NvmeGrads
 from lazytrain_accel.engine.memory.grads import GradSink
 from lazytrain_accel.engine.memory.nvme import NvmeSpill
 from lazytrain_accel.engine.memory.residents import ResidentParams, owners, update_groups
@@ -106,13 +107,19 @@ class StreamingEngine:
 
     def _check_state(self, plan: Plan) -> None:
         """Refuse a plan homing on NVMe a part of the host state the engine does not
-        stream yet (masters and moments, gradients), or copies an fp32 run keeps none of."""
+        stream yet (masters and moments), gradients where a data-parallel hook reads them
+        after the fold, or copies an fp32 run keeps none of."""
         state = plan.state
-        if state.optimizer or state.grads:
+        if state.optimizer:
             raise ValueError(
-                f"the plan homes masters and moments or gradients on NVMe ({state.to_dict()}):"
-                " the engine streams only the layers' compute copies from NVMe yet; plan with"
-                " host_state='copies' or 'dram' (a DRAM budget that holds them) for this run")
+                f"the plan homes masters and moments on NVMe ({state.to_dict()}): the engine "
+                "streams only the layers' compute copies and gradients from NVMe yet; plan "
+                "with host_state='streamed' or 'dram' (a DRAM budget that holds them)")
+        if state.grads and self.sink.ready_hooks:
+            raise ValueError(
+                f"the plan homes gradients on NVMe (layers {list(state.grads)}) but a hook "
+                "reduces them across ranks once folded, which needs them in DRAM: with "
+                "several ranks plan with host_state='copies'")
         if state.copies and self.compute_dtype == torch.float32:
             raise ValueError(f"the plan homes compute copies on NVMe (layers {state.copies}) "
                              "but this run computes in fp32, which keeps none; plan for the "
@@ -136,6 +143,8 @@ class StreamingEngine:
         max_numel = max((sum(p.numel() for p in ps) for ps in trainable), default=1)
         self.sink = GradSink(streams=self.streams, accounting=self.acct,
                              max_numel=max(max_numel, 1), grad_dtype=self.compute_dtype)
+        self.sink.files = NvmeGrads(self.spill.directory / "state", set(self.plan.state.grads),
+                                    trainable, self.acct)
         self.pool = quantized.weight_pool(self._layer_params, streams=self.streams,
                                           compute_dtype=self.compute_dtype,
                                           accounting=self.acct,
@@ -168,6 +177,7 @@ class StreamingEngine:
             accounting=self.acct, device_update_beside_host=self.streams.is_async,
             grad_sq_norms=self.grad_sq_norms,
             awaiting_backward=lambda: bool(self._open) or self.residents.active)
+        self.steps.grad_files = self.sink.files
         self._shape_warned = False
         self._mask_verdicts: dict[tuple[int, int], bool] = {}  # 4-D mask: plain causal?
         #: `replan(batch, seq) -> Plan | None`, asked before a batch beyond the plan runs
@@ -302,6 +312,7 @@ class StreamingEngine:
         self.plan = plan
         self.pool.grow(weight_slots(plan))
         self.pool.home_copies(set(plan.state.copies))
+        self.sink.files.set_layers(set(plan.state.grads))
         if self._loss_chunk_from_plan:
             self._set_loss_chunk(plan.loss_chunk_tokens)
 
@@ -363,7 +374,9 @@ class StreamingEngine:
     def grad_sq_norms(self) -> dict[nn.Parameter, float]:
         """Squared L2 norm of each parameter's accumulated `.grad`, kept as grads landed."""
         self.sink.drain()
-        return {p: sq for p, sq in self.sink.sq_norms.items() if p.grad is not None}
+        files = self.sink.files
+        return {p: sq for p, sq in self.sink.sq_norms.items()
+                if p.grad is not None or files.holds(p)}
 
     def refresh_grad_sq_norms(self, params: list[nn.Parameter]) -> None:
         """Re-measure the recorded norms of `params` whose `.grad` was rewritten outside
@@ -396,6 +409,11 @@ class StreamingEngine:
     def register_grad_ready_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> None:
         """Call `hook(params)` each time a streamed layer's gradients have been folded
         into the host `.grad` of `params` (once per layer per backward pass)."""
+        if self.plan.state.grads:
+            raise ValueError(
+                f"the plan homes gradients on NVMe (layers {list(self.plan.state.grads)}) but "
+                "a hook would reduce them across ranks once folded, which needs them in "
+                "DRAM: with several ranks plan with host_state='copies'")
         self.sink.ready_hooks.append(hook)
 
     def stats(self) -> StepStats:

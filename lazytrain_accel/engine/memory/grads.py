@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lazytrain_accel.engine.device.streams import Event, Streams
+from lazytrain_accel.engine.memory.grad_files import NvmeGrads
 from lazytrain_accel.engine.stats import Accounting
 
 
@@ -28,6 +29,9 @@ class GradSink:
         # Called with a layer's params once their grads are accumulated on the host
         # (data parallelism starts that layer's all-reduce there).
         self.ready_hooks: list[Callable[[list[nn.Parameter]], None]] = []
+        #: The files of the layers whose gradients the plan homes on NVMe: a layer's
+        #: folded `.grad` goes there once its norms are recorded (`grad_files.py`).
+        self.files: NvmeGrads | None = None
         self._staging = [streams.empty_host(torch.Size([max_numel]), grad_dtype)
                          for _ in range(2)] if streams.is_async else []
         self._pending: list[tuple[int, list[nn.Parameter], Event | None]] = []
@@ -84,16 +88,23 @@ class GradSink:
         """Accumulate; `owned` grads are fresh autograd outputs that may become `.grad`."""
         if not params:
             return
+        layer = self.files.layer_of(params) if self.files is not None else None
+        if layer is not None:  # an earlier micro-batch's gradients, from the file
+            self.files.restore(layer)
         for p, g in zip(params, grads, strict=True):
             if p.grad is not None:
                 p.grad.add_(g.to(p.device))
             elif owned and g.dtype == p.dtype and g.device == p.device:
                 p.grad = g
+            elif layer is not None:  # its own tensor: written to the file, then freed
+                p.grad = g.to(p.dtype, copy=True)
             else:  # a staging view or a cast: `.grad` needs its own storage
                 p.grad = self.owned_grad(p).copy_(g)
         self.record_norms(params)
         for hook in self.ready_hooks:
             hook(params)
+        if layer is not None:
+            self.files.spill(layer)
 
     def owned_grad(self, p: nn.Parameter) -> torch.Tensor:
         """`p`'s host gradient storage, allocated once and reused each step after the
@@ -127,6 +138,8 @@ class GradSink:
 
     def close(self) -> None:
         self.drain()
+        if self.files is not None:
+            self.files.close()
         if self._staging:
             self._acct.free("host_pinned", self._staging_bytes)
         self._staging = []

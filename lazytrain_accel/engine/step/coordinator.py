@@ -18,6 +18,7 @@ from typing import Protocol
 
 from torch import nn
 
+from lazytrain_accel.engine.memory.grad_files import NvmeGrads
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.engine.step.overlap import CopyTarget, LayerwiseOptimizer, LayerwiseUpdate
 from lazytrain_accel.engine.step.worker import UpdateWorker
@@ -73,6 +74,9 @@ class StepCoordinator:
         #: Set while a checkpoint save runs beside training: the update of group g first
         #: waits until the save has written g (`checkpoints/asynchronous.py`).
         self.save_gate: SaveGate | None = None
+        #: The files of the gradients the plan homes on NVMe (the engine's `GradSink`'s):
+        #: the update reads each back for its layer; a skipped step drops them.
+        self.grad_files: NvmeGrads | None = None
 
     @property
     def update_groups(self) -> list[list[nn.Parameter]]:
@@ -95,9 +99,16 @@ class StepCoordinator:
         self.check_backward_done()
         optimizer.set_grad_sq_norms(self._grad_sq_norms())  # measured as gradients landed
         if not optimizer.begin_step():  # global norm -> clip coefficient, once
+            self.skip()
             return False  # non-finite: the optimizer skipped and counted the step
         self.update(optimizer)
         return True
+
+    def skip(self) -> None:
+        """This step is skipped (non-finite): its gradients homed on NVMe are dropped, as
+        the caller's `zero_grad()` drops the others."""
+        if self.grad_files is not None:
+            self.grad_files.discard()
 
     def update(self, optimizer: LayerwiseOptimizer,
                inline: Callable[[], object] | None = None) -> object:
@@ -106,6 +117,17 @@ class StepCoordinator:
         on this thread), and this returns at once; or `inline()`, the whole update on
         this thread (its result is returned). The node store's peers learn of the step
         here (the one call of their `begin_step`), and of each group once updated."""
+        in_files = self.grad_files is not None and self.grad_files.pending
+        wait_here = inline is not None and in_files
+        if wait_here:
+            if not hasattr(optimizer, "step_params"):
+                raise ValueError(
+                    f"the plan homes gradients on NVMe (layers "
+                    f"{sorted(self.grad_files.layers)}), which only the hybrid 8-bit operator "
+                    f"reads back layer by layer; {type(optimizer).__name__} steps every "
+                    "parameter at once: use optimizer='hybrid8bit', or plan with "
+                    "host_state='copies'")
+            inline = None  # read back group by group: the layer-wise update, waited for
         peers = self.peers
         if peers is not None:
             peers.begin_step()  # every rank applies the same steps (global norm)
@@ -125,11 +147,14 @@ class StepCoordinator:
                                        device_update_done=device_done,
                                        foreign_groups=peers.foreign_groups if peers else (),
                                        on_group_done=peers.publish if peers else None,
-                                       before_group=self._wait_for_save())
+                                       before_group=self._wait_for_save(),
+                                       grads=self.grad_files)
         self._worker.submit(self._update.run)
         if self.device_update_beside_host:
             self._update_on_device(optimizer, groups, device_groups, device_done,
                                    fail=self._update)
+        if wait_here:
+            self.wait_for_reads()
         return None
 
     def _adopt(self, optimizer: LayerwiseOptimizer) -> None:
@@ -142,9 +167,14 @@ class StepCoordinator:
 
     def defer_zero_grad(self, set_to_none: bool) -> bool:
         """A `zero_grad()` of the model or the optimizer: True if the running update took
-        it over (each group cleared right after its update), False if none runs."""
+        it over (each group cleared right after its update), False if none runs; then
+        the gradients homed on NVMe are dropped as well."""
         update = self._update
-        return update is not None and update.defer_zero_grad(set_to_none)
+        if update is not None and update.defer_zero_grad(set_to_none):
+            return True
+        if self.grad_files is not None:
+            self.grad_files.discard()
+        return False
 
     def wait_for_reads(self) -> None:
         """Block until this rank's running update (if any) is whole, its error raised;

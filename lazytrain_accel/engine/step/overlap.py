@@ -45,6 +45,18 @@ class CopyTarget(Protocol):
     def compute_copy_written(self, layer: int) -> None: ...
 
 
+class StagedGrads(Protocol):
+    """Gradients the update reads back from files, layer by layer (`NvmeGrads`)."""
+
+    def begin_update(self, order: Sequence[int]) -> None: ...
+
+    def stage(self, layer: int) -> None: ...
+
+    def unstage(self, layer: int) -> None: ...
+
+    def end_update(self) -> None: ...
+
+
 class LayerwiseUpdate:
     """The host's update of `groups` in forward order: `run` is the job the caller hands
     to the run's `UpdateWorker` (`StepCoordinator.update`, one frame below the step:
@@ -56,7 +68,9 @@ class LayerwiseUpdate:
     thread neither updates them nor writes their compute copies. `on_group_done(g)` is
     told after this thread has updated group g; `before_group(g)` is called before, and
     may block: a pending checkpoint save has not yet written group g's masters and state
-    (`checkpoints/asynchronous.py`), which the update is about to overwrite.
+    (`checkpoints/asynchronous.py`), which the update is about to overwrite. `grads`
+    holds the gradients of the layers homed on NVMe: read back for each one's update
+    (ahead, in this order) and dropped after it.
     """
 
     def __init__(self, optimizer: LayerwiseOptimizer,
@@ -66,8 +80,10 @@ class LayerwiseUpdate:
                  device_update_done: threading.Event | None = None,
                  foreign_groups: Sequence[int] = (),
                  on_group_done: Callable[[int], None] | None = None,
-                 before_group: Callable[[int], None] | None = None) -> None:
+                 before_group: Callable[[int], None] | None = None,
+                 grads: StagedGrads | None = None) -> None:
         self._opt = optimizer
+        self._grads = grads
         self._before_group = before_group
         self._foreign_groups = frozenset(foreign_groups)
         self._on_group_done = on_group_done
@@ -85,15 +101,21 @@ class LayerwiseUpdate:
     def run(self) -> None:
         """The update, whole; an error is kept for the training thread's next `wait`."""
         start = time.perf_counter()
+        grads = self._grads
         try:
+            if grads is not None:
+                grads.begin_update([j for j in range(len(self._groups)) if self._updates(j)])
             for index, (group, done) in enumerate(zip(self._groups, self._done, strict=True)):
-                ours = index not in self._foreign_groups
-                if ours and index not in self._device_groups:
+                if self._updates(index):
                     if self._before_group is not None:
                         self._before_group(index)
+                    if grads is not None:
+                        grads.stage(index)
                     copy = self._compute_copy(index)
                     if group or copy is not None:  # the optimizer's own frame: the kernel's caller
                         self._opt.step_params(group, out_bf16=copy)
+                    if grads is not None:
+                        grads.unstage(index)
                     if copy is not None:
                         self._copies.compute_copy_written(index)
                     if self._on_group_done is not None:
@@ -108,11 +130,18 @@ class LayerwiseUpdate:
         except BaseException as err:  # surfaced on the training thread by wait()
             self._error = err
         finally:
+            if grads is not None:
+                grads.end_update()
             with self._lock:
                 for done in self._done:
                     done.set()
             self._acct.add("optimizer_update_s", time.perf_counter() - start)
             self._finished.set()
+
+    def _updates(self, index: int) -> bool:
+        """Whether this thread updates group `index` (not another process's, nor one the
+        training thread updates on the device)."""
+        return index not in self._foreign_groups and index not in self._device_groups
 
     def _compute_copy(self, index: int) -> list[torch.Tensor] | None:
         """Where group `index`'s compute-dtype copy goes (decoder layers only), if any."""

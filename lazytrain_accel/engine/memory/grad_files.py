@@ -1,0 +1,228 @@
+"""The gradients of the layers whose gradients the plan homes on NVMe (`Plan.state.grads`):
+written to a file once the backward has folded a layer's gradients into its `.grad` and
+recorded their norms, read back for that layer's update (issued ahead, through
+`STATE_STAGING_GROUPS` buffers: the planner's count) and dropped when it is done.
+
+Between the backward and the update such a layer's parameters have `.grad` None: the
+gradient lives in its file only, the engine keeps its squared norms for clipping
+(`grad_sq_norms`), and the update is what reads it. As with DeepSpeed's offloaded
+gradients, an applied update consumes them: the next backward starts that layer from no
+gradient, as after `zero_grad(set_to_none=True)`, which every training loop calls between
+steps. A skipped (non-finite) step and a `zero_grad()` drop them too. A second micro-batch
+of one step (gradient accumulation) reads the layer's file back, adds, and writes it again.
+
+Files go through the one direct-I/O module (`storage/direct_io.py`) into
+`<engine's NVMe directory>/state`, removed with the boundary files. A failed write or read
+raises its `StateIOError` at the next use of that layer's gradients.
+Docs: docs/engine.md "Host state on NVMe".
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lazytrain_accel.engine.stats import Accounting
+from lazytrain_accel.planning.state import STATE_STAGING_GROUPS
+from lazytrain_accel.storage.direct_io import DirectIO
+
+#: As the compute copies' files (`copy_files.py`): two requests of a file in flight.
+GRAD_IO_WORKERS = 2
+
+
+class NvmeGrads:
+    """Files of the gradients of `layers` (1-based) under `directory`; `params[j - 1]`
+    are layer j's trainable parameters, in the order the engine folds them."""
+
+    def __init__(self, directory: Path, layers: set[int], params: list[list[nn.Parameter]],
+                 accounting: Accounting) -> None:
+        self.layers = frozenset(layers)
+        self._directory = directory
+        self._params = params
+        self._acct = accounting
+        #: parameter -> (its layer, its place among the layer's parameters)
+        self._place = {p: (j, k) for j, ps in enumerate(params, start=1)
+                       for k, p in enumerate(ps)}
+        self._io: DirectIO | None = None  # its threads start with the first write
+        #: layer -> which of its parameters have a gradient in its file (this step's)
+        self._held: dict[int, list[bool]] = {}
+        #: layer -> its write in flight and the tensors it writes (alive until written)
+        self._writes: dict[int, tuple[Future[None], list[torch.Tensor]]] = {}
+        self._free: list[torch.Tensor] = []  # staging buffers, fp32, the largest layer's size
+        self._buffers = 0
+        #: the update's layers still to read, in its order; the reads issued, by layer
+        self._queue: deque[int] = deque()
+        self._reads: dict[int, tuple[torch.Tensor, Future[None]]] = {}
+        self._staged: dict[int, torch.Tensor] = {}
+        self._buffer_numel = max((sum(p.numel() for p in ps) for ps in params), default=0)
+
+    # ---- what the engine asks -------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        """Whether some layer's gradients of this step live in a file now."""
+        return bool(self._held)
+
+    def holds(self, param: nn.Parameter) -> bool:
+        """Whether `param`'s gradient of this step lives in its layer's file."""
+        layer, k = self._place.get(param, (None, 0))
+        has = self._held.get(layer) if layer is not None else None
+        return has is not None and has[k]
+
+    def layer_of(self, params: Sequence[nn.Parameter]) -> int | None:
+        """The NVMe-homed layer whose parameters `params` are, else None."""
+        layer = self._place[params[0]][0] if params and params[0] in self._place else None
+        return layer if layer in self.layers else None
+
+    # ---- the backward ----------------------------------------------------------------
+    def restore(self, layer: int) -> None:
+        """Put layer `layer`'s gradients of an earlier micro-batch of this step back into
+        `.grad` (read now, on this thread), for the fold to add to."""
+        has = self._held.pop(layer, None)
+        if has is None:
+            return
+        params = self._params[layer - 1]
+        grads = [torch.empty_like(p, memory_format=torch.contiguous_format)
+                 for p, held in zip(params, has, strict=True) if held]
+        self._read(layer, grads).result()
+        it = iter(grads)
+        for p, held in zip(params, has, strict=True):
+            if held:
+                p.grad = next(it)
+
+    def spill(self, layer: int) -> None:
+        """Write layer `layer`'s `.grad` (folded, its norms recorded) to its file behind
+        and drop it from the parameters."""
+        params = self._params[layer - 1]
+        has = [p.grad is not None for p in params]
+        if not any(has):
+            return
+        grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+                 for p in params if p.grad is not None]
+        self.wait_written(layer)  # the file's previous write, whole
+        self._directory.mkdir(parents=True, exist_ok=True)
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        start = time.perf_counter()
+        write = self._direct_io().write_tensors(self._path(layer), grads)
+        write.add_done_callback(lambda done: done.exception() is None and self._acct.add_transfer(
+            "state_nvme_write", time.perf_counter() - start, nbytes))
+        self._writes[layer] = (write, grads)
+        self._held[layer] = has
+        for p in params:
+            p.grad = None
+
+    # ---- the update ------------------------------------------------------------------
+    def begin_update(self, order: Sequence[int]) -> None:
+        """The update is about to run groups `order`: start reading the first ones' files."""
+        self._queue = deque(j for j in order if j in self._held)
+        self._read_ahead()
+
+    def stage(self, layer: int) -> None:
+        """Point layer `layer`'s parameters' `.grad` at its gradients, read from its file
+        (waited for here); nothing for a layer whose gradients are not in a file."""
+        if layer not in self._held:
+            return
+        if layer not in self._reads:  # not in the update's order: read it now
+            self._queue.appendleft(layer)
+            self._issue(self._queue.popleft())
+        buffer, read = self._reads.pop(layer)
+        has = self._held.pop(layer)
+        self._staged[layer] = buffer
+        read.result()
+        offset = 0
+        for p, held in zip(self._params[layer - 1], has, strict=True):
+            if held:
+                p.grad = buffer[offset:offset + p.numel()].view(p.shape)
+                offset += p.numel()
+
+    def unstage(self, layer: int) -> None:
+        """Layer `layer`'s update is done: drop its gradients, reuse its buffer."""
+        buffer = self._staged.pop(layer, None)
+        if buffer is None:
+            return
+        for p in self._params[layer - 1]:
+            p.grad = None
+        self._free.append(buffer)
+        self._read_ahead()
+
+    def end_update(self) -> None:
+        """The update ended (done, or failed part way): no read stays in flight, every
+        buffer is back."""
+        self._queue.clear()
+        for layer in list(self._reads):
+            buffer, read = self._reads.pop(layer)
+            read.exception()  # waited for; its error belongs to the step that failed
+            self._free.append(buffer)
+        for layer in list(self._staged):
+            self.unstage(layer)
+
+    def discard(self) -> None:
+        """Forget this step's gradients (a skipped step, a `zero_grad()`)."""
+        self.end_update()
+        self._held.clear()
+
+    def set_layers(self, layers: set[int]) -> None:
+        """A re-plan homes `layers`' gradients on NVMe from now: those of this step living
+        in the file of a layer no longer homed there come back to `.grad`."""
+        for layer in sorted(set(self._held) - layers):
+            self.restore(layer)
+        self.layers = frozenset(layers)
+
+    # ---- files and buffers -----------------------------------------------------------
+    def wait_written(self, layer: int) -> None:
+        """Block until layer `layer`'s last write is on the drive; raise its error."""
+        write = self._writes.pop(layer, None)
+        if write is not None:
+            write[0].result()
+
+    def close(self) -> None:
+        """Wait for every write and read; end the I/O threads; free the buffers."""
+        self.end_update()
+        writes, self._writes = self._writes, {}
+        errors = [w.exception() for w, _ in writes.values()]
+        self._held.clear()
+        if self._io is not None:
+            self._io.close()
+            self._io = None
+        if self._buffers:
+            self._acct.free("host_pageable", self._buffers * self._buffer_numel * 4)
+        self._free, self._buffers = [], 0
+        error = next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise error
+
+    def _path(self, layer: int) -> Path:
+        return self._directory / f"grad-{layer}.bin"
+
+    def _direct_io(self) -> DirectIO:
+        if self._io is None:
+            self._io = DirectIO(workers=GRAD_IO_WORKERS)
+        return self._io
+
+    def _read(self, layer: int, tensors: list[torch.Tensor]) -> Future[None]:
+        self.wait_written(layer)
+        start = time.perf_counter()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        read = self._direct_io().read_tensors(self._path(layer), tensors)
+        read.add_done_callback(lambda done: done.exception() is None and self._acct.add_transfer(
+            "state_nvme_read", time.perf_counter() - start, nbytes))
+        return read
+
+    def _read_ahead(self) -> None:
+        while self._queue and (self._free or self._buffers < STATE_STAGING_GROUPS):
+            self._issue(self._queue.popleft())
+
+    def _issue(self, layer: int) -> None:
+        if not self._free:
+            self._free.append(torch.empty(self._buffer_numel, dtype=torch.float32))
+            self._buffers += 1
+            self._acct.allocate("host_pageable", self._buffer_numel * 4)
+        buffer = self._free.pop()
+        numel = sum(p.numel() for p, held in zip(self._params[layer - 1], self._held[layer],
+                                                 strict=True) if held)
+        self._reads[layer] = (buffer, self._read(layer, [buffer[:numel]]))

@@ -1,0 +1,172 @@
+"""The layers' gradients homed on NVMe (`Plan.state.grads`, issue 44): written to a file
+once folded (norms recorded), read back for the layer's update and for the next
+micro-batch's fold; the run is the all-DRAM run bit for bit (clipping, accumulation, a
+skipped step, a re-plan), and a failed write names its file at the next use."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+
+import pytest
+import torch
+from engine_helpers import batches, build_model, make_plan, twin
+
+from lazytrain_accel.engine import attach
+from lazytrain_accel.optim import HybridAdamW8bit
+from lazytrain_accel.planning.plan import StateHomes
+from lazytrain_accel.storage import direct_io
+from lazytrain_accel.storage.direct_io import StateIOError
+
+CPU = torch.device("cpu")
+LAYERS = 4
+MICRO_BATCHES = 2
+
+
+def _train(model, plan, tmp_path, *, steps: int = 3, dtype=torch.float32, poison_step=None,
+           after_backward=None, after_step=None):
+    """`steps` clipped hybrid-8-bit steps of `MICRO_BATCHES` micro-batches each;
+    `poison_step`: that step's gradients made non-finite (skipped);
+    `after_backward(engine, step)` before each step, `after_step(engine, step)` after it."""
+    engine = attach(model, plan, device=CPU, compute_dtype=dtype, nvme_dir=str(tmp_path))
+    opt = HybridAdamW8bit(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+    losses = []
+    data = batches(steps * MICRO_BATCHES)
+    for step in range(steps):
+        for ids in data[step * MICRO_BATCHES:(step + 1) * MICRO_BATCHES]:
+            loss = model(input_ids=ids, labels=ids).loss / MICRO_BATCHES
+            if step == poison_step:
+                loss = loss * float("inf")
+            loss.backward()
+            losses.append(loss.item())
+        if after_backward is not None:
+            after_backward(engine, step)
+        engine.step_layerwise(opt)
+        engine.synchronize()
+        opt.zero_grad()
+        if after_step is not None:
+            after_step(engine, step)
+    return engine, opt, losses
+
+
+def _assert_same_weights(model, ref) -> None:
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grads_on_nvme_train_bit_for_bit_as_in_dram(tmp_path, dtype):
+    ref = build_model("llama", LAYERS)
+    model = twin(ref)
+    plan = make_plan("checkpoint_all", LAYERS)
+    ref_engine, _, ref_losses = _train(ref, plan, tmp_path / "dram", dtype=dtype)
+    homed = (1, 3, 4)
+    norms: list[dict] = []
+
+    def between(engine, step: int) -> None:
+        # the backward left the homed layers' gradients in their files only; their norms
+        # are the engine's, for the clip
+        for j in range(1, LAYERS + 1):
+            assert all((p.grad is None) == (j in homed) for p in engine.layer_params(j))
+        norms.append(engine.grad_sq_norms())
+
+    engine, _, losses = _train(model, dataclasses.replace(plan, state=StateHomes(grads=homed)),
+                               tmp_path / "nvme", dtype=dtype, after_backward=between)
+    assert losses == ref_losses
+    assert all(set(n) == set(norms[0]) for n in norms)
+    assert {p for j in homed for p in engine.layer_params(j)} <= set(norms[0])
+    state = engine.spill.directory / "state"
+    assert sorted(p.name for p in state.iterdir()) == [f"grad-{j}.bin" for j in homed]
+    numel = sum(p.numel() for p in engine.layer_params(1))
+    assert (state / "grad-1.bin").stat().st_size == 4 * numel
+    directory = engine.spill.directory
+    engine.detach()
+    ref_engine.detach()
+    assert not directory.exists()
+    # per step and homed layer: a write per micro-batch; a read for the second
+    # micro-batch's fold and one for the update
+    moved = engine.total_stats().transfer_bytes
+    assert moved["state_nvme_write"] == 3 * len(homed) * MICRO_BATCHES * 4 * numel, moved
+    assert moved["state_nvme_read"] == 3 * len(homed) * 2 * 4 * numel, moved
+    _assert_same_weights(model, ref)
+
+
+def test_a_skipped_step_drops_the_grads_in_files(tmp_path):
+    """The non-finite step is skipped and counted; its gradients (in files) do not leak
+    into the next step, which trains as the all-DRAM run's does."""
+    ref = build_model("llama", LAYERS)
+    model = twin(ref)
+    plan = make_plan("checkpoint_all", LAYERS)
+    _, ref_opt, _ = _train(ref, plan, tmp_path / "dram", poison_step=1)
+    engine, opt, _ = _train(model, dataclasses.replace(plan, state=StateHomes(grads=(2, 3))),
+                            tmp_path / "nvme", poison_step=1)
+    assert opt.skipped_steps == ref_opt.skipped_steps == 1
+    assert not engine.sink.files.pending
+    engine.detach()
+    _assert_same_weights(model, ref)
+
+
+def test_a_replan_moving_grads_mid_accumulation_keeps_the_run_exact(tmp_path):
+    """Between two micro-batches of a step a new plan homes other layers' gradients:
+    layer 1's come back from its file to `.grad`, layer 3's go to one at its next fold."""
+    ref = build_model("llama", LAYERS)
+    model = twin(ref)
+    plan = make_plan("checkpoint_all", LAYERS)
+    _, _, ref_losses = _train(ref, plan, tmp_path / "dram")
+    nvme = dataclasses.replace(plan, state=StateHomes(grads=(1, 2)))
+    engine = attach(model, nvme, device=CPU, nvme_dir=str(tmp_path / "nvme"))
+    opt = HybridAdamW8bit(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+    losses = []
+    data = batches(3 * MICRO_BATCHES)
+    for k, ids in enumerate(data):
+        loss = model(input_ids=ids, labels=ids).loss / MICRO_BATCHES
+        loss.backward()
+        losses.append(loss.item())
+        if k == 2:  # the second step's first micro-batch is in files (layers 1, 2)
+            engine.set_plan(dataclasses.replace(plan, state=StateHomes(grads=(2, 3))))
+            assert all(p.grad is not None for p in engine.layer_params(1))
+        if k % MICRO_BATCHES == MICRO_BATCHES - 1:
+            engine.step_layerwise(opt)
+            engine.synchronize()
+            opt.zero_grad()
+    assert losses == ref_losses
+    engine.detach()
+    _assert_same_weights(model, ref)
+
+
+def test_a_failed_grad_write_names_its_file_and_the_engine_still_detaches(tmp_path,
+                                                                          monkeypatch):
+    model = build_model("llama", LAYERS)
+    plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS),
+                               state=StateHomes(grads=(2,)))
+    engine = attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
+    opt = HybridAdamW8bit(model.parameters(), lr=1e-2)
+
+    def broken(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(direct_io.os, "pwrite", broken)
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()  # layer 2's write fails behind
+    with pytest.raises(RuntimeError, match="layer-wise optimizer update failed") as failed:
+        engine.step_layerwise(opt)
+        engine.synchronize()
+    assert isinstance(failed.value.__cause__, StateIOError)
+    assert "grad-2.bin" in str(failed.value.__cause__)
+    assert "nvme" in str(failed.value.__cause__).lower()
+    monkeypatch.undo()
+    directory = engine.spill.directory
+    engine.detach()
+    assert not directory.exists()
+
+
+def test_gradients_reduced_across_ranks_are_refused_on_nvme(tmp_path):
+    """A data-parallel hook reads a layer's gradients after the fold: they stay in DRAM."""
+    model = build_model("llama", LAYERS)
+    plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS),
+                               state=StateHomes(grads=(1,)))
+    engine = attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="host_state='copies'"):
+        engine.register_grad_ready_hook(lambda params: None)
+    engine.detach()
