@@ -1,13 +1,14 @@
 """Host state on NVMe, measured (issue 44): a ~270M-parameter Llama in bf16 through the
-plugin, once with a DRAM budget that holds its host state and once with one too small for
-its layers' compute copies (the part the engine streams today), each in a fresh process.
+plugin, once with a DRAM budget that holds its host state, once with one too small for its
+layers' compute copies, and once with one that every copy on NVMe leaves short by some
+layers' gradients (the parts the engine streams today), each in a fresh process.
 
-Prints, per run: the plan's copies on NVMe, the median step, the plan's predicted step,
-the peak RSS growth of `prepare` and the steps against the DRAM budget (what the run may
-still allocate: the budget less the model's fp32 weights present before it), and for the
-NVMe run the copies' read and write rates against the drive's `O_DIRECT` probe in the
-same process; then the ratios between the runs and whether their losses are equal bit for
-bit. Not a test (this machine's timings move 20-40% between processes).
+Prints, per run: the plan's copies and gradients on NVMe, the median step, the plan's
+predicted step, the peak RSS growth of `prepare` and the steps against the DRAM budget
+(what the run may still allocate: the budget less the model's fp32 weights present before
+it), and for the NVMe runs the state's read and write rates against the drive's
+`O_DIRECT` probe in the same process; then the ratios between the runs and whether their
+losses are equal bit for bit. Not a test (this machine's timings move 20-40% between processes).
 
     PYTHONPATH=. python bench/nvme_state.py [--steps 4] [--nvme-dir DIR]
 """
@@ -41,8 +42,9 @@ def _model():
     return LlamaForCausalLM(config)
 
 
-def _budget_gb(model, short_copies: float) -> float:
-    """The plan's fixed host bytes (all in DRAM) less `short_copies` layers' copies."""
+def _budget_gb(model, short_copies: float, short_grads: float) -> float:
+    """The plan's fixed host bytes (all in DRAM) less `short_copies` layers' copies and
+    `short_grads` layers' gradients."""
     import torch
 
     from lazytrain_accel.planning.problem import build_problem
@@ -52,10 +54,13 @@ def _budget_gb(model, short_copies: float) -> float:
     profile = setup.profile_for_run(model, batch_size=BATCH, seq_len=SEQ,
                                     compute_dtype=torch.bfloat16)
     p = build_problem(profile, HARDWARE_PRESETS["h800"])
-    return (p.cpu_fixed_bytes - short_copies * p.state_sizes.copies_bytes) / GIB
+    sizes = p.state_sizes
+    return (p.cpu_fixed_bytes - short_copies * sizes.copies_bytes
+            - short_grads * sizes.grads_bytes) / GIB
 
 
-def run(workdir: str, cache_dir: str, steps: int, short_copies: float) -> dict:
+def run(workdir: str, cache_dir: str, steps: int, short_copies: float,
+        short_grads: float) -> dict:
     """One run in this process (called in a fresh one by `main`)."""
     import torch
 
@@ -66,7 +71,8 @@ def run(workdir: str, cache_dir: str, steps: int, short_copies: float) -> dict:
     from lazytrain_accel.profiling.measure import _measure_nvme
 
     model = _model()
-    budget_gb = _budget_gb(model, short_copies) if short_copies else 0.0
+    budget_gb = (_budget_gb(model, short_copies, short_grads)
+                 if short_copies or short_grads else 0.0)
     present = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.randint(0, VOCAB, (steps * BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=BATCH)
@@ -101,6 +107,7 @@ def run(workdir: str, cache_dir: str, steps: int, short_copies: float) -> dict:
             for kind in ("state_nvme_read", "state_nvme_write")}
     return {"losses": losses, "step_s": statistics.median(step_s[1:] or step_s),
             "predicted_step_s": plan.prediction.step_s, "copies_on_nvme": len(plan.state.copies),
+            "grads_on_nvme": len(plan.state.grads),
             "budget_bytes": budget_gb * GIB, "present_bytes": present, "growth_bytes": growth,
             "device_bytes": device_bytes,
             "read_bytes_per_s": rate["state_nvme_read"],
@@ -108,12 +115,14 @@ def run(workdir: str, cache_dir: str, steps: int, short_copies: float) -> dict:
             "probe_read_bytes_per_s": probe_read, "probe_write_bytes_per_s": probe_write}
 
 
-def _fresh(workdir: str, cache_dir: str, steps: int, short_copies: float) -> dict:
+def _fresh(workdir: str, cache_dir: str, steps: int, short_copies: float = 0.0,
+           short_grads: float = 0.0) -> dict:
     # large blocks from mmap, returned to the system when freed: a dropped copy's bytes
     # leave the resident set (glibc's heap would keep them)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     done = subprocess.run([sys.executable, __file__, "--child", workdir, "--cache-dir",
-                           cache_dir, "--steps", str(steps), "--short-copies", str(short_copies)],
+                           cache_dir, "--steps", str(steps), "--short-copies", str(short_copies),
+                           "--short-grads", str(short_grads)],
                           capture_output=True, text=True, check=False, env=env)
     if done.returncode:
         raise SystemExit(done.stderr[-3000:])
@@ -129,22 +138,28 @@ def _cpu_model() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--short-copies", type=float, default=0.0)
+    parser.add_argument("--short-copies", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--short-grads", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--nvme-dir", default=None)
     parser.add_argument("--child", default=None)
     parser.add_argument("--cache-dir", default=None)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run(args.child, args.cache_dir, args.steps, args.short_copies)))
+        print(json.dumps(run(args.child, args.cache_dir, args.steps, args.short_copies,
+                             args.short_grads)))
         return
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as tmp:
         # one cache: the first run measures this machine, the second reuses the profile
-        dram = _fresh(f"{tmp}/dram", f"{tmp}/cache", args.steps, 0.0)
-        nvme = _fresh(f"{tmp}/nvme", f"{tmp}/cache", args.steps, LAYERS - 4.0)
+        dram = _fresh(f"{tmp}/dram", f"{tmp}/cache", args.steps)
+        copies = _fresh(f"{tmp}/copies", f"{tmp}/cache", args.steps, LAYERS - 4.0)
+        grads = _fresh(f"{tmp}/grads", f"{tmp}/cache", args.steps, LAYERS, LAYERS - 4.0)
     print(f"CPU: {_cpu_model()}; {LAYERS} layers, batch {BATCH} x {SEQ}, bf16, "
           f"{args.steps} steps a run")
-    for name, r in (("all in DRAM", dram), ("copies on NVMe", nvme)):
-        line = (f"{name}: {r['copies_on_nvme']} copies on NVMe, step {r['step_s']:.2f} s "
+    runs = (("all in DRAM", dram), ("copies on NVMe", copies),
+            ("copies and gradients on NVMe", grads))
+    for name, r in runs:
+        line = (f"{name}: {r['copies_on_nvme']} copies and {r['grads_on_nvme']} layers' "
+                f"gradients on NVMe, step {r['step_s']:.2f} s "
                 f"(predicted {r['predicted_step_s']:.2f} s, measured/predicted "
                 f"{r['step_s'] / r['predicted_step_s']:.2f}x), peak growth "
                 f"{r['growth_bytes'] / GIB:.2f} GiB")
@@ -153,15 +168,16 @@ def main() -> None:
             line += (f" against {room / GIB:.2f} GiB the budget and the device tier leave "
                      f"({r['growth_bytes'] / room:.2f}x)")
         print(line)
-    if nvme["read_bytes_per_s"]:
-        print(f"copies' reads {nvme['read_bytes_per_s'] / 1e9:.2f} GB/s = "
-              f"{nvme['read_bytes_per_s'] / nvme['probe_read_bytes_per_s']:.2f}x the O_DIRECT "
-              f"probe's {nvme['probe_read_bytes_per_s'] / 1e9:.2f}; writes "
-              f"{nvme['write_bytes_per_s'] / 1e9:.2f} GB/s = "
-              f"{nvme['write_bytes_per_s'] / nvme['probe_write_bytes_per_s']:.2f}x its "
-              f"{nvme['probe_write_bytes_per_s'] / 1e9:.2f}")
-    print(f"step with copies on NVMe / all in DRAM: {nvme['step_s'] / dram['step_s']:.2f}x; "
-          f"losses equal bit for bit: {nvme['losses'] == dram['losses']}")
+    for name, r in runs[1:]:
+        if r["read_bytes_per_s"]:
+            print(f"{name}: the state's reads {r['read_bytes_per_s'] / 1e9:.2f} GB/s = "
+                  f"{r['read_bytes_per_s'] / r['probe_read_bytes_per_s']:.2f}x the O_DIRECT "
+                  f"probe's {r['probe_read_bytes_per_s'] / 1e9:.2f}; writes "
+                  f"{r['write_bytes_per_s'] / 1e9:.2f} GB/s = "
+                  f"{r['write_bytes_per_s'] / r['probe_write_bytes_per_s']:.2f}x its "
+                  f"{r['probe_write_bytes_per_s'] / 1e9:.2f}")
+        print(f"{name}: step / all in DRAM {r['step_s'] / dram['step_s']:.2f}x; losses equal "
+              f"bit for bit: {r['losses'] == dram['losses']}")
 
 
 if __name__ == "__main__":

@@ -184,6 +184,10 @@ class Solution:
     # The host state's homes where the MIP decided them (`Problem.decide_state`); None:
     # the problem's own (a plan keeps them as `Plan.state`).
     state: StateHomes | None = None
+    # Where the host state did not fit DRAM: each state candidate's simulated step by name
+    # (`state_search.CANDIDATE_NAMES`; None where it did not fit), the fastest over the
+    # profiles `make_plan` planned (`solve.plan_host_state`); empty where none was priced.
+    state_steps_s: Mapping[str, float | None] = field(default_factory=dict)
 
     @property
     def feasible(self) -> bool:
@@ -195,7 +199,8 @@ class Solution:
                 "state": None if self.state is None else self.state.to_dict(),
                 "objective_s": self.objective_s, "gap": self.gap, "solve_s": self.solve_s,
                 "shortfall_bytes": dict(self.shortfall_bytes), "message": self.message,
-                "mip_lost_to": self.mip_lost_to, "mip_step_s": self.mip_step_s}
+                "mip_lost_to": self.mip_lost_to, "mip_step_s": self.mip_step_s,
+                "state_steps_s": dict(self.state_steps_s)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], homes: list[Home]) -> Solution:

@@ -14,8 +14,14 @@ from lazytrain_accel.planning.plan import Plan
 from lazytrain_accel.planning.problem import Budgets
 from lazytrain_accel.planning.state_search import CANDIDATE_NAMES
 
-#: `PlanRequest.host_state`: the planner's choice, all in DRAM, or one candidate.
-HOST_STATES: tuple[str, ...] = ("auto", "copies", "dram", *CANDIDATE_NAMES)
+#: The `PlanRequest.host_state` values that let the planner choose among some parts only:
+#: "copies" the compute copies, "streamed" what the engine streams from NVMe today (the
+#: compute copies and the gradients: docs/engine.md "Host state on NVMe").
+RESTRICTED_PARTS: dict[str, tuple[str, ...]] = {"copies": ("copies",),
+                                                "streamed": ("copies", "grads")}
+#: `PlanRequest.host_state`: the planner's choice (of every part, or of some), all in
+#: DRAM, or one candidate.
+HOST_STATES: tuple[str, ...] = ("auto", *RESTRICTED_PARTS, "dram", *CANDIDATE_NAMES)
 
 #: Seconds the elastic re-solve that names a refusal's shortfall may take: it starts from
 #: the baseline closest to fitting, so on a limit it still names what that plan lacks.
@@ -47,9 +53,9 @@ class PlanRequest:
     running: Plan | None = None
     # Where the layers' host state may live when DRAM cannot hold it all (`HOST_STATES`):
     # "auto" (the fastest of `state_search.state_candidates` and the MIP's choice),
-    # "copies" (the same, only the compute copies on NVMe: what the engine streams
-    # today), "dram" (never on NVMe: refused where it does not fit), or one candidate by
-    # name (the baselines).
+    # "copies" or "streamed" (the same, only those parts on NVMe: `RESTRICTED_PARTS`),
+    # "dram" (never on NVMe: refused where it does not fit), or one candidate by name
+    # (the baselines).
     host_state: str = "auto"
 
     def __post_init__(self) -> None:

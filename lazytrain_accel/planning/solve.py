@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from lazytrain_accel.config import STRATEGIES
 from lazytrain_accel.planning.baselines import BASELINES, GPU_ONLY_BASELINES
@@ -33,7 +33,7 @@ from lazytrain_accel.planning.problem import (
     with_state_homes,
 )
 from lazytrain_accel.planning.refusal import infeasible_error
-from lazytrain_accel.planning.request import DIAGNOSE_TIME_LIMIT_S, PlanRequest
+from lazytrain_accel.planning.request import DIAGNOSE_TIME_LIMIT_S, RESTRICTED_PARTS, PlanRequest
 from lazytrain_accel.planning.schedule import blocks_of, schedule_transfers
 from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.planning.state_search import needs_state_homes, state_candidates
@@ -273,6 +273,11 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
 
     The result is never slower, as the simulator prices it, than a baseline of the
     strategy or `request.running` (a re-plan's running plan) that fits (`fastest.py`).
+    Where the host state did not fit DRAM, its `solver.state_steps_s` holds each state
+    candidate's simulated step, the fastest over the profiles planned (tiles, resident
+    placements; `lazytrain plan` prints them): the step `host_state=` that candidate plans
+    where that plans the same profiles (with `resident_update="device"`, a host-placed
+    candidate is priced before `residents_on_device` moves its residents).
     """
     r = request or PlanRequest()
     host_only = r.strategy == "megatrain" or not r.include_optimizer
@@ -280,6 +285,7 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
     budgets = r.budgets or Budgets.from_hardware(hardware)
     optimizer = "hybrid8bit" if r.include_optimizer else "keep"
     running = None if r.running is None else tuple(r.running.homes)
+    priced: list[Mapping[str, float | None]] = []  # each `plan_host_state`'s candidates
 
     def problem(profile: ModelProfile, resident_update: str) -> Problem:
         return build_problem(profile, hardware, budgets=budgets,
@@ -292,7 +298,9 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
         if not (r.include_optimizer and r.gpus_per_node == 1 and r.host_state != "dram"
                 and needs_state_homes(p)):
             return solved_in(p, profile)
-        return plan_host_state(p, profile, hardware, r, solved_in)
+        plan = plan_host_state(p, profile, hardware, r, solved_in)
+        priced.append(plan.solver.state_steps_s)
+        return plan
 
     def solved_in(p: Problem, profile: ModelProfile) -> Plan:
         plan = plan_problem(p, profile, hardware, strategy=r.strategy,
@@ -329,7 +337,21 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
         plan = plan_head(model)
     kept = None if r.running is None or r.running.resident_update != plan.resident_update \
         else repriced(r.running, model, hardware, include_optimizer=r.include_optimizer)
-    return plan if kept is None else fastest(plan, [("running", kept)], budgets)
+    plan = plan if kept is None else fastest(plan, [("running", kept)], budgets)
+    return _with_state_steps(plan, _fastest_steps(priced)) if priced else plan
+
+
+def _with_state_steps(plan: Plan, steps_s: Mapping[str, float | None]) -> Plan:
+    """`plan` with `steps_s` as its solver's state candidates' steps."""
+    return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver,
+                                                                state_steps_s=dict(steps_s)))
+
+
+def _fastest_steps(priced: list[Mapping[str, float | None]]) -> dict[str, float | None]:
+    """Each state candidate's fastest step over `priced` (None where it never fit)."""
+    names = dict.fromkeys(name for steps_s in priced for name in steps_s)
+    return {name: min((s[name] for s in priced if s.get(name) is not None), default=None)
+            for name in names}
 
 
 def plan_host_state(p: Problem, model: ModelProfile, hardware: HardwareProfile,
@@ -338,21 +360,25 @@ def plan_host_state(p: Problem, model: ModelProfile, hardware: HardwareProfile,
     fastest simulated of the state candidates each solved by `solved_in` (with the
     boundary baselines), and of the MIP deciding the state itself from the best of them
     (docs/planner.md "Host state on NVMe"); `r.host_state` may name one candidate. The
-    refusal where none fits: short of DRAM even with every part that may on NVMe, or
-    else the one with every part in DRAM."""
+    plan's `solver.state_steps_s`: each candidate's simulated step, None where it did not
+    fit. The refusal where none fits: short of DRAM even with every part that may on
+    NVMe, or else the one with every part in DRAM."""
     recomputed = () if r.strategy not in BASELINES else tuple(
         j for j, home in enumerate(BASELINES[r.strategy](p)) if home == Home.RECOMPUTE)
-    chosen = r.host_state if r.host_state != "copies" else "auto"
-    if r.host_state == "copies":  # the parts the engine streams today
-        p = dataclasses.replace(p, state_parts=("copies",))
-    plans, refusal = [], None
+    parts = RESTRICTED_PARTS.get(r.host_state)  # the planner chooses among these only
+    chosen = "auto" if parts else r.host_state
+    if parts:
+        p = dataclasses.replace(p, state_parts=parts)
+    plans, refusal, steps_s = [], None, {}
     for name, homes in state_candidates(p, recomputed=recomputed):
         if chosen not in ("auto", name):
             continue
         try:
             plans.append(solved_in(with_state_homes(p, homes), model))
         except PlanInfeasibleError as err:  # the last: every part that may, on NVMe
-            refusal = err
+            refusal, steps_s[name] = err, None
+        else:
+            steps_s[name] = plans[-1].prediction.step_s
     if plans and chosen == "auto" and r.strategy not in BASELINES \
             and solve_milp is not None:  # the MIP decides, from the best candidate
         best = min(plans, key=lambda plan: plan.prediction.step_s)
@@ -363,7 +389,7 @@ def plan_host_state(p: Problem, model: ModelProfile, hardware: HardwareProfile,
                 gap=max(r.gap, STATE_GAP), include_optimizer=r.include_optimizer,
                 diagnose_s=r.diagnose_s, start=(best.homes, best.state)))
     if plans:
-        return min(plans, key=lambda plan: plan.prediction.step_s)
+        return _with_state_steps(min(plans, key=lambda plan: plan.prediction.step_s), steps_s)
     if refusal is not None and set(refusal.shortfall_bytes) == {"cpu"}:
         raise refusal
     return solved_in(p, model)

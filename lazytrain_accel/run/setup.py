@@ -156,12 +156,13 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
     if is_plan_file(config):
         plan = Plan.load(config.plan)
         plan.check_fingerprint(fingerprint)
-        if plan.state.optimizer or plan.state.grads:
+        if plan.state.optimizer:
             raise ValueError(
-                f"plan file {config.plan} homes host state on NVMe ({plan.state.to_dict()}): "
-                "`lazytrain plan` prices such plans, but the engine streams only the layers' "
-                "compute copies from NVMe yet; give the run a DRAM budget that holds the "
-                "masters, moments and gradients (cpu_memory_limit_gb) and plan again")
+                f"plan file {config.plan} homes masters and moments on NVMe "
+                f"({plan.state.to_dict()}): `lazytrain plan` prices such plans, but the engine "
+                "streams only the layers' compute copies and gradients from NVMe yet; give "
+                "the run a DRAM budget that holds the masters and moments "
+                "(cpu_memory_limit_gb) and plan again with --host-state streamed")
         return plan
     strategy = "lazytrain" if config.plan == "auto" else config.plan
     resident_update = resident_update or config.resident_update
@@ -230,11 +231,19 @@ def plan_request(config: LazyTrainConfig, *, strategy: str, budgets: Budgets,
                                      else time_limit_s),
                        include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT,
                        resident_update=resident_update, gpus_per_node=gpus_per_node,
-                       nodes=nodes, running=running,
-                       # the engine streams only the compute copies from NVMe yet (issue
-                       # 44): where the rest of the state does not fit DRAM the run is
-                       # refused as before
-                       host_state="copies")
+                       nodes=nodes, running=running, host_state=streamed_state(config))
+
+
+def streamed_state(config: LazyTrainConfig) -> str:
+    """The parts of the layers' host state a run may home on NVMe (`PlanRequest.host_state`):
+    what the engine streams (issue 44), the compute copies and, where the hybrid 8-bit
+    operator reads them back layer by layer and no other rank reduces them after the fold,
+    the gradients. Where the masters and moments do not fit DRAM the run is refused as
+    before."""
+    from lazytrain_accel.distributed import ranks
+
+    alone = not ranks.is_multi_process()
+    return "streamed" if config.optimizer == OptimizerChoice.HYBRID8BIT and alone else "copies"
 
 
 def budgets_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Budgets:

@@ -97,6 +97,8 @@ class OptimizerStep:
         optimizer that `optimizer` replaced (never stepped)."""
         previous = optimizer.step  # a bound method, or a scheduler's wrapper around it
         if isinstance(optimizer, HybridAdamW8bit):
+            if self.engine is not None:  # its zero_grad() reaches the engine from now
+                self.engine.steps.adopt(optimizer)
             self.guard.count_in(optimizer.skips)  # it decides and counts the skips
             optimizer.run_step = self
         else:

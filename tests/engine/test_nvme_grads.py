@@ -170,3 +170,27 @@ def test_gradients_reduced_across_ranks_are_refused_on_nvme(tmp_path):
     with pytest.raises(ValueError, match="host_state='copies'"):
         engine.register_grad_ready_hook(lambda params: None)
     engine.detach()
+
+
+@pytest.mark.parametrize("zero", ["model", "optimizer"])
+def test_a_zero_grad_between_micro_batches_drops_the_grads_in_files(tmp_path, zero):
+    """`zero_grad()` of the model or of the optimizer after a micro-batch: the gradients
+    in files are gone as those in `.grad`, the step applies the next micro-batch only."""
+    def run(model, plan, where):
+        engine = attach(model, plan, device=CPU, nvme_dir=str(tmp_path / where))
+        opt = HybridAdamW8bit(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+        engine.steps.adopt(opt)  # as prepare does (else at its first step)
+        first, second = batches(2)
+        model(input_ids=first, labels=first).loss.backward()
+        (model if zero == "model" else opt).zero_grad()
+        model(input_ids=second, labels=second).loss.backward()
+        engine.step_layerwise(opt)
+        engine.synchronize()
+        engine.detach()
+
+    ref = build_model("llama", LAYERS)
+    model = twin(ref)
+    plan = make_plan("checkpoint_all", LAYERS)
+    run(ref, plan, "dram")
+    run(model, dataclasses.replace(plan, state=StateHomes(grads=(1, 2, 3, 4))), "nvme")
+    _assert_same_weights(model, ref)

@@ -1,12 +1,15 @@
-"""A run through the plugin whose DRAM budget cannot hold every layer's bf16 compute copy
-(issue 44): the plan homes some copies on NVMe (`host_state="copies"`, what the engine
-streams), the engine streams them, and the run trains bit for bit as with all in DRAM."""
+"""Runs through the plugin whose DRAM budget cannot hold every layer's host state (issue
+44): the plan homes some bf16 compute copies, and where that is not enough some
+gradients, on NVMe (`host_state="streamed"`, what the engine streams), the engine streams
+them, and the run trains bit for bit as with all in DRAM, its update overlapped with the
+next forward or run at the step."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from test_step_overlap_plugin import _build, _train
 
@@ -21,10 +24,11 @@ GIB = 2**30
 LAYERS = 8
 
 
-def _plugin(tmp_path: Path, cpu_memory_limit_gb: float = 0) -> LazyTrainPlugin:
+def _plugin(tmp_path: Path, cpu_memory_limit_gb: float = 0,
+            overlap_step: bool = True) -> LazyTrainPlugin:
     return LazyTrainPlugin(plan="checkpoint_all", hardware="h800", resident_update="host",
                            cache_dir=str(tmp_path / "c"), nvme_dir=str(tmp_path / "n"),
-                           cpu_memory_limit_gb=cpu_memory_limit_gb)
+                           cpu_memory_limit_gb=cpu_memory_limit_gb, overlap_step=overlap_step)
 
 
 def test_copies_homed_on_nvme_by_the_plan_train_as_in_dram(tmp_path: Path) -> None:
@@ -48,3 +52,31 @@ def test_copies_homed_on_nvme_by_the_plan_train_as_in_dram(tmp_path: Path) -> No
     for name, value in dram_params.items():
         torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
     assert not any((tmp_path / "nvme" / "n").glob("lazytrain-*"))  # removed at the end
+
+
+@pytest.mark.parametrize("overlap_step", [True, False])
+def test_gradients_homed_on_nvme_by_the_plan_train_as_in_dram(tmp_path: Path,
+                                                              overlap_step: bool) -> None:
+    """A budget that every copy on NVMe would leave short by a layer's gradients: the plan
+    homes gradients there too; the update reads them back, overlapped with the next
+    forward or (`overlap_step=False`) layer by layer at the step."""
+    model = _build("llama", LAYERS)
+    profile = setup.profile_for_run(model, batch_size=2, seq_len=12,
+                                    compute_dtype=torch.bfloat16)
+    p = build_problem(profile, HARDWARE_PRESETS["h800"])
+    sizes = p.state_sizes
+    budget_gb = (p.cpu_fixed_bytes - LAYERS * sizes.copies_bytes - sizes.grads_bytes) / GIB
+    prepared: list = []
+    nvme = _plugin(tmp_path / "nvme", budget_gb, overlap_step=overlap_step)
+    losses, params = _train(model, nvme, mixed_precision="bf16", on_prepared=lambda acc: (
+        prepared.append((acc.lazytrain.run.plan.state, acc.lazytrain.engine))))
+    dram_losses, dram_params = _train(_build("llama", LAYERS), _plugin(tmp_path / "dram"),
+                                      mixed_precision="bf16")
+    state, engine = prepared[0]
+    assert state.grads and not state.optimizer, state
+    moved = engine.total_stats().transfer_bytes
+    assert moved["state_nvme_write"] > 0 and moved["state_nvme_read"] > 0, moved
+    assert losses == dram_losses
+    for name, value in dram_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
+    assert not any((tmp_path / "nvme" / "n").glob("lazytrain-*"))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,6 +19,7 @@ from test_planner_agreement import FAMILIES, HOST_WORK, REGIMES, TOLERANCE
 from test_planner_agreement import _hardware as _agreement_hardware
 from test_planner_agreement import _model as _agreement_model
 
+from lazytrain_accel.cli import main, plan_cmd
 from lazytrain_accel.planning import Budgets, PlanInfeasibleError, make_plan, simulate
 from lazytrain_accel.planning.baselines import BASELINES
 from lazytrain_accel.planning.milp import solve_milp
@@ -39,13 +42,16 @@ RTX4090 = HARDWARE_PRESETS["rtx4090"]
 STATE_EXAMPLES = 20
 
 
+def _tiny_config(layers: int = 6) -> dict:
+    return {"model_type": "llama", "vocab_size": 256, "hidden_size": 256,
+            "intermediate_size": 512, "num_hidden_layers": layers,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "max_position_embeddings": 512, "tie_word_embeddings": False}
+
+
 def _tiny(layers: int = 6):
-    config = {"model_type": "llama", "vocab_size": 256, "hidden_size": 256,
-              "intermediate_size": 512, "num_hidden_layers": layers,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
-              "max_position_embeddings": 512, "tie_word_embeddings": False}
-    return profile_model(geometry_from_config(config, name="tiny-llama"), batch_size=2,
-                         seq_len=64, compute_bytes_per_elem=2)
+    return profile_model(geometry_from_config(_tiny_config(layers), name="tiny-llama"),
+                         batch_size=2, seq_len=64, compute_bytes_per_elem=2)
 
 
 def _slow_drive(model, layers_per_s: float):
@@ -146,21 +152,60 @@ def test_a_70b_full_fine_tune_plans_on_a_4090_with_128_gb_and_4_drives() -> None
     assert plan.prediction.step_s <= 1.15 * traffic.floor_s
 
 
-def test_the_state_homes_travel_in_the_plan_file_and_the_engine_refuses_them(tmp_path) -> None:
+def test_the_state_homes_travel_in_the_plan_file_and_a_run_takes_what_it_streams(tmp_path) -> None:
     from lazytrain_accel.config import LazyTrainConfig
     from lazytrain_accel.run.setup import resolve_plan
 
     model = _tiny()
     hardware = _slow_drive(model, 50.0)
-    plan = make_plan(model, hardware, PlanRequest(
-        budgets=_budgets(model, hardware, dram_layers=4.5), time_limit_s=10))
+    budgets = _budgets(model, hardware, dram_layers=4.5)
+    plan = make_plan(model, hardware, PlanRequest(budgets=budgets, time_limit_s=10))
     path = tmp_path / "plan.json"
     plan.save(path)
     loaded = Plan.load(path)
     assert loaded.state == plan.state and isinstance(loaded.state, StateHomes)
-    assert plan.state.optimizer or plan.state.grads
-    with pytest.raises(ValueError, match="streams only the layers' compute copies"):
+    assert loaded.solver.state_steps_s == plan.solver.state_steps_s
+    assert plan.solver.state_steps_s["greedy"] > 0
+    assert plan.state.optimizer
+    with pytest.raises(ValueError, match="streams only the layers' compute copies and grad"):
         resolve_plan(LazyTrainConfig(plan=str(path)), model, hardware)
+    # the parts a run streams: a plan homing gradients (and copies) only is the run's
+    streamed = make_plan(model, hardware, PlanRequest(
+        budgets=_budgets(model, hardware, dram_layers=5.5), time_limit_s=10,
+        host_state="streamed"))
+    assert streamed.state.grads and not streamed.state.optimizer
+    streamed.save(path)
+    assert resolve_plan(LazyTrainConfig(plan=str(path)), model, hardware).state == streamed.state
+
+
+def test_lazytrain_plan_prints_the_state_baselines_its_plan_priced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`lazytrain plan` takes the state baselines (greedy, all on NVMe) from the steps
+    `make_plan` priced for its candidates (`Solution.state_steps_s`) rather than planning
+    them again, and they are the steps planning each with `host_state=` gives."""
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps(_tiny_config()))
+    budgets = _budgets(_tiny(), RTX4090, dram_layers=4.5)
+    calls = []
+
+    def recorded(model, hardware, request):
+        calls.append((model, hardware, request))
+        return make_plan(model, hardware, request)
+
+    monkeypatch.setattr(plan_cmd, "make_plan", recorded)
+    assert main(["plan", "--model", str(config), "--hardware", "rtx4090", "--batch-size",
+                 "2", "--seq-len", "64", "--cpu-memory-gb", repr(budgets.cpu_bytes / GIB),
+                 "--time-limit-s", "10", "--json"]) == 0
+    baselines = json.loads(capsys.readouterr().out)["host_state_baselines"]
+    assert [request.host_state for _, _, request in calls
+            if request.strategy == "lazytrain"] == ["auto", "dram"]
+    assert all(request.diagnose_s == 0 for _, _, request in calls[1:])  # refusals unread
+    model, hardware, request = calls[0]
+    for name in ("greedy", "all_nvme"):
+        other = make_plan(model, hardware, dataclasses.replace(request, host_state=name))
+        assert baselines[name] == other.prediction.step_s, name
+    assert baselines["dram"] is None
 
 
 @pytest.mark.parametrize("compute_on_host", [False, True])

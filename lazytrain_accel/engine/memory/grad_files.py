@@ -3,18 +3,13 @@ written to a file once the backward has folded a layer's gradients into its `.gr
 recorded their norms, read back for that layer's update (issued ahead, through
 `STATE_STAGING_GROUPS` buffers: the planner's count) and dropped when it is done.
 
-Between the backward and the update such a layer's parameters have `.grad` None: the
-gradient lives in its file only, the engine keeps its squared norms for clipping
-(`grad_sq_norms`), and the update is what reads it. As with DeepSpeed's offloaded
-gradients, an applied update consumes them: the next backward starts that layer from no
-gradient, as after `zero_grad(set_to_none=True)`, which every training loop calls between
-steps. A skipped (non-finite) step and a `zero_grad()` drop them too. A second micro-batch
-of one step (gradient accumulation) reads the layer's file back, adds, and writes it again.
-
-Files go through the one direct-I/O module (`storage/direct_io.py`) into
-`<engine's NVMe directory>/state`, removed with the boundary files. A failed write or read
-raises its `StateIOError` at the next use of that layer's gradients.
-Docs: docs/engine.md "Host state on NVMe".
+Between the backward and the update such a layer's parameters have `.grad` None (the
+engine keeps their norms for the clip). An applied update consumes them, as DeepSpeed's
+offloaded gradients: the next backward starts that layer from none, as after
+`zero_grad(set_to_none=True)`; a skipped step and a `zero_grad()` of the model or the
+optimizer drop them too. A second micro-batch of one step reads the file back, adds, and
+writes it again. Files go through `storage/direct_io.py` into `<NVMe directory>/state`; a
+failed write or read raises its `StateIOError` at the next use. Docs: docs/engine.md "Host state on NVMe".
 """
 
 from __future__ import annotations

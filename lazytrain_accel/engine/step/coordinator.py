@@ -141,7 +141,7 @@ class StepCoordinator:
         device_done = threading.Event()
         if not self.device_update_beside_host:
             self._update_on_device(optimizer, groups, device_groups, device_done, fail=None)
-        self._adopt(optimizer)
+        self.adopt(optimizer)
         self._update = LayerwiseUpdate(optimizer, groups, self._acct,
                                        copies=self._copies, device_groups=device_groups,
                                        device_update_done=device_done,
@@ -157,10 +157,11 @@ class StepCoordinator:
             self.wait_for_reads()
         return None
 
-    def _adopt(self, optimizer: LayerwiseOptimizer) -> None:
+    def adopt(self, optimizer: LayerwiseOptimizer) -> None:
         """An optimizer with a `zero_grad_gate` (the hybrid operator) defers its
-        `zero_grad()` to this coordinator while an update runs: set at its first step
-        here, and again if another engine's coordinator held it."""
+        `zero_grad()` to this coordinator while an update runs, and drops the gradients
+        in files with it: set at prepare (`run/step.py`) or its first step here, and
+        again if another engine's coordinator held it."""
         gate = getattr(optimizer, "zero_grad_gate", False)
         if gate is not False and gate != self.defer_zero_grad:
             optimizer.zero_grad_gate = self.defer_zero_grad
