@@ -152,7 +152,7 @@ def main() -> None:
         # one cache: the first run measures this machine, the second reuses the profile
         dram = _fresh(f"{tmp}/dram", f"{tmp}/cache", args.steps)
         copies = _fresh(f"{tmp}/copies", f"{tmp}/cache", args.steps, LAYERS - 4.0)
-        grads = _fresh(f"{tmp}/grads", f"{tmp}/cache", args.steps, LAYERS, LAYERS - 4.0)
+        grads = _fresh(f"{tmp}/grads", f"{tmp}/cache", args.steps, LAYERS, 4.0)
     print(f"CPU: {_cpu_model()}; {LAYERS} layers, batch {BATCH} x {SEQ}, bf16, "
           f"{args.steps} steps a run")
     runs = (("all in DRAM", dram), ("copies on NVMe", copies),

@@ -194,3 +194,35 @@ def test_a_zero_grad_between_micro_batches_drops_the_grads_in_files(tmp_path, ze
     run(ref, plan, "dram")
     run(model, dataclasses.replace(plan, state=StateHomes(grads=(1, 2, 3, 4))), "nvme")
     _assert_same_weights(model, ref)
+
+
+def test_a_written_gradient_leaves_dram(tmp_path, monkeypatch):
+    """Once its write is done a homed layer's gradient is held by nothing: the DRAM it
+    took is free until the update reads the file back (a reference kept until then would
+    hold every homed layer's gradients through the step: the budget's overshoot)."""
+    import gc
+    import weakref
+
+    from lazytrain_accel.engine.memory.grad_files import NvmeGrads
+
+    model = build_model("llama", LAYERS)
+    plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS),
+                               state=StateHomes(grads=(1, 2, 3)))
+    engine = attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
+    spilled: list[weakref.ref] = []
+    spill = NvmeGrads.spill
+
+    def watched(self, layer: int) -> None:
+        spilled.extend(weakref.ref(p.grad) for p in self._params[layer - 1]
+                       if p.grad is not None)
+        spill(self, layer)
+
+    monkeypatch.setattr(NvmeGrads, "spill", watched)
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    for write in list(engine.sink.files._writes.values()):
+        write.result()
+    gc.collect()
+    assert len(spilled) == 3 * len(engine.layer_params(1))
+    assert all(ref() is None for ref in spilled)
+    engine.detach()

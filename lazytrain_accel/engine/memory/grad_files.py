@@ -9,7 +9,8 @@ offloaded gradients: the next backward starts that layer from none, as after
 `zero_grad(set_to_none=True)`; a skipped step and a `zero_grad()` of the model or the
 optimizer drop them too. A second micro-batch of one step reads the file back, adds, and
 writes it again. Files go through `storage/direct_io.py` into `<NVMe directory>/state`; a
-failed write or read raises its `StateIOError` at the next use. Docs: docs/engine.md "Host state on NVMe".
+failed write or read raises its `StateIOError` at the next use.
+Docs: docs/engine.md "Host state on NVMe".
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ class NvmeGrads:
         self._io: DirectIO | None = None  # its threads start with the first write
         #: layer -> which of its parameters have a gradient in its file (this step's)
         self._held: dict[int, list[bool]] = {}
-        #: layer -> its write in flight and the tensors it writes (alive until written)
-        self._writes: dict[int, tuple[Future[None], list[torch.Tensor]]] = {}
+        #: layer -> its last write (the tensors it writes stay alive until it is done)
+        self._writes: dict[int, Future[None]] = {}
         self._free: list[torch.Tensor] = []  # staging buffers, fp32, the largest layer's size
         self._buffers = 0
         #: the update's layers still to read, in its order; the reads issued, by layer
@@ -106,7 +107,8 @@ class NvmeGrads:
         write = self._direct_io().write_tensors(self._path(layer), grads)
         write.add_done_callback(lambda done: done.exception() is None and self._acct.add_transfer(
             "state_nvme_write", time.perf_counter() - start, nbytes))
-        self._writes[layer] = (write, grads)
+        write.add_done_callback(lambda _: grads.clear())  # written: their DRAM is free
+        self._writes[layer] = write
         self._held[layer] = has
         for p in params:
             p.grad = None
@@ -173,13 +175,13 @@ class NvmeGrads:
         """Block until layer `layer`'s last write is on the drive; raise its error."""
         write = self._writes.pop(layer, None)
         if write is not None:
-            write[0].result()
+            write.result()
 
     def close(self) -> None:
         """Wait for every write and read; end the I/O threads; free the buffers."""
         self.end_update()
         writes, self._writes = self._writes, {}
-        errors = [w.exception() for w, _ in writes.values()]
+        errors = [w.exception() for w in writes.values()]
         self._held.clear()
         if self._io is not None:
             self._io.close()
