@@ -226,3 +226,25 @@ def test_a_written_gradient_leaves_dram(tmp_path, monkeypatch):
     assert len(spilled) == 3 * len(engine.layer_params(1))
     assert all(ref() is None for ref in spilled)
     engine.detach()
+
+
+def test_the_state_io_counts_the_drives_busy_time_not_each_requests(monkeypatch, tmp_path):
+    """Two reads overlapping from t=1 to t=3: 4 s busy (the union), where the requests'
+    own spans sum to 6; bytes are counted for requests that end whole."""
+    from lazytrain_accel.engine.memory import state_io
+    from lazytrain_accel.engine.stats import Accounting
+
+    clock = iter([0.0, 1.0, 3.0, 4.0, 10.0, 11.0])
+    monkeypatch.setattr(state_io.time, "perf_counter", lambda: next(clock))
+    acct = Accounting()
+    io = state_io.StateIO(acct)
+    io._event(state_io.READ, +1, 0)  # t=0
+    io._event(state_io.READ, +1, 0)  # t=1
+    io._event(state_io.READ, -1, 100)  # t=3
+    io._event(state_io.READ, -1, 50)  # t=4
+    io._event(state_io.WRITE, +1, 0)  # t=10
+    io._event(state_io.WRITE, -1, 0)  # t=11: failed, no bytes
+    totals = acct.totals()
+    assert totals.transfer_s[state_io.READ] == 4.0
+    assert totals.transfer_bytes[state_io.READ] == 150
+    assert (totals.transfer_s[state_io.WRITE], totals.transfer_bytes[state_io.WRITE]) == (1.0, 0)

@@ -31,6 +31,7 @@ from lazytrain_accel.engine.memory.grad_files import NvmeGrads
 from lazytrain_accel.engine.memory.grads import GradSink
 from lazytrain_accel.engine.memory.nvme import NvmeSpill
 from lazytrain_accel.engine.memory.residents import ResidentParams, owners, update_groups
+from lazytrain_accel.engine.memory.state_io import StateIO
 from lazytrain_accel.engine.memory.weights import master_dtype
 from lazytrain_accel.engine.model import hf_checkpointing
 from lazytrain_accel.engine.model.binding import bind_call, drop_cache
@@ -103,7 +104,7 @@ class StreamingEngine:
         if self.compute_dtype == torch.float32:
             return None
         return NvmeCopies(self.spill.directory / "state", set(self.plan.state.copies),
-                          self.acct)
+                          self.acct, self.state_io)
 
     def _check_state(self, plan: Plan) -> None:
         """Refuse a plan homing on NVMe a part of the host state the engine does not
@@ -139,12 +140,14 @@ class StreamingEngine:
                      late: list[nn.Parameter]) -> None:
         self.acct = Accounting(clock=self.streams)  # device work timed where it runs
         self.spill = NvmeSpill(nvme_dir, self.acct, streams=self.streams)
+        #: The one direct-I/O of the state files (compute copies, gradients) on NVMe.
+        self.state_io = StateIO(self.acct)
         trainable = [[p for p in ps if p.requires_grad] for ps in self._layer_params]
         max_numel = max((sum(p.numel() for p in ps) for ps in trainable), default=1)
         self.sink = GradSink(streams=self.streams, accounting=self.acct,
                              max_numel=max(max_numel, 1), grad_dtype=self.compute_dtype)
         self.sink.files = NvmeGrads(self.spill.directory / "state", set(self.plan.state.grads),
-                                    trainable, self.acct)
+                                    trainable, self.acct, self.state_io)
         self.pool = quantized.weight_pool(self._layer_params, streams=self.streams,
                                           compute_dtype=self.compute_dtype,
                                           accounting=self.acct,
@@ -455,6 +458,7 @@ class StreamingEngine:
         restore_buffers(self._buffer_devices)
         self.pool.close()
         self.sink.close()
+        self.state_io.close()
         self.spill.close()
         self.streams.close()
         self.steps.close()

@@ -2,8 +2,8 @@
 (`Plan.state.copies`): a file each, written behind the update that makes the copy, read
 back for the layer's next load once its DRAM buffer was dropped (`WeightPool`).
 
-Files go through the one direct-I/O module (`storage/direct_io.py`: past the page cache,
-aligned, the tail kept) into `<engine's NVMe directory>/state`, which the engine removes
+Files go through the engine's `StateIO` (`state_io.py`, on `storage/direct_io.py`: past the
+page cache, aligned, the tail kept) into `<engine's NVMe directory>/state`, which the engine removes
 with its boundary files (`NvmeSpill.close`, and at interpreter exit). A failed write or
 read raises its `StateIOError` at the next use of that layer's copy.
 Docs: docs/engine.md "Host state on NVMe".
@@ -11,37 +11,28 @@ Docs: docs/engine.md "Host state on NVMe".
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
+from lazytrain_accel.engine.memory.state_io import StateIO
 from lazytrain_accel.engine.stats import Accounting
-from lazytrain_accel.storage.direct_io import DirectIO
-
-#: Two threads, so two requests of a file in flight: one alone reached half the drive's
-#: `O_DIRECT` rate here (bench/nvme_state.py); they sleep in the kernel while they wait.
-COPY_IO_WORKERS = 2
 
 
 class NvmeCopies:
     """Files of the compute copies of `layers` (1-based) under `directory`."""
 
-    def __init__(self, directory: Path, layers: set[int], accounting: Accounting) -> None:
+    def __init__(self, directory: Path, layers: set[int], accounting: Accounting,
+                 io: StateIO) -> None:
         #: The layers homed on NVMe now; a re-plan may change them (`WeightPool` reads a
         #: copy back from its file wherever it dropped the buffer, homed there or not).
         self.layers = frozenset(layers)
         self._directory = directory
         self._acct = accounting
-        self._io: DirectIO | None = None  # its thread starts with the first write
+        self._io = io
         self._writes: dict[int, Future[None]] = {}
         self._sizes: dict[int, int] = {}
-
-    def _direct_io(self) -> DirectIO:
-        if self._io is None:
-            self._io = DirectIO(workers=COPY_IO_WORKERS)
-        return self._io
 
     def _path(self, layer: int) -> Path:
         return self._directory / f"copy-{layer}.bin"
@@ -55,11 +46,7 @@ class NvmeCopies:
         if layer not in self._sizes:
             self._acct.allocate("nvme", nbytes)
             self._sizes[layer] = nbytes
-        start = time.perf_counter()
-        write = self._direct_io().write_tensors(self._path(layer), [copy])
-        write.add_done_callback(lambda done: done.exception() is None and self._acct.add_transfer(
-            "state_nvme_write", time.perf_counter() - start, nbytes))
-        self._writes[layer] = write
+        self._writes[layer] = self._io.write(self._path(layer), [copy])
 
     def wait_written(self, layer: int) -> None:
         """Block until layer `layer`'s last write is on the drive; raise its error."""
@@ -71,20 +58,14 @@ class NvmeCopies:
         """Start filling `out` with layer `layer`'s copy from its file (after its write,
         waited for here); the future ends with the read."""
         self.wait_written(layer)
-        start, nbytes = time.perf_counter(), out.numel() * out.element_size()
-        read = self._direct_io().read_tensors(self._path(layer), [out])
-        read.add_done_callback(lambda done: done.exception() is None and self._acct.add_transfer(
-            "state_nvme_read", time.perf_counter() - start, nbytes))
-        return read
+        return self._io.read(self._path(layer), [out])
 
     def close(self) -> None:
-        """Wait for the writes, end the I/O threads and remove the files."""
+        """Wait for the writes and remove the files (the engine closes its `StateIO`)."""
         try:
             for layer in list(self._writes):
                 self.wait_written(layer)
         finally:
-            if self._io is not None:
-                self._io.close()
             for layer, nbytes in self._sizes.items():
                 self._path(layer).unlink(missing_ok=True)
                 self._acct.free("nvme", nbytes)

@@ -8,14 +8,13 @@ engine keeps their norms for the clip). An applied update consumes them, as Deep
 offloaded gradients: the next backward starts that layer from none, as after
 `zero_grad(set_to_none=True)`; a skipped step and a `zero_grad()` of the model or the
 optimizer drop them too. A second micro-batch of one step reads the file back, adds, and
-writes it again. Files go through `storage/direct_io.py` into `<NVMe directory>/state`; a
+writes it again. Files go through the engine's `StateIO` into `<NVMe directory>/state`; a
 failed write or read raises its `StateIOError` at the next use.
 Docs: docs/engine.md "Host state on NVMe".
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -24,12 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lazytrain_accel.engine.memory.state_io import StateIO
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.planning.state import STATE_STAGING_GROUPS
-from lazytrain_accel.storage.direct_io import DirectIO
-
-#: As the compute copies' files (`copy_files.py`): two requests of a file in flight.
-GRAD_IO_WORKERS = 2
 
 
 class NvmeGrads:
@@ -37,7 +33,7 @@ class NvmeGrads:
     are layer j's trainable parameters, in the order the engine folds them."""
 
     def __init__(self, directory: Path, layers: set[int], params: list[list[nn.Parameter]],
-                 accounting: Accounting) -> None:
+                 accounting: Accounting, io: StateIO) -> None:
         self.layers = frozenset(layers)
         self._directory = directory
         self._params = params
@@ -45,7 +41,8 @@ class NvmeGrads:
         #: parameter -> (its layer, its place among the layer's parameters)
         self._place = {p: (j, k) for j, ps in enumerate(params, start=1)
                        for k, p in enumerate(ps)}
-        self._io: DirectIO | None = None  # its threads start with the first write
+        self._io = io
+        self._sizes: dict[int, int] = {}  # the bytes of each file written, counted on NVMe
         #: layer -> which of its parameters have a gradient in its file (this step's)
         self._held: dict[int, list[bool]] = {}
         #: layer -> its last write (the tensors it writes stay alive until it is done)
@@ -103,10 +100,10 @@ class NvmeGrads:
         self.wait_written(layer)  # the file's previous write, whole
         self._directory.mkdir(parents=True, exist_ok=True)
         nbytes = sum(g.numel() * g.element_size() for g in grads)
-        start = time.perf_counter()
-        write = self._direct_io().write_tensors(self._path(layer), grads)
-        write.add_done_callback(lambda done: done.exception() is None and self._acct.add_transfer(
-            "state_nvme_write", time.perf_counter() - start, nbytes))
+        if nbytes > self._sizes.get(layer, 0):  # a file as large as its largest write
+            self._acct.allocate("nvme", nbytes - self._sizes.get(layer, 0))
+            self._sizes[layer] = nbytes
+        write = self._io.write(self._path(layer), grads)
         write.add_done_callback(lambda _: grads.clear())  # written: their DRAM is free
         self._writes[layer] = write
         self._held[layer] = has
@@ -178,14 +175,16 @@ class NvmeGrads:
             write.result()
 
     def close(self) -> None:
-        """Wait for every write and read; end the I/O threads; free the buffers."""
+        """Wait for every write and read, remove the files, free the buffers (the engine
+        closes its `StateIO`)."""
         self.end_update()
         writes, self._writes = self._writes, {}
         errors = [w.exception() for w in writes.values()]
         self._held.clear()
-        if self._io is not None:
-            self._io.close()
-            self._io = None
+        for layer, nbytes in self._sizes.items():
+            self._path(layer).unlink(missing_ok=True)
+            self._acct.free("nvme", nbytes)
+        self._sizes = {}
         if self._buffers:
             self._acct.free("host_pageable", self._buffers * self._buffer_numel * 4)
         self._free, self._buffers = [], 0
@@ -196,19 +195,9 @@ class NvmeGrads:
     def _path(self, layer: int) -> Path:
         return self._directory / f"grad-{layer}.bin"
 
-    def _direct_io(self) -> DirectIO:
-        if self._io is None:
-            self._io = DirectIO(workers=GRAD_IO_WORKERS)
-        return self._io
-
     def _read(self, layer: int, tensors: list[torch.Tensor]) -> Future[None]:
         self.wait_written(layer)
-        start = time.perf_counter()
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        read = self._direct_io().read_tensors(self._path(layer), tensors)
-        read.add_done_callback(lambda done: done.exception() is None and self._acct.add_transfer(
-            "state_nvme_read", time.perf_counter() - start, nbytes))
-        return read
+        return self._io.read(self._path(layer), tensors)
 
     def _read_ahead(self) -> None:
         while self._queue and (self._free or self._buffers < STATE_STAGING_GROUPS):

@@ -1,0 +1,71 @@
+"""`StateIO`: the one direct-I/O of an engine's host-state files (the compute copies of
+`copy_files.py`, the gradients of `grad_files.py`), so the requests of both parts share
+one queue of `STATE_IO_WORKERS` threads on the drive, and each direction's time is the
+drive's busy time (the union of its requests' spans): bytes over it is the rate the drive
+gave, which summing each request's own seconds would understate whenever they overlap.
+Docs: docs/engine.md "Host state on NVMe".
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from lazytrain_accel.engine.stats import Accounting
+from lazytrain_accel.storage.direct_io import DirectIO
+
+#: Two threads, so two requests in flight: one alone reached half the drive's `O_DIRECT`
+#: rate here (bench/nvme_state.py); they sleep in the kernel while they wait.
+STATE_IO_WORKERS = 2
+READ, WRITE = "state_nvme_read", "state_nvme_write"
+
+
+class StateIO:
+    """Reads and writes of state files, counted in `accounting` as `READ` / `WRITE`."""
+
+    def __init__(self, accounting: Accounting) -> None:
+        self._acct = accounting
+        self._io: DirectIO | None = None  # its threads start with the first request
+        self._lock = threading.Lock()
+        self._in_flight = {READ: 0, WRITE: 0}
+        self._since = {READ: 0.0, WRITE: 0.0}  # the last event of a busy direction
+
+    def write(self, path: Path, tensors: Sequence[torch.Tensor]) -> Future[None]:
+        """Write `tensors` back to back into `path`; they must not change until done."""
+        return self._start(WRITE, path, tensors)
+
+    def read(self, path: Path, tensors: Sequence[torch.Tensor]) -> Future[None]:
+        """Fill `tensors` from `path` (written by `write` for tensors of their sizes)."""
+        return self._start(READ, path, tensors)
+
+    def close(self) -> None:
+        """Finish the queued requests, then end the threads."""
+        if self._io is not None:
+            self._io.close()
+            self._io = None
+
+    def _start(self, kind: str, path: Path, tensors: Sequence[torch.Tensor]) -> Future[None]:
+        if self._io is None:
+            self._io = DirectIO(workers=STATE_IO_WORKERS)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        self._event(kind, +1, 0)
+        start = self._io.write_tensors if kind == WRITE else self._io.read_tensors
+        request = start(path, tensors)
+        request.add_done_callback(lambda done: self._event(
+            kind, -1, nbytes if done.exception() is None else 0))
+        return request
+
+    def _event(self, kind: str, change: int, nbytes: int) -> None:
+        """A request of `kind` starts (+1) or ends (-1): the busy seconds since the last
+        event of that direction are counted, with the bytes of one that ended whole."""
+        with self._lock:
+            now = time.perf_counter()
+            busy_s = now - self._since[kind] if self._in_flight[kind] else 0.0
+            self._in_flight[kind] += change
+            self._since[kind] = now
+        self._acct.add_transfer(kind, busy_s, nbytes)
