@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_step_overlap_plugin import _build, _train
+from test_step_overlap_plugin import _build, _loader, _train
 
-from lazytrain_accel import LazyTrainPlugin
+from lazytrain_accel import Accelerator, LazyTrainPlugin
+from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning.problem import build_problem
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.run import setup
@@ -80,3 +81,47 @@ def test_gradients_homed_on_nvme_by_the_plan_train_as_in_dram(tmp_path: Path,
     for name, value in dram_params.items():
         torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
     assert not any((tmp_path / "nvme" / "n").glob("lazytrain-*"))
+
+
+def test_a_resume_with_state_on_nvme_continues_as_the_run_that_saved(tmp_path: Path) -> None:
+    """A run whose copies and gradients live on NVMe saves after two steps and trains two
+    more; a new run (a fresh model, the same budget) loads that checkpoint and trains the
+    same two steps to the same losses and weights, bit for bit: the files hold nothing a
+    checkpoint needs (the update consumes the gradients, the masters give the copies)."""
+    profile = setup.profile_for_run(_build("llama", LAYERS), batch_size=2, seq_len=12,
+                                    compute_dtype=torch.bfloat16)
+    p = build_problem(profile, HARDWARE_PRESETS["h800"])
+    budget_gb = (p.cpu_fixed_bytes - LAYERS * p.state_sizes.copies_bytes
+                 - p.state_sizes.grads_bytes) / GIB
+    batches = list(_loader())
+
+    def run(resume: bool) -> tuple[list[float], dict[str, torch.Tensor], object]:
+        model = _build("llama", LAYERS).eval()  # no dropout: the steps' math alone
+        acc = Accelerator(cpu=True, mixed_precision="bf16",
+                          plugin=_plugin(tmp_path / ("b" if resume else "a"), budget_gb))
+        model, opt = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=1e-2,
+                                                        max_grad_norm=0.5))
+        state = acc.lazytrain.run.plan.state
+        if resume:
+            acc.load_state(str(tmp_path / "ckpt"))
+        losses = []
+        for k, batch in enumerate(batches):
+            if resume and k < 2:
+                continue
+            loss = model(**batch).loss
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if not resume and k == 1:
+                acc.save_state(str(tmp_path / "ckpt"))
+        params = {n: q.detach().clone() for n, q in acc.unwrap_model(model).named_parameters()}
+        acc.end_training()
+        return losses, params, state
+
+    losses, params, state = run(resume=False)
+    resumed, resumed_params, resumed_state = run(resume=True)
+    assert state.grads and state.copies and resumed_state == state
+    assert resumed == losses[2:]
+    for name, value in params.items():
+        torch.testing.assert_close(resumed_params[name], value, rtol=0, atol=0, msg=name)
