@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lazytrain_accel.profiling.profile import ModelProfile
+from lazytrain_accel.storage.flat import flat_views
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -253,7 +254,7 @@ def time_layer_copies(layer: nn.Module, *, compute_dtype: torch.dtype | None,
     if not params:
         raise ValueError("the layer has no parameters to time the copies of")
     flat = torch.empty(sum(p.numel() for p in params), dtype=dtype)
-    views = _flat_views(flat, params)
+    views = flat_views(flat, params)
 
     def stage() -> None:
         for view, master in zip(views, params, strict=True):
@@ -263,7 +264,7 @@ def time_layer_copies(layer: nn.Module, *, compute_dtype: torch.dtype | None,
     trainable = [p.detach().to("cpu", torch.float32) for p in layer.parameters()
                  if p.requires_grad]
     grads = [torch.randn_like(p) for p in trainable]
-    staged = _flat_views(torch.empty(sum(p.numel() for p in trainable), dtype=dtype), trainable)
+    staged = flat_views(torch.empty(sum(p.numel() for p in trainable), dtype=dtype), trainable)
 
     def fold() -> None:
         if device_runs_async:
@@ -278,11 +279,3 @@ def time_layer_copies(layer: nn.Module, *, compute_dtype: torch.dtype | None,
     return CopyTiming(stage_bytes_per_s=flat.numel() * flat.element_size() / seconds[0],
                       fold_bytes_per_s=grad_bytes / seconds[1] if trainable else None)
 
-
-def _flat_views(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of `flat` shaped like `tensors`, one after the other."""
-    views, offset = [], 0
-    for t in tensors:
-        views.append(flat[offset:offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return views

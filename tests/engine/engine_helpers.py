@@ -73,6 +73,25 @@ def build_model(arch: str, num_layers: int, seed: int = 0, **overrides: object) 
     return model
 
 
+def fail_writes(monkeypatch: Any, error: int) -> None:
+    """Make every direct-I/O write fail with `error` (an errno) until `monkeypatch.undo()`."""
+    import os
+
+    from lazytrain_accel.storage import direct_io
+
+    def broken(*_args: Any, **_kwargs: Any) -> int:
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr(direct_io.os, "pwrite", broken)
+
+
+def detach_leaves_no_files(engine: Any) -> None:
+    """Detach `engine` and check that its NVMe directory (boundaries, state files) is gone."""
+    directory = engine.spill.directory
+    engine.detach()
+    assert not directory.exists()
+
+
 def twin(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
 

@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import os
 
 import pytest
 import torch
-from engine_helpers import batches, build_model, make_plan, twin
+from engine_helpers import (
+    batches,
+    build_model,
+    detach_leaves_no_files,
+    fail_writes,
+    make_plan,
+    twin,
+)
 
 from lazytrain_accel.engine import attach
 from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning.plan import StateHomes
-from lazytrain_accel.storage import direct_io
 from lazytrain_accel.storage.direct_io import StateIOError
 
 CPU = torch.device("cpu")
@@ -84,19 +89,13 @@ def test_a_failed_copy_write_says_what_to_do_and_the_engine_still_detaches(tmp_p
     opt = HybridAdamW8bit(model.parameters(), lr=1e-2)
     ids = batches(1)[0]
     model(input_ids=ids, labels=ids).loss.backward()
-
-    def broken(*_args, **_kwargs):
-        raise OSError(errno.EIO, os.strerror(errno.EIO))
-
-    monkeypatch.setattr(direct_io.os, "pwrite", broken)
+    fail_writes(monkeypatch, errno.EIO)
     engine.step_layerwise(opt)
     engine.synchronize()  # the update wrote layer 2's copy; its file's write failed
     with pytest.raises(StateIOError, match=r"copy-2\.bin.*dmesg"):  # at its next use
         model(input_ids=ids, labels=ids).loss.backward()
     monkeypatch.undo()
-    directory = engine.spill.directory
-    engine.detach()
-    assert not directory.exists()
+    detach_leaves_no_files(engine)
 
 
 def test_parts_the_engine_does_not_stream_yet_are_refused_at_attach(tmp_path):

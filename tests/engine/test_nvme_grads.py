@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import os
 
 import pytest
 import torch
-from engine_helpers import batches, build_model, make_plan, twin
+from engine_helpers import (
+    batches,
+    build_model,
+    detach_leaves_no_files,
+    fail_writes,
+    make_plan,
+    twin,
+)
 
 from lazytrain_accel.engine import attach
 from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning.plan import StateHomes
-from lazytrain_accel.storage import direct_io
 from lazytrain_accel.storage.direct_io import StateIOError
 
 CPU = torch.device("cpu")
@@ -142,11 +147,7 @@ def test_a_failed_grad_write_names_its_file_and_the_engine_still_detaches(tmp_pa
                                state=StateHomes(grads=(2,)))
     engine = attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
     opt = HybridAdamW8bit(model.parameters(), lr=1e-2)
-
-    def broken(*_args, **_kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    monkeypatch.setattr(direct_io.os, "pwrite", broken)
+    fail_writes(monkeypatch, errno.ENOSPC)
     ids = batches(1)[0]
     model(input_ids=ids, labels=ids).loss.backward()  # layer 2's write fails behind
     with pytest.raises(RuntimeError, match="layer-wise optimizer update failed") as failed:
@@ -156,9 +157,7 @@ def test_a_failed_grad_write_names_its_file_and_the_engine_still_detaches(tmp_pa
     assert "grad-2.bin" in str(failed.value.__cause__)
     assert "nvme" in str(failed.value.__cause__).lower()
     monkeypatch.undo()
-    directory = engine.spill.directory
-    engine.detach()
-    assert not directory.exists()
+    detach_leaves_no_files(engine)
 
 
 def test_gradients_reduced_across_ranks_are_refused_on_nvme(tmp_path):

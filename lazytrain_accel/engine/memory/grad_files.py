@@ -26,6 +26,7 @@ from torch import nn
 from lazytrain_accel.engine.memory.state_io import StateIO
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.planning.state import STATE_STAGING_GROUPS
+from lazytrain_accel.storage.flat import flat_views
 
 
 class NvmeGrads:
@@ -128,11 +129,9 @@ class NvmeGrads:
         has = self._held.pop(layer)
         self._staged[layer] = buffer
         read.result()
-        offset = 0
-        for p, held in zip(self._params[layer - 1], has, strict=True):
-            if held:
-                p.grad = buffer[offset:offset + p.numel()].view(p.shape)
-                offset += p.numel()
+        params = [p for p, held in zip(self._params[layer - 1], has, strict=True) if held]
+        for p, view in zip(params, flat_views(buffer, params), strict=True):
+            p.grad = view
 
     def unstage(self, layer: int) -> None:
         """Layer `layer`'s update is done: drop its gradients, reuse its buffer."""

@@ -23,6 +23,7 @@ from lazytrain_accel.engine.device.streams import Event, Streams
 from lazytrain_accel.engine.memory.copy_files import NvmeCopies
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.planning.slots import WeightSlots
+from lazytrain_accel.storage.flat import flat_views
 
 NUM_STAGING = 2  # pinned staging buffers, used in turn
 
@@ -142,7 +143,7 @@ class WeightPool:
     def _views(self, slot: int, layer: int) -> list[torch.Tensor]:
         views = self._slot_views.get((slot, layer))
         if views is None:
-            views = self._slot_views[slot, layer] = _split(self._slots[slot],
+            views = self._slot_views[slot, layer] = flat_views(self._slots[slot],
                                                            self._params[layer - 1])
         return views
 
@@ -229,7 +230,7 @@ class WeightPool:
             self._forget_read(layer)  # a read ahead of a copy about to be rewritten
         if self._copies[layer - 1] is None:
             self._copies[layer - 1] = self._new_copy(layer)
-        views = _split(self._copies[layer - 1], params)
+        views = flat_views(self._copies[layer - 1], params)
         if not valid:
             for p, view in zip(params, views, strict=True):
                 view.copy_(p.data)
@@ -321,10 +322,3 @@ def _master_key(params: list[nn.Parameter]) -> tuple[tuple[int, int], ...]:
     """Which tensors, at which version, the masters of a layer are now."""
     return tuple((p.data.data_ptr(), p._version) for p in params)
 
-
-def _split(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
-    views, offset = [], 0
-    for p in params:
-        views.append(flat[offset:offset + p.numel()].view(p.shape))
-        offset += p.numel()
-    return views
