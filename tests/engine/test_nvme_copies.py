@@ -126,3 +126,53 @@ def test_a_replan_homing_more_copies_on_nvme_keeps_the_run_exact(tmp_path):
                                tmp_path / "nvme", steps=4, after_step=replan)
     assert losses == ref_losses
     engine.detach()
+
+
+def test_the_forward_never_waits_for_a_copys_write(tmp_path, monkeypatch):
+    """The update writes a copy to its file behind; the next forward loads the copy from
+    its DRAM buffer and lets it go without waiting for that write (its bytes stay
+    counted until the write ends); the backward's read back waits for it."""
+    import threading
+    import time
+
+    from lazytrain_accel.storage import direct_io
+
+    model = build_model("llama", LAYERS)
+    plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS),
+                               state=StateHomes(copies=(2,)))
+    engine = attach(model, plan, device=CPU, compute_dtype=torch.bfloat16,
+                    nvme_dir=str(tmp_path))
+    opt = HybridAdamW8bit(model.parameters(), lr=1e-2)
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    release = threading.Event()
+    pwrite = direct_io.os.pwrite
+
+    def held(*args, **kwargs):
+        release.wait()
+        return pwrite(*args, **kwargs)
+
+    monkeypatch.setattr(direct_io.os, "pwrite", held)
+    engine.step_layerwise(opt)
+    engine.synchronize()  # the update is done; layer 2's copy is being written, held
+    out: list = []
+    forward = threading.Thread(target=lambda: out.append(model(input_ids=ids, labels=ids)),
+                               daemon=True)
+    forward.start()
+    forward.join(timeout=30)
+    waited = forward.is_alive()
+    held_bytes = engine.stats().current_bytes["host_pageable"]
+    release.set()
+    forward.join()
+    assert not waited, "the forward waited for the copy's write"
+    assert engine.pool._copies[1] is None  # let go after its load
+    engine.pool._nvme.wait_written(2)  # its bytes counted until the write ended (freed
+    copy_bytes = 2 * sum(p.numel() for p in engine.layer_params(2))  # by its callback)
+    deadline = time.monotonic() + 10
+    while engine.stats().current_bytes["host_pageable"] != held_bytes - copy_bytes \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats().current_bytes["host_pageable"] == held_bytes - copy_bytes
+    out[0].loss.backward()  # layer 2's read back waits for the write, then reads it
+    monkeypatch.undo()
+    detach_leaves_no_files(engine)

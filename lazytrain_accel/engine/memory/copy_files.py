@@ -11,6 +11,7 @@ Docs: docs/engine.md "Host state on NVMe".
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -47,6 +48,16 @@ class NvmeCopies:
             self._acct.allocate("nvme", nbytes)
             self._sizes[layer] = nbytes
         self._writes[layer] = self._io.write(self._path(layer), [copy])
+
+    def when_written(self, layer: int, then: Callable[[], None]) -> None:
+        """Call `then()` once layer `layer`'s last write is done (now, if none runs; else
+        on the I/O thread that ends it, whether it failed or not: the error is raised at
+        the file's next use)."""
+        write = self._writes.get(layer)
+        if write is None:
+            then()
+        else:
+            write.add_done_callback(lambda _: then())
 
     def wait_written(self, layer: int) -> None:
         """Block until layer `layer`'s last write is on the drive; raise its error."""

@@ -292,15 +292,18 @@ class WeightPool:
             self._acct.free("host_pageable", copy.numel() * copy.element_size())
 
     def _drop_nvme_copy(self, layer: int) -> None:
-        """Free the DRAM buffer of a copy the plan homes on NVMe, once its file has it."""
+        """Let go of the DRAM buffer of a copy the plan homes on NVMe whose file holds (or
+        is being written) the same version: its write in flight keeps it until done (the
+        forward never waits for it; a read back waits for the write), its bytes counted
+        until then."""
         copy = self._copies[layer - 1]
         if copy is None or self._nvme is None or layer not in self._nvme.layers \
                 or self._copy_keys[layer - 1] is None \
                 or self._file_keys.get(layer) != self._copy_keys[layer - 1]:
             return
-        self._nvme.wait_written(layer)
         self._copies[layer - 1] = None
-        self._acct.free("host_pageable", copy.numel() * copy.element_size())
+        nbytes = copy.numel() * copy.element_size()
+        self._nvme.when_written(layer, lambda: self._acct.free("host_pageable", nbytes))
 
     def close(self) -> None:
         for copy in self._copies:
