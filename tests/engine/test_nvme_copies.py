@@ -79,8 +79,9 @@ def test_copies_on_nvme_train_bit_for_bit_as_in_dram_and_leave_no_file(tmp_path,
         assert torch.equal(p, q)
 
 
-def test_a_failed_copy_write_says_what_to_do_and_the_engine_still_detaches(tmp_path,
-                                                                            monkeypatch):
+def _layer_2_copy_on_nvme_after_a_backward(tmp_path):
+    """A bf16 engine whose plan homes layer 2's copy on NVMe, one backward done: (model,
+    engine, its hybrid optimizer, the batch)."""
     model = build_model("llama", LAYERS)
     plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS),
                                state=StateHomes(copies=(2,)))
@@ -89,6 +90,12 @@ def test_a_failed_copy_write_says_what_to_do_and_the_engine_still_detaches(tmp_p
     opt = HybridAdamW8bit(model.parameters(), lr=1e-2)
     ids = batches(1)[0]
     model(input_ids=ids, labels=ids).loss.backward()
+    return model, engine, opt, ids
+
+
+def test_a_failed_copy_write_says_what_to_do_and_the_engine_still_detaches(tmp_path,
+                                                                            monkeypatch):
+    model, engine, opt, ids = _layer_2_copy_on_nvme_after_a_backward(tmp_path)
     fail_writes(monkeypatch, errno.EIO)
     engine.step_layerwise(opt)
     engine.synchronize()  # the update wrote layer 2's copy; its file's write failed
@@ -137,14 +144,7 @@ def test_the_forward_never_waits_for_a_copys_write(tmp_path, monkeypatch):
 
     from lazytrain_accel.storage import direct_io
 
-    model = build_model("llama", LAYERS)
-    plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS),
-                               state=StateHomes(copies=(2,)))
-    engine = attach(model, plan, device=CPU, compute_dtype=torch.bfloat16,
-                    nvme_dir=str(tmp_path))
-    opt = HybridAdamW8bit(model.parameters(), lr=1e-2)
-    ids = batches(1)[0]
-    model(input_ids=ids, labels=ids).loss.backward()
+    model, engine, opt, ids = _layer_2_copy_on_nvme_after_a_backward(tmp_path)
     release = threading.Event()
     pwrite = direct_io.os.pwrite
 
