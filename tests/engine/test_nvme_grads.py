@@ -247,3 +247,25 @@ def test_the_state_io_counts_the_drives_busy_time_not_each_requests(monkeypatch,
     assert totals.transfer_s[state_io.READ] == 4.0
     assert totals.transfer_bytes[state_io.READ] == 150
     assert (totals.transfer_s[state_io.WRITE], totals.transfer_bytes[state_io.WRITE]) == (1.0, 0)
+
+
+def test_a_layer_staged_out_of_the_updates_order_is_read_once(tmp_path):
+    """`stage` of a layer whose read the update's order had not issued yet reads it now,
+    and the read-ahead does not read it again."""
+    model = build_model("llama", LAYERS)
+    plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS),
+                               state=StateHomes(grads=(1, 2, 3, 4)))
+    engine = attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    files = engine.sink.files
+    files.begin_update([1, 2, 3, 4])  # three buffers: layers 1-3 read ahead, 4 queued
+    assert sorted(files._reads) == [1, 2, 3]
+    files.stage(4)
+    assert all(p.grad is not None for p in engine.layer_params(4))
+    for layer in (4, 1, 2, 3):
+        files.stage(layer)
+        files.unstage(layer)
+    files.end_update()
+    assert not files.pending and not files._reads
+    engine.detach()

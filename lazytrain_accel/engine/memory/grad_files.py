@@ -122,9 +122,10 @@ class NvmeGrads:
         (waited for here); nothing for a layer whose gradients are not in a file."""
         if layer not in self._held:
             return
-        if layer not in self._reads:  # not in the update's order: read it now
-            self._queue.appendleft(layer)
-            self._issue(self._queue.popleft())
+        if layer not in self._reads:  # not read ahead (out of the update's order): now
+            if layer in self._queue:
+                self._queue.remove(layer)
+            self._issue(layer)
         buffer, read = self._reads.pop(layer)
         has = self._held.pop(layer)
         self._staged[layer] = buffer
