@@ -191,10 +191,22 @@ def _head_run(model: nn.Module, hidden: torch.Tensor, device: torch.device,
     return run
 
 
-#: The most parameters `time_layer_update` updates: a 70B layer's 856M would take a few
-#: GB of host memory and seconds at `prepare`; past this the kernel's rate on large
-#: tensors is what the group runs at anyway.
+#: The most parameters `time_layer_update` updates and `time_layer_copies` copies: a 70B
+#: layer's 856M would take several GB of host memory and seconds at `prepare`; past this
+#: the rate on large tensors is what the layer runs at anyway.
 MAX_TIMED_UPDATE_PARAMS = 16 * 2**20
+
+
+def _first_elements(tensors: Iterator[torch.Tensor], limit: int) -> list[torch.Tensor]:
+    """`tensors` (detached) in order up to `limit` elements in all, the last one cut
+    (flattened) where it would pass it."""
+    taken, left = [], limit
+    for t in tensors:
+        if left == 0:
+            break
+        taken.append(t.detach() if t.numel() <= left else t.detach().reshape(-1)[:left])
+        left -= taken[-1].numel()
+    return taken
 
 
 def time_layer_update(layer: nn.Module, *, compute_dtype: torch.dtype | None,
@@ -210,13 +222,8 @@ def time_layer_update(layer: nn.Module, *, compute_dtype: torch.dtype | None,
     (docs/benchmarks.md "The plan at prepare")."""
     from lazytrain_accel.profiling.measure import clipped_step
 
-    params, left = [], MAX_TIMED_UPDATE_PARAMS
-    for p in (p for p in layer.parameters() if p.requires_grad):
-        if left == 0:
-            break
-        taken = p.detach() if p.numel() <= left else p.detach().reshape(-1)[:left]
-        params.append(nn.Parameter(taken.to("cpu", torch.float32).clone()))
-        left -= taken.numel()
+    params = [nn.Parameter(t.to("cpu", torch.float32).clone()) for t in _first_elements(
+        (p for p in layer.parameters() if p.requires_grad), MAX_TIMED_UPDATE_PARAMS)]
     if not params:
         raise ValueError("the layer has no trainable parameters to time an update of")
     generator = torch.Generator().manual_seed(0)
@@ -248,9 +255,11 @@ def time_layer_copies(layer: nn.Module, *, compute_dtype: torch.dtype | None,
     device autograd's own tensors become `.grad` and only their norms are taken; on an
     async device the staged compute-dtype gradients are copied into fp32 `.grad` storage
     first. A layer's dozen tensors copy at a fraction of one large buffer's rate (the
-    machine probe's): their per-tensor overhead is most of a small layer's load."""
+    machine probe's): their per-tensor overhead is most of a small layer's load. Of a
+    layer larger than `MAX_TIMED_UPDATE_PARAMS`, its tensors in order up to that many."""
     dtype = compute_dtype or torch.float32
-    params = [p.detach().to("cpu") for p in layer.parameters()]
+    params = [t.to("cpu") for t in _first_elements(layer.parameters(),
+                                                   MAX_TIMED_UPDATE_PARAMS)]
     if not params:
         raise ValueError("the layer has no parameters to time the copies of")
     flat = torch.empty(sum(p.numel() for p in params), dtype=dtype)
@@ -261,8 +270,8 @@ def time_layer_copies(layer: nn.Module, *, compute_dtype: torch.dtype | None,
             view.copy_(master)
 
     runs = [stage]
-    trainable = [p.detach().to("cpu", torch.float32) for p in layer.parameters()
-                 if p.requires_grad]
+    trainable = [t.to("cpu", torch.float32) for t in _first_elements(
+        (p for p in layer.parameters() if p.requires_grad), MAX_TIMED_UPDATE_PARAMS)]
     grads = [torch.randn_like(p) for p in trainable]
     staged = flat_views(torch.empty(sum(p.numel() for p in trainable), dtype=dtype), trainable)
 

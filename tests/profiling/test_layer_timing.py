@@ -166,6 +166,10 @@ def test_a_layers_copies_are_timed_on_its_own_tensors_in_the_bytes_the_engine_co
     frozen = time_layer_copies(layer, compute_dtype=None, device_runs_async=False)
     assert (frozen.stage_bytes_per_s, frozen.fold_bytes_per_s) == (numel * 4 / 2, None)
     assert timed == [2, 2, 1]
+    # a layer past the cap: its tensors in order up to it, the last one cut
+    monkeypatch.setattr(layer_timing, "MAX_TIMED_UPDATE_PARAMS", 1000)
+    capped = time_layer_copies(layer, compute_dtype=None, device_runs_async=False)
+    assert capped.stage_bytes_per_s == 1000 * 4 / 2 < numel * 4 / 2
 
 
 @pytest.mark.parametrize("runs_async", [False, True])
