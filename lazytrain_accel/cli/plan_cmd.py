@@ -33,6 +33,8 @@ from lazytrain_accel.planning import (
 )
 from lazytrain_accel.planning.admission import max_seq_len
 from lazytrain_accel.planning.infeasible import with_largest_batch
+from lazytrain_accel.planning.layouts import layout_figures
+from lazytrain_accel.planning.node import NODE_LAYOUTS
 from lazytrain_accel.planning.nvme_traffic import nvme_traffic
 from lazytrain_accel.planning.request import HOST_STATES, PlanRequest
 from lazytrain_accel.planning.solve import with_device_residents
@@ -91,6 +93,11 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
                    "device (default: LAZYTRAIN_RESIDENT_UPDATE, else auto)")
     add_lora_args(p)
     add_node_args(p)
+    p.add_argument("--node-layout", choices=("auto", *NODE_LAYOUTS), default="auto",
+                   help="how the host state spreads over --nodes: split (each node holds "
+                   "every layer's compute copy and 1/K of the masters, moments and "
+                   "gradients), replicated (each node holds all of it); auto: split over "
+                   "several nodes (default auto)")
     for flag, what, env in (("--gpu-memory-gb", "GPU", "GPU_MEMORY_LIMIT_GB"),
                             ("--cpu-memory-gb", "host DRAM", "CPU_MEMORY_LIMIT_GB"),
                             ("--nvme-gb", "NVMe", "NVME_LIMIT_GB")):
@@ -304,11 +311,41 @@ def _print_node(summary: dict[str, Any]) -> None:
         one_cpu = summary["one_gpu_peak_cpu_bytes"]
         print(f"  host per node: {summary['peak_cpu_bytes'] / _GIB:.2f} GiB (one GPU alone: "
               f"{one_cpu / _GIB:.2f} GiB; {n} copies would need {n * one_cpu / _GIB:.2f} GiB)")
-    if "node_store_bytes" in summary:
+    if "node_store_bytes" in summary and summary.get("node_layout") != "split":
         print(_store_line(summary))
     if k > 1:
-        print(f"  job: {k} nodes, {k * summary['node_tokens_per_s']:.1f} tokens/s (the "
-              "gradients' reduce across nodes not modelled)")
+        _print_layouts(summary)
+
+
+#: What each layout keeps on a node, as `_print_layouts` says it.
+_LAYOUT_WORDS = {"split": "every layer's compute copy, 1/{k} of the masters, moments and "
+                          "gradients",
+                 "replicated": "all of the state"}
+
+
+def _print_layouts(summary: dict[str, Any]) -> None:
+    """The plan's layout across nodes, then the other, each with its host bytes per node
+    and network bytes per step (`planning/layouts.py`)."""
+    k, layouts, budget = summary["nodes"], summary["node_layouts"], summary["cpu_budget_bytes"]
+    chosen = summary["node_layout"]
+    for name in (chosen, *[n for n in layouts if n != chosen]):
+        f = layouts[name]
+        label = "layout" if name == chosen else "vs"
+        words = _LAYOUT_WORDS[name].format(k=k)
+        host = f"host {f['host_bytes'] / _GIB:.2f} GiB per node ({words})"
+        if not f["fits"]:
+            host += f", over the {budget / _GIB:.2f} GiB budget: refused"
+        net = (f"network {f['network_bytes'] / 1e12:.3f} TB per node per step, "
+               f"{f['network_s']:.2f} s at {summary['internode_bytes_per_s'] / 1e9:.0f} GB/s")
+        print(f"  {label} {name}: {host}; {net}")
+    step_s = summary["step_s"]
+    f = layouts[chosen]
+    pace = (f"the network within the {step_s:.2f} s step" if f["network_s"] <= step_s else
+            f"the network's {f['network_s']:.2f} s per step bounds it")
+    print(f"  job: {k} nodes, {summary['job_tokens_per_s']:.1f} tokens/s ({pace})")
+    if chosen == "split":
+        print("  (the engine holds the replicated layout today: a run of this plan needs "
+              "the split one, issue 45)")
 
 
 def _store_line(summary: dict[str, Any]) -> str:
@@ -330,7 +367,8 @@ def _request(args: argparse.Namespace, budgets: Budgets, **changes: Any) -> Plan
                           "time_limit_s": args.time_limit_s,
                           "resident_update": args.resident_update,
                           "gpus_per_node": args.gpus_per_node, "nodes": args.nodes,
-                          "host_state": args.host_state, **changes})
+                          "node_layout": args.node_layout, "host_state": args.host_state,
+                          **changes})
 
 
 def _make(args: argparse.Namespace, config: dict, hardware: HardwareProfile,
@@ -378,6 +416,12 @@ def _run_plan(args: argparse.Namespace) -> int:
                  else with_device_residents(mega, model, hardware, budgets))
         if given is not None:  # the same optimizer placement, for a like-for-like figure
             summary["megatrain_device_residents_tflops"] = given.prediction.tflops
+    if plan.nodes > 1:
+        figures = layout_figures(plan, model, hardware, budgets)
+        summary.update(node_layout=plan.node_layout, cpu_budget_bytes=budgets.cpu_bytes,
+                       internode_bytes_per_s=hardware.internode_bytes_per_s,
+                       job_tokens_per_s=figures[plan.node_layout].job_tokens_per_s(plan),
+                       node_layouts={n: dataclasses.asdict(f) for n, f in figures.items()})
     if args.gpus_per_node > 1:  # the same GPUs, each alone on such a host
         one = _plan_or_none(model, hardware, _request(args, budgets, gpus_per_node=1,
                                                       nodes=1))

@@ -76,14 +76,16 @@ def per_rank(name: str, ranks: int) -> str:
 
 
 def host_base_terms(model: ModelProfile, *, optimizer: str = "hybrid8bit",
-                    resident_update: str = "host", weight_slots: int = 2, ranks: int = 1
-                    ) -> tuple[tuple[str, int], ...]:
+                    resident_update: str = "host", weight_slots: int = 2, ranks: int = 1,
+                    shards: int = 1) -> tuple[tuple[str, int], ...]:
     """Host bytes that no home changes, term by term, largest first: the host-updated
     trainable parameters' masters, gradients and `optimizer` state (without the residents'
     when `resident_update="device"` moves them to the GPU), frozen weights as stored,
     compute copies (those once per node), and pinned weight and gradient staging
     (`weight_slots`: device weight buffers, each with a packed layer's staging beside it;
-    those once per rank, `ranks` on the node)."""
+    those once per rank, `ranks` on the node). The node holds 1/`shards` of the
+    gradients and optimizer state (the split layout over `shards` nodes, `node.py`), and
+    of the masters where they are not also the compute copy (fp32 compute streams them)."""
     check_optimizer(optimizer)
     w = model.weights
     host_trainable = model.trainable_param_count - (
@@ -92,11 +94,14 @@ def host_base_terms(model: ModelProfile, *, optimizer: str = "hybrid8bit",
     packed_count = 0 if w is None else w.layer_packed_param_count
     float_layer_bytes = model.layer_param_bytes - packed_bytes
     weight_staging = NUM_HOST_STAGING * float_layer_bytes + weight_slots * packed_bytes
+    cut = "" if shards == 1 else f" (1/{shards} per node)"
+    master_shards = shards if writes_compute_copies(model, optimizer) else 1
     terms = [
-        (MASTER_TERM, MASTER_BYTES_PER_PARAM * host_trainable),
-        (GRAD_TERM, GRAD_BYTES_PER_PARAM * host_trainable),
-        (f"{OPTIMIZER_TERM} ({optimizer})",
-         int(OPTIMIZER_STATE_BYTES_PER_PARAM[optimizer] * host_trainable)),
+        (MASTER_TERM + ("" if master_shards == 1 else cut),
+         -(-MASTER_BYTES_PER_PARAM * host_trainable // master_shards)),
+        (GRAD_TERM + cut, -(-GRAD_BYTES_PER_PARAM * host_trainable // shards)),
+        (f"{OPTIMIZER_TERM} ({optimizer}){cut}",
+         int(OPTIMIZER_STATE_BYTES_PER_PARAM[optimizer] * host_trainable / shards)),
         (per_rank(WEIGHT_STAGING_TERM, ranks), ranks * weight_staging),
         (per_rank(GRAD_STAGING_TERM, ranks), ranks * NUM_HOST_STAGING * model.layer_grad_bytes),
     ]

@@ -51,7 +51,8 @@ def plan_loss_head(model: ModelProfile, hardware: HardwareProfile,
     p_full = build_problem(full, hardware, budgets=budgets,
                            max_recompute_block=max_recompute_block,
                            resident_update=plan.resident_update, optimizer=plan.optimizer,
-                           gpus_per_node=plan.gpus_per_node)
+                           gpus_per_node=plan.gpus_per_node, nodes=plan.nodes,
+                           node_layout=plan.node_layout)
     if not evaluate_fixed(p_full, plan.homes).feasible:
         return plan
     kept = dataclasses.replace(plan, loss_chunk_tokens=0)

@@ -8,13 +8,17 @@ N times (`host.py`, `ranks=`); each GPU's link runs at `min(PCIe, (eta B_host - 
 `min(R U, P_u U / C)` (`host_update_bytes_per_s`), an upper bound whatever the plan; each
 share updates at `R / N` (`share_update_params_per_s`). Ownership (`owner_of_groups`, also
 the engine's split update): contiguous runs of groups in forward order, balanced by bytes.
-Every rank runs the same per-rank plan; a node's tokens/s is N times a rank's.
+Every rank runs the same per-rank plan; a node's tokens/s is N times a rank's. Across K
+nodes (docs/planner.md "Several nodes"): each node holds the whole state ("replicated") or
+1/K of all but the compute copy ("split", `state_shards`); `network_bytes_per_step`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from lazytrain_accel.planning.host import GRAD_BYTES_PER_PARAM
+from lazytrain_accel.planning.plan import NODE_LAYOUTS
 from lazytrain_accel.profiling.hardware import (
     HOST_MEMORY_EFFICIENCY,
     HOST_UPDATE_BYTES_PER_PARAM,
@@ -25,6 +29,38 @@ from lazytrain_accel.profiling.hardware import (
 EVERY_RANK = -1
 #: DMA streams per GPU that touch DRAM at once: its H2D (reads) and its D2H (writes).
 STREAMS_PER_GPU = 2
+
+
+def resolve_node_layout(layout: str, nodes: int) -> str:
+    """`layout` ("auto" or one of `NODE_LAYOUTS`) for a launch of `nodes`: "auto" splits
+    the state over several nodes; one node holds it all either way ("replicated")."""
+    if layout not in ("auto", *NODE_LAYOUTS):
+        raise ValueError(f"node_layout={layout!r} is not one of {('auto', *NODE_LAYOUTS)}")
+    if nodes == 1:
+        return "replicated"
+    return "split" if layout == "auto" else layout
+
+
+def state_shards(layout: str, nodes: int) -> int:
+    """The parts a node's masters, moments and gradients are cut into (K split, else 1)."""
+    return nodes if layout == "split" else 1
+
+
+def network_bytes_per_step(*, host_update_params: int, every_rank_params: int,
+                           copy_bytes_per_param: int, nodes: int, layout: str) -> int:
+    """Bytes one node sends to the others each step, in ring collectives (each node sends
+    (K-1)/K of a buffer per pass): the host-updated parameters' fp32 gradients all-reduced
+    (replicated: 2 passes) or reduce-scattered, then their new compute copy all-gathered
+    at `copy_bytes_per_param` (split: 1 pass each); `every_rank_params` (residents whose
+    masters live on every GPU) all-reduced either way."""
+    if nodes == 1:
+        return 0
+    share = (nodes - 1) / nodes
+    every = 2 * share * GRAD_BYTES_PER_PARAM * every_rank_params
+    if layout == "replicated":
+        return int(2 * share * GRAD_BYTES_PER_PARAM * host_update_params + every)
+    return int(share * (GRAD_BYTES_PER_PARAM + copy_bytes_per_param) * host_update_params
+               + every)
 
 
 def check_node_shape(*, gpus_per_node: int, nodes: int) -> None:

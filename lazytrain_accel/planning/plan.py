@@ -32,6 +32,10 @@ PLAN_FORMAT_VERSION = 1
 #: their update runs (`Plan.resident_update`): with every other parameter on the host, or
 #: on the GPU, updated there before the next forward while the host updates the layers.
 RESIDENT_UPDATES: tuple[str, ...] = ("host", "device")
+#: How the host state spreads over the nodes (`Plan.node_layout`; planning/node.py):
+#: "split", each node holds the compute copy of every layer and 1/K of the masters,
+#: moments and gradients; "replicated", each node holds all of it.
+NODE_LAYOUTS: tuple[str, ...] = ("split", "replicated")
 
 
 #: How each streamed layer runs over a long sequence (`Plan.tiling`), in tiles of
@@ -242,6 +246,9 @@ class Plan:
     # nodes. A plan file without them: one GPU.
     gpus_per_node: int = 1
     nodes: int = 1
+    # How the host state spreads over the nodes (`node.NODE_LAYOUTS`: the host bytes in
+    # `prediction` are a node's either way). A plan file without it: replicated.
+    node_layout: str = "replicated"
     # The decoder layers whose host state lives on NVMe (`StateHomes`); a plan file
     # without it: all in DRAM.
     state: StateHomes = field(default_factory=StateHomes)
@@ -276,6 +283,9 @@ class Plan:
         if any(j > self.num_layers for part in STATE_PARTS for j in getattr(self.state, part)):
             raise PlanError(f"plan state homes {self.state.to_dict()} name a layer past "
                             f"{self.num_layers}")
+        if self.node_layout not in NODE_LAYOUTS:
+            raise PlanError(f"plan node_layout={self.node_layout!r} is not one of "
+                            f"{NODE_LAYOUTS}")
         if self.resident_update not in RESIDENT_UPDATES:
             raise PlanError(f"plan resident_update={self.resident_update!r} is not one of "
                             f"{RESIDENT_UPDATES}")

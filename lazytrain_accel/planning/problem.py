@@ -26,10 +26,12 @@ from lazytrain_accel.planning.host import (
     writes_compute_copies,
 )
 from lazytrain_accel.planning.node import (
+    NODE_LAYOUTS,
     check_node_shape,
     host_update_bytes_per_s,
     link_bytes_per_s,
     share_update_params_per_s,
+    state_shards,
 )
 from lazytrain_accel.planning.plan import (
     RESIDENT_UPDATES,
@@ -192,6 +194,10 @@ class Problem:
     # Local ranks sharing the node's host (`node.py`): each runs this plan, so each rank's
     # own host terms count this many times; the link rates are already their shares.
     gpus_per_node: int = 1
+    # The launch's nodes and how the host state spreads over them (`node.NODE_LAYOUTS`):
+    # split, each node holds 1/K of the gradients and optimizer state (`state_shards`).
+    nodes: int = 1
+    node_layout: str = "replicated"
     # One decoder layer's host state by part (`state.py`), which parts of which layers
     # live on NVMe (`StateHomes`; `cpu_base_terms` are net of them), and the host terms
     # with every part in DRAM (what `with_state_homes` starts from).
@@ -445,11 +451,17 @@ class Problem:
         return windows_s + self.host_tail_s
 
     @property
+    def state_shards(self) -> int:
+        """The parts each node's gradients and optimizer state are cut into (`node.py`)."""
+        return state_shards(self.node_layout, self.nodes)
+
+    @property
     def host_update_param_count(self) -> int:
         """Parameters the node's host updates each step (P_u): every layer's, and the
-        residents' unless the GPU updates them."""
+        residents' unless the GPU updates them; their 1/K under the split layout."""
         residents = self.resident_update_param_count if self.resident_update == "host" else 0
-        return self.num_layers * self.layer_update_param_count + residents
+        return -(-(self.num_layers * self.layer_update_param_count + residents)
+                 // self.state_shards)
 
     @property
     def gpu_reserve_bytes(self) -> int:
@@ -516,14 +528,19 @@ def weight_buffer_count(max_block: int) -> int:
 def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
                   budgets: Budgets | None = None, max_recompute_block: int = 8,
                   resident_update: str = "host", optimizer: str = "hybrid8bit",
-                  gpus_per_node: int = 1, state: StateHomes | None = None) -> Problem:
+                  gpus_per_node: int = 1, nodes: int = 1, node_layout: str = "replicated",
+                  state: StateHomes | None = None) -> Problem:
     """The instance for `model` at its batch shape on `hardware` under `budgets`, with the
     residents' update on the host or the GPU (`resident_update`, `RESIDENT_UPDATES`) and
     the host state of `optimizer` (`host.OPTIMIZERS`), for one of `gpus_per_node` ranks
-    sharing the host (`node.py`: `budgets.cpu_bytes` is the node's), the layers' host
+    sharing the host (`node.py`: `budgets.cpu_bytes` is the node's) on each of `nodes`
+    holding the state as `node_layout` says (`node.NODE_LAYOUTS`), the layers' host
     state homed as `state` says (None: all in DRAM; `with_state_homes`)."""
     check_optimizer(optimizer)
-    check_node_shape(gpus_per_node=gpus_per_node, nodes=1)
+    check_node_shape(gpus_per_node=gpus_per_node, nodes=nodes)
+    if node_layout not in NODE_LAYOUTS:
+        raise ValueError(f"node_layout={node_layout!r} is not one of {NODE_LAYOUTS}")
+    shards = state_shards(node_layout, nodes)
     if resident_update not in RESIDENT_UPDATES:
         raise ValueError(f"resident_update={resident_update!r} is not one of "
                          f"{RESIDENT_UPDATES}")
@@ -558,7 +575,8 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
                        key=lambda t: -t[1])
     params = model.geometry.total_param_count
     host_terms = host_base_terms(model, optimizer=optimizer, weight_slots=weight_buffers,
-                                 resident_update=resident_update, ranks=gpus_per_node)
+                                 resident_update=resident_update, ranks=gpus_per_node,
+                                 shards=shards)
     # A packed (QLoRA) layer dequantizes its linears on the device once per pass: in its
     # forward (so also in each re-run) and in its backward proper.
     dequant_s = (0.0 if model.weights is None else model.weights.layer_dequant_bytes(
@@ -596,15 +614,16 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         head_update_param_count=head_update_param_count(model),
         resident_update=resident_update,
         device_update_s=resident_trainable / hardware.gpu_optimizer_params_per_s,
-        optimizer=optimizer, gpus_per_node=gpus_per_node,
+        optimizer=optimizer, gpus_per_node=gpus_per_node, nodes=nodes, node_layout=node_layout,
         stage_s=_host_work_s(model.layer_param_bytes, stage_bytes_per_s),
         fold_s=_host_work_s(model.layer_grad_bytes, fold_bytes_per_s),
         host_on_compute=hardware.compute_on_host,
         state_sizes=state_sizes(
             update_param_count=model.layer_trainable_param_count, optimizer=optimizer,
-            copy_bytes=layer_copy_bytes(model, optimizer)),
+            copy_bytes=layer_copy_bytes(model, optimizer), shards=shards),
         dram_cpu_base_terms=host_terms,
-        update_params_per_s=share_update_params_per_s(hardware, gpus_per_node),
+        # each share's update covers 1/K of its layers' parameters on a split node
+        update_params_per_s=share_update_params_per_s(hardware, gpus_per_node) * shards,
         device_runs_async=hardware.device_runs_async,
     )
     return with_state_homes(with_node_links(problem, hardware), state or StateHomes())

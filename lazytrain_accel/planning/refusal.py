@@ -66,9 +66,15 @@ def _largest_term(p: Problem, tier: str) -> str:
         name, nbytes = p.gpu_base_terms[0]
         remedy = _TERM_REMEDY.get(name, "it does not depend on the plan")
         return f"; its largest term is {name} ({readable_bytes(nbytes)}): {remedy}"
-    if tier == "cpu" and p.cpu_base_terms:
+    if tier == "cpu":
+        split = ("" if p.nodes == 1 or p.node_layout == "split" else
+                 f"; split the state over the {p.nodes} nodes (--node-layout split): each "
+                 f"keeps 1/{p.nodes} of the masters, moments and gradients")
+        if not p.cpu_base_terms:
+            return split
         name, nbytes = p.cpu_base_terms[0]
-        return f"; its largest term is {name} ({readable_bytes(nbytes)}): {host_remedy(name)}"
+        return (f"; its largest term is {name} ({readable_bytes(nbytes)}): "
+                f"{host_remedy(name)}{split}")
     return ""
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lazytrain_accel.config import RESIDENT_UPDATE_CHOICES
-from lazytrain_accel.planning.node import check_node_shape
+from lazytrain_accel.planning.node import check_node_shape, resolve_node_layout
 from lazytrain_accel.planning.plan import Plan
 from lazytrain_accel.planning.problem import Budgets
 from lazytrain_accel.planning.state_search import CANDIDATE_NAMES
@@ -48,6 +48,9 @@ class PlanRequest:
     # is then the node's host budget.
     gpus_per_node: int = 1
     nodes: int = 1
+    # How the host state spreads over the nodes: "auto" (split over several), or one of
+    # `node.NODE_LAYOUTS` ("replicated": every node holds all of it).
+    node_layout: str = "auto"
     # The plan a re-plan runs now: the MIP's warm start where it fits, and returned
     # (re-priced) when the simulator prices it faster than every new plan.
     running: Plan | None = None
@@ -60,6 +63,7 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         check_node_shape(gpus_per_node=self.gpus_per_node, nodes=self.nodes)
+        resolve_node_layout(self.node_layout, self.nodes)  # raises on an unknown one
         if self.host_state not in HOST_STATES:
             raise ValueError(f"host_state={self.host_state!r} is not one of {HOST_STATES}")
         if self.resident_update not in RESIDENT_UPDATE_CHOICES:

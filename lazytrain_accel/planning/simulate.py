@@ -483,7 +483,8 @@ def simulate(plan: Plan, model: ModelProfile, hardware: HardwareProfile, *,
     longest = max(e - s for s, e in plan.blocks)
     p = build_problem(model, hardware, max_recompute_block=longest,
                       resident_update=plan.resident_update, optimizer=plan.optimizer,
-                      gpus_per_node=plan.gpus_per_node, state=plan.state)
+                      gpus_per_node=plan.gpus_per_node, nodes=plan.nodes,
+                      node_layout=plan.node_layout, state=plan.state)
     b = _StepBuilder(p, plan)
     q = b.build()
     updates = b.host_optimizer(hardware) if include_optimizer else []

@@ -17,6 +17,7 @@ from lazytrain_accel.planning.baselines import BASELINES, GPU_ONLY_BASELINES
 from lazytrain_accel.planning.fastest import fastest, repriced
 from lazytrain_accel.planning.loss_head import plan_loss_head
 from lazytrain_accel.planning.no_solver import admissible, evaluate_fixed
+from lazytrain_accel.planning.node import resolve_node_layout
 from lazytrain_accel.planning.plan import (
     Home,
     Plan,
@@ -186,7 +187,8 @@ def plan_from_solution(p: Problem, solution: Solution, *, strategy: str,
                  loss_chunk_tokens=model.loss_chunk_tokens or 0,
                  tiling=tiling, tile_tokens=tile_tokens,
                  resident_update=p.resident_update, optimizer=p.optimizer,
-                 gpus_per_node=p.gpus_per_node, state=p.state)
+                 gpus_per_node=p.gpus_per_node, nodes=p.nodes, node_layout=p.node_layout,
+                 state=p.state)
     result = simulate(draft, model, hardware, include_optimizer=include_optimizer)
     return dataclasses.replace(draft, prediction=result.prediction())
 
@@ -291,7 +293,8 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
         return build_problem(profile, hardware, budgets=budgets,
                              max_recompute_block=r.max_recompute_block,
                              resident_update=resident_update, optimizer=optimizer,
-                             gpus_per_node=r.gpus_per_node)
+                             gpus_per_node=r.gpus_per_node, nodes=r.nodes,
+                             node_layout=resolve_node_layout(r.node_layout, r.nodes))
 
     def solved(profile: ModelProfile, resident_update: str) -> Plan:
         p = problem(profile, resident_update)
@@ -319,9 +322,8 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
         return fastest(plan, others, budgets)
 
     def plan_for(profile: ModelProfile) -> Plan:
-        plan = (residents_on_device(profile, solved, hardware, budgets) if forced == "device"
+        return (residents_on_device(profile, solved, hardware, budgets) if forced == "device"
                 else solved(profile, forced))
-        return dataclasses.replace(plan, nodes=r.nodes)
 
     def plan_head(profile: ModelProfile) -> Plan:
         if profile.loss_chunk_tokens is None:

@@ -44,6 +44,7 @@ class StateSizes:
     optimizer_bytes: int  # fp32 master + optimizer moments
     grads_bytes: int  # fp32 gradient
     copies_bytes: int  # compute-dtype copy (0 when the compute is fp32)
+    master_bytes: int = 0  # of `optimizer_bytes`, the fp32 master
 
     def part_bytes(self, part: str) -> int:
         return getattr(self, f"{part}_bytes")
@@ -57,13 +58,18 @@ class StateSizes:
         return STATE_STAGING_GROUPS * sum(self.part_bytes(part) for part in parts)
 
 
-def state_sizes(*, update_param_count: int, optimizer: str, copy_bytes: int) -> StateSizes:
-    """One layer's state parts: `update_param_count` host-updated parameters under
-    `optimizer`, and `copy_bytes` of compute-dtype copy."""
+def state_sizes(*, update_param_count: int, optimizer: str, copy_bytes: int,
+                shards: int = 1) -> StateSizes:
+    """One layer's state parts on a node: `update_param_count` host-updated parameters
+    under `optimizer`, and `copy_bytes` of compute-dtype copy; 1/`shards` of the gradient
+    and moments (the split layout, `node.py`), and of the master where a compute copy is
+    written (else the master is what the GPUs stream: whole on every node)."""
     o = OPTIMIZER_STATE_BYTES_PER_PARAM[optimizer]
+    master = -(-MASTER_BYTES_PER_PARAM * update_param_count // (shards if copy_bytes else 1))
     return StateSizes(
-        optimizer_bytes=int((MASTER_BYTES_PER_PARAM + o) * update_param_count),
-        grads_bytes=GRAD_BYTES_PER_PARAM * update_param_count, copies_bytes=copy_bytes)
+        optimizer_bytes=master + int(o * update_param_count / shards), master_bytes=master,
+        grads_bytes=-(-GRAD_BYTES_PER_PARAM * update_param_count // shards),
+        copies_bytes=copy_bytes)
 
 
 #: Per part, per layer, the weight of "on NVMe": 1 for a fixed plan's homes (`weights_of`),
@@ -95,10 +101,8 @@ def host_terms_with_state(terms: tuple[tuple[str, int], ...], weights: StateWeig
     if not staged:
         return terms
     count = {part: sum(weights.get(part, {}).values()) for part in STATE_PARTS}
-    u = sizes.grads_bytes // GRAD_BYTES_PER_PARAM  # parameters a layer updates
-    moved = {MASTER_TERM: MASTER_BYTES_PER_PARAM * u * count["optimizer"],
-             OPTIMIZER_TERM: (sizes.optimizer_bytes - MASTER_BYTES_PER_PARAM * u)
-             * count["optimizer"],
+    moved = {MASTER_TERM: sizes.master_bytes * count["optimizer"],
+             OPTIMIZER_TERM: (sizes.optimizer_bytes - sizes.master_bytes) * count["optimizer"],
              GRAD_TERM: sizes.grads_bytes * count["grads"],
              COMPUTE_COPY_TERM: sizes.copies_bytes * count["copies"]}
     out = []

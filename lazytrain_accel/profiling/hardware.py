@@ -22,6 +22,8 @@ from typing import Any
 DEQUANT_EFFICIENCY = 0.7
 #: The slowest preset's memory bandwidth (RTX 3090, 936 GB/s): the dequantization default.
 _DEFAULT_MEMORY_BYTES_PER_S = 936e9
+#: One 100 Gb/s NIC (a workstation's): the network rate of a profile written without one.
+DEFAULT_INTERNODE_BYTES_PER_S = 12.5e9
 #: The share of the theoretical DRAM bandwidth that streams reach: an estimate of STREAM
 #: Triad's usual share of a 2-socket server's DDR peak (published runs land at 70-80%).
 HOST_MEMORY_EFFICIENCY = 0.75
@@ -142,6 +144,10 @@ class HardwareProfile:
     # device): the host's work per transfer then takes the compute's time; on a GPU it
     # runs beside the queued kernels, and the device waits only when the host falls behind.
     compute_on_host: bool = False
+    # The node's network to the other nodes, all its NICs together, one direction: what
+    # the collectives across nodes run at (planning/node.py "network"). The default, for
+    # profiles written without it, is the slowest preset's (one 100 Gb/s NIC).
+    internode_bytes_per_s: float = DEFAULT_INTERNODE_BYTES_PER_S
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -280,11 +286,19 @@ _DEQUANT = ("dequantization {rate:.0f} GB/s moved: {eff} x the {bw:.0f} GB/s mem
             "dequantize kernel: packed read + bf16 write)")
 
 
+_NET_HOPPER = ("network 8 x 400 Gb/s (3.2 Tb/s a node): a DGX H100/H200's ConnectX-7 "
+               "compute fabric; AWS p5/p5en EFA 3200 Gbps")
+_NET_AMPERE = "network 8 x 200 Gb/s (1.6 Tb/s a node): a DGX A100's HDR InfiniBand"
+_NET_WORKSTATION = "network one 100 Gb/s NIC: assumed (workstation)"
+
+
 def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb: float,
             peak_tflops: float, efficiency: float, h2d_gbps: float, d2h_gbps: float,
             nvme_read_gbps: float, nvme_write_gbps: float, memory_gbps: float,
-            host_memory_gbps: float, host_isa: str, source: list[str]) -> HardwareProfile:
-    """A preset in the units vendor sheets use (GiB, TB, TFLOPS, GB/s); its host update
+            host_memory_gbps: float, host_isa: str, network_gbps: float,
+            source: list[str]) -> HardwareProfile:
+    """A preset in the units vendor sheets use (GiB, TB, TFLOPS, GB/s; the network in
+    Gb/s, all NICs of the node together); its host update
     rate follows from its host DRAM bandwidth and its CPU's vector ISA, the one the
     kernel's dispatch would pick there (`host_update_params_per_s`)."""
     device_update = device_update_params_per_s(memory_gbps * 1e9)
@@ -302,6 +316,7 @@ def _preset(*, name: str, gpu_name: str, gpu_gib: float, cpu_gib: float, nvme_tb
         host_memory_bytes_per_s=host_memory_gbps * 1e9,
         h2d_pageable_bytes_per_s=PAGEABLE_SHARE * h2d_gbps * 1e9,
         d2h_pageable_bytes_per_s=PAGEABLE_SHARE * d2h_gbps * 1e9,
+        internode_bytes_per_s=network_gbps * 1e9 / 8,
         source="; ".join([*source, _PAGEABLE,
                           _OPTIMIZER.format(rate=host_update, bw=host_memory_gbps, isa=host_isa,
                                             fraction=HOST_UPDATE_TRIAD_FRACTION[host_isa]),
@@ -317,47 +332,53 @@ HARDWARE_PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (
     _preset(name="h800", gpu_name="NVIDIA H800 80GB", gpu_gib=79.1, cpu_gib=1024, nvme_tb=3.84,
             peak_tflops=989.4, efficiency=0.32, h2d_gbps=12.0, d2h_gbps=12.0,
             nvme_read_gbps=2.83, nvme_write_gbps=3.35, memory_gbps=3350, host_memory_gbps=614.4,
-            host_isa="avx512",
+            host_isa="avx512", network_gbps=3200,
             source=["peak 989.4 dense bf16 TFLOPS: NVIDIA H100/H800 SXM5 datasheet",
                     _HOPPER_ACHIEVED, f"PCIe Gen5 12 GB/s each way: {_PAPER}", _NVME_PAPER,
-                    "host 1 TiB: assumed (8-GPU server class)", _DGX_HOST]),
+                    "host 1 TiB: assumed (8-GPU server class)", _DGX_HOST,
+                    _NET_HOPPER]),
     _preset(name="h200", gpu_name="NVIDIA H200 141GB", gpu_gib=139.8, cpu_gib=1024,
             nvme_tb=3.84, peak_tflops=989.4, efficiency=0.32, h2d_gbps=50.0, d2h_gbps=50.0,
             nvme_read_gbps=6.8, nvme_write_gbps=4.0, memory_gbps=4800, host_memory_gbps=614.4,
-            host_isa="avx512",
+            host_isa="avx512", network_gbps=3200,
             source=["peak 989.4 dense bf16 TFLOPS: NVIDIA H200 SXM datasheet",
                     _HOPPER_ACHIEVED, "PCIe 5.0 x16 50 GB/s each way: typical pinned result "
-                    "(~80% of the 63 GB/s link)", _NVME_DC, "host 1 TiB: assumed", _DGX_HOST]),
+                    "(~80% of the 63 GB/s link)", _NVME_DC, "host 1 TiB: assumed", _DGX_HOST,
+                    _NET_HOPPER]),
     _preset(name="a100-80g", gpu_name="NVIDIA A100 80GB", gpu_gib=79.2, cpu_gib=1024,
             nvme_tb=3.84, peak_tflops=312.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
             nvme_read_gbps=6.8, nvme_write_gbps=4.0, memory_gbps=2039, host_memory_gbps=409.6,
-            host_isa="avx2",
+            host_isa="avx2", network_gbps=1600,
             source=["peak 312 dense bf16 TFLOPS: NVIDIA A100 datasheet", _AMPERE_ACHIEVED,
-                    _PCIE4, _NVME_DC, "host 1 TiB: assumed", _DGX_A100_HOST]),
+                    _PCIE4, _NVME_DC, "host 1 TiB: assumed", _DGX_A100_HOST,
+                    _NET_AMPERE]),
     _preset(name="a100-40g", gpu_name="NVIDIA A100 40GB", gpu_gib=39.4, cpu_gib=512,
             nvme_tb=3.84, peak_tflops=312.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
             nvme_read_gbps=6.8, nvme_write_gbps=4.0, memory_gbps=1555, host_memory_gbps=409.6,
-            host_isa="avx2",
+            host_isa="avx2", network_gbps=1600,
             source=["peak 312 dense bf16 TFLOPS: NVIDIA A100 datasheet", _AMPERE_ACHIEVED,
-                    _PCIE4, _NVME_DC, "host 512 GiB: assumed", _DGX_A100_HOST]),
+                    _PCIE4, _NVME_DC, "host 512 GiB: assumed", _DGX_A100_HOST,
+                    _NET_AMPERE]),
     _preset(name="rtx3090", gpu_name="NVIDIA GeForce RTX 3090", gpu_gib=23.7, cpu_gib=512,
             nvme_tb=2.0, peak_tflops=71.0, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
             nvme_read_gbps=2.83, nvme_write_gbps=3.35, memory_gbps=936, host_memory_gbps=204.8,
-            host_isa="avx2",
+            host_isa="avx2", network_gbps=100,
             source=["peak 71 dense bf16 TFLOPS (fp32 accumulate): NVIDIA Ampere GA102 "
                     "whitepaper", _AMPERE_ACHIEVED, _PCIE4,
                     f"{_NVME_PAPER} (the paper's second testbed)",
                     "host 512 GiB: assumed, enough for the paper's 27B run on this card",
-                    _WORKSTATION_DDR4_HOST]),
+                    _WORKSTATION_DDR4_HOST,
+                    _NET_WORKSTATION]),
     _preset(name="rtx4090", gpu_name="NVIDIA GeForce RTX 4090", gpu_gib=23.6, cpu_gib=256,
             nvme_tb=2.0, peak_tflops=165.2, efficiency=0.45, h2d_gbps=24.0, d2h_gbps=24.0,
             nvme_read_gbps=7.45, nvme_write_gbps=6.9, memory_gbps=1008, host_memory_gbps=166.4,
-            host_isa="avx512",
+            host_isa="avx512", network_gbps=100,
             source=["peak 165.2 dense bf16 TFLOPS (fp32 accumulate): NVIDIA Ada AD102 "
                     "whitepaper", _AMPERE_ACHIEVED, _PCIE4,
                     "NVMe 7.45 / 6.9 GB/s: vendor sheet of a PCIe 4.0 consumer SSD (Samsung "
                     "990 Pro 2 TB)", "host 256 GiB: assumed (workstation)",
-                    _WORKSTATION_DDR5_HOST]),
+                    _WORKSTATION_DDR5_HOST,
+                    _NET_WORKSTATION]),
 )}
 
 

@@ -109,7 +109,14 @@ class StreamingEngine:
     def _check_state(self, plan: Plan) -> None:
         """Refuse a plan homing on NVMe a part of the host state the engine does not
         stream yet (masters and moments), gradients where a data-parallel hook reads them
-        after the fold, or copies an fp32 run keeps none of."""
+        after the fold, or copies an fp32 run keeps none of; or one splitting the state
+        over the nodes, which the engine holds whole on each yet."""
+        if plan.node_layout == "split":
+            raise ValueError(
+                f"the plan splits the host state over {plan.nodes} nodes (node_layout "
+                "'split'): `lazytrain plan` prices that layout, but the engine holds the "
+                "whole state on every node yet; plan with node_layout='replicated' "
+                "(lazytrain plan --node-layout replicated)")
         state = plan.state
         if state.optimizer:
             raise ValueError(
