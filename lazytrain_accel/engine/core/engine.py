@@ -104,7 +104,7 @@ class StreamingEngine:
         if self.compute_dtype == torch.float32:
             return None
         return NvmeCopies(self.spill.directory / "state", set(self.plan.state.copies),
-                          self.acct, self.state_io)
+                          self.acct, self.state_io, claim_root=self.spill.claim)
 
     def _check_state(self, plan: Plan) -> None:
         """Refuse a plan homing on NVMe a part of the host state the engine does not
@@ -154,7 +154,8 @@ class StreamingEngine:
         self.sink = GradSink(streams=self.streams, accounting=self.acct,
                              max_numel=max(max_numel, 1), grad_dtype=self.compute_dtype)
         self.sink.files = NvmeGrads(self.spill.directory / "state", set(self.plan.state.grads),
-                                    trainable, self.acct, self.state_io)
+                                    trainable, self.acct, self.state_io,
+                                    claim_root=self.spill.claim)
         self.pool = quantized.weight_pool(self._layer_params, streams=self.streams,
                                           compute_dtype=self.compute_dtype,
                                           accounting=self.acct,

@@ -25,11 +25,12 @@ class NvmeCopies:
     """Files of the compute copies of `layers` (1-based) under `directory`."""
 
     def __init__(self, directory: Path, layers: set[int], accounting: Accounting,
-                 io: StateIO) -> None:
+                 io: StateIO, *, claim_root: Callable[[], None]) -> None:
         #: The layers homed on NVMe now; a re-plan may change them (`WeightPool` reads a
         #: copy back from its file wherever it dropped the buffer, homed there or not).
         self.layers = frozenset(layers)
         self._directory = directory
+        self._claim_root = claim_root
         self._acct = accounting
         self._io = io
         self._writes: dict[int, Future[None]] = {}
@@ -42,7 +43,8 @@ class NvmeCopies:
         """Write `copy` (layer `layer`'s, contiguous) behind: it must not change until
         `wait_written(layer)` returns."""
         self.wait_written(layer)  # the previous write of this file, whole
-        self._directory.mkdir(parents=True, exist_ok=True)
+        self._claim_root()  # the engine's directory, locked (`NvmeSpill.claim`)
+        self._directory.mkdir(exist_ok=True)
         nbytes = copy.numel() * copy.element_size()
         if layer not in self._sizes:
             self._acct.allocate("nvme", nbytes)

@@ -16,7 +16,7 @@ Docs: docs/engine.md "Host state on NVMe".
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -34,9 +34,11 @@ class NvmeGrads:
     are layer j's trainable parameters, in the order the engine folds them."""
 
     def __init__(self, directory: Path, layers: set[int], params: list[list[nn.Parameter]],
-                 accounting: Accounting, io: StateIO) -> None:
+                 accounting: Accounting, io: StateIO, *, claim_root: Callable[[], None]
+                 ) -> None:
         self.layers = frozenset(layers)
         self._directory = directory
+        self._claim_root = claim_root
         self._params = params
         self._acct = accounting
         #: parameter -> (its layer, its place among the layer's parameters)
@@ -99,7 +101,8 @@ class NvmeGrads:
         grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous()
                  for p in params if p.grad is not None]
         self.wait_written(layer)  # the file's previous write, whole
-        self._directory.mkdir(parents=True, exist_ok=True)
+        self._claim_root()  # the engine's directory, locked (`NvmeSpill.claim`)
+        self._directory.mkdir(exist_ok=True)
         nbytes = sum(g.numel() * g.element_size() for g in grads)
         if nbytes > self._sizes.get(layer, 0):  # a file as large as its largest write
             self._acct.allocate("nvme", nbytes - self._sizes.get(layer, 0))

@@ -2,7 +2,9 @@
 
 Each engine gets its own directory `<nvme_dir>/lazytrain-<pid>-<random>`, so processes
 sharing a disk never collide; files are removed as soon as their boundary is consumed,
-the directory when the engine detaches (and at interpreter exit as a last resort).
+the directory when the engine detaches (and at interpreter exit as a last resort). The
+directory is made at its first use with a lock held for the process's life
+(`storage/run_dirs.py`), which also removes what killed processes left there.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import errno
 import os
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +24,7 @@ import torch
 
 from lazytrain_accel.engine.device.streams import Streams, SyncStreams
 from lazytrain_accel.engine.stats import Accounting
+from lazytrain_accel.storage.run_dirs import claim_directory
 
 
 class NvmeIOError(OSError):
@@ -49,7 +53,16 @@ class NvmeSpill:
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-nvme")
         self._sizes: dict[str, int] = {}
         self._closed = False
+        self._claim_lock = threading.Lock()
+        self._lock_fd: int | None = None  # held while the directory exists
         atexit.register(shutil.rmtree, self.directory, True)
+
+    def claim(self) -> None:
+        """Make the directory (once, from any thread) before a file goes in: with its
+        lock held, after removing the directories of processes that died."""
+        with self._claim_lock:
+            if self._lock_fd is None and not self._closed:
+                self._lock_fd = claim_directory(self.directory)
 
     def write(self, name: str, tensor: torch.Tensor) -> Future[None]:
         """Write a host tensor's bytes to file `name` in the background."""
@@ -60,7 +73,7 @@ class NvmeSpill:
     def _write(self, path: Path, raw: torch.Tensor) -> None:
         start = time.perf_counter()
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            self.claim()
             with self._streams.io_link("nvme_write", raw.numel()), open(path, "wb") as f:
                 f.write(raw.numpy().data)
         except OSError as err:
@@ -123,3 +136,7 @@ class NvmeSpill:
         self._closed = True
         self._io.shutdown(wait=True)
         shutil.rmtree(self.directory, ignore_errors=True)
+        with self._claim_lock:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
