@@ -22,6 +22,7 @@ from integration_tests.test_accelerate_launch import (
     _run,
 )
 from lazytrain_accel.cores import parse_cpulist
+from lazytrain_accel.planning.node import network_bytes_per_step
 
 STEPS = ("--steps", "4", "--lazytrain")
 #: The host-bytes runs: big enough layers that the state dominates the runtime.
@@ -44,6 +45,18 @@ def _pss_state(directory: Path, name: str, ranks: int) -> int:
     return sum(s["end"] - s["runtime"] - s["device"] for s in states)
 
 
+def _net_per_step(directory: Path, ranks: int) -> tuple[dict[str, float], int]:
+    """Per node, what its ranks sent to the other nodes per step, over the steps after
+    the first (which holds the launch's own setup); and the trainable parameters."""
+    records = [json.loads((directory / f"net_{r}.json").read_text()) for r in range(ranks)]
+    per_node: dict[str, float] = {}
+    for rec in records:
+        sent = rec["sent"]
+        per_node[rec["node"]] = per_node.get(rec["node"], 0.0) + (
+            (sent[-1] - sent[0]) / (len(sent) - 1))
+    return per_node, records[0]["params"]
+
+
 @dataclass(frozen=True)
 class Run:
     """One launch's record: the logged losses (the global batch's mean per step), the
@@ -55,6 +68,10 @@ class Run:
     weights: list[str]
     states: list[dict]
     pss_state: int
+    #: per node, the TCP bytes its ranks sent to the other nodes' per step after the
+    #: first, and the trainable parameters (simulated nodes only: `--net-out`)
+    net_per_step: dict[str, float] | None = None
+    params: int = 0
 
 
 @pytest.fixture(scope="module")
@@ -83,18 +100,22 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
             threads = max(1, len(os.sched_getaffinity(0)) // micro_batches) \
                 if processes == 1 else 0
             env = {**PSS_ENV, "LAZYTRAIN_NODE_STORE": store, "LAZYTRAIN_THREADS": str(threads)}
+            net: dict[str, float] | None = None
+            params = 0
             if nodes == 1:
                 losses = _launch(d, "run", *args, *outputs, num_processes=processes, env=env)
             else:
-                losses = _launch_nodes(d, "run", *args, *outputs, nodes=nodes,
-                                       ranks_per_node=processes // nodes, env=env)
+                losses = _launch_nodes(d, "run", *args, *outputs, "--net-out", str(d / "net_"),
+                                       nodes=nodes, ranks_per_node=processes // nodes,
+                                       env=env)
+                net, params = _net_per_step(d, processes)
             runs[key] = Run(
                 losses=losses, samples=json.loads((d / "samples.json").read_text()),
                 weights=[json.loads((d / f"digest_{r}.json").read_text())["weights"]
                          for r in range(processes)],
                 states=[json.loads((d / f"state_{r}.json").read_text())
                         for r in range(processes)],
-                pss_state=_pss_state(d, "pss", processes))
+                pss_state=_pss_state(d, "pss", processes), net_per_step=net, params=params)
         return runs[key]
 
     return run
@@ -291,3 +312,9 @@ def test_two_nodes_of_two_ranks(launch: Callable[..., Run], optimizer: str) -> N
     assert nodes.losses == pytest.approx(one.losses, rel=1e-5 if optimizer == "keep" else 1e-4)
     if optimizer == "hybrid8bit":
         assert nodes.pss_state <= 2.6 * one.pss_state, (nodes.pss_state, one.pss_state)
+    # what crossed between the nodes, measured (the kernel's count of each TCP
+    # connection's bytes), against the planner's node model of this layout (issue 45)
+    model = network_bytes_per_step(host_update_params=nodes.params, every_rank_params=0,
+                                   copy_bytes_per_param=4, nodes=2, layout="replicated")
+    for node, sent in nodes.net_per_step.items():
+        assert model / 1.1 <= sent <= 1.1 * model, (node, sent, model)

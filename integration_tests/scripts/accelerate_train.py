@@ -17,7 +17,8 @@ Accelerator, its process group and a data loader's prepare come first in that mo
 before `prepare` (model built) and after training, and the engine's device bytes then
 (on a CPU device, host pages that stand for GPU memory). `--progress-out` has rank 0
 write its finished steps after each, `--slow-save-s S` makes `save_state` take S seconds
-more (after touching <losses>.saving): a test kills the job there.
+more (after touching <losses>.saving): a test kills the job there. `--net-out` (simulated
+nodes) writes each rank's TCP bytes sent to other nodes' ranks after each step.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from lazytrain_accel import Accelerator, LazyTrainPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from net_bytes import bytes_sent_to  # this directory (the script's own)
 from peak_rss import pss_bytes  # bench/ is not a package
 
 #: A run takes ~10 s: past this a rank is hung; it prints every thread's stack and exits
@@ -158,6 +160,8 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=None)
     p.add_argument("--masters-out", default=None, help="rank 0's masters at --save-at")
     p.add_argument("--digest-out", default=None, help="per-rank JSON file prefix")
+    p.add_argument("--net-out", default=None, help="per-rank JSON file prefix: TCP bytes "
+                   "sent to the other nodes' ranks after each step (net_bytes.py)")
     p.add_argument("--samples-out", default=None, help="each step's sequences (JSON)")
     p.add_argument("--progress-out", default=None, help="rank 0's finished steps so far")
     p.add_argument("--slow-save-s", type=float, default=0.0,
@@ -205,6 +209,14 @@ def main() -> None:
     samples: list[list[int]] = []  # per step: each sequence's first token
     step = 0
     skip_batches = 0
+    net = None
+    if args.net_out:  # each rank's pid and node: whose sockets lead off this node
+        places: list[Any] = [None] * accelerator.num_processes
+        torch.distributed.all_gather_object(places, (os.getpid(), os.environ["GROUP_RANK"]))
+        node = os.environ["GROUP_RANK"]
+        net = {"node": node, "sent": [], "params": sum(
+            q.numel() for q in model.parameters() if q.requires_grad),
+            "others": {pid for pid, where in places if where != node}}
     if args.resume_from:
         with open(args.resume_from + "/progress.json") as f:
             step = json.load(f)["step"]
@@ -237,6 +249,9 @@ def main() -> None:
                                                        reduction="mean")))
                 micro_losses.clear()
                 step += 1
+                if net is not None:  # the step's collectives are done on every rank
+                    accelerator.wait_for_everyone()
+                    net["sent"].append(bytes_sent_to(os.getpid(), net["others"]))
                 if args.progress_out and accelerator.is_main_process:
                     Path(args.progress_out).write_text(str(step))
                 if args.save_at is not None and step == args.save_at:
@@ -269,6 +284,9 @@ def main() -> None:
                        if args.lazytrain else None,
                        "cpus_allowed": cpus_allowed(), "threads": torch.get_num_threads()},
                       f)
+    if net is not None:
+        with open(f"{args.net_out}{accelerator.process_index}.json", "w") as f:
+            json.dump({k: v for k, v in net.items() if k != "others"}, f)
     if args.digest_out:
         accelerator.wait_for_everyone()
         with open(f"{args.digest_out}{accelerator.process_index}.json", "w") as f:
