@@ -108,7 +108,8 @@ def launch(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
                 losses = _launch_nodes(d, "run", *args, *outputs, "--net-out", str(d / "net_"),
                                        nodes=nodes, ranks_per_node=processes // nodes,
                                        env=env)
-                net, params = _net_per_step(d, processes)
+                if (d / "net_0.json").is_file():  # `ss` (iproute2) was there to count
+                    net, params = _net_per_step(d, processes)
             runs[key] = Run(
                 losses=losses, samples=json.loads((d / "samples.json").read_text()),
                 weights=[json.loads((d / f"digest_{r}.json").read_text())["weights"]
@@ -314,6 +315,9 @@ def test_two_nodes_of_two_ranks(launch: Callable[..., Run], optimizer: str) -> N
         assert nodes.pss_state <= 2.6 * one.pss_state, (nodes.pss_state, one.pss_state)
     # what crossed between the nodes, measured (the kernel's count of each TCP
     # connection's bytes), against the planner's node model of this layout (issue 45)
+    if nodes.net_per_step is None:
+        pytest.skip("`ss` (iproute2) is not installed: the bytes between the nodes were not "
+                    "counted (everything else above passed)")
     model = network_bytes_per_step(host_update_params=nodes.params, every_rank_params=0,
                                    copy_bytes_per_param=4, nodes=2, layout="replicated")
     for node, sent in nodes.net_per_step.items():

@@ -43,7 +43,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from lazytrain_accel import Accelerator, LazyTrainPlugin
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from net_bytes import bytes_sent_to  # this directory (the script's own)
+from net_bytes import available, bytes_sent_to  # this directory (the script's own)
 from peak_rss import pss_bytes  # bench/ is not a package
 
 #: A run takes ~10 s: past this a rank is hung; it prints every thread's stack and exits
@@ -210,7 +210,7 @@ def main() -> None:
     step = 0
     skip_batches = 0
     net = None
-    if args.net_out:  # each rank's pid and node: whose sockets lead off this node
+    if args.net_out and available():  # each rank's pid and node: whose sockets leave it
         places: list[Any] = [None] * accelerator.num_processes
         torch.distributed.all_gather_object(places, (os.getpid(), os.environ["GROUP_RANK"]))
         node = os.environ["GROUP_RANK"]
