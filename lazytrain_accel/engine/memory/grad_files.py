@@ -8,8 +8,9 @@ engine keeps their norms for the clip). An applied update consumes them, as Deep
 offloaded gradients: the next backward starts that layer from none, as after
 `zero_grad(set_to_none=True)`; a skipped step and a `zero_grad()` of the model or the
 optimizer drop them too. A second micro-batch of one step reads the file back, adds, and
-writes it again. Files go through the engine's `StateIO` into `<NVMe directory>/state`; a
-failed write or read raises its `StateIOError` at the next use.
+writes it again. Files go through the engine's `StateIO` as `LayerFiles`
+(`layer_files.py`) into `<NVMe directory>/state`; a failed write or read raises its
+`StateIOError` at the next use.
 Docs: docs/engine.md "Host state on NVMe".
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lazytrain_accel.engine.memory.layer_files import LayerFiles
 from lazytrain_accel.engine.memory.state_io import StateIO
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.planning.state import STATE_STAGING_GROUPS
@@ -37,19 +39,14 @@ class NvmeGrads:
                  accounting: Accounting, io: StateIO, *, claim_root: Callable[[], None]
                  ) -> None:
         self.layers = frozenset(layers)
-        self._directory = directory
-        self._claim_root = claim_root
+        self._files = LayerFiles(directory, "grad", accounting, io, claim_root=claim_root)
         self._params = params
         self._acct = accounting
         #: parameter -> (its layer, its place among the layer's parameters)
         self._place = {p: (j, k) for j, ps in enumerate(params, start=1)
                        for k, p in enumerate(ps)}
-        self._io = io
-        self._sizes: dict[int, int] = {}  # the bytes of each file written, counted on NVMe
         #: layer -> which of its parameters have a gradient in its file (this step's)
         self._held: dict[int, list[bool]] = {}
-        #: layer -> its last write (the tensors it writes stay alive until it is done)
-        self._writes: dict[int, Future[None]] = {}
         self._free: list[torch.Tensor] = []  # staging buffers, fp32, the largest layer's size
         self._buffers = 0
         #: the update's layers still to read, in its order; the reads issued, by layer
@@ -100,16 +97,8 @@ class NvmeGrads:
             return
         grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous()
                  for p in params if p.grad is not None]
-        self.wait_written(layer)  # the file's previous write, whole
-        self._claim_root()  # the engine's directory, locked (`NvmeSpill.claim`)
-        self._directory.mkdir(exist_ok=True)
-        nbytes = sum(g.numel() * g.element_size() for g in grads)
-        if nbytes > self._sizes.get(layer, 0):  # a file as large as its largest write
-            self._acct.allocate("nvme", nbytes - self._sizes.get(layer, 0))
-            self._sizes[layer] = nbytes
-        write = self._io.write(self._path(layer), grads)
+        write = self._files.write(layer, grads)
         write.add_done_callback(lambda _: grads.clear())  # written: their DRAM is free
-        self._writes[layer] = write
         self._held[layer] = has
         for p in params:
             p.grad = None
@@ -173,34 +162,20 @@ class NvmeGrads:
     # ---- files and buffers -----------------------------------------------------------
     def wait_written(self, layer: int) -> None:
         """Block until layer `layer`'s last write is on the drive; raise its error."""
-        write = self._writes.pop(layer, None)
-        if write is not None:
-            write.result()
+        self._files.wait_written(layer)
 
     def close(self) -> None:
         """Wait for every write and read, remove the files, free the buffers (the engine
         closes its `StateIO`)."""
         self.end_update()
-        writes, self._writes = self._writes, {}
-        errors = [w.exception() for w in writes.values()]
         self._held.clear()
-        for layer, nbytes in self._sizes.items():
-            self._path(layer).unlink(missing_ok=True)
-            self._acct.free("nvme", nbytes)
-        self._sizes = {}
         if self._buffers:
             self._acct.free("host_pageable", self._buffers * self._buffer_numel * 4)
         self._free, self._buffers = [], 0
-        error = next((e for e in errors if e is not None), None)
-        if error is not None:
-            raise error
-
-    def _path(self, layer: int) -> Path:
-        return self._directory / f"grad-{layer}.bin"
+        self._files.close()
 
     def _read(self, layer: int, tensors: list[torch.Tensor]) -> Future[None]:
-        self.wait_written(layer)
-        return self._io.read(self._path(layer), tensors)
+        return self._files.read(layer, tensors)
 
     def _read_ahead(self) -> None:
         while self._queue and (self._free or self._buffers < STATE_STAGING_GROUPS):
