@@ -219,6 +219,16 @@ class _Layout:
         return _raw_view(pieces[0][0], end - start)
 
 
+def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized 1-D tensor of `numel` `dtype` values whose bytes start at a
+    `BLOCK_BYTES`-aligned address: direct I/O moves its whole blocks straight from and into
+    it, without a bounce buffer's copy (`_Layout.aligned_run`)."""
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + BLOCK_BYTES, dtype=torch.uint8)
+    skip = -raw.data_ptr() % BLOCK_BYTES
+    return raw[skip:skip + nbytes].view(dtype)
+
+
 class _Transfer:
     """One file's chunks in flight: the last chunk to end closes the file and settles
     `future` (a failed write's file removed)."""

@@ -196,3 +196,26 @@ def test_finished_transfers_keep_no_tensor_and_close_waits(tmp_path: Path) -> No
     assert alive() is None
     with pytest.raises(RuntimeError, match="closed"):
         io.write_tensors(tmp_path / "late", [torch.ones(1)])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_aligned_empty_moves_its_whole_blocks_without_a_copy(
+        tmp_path: Path, small_io: DirectIO, monkeypatch: pytest.MonkeyPatch,
+        dtype: torch.dtype) -> None:
+    """The state files' buffers (a layer's compute copy, the gradients' staging) come from
+    `aligned_empty`: every whole chunk of them skips the bounce buffer; the tail (not whole
+    blocks) goes through it, the bytes exact either way."""
+    numel = (5 * BLOCK_BYTES + 100) // torch.empty((), dtype=dtype).element_size()
+    source = direct_io.aligned_empty(numel, dtype)
+    assert source.data_ptr() % BLOCK_BYTES == 0 and source.shape == (numel,)
+    source.copy_(_random(numel, dtype, seed=7))
+    uncopied = []
+    stock_view = direct_io._raw_view
+    monkeypatch.setattr(direct_io, "_raw_view",
+                        lambda *args: uncopied.append(args) or stock_view(*args))
+    small_io.write_tensors(tmp_path / "f", [source]).result(timeout=60)
+    back = direct_io.aligned_empty(numel, dtype)
+    small_io.read_tensors(tmp_path / "f", [back]).result(timeout=60)
+    assert torch.equal(source.view(torch.uint8), back.view(torch.uint8))
+    assert (tmp_path / "f").read_bytes() == _file_bytes([source])
+    assert len(uncopied) == 2 * 2  # chunks of two blocks: two whole ones, each way

@@ -28,6 +28,7 @@ from lazytrain_accel.engine.memory.layer_files import LayerFiles
 from lazytrain_accel.engine.memory.state_io import StateIO
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.planning.state import STATE_STAGING_GROUPS
+from lazytrain_accel.storage.direct_io import aligned_empty
 from lazytrain_accel.storage.flat import flat_views
 
 
@@ -183,7 +184,8 @@ class NvmeGrads:
 
     def _issue(self, layer: int) -> None:
         if not self._free:
-            self._free.append(torch.empty(self._buffer_numel, dtype=torch.float32))
+            # aligned: the file's reads land in it without a bounce buffer's copy
+            self._free.append(aligned_empty(self._buffer_numel, torch.float32))
             self._buffers += 1
             self._acct.allocate("host_pageable", self._buffer_numel * 4)
         buffer = self._free.pop()

@@ -23,6 +23,7 @@ from lazytrain_accel.engine.device.streams import Event, Streams
 from lazytrain_accel.engine.memory.copy_files import NvmeCopies
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.planning.slots import WeightSlots
+from lazytrain_accel.storage.direct_io import aligned_empty
 from lazytrain_accel.storage.flat import flat_views
 
 NUM_STAGING = 2  # pinned staging buffers, used in turn
@@ -255,7 +256,8 @@ class WeightPool:
 
     def _new_copy(self, layer: int) -> torch.Tensor:
         numel = sum(p.numel() for p in self._params[layer - 1])
-        copy = torch.empty(numel, dtype=self._dtype)
+        # aligned: its file's writes and reads move without a bounce buffer's copy
+        copy = aligned_empty(numel, self._dtype)
         self._acct.allocate("host_pageable", numel * copy.element_size())
         return copy
 
