@@ -27,7 +27,8 @@ from bench import node  # noqa: E402
 #: holds beyond its share is a few layers' gradients (the layer it runs, one reduce in
 #: flight): the same at any depth, and a fixed part of the state only at a fixed depth.
 #: At 8 layers of hidden 1024 (117M) each such layer was 1/8 of the gradients and the
-#: same code read 1.24-1.31x between launches; at 16 layers, 1.14x (2026-12-06).
+#: same code read 1.24-1.31x between launches; at 16 layers, 1.14-1.16x at 4 ranks and
+#: 1.05x at 2 (2026-12-06).
 MODEL = argparse.Namespace(hidden=768, layers=16, vocab=8000, seq_len=32, global_batch=4,
                            steps=2, warmup=1, mmap_threshold=131072)
 
@@ -38,13 +39,14 @@ def _state_bytes(row: dict) -> int:
 
 @pytest.mark.alone
 def test_four_ranks_hold_the_state_of_a_125m_model_once(tmp_path: Path) -> None:
-    """At most 1.3x one process's state at 4 ranks. Before the output residents' gradients
+    """At most 1.3x one process's state at 2 and at 4 ranks. Before the output residents' gradients
     were sent with the first layer's (each rank held the untied head's fp32 gradient
     through the whole backward) and a resident's gradient was copied to send it, the same
     launch measured 1.34x on a 46M model (docs/architecture.md "Several ranks on a
     node", "Gradients")."""
     one = node.launch("lazytrain", 1, MODEL, tmp_path / "one")
-    four = node.launch("lazytrain", 4, MODEL, tmp_path / "four")
-    assert four["params"] >= 100e6
-    ratio = _state_bytes(four) / _state_bytes(one)
-    assert ratio <= 1.3, (ratio, _state_bytes(four), _state_bytes(one))
+    assert one["params"] >= 100e6
+    for ranks in (2, 4):  # the issue's 1, 2 and 4 ranks
+        many = node.launch("lazytrain", ranks, MODEL, tmp_path / str(ranks))
+        ratio = _state_bytes(many) / _state_bytes(one)
+        assert ratio <= 1.3, (ranks, ratio, _state_bytes(many), _state_bytes(one))
