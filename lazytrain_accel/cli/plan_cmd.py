@@ -395,6 +395,19 @@ def _plan_or_none(model: ModelProfile, hardware: HardwareProfile,
         return None
 
 
+def _layout_summary(plan: Plan, model: ModelProfile, hardware: HardwareProfile,
+                    budgets: Budgets) -> dict[str, Any]:
+    """Over several nodes, both layouts' host bytes per node and network per step
+    (`planning/layouts.py`); nothing on one node."""
+    if plan.nodes == 1:
+        return {}
+    figures = layout_figures(plan, model, hardware, budgets)
+    return {"node_layout": plan.node_layout, "cpu_budget_bytes": budgets.cpu_bytes,
+            "internode_bytes_per_s": hardware.internode_bytes_per_s,
+            "job_tokens_per_s": figures[plan.node_layout].job_tokens_per_s(plan),
+            "node_layouts": {n: dataclasses.asdict(f) for n, f in figures.items()}}
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     config, hardware, budgets = _load(args)
     plan, model = _make(args, config, hardware, budgets)
@@ -416,12 +429,7 @@ def _run_plan(args: argparse.Namespace) -> int:
                  else with_device_residents(mega, model, hardware, budgets))
         if given is not None:  # the same optimizer placement, for a like-for-like figure
             summary["megatrain_device_residents_tflops"] = given.prediction.tflops
-    if plan.nodes > 1:
-        figures = layout_figures(plan, model, hardware, budgets)
-        summary.update(node_layout=plan.node_layout, cpu_budget_bytes=budgets.cpu_bytes,
-                       internode_bytes_per_s=hardware.internode_bytes_per_s,
-                       job_tokens_per_s=figures[plan.node_layout].job_tokens_per_s(plan),
-                       node_layouts={n: dataclasses.asdict(f) for n, f in figures.items()})
+    summary.update(_layout_summary(plan, model, hardware, budgets))
     if args.gpus_per_node > 1:  # the same GPUs, each alone on such a host
         one = _plan_or_none(model, hardware, _request(args, budgets, gpus_per_node=1,
                                                       nodes=1))
@@ -454,6 +462,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
         if args.trace:
             timeline.save_chrome_trace(result, args.trace)
     summary = _summary(plan, result, model.geometry)
+    summary.update(_layout_summary(plan, model, hardware, budgets))
     summary["predicted_step_s"] = plan.prediction.step_s
     _print(summary, args.json)
     return 0

@@ -171,6 +171,9 @@ def test_plan_prints_both_layouts(capsys: pytest.CaptureFixture[str]) -> None:
     assert "vs replicated: host" in out and "job: 4 nodes" in out
     assert main(["plan", *run, "--node-layout", "replicated"]) == 0
     assert "layout replicated: host" in capsys.readouterr().out
+    assert main(["simulate", *run]) == 0  # the same lines for a simulated plan
+    out = capsys.readouterr().out
+    assert "layout split: host" in out and "vs replicated: host" in out
 
 
 def test_replicated_refusal_names_the_split_layout() -> None:
