@@ -1,9 +1,13 @@
 """The bytes a process has sent over TCP to a set of other processes, from the kernel's
-own per-socket count (`ss -tinp`: tcp_info's bytes_sent, each connection's payload, gloo's
-included): how the simulated-nodes runs measure what crosses from one node to another.
+own per-socket count (`ss -tinp`: tcp_info's bytes_acked, each connection's payload that
+the peer acknowledged, gloo's included; bytes_sent would count a retransmission twice):
+how the simulated-nodes runs measure what crosses from one node to another.
 
-Each established socket of this host is listed with its owner's pid; a socket of ours
-whose peer port is a local port of one of `peers` is a connection to it.
+Each established socket of this host is listed with the pids that hold it; a socket of
+ours whose peer port is a local port of one of `peers` is a connection to it. A socket
+lists every process holding it: one forked but not yet exec'd (any rank's own `ss` call,
+all at once after a barrier) holds its parent's sockets for a moment, so each socket
+counts for all of its pids, not the first one listed.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ import re
 import shutil
 import subprocess
 
-_ENTRY = re.compile(r"^\S+\s+\S+\s+\S+:(\d+)\s+\S+:(\d+)\s+users:\(\(\"[^\"]*\",pid=(\d+)")
-_SENT = re.compile(r"\bbytes_sent:(\d+)")
+_ENTRY = re.compile(r"^\S+\s+\S+\s+\S+:(\d+)\s+\S+:(\d+)\s+users:(.*)$")
+_PID = re.compile(r"pid=(\d+)")
+_SENT = re.compile(r"\bbytes_acked:(\d+)")
 
 
 def available() -> bool:
@@ -21,19 +26,22 @@ def available() -> bool:
 
 
 def bytes_sent_to(pid: int, peers: set[int]) -> int:
-    """What process `pid` has sent, so far, on its open TCP connections to `peers`."""
+    """What process `pid` has sent, so far, on its open TCP connections to `peers` (and
+    they acknowledged)."""
     out = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True,
                          text=True, check=True).stdout
-    sockets: list[tuple[int, int, int, int]] = []  # (local port, peer port, pid, sent)
-    entry: tuple[int, int, int] | None = None
+    # (local port, peer port, the pids holding it, bytes sent and acknowledged)
+    sockets: list[tuple[int, int, frozenset[int], int]] = []
+    entry: tuple[int, int, frozenset[int]] | None = None
     for line in out.splitlines():
         m = _ENTRY.match(line)
         if m:
-            entry = (int(m[1]), int(m[2]), int(m[3]))
+            entry = (int(m[1]), int(m[2]), frozenset(int(p) for p in _PID.findall(m[3])))
             continue
         sent = _SENT.search(line)
         if entry is not None and sent:
             sockets.append((*entry, int(sent[1])))
             entry = None
-    owner = {local: who for local, _, who, _ in sockets}
-    return sum(sent for _, peer, who, sent in sockets if who == pid and owner.get(peer) in peers)
+    holders = {local: who for local, _, who, _ in sockets}
+    return sum(sent for _, peer, who, sent in sockets
+               if pid in who and holders.get(peer, frozenset()) & peers)
