@@ -27,14 +27,12 @@ from lazytrain_accel.planning.host import (
     per_rank,
 )
 from lazytrain_accel.planning.plan import Home, Plan
-from lazytrain_accel.planning.problem import STAGING_BOUNDARIES, layer_copy_bytes
+from lazytrain_accel.planning.problem import STAGING_BOUNDARIES, layer_state_sizes
 from lazytrain_accel.planning.slots import weight_slots
 from lazytrain_accel.planning.state import (
-    StateSizes,
     homed_parts,
     host_terms_with_state,
     nvme_state_bytes,
-    state_sizes,
     weights_of,
 )
 from lazytrain_accel.profiling.profile import ModelProfile
@@ -81,7 +79,7 @@ def estimate_host_bytes(*, model_profile: ModelProfile, plan: Plan, optimizer: s
                            ranks=plan.gpus_per_node)
     if plan.state.any:  # less what the plan homes on NVMe, plus the buffers it streams by
         base = host_terms_with_state(base, weights_of(plan.state),
-                                     _state_sizes(model_profile, optimizer),
+                                     layer_state_sizes(model_profile, optimizer),
                                      staged=homed_parts(plan.state))
     homes = activation_host_terms(boundary_bytes=plan.boundary_bytes,
                                   cpu_homes=counts[Home.CPU.value],
@@ -158,13 +156,8 @@ def nvme_need_bytes(plan: Plan, model_profile: ModelProfile | None = None,
     """Bytes of boundary files one micro-batch of `plan` keeps on NVMe at its peak, and
     (given the model) of the host state it homes there."""
     state = 0 if model_profile is None or not plan.state.any else nvme_state_bytes(
-        weights_of(plan.state), _state_sizes(model_profile, optimizer))
+        weights_of(plan.state), layer_state_sizes(model_profile, optimizer))
     return plan.count_homes()[Home.NVME.value] * plan.boundary_bytes + state
-
-
-def _state_sizes(model_profile: ModelProfile, optimizer: str) -> StateSizes:
-    return state_sizes(update_param_count=model_profile.layer_trainable_param_count,
-                       optimizer=optimizer, copy_bytes=layer_copy_bytes(model_profile, optimizer))
 
 
 def check_nvme_dir(nvme_dir: str, need_bytes: int) -> None:

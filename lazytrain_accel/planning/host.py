@@ -70,6 +70,12 @@ def writes_compute_copies(model: ModelProfile, optimizer: str) -> bool:
     return optimizer == "hybrid8bit" and model.compute_bytes_per_elem < 4
 
 
+def master_shards(model: ModelProfile, optimizer: str, shards: int) -> int:
+    """The parts a node's fp32 masters are cut into under a state cut `shards` ways: none
+    where they are what the GPUs stream (no compute copy written: fp32 compute)."""
+    return shards if writes_compute_copies(model, optimizer) else 1
+
+
 def per_rank(name: str, ranks: int) -> str:
     """A per-rank term's name on a node of `ranks` (unchanged for one)."""
     return name if ranks == 1 else f"{name} (x {ranks} ranks)"
@@ -95,10 +101,10 @@ def host_base_terms(model: ModelProfile, *, optimizer: str = "hybrid8bit",
     float_layer_bytes = model.layer_param_bytes - packed_bytes
     weight_staging = NUM_HOST_STAGING * float_layer_bytes + weight_slots * packed_bytes
     cut = "" if shards == 1 else f" (1/{shards} per node)"
-    master_shards = shards if writes_compute_copies(model, optimizer) else 1
+    masters_cut = master_shards(model, optimizer, shards)
     terms = [
-        (MASTER_TERM + ("" if master_shards == 1 else cut),
-         -(-MASTER_BYTES_PER_PARAM * host_trainable // master_shards)),
+        (MASTER_TERM + ("" if masters_cut == 1 else cut),
+         -(-MASTER_BYTES_PER_PARAM * host_trainable // masters_cut)),
         (GRAD_TERM + cut, -(-GRAD_BYTES_PER_PARAM * host_trainable // shards)),
         (f"{OPTIMIZER_TERM} ({optimizer}){cut}",
          int(OPTIMIZER_STATE_BYTES_PER_PARAM[optimizer] * host_trainable / shards)),

@@ -8,10 +8,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from lazytrain_accel.planning.node import state_shards
 from lazytrain_accel.planning.plan import Home, Plan
-from lazytrain_accel.planning.problem import layer_copy_bytes
+from lazytrain_accel.planning.problem import layer_state_sizes
 from lazytrain_accel.planning.simulate import simulate
-from lazytrain_accel.planning.state import state_sizes, step_nvme_state_bytes
+from lazytrain_accel.planning.state import step_nvme_state_bytes
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.profile import ModelProfile
@@ -43,11 +44,11 @@ class NvmeTraffic:
 
 
 def nvme_traffic(plan: Plan, model: ModelProfile, hardware: HardwareProfile) -> NvmeTraffic:
-    """The NVMe traffic of `plan` for `model` on `hardware` (the plan's profiles)."""
+    """The NVMe traffic of `plan` for `model` on `hardware` (the plan's profiles), of one
+    node's share of the state."""
     boundary_bytes = plan.count_homes()[Home.NVME.value] * plan.boundary_bytes
-    sizes = state_sizes(update_param_count=model.layer_trainable_param_count,
-                        optimizer=plan.optimizer,
-                        copy_bytes=layer_copy_bytes(model, plan.optimizer))
+    sizes = layer_state_sizes(model, plan.optimizer,
+                              shards=state_shards(plan.node_layout, plan.nodes))
     state_read, state_written = step_nvme_state_bytes(plan.state, sizes, plan.num_layers)
     read, written = boundary_bytes + state_read, boundary_bytes + state_written
     busy_s = max(read / hardware.nvme_read_bytes_per_s,

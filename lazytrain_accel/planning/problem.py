@@ -23,6 +23,7 @@ from lazytrain_accel.planning.host import (
     activation_host_terms,
     check_optimizer,
     host_base_terms,
+    master_shards,
     writes_compute_copies,
 )
 from lazytrain_accel.planning.node import (
@@ -618,15 +619,21 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         stage_s=_host_work_s(model.layer_param_bytes, stage_bytes_per_s),
         fold_s=_host_work_s(model.layer_grad_bytes, fold_bytes_per_s),
         host_on_compute=hardware.compute_on_host,
-        state_sizes=state_sizes(
-            update_param_count=model.layer_trainable_param_count, optimizer=optimizer,
-            copy_bytes=layer_copy_bytes(model, optimizer), shards=shards),
+        state_sizes=layer_state_sizes(model, optimizer, shards=shards),
         dram_cpu_base_terms=host_terms,
         # each share's update covers 1/K of its layers' parameters on a split node
         update_params_per_s=share_update_params_per_s(hardware, gpus_per_node) * shards,
         device_runs_async=hardware.device_runs_async,
     )
     return with_state_homes(with_node_links(problem, hardware), state or StateHomes())
+
+
+def layer_state_sizes(model: ModelProfile, optimizer: str, *, shards: int = 1) -> StateSizes:
+    """One decoder layer's host state by part on a node holding 1/`shards` of it
+    (`node.state_shards`): what the plan homes, prints and preflight counts."""
+    return state_sizes(update_param_count=model.layer_trainable_param_count,
+                       optimizer=optimizer, copy_bytes=layer_copy_bytes(model, optimizer),
+                       shards=shards, master_shards=master_shards(model, optimizer, shards))
 
 
 def layer_copy_bytes(model: ModelProfile, optimizer: str) -> int:

@@ -59,13 +59,13 @@ class StateSizes:
 
 
 def state_sizes(*, update_param_count: int, optimizer: str, copy_bytes: int,
-                shards: int = 1) -> StateSizes:
+                shards: int = 1, master_shards: int = 1) -> StateSizes:
     """One layer's state parts on a node: `update_param_count` host-updated parameters
     under `optimizer`, and `copy_bytes` of compute-dtype copy; 1/`shards` of the gradient
-    and moments (the split layout, `node.py`), and of the master where a compute copy is
-    written (else the master is what the GPUs stream: whole on every node)."""
+    and moments (the split layout, `node.py`), 1/`master_shards` of the master
+    (`host.master_shards`)."""
     o = OPTIMIZER_STATE_BYTES_PER_PARAM[optimizer]
-    master = -(-MASTER_BYTES_PER_PARAM * update_param_count // (shards if copy_bytes else 1))
+    master = -(-MASTER_BYTES_PER_PARAM * update_param_count // master_shards)
     return StateSizes(
         optimizer_bytes=master + int(o * update_param_count / shards), master_bytes=master,
         grads_bytes=-(-GRAD_BYTES_PER_PARAM * update_param_count // shards),

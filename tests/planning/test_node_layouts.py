@@ -18,7 +18,6 @@ from lazytrain_accel.planning.layouts import layout_figures
 from lazytrain_accel.planning.node import network_bytes_per_step, resolve_node_layout
 from lazytrain_accel.planning.plan import Plan, PlanError
 from lazytrain_accel.planning.request import PlanRequest
-from lazytrain_accel.planning.state import state_sizes
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.profiling.model_configs import (
     geometry_from_config,
@@ -55,12 +54,12 @@ def test_with_fp32_compute_the_masters_stay_whole_on_every_node() -> None:
     terms = dict(host_base_terms(model, shards=4))
     assert terms["the trainable parameters' fp32 masters"] == 4 * TRAINABLE
     assert terms["the trainable parameters' fp32 gradients (1/4 per node)"] == TRAINABLE
-    sizes = state_sizes(update_param_count=1000, optimizer="hybrid8bit", copy_bytes=0,
-                        shards=4)
-    assert (sizes.master_bytes, sizes.grads_bytes) == (4000, 1000)
-    split = state_sizes(update_param_count=1000, optimizer="hybrid8bit", copy_bytes=2000,
-                        shards=4)
-    assert (split.master_bytes, split.grads_bytes) == (1000, 1000)
+    hardware = _chain()[1]
+    layer = model.layer_trainable_param_count
+    sizes = build_problem(model, hardware, nodes=4, node_layout="split").state_sizes
+    assert (sizes.master_bytes, sizes.grads_bytes) == (4 * layer, layer)
+    bf16 = build_problem(_chain()[0], hardware, nodes=4, node_layout="split").state_sizes
+    assert (bf16.master_bytes, bf16.grads_bytes) == (layer, layer)
 
 
 def test_network_bytes_per_step_of_each_layout() -> None:
