@@ -42,23 +42,21 @@ def layout_figures(plan: Plan, model: ModelProfile, hardware: HardwareProfile,
                    budgets: Budgets) -> dict[str, LayoutFigures]:
     """Each layout's figures for `plan` (made for `model` on `hardware` in `budgets`)."""
     longest = max(e - s for s, e in plan.blocks)
-
-    def static_bytes(layout: str) -> int:
-        return build_problem(model, hardware, budgets=budgets, max_recompute_block=longest,
-                             resident_update=plan.resident_update, optimizer=plan.optimizer,
-                             gpus_per_node=plan.gpus_per_node, nodes=plan.nodes,
-                             node_layout=layout, state=plan.state).static_cpu_bytes
-
-    own = static_bytes(plan.node_layout)
+    problems = {layout: build_problem(
+        model, hardware, budgets=budgets, max_recompute_block=longest,
+        resident_update=plan.resident_update, optimizer=plan.optimizer,
+        gpus_per_node=plan.gpus_per_node, nodes=plan.nodes, node_layout=layout,
+        state=plan.state) for layout in NODE_LAYOUTS}
+    own = problems[plan.node_layout].static_cpu_bytes
+    # the whole node's host-updated parameters (the replicated problem's: not cut)
+    host_params = problems["replicated"].host_update_param_count
     on_device = plan.resident_update == "device"
-    residents = model.resident_trainable_param_count
-    host_params = (model.num_layers * model.layer_trainable_param_count
-                   + (0 if on_device else residents))
     out = {}
-    for layout in NODE_LAYOUTS:
-        host = plan.prediction.peak_cpu_bytes - own + static_bytes(layout)
+    for layout, p in problems.items():
+        host = plan.prediction.peak_cpu_bytes - own + p.static_cpu_bytes
         sent = network_bytes_per_step(
-            host_update_params=host_params, every_rank_params=residents if on_device else 0,
+            host_update_params=host_params,
+            every_rank_params=p.resident_update_param_count if on_device else 0,
             copy_bytes_per_param=model.compute_bytes_per_elem, nodes=plan.nodes, layout=layout)
         out[layout] = LayoutFigures(layout=layout, host_bytes=host, network_bytes=sent,
                                     network_s=sent / hardware.internode_bytes_per_s,

@@ -66,16 +66,18 @@ def _largest_term(p: Problem, tier: str) -> str:
         name, nbytes = p.gpu_base_terms[0]
         remedy = _TERM_REMEDY.get(name, "it does not depend on the plan")
         return f"; its largest term is {name} ({readable_bytes(nbytes)}): {remedy}"
-    if tier == "cpu":
-        split = ("" if p.nodes == 1 or p.node_layout == "split" else
-                 f"; split the state over the {p.nodes} nodes (--node-layout split): each "
-                 f"keeps 1/{p.nodes} of the masters, moments and gradients")
-        if not p.cpu_base_terms:
-            return split
+    if tier == "cpu" and p.cpu_base_terms:
         name, nbytes = p.cpu_base_terms[0]
-        return (f"; its largest term is {name} ({readable_bytes(nbytes)}): "
-                f"{host_remedy(name)}{split}")
+        return f"; its largest term is {name} ({readable_bytes(nbytes)}): {host_remedy(name)}"
     return ""
+
+
+def _split_layout(p: Problem, tier: str) -> str:
+    """Over several nodes holding the whole state each, the host's other way out."""
+    if tier != "cpu" or p.nodes == 1 or p.node_layout == "split":
+        return ""
+    return (f"; split the state over the {p.nodes} nodes (--node-layout split): each keeps "
+            f"1/{p.nodes} of the masters, moments and gradients")
 
 
 def infeasible_error(p: Problem, strategy: str,
@@ -86,7 +88,8 @@ def infeasible_error(p: Problem, strategy: str,
         budget, base = p.budget_bytes(tier), p.fixed_bytes(tier)
         parts.append(f"{tier.upper()} short by {readable_bytes(short)} (needs "
                      f"{readable_bytes(budget + short)}, budget {readable_bytes(budget)}, base "
-                     f"{readable_bytes(base)} before activations{_largest_term(p, tier)})")
+                     f"{readable_bytes(base)} before activations{_largest_term(p, tier)}"
+                     f"{_split_layout(p, tier)})")
     flags = " / ".join(_BUDGET_FLAG[tier] for tier in shortfall_bytes) or "the budgets"
     detail = "; ".join(parts) or "no tier named (solver limit reached while diagnosing)"
     return PlanInfeasibleError(
