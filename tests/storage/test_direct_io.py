@@ -76,7 +76,12 @@ def test_many_tensors_across_small_chunks(tmp_path: Path, small_io: DirectIO,
     back = [AlignedBuffer(4 * BLOCK_BYTES).tensor] + [torch.zeros_like(t) for t in tensors[1:]]
     small_io.read_tensors(tmp_path / "f", back).result(timeout=60)
     assert all(torch.equal(t, b) for t, b in zip(tensors, back, strict=True))
-    assert len(uncopied) == 4  # two whole chunks of the aligned tensor, each way
+    # Two whole chunks of the aligned tensor, each way. Another tensor may sit in memory at
+    # its file offset's page phase by chance (the allocator decides), so count the
+    # aligned ones only.
+    aligned_ranges = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in (aligned, back[0])]
+    assert sum(any(lo <= address < hi for lo, hi in aligned_ranges)
+               for address, _ in uncopied) == 4
 
 
 def test_an_empty_file_and_a_length_mismatch(tmp_path: Path, small_io: DirectIO) -> None:
