@@ -105,12 +105,8 @@ def test_a_failed_copy_write_says_what_to_do_and_the_engine_still_detaches(tmp_p
     detach_leaves_no_files(engine)
 
 
-def test_parts_the_engine_does_not_stream_yet_are_refused_at_attach(tmp_path):
+def test_plans_the_engine_cannot_run_are_refused_at_attach(tmp_path):
     model = build_model("llama", LAYERS)
-    plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS),
-                               state=StateHomes(optimizer=(1,)))
-    with pytest.raises(ValueError, match="streams only the layers' compute copies and grad"):
-        attach(model, plan, device=CPU, compute_dtype=torch.bfloat16, nvme_dir=str(tmp_path))
     plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS),
                                state=StateHomes(copies=(1,)))
     with pytest.raises(ValueError, match="computes in fp32"):

@@ -30,6 +30,7 @@ from lazytrain_accel.engine.memory.copy_files import NvmeCopies
 from lazytrain_accel.engine.memory.grad_files import NvmeGrads
 from lazytrain_accel.engine.memory.grads import GradSink
 from lazytrain_accel.engine.memory.nvme import NvmeSpill
+from lazytrain_accel.engine.memory.optimizer_files import NvmeMasters
 from lazytrain_accel.engine.memory.residents import ResidentParams, owners, update_groups
 from lazytrain_accel.engine.memory.state_io import StateIO
 from lazytrain_accel.engine.memory.weights import master_dtype
@@ -72,13 +73,18 @@ class StreamingEngine:
         early, *self._layer_params, late = update_groups(model, parent, layers_attr,
                                                          self._layers)
         self._buffer_devices = move_buffers(model, self.device)
+        self._check_state(plan, reduce_hooks=False)
+        homed = {p for j in plan.state.optimizer for p in self._layer_params[j - 1]
+                 if p.requires_grad}
         for p in model.parameters():  # fp32 host masters; frozen weights stay as stored
             if quantized.is_packed(p):
                 quantized.packed_to_host(p)
-            elif p.device.type != "cpu" or p.dtype != master_dtype(p):
-                p.data = p.data.to("cpu", master_dtype(p))
+            elif p not in homed:  # cast layer by layer as they go to their files
+                _to_master(p)
         self.streams = make_streams(self.device, emulation)
         self._build_parts(nvme_dir, early + late, late)
+        for j in plan.state.optimizer:
+            self._evict_masters(j)
         self._model_patch = ModelPatch(self, model, parent, self._layers, self.residents.params,
                                        head_modules=owners(model, self.residents.late))
         self.fused_loss: FusedLoss | None = None
@@ -97,20 +103,30 @@ class StreamingEngine:
         elif chunk_tokens:
             self.fused_loss = apply_fused_loss(self.model, chunk_tokens=chunk_tokens)
 
+    def _evict_masters(self, layer: int) -> None:
+        """Send layer `layer`'s masters (cast here, from the model's own weights) to their
+        file, after its compute copy is made from them: the forward streams the copy."""
+        if not any(p.requires_grad for p in self._layer_params[layer - 1]):
+            return  # a frozen layer: no master, no moments
+        for p in self._layer_params[layer - 1]:
+            _to_master(p)
+        self.pool.compute_copy(layer)
+        self.masters.evict(layer)
+        self.pool.compute_copy_written(layer)
+
     def _nvme_copies(self) -> NvmeCopies | None:
         """The files of the compute copies the plan homes on NVMe (`Plan.state`), under
         this engine's NVMe directory; None where the compute keeps no copies (fp32)."""
-        self._check_state(self.plan)
         if self.compute_dtype == torch.float32:
             return None
         return NvmeCopies(self.spill.directory / "state", set(self.plan.state.copies),
                           self.acct, self.state_io, claim_root=self.spill.claim)
 
-    def _check_state(self, plan: Plan) -> None:
-        """Refuse a plan homing on NVMe a part of the host state the engine does not
-        stream yet (masters and moments), gradients where a data-parallel hook reads them
-        after the fold, or copies an fp32 run keeps none of; or one splitting the state
-        over the nodes, which the engine holds whole on each yet."""
+    def _check_state(self, plan: Plan, *, reduce_hooks: bool) -> None:
+        """Refuse a plan homing on NVMe gradients where a data-parallel hook reads them
+        after the fold, or copies (or masters, which the device then streams) where an
+        fp32 run keeps no copies; or one splitting the state over the nodes, which the
+        engine holds whole on each yet."""
         if plan.node_layout == "split":
             raise ValueError(
                 f"the plan splits the host state over {plan.nodes} nodes (node_layout "
@@ -118,12 +134,7 @@ class StreamingEngine:
                 "whole state on every node yet; plan with node_layout='replicated' "
                 "(lazytrain plan --node-layout replicated)")
         state = plan.state
-        if state.optimizer:
-            raise ValueError(
-                f"the plan homes masters and moments on NVMe ({state.to_dict()}): the engine "
-                "streams only the layers' compute copies and gradients from NVMe yet; plan "
-                "with host_state='streamed' or 'dram' (a DRAM budget that holds them)")
-        if state.grads and self.sink.ready_hooks:
+        if state.grads and reduce_hooks:
             raise ValueError(
                 f"the plan homes gradients on NVMe (layers {list(state.grads)}) but a hook "
                 "reduces them across ranks once folded, which needs them in DRAM: with "
@@ -132,6 +143,11 @@ class StreamingEngine:
             raise ValueError(f"the plan homes compute copies on NVMe (layers {state.copies}) "
                              "but this run computes in fp32, which keeps none; plan for the "
                              "run's compute dtype")
+        if state.optimizer and self.compute_dtype == torch.float32:
+            raise ValueError(f"the plan homes masters and moments on NVMe (layers "
+                             f"{state.optimizer}) but this run computes in fp32, whose "
+                             "device streams the masters themselves; plan for the run's "
+                             "compute dtype (bf16 streams a copy of them)")
 
     def _absorb_checkpointing(self) -> None:
         """HF checkpointing was requested: keep it off; say once who decides recompute."""
@@ -156,6 +172,10 @@ class StreamingEngine:
         self.sink.files = NvmeGrads(self.spill.directory / "state", set(self.plan.state.grads),
                                     trainable, self.acct, self.state_io,
                                     claim_root=self.spill.claim)
+        #: The masters and moments of the layers the plan homes on NVMe.
+        self.masters = NvmeMasters(self.spill.directory / "state",
+                                   set(self.plan.state.optimizer), trainable, self.acct,
+                                   self.state_io, claim_root=self.spill.claim)
         self.pool = quantized.weight_pool(self._layer_params, streams=self.streams,
                                           compute_dtype=self.compute_dtype,
                                           accounting=self.acct,
@@ -163,6 +183,7 @@ class StreamingEngine:
                                           wait_ready=lambda j: self.steps.wait_for_group(j),
                                           num_slots=weight_slots(self.plan),
                                           nvme_copies=self._nvme_copies())
+        self.pool.masters_generation = self.masters.generation
         self.residents = ResidentParams(resident, late=late, device=self.device,
                                         compute_dtype=self.compute_dtype, sink=self.sink,
                                         accounting=self.acct,
@@ -189,6 +210,7 @@ class StreamingEngine:
             grad_sq_norms=self.grad_sq_norms,
             awaiting_backward=lambda: bool(self._open) or self.residents.active)
         self.steps.grad_files = self.sink.files
+        self.steps.master_files = self.masters
         self._shape_warned = False
         self._mask_verdicts: dict[tuple[int, int], bool] = {}  # 4-D mask: plain causal?
         #: `replan(batch, seq) -> Plan | None`, asked before a batch beyond the plan runs
@@ -313,7 +335,7 @@ class StreamingEngine:
         if plan.num_layers != self.plan.num_layers:
             raise ValueError(f"plan.num_layers={plan.num_layers} but the model has "
                              f"{self.plan.num_layers} decoder layers; plan for this model")
-        self._check_state(plan)
+        self._check_state(plan, reduce_hooks=bool(self.sink.ready_hooks))
         if plan.resident_update != self.plan.resident_update:
             raise ValueError(f"the new plan updates the residents on the {plan.resident_update}"
                              f", this engine on the {self.plan.resident_update} (fixed at "
@@ -324,6 +346,9 @@ class StreamingEngine:
         self.pool.grow(weight_slots(plan))
         self.pool.home_copies(set(plan.state.copies))
         self.sink.files.set_layers(set(plan.state.grads))
+        if set(plan.state.optimizer) != self.masters.layers:
+            self.steps.wait()  # no update stages a layer while its home changes
+            self.masters.set_layers(plan.state.optimizer)
         if self._loss_chunk_from_plan:
             self._set_loss_chunk(plan.loss_chunk_tokens)
 
@@ -457,6 +482,7 @@ class StreamingEngine:
     def detach(self) -> None:
         """Restore the model: own forwards, masters in place, buffers where they were."""
         self.synchronize()
+        self.masters.close()  # every master and moment back in DRAM, the files removed
         self.residents.swap_out()
         self.residents.masters_to_host()
         if self.fused_loss is not None:
@@ -470,6 +496,12 @@ class StreamingEngine:
         self.spill.close()
         self.streams.close()
         self.steps.close()
+
+
+def _to_master(p: nn.Parameter) -> None:
+    """`p` as its host master: fp32 for a trainable float, else its stored dtype."""
+    if p.device.type != "cpu" or p.dtype != master_dtype(p):
+        p.data = p.data.to("cpu", master_dtype(p))
 
 
 def attach(model: nn.Module, plan: Plan, *, device: torch.device,

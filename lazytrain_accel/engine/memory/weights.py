@@ -43,6 +43,10 @@ class WeightPool:
                  is_ready: Callable[[int], bool], wait_ready: Callable[[int], None],
                  num_slots: int = 2, nvme_copies: NvmeCopies | None = None) -> None:
         self._params = layer_params  # index 0 = layer 1
+        #: `masters_generation(layer)`: for a layer whose masters live on NVMe (the
+        #: engine's `NvmeMasters.generation`), the number that keys its compute copy in
+        #: place of its masters' tensors; None for a layer whose masters are in DRAM
+        self.masters_generation: Callable[[int], int | None] = lambda layer: None
         self._dtype = compute_dtype
         self._streams = streams
         self._acct = accounting
@@ -223,7 +227,7 @@ class WeightPool:
             return None
         params = self._params[layer - 1]
         # a copy in its file is not read back: the masters it was cast from are as valid
-        valid = self._copy_keys[layer - 1] == _master_key(params) \
+        valid = self._copy_keys[layer - 1] == self._master_key(layer) \
             and self._copies[layer - 1] is not None
         self._copy_keys[layer - 1] = None  # being rewritten: not to be streamed
         if self._nvme is not None:
@@ -242,7 +246,7 @@ class WeightPool:
         where the plan homes it on NVMe, write it to its file behind)."""
         copy = self._copies[layer - 1]
         if copy is not None:
-            self._copy_keys[layer - 1] = _master_key(self._params[layer - 1])
+            self._copy_keys[layer - 1] = self._master_key(layer)
             if self._nvme is not None and layer in self._nvme.layers:
                 self._nvme.write(layer, copy)
                 self._file_keys[layer] = self._copy_keys[layer - 1]
@@ -265,7 +269,12 @@ class WeightPool:
         """`layer`'s copy if it is its masters' (read back from its file where the plan
         homes it on NVMe and its buffer was dropped), else None."""
         key = self._copy_keys[layer - 1]
-        if key is None or key != _master_key(self._params[layer - 1]):
+        if key is None or key != self._master_key(layer):
+            if self.masters_generation(layer) is not None:
+                raise RuntimeError(
+                    f"layer {layer}'s masters live on NVMe but its compute copy is not "
+                    "theirs: the engine refreshes the copy whenever it changes them; "
+                    "change masters through StreamingEngine.staged_masters")
             return None
         if self._copies[layer - 1] is None and self._nvme is not None:
             self._read_ahead(layer)  # unless one was started ahead
@@ -280,7 +289,7 @@ class WeightPool:
         buffer dropped) and no read of it runs yet."""
         if (self._nvme is None or not 1 <= layer <= len(self._params) or layer in self._reads
                 or self._copies[layer - 1] is not None
-                or self._copy_keys[layer - 1] != _master_key(self._params[layer - 1])):
+                or self._copy_keys[layer - 1] != self._master_key(layer)):
             return
         copy = self._new_copy(layer)
         self._reads[layer] = copy, self._nvme.read(layer, copy)
@@ -322,8 +331,13 @@ class WeightPool:
         self._slots, self._staging = [], []
         self._slot_views.clear()
 
-
-def _master_key(params: list[nn.Parameter]) -> tuple[tuple[int, int], ...]:
-    """Which tensors, at which version, the masters of a layer are now."""
-    return tuple((p.data.data_ptr(), p._version) for p in params)
+    def _master_key(self, layer: int) -> object:
+        """Which masters `layer`'s compute copy was cast from: their generation where they
+        live on NVMe, else which tensors, at which version, they are now."""
+        generation = self.masters_generation(layer)
+        params = self._params[layer - 1]
+        if generation is not None:  # the frozen weights beside them stay in DRAM
+            return generation, tuple((p.data.data_ptr(), p._version) for p in params
+                                     if not p.requires_grad)
+        return tuple((p.data.data_ptr(), p._version) for p in params)
 

@@ -19,6 +19,7 @@ from typing import Protocol
 from torch import nn
 
 from lazytrain_accel.engine.memory.grad_files import NvmeGrads
+from lazytrain_accel.engine.memory.optimizer_files import NvmeMasters
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.engine.step.overlap import CopyTarget, LayerwiseOptimizer, LayerwiseUpdate
 from lazytrain_accel.engine.step.worker import UpdateWorker
@@ -77,6 +78,9 @@ class StepCoordinator:
         #: The files of the gradients the plan homes on NVMe (the engine's `GradSink`'s):
         #: the update reads each back for its layer; a skipped step drops them.
         self.grad_files: NvmeGrads | None = None
+        #: The files of the masters and moments the plan homes on NVMe: the update reads
+        #: each back for its layer and writes it behind.
+        self.master_files: NvmeMasters | None = None
 
     @property
     def update_groups(self) -> list[list[nn.Parameter]]:
@@ -117,15 +121,14 @@ class StepCoordinator:
         on this thread), and this returns at once; or `inline()`, the whole update on
         this thread (its result is returned). The node store's peers learn of the step
         here (the one call of their `begin_step`), and of each group once updated."""
-        in_files = self.grad_files is not None and self.grad_files.pending
-        wait_here = inline is not None and in_files
+        in_files = self._state_in_files()
+        wait_here = inline is not None and bool(in_files)
         if wait_here:
             if not hasattr(optimizer, "step_params"):
                 raise ValueError(
-                    f"the plan homes gradients on NVMe (layers "
-                    f"{sorted(self.grad_files.layers)}), which only the hybrid 8-bit operator "
-                    f"reads back layer by layer; {type(optimizer).__name__} steps every "
-                    "parameter at once: use optimizer='hybrid8bit', or plan with "
+                    f"the plan homes {in_files} on NVMe, which only the hybrid 8-bit "
+                    f"operator reads back layer by layer; {type(optimizer).__name__} steps "
+                    "every parameter at once: use optimizer='hybrid8bit', or plan with "
                     "host_state='copies'")
             inline = None  # read back group by group: the layer-wise update, waited for
         peers = self.peers
@@ -148,7 +151,7 @@ class StepCoordinator:
                                        foreign_groups=peers.foreign_groups if peers else (),
                                        on_group_done=peers.publish if peers else None,
                                        before_group=self._wait_for_save(),
-                                       grads=self.grad_files)
+                                       grads=self.grad_files, masters=self.master_files)
         self._worker.submit(self._update.run)
         if self.device_update_beside_host:
             self._update_on_device(optimizer, groups, device_groups, device_done,
@@ -156,6 +159,15 @@ class StepCoordinator:
         if wait_here:
             self.wait_for_reads()
         return None
+
+    def _state_in_files(self) -> str:
+        """What of this step's update lives in files (the parts, their layers), or ''."""
+        parts = []
+        if self.grad_files is not None and self.grad_files.pending:
+            parts.append(f"gradients (layers {sorted(self.grad_files.layers)})")
+        if self.master_files is not None and self.master_files.evicted_layers:
+            parts.append(f"masters and moments (layers {self.master_files.evicted_layers})")
+        return " and ".join(parts)
 
     def adopt(self, optimizer: LayerwiseOptimizer) -> None:
         """An optimizer with a `zero_grad_gate` (the hybrid operator) defers its

@@ -26,6 +26,7 @@ class LayerwiseOptimizer(Protocol):
     """What `StepCoordinator.step` needs of an optimizer (HybridAdamW8bit)."""
 
     param_groups: list[dict[str, Any]]
+    state: Mapping[nn.Parameter, dict[str, Any]]
 
     def set_grad_sq_norms(self, sq_norms: Mapping[nn.Parameter, float]) -> None: ...
 
@@ -57,6 +58,20 @@ class StagedGrads(Protocol):
     def end_update(self) -> None: ...
 
 
+class StagedMasters(Protocol):
+    """Masters and moments the update reads back from files, layer by layer
+    (`NvmeMasters`)."""
+
+    def begin_update(self, order: Sequence[int],
+                     state: Mapping[nn.Parameter, dict[str, Any]]) -> None: ...
+
+    def stage(self, layer: int) -> None: ...
+
+    def after_update(self, layer: int) -> None: ...
+
+    def end_update(self) -> None: ...
+
+
 class LayerwiseUpdate:
     """The host's update of `groups` in forward order: `run` is the job the caller hands
     to the run's `UpdateWorker` (`StepCoordinator.update`, one frame below the step:
@@ -70,7 +85,9 @@ class LayerwiseUpdate:
     may block: a pending checkpoint save has not yet written group g's masters and state
     (`checkpoints/asynchronous.py`), which the update is about to overwrite. `grads`
     holds the gradients of the layers homed on NVMe: read back for each one's update
-    (ahead, in this order) and dropped after it.
+    (ahead, in this order) and dropped after it; `masters` the masters and moments of
+    those homed there: read back before (ahead, in this order), written back after, before
+    the compute copy the update wrote is keyed to them.
     """
 
     def __init__(self, optimizer: LayerwiseOptimizer,
@@ -81,9 +98,11 @@ class LayerwiseUpdate:
                  foreign_groups: Sequence[int] = (),
                  on_group_done: Callable[[int], None] | None = None,
                  before_group: Callable[[int], None] | None = None,
-                 grads: StagedGrads | None = None) -> None:
+                 grads: StagedGrads | None = None,
+                 masters: StagedMasters | None = None) -> None:
         self._opt = optimizer
         self._grads = grads
+        self._masters = masters
         self._before_group = before_group
         self._foreign_groups = frozenset(foreign_groups)
         self._on_group_done = on_group_done
@@ -101,14 +120,19 @@ class LayerwiseUpdate:
     def run(self) -> None:
         """The update, whole; an error is kept for the training thread's next `wait`."""
         start = time.perf_counter()
-        grads = self._grads
+        grads, masters = self._grads, self._masters
         try:
+            order = [j for j in range(len(self._groups)) if self._updates(j)]
+            if masters is not None:
+                masters.begin_update(order, self._opt.state)
             if grads is not None:
-                grads.begin_update([j for j in range(len(self._groups)) if self._updates(j)])
+                grads.begin_update(order)
             for index, (group, done) in enumerate(zip(self._groups, self._done, strict=True)):
                 if self._updates(index):
                     if self._before_group is not None:
                         self._before_group(index)
+                    if masters is not None:
+                        masters.stage(index)
                     if grads is not None:
                         grads.stage(index)
                     copy = self._compute_copy(index)
@@ -116,6 +140,8 @@ class LayerwiseUpdate:
                         self._opt.step_params(group, out_bf16=copy)
                     if grads is not None:
                         grads.unstage(index)
+                    if masters is not None:
+                        masters.after_update(index)
                     if copy is not None:
                         self._copies.compute_copy_written(index)
                     if self._on_group_done is not None:
@@ -132,6 +158,8 @@ class LayerwiseUpdate:
         finally:
             if grads is not None:
                 grads.end_update()
+            if masters is not None:
+                masters.end_update()
             with self._lock:
                 for done in self._done:
                     done.set()

@@ -1,0 +1,368 @@
+"""The fp32 masters and optimizer moments of the layers the plan homes on NVMe
+(`Plan.state.optimizer`): a file per layer, read back for the layer's update and written
+behind it, so that between updates the host holds none of them.
+
+A homed layer is *evicted* while its state lives in its file: each trainable parameter's
+`.data`, and each tensor of its optimizer state but the step count, is a placeholder of
+its shape and dtype that holds no bytes (a stride-0 view of one NaN or zero; writing into
+it raises). The device never reads them: it streams the layer's compute copy, which the
+engine builds before evicting (`WeightPool`, keyed by `generation`). The update *stages*
+the layer (read ahead, in its order, into one of `STATE_STAGING_GROUPS` aligned buffers:
+`.data` and the state become views of it), runs, and evicts it again (the buffer written
+behind, then reused). Other readers of the masters (checkpoints, `detach`) stage a layer
+too (`StreamingEngine.staged_masters`).
+
+The file is the layer's parameters in order, each its master then its state tensors by
+name, every tensor at a `BLOCK_BYTES` boundary, so a read lands straight in the buffer and
+a staged layer's writes leave from it without a bounce copy. Files go through the
+engine's `StateIO` as `LayerFiles` (`layer_files.py`) into `<NVMe directory>/state`; a
+failed write or read raises its `StateIOError` at the layer's next use.
+Docs: docs/engine.md "Host state on NVMe".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lazytrain_accel.engine.memory.layer_files import LayerFiles
+from lazytrain_accel.engine.memory.state_io import StateIO
+from lazytrain_accel.engine.stats import Accounting
+from lazytrain_accel.planning.state import STATE_STAGING_GROUPS
+from lazytrain_accel.storage.direct_io import BLOCK_BYTES, aligned_empty
+
+#: The optimizer state entries that stay in DRAM (a step count: one number).
+KEPT_IN_DRAM = ("step",)
+
+OptimizerState = Mapping[nn.Parameter, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor of a layer's file: `param`'s master (`name` None) or state `name`."""
+
+    param: nn.Parameter
+    name: str | None
+    dtype: torch.dtype
+    shape: torch.Size
+    offset: int  # bytes from the file's start, a multiple of BLOCK_BYTES
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _Layout:
+    entries: tuple[_Entry, ...]
+    nbytes: int  # the file's length: the last entry's end
+
+
+def _round_up(nbytes: int) -> int:
+    return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+
+
+def _layout(params: Sequence[nn.Parameter], state: OptimizerState | None) -> _Layout:
+    """Where each master and state tensor of `params` lies in their layer's file."""
+    entries, offset = [], 0
+    for p in params:
+        tensors: list[tuple[str | None, torch.Tensor]] = [(None, p.data)]
+        held = state.get(p, {}) if state is not None else {}
+        tensors += [(name, value) for name, value in sorted(held.items())
+                    if name not in KEPT_IN_DRAM and isinstance(value, torch.Tensor)
+                    and value.dim() > 0]
+        for name, tensor in tensors:
+            entry = _Entry(p, name, tensor.dtype, tensor.shape, offset)
+            entries.append(entry)
+            offset = _round_up(offset + entry.nbytes)
+    end = entries[-1].offset + entries[-1].nbytes if entries else 0
+    return _Layout(tuple(entries), end)
+
+
+class _Placeholders:
+    """Stride-0 tensors of any shape over one element per dtype: NaN for floats, so a
+    stray read of an evicted master poisons loudly; none of them can be written."""
+
+    def __init__(self) -> None:
+        self._scalars: dict[torch.dtype, torch.Tensor] = {}
+
+    def of(self, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+        scalar = self._scalars.get(dtype)
+        if scalar is None:
+            fill = float("nan") if dtype.is_floating_point else 0
+            scalar = self._scalars[dtype] = torch.full((), fill, dtype=dtype)
+        return scalar.expand(shape)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        scalar = self._scalars.get(tensor.dtype)
+        return scalar is not None and tensor.data_ptr() == scalar.data_ptr() \
+            and all(s == 0 for s in tensor.stride())
+
+
+class NvmeMasters:
+    """The files of the masters and moments of `layers` (1-based) under `directory`;
+    `params[j - 1]` are layer j's trainable parameters."""
+
+    def __init__(self, directory: Path, layers: set[int], params: list[list[nn.Parameter]],
+                 accounting: Accounting, io: StateIO, *, claim_root: Callable[[], None]
+                 ) -> None:
+        #: The layers homed on NVMe now (a re-plan may change them: `set_layers`).
+        self.layers = frozenset(layers)
+        self._files = LayerFiles(directory, "optim", accounting, io, claim_root=claim_root)
+        self._params = params
+        self._acct = accounting
+        self._placeholders = _Placeholders()
+        #: layer -> the layout of its file, while its state lives there (evicted)
+        self._evicted: dict[int, _Layout] = {}
+        #: layer -> (its buffer, the layout) while staged: `.data` and state are views
+        self._staged: dict[int, tuple[torch.Tensor, _Layout]] = {}
+        #: layer -> how often its masters were evicted after a change (`generation`)
+        self._generations: dict[int, int] = {}
+        #: the update's layers still to read, in its order; the reads issued
+        self._queue: deque[int] = deque()
+        self._reads: dict[int, tuple[torch.Tensor, Future[None]]] = {}
+        self._state: OptimizerState | None = None
+        # Staging buffers: at most STATE_STAGING_GROUPS; one returns when its write ends
+        # (on an I/O thread), hence the condition.
+        self._buffers = threading.Condition()
+        self._free: list[torch.Tensor] = []
+        self._held_bytes = 0  # of all buffers, counted as host_pageable
+        self._count = 0
+
+    # ---- what the engine asks ---------------------------------------------------------
+    def evicted(self, layer: int) -> bool:
+        """Whether layer `layer`'s masters and moments live in its file now."""
+        return layer in self._evicted
+
+    def generation(self, layer: int) -> int | None:
+        """A number that changes whenever layer `layer`'s masters may have (for the
+        compute copy's key: `WeightPool`); None when its masters live in DRAM for good."""
+        if layer in self._evicted or layer in self._staged:
+            return self._generations.get(layer, 0)
+        return None
+
+    def touch(self, layer: int) -> None:
+        """Layer `layer`'s staged masters were changed outside an update (a checkpoint
+        loaded into them): its compute copy is stale from now."""
+        self._generations[layer] = self._generations.get(layer, 0) + 1
+
+    def evict(self, layer: int, state: OptimizerState | None = None, *,
+              changed: bool = True) -> None:
+        """Write layer `layer`'s masters (and, in `state`, their optimizer state) to its
+        file behind and leave placeholders in their place. A staged layer's buffer comes
+        back once written; a layer in DRAM (at attach, or homed by a re-plan) is written
+        from its own tensors, freed once written. `changed`: its masters may differ from
+        its last eviction's (bumps `generation`)."""
+        params = self._params[layer - 1]
+        if not params or layer in self._evicted:
+            return
+        state = state if state is not None else self._state
+        layout = _layout(params, state)
+        staged = self._staged.pop(layer, None)
+        tensors: list[torch.Tensor] = []
+        position = 0
+        pad = torch.zeros(BLOCK_BYTES, dtype=torch.uint8)
+        for entry in layout.entries:
+            if entry.offset > position:
+                tensors.append(pad[:entry.offset - position])
+            tensor = self._tensor(entry, state)
+            tensors.append(tensor.reshape(-1) if tensor.is_contiguous() else
+                           tensor.contiguous().reshape(-1))
+            position = entry.offset + entry.nbytes
+        write = self._files.write(layer, tensors)
+        if staged is not None:
+            buffer = staged[0]
+            write.add_done_callback(lambda _: self._give_back(buffer))
+        write.add_done_callback(lambda _: tensors.clear())  # written: their DRAM is free
+        for entry in layout.entries:
+            self._place(entry, state, self._placeholders.of(entry.dtype, entry.shape))
+        self._evicted[layer] = layout
+        if changed:
+            self.touch(layer)
+
+    def restore(self, layer: int) -> None:
+        """Bring layer `layer`'s masters and moments back into DRAM for good (read now, into
+        tensors of their own): `detach`, or a re-plan that no longer homes it."""
+        layout = self._evicted.pop(layer, None)
+        if layout is None:
+            self._staged_to_own(layer)
+            return
+        tensors = [torch.empty(e.shape, dtype=e.dtype) for e in layout.entries]
+        pieces, position = [], 0
+        for entry, tensor in zip(layout.entries, tensors, strict=True):
+            if entry.offset > position:
+                pieces.append(torch.empty(entry.offset - position, dtype=torch.uint8))
+            pieces.append(tensor.view(-1))
+            position = entry.offset + entry.nbytes
+        self._files.read(layer, pieces).result()
+        for entry, tensor in zip(layout.entries, tensors, strict=True):
+            self._place(entry, self._state, tensor, check=True)
+        self._generations.pop(layer, None)
+
+    def _staged_to_own(self, layer: int) -> None:
+        """A staged layer's tensors copied out of its buffer, which goes back."""
+        staged = self._staged.pop(layer, None)
+        if staged is None:
+            return
+        buffer, layout = staged
+        for entry in layout.entries:
+            self._place(entry, self._state, self._tensor(entry, self._state).clone())
+        self._give_back(buffer)
+        self._generations.pop(layer, None)
+
+    def stage(self, layer: int, state: OptimizerState | None = None) -> None:
+        """Point layer `layer`'s masters and moments at a buffer holding them (read ahead,
+        or now), until `evict`; nothing for a layer in DRAM."""
+        if state is not None:
+            self._state = state
+        layout = self._evicted.get(layer)
+        if layout is None:
+            return
+        if layer not in self._reads:
+            if layer in self._queue:
+                self._queue.remove(layer)
+            self._issue(layer)
+        buffer, read = self._reads.pop(layer)
+        try:
+            read.result()
+        except BaseException:
+            self._give_back(buffer)
+            raise
+        del self._evicted[layer]
+        self._staged[layer] = (buffer, layout)
+        for entry in layout.entries:
+            view = buffer[entry.offset:entry.offset + entry.nbytes].view(entry.dtype)
+            self._place(entry, self._state, view.view(entry.shape), check=True)
+
+    # ---- the update ------------------------------------------------------------------
+    def begin_update(self, order: Sequence[int], state: OptimizerState) -> None:
+        """The update is about to run groups `order` with the optimizer's `state`: start
+        reading the first evicted ones' files."""
+        self._state = state
+        self._queue = deque(j for j in order if j in self._evicted)
+        self._read_ahead()
+
+    def after_update(self, layer: int) -> None:
+        """Layer `layer` was updated: evict it where homed (staged, or in DRAM since a
+        re-plan homed it) and read the next one ahead."""
+        if layer in self.layers and layer not in self._evicted:
+            self.evict(layer)
+        self._read_ahead()
+
+    def end_update(self) -> None:
+        """The update ended (done, or failed part way): no read stays in flight, no homed
+        layer stays staged."""
+        self._queue.clear()
+        for layer in list(self._reads):
+            buffer, read = self._reads.pop(layer)
+            read.exception()
+            self._give_back(buffer)
+        for layer in list(self._staged):
+            if layer in self.layers:
+                self.evict(layer)
+
+    def set_layers(self, layers: Iterable[int]) -> None:
+        """Home `layers` from now: those evicted and no longer homed come back to DRAM;
+        the newly homed are evicted after their next update."""
+        self.layers = frozenset(layers)
+        for layer in sorted(set(self._evicted) - self.layers):
+            self.restore(layer)
+
+    @property
+    def evicted_layers(self) -> list[int]:
+        return sorted(self._evicted)
+
+    def wait_written(self, layer: int) -> None:
+        """Block until layer `layer`'s last write is on the drive; raise its error."""
+        self._files.wait_written(layer)
+
+    def close(self) -> None:
+        """Every layer back in DRAM, the files removed, the buffers freed."""
+        self.end_update()
+        for layer in sorted(set(self._evicted) | set(self._staged)):
+            self.restore(layer)
+        self._files.close()
+        with self._buffers:
+            self._free.clear()
+            self._count = 0
+        if self._held_bytes:
+            self._acct.free("host_pageable", self._held_bytes)
+            self._held_bytes = 0
+
+    # ---- tensors, buffers ------------------------------------------------------------
+    def _tensor(self, entry: _Entry, state: OptimizerState | None) -> torch.Tensor:
+        if entry.name is None:
+            return entry.param.data
+        return state[entry.param][entry.name]
+
+    def _place(self, entry: _Entry, state: OptimizerState | None, tensor: torch.Tensor, *,
+               check: bool = False) -> None:
+        """Make `tensor` the master (or state tensor) of `entry`; `check`: what it replaces
+        must be the placeholder an eviction left (else it was changed behind the file)."""
+        if entry.name is None:
+            current = entry.param.data
+        else:
+            if state is None or entry.param not in state:
+                raise RuntimeError(
+                    f"the optimizer state of a parameter of shape {tuple(entry.shape)} lives "
+                    "on NVMe but no optimizer state was given to bring it back: step the "
+                    "optimizer that trained it (or load its checkpoint) before reading it")
+            current = state[entry.param].get(entry.name)
+        if check and (current is None or not self._placeholders.holds(current)):
+            what = "master" if entry.name is None else f"optimizer state {entry.name!r}"
+            raise RuntimeError(
+                f"the {what} of a parameter of shape {tuple(entry.shape)} was replaced while "
+                "it lived on NVMe (its tensor is not the engine's placeholder): change the "
+                "masters through the engine (StreamingEngine.staged_masters), or plan "
+                "without host state on NVMe")
+        if entry.name is None:
+            entry.param.data = tensor
+        else:
+            state[entry.param][entry.name] = tensor
+
+    def _read_ahead(self) -> None:
+        """Issue reads for the queued layers while a buffer is free or may be made (one
+        is always left for the layer about to be staged)."""
+        while self._queue:
+            with self._buffers:
+                room = bool(self._free) or self._count < STATE_STAGING_GROUPS
+            if not room:
+                return
+            self._issue(self._queue.popleft())
+
+    def _issue(self, layer: int) -> None:
+        layout = self._evicted[layer]
+        buffer = self._take(layout.nbytes)
+        self._reads[layer] = (buffer, self._files.read(layer, [buffer[:layout.nbytes]]))
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        """A free buffer of at least `nbytes` (made while fewer than the bound exist, else
+        the next one a finished write gives back)."""
+        with self._buffers:
+            while not self._free and self._count >= STATE_STAGING_GROUPS:
+                self._buffers.wait()
+            buffer = self._free.pop() if self._free else None
+            if buffer is None:
+                self._count += 1
+        if buffer is not None and buffer.numel() >= nbytes:
+            return buffer
+        if buffer is not None:  # too small for this layer's file: replaced
+            self._held_bytes -= buffer.numel()
+            self._acct.free("host_pageable", buffer.numel())
+        buffer = aligned_empty(_round_up(nbytes), torch.uint8)
+        self._held_bytes += buffer.numel()
+        self._acct.allocate("host_pageable", buffer.numel())
+        return buffer
+
+    def _give_back(self, buffer: torch.Tensor) -> None:
+        with self._buffers:
+            self._free.append(buffer)
+            self._buffers.notify()

@@ -1,0 +1,145 @@
+"""The layers' fp32 masters and optimizer moments homed on NVMe (`Plan.state.optimizer`,
+issue 44): written to a file at attach and after each update, read back for the next
+one, placeholders in between; the run is the all-DRAM run bit for bit (8-bit and fp32
+moments, clipping, accumulation, with the other parts homed too, a skipped step, a
+re-plan either way), and the files go at detach."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from engine_helpers import batches, build_model, make_plan, twin
+
+from lazytrain_accel.engine import attach
+from lazytrain_accel.optim import HybridAdamW8bit
+from lazytrain_accel.planning.plan import StateHomes
+
+CPU = torch.device("cpu")
+LAYERS = 4
+MICRO_BATCHES = 2
+
+
+def _train(model, plan, tmp_path, *, steps: int = 3, min_8bit_numel: int = 0,
+           poison_step=None, between=None, engine=None):
+    """`steps` clipped hybrid-8-bit bf16 steps of `MICRO_BATCHES` micro-batches;
+    `between(engine, opt, step)` after each step's update."""
+    engine = engine or attach(model, plan, device=CPU, compute_dtype=torch.bfloat16,
+                              nvme_dir=str(tmp_path))
+    opt = HybridAdamW8bit(model.parameters(), lr=1e-2, max_grad_norm=1.0,
+                          min_8bit_numel=min_8bit_numel)
+    losses = []
+    data = batches(steps * MICRO_BATCHES)
+    for step in range(steps):
+        for ids in data[step * MICRO_BATCHES:(step + 1) * MICRO_BATCHES]:
+            loss = model(input_ids=ids, labels=ids).loss / MICRO_BATCHES
+            if step == poison_step:
+                loss = loss * float("inf")
+            loss.backward()
+            losses.append(loss.item())
+        engine.step_layerwise(opt)
+        engine.synchronize()
+        opt.zero_grad()
+        if between is not None:
+            between(engine, opt, step)
+    return engine, opt, losses
+
+
+def _assert_same(model, ref, opt, ref_opt) -> None:
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        mine, theirs = opt.state[p], ref_opt.state[q]
+        assert mine.keys() == theirs.keys()
+        for name in mine:
+            assert torch.equal(mine[name], theirs[name]), name
+
+
+@pytest.mark.parametrize("min_8bit_numel", [0, 4096], ids=["8bit", "fp32-moments"])
+@pytest.mark.parametrize("homes", [
+    StateHomes(optimizer=(1, 3)),
+    StateHomes(optimizer=(1, 2, 3, 4), grads=(1, 2), copies=(2, 3, 4)),
+], ids=["optimizer", "all-parts"])
+def test_masters_on_nvme_train_bit_for_bit_as_in_dram(tmp_path, homes, min_8bit_numel):
+    ref = build_model("llama", LAYERS)
+    model = twin(ref)
+    plan = make_plan("checkpoint_all", LAYERS)
+    ref_engine, ref_opt, ref_losses = _train(ref, plan, tmp_path / "dram",
+                                             min_8bit_numel=min_8bit_numel)
+    evicted: list[list[int]] = []
+
+    def between(engine, opt, step: int) -> None:
+        # between steps the homed layers' masters and moments hold no bytes
+        evicted.append(engine.masters.evicted_layers)
+        for j in homes.optimizer:
+            for p in engine.layer_params(j):
+                assert p.data.stride() == (0,) * p.dim() and p.data.isnan().all()
+                assert all(t.stride() == (0,) * t.dim() for name, t in opt.state[p].items()
+                           if name != "step")
+
+    engine, opt, losses = _train(model, dataclasses.replace(plan, state=homes),
+                                 tmp_path / "nvme", min_8bit_numel=min_8bit_numel,
+                                 between=between)
+    assert losses == ref_losses
+    assert evicted == [list(homes.optimizer)] * 3
+    state = engine.spill.directory / "state"
+    assert {p.name for p in state.iterdir()} >= {f"optim-{j}.bin" for j in homes.optimizer}
+    numel = sum(p.numel() for p in engine.layer_params(1))
+    moved = engine.total_stats().transfer_bytes
+    directory = engine.spill.directory
+    engine.detach()  # masters and moments back in DRAM, the files gone
+    ref_engine.detach()
+    assert not directory.exists()
+    # per homed layer: its masters written at attach; per update, masters and moments
+    # read (none before the first) and written; 8-bit moments are ~2 bytes a parameter
+    moments = 2.0 if min_8bit_numel == 0 else 8.0
+    homed = len(homes.optimizer)
+    grads = len(homes.grads) * 3 * MICRO_BATCHES * 4 * numel
+    assert moved["state_nvme_read"] >= homed * numel * (3 * 4 + 2 * moments)
+    assert moved["state_nvme_write"] >= homed * numel * (4 + 3 * (4 + moments)) + grads
+    _assert_same(model, ref, opt, ref_opt)
+
+
+def test_a_skipped_step_leaves_the_files_as_they_were(tmp_path):
+    ref = build_model("llama", LAYERS)
+    model = twin(ref)
+    plan = make_plan("checkpoint_all", LAYERS)
+    _, ref_opt, ref_losses = _train(ref, plan, tmp_path / "dram", poison_step=1)
+    engine, opt, losses = _train(model, dataclasses.replace(
+        plan, state=StateHomes(optimizer=(2, 3))), tmp_path / "nvme", poison_step=1)
+    assert opt.skipped_steps == ref_opt.skipped_steps == 1
+    assert losses[:2] == ref_losses[:2] and losses[4:] == ref_losses[4:]
+    engine.detach()
+    _assert_same(model, ref, opt, ref_opt)
+
+
+def test_a_replan_moving_masters_either_way_keeps_the_run_exact(tmp_path):
+    """After the first step layers 1 and 2 are homed on NVMe; after the second, layer 1
+    comes back to DRAM (read back for good) and layer 4 goes (after its next update)."""
+    ref = build_model("llama", LAYERS)
+    model = twin(ref)
+    plan = make_plan("checkpoint_all", LAYERS)
+    _, ref_opt, ref_losses = _train(ref, plan, tmp_path / "dram", steps=4)
+    engine = attach(model, plan, device=CPU, compute_dtype=torch.bfloat16,
+                    nvme_dir=str(tmp_path / "nvme"))
+    homes = {0: (1, 2), 1: (2, 4)}
+    seen: list[list[int]] = []
+
+    def between(engine, opt, step: int) -> None:
+        seen.append(engine.masters.evicted_layers)
+        if step in homes:
+            engine.set_plan(dataclasses.replace(plan, state=StateHomes(optimizer=homes[step])))
+
+    _, opt, losses = _train(model, plan, tmp_path, steps=4, between=between, engine=engine)
+    assert seen == [[], [1, 2], [2, 4], [2, 4]]
+    assert losses == ref_losses
+    engine.detach()
+    _assert_same(model, ref, opt, ref_opt)
+
+
+def test_an_fp32_run_refuses_masters_on_nvme(tmp_path):
+    model = build_model("llama", 2)
+    plan = dataclasses.replace(make_plan("checkpoint_all", 2), state=StateHomes(optimizer=(1,)))
+    with pytest.raises(ValueError, match="computes in fp32"):
+        attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
