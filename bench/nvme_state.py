@@ -1,9 +1,10 @@
 """Host state on NVMe, measured (issue 44): a ~270M-parameter Llama in bf16 through the
 plugin, once with a DRAM budget that holds its host state, once with one too small for its
-layers' compute copies, and once with one that every copy on NVMe leaves short by some
-layers' gradients (the parts the engine streams today), each in a fresh process.
+layers' compute copies, once with one that every copy on NVMe leaves short by some
+layers' gradients, and once with one that every copy and gradient there leaves short (the
+masters and moments of some layers go too), each in a fresh process.
 
-Prints, per run: the plan's copies and gradients on NVMe, the median step, the plan's
+Prints, per run: the plan's copies, gradients and masters on NVMe, the median step, the plan's
 predicted step, the peak RSS growth of `prepare` and the steps against the DRAM budget
 (what the run may still allocate: the budget less the model's fp32 weights present before
 it), and for the NVMe runs the state's read and write rates against the drive's
@@ -42,9 +43,10 @@ def _model():
     return LlamaForCausalLM(config)
 
 
-def _budget_gb(model, short_copies: float, short_grads: float) -> float:
-    """The plan's fixed host bytes (all in DRAM) less `short_copies` layers' copies and
-    `short_grads` layers' gradients."""
+def _budget_gb(model, short_copies: float, short_grads: float,
+               short_optimizer: float) -> float:
+    """The plan's fixed host bytes (all in DRAM) less `short_copies` layers' copies,
+    `short_grads` layers' gradients and `short_optimizer` layers' masters and moments."""
     import torch
 
     from lazytrain_accel.planning.problem import build_problem
@@ -56,11 +58,11 @@ def _budget_gb(model, short_copies: float, short_grads: float) -> float:
     p = build_problem(profile, HARDWARE_PRESETS["h800"])
     sizes = p.state_sizes
     return (p.cpu_fixed_bytes - short_copies * sizes.copies_bytes
-            - short_grads * sizes.grads_bytes) / GIB
+            - short_grads * sizes.grads_bytes - short_optimizer * sizes.optimizer_bytes) / GIB
 
 
 def run(workdir: str, cache_dir: str, steps: int, short_copies: float,
-        short_grads: float) -> dict:
+        short_grads: float, short_optimizer: float) -> dict:
     """One run in this process (called in a fresh one by `main`)."""
     import torch
 
@@ -71,8 +73,8 @@ def run(workdir: str, cache_dir: str, steps: int, short_copies: float,
     from lazytrain_accel.profiling.measure import _measure_nvme
 
     model = _model()
-    budget_gb = (_budget_gb(model, short_copies, short_grads)
-                 if short_copies or short_grads else 0.0)
+    budget_gb = (_budget_gb(model, short_copies, short_grads, short_optimizer)
+                 if short_copies or short_grads or short_optimizer else 0.0)
     present = sum(p.numel() * p.element_size() for p in model.parameters())
     ids = torch.randint(0, VOCAB, (steps * BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=BATCH)
@@ -108,6 +110,7 @@ def run(workdir: str, cache_dir: str, steps: int, short_copies: float,
     return {"losses": losses, "step_s": statistics.median(step_s[1:] or step_s),
             "predicted_step_s": plan.prediction.step_s, "copies_on_nvme": len(plan.state.copies),
             "grads_on_nvme": len(plan.state.grads),
+            "optimizer_on_nvme": len(plan.state.optimizer),
             "budget_bytes": budget_gb * GIB, "present_bytes": present, "growth_bytes": growth,
             "device_bytes": device_bytes,
             "read_bytes_per_s": rate["state_nvme_read"],
@@ -116,13 +119,14 @@ def run(workdir: str, cache_dir: str, steps: int, short_copies: float,
 
 
 def _fresh(workdir: str, cache_dir: str, steps: int, short_copies: float = 0.0,
-           short_grads: float = 0.0) -> dict:
+           short_grads: float = 0.0, short_optimizer: float = 0.0) -> dict:
     # large blocks from mmap, returned to the system when freed: a dropped copy's bytes
     # leave the resident set (glibc's heap would keep them)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     done = subprocess.run([sys.executable, __file__, "--child", workdir, "--cache-dir",
                            cache_dir, "--steps", str(steps), "--short-copies", str(short_copies),
-                           "--short-grads", str(short_grads)],
+                           "--short-grads", str(short_grads),
+                           "--short-optimizer", str(short_optimizer)],
                           capture_output=True, text=True, check=False, env=env)
     if done.returncode:
         raise SystemExit(done.stderr[-3000:])
@@ -140,26 +144,31 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--short-copies", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--short-grads", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--short-optimizer", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--nvme-dir", default=None)
     parser.add_argument("--child", default=None)
     parser.add_argument("--cache-dir", default=None)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(run(args.child, args.cache_dir, args.steps, args.short_copies,
-                             args.short_grads)))
+                             args.short_grads, args.short_optimizer)))
         return
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as tmp:
         # one cache: the first run measures this machine, the second reuses the profile
         dram = _fresh(f"{tmp}/dram", f"{tmp}/cache", args.steps)
         copies = _fresh(f"{tmp}/copies", f"{tmp}/cache", args.steps, LAYERS - 4.0)
         grads = _fresh(f"{tmp}/grads", f"{tmp}/cache", args.steps, LAYERS, 4.0)
+        # more than every gradient the backward can write: the masters must go too
+        masters = _fresh(f"{tmp}/masters", f"{tmp}/cache", args.steps, LAYERS, LAYERS, 4.0)
     print(f"CPU: {_cpu_model()}; {LAYERS} layers, batch {BATCH} x {SEQ}, bf16, "
           f"{args.steps} steps a run")
     runs = (("all in DRAM", dram), ("copies on NVMe", copies),
-            ("copies and gradients on NVMe", grads))
+            ("copies and gradients on NVMe", grads),
+            ("copies, gradients, masters and moments on NVMe", masters))
     for name, r in runs:
-        line = (f"{name}: {r['copies_on_nvme']} copies and {r['grads_on_nvme']} layers' "
-                f"gradients on NVMe, step {r['step_s']:.2f} s "
+        line = (f"{name}: {r['copies_on_nvme']} copies, {r['grads_on_nvme']} layers' "
+                f"gradients and {r['optimizer_on_nvme']} layers' masters and moments on "
+                f"NVMe, step {r['step_s']:.2f} s "
                 f"(predicted {r['predicted_step_s']:.2f} s, measured/predicted "
                 f"{r['step_s'] / r['predicted_step_s']:.2f}x), peak growth "
                 f"{r['growth_bytes'] / GIB:.2f} GiB")

@@ -77,12 +77,14 @@ def load_share_checkpoint(directory: Path, manifest: Mapping[str, Any] | None, *
         if manifest["world_size"] != world and rank == 0:
             logger.info("lazytrain: re-sharding a checkpoint written by %d ranks onto %d",
                         manifest["world_size"], world)
-    if weights:
-        _load_owned_weights(model, directory, owned, split=mine is not None)
-    if optimizer is not None:
-        _load_optimizer_state(optimizer, directory, manifest, model, owned, world=world,
-                              stock_optimizer=stock_optimizer,
-                              require_optimizer=require_optimizer)
+    # masters and moments homed on NVMe: in DRAM to load into, back to their files after
+    with engine.masters_in_dram(optimizer) if engine is not None else contextlib.nullcontext():
+        if weights:
+            _load_owned_weights(model, directory, owned, split=mine is not None)
+        if optimizer is not None:
+            _load_optimizer_state(optimizer, directory, manifest, model, owned, world=world,
+                                  stock_optimizer=stock_optimizer,
+                                  require_optimizer=require_optimizer)
     if weights and world > 1:
         dist.barrier()  # every owner's masters are in place before any rank reads them
 

@@ -35,6 +35,12 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
     """Give this rank its share (`owner_of_groups` over the node's local ranks, by
     trainable bytes), make the engine's update skip and wait for the other shares, route
     gradients to their owners (`layout`: the launch's nodes; None: one node)."""
+    if engine.steps.master_files is not None and engine.steps.master_files.layers:
+        raise ValueError(
+            f"the plan homes masters and moments on NVMe (layers "
+            f"{sorted(engine.steps.master_files.layers)}), but the local ranks share them in "
+            "the node store, which one rank cannot send to its drive; plan with "
+            "host_state='copies' (what several ranks home on NVMe)")
     if layout is None:
         layout = NodeGroups(local_rank=dist.get_rank(), node=0, nodes=1,
                             node_ranks=tuple(range(dist.get_world_size())))

@@ -252,7 +252,8 @@ class Accelerator(accelerate.Accelerator):
                                       on_published=lambda: share_checkpoint.rotate(self, final))
             return str(final)
         start_s = time.perf_counter()
-        share_checkpoint.save_shares(self, final, write_stock)
+        with self.lazytrain.masters_in_dram():  # those homed on NVMe: read back for it
+            share_checkpoint.save_shares(self, final, write_stock)
         share_checkpoint.rotate(self, final)
         logger.info("lazytrain: checkpoint %s written (sync, %.2f s)", final,
                     time.perf_counter() - start_s)
@@ -260,9 +261,11 @@ class Accelerator(accelerate.Accelerator):
 
     def lazytrain_saves_async(self) -> bool:
         """The setting, and an update that runs layer by layer on its thread (the per-group
-        wait the save hooks into), on every rank alike."""
+        wait the save hooks into), on every rank alike; not where the plan homes masters
+        and moments on NVMe (the save reads them back into DRAM first, then writes)."""
         state = self.lazytrain
         return (self.lazytrain_plugin.checkpoint_mode == "async" and state.engine is not None
+                and not state.engine.masters.layers
                 and (step := installed_step(state.optimizer)) is not None and step.overlapped)
 
     def lazytrain_start_save(self, final: Path, write_stock: Callable[[Path], None], *,

@@ -54,7 +54,9 @@ def make_checkpoints_atomic(trainer: Trainer) -> None:
         if synchronous_because is None:
             return _save_beside_training(trainer, stock_save, model, trial, args, kwargs)
         start_s = time.perf_counter()
-        final = _save_synchronously(trainer, stock_save, model, trial, args, kwargs)
+        lazytrain = getattr(accelerator, "lazytrain", None)
+        with lazytrain.masters_in_dram() if lazytrain is not None else contextlib.nullcontext():
+            final = _save_synchronously(trainer, stock_save, model, trial, args, kwargs)
         logger.info("lazytrain: checkpoint %s written (sync, %.2f s: %s)", final,
                     time.perf_counter() - start_s, synchronous_because)
 
@@ -76,6 +78,8 @@ def _synchronous_because(trainer: Trainer) -> str | None:
         return "no LazyTrain engine"
     if accelerator.lazytrain_plugin.checkpoint_mode != "async":
         return "checkpoint_mode='sync'"
+    if accelerator.lazytrain.engine is not None and accelerator.lazytrain.engine.masters.layers:
+        return "the plan homes masters and moments on NVMe: read back into DRAM for the save"
     if not accelerator.lazytrain_saves_async():
         return ("the update runs inline (optimizer='keep', overlap_step=False, or "
                 "overlap_step='auto' on a CPU device), so no per-layer wait can order it "

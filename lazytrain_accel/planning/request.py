@@ -15,8 +15,9 @@ from lazytrain_accel.planning.problem import Budgets
 from lazytrain_accel.planning.state_search import CANDIDATE_NAMES
 
 #: The `PlanRequest.host_state` values that let the planner choose among some parts only:
-#: "copies" the compute copies, "streamed" what the engine streams from NVMe today (the
-#: compute copies and the gradients: docs/engine.md "Host state on NVMe").
+#: "copies" the compute copies (what several ranks may home: docs/engine.md "Host state
+#: on NVMe"), "streamed" the compute copies and the gradients (the masters and moments
+#: stay in DRAM).
 RESTRICTED_PARTS: dict[str, tuple[str, ...]] = {"copies": ("copies",),
                                                 "streamed": ("copies", "grads")}
 #: `PlanRequest.host_state`: the planner's choice (of every part, or of some), all in

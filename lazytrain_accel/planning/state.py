@@ -134,14 +134,14 @@ def copy_read_window(layer: int, num_layers: int) -> int | None:
 
 def allowed_layers(part: str, num_layers: int, *, folds: bool, copies_bytes: int
                    ) -> tuple[int, ...]:
-    """The layers whose `part` may be homed on NVMe."""
+    """The layers whose `part` may be homed on NVMe. Copies and masters only where the
+    compute dtype is below fp32 (`copies_bytes`): in fp32 the device streams the masters
+    themselves, which must then be in DRAM."""
     layers = range(1, num_layers + 1)
     if part == "grads":
         return tuple(j for j in layers
                      if grad_write_window(j, num_layers, folds=folds) is not None)
-    if part == "copies":
-        return tuple(layers) if copies_bytes else ()
-    return tuple(layers)
+    return tuple(layers) if copies_bytes else ()
 
 
 def backward_state_bytes(weights: StateWeights, sizes: StateSizes, num_layers: int, *,

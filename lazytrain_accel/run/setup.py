@@ -156,13 +156,6 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
     if is_plan_file(config):
         plan = Plan.load(config.plan)
         plan.check_fingerprint(fingerprint)
-        if plan.state.optimizer:
-            raise ValueError(
-                f"plan file {config.plan} homes masters and moments on NVMe "
-                f"({plan.state.to_dict()}): `lazytrain plan` prices such plans, but the engine "
-                "streams only the layers' compute copies and gradients from NVMe yet; give "
-                "the run a DRAM budget that holds the masters and moments "
-                "(cpu_memory_limit_gb) and plan again with --host-state streamed")
         return plan
     strategy = "lazytrain" if config.plan == "auto" else config.plan
     resident_update = resident_update or config.resident_update
@@ -239,14 +232,13 @@ def plan_request(config: LazyTrainConfig, *, strategy: str, budgets: Budgets,
 
 def streamed_state(config: LazyTrainConfig) -> str:
     """The parts of the layers' host state a run may home on NVMe (`PlanRequest.host_state`):
-    what the engine streams (issue 44), the compute copies and, where the hybrid 8-bit
-    operator reads them back layer by layer and no other rank reduces them after the fold,
-    the gradients. Where the masters and moments do not fit DRAM the run is refused as
-    before."""
+    the compute copies always; where the hybrid 8-bit operator updates layer by layer and
+    no other rank reduces gradients after the fold or shares the masters (one process),
+    every part ("auto": the gradients, the masters and moments too)."""
     from lazytrain_accel.distributed import ranks
 
     alone = not ranks.is_multi_process()
-    return "streamed" if config.optimizer == OptimizerChoice.HYBRID8BIT and alone else "copies"
+    return "auto" if config.optimizer == OptimizerChoice.HYBRID8BIT and alone else "copies"
 
 
 def budgets_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Budgets:

@@ -9,6 +9,7 @@ Trainer's Accelerator hold it as one attribute, `accelerator.lazytrain`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -83,6 +84,13 @@ class RunState:
     optimizer: torch.optim.Optimizer | None = None
     #: a checkpoint being written beside training (`checkpoint_mode="async"`)
     pending_save: PendingSave | None = None
+
+    def masters_in_dram(self) -> contextlib.AbstractContextManager[None]:
+        """Within: the masters and moments the plan homes on NVMe are in DRAM, in their
+        own tensors (`StreamingEngine.masters_in_dram`), for a checkpoint's save or load."""
+        if self.engine is None:
+            return contextlib.nullcontext()
+        return self.engine.masters_in_dram(self.optimizer)
 
     def plan_for(self, sizing: batch_shape.Sizing, hardware: HardwareProfile) -> setup.PreparedRun:
         """A re-plan for `sizing` on `hardware`, the residents where the engine keeps them."""

@@ -6,6 +6,7 @@ re-plan either way), and the files go at detach."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -143,3 +144,41 @@ def test_an_fp32_run_refuses_masters_on_nvme(tmp_path):
     plan = dataclasses.replace(make_plan("checkpoint_all", 2), state=StateHomes(optimizer=(1,)))
     with pytest.raises(ValueError, match="computes in fp32"):
         attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
+
+
+def test_state_dicts_read_the_files_and_a_load_goes_back_to_them(tmp_path):
+    """`model.state_dict()` and `optimizer.state_dict()` hold the evicted layers' values,
+    read from their files; a checkpoint loaded within `masters_in_dram` (masters in place,
+    the optimizer's state replaced) trains on exactly as the all-DRAM run's load does."""
+    ref = build_model("llama", LAYERS)
+    model = twin(ref)
+    plan = make_plan("checkpoint_all", LAYERS)
+    saved: dict[str, dict] = {}
+
+    def save_then_load(key):
+        def between(engine, opt, step: int) -> None:
+            if step == 1:  # after the second step: save
+                saved[key] = {"model": {k: v.clone() for k, v in
+                                        engine.model.state_dict().items()},
+                              "opt": copy.deepcopy(opt.state_dict())}
+            if step == 2:  # after the third: back to the second's
+                with engine.masters_in_dram(opt):
+                    engine.model.load_state_dict(saved[key]["model"])
+                    opt.load_state_dict(copy.deepcopy(saved[key]["opt"]))  # torch adopts them
+        return between
+
+    ref_engine, ref_opt, ref_losses = _train(ref, plan, tmp_path / "dram", steps=4,
+                                             between=save_then_load("dram"))
+    engine, opt, losses = _train(model, dataclasses.replace(
+        plan, state=StateHomes(optimizer=(1, 2, 4), copies=(2,))), tmp_path / "nvme", steps=4,
+        between=save_then_load("nvme"))
+    for key, value in saved["dram"]["model"].items():
+        assert torch.equal(value, saved["nvme"]["model"][key]), key
+    for index, state in saved["dram"]["opt"]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, saved["nvme"]["opt"]["state"][index][name])
+    assert engine.masters.evicted_layers == [1, 2, 4]
+    assert losses == ref_losses
+    engine.detach()
+    ref_engine.detach()
+    _assert_same(model, ref, opt, ref_opt)

@@ -4,6 +4,7 @@ whose fp32 masters the shares keep, so a resume is exact; the settings."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 from pathlib import Path
@@ -50,8 +51,8 @@ def _accelerator(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, dt
     groups = [list(model.parameters())]
     steps = SimpleNamespace(update_groups=groups, peers=None)
     plugin = SimpleNamespace(checkpoint_dtype=dtype, checkpoint_max_shard_bytes=max_shard_bytes)
-    lazytrain = SimpleNamespace(engine=SimpleNamespace(steps=steps), model=model,
-                                optimizer=optimizer)
+    engine = SimpleNamespace(steps=steps, masters_in_dram=lambda _: contextlib.nullcontext())
+    lazytrain = SimpleNamespace(engine=engine, model=model, optimizer=optimizer)
     return SimpleNamespace(lazytrain=lazytrain, step=2, lazytrain_plugin=plugin,
                            is_main_process=True)
 

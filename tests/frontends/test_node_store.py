@@ -263,7 +263,7 @@ def test_the_split_update_gives_each_rank_the_planners_share(monkeypatch) -> Non
         device = torch.device("cpu")
 
         class steps:
-            update_groups, device_groups, peers = groups, [0, 5], None
+            update_groups, device_groups, peers, master_files = groups, [0, 5], None, None
 
         def register_grad_ready_hook(self, hook) -> None: ...
 

@@ -125,3 +125,67 @@ def test_a_resume_with_state_on_nvme_continues_as_the_run_that_saved(tmp_path: P
     assert resumed == losses[2:]
     for name, value in params.items():
         torch.testing.assert_close(resumed_params[name], value, rtol=0, atol=0, msg=name)
+
+
+def _masters_budget_gb() -> float:
+    """A DRAM budget short of the host state by 45% of its layers' state: every copy and
+    gradient on NVMe (less their buffers) leaves it short, so the plan homes masters and
+    moments there too."""
+    profile = setup.profile_for_run(_build("llama", LAYERS), batch_size=2, seq_len=12,
+                                    compute_dtype=torch.bfloat16)
+    p = build_problem(profile, HARDWARE_PRESETS["h800"])
+    return (p.cpu_fixed_bytes - 0.45 * LAYERS * p.state_sizes.layer_bytes) / GIB
+
+
+def _steps(tmp_path: Path, budget_gb: float, *, resume: bool = False,
+           save_after: int | None = None) -> tuple[list[float], dict, dict, object]:
+    """Four clipped steps (the first two skipped on `resume`, which loads the checkpoint
+    `save_after` a step wrote); (losses, state_dict() before the end, parameters after
+    it, the plan's state homes)."""
+    model = _build("llama", LAYERS).eval()  # no dropout: the steps' math alone
+    acc = Accelerator(cpu=True, mixed_precision="bf16",
+                      plugin=_plugin(tmp_path / ("b" if resume else "a"), budget_gb))
+    model, opt = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=1e-2,
+                                                    max_grad_norm=0.5))
+    state = acc.lazytrain.run.plan.state
+    if resume:
+        acc.load_state(str(tmp_path / "ckpt"))
+    losses = []
+    for k, batch in enumerate(_loader()):
+        if resume and k < 2:
+            continue
+        loss = model(**batch).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if k == save_after:
+            acc.save_state(str(tmp_path / "ckpt"))
+    # the homed layers' parameters hold placeholders until the end: the state dict reads
+    # their files
+    state_dict = {n: t.clone() for n, t in acc.get_state_dict(model).items()}
+    acc.end_training()
+    params = {n: q.detach().clone() for n, q in acc.unwrap_model(model).named_parameters()}
+    return losses, state_dict, params, state
+
+
+def test_masters_homed_on_nvme_by_the_plan_train_save_and_resume_as_in_dram(
+        tmp_path: Path) -> None:
+    """The budget leaves the masters and moments of some layers no room in DRAM: the plan
+    homes them on NVMe, and the run trains as the all-DRAM one bit for bit (its state dict
+    read from the files before the end, its parameters after it); a checkpoint written
+    after two steps resumes the last two exactly."""
+    budget_gb = _masters_budget_gb()
+    losses, state_dict, params, state = _steps(tmp_path / "nvme", budget_gb, save_after=1)
+    dram_losses, _, dram_params, dram_state = _steps(tmp_path / "dram", 0)
+    assert state.optimizer and not dram_state.any, state
+    assert losses == dram_losses
+    for name, value in dram_params.items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(state_dict[name], value, rtol=0, atol=0, msg=name)
+    assert not any((tmp_path / "nvme" / "a" / "n").glob("lazytrain-*"))
+    resumed, _, resumed_params, resumed_state = _steps(tmp_path / "nvme", budget_gb,
+                                                       resume=True)
+    assert resumed_state == state and resumed == losses[2:]
+    for name, value in params.items():
+        torch.testing.assert_close(resumed_params[name], value, rtol=0, atol=0, msg=name)

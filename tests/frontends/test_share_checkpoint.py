@@ -5,6 +5,7 @@ size, and the refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -205,8 +206,8 @@ def _fake_accelerator(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     params = list(model.parameters())
     peers = SimpleNamespace(owns=lambda g: True)
     steps = SimpleNamespace(update_groups=_shares(params, 3), peers=peers)
-    lazytrain = SimpleNamespace(engine=SimpleNamespace(steps=steps), model=model,
-                                optimizer=optimizer)
+    engine = SimpleNamespace(steps=steps, masters_in_dram=lambda _: contextlib.nullcontext())
+    lazytrain = SimpleNamespace(engine=engine, model=model, optimizer=optimizer)
     return SimpleNamespace(lazytrain=lazytrain,
                            step=5, is_main_process=True, lazytrain_plugin=plugin)
 

@@ -44,14 +44,15 @@ REGIMES = ("compute", "h2d", "d2h", "nvme")
 SLOW = 0.2
 
 
-def _model(family: str, layers: int, batch_size: int, seq_len: int, vocab_size: int = 256
-           ) -> ModelProfile:
+def _model(family: str, layers: int, batch_size: int, seq_len: int, vocab_size: int = 256,
+           compute_bytes_per_elem: int = 4) -> ModelProfile:
     config = {"model_type": family, "vocab_size": vocab_size, "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": layers,
               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
               "max_position_embeddings": 512, "tie_word_embeddings": family == "gemma"}
     return profile_model(geometry_from_config(config, name=f"tiny-{family}"),
-                         batch_size=batch_size, seq_len=seq_len, compute_bytes_per_elem=4)
+                         batch_size=batch_size, seq_len=seq_len,
+                         compute_bytes_per_elem=compute_bytes_per_elem)
 
 
 #: The host's work per transfer (`HardwareProfile.host_stage_bytes_per_s`, ...): a layer's

@@ -152,7 +152,7 @@ def test_a_70b_full_fine_tune_plans_on_a_4090_with_128_gb_and_4_drives() -> None
     assert plan.prediction.step_s <= 1.15 * traffic.floor_s
 
 
-def test_the_state_homes_travel_in_the_plan_file_and_a_run_takes_what_it_streams(tmp_path) -> None:
+def test_the_state_homes_travel_in_the_plan_file_and_a_run_takes_them(tmp_path) -> None:
     from lazytrain_accel.config import LazyTrainConfig
     from lazytrain_accel.run.setup import resolve_plan
 
@@ -167,9 +167,8 @@ def test_the_state_homes_travel_in_the_plan_file_and_a_run_takes_what_it_streams
     assert loaded.solver.state_steps_s == plan.solver.state_steps_s
     assert plan.solver.state_steps_s["greedy"] > 0
     assert plan.state.optimizer
-    with pytest.raises(ValueError, match="streams only the layers' compute copies and grad"):
-        resolve_plan(LazyTrainConfig(plan=str(path)), model, hardware)
-    # the parts a run streams: a plan homing gradients (and copies) only is the run's
+    assert resolve_plan(LazyTrainConfig(plan=str(path)), model, hardware).state == plan.state
+    # the masters and moments kept in DRAM: a plan homing gradients (and copies) only
     streamed = make_plan(model, hardware, PlanRequest(
         budgets=_budgets(model, hardware, dram_layers=5.5), time_limit_s=10,
         host_state="streamed"))
@@ -240,10 +239,12 @@ def test_the_mip_decides_the_state_and_prices_the_update_phase_as_the_simulator(
 def state_problems(draw: st.DrawFn) -> tuple:
     """test_planner_agreement.py's draws, 8 to 12 layers (a layer's state streams through
     3 buffers: fewer layers leave nothing to gain), with the DRAM budget short of the
-    host state by `short` layers' state and NVMe room for all of it."""
+    host state by `short` layers' state and NVMe room for all of it; computing in bf16
+    (every part may move) or fp32 (no copies, the masters stay: only gradients)."""
     layers = draw(st.integers(8, 12))
     model = _agreement_model(draw(st.sampled_from(FAMILIES)), layers,
-                             draw(st.sampled_from((2, 4, 8))), draw(st.sampled_from((32, 64))))
+                             draw(st.sampled_from((2, 4, 8))), draw(st.sampled_from((32, 64))),
+                             compute_bytes_per_elem=draw(st.sampled_from((2, 2, 4))))
     hardware = _agreement_hardware(model, draw(st.sampled_from(REGIMES)), draw(st.booleans()),
                                    draw(st.sampled_from(tuple(HOST_WORK))), draw(st.booleans()))
     base = budgets_in_slots(model, hardware, gpu_slots=draw(st.integers(3, layers + 2)),

@@ -11,10 +11,11 @@ of one step, in the code" and docs/architecture.md "The life of one step".
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -83,6 +84,8 @@ class StreamingEngine:
                 _to_master(p)
         self.streams = make_streams(self.device, emulation)
         self._build_parts(nvme_dir, early + late, late)
+        self._state_dict_hooks = [layer.register_state_dict_post_hook(
+            self.masters.module_hook(layer, j)) for j, layer in enumerate(self._layers, 1)]
         for j in plan.state.optimizer:
             self._evict_masters(j)
         self._model_patch = ModelPatch(self, model, parent, self._layers, self.residents.params,
@@ -103,16 +106,37 @@ class StreamingEngine:
         elif chunk_tokens:
             self.fused_loss = apply_fused_loss(self.model, chunk_tokens=chunk_tokens)
 
-    def _evict_masters(self, layer: int) -> None:
-        """Send layer `layer`'s masters (cast here, from the model's own weights) to their
-        file, after its compute copy is made from them: the forward streams the copy."""
+    def _evict_masters(self, layer: int, state: Mapping[nn.Parameter, dict[str, Any]] |
+                       None = None) -> None:
+        """Send layer `layer`'s masters (cast here, from the model's own weights) and their
+        optimizer `state` to their file, after its compute copy is made from them: the
+        forward streams the copy."""
         if not any(p.requires_grad for p in self._layer_params[layer - 1]):
             return  # a frozen layer: no master, no moments
         for p in self._layer_params[layer - 1]:
             _to_master(p)
         self.pool.compute_copy(layer)
-        self.masters.evict(layer)
+        self.masters.evict(layer, state)
         self.pool.compute_copy_written(layer)
+
+    @contextlib.contextmanager
+    def masters_in_dram(self, optimizer: torch.optim.Optimizer | None = None
+                        ) -> Iterator[None]:
+        """Within: every master and moment homed on NVMe (those of `optimizer`, or of the
+        optimizer the engine last stepped) is back in DRAM in its own tensors, for a
+        checkpoint's save or load to read or write in place (no update runs); after it,
+        each goes back to its file, its compute copy cast again from it."""
+        self.steps.wait()
+        evicted = self.masters.evicted_layers
+        state = optimizer.state if optimizer is not None else None
+        for j in evicted:
+            self.masters.restore(j, state)
+        try:
+            yield
+        finally:
+            for j in evicted:  # the state as it is now: a load may have replaced it
+                if j in self.masters.layers:
+                    self._evict_masters(j, optimizer.state if optimizer is not None else None)
 
     def _nvme_copies(self) -> NvmeCopies | None:
         """The files of the compute copies the plan homes on NVMe (`Plan.state`), under
@@ -483,6 +507,8 @@ class StreamingEngine:
         """Restore the model: own forwards, masters in place, buffers where they were."""
         self.synchronize()
         self.masters.close()  # every master and moment back in DRAM, the files removed
+        for hook in self._state_dict_hooks:
+            hook.remove()
         self.residents.swap_out()
         self.residents.masters_to_host()
         if self.fused_loss is not None:

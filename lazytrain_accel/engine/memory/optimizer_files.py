@@ -2,20 +2,14 @@
 (`Plan.state.optimizer`): a file per layer, read back for the layer's update and written
 behind it, so that between updates the host holds none of them.
 
-A homed layer is *evicted* while its state lives in its file: each trainable parameter's
-`.data`, and each tensor of its optimizer state but the step count, is a placeholder of
-its shape and dtype that holds no bytes (a stride-0 view of one NaN or zero; writing into
-it raises). The device never reads them: it streams the layer's compute copy, which the
-engine builds before evicting (`WeightPool`, keyed by `generation`). The update *stages*
-the layer (read ahead, in its order, into one of `STATE_STAGING_GROUPS` aligned buffers:
-`.data` and the state become views of it), runs, and evicts it again (the buffer written
-behind, then reused). Other readers of the masters (checkpoints, `detach`) stage a layer
-too (`StreamingEngine.staged_masters`).
-
-The file is the layer's parameters in order, each its master then its state tensors by
-name, every tensor at a `BLOCK_BYTES` boundary, so a read lands straight in the buffer and
-a staged layer's writes leave from it without a bounce copy. Files go through the
-engine's `StateIO` as `LayerFiles` (`layer_files.py`) into `<NVMe directory>/state`; a
+An *evicted* layer's trainable `.data` and optimizer state tensors (but the step count)
+are placeholders of their shape and dtype holding no bytes (stride-0 views of one NaN or
+zero; writing into them raises); the device streams the layer's compute copy, keyed by
+`generation`. The update *stages* a layer (read ahead into one of `STATE_STAGING_GROUPS`
+aligned buffers: `.data` and the state become views of it) and evicts it after (written
+behind from the buffer). A file is the layer's parameters in order, each its master then
+its state tensors by name, every tensor on a `BLOCK_BYTES` boundary (no bounce copies).
+Files go through the engine's `StateIO` as `LayerFiles` into `<NVMe directory>/state`; a
 failed write or read raises its `StateIOError` at the layer's next use.
 Docs: docs/engine.md "Host state on NVMe".
 """
@@ -23,6 +17,7 @@ Docs: docs/engine.md "Host state on NVMe".
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
@@ -118,6 +113,7 @@ class NvmeMasters:
         self.layers = frozenset(layers)
         self._files = LayerFiles(directory, "optim", accounting, io, claim_root=claim_root)
         self._params = params
+        self._layer_of = {p: j for j, ps in enumerate(params, start=1) for p in ps}
         self._acct = accounting
         self._placeholders = _Placeholders()
         #: layer -> the layout of its file, while its state lives there (evicted)
@@ -130,6 +126,7 @@ class NvmeMasters:
         self._queue: deque[int] = deque()
         self._reads: dict[int, tuple[torch.Tensor, Future[None]]] = {}
         self._state: OptimizerState | None = None
+        self._watched: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         # Staging buffers: at most STATE_STAGING_GROUPS; one returns when its write ends
         # (on an I/O thread), hence the condition.
         self._buffers = threading.Condition()
@@ -164,7 +161,9 @@ class NvmeMasters:
         params = self._params[layer - 1]
         if not params or layer in self._evicted:
             return
-        state = state if state is not None else self._state
+        if state is not None:
+            self._state = state
+        state = self._state
         layout = _layout(params, state)
         staged = self._staged.pop(layer, None)
         tensors: list[torch.Tensor] = []
@@ -188,13 +187,31 @@ class NvmeMasters:
         if changed:
             self.touch(layer)
 
-    def restore(self, layer: int) -> None:
-        """Bring layer `layer`'s masters and moments back into DRAM for good (read now, into
-        tensors of their own): `detach`, or a re-plan that no longer homes it."""
-        layout = self._evicted.pop(layer, None)
+    def restore(self, layer: int, state: OptimizerState | None = None) -> None:
+        """Bring layer `layer`'s masters and moments (into `state`, the optimizer's) back
+        into DRAM (read now, into tensors of their own): `detach`, a re-plan that no
+        longer homes it, a checkpoint's save or load (`StreamingEngine.masters_in_dram`)."""
+        if state is not None:
+            self._state = state
+        layout = self._evicted.get(layer)
         if layout is None:
             self._staged_to_own(layer)
             return
+        values = self._read_values(layer, layout)
+        del self._evicted[layer]
+        for entry in layout.entries:
+            self._place(entry, self._state, values[entry.param, entry.name], check=True)
+        self._generations.pop(layer, None)
+
+    def read_values(self, layer: int) -> dict[tuple[nn.Parameter, str | None], torch.Tensor]:
+        """Layer `layer`'s masters (name None) and state tensors by (parameter, name), read
+        from its file into tensors of their own, leaving the layer evicted; {} for a layer
+        whose state is not in its file."""
+        layout = self._evicted.get(layer)
+        return {} if layout is None else self._read_values(layer, layout)
+
+    def _read_values(self, layer: int, layout: _Layout
+                     ) -> dict[tuple[nn.Parameter, str | None], torch.Tensor]:
         tensors = [torch.empty(e.shape, dtype=e.dtype) for e in layout.entries]
         pieces, position = [], 0
         for entry, tensor in zip(layout.entries, tensors, strict=True):
@@ -203,9 +220,15 @@ class NvmeMasters:
             pieces.append(tensor.view(-1))
             position = entry.offset + entry.nbytes
         self._files.read(layer, pieces).result()
-        for entry, tensor in zip(layout.entries, tensors, strict=True):
-            self._place(entry, self._state, tensor, check=True)
-        self._generations.pop(layer, None)
+        return {(e.param, e.name): t for e, t in zip(layout.entries, tensors, strict=True)}
+
+    def placeholder(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is an evicted master's or state tensor's placeholder."""
+        return self._placeholders.holds(tensor)
+
+    def layer_of(self, param: nn.Parameter) -> int | None:
+        """The homed-or-evicted layer `param` is a trainable parameter of, else None."""
+        return self._layer_of.get(param)
 
     def _staged_to_own(self, layer: int) -> None:
         """A staged layer's tensors copied out of its buffer, which goes back."""
@@ -241,6 +264,48 @@ class NvmeMasters:
         for entry in layout.entries:
             view = buffer[entry.offset:entry.offset + entry.nbytes].view(entry.dtype)
             self._place(entry, self._state, view.view(entry.shape), check=True)
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer.state_dict()` hold the values of the evicted layers' state (read
+        from their files) instead of placeholders; once per optimizer."""
+        if optimizer in self._watched:
+            return
+        self._watched.add(optimizer)
+
+        def with_files(opt: torch.optim.Optimizer, packed: dict[str, Any]) -> dict[str, Any]:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            by_layer: dict[int, list[int]] = {}
+            for index in packed["state"]:
+                layer = self._layer_of.get(params[index])
+                if layer is not None and layer in self._evicted:
+                    by_layer.setdefault(layer, []).append(index)
+            for layer, indices in by_layer.items():
+                values = self.read_values(layer)
+                for index in indices:
+                    packed["state"][index] = {
+                        name: values.get((params[index], name), value)
+                        for name, value in packed["state"][index].items()}
+            return packed
+
+        optimizer.register_state_dict_post_hook(with_files)
+
+    def module_hook(self, module: nn.Module, layer: int) -> Callable[..., None]:
+        """A `state_dict` post-hook for decoder layer `layer`'s `module`: its evicted
+        masters' values, read from the file, in place of placeholders (not where the
+        caller asked for the parameters themselves, `keep_vars=True`)."""
+        names = {p: name for name, p in module.named_parameters()}
+
+        def with_files(_: nn.Module, state_dict: dict[str, Any], prefix: str,
+                       local_metadata: Any) -> None:
+            if layer not in self._evicted:
+                return
+            values = self.read_values(layer)
+            for p in self._params[layer - 1]:
+                key = prefix + names[p]
+                if key in state_dict and not isinstance(state_dict[key], nn.Parameter):
+                    state_dict[key] = values[p, None]
+
+        return with_files
 
     # ---- the update ------------------------------------------------------------------
     def begin_update(self, order: Sequence[int], state: OptimizerState) -> None:

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+import torch
 from torch import nn
 
 from lazytrain_accel.engine.memory.grad_files import NvmeGrads
@@ -140,6 +141,8 @@ class StepCoordinator:
                 peers.publish_all()
             return result
         groups = self._owned_groups(optimizer)
+        if self.master_files is not None and isinstance(optimizer, torch.optim.Optimizer):
+            self.master_files.watch(optimizer)  # its state_dict() reads the files
         device_groups = self._device_groups
         device_done = threading.Event()
         if not self.device_update_beside_host:
