@@ -1,12 +1,12 @@
 """Child of test_fault_nvme_state's kill test (argv: a work directory, lives, steps).
 
 It imports once, then forks each life in turn (before any torch work starts a thread
-pool): a life trains an 8-layer Llama whose DRAM budget homes its compute copies and
-some gradients on NVMe (`<dir>/nvme`), from the latest checkpoint `<dir>/ckpt-<k>` (k
-steps done), saving one after every step and printing "saved <pid> <k>", its losses in
-`<dir>/losses-<pid>`. The test kills each of the first `lives` - 1 lives; the last
-trains to `steps` and writes the weights to `<dir>/final.pt`. Then a reference life
-trains the same steps in `<dir>/reference` without a kill.
+pool): a life trains an 8-layer Llama whose DRAM budget homes its compute copies, some
+gradients and some masters and moments on NVMe (`<dir>/nvme`), from the latest
+checkpoint `<dir>/ckpt-<k>` (k steps done), saving one after every step and printing
+"saved <pid> <k>", its losses in `<dir>/losses-<pid>`. The test kills each of the first
+`lives` - 1 lives; the last trains to `steps` and writes the weights to `<dir>/final.pt`.
+Then a reference life trains the same steps in `<dir>/reference` without a kill.
 """
 
 from __future__ import annotations
@@ -19,14 +19,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "frontends"))
-from test_nvme_copies_plugin import GIB, LAYERS
+from test_nvme_copies_plugin import LAYERS, _masters_budget_gb
 from test_step_overlap_plugin import _build, _loader
 
 from lazytrain_accel import Accelerator, LazyTrainPlugin
 from lazytrain_accel.optim import HybridAdamW8bit
-from lazytrain_accel.planning.problem import build_problem
-from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
-from lazytrain_accel.run import setup
 
 #: Between steps: the kills land among the steps' state writes, not after the last.
 STEP_PAUSE_S = 0.05
@@ -39,12 +36,7 @@ def _latest(directory: Path) -> int:
 
 def life(directory: Path, steps: int) -> None:
     torch.set_num_threads(1)
-    profile = setup.profile_for_run(_build("llama", LAYERS), batch_size=2, seq_len=12,
-                                    compute_dtype=torch.bfloat16)
-    p = build_problem(profile, HARDWARE_PRESETS["h800"])
-    # every copy and a layer's gradients short: both parts on NVMe
-    budget_gb = (p.cpu_fixed_bytes - LAYERS * p.state_sizes.copies_bytes
-                 - p.state_sizes.grads_bytes) / GIB
+    budget_gb = _masters_budget_gb()  # every part of some layers on NVMe
     batches = list(_loader(num=2 * steps))
     model = _build("llama", LAYERS).eval()  # no dropout: the steps' math alone
     plugin = LazyTrainPlugin(plan="checkpoint_all", hardware="h800", resident_update="host",
@@ -54,7 +46,7 @@ def life(directory: Path, steps: int) -> None:
     model, opt = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=1e-2,
                                                     max_grad_norm=0.5))
     state = acc.lazytrain.run.plan.state
-    assert state.copies and state.grads, state
+    assert state.copies and state.grads and state.optimizer, state
     start = _latest(directory)
     if start:
         acc.load_state(str(directory / f"ckpt-{start}"))
@@ -70,9 +62,9 @@ def life(directory: Path, steps: int) -> None:
             acc.lazytrain_wait_for_checkpoint()
             print(f"saved {os.getpid()} {k + 1}", flush=True)
             time.sleep(STEP_PAUSE_S)
+    acc.end_training()  # the masters homed on NVMe back in the parameters
     weights = {n: q.detach().clone() for n, q in acc.unwrap_model(model).named_parameters()}
     torch.save(weights, directory / "final.pt")
-    acc.end_training()
 
 
 def _fork(directory: Path, steps: int) -> int:

@@ -1,5 +1,5 @@
 """kill -9 while the layers' state streams to and from NVMe (issue 44): five lives of one
-run, each killed at a random moment of its steps (the compute copies and gradients being
+run, each killed at a random moment of its steps (copies, gradients, masters and moments
 written and read, a checkpoint being saved), each resumed by the next from the last
 checkpoint; the run ends with the losses and weights of a run never killed, bit for bit,
 and nothing left in `nvme_dir`: each kill left its engine's directory, and the next
