@@ -8,8 +8,10 @@ Prints, per run: the plan's copies, gradients and masters on NVMe, the median st
 predicted step, the peak RSS growth of `prepare` and the steps against the DRAM budget
 (what the run may still allocate: the budget less the model's fp32 weights present before
 it), and for the NVMe runs the state's read and write rates against the drive's
-`O_DIRECT` probe in the same process; then the ratios between the runs and whether their
-losses are equal bit for bit. Not a test (this machine's timings move 20-40% between processes).
+`O_DIRECT` probe in the same process, and (a drive that reads and writes in turn) both
+directions' bytes over the time it was busy with either against the probe's rates taking
+them in turn; then the ratios between the runs and whether their losses are equal bit for
+bit. Not a test (this machine's timings move 20-40% between processes).
 
     PYTHONPATH=. python bench/nvme_state.py [--steps 4] [--nvme-dir DIR]
 """
@@ -70,7 +72,7 @@ def run(workdir: str, cache_dir: str, steps: int, short_copies: float,
     from peak_rss import peak_growth_bytes, start_peak
 
     from lazytrain_accel import Accelerator, LazyTrainPlugin
-    from lazytrain_accel.profiling.measure import _measure_nvme
+    from lazytrain_accel.profiling.measure import _measure_nvme, _measure_nvme_full_duplex
 
     model = _model()
     budget_gb = (_budget_gb(model, short_copies, short_grads, short_optimizer)
@@ -104,9 +106,10 @@ def run(workdir: str, cache_dir: str, steps: int, short_copies: float,
     acc.end_training()
     Path(f"{workdir}/probe").mkdir(parents=True, exist_ok=True)
     probe_read, probe_write = _measure_nvme(Path(f"{workdir}/probe"), 256 << 20)
+    full_duplex = _measure_nvme_full_duplex(Path(f"{workdir}/probe"), 128 << 20)
     rate = {kind: moved.transfer_bytes[kind] / moved.transfer_s[kind]
             if moved.transfer_s[kind] else None
-            for kind in ("state_nvme_read", "state_nvme_write")}
+            for kind in ("state_nvme_read", "state_nvme_write", "state_nvme")}
     return {"losses": losses, "step_s": statistics.median(step_s[1:] or step_s),
             "predicted_step_s": plan.prediction.step_s, "copies_on_nvme": len(plan.state.copies),
             "grads_on_nvme": len(plan.state.grads),
@@ -115,6 +118,9 @@ def run(workdir: str, cache_dir: str, steps: int, short_copies: float,
             "device_bytes": device_bytes,
             "read_bytes_per_s": rate["state_nvme_read"],
             "write_bytes_per_s": rate["state_nvme_write"],
+            "either_bytes_per_s": rate["state_nvme"], "full_duplex": full_duplex,
+            "read_bytes": moved.transfer_bytes["state_nvme_read"],
+            "write_bytes": moved.transfer_bytes["state_nvme_write"],
             "probe_read_bytes_per_s": probe_read, "probe_write_bytes_per_s": probe_write}
 
 
@@ -185,6 +191,15 @@ def main() -> None:
                   f"{r['write_bytes_per_s'] / 1e9:.2f} GB/s = "
                   f"{r['write_bytes_per_s'] / r['probe_write_bytes_per_s']:.2f}x its "
                   f"{r['probe_write_bytes_per_s'] / 1e9:.2f}")
+            # a shared drive: both directions' bytes over its busy time, against the
+            # probe's rates taking the same bytes in turn
+            mix = (r["read_bytes"] + r["write_bytes"]) / (
+                r["read_bytes"] / r["probe_read_bytes_per_s"]
+                + r["write_bytes"] / r["probe_write_bytes_per_s"])
+            print(f"{name}: the drive ({'full' if r['full_duplex'] else 'shared'} duplex, "
+                  f"timed here) moved the state at {r['either_bytes_per_s'] / 1e9:.2f} GB/s "
+                  f"while busy with either direction = {r['either_bytes_per_s'] / mix:.2f}x "
+                  f"the probe's reads and writes in turn ({mix / 1e9:.2f})")
         print(f"{name}: step / all in DRAM {r['step_s'] / dram['step_s']:.2f}x; losses equal "
               f"bit for bit: {r['losses'] == dram['losses']}")
 

@@ -25,6 +25,7 @@ TIERS: tuple[str, ...] = ("device", "host_pinned", "host_pageable", "nvme")
 TRANSFER_KINDS: tuple[str, ...] = (
     "d2h", "nvme_write", "nvme_read", "h2d", "weights_h2d", "grads_d2h",
     "state_nvme_write", "state_nvme_read",  # the host state homed on NVMe (`Plan.state`)
+    "state_nvme",  # both directions: bytes over the time the drive was busy with either
 )
 #: The host's own work per transfer on an async device, on the training thread
 #: (`Accounting.host_work`): a layer's weights cast into a pinned staging buffer before

@@ -236,6 +236,9 @@ def _add_state(m: Model, p: Problem, v: _Vars) -> None:
         m.addCons(c3[i] >= c2[i] + w_s, name=f"update_write_after_{i + 1}")
         if i:
             m.addCons(c3[i] >= c3[i - 1] + w_s, name=f"update_write_order_{i + 1}")
+        if not p.nvme_full_duplex:  # one drive lane: the write of j after the read of j+2
+            ahead = min(i + STATE_STAGING_GROUPS - 1, L - 1)
+            m.addCons(c3[i] >= c1[ahead] + w_s, name=f"update_write_after_read_{i + 1}")
     e = m.addVar("update_exposed_s", lb=0.0)
     if p.host_on_compute:  # the update takes the compute's cores: the step pays it whole
         m.addCons(e >= c2[L - 1] + p.head_update_s, name="update_whole")

@@ -192,6 +192,9 @@ class Problem:
     stage_s: float = 0.0
     fold_s: float = 0.0
     host_on_compute: bool = False
+    # The drive reads and writes at once (`HardwareProfile.nvme_full_duplex`); False: the
+    # update phase's state reads and writes take turns on it.
+    nvme_full_duplex: bool = True
     # Local ranks sharing the node's host (`node.py`): each runs this plan, so each rank's
     # own host terms count this many times; the link rates are already their shares.
     gpus_per_node: int = 1
@@ -619,6 +622,7 @@ def build_problem(model: ModelProfile, hardware: HardwareProfile, *,
         stage_s=_host_work_s(model.layer_param_bytes, stage_bytes_per_s),
         fold_s=_host_work_s(model.layer_grad_bytes, fold_bytes_per_s),
         host_on_compute=hardware.compute_on_host,
+        nvme_full_duplex=hardware.nvme_full_duplex,
         state_sizes=layer_state_sizes(model, optimizer, shards=shards),
         dram_cpu_base_terms=host_terms,
         # each share's update covers 1/K of its layers' parameters on a split node

@@ -340,27 +340,39 @@ class _StepBuilder:
         beside = p.resident_update == "device" and hardware.device_runs_async
         ops, writes = [first], []
         streamed = self.plan.state.any  # every group through the update phase's buffers
+        weights = weights_of(self.plan.state)
+        # a drive that cannot read and write at once takes the writes on the reads' lane
+        write_lane = STATE_WRITE if p.nvme_full_duplex else STATE_READ
+        reads: dict[int, int] = {}
+
+        def read(j: int) -> None:
+            """Group j's state from NVMe (none for a group all in DRAM) into the buffer
+            group j-3 held, once that group has been written back: issued as the engine
+            issues it, the first three at the start, the next as a write frees one."""
+            deps = [self.fold_op.get(j, self.grad[j]), self.bwd[1],
+                    *([self.grad_write[j]] if j in self.grad_write else [])]
+            if j > STATE_STAGING_GROUPS:
+                deps.append(writes[j - 1 - STATE_STAGING_GROUPS])
+            read_bytes = update_io_bytes(weights, p.state_sizes, j)[0]
+            reads[j] = self.q.add(f"SR{j}", STATE_READ, read_bytes / p.nvme_read_bytes_per_s,
+                                  after_end=deps, window=end)
+
+        for j in range(1, min(STATE_STAGING_GROUPS, self.L) + 1) if streamed else ():
+            read(j)
         for j in range(1, self.L + 1):
             after = not beside and (p.resident_update == "device" or owners[j] == owners[0])
-            home = self.fold_op.get(j, self.grad[j])  # its gradients in `.grad`
-            read_bytes, write_bytes = update_io_bytes(weights_of(self.plan.state),
-                                                      p.state_sizes, j)
-            if streamed:  # its state from NVMe (none for a group all in DRAM) into the
-                # buffer group j-3 held, once that group has been written back
-                deps = [home, self.bwd[1], *([self.grad_write[j]] if j in self.grad_write
-                                             else [])]
-                if len(writes) >= STATE_STAGING_GROUPS:
-                    deps.append(writes[-STATE_STAGING_GROUPS])
-                home = self.q.add(f"SR{j}", STATE_READ, read_bytes / p.nvme_read_bytes_per_s,
-                                  after_end=deps, window=end)
+            home = reads[j] if streamed else self.fold_op.get(j, self.grad[j])
             ops.append(self.q.add(f"U{j}", host_optimizer_lane(owners[j]),
                                   p.layer_update_s,
                                   after_end=[home] + ([first] if after else []),
                                   after_start=[first] if beside else [], window=end))
             if streamed:  # written behind, in update order; its buffer free after
-                writes.append(self.q.add(f"SW{j}", STATE_WRITE,
+                write_bytes = update_io_bytes(weights, p.state_sizes, j)[1]
+                writes.append(self.q.add(f"SW{j}", write_lane,
                                          write_bytes / p.nvme_write_bytes_per_s,
                                          after_end=[ops[-1]], window=end))
+                if j + STATE_STAGING_GROUPS <= self.L:
+                    read(j + STATE_STAGING_GROUPS)
         if p.resident_update == "host":
             ops.append(self.q.add("U_head", host_optimizer_lane(owners[-1]), p.head_update_s,
                                   after_end=[self.resident], window=end))

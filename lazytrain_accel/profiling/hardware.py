@@ -148,6 +148,11 @@ class HardwareProfile:
     # the collectives across nodes run at (planning/node.py "network"). The default, for
     # profiles written without it, is the slowest preset's (one 100 Gb/s NIC).
     internode_bytes_per_s: float = DEFAULT_INTERNODE_BYTES_PER_S
+    # Whether the NVMe drive reads and writes at once at their own rates (True: presets,
+    # profiles written without it) or shares one bandwidth between them (a drive that ran
+    # a read beside a write in the time of both in turn: `measure.py` times it). The
+    # update phase's state reads and writes are then priced on one lane.
+    nvme_full_duplex: bool = True
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -116,6 +116,45 @@ def _measure_nvme(directory: Path, nbytes: int, chunk_bytes: int = 16 * _MIB) ->
     return total / max(read_s, 1e-9), total / max(write_s, 1e-9)
 
 
+#: A read beside a write that takes more than this share of the two in turn: the drive
+#: shares one bandwidth between them (a full-duplex one takes about half, the longer of
+#: the two).
+SHARED_DRIVE_SHARE = 0.75
+
+
+def _measure_nvme_full_duplex(directory: Path, nbytes: int,
+                              chunk_bytes: int = 16 * _MIB) -> bool:
+    """Whether the drive under `directory` reads and writes at once at their own rates:
+    `nbytes` read beside `nbytes` written (`O_DIRECT`, as `_measure_nvme`) against the
+    same read and write in turn."""
+    chunk = torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8)
+    chunks = [chunk] * max(1, nbytes // chunk_bytes)
+    paths = []
+    for _ in range(2):
+        fd, name = tempfile.mkstemp(prefix="lazytrain-probe-", dir=directory)
+        os.close(fd)
+        paths.append(Path(name))
+    source, target = paths
+    try:
+        with DirectIO() as io:
+            io.write_tensors(source, chunks, durable=True).result()
+            _drop_page_cache(source)
+            start = time.perf_counter()
+            io.read_tensors(source, chunks).result()
+            io.write_tensors(target, chunks, durable=True).result()
+            in_turn_s = time.perf_counter() - start
+            _drop_page_cache(source)
+            start = time.perf_counter()
+            reading = io.read_tensors(source, chunks)
+            io.write_tensors(target, chunks, durable=True).result()
+            reading.result()
+            at_once_s = time.perf_counter() - start
+    finally:
+        for path in paths:
+            path.unlink(missing_ok=True)
+    return at_once_s < SHARED_DRIVE_SHARE * in_turn_s
+
+
 def _measure_matmul(device: torch.device) -> float:
     """FLOP/s of a square matmul: bf16 on CUDA, fp32 on CPU (what each computes in)."""
     n, dtype = (8192, torch.bfloat16) if device.type == "cuda" else (1024, torch.float32)
@@ -256,6 +295,7 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
     h2d, d2h = _measure_link(device, link_bytes)
     nvme_dir.mkdir(parents=True, exist_ok=True)
     nvme_read, nvme_write = _measure_nvme(nvme_dir, probe_bytes)
+    full_duplex = _measure_nvme_full_duplex(nvme_dir, probe_bytes // 2)
     matmul = _measure_matmul(device)
     dequant, dequant_how = _measure_dequant(device)
     host_update = _measure_optimizer(device)
@@ -271,6 +311,7 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
         peak_bf16_flops_per_s=_vendor_peak_flops_per_s(gpu_name, matmul),
         achieved_flops_per_s=matmul, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
         nvme_read_bytes_per_s=nvme_read, nvme_write_bytes_per_s=nvme_write,
+        nvme_full_duplex=full_duplex,
         cpu_optimizer_params_per_s=host_update,
         gpu_optimizer_params_per_s=_measure_device_optimizer(device, host_update),
         device_runs_async=device.type == "cuda",
@@ -280,7 +321,8 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
         compute_on_host=device.type != "cuda",
         source=(f"measured by lazytrain_accel on {platform.node()} at {when} with torch "
                 f"{torch.__version__}: {link_bytes // _MIB} MiB host<->device copies, a "
-                f"{probe_bytes // _MIB} MiB file in {nvme_dir}, a square matmul "
+                f"{probe_bytes // _MIB} MiB file in {nvme_dir} (a read beside a write: drive "
+                f"{'full' if full_duplex else 'shared'} duplex), a square matmul "
                 f"({'bf16' if device.type == 'cuda' else 'fp32'}), a HybridAdamW8bit step of 10M "
                 f"params at {torch.get_num_threads()} threads ({_host_update_kernel()} kernel; "
                 f"and of 16M on the device), {dequant_how}, tiny decoder layers "

@@ -240,13 +240,16 @@ def state_problems(draw: st.DrawFn) -> tuple:
     """test_planner_agreement.py's draws, 8 to 12 layers (a layer's state streams through
     3 buffers: fewer layers leave nothing to gain), with the DRAM budget short of the
     host state by `short` layers' state and NVMe room for all of it; computing in bf16
-    (every part may move) or fp32 (no copies, the masters stay: only gradients)."""
+    (every part may move) or fp32 (no copies, the masters stay: only gradients); a drive
+    of full or shared duplex."""
     layers = draw(st.integers(8, 12))
     model = _agreement_model(draw(st.sampled_from(FAMILIES)), layers,
                              draw(st.sampled_from((2, 4, 8))), draw(st.sampled_from((32, 64))),
                              compute_bytes_per_elem=draw(st.sampled_from((2, 2, 4))))
     hardware = _agreement_hardware(model, draw(st.sampled_from(REGIMES)), draw(st.booleans()),
                                    draw(st.sampled_from(tuple(HOST_WORK))), draw(st.booleans()))
+    # a drive that reads and writes at once, or one sharing its bandwidth between them
+    hardware = dataclasses.replace(hardware, nvme_full_duplex=draw(st.booleans()))
     base = budgets_in_slots(model, hardware, gpu_slots=draw(st.integers(3, layers + 2)),
                             cpu_slots=draw(st.integers(0, layers)),
                             nvme_slots=draw(st.integers(0, layers)))
@@ -312,3 +315,34 @@ def test_with_the_host_state_short_of_dram_no_plan_is_slower_than_a_baseline() -
     check()
     assert sum(checked) >= STATE_EXAMPLES // 2, (
         f"only {sum(checked)} of {STATE_EXAMPLES} planned state on NVMe")
+
+
+def test_a_drive_sharing_its_bandwidth_takes_the_update_phases_reads_and_writes_in_turn(
+        ) -> None:
+    """The same plan on a drive that reads and writes at once and on one that shares its
+    bandwidth (`HardwareProfile.nvme_full_duplex`): with every layer's masters and moments
+    on NVMe and the drive binding, the update phase the next forward waits for is about the
+    reads on the full-duplex drive and far longer on the shared one (the writes between
+    them); the MIP prices both as the simulator runs them."""
+    model = _tiny()
+    duplex = _slow_drive(model, 5.0)
+    shared = dataclasses.replace(duplex, nvme_full_duplex=False)
+    layers = tuple(range(1, model.num_layers + 1))
+    plan = dataclasses.replace(make_plan(model, duplex, PlanRequest(time_limit_s=10,
+                                                                      host_state="dram")),
+                               state=StateHomes(optimizer=layers))
+    sizes = build_problem(model, duplex).state_sizes
+    io_s = model.num_layers * sizes.optimizer_bytes / duplex.nvme_read_bytes_per_s
+    full = simulate(plan, model, duplex, include_optimizer=True).optimizer_exposed_s
+    turns = simulate(plan, model, shared, include_optimizer=True).optimizer_exposed_s
+    assert full == pytest.approx(io_s, rel=0.25)
+    assert turns > 1.3 * full
+    # the MIP prices the shared drive's update phase as the simulator runs it
+    for hardware, simulated_s in ((duplex, full), (shared, turns)):
+        bare = build_problem(model, hardware)
+        decided = solve_milp(dataclasses.replace(bare, decide_state=True), gap=0.0,
+                             fixed_homes=list(plan.homes), fixed_state=plan.state)
+        windows = solve_milp(with_state_homes(bare, plan.state), gap=0.0,
+                             fixed_homes=list(plan.homes))
+        assert decided.objective_s - windows.objective_s == pytest.approx(simulated_s,
+                                                                          rel=0.05)

@@ -123,7 +123,7 @@ class NvmeMasters:
         #: layer -> how often its masters were evicted after a change (`generation`)
         self._generations: dict[int, int] = {}
         #: the update's layers still to read, in its order; the reads issued
-        self._queue: deque[int] = deque()
+        self._queue: deque[tuple[int, _Layout]] = deque()
         self._reads: dict[int, tuple[torch.Tensor, Future[None]]] = {}
         self._state: OptimizerState | None = None
         self._watched: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -166,16 +166,10 @@ class NvmeMasters:
         state = self._state
         layout = _layout(params, state)
         staged = self._staged.pop(layer, None)
-        tensors: list[torch.Tensor] = []
-        position = 0
-        pad = torch.zeros(BLOCK_BYTES, dtype=torch.uint8)
-        for entry in layout.entries:
-            if entry.offset > position:
-                tensors.append(pad[:entry.offset - position])
-            tensor = self._tensor(entry, state)
-            tensors.append(tensor.reshape(-1) if tensor.is_contiguous() else
-                           tensor.contiguous().reshape(-1))
-            position = entry.offset + entry.nbytes
+        if staged is not None and self._in_place(staged[0], layout, state):
+            tensors = [staged[0][:layout.nbytes]]  # one aligned run: no bounce copy
+        else:
+            tensors = self._pieces(layout, state)
         write = self._files.write(layer, tensors)
         if staged is not None:
             buffer = staged[0]
@@ -186,6 +180,27 @@ class NvmeMasters:
         self._evicted[layer] = layout
         if changed:
             self.touch(layer)
+
+    def _in_place(self, buffer: torch.Tensor, layout: _Layout,
+                  state: OptimizerState | None) -> bool:
+        """Whether every tensor of `layout` is the view of `buffer` at its offset."""
+        base = buffer.data_ptr()
+        return all(self._tensor(e, state).data_ptr() == base + e.offset
+                   and self._tensor(e, state).is_contiguous() for e in layout.entries)
+
+    def _pieces(self, layout: _Layout, state: OptimizerState | None) -> list[torch.Tensor]:
+        """The file's bytes as tensors back to back: each entry's tensor, zeros between."""
+        pieces: list[torch.Tensor] = []
+        position = 0
+        pad = torch.zeros(BLOCK_BYTES, dtype=torch.uint8)
+        for entry in layout.entries:
+            if entry.offset > position:
+                pieces.append(pad[:entry.offset - position])
+            tensor = self._tensor(entry, state)
+            pieces.append(tensor.reshape(-1) if tensor.is_contiguous() else
+                          tensor.contiguous().reshape(-1))
+            position = entry.offset + entry.nbytes
+        return pieces
 
     def restore(self, layer: int, state: OptimizerState | None = None) -> None:
         """Bring layer `layer`'s masters and moments (into `state`, the optimizer's) back
@@ -249,11 +264,14 @@ class NvmeMasters:
         layout = self._evicted.get(layer)
         if layout is None:
             return
-        if layer not in self._reads:
-            if layer in self._queue:
-                self._queue.remove(layer)
-            self._issue(layer)
-        buffer, read = self._reads.pop(layer)
+        with self._buffers:
+            if layer not in self._reads:  # not read yet: first in line for a buffer
+                self._queue = deque([(layer, layout), *(e for e in self._queue
+                                                        if e[0] != layer)])
+                while layer not in self._reads:
+                    if not self._read_ahead():
+                        self._buffers.wait()  # until a write gives a buffer back
+            buffer, read = self._reads.pop(layer)
         try:
             read.result()
         except BaseException:
@@ -312,7 +330,8 @@ class NvmeMasters:
         """The update is about to run groups `order` with the optimizer's `state`: start
         reading the first evicted ones' files."""
         self._state = state
-        self._queue = deque(j for j in order if j in self._evicted)
+        with self._buffers:
+            self._queue = deque((j, self._evicted[j]) for j in order if j in self._evicted)
         self._read_ahead()
 
     def after_update(self, layer: int) -> None:
@@ -325,9 +344,10 @@ class NvmeMasters:
     def end_update(self) -> None:
         """The update ended (done, or failed part way): no read stays in flight, no homed
         layer stays staged."""
-        self._queue.clear()
-        for layer in list(self._reads):
-            buffer, read = self._reads.pop(layer)
+        with self._buffers:
+            self._queue.clear()
+            reads, self._reads = self._reads, {}
+        for buffer, read in reads.values():
             read.exception()
             self._give_back(buffer)
         for layer in list(self._staged):
@@ -393,41 +413,60 @@ class NvmeMasters:
         else:
             state[entry.param][entry.name] = tensor
 
-    def _read_ahead(self) -> None:
-        """Issue reads for the queued layers while a buffer is free or may be made (one
-        is always left for the layer about to be staged)."""
-        while self._queue:
-            with self._buffers:
-                room = bool(self._free) or self._count < STATE_STAGING_GROUPS
-            if not room:
-                return
-            self._issue(self._queue.popleft())
+    def _read_ahead(self) -> bool:
+        """Issue reads for the queued layers, in order, while a buffer is free or may be
+        made (whether any was): from the update thread, and from the I/O thread whose
+        write gave one back (so the next read follows that write on the drive, as the
+        planner prices it)."""
+        issued = False
+        with self._buffers:
+            while self._queue and (self._free or self._count < STATE_STAGING_GROUPS):
+                self._issue(*self._queue.popleft())
+                issued = True
+            if issued:
+                self._buffers.notify_all()  # a stage waiting for its layer's read
+        return issued
 
-    def _issue(self, layer: int) -> None:
-        layout = self._evicted[layer]
+    def _issue(self, layer: int, layout: _Layout) -> None:
+        """Read layer `layer`'s file into a free (or new) buffer once its last write is
+        done; never blocks (an I/O thread may call it). Called holding `_buffers`."""
         buffer = self._take(layout.nbytes)
-        self._reads[layer] = (buffer, self._files.read(layer, [buffer[:layout.nbytes]]))
+        read: Future[None] = Future()
+        self._reads[layer] = (buffer, read)
+
+        def start() -> None:
+            try:
+                started = self._files.read(layer, [buffer[:layout.nbytes]])
+            except BaseException as err:  # its last write failed: the read's error
+                read.set_exception(err)
+                return
+            started.add_done_callback(lambda done: read.set_exception(done.exception())
+                                      if done.exception() is not None
+                                      else read.set_result(None))
+
+        self._files.when_written(layer, start)
 
     def _take(self, nbytes: int) -> torch.Tensor:
-        """A free buffer of at least `nbytes` (made while fewer than the bound exist, else
-        the next one a finished write gives back)."""
+        """A free buffer of at least `nbytes`, or a new one while fewer than the bound
+        exist (the caller checked that one of the two holds)."""
         with self._buffers:
-            while not self._free and self._count >= STATE_STAGING_GROUPS:
-                self._buffers.wait()
             buffer = self._free.pop() if self._free else None
             if buffer is None:
                 self._count += 1
-        if buffer is not None and buffer.numel() >= nbytes:
+            if buffer is not None and buffer.numel() >= nbytes:
+                return buffer
+            if buffer is not None:  # too small for this layer's file: replaced
+                self._held_bytes -= buffer.numel()
+                self._acct.free("host_pageable", buffer.numel())
+            buffer = aligned_empty(_round_up(nbytes), torch.uint8)
+            self._held_bytes += buffer.numel()
+            self._acct.allocate("host_pageable", buffer.numel())
             return buffer
-        if buffer is not None:  # too small for this layer's file: replaced
-            self._held_bytes -= buffer.numel()
-            self._acct.free("host_pageable", buffer.numel())
-        buffer = aligned_empty(_round_up(nbytes), torch.uint8)
-        self._held_bytes += buffer.numel()
-        self._acct.allocate("host_pageable", buffer.numel())
-        return buffer
 
     def _give_back(self, buffer: torch.Tensor) -> None:
+        """`buffer` is free (its write ended, on an I/O thread, or its layer went back to
+        DRAM): the next queued read takes it."""
         with self._buffers:
             self._free.append(buffer)
-            self._buffers.notify()
+            if not self._read_ahead():
+                self._buffers.notify_all()

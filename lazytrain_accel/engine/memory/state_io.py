@@ -23,6 +23,9 @@ from lazytrain_accel.storage.direct_io import DirectIO
 #: rate here (bench/nvme_state.py); they sleep in the kernel while they wait.
 STATE_IO_WORKERS = 2
 READ, WRITE = "state_nvme_read", "state_nvme_write"
+#: Either direction: where a drive cannot read and write at once, the rate it gave is the
+#: bytes of both over the time it was busy with either (`HardwareProfile.nvme_full_duplex`).
+EITHER = "state_nvme"
 
 
 class StateIO:
@@ -32,8 +35,8 @@ class StateIO:
         self._acct = accounting
         self._io: DirectIO | None = None  # its threads start with the first request
         self._lock = threading.Lock()
-        self._in_flight = {READ: 0, WRITE: 0}
-        self._since = {READ: 0.0, WRITE: 0.0}  # the last event of a busy direction
+        self._in_flight = {READ: 0, WRITE: 0, EITHER: 0}
+        self._since = {READ: 0.0, WRITE: 0.0, EITHER: 0.0}  # the last event while busy
 
     def write(self, path: Path, tensors: Sequence[torch.Tensor]) -> Future[None]:
         """Write `tensors` back to back into `path`; they must not change until done."""
@@ -62,10 +65,15 @@ class StateIO:
 
     def _event(self, kind: str, change: int, nbytes: int) -> None:
         """A request of `kind` starts (+1) or ends (-1): the busy seconds since the last
-        event of that direction are counted, with the bytes of one that ended whole."""
+        event of that direction, and of either (`EITHER`), are counted, with the bytes of
+        one that ended whole."""
+        busy_s = {}
         with self._lock:
             now = time.perf_counter()
-            busy_s = now - self._since[kind] if self._in_flight[kind] else 0.0
-            self._in_flight[kind] += change
-            self._since[kind] = now
-        self._acct.add_transfer(kind, busy_s, nbytes)
+            for counted in (kind, EITHER):
+                busy_s[counted] = now - self._since[counted] if self._in_flight[counted] \
+                    else 0.0
+                self._in_flight[counted] += change
+                self._since[counted] = now
+        for counted, seconds in busy_s.items():
+            self._acct.add_transfer(counted, seconds, nbytes)
