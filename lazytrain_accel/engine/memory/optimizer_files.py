@@ -166,11 +166,14 @@ class NvmeMasters:
         state = self._state
         layout = _layout(params, state)
         staged = self._staged.pop(layer, None)
-        if staged is not None and self._in_place(staged[0], layout, state):
-            tensors = [staged[0][:layout.nbytes]]  # one aligned run: no bounce copy
-        else:
-            tensors = self._pieces(layout, state)
+        in_place = staged is not None and self._in_place(staged[0], layout, state)
+        # in place: one aligned run, no bounce copy
+        tensors = [staged[0][:layout.nbytes]] if in_place else self._pieces(layout, state)
         write = self._files.write(layer, tensors)
+        if staged is not None and not in_place:
+            # state the optimizer made this step lives beside the buffer until written:
+            # one layer's at a time, so the update stays within its planned buffers
+            write.exception()
         if staged is not None:
             buffer = staged[0]
             write.add_done_callback(lambda _: self._give_back(buffer))
