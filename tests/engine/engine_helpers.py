@@ -169,3 +169,38 @@ def batches(num: int, *, vocab: int = 96, batch: int = 2, seq: int = 16, seed: i
             ) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (batch, seq), generator=gen) for _ in range(num)]
+
+
+def train_clipped(model: nn.Module, plan: Plan, nvme_dir: Any, *, steps: int = 3,
+                  micro_batches: int = 2, dtype: torch.dtype = torch.float32,
+                  poison_step: int | None = None, after_backward: Any = None,
+                  after_step: Any = None, engine: Any = None, **optimizer_kwargs: Any
+                  ) -> tuple[Any, Any, list[float]]:
+    """`steps` steps of the hybrid 8-bit update clipped at 1.0 (lr 1e-2, `optimizer_kwargs`
+    beside), each of `micro_batches` micro-batches, on `engine` or one attached with
+    `plan`, `dtype` and `nvme_dir`; `poison_step`: that step's loss made non-finite (the
+    step skipped). `after_backward(engine, step)` before each step, `after_step(engine,
+    optimizer, step)` after it. Returns (engine, optimizer, losses)."""
+    from lazytrain_accel.engine import attach
+    from lazytrain_accel.optim import HybridAdamW8bit
+
+    engine = engine or attach(model, plan, device=torch.device("cpu"), compute_dtype=dtype,
+                              nvme_dir=str(nvme_dir))
+    opt = HybridAdamW8bit(model.parameters(), lr=1e-2, max_grad_norm=1.0, **optimizer_kwargs)
+    losses = []
+    data = batches(steps * micro_batches)
+    for step in range(steps):
+        for ids in data[step * micro_batches:(step + 1) * micro_batches]:
+            loss = model(input_ids=ids, labels=ids).loss / micro_batches
+            if step == poison_step:
+                loss = loss * float("inf")
+            loss.backward()
+            losses.append(loss.item())
+        if after_backward is not None:
+            after_backward(engine, step)
+        engine.step_layerwise(opt)
+        engine.synchronize()
+        opt.zero_grad()
+        if after_step is not None:
+            after_step(engine, opt, step)
+    return engine, opt, losses

@@ -16,6 +16,7 @@ from engine_helpers import (
     detach_leaves_no_files,
     fail_writes,
     make_plan,
+    train_clipped,
     twin,
 )
 
@@ -29,30 +30,9 @@ LAYERS = 4
 MICRO_BATCHES = 2
 
 
-def _train(model, plan, tmp_path, *, steps: int = 3, dtype=torch.float32, poison_step=None,
-           after_backward=None, after_step=None):
-    """`steps` clipped hybrid-8-bit steps of `MICRO_BATCHES` micro-batches each;
-    `poison_step`: that step's gradients made non-finite (skipped);
-    `after_backward(engine, step)` before each step, `after_step(engine, step)` after it."""
-    engine = attach(model, plan, device=CPU, compute_dtype=dtype, nvme_dir=str(tmp_path))
-    opt = HybridAdamW8bit(model.parameters(), lr=1e-2, max_grad_norm=1.0)
-    losses = []
-    data = batches(steps * MICRO_BATCHES)
-    for step in range(steps):
-        for ids in data[step * MICRO_BATCHES:(step + 1) * MICRO_BATCHES]:
-            loss = model(input_ids=ids, labels=ids).loss / MICRO_BATCHES
-            if step == poison_step:
-                loss = loss * float("inf")
-            loss.backward()
-            losses.append(loss.item())
-        if after_backward is not None:
-            after_backward(engine, step)
-        engine.step_layerwise(opt)
-        engine.synchronize()
-        opt.zero_grad()
-        if after_step is not None:
-            after_step(engine, step)
-    return engine, opt, losses
+def _train(model, plan, tmp_path, **kwargs):
+    """`train_clipped`: 3 steps of `MICRO_BATCHES` micro-batches."""
+    return train_clipped(model, plan, tmp_path, micro_batches=MICRO_BATCHES, **kwargs)
 
 
 def _assert_same_weights(model, ref) -> None:

@@ -11,10 +11,9 @@ import dataclasses
 
 import pytest
 import torch
-from engine_helpers import batches, build_model, make_plan, twin
+from engine_helpers import build_model, make_plan, train_clipped, twin
 
 from lazytrain_accel.engine import attach
-from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning.plan import StateHomes
 
 CPU = torch.device("cpu")
@@ -22,29 +21,12 @@ LAYERS = 4
 MICRO_BATCHES = 2
 
 
-def _train(model, plan, tmp_path, *, steps: int = 3, min_8bit_numel: int = 0,
-           poison_step=None, between=None, engine=None):
-    """`steps` clipped hybrid-8-bit bf16 steps of `MICRO_BATCHES` micro-batches;
+def _train(model, plan, tmp_path, *, between=None, min_8bit_numel: int = 0, **kwargs):
+    """`train_clipped` in bf16 (8-bit moments for every tensor by default);
     `between(engine, opt, step)` after each step's update."""
-    engine = engine or attach(model, plan, device=CPU, compute_dtype=torch.bfloat16,
-                              nvme_dir=str(tmp_path))
-    opt = HybridAdamW8bit(model.parameters(), lr=1e-2, max_grad_norm=1.0,
-                          min_8bit_numel=min_8bit_numel)
-    losses = []
-    data = batches(steps * MICRO_BATCHES)
-    for step in range(steps):
-        for ids in data[step * MICRO_BATCHES:(step + 1) * MICRO_BATCHES]:
-            loss = model(input_ids=ids, labels=ids).loss / MICRO_BATCHES
-            if step == poison_step:
-                loss = loss * float("inf")
-            loss.backward()
-            losses.append(loss.item())
-        engine.step_layerwise(opt)
-        engine.synchronize()
-        opt.zero_grad()
-        if between is not None:
-            between(engine, opt, step)
-    return engine, opt, losses
+    return train_clipped(model, plan, tmp_path, micro_batches=MICRO_BATCHES,
+                         dtype=torch.bfloat16, after_step=between,
+                         min_8bit_numel=min_8bit_numel, **kwargs)
 
 
 def _assert_same(model, ref, opt, ref_opt) -> None:

@@ -93,34 +93,8 @@ def test_a_resume_with_state_on_nvme_continues_as_the_run_that_saved(tmp_path: P
     p = build_problem(profile, HARDWARE_PRESETS["h800"])
     budget_gb = (p.cpu_fixed_bytes - LAYERS * p.state_sizes.copies_bytes
                  - p.state_sizes.grads_bytes) / GIB
-    batches = list(_loader())
-
-    def run(resume: bool) -> tuple[list[float], dict[str, torch.Tensor], object]:
-        model = _build("llama", LAYERS).eval()  # no dropout: the steps' math alone
-        acc = Accelerator(cpu=True, mixed_precision="bf16",
-                          plugin=_plugin(tmp_path / ("b" if resume else "a"), budget_gb))
-        model, opt = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=1e-2,
-                                                        max_grad_norm=0.5))
-        state = acc.lazytrain.run.plan.state
-        if resume:
-            acc.load_state(str(tmp_path / "ckpt"))
-        losses = []
-        for k, batch in enumerate(batches):
-            if resume and k < 2:
-                continue
-            loss = model(**batch).loss
-            acc.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            if not resume and k == 1:
-                acc.save_state(str(tmp_path / "ckpt"))
-        params = {n: q.detach().clone() for n, q in acc.unwrap_model(model).named_parameters()}
-        acc.end_training()
-        return losses, params, state
-
-    losses, params, state = run(resume=False)
-    resumed, resumed_params, resumed_state = run(resume=True)
+    losses, _, params, state = _steps(tmp_path, budget_gb, save_after=1)
+    resumed, _, resumed_params, resumed_state = _steps(tmp_path, budget_gb, resume=True)
     assert state.grads and state.copies and resumed_state == state
     assert resumed == losses[2:]
     for name, value in params.items():
