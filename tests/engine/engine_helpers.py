@@ -186,7 +186,8 @@ def train_clipped(model: nn.Module, plan: Plan, nvme_dir: Any, *, steps: int = 3
 
     engine = engine or attach(model, plan, device=torch.device("cpu"), compute_dtype=dtype,
                               nvme_dir=str(nvme_dir))
-    opt = HybridAdamW8bit(model.parameters(), lr=1e-2, max_grad_norm=1.0, **optimizer_kwargs)
+    opt = HybridAdamW8bit([p for p in model.parameters() if p.requires_grad], lr=1e-2,
+                          max_grad_norm=1.0, **optimizer_kwargs)
     losses = []
     data = batches(steps * micro_batches)
     for step in range(steps):

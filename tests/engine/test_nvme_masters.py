@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,3 +166,27 @@ def test_state_dicts_read_the_files_and_a_load_goes_back_to_them(tmp_path):
     engine.detach()
     ref_engine.detach()
     _assert_same(model, ref, opt, ref_opt)
+
+
+def test_a_qlora_models_lora_masters_on_nvme_train_as_in_dram(tmp_path):
+    """QLoRA: the frozen nf4 base stays packed in DRAM (no master, no moments); the LoRA
+    adapters' masters and moments of every layer live on NVMe, bit for bit as in DRAM."""
+    pytest.importorskip("bitsandbytes")
+    pytest.importorskip("peft")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "qa"))
+    from test_qa_qlora import qlora
+
+    plan = make_plan("megatrain", 4)
+    runs = {}
+    for name, homes in (("dram", StateHomes()), ("nvme", StateHomes(optimizer=(1, 2, 3, 4)))):
+        model = qlora()
+        engine, _, losses = _train(model, dataclasses.replace(plan, state=homes),
+                                   tmp_path / name)
+        evicted = engine.masters.evicted_layers
+        engine.detach()
+        runs[name] = losses, evicted, {n: p.detach().clone() for n, p in model.named_parameters()
+                                       if p.requires_grad}
+    assert runs["nvme"][1] == [1, 2, 3, 4] and runs["dram"][1] == []
+    assert runs["nvme"][0] == runs["dram"][0]
+    for name, value in runs["dram"][2].items():
+        assert torch.equal(runs["nvme"][2][name], value), name

@@ -135,21 +135,12 @@ class NvmeMasters:
         self._count = 0
 
     # ---- what the engine asks ---------------------------------------------------------
-    def evicted(self, layer: int) -> bool:
-        """Whether layer `layer`'s masters and moments live in its file now."""
-        return layer in self._evicted
-
     def generation(self, layer: int) -> int | None:
         """A number that changes whenever layer `layer`'s masters may have (for the
         compute copy's key: `WeightPool`); None when its masters live in DRAM for good."""
         if layer in self._evicted or layer in self._staged:
             return self._generations.get(layer, 0)
         return None
-
-    def touch(self, layer: int) -> None:
-        """Layer `layer`'s staged masters were changed outside an update (a checkpoint
-        loaded into them): its compute copy is stale from now."""
-        self._generations[layer] = self._generations.get(layer, 0) + 1
 
     def evict(self, layer: int, state: OptimizerState | None = None, *,
               changed: bool = True) -> None:
@@ -181,8 +172,8 @@ class NvmeMasters:
         for entry in layout.entries:
             self._place(entry, state, self._placeholders.of(entry.dtype, entry.shape))
         self._evicted[layer] = layout
-        if changed:
-            self.touch(layer)
+        if changed:  # its compute copy is stale until keyed to the new generation
+            self._generations[layer] = self._generations.get(layer, 0) + 1
 
     def _in_place(self, buffer: torch.Tensor, layout: _Layout,
                   state: OptimizerState | None) -> bool:
@@ -239,14 +230,6 @@ class NvmeMasters:
             position = entry.offset + entry.nbytes
         self._files.read(layer, pieces).result()
         return {(e.param, e.name): t for e, t in zip(layout.entries, tensors, strict=True)}
-
-    def placeholder(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` is an evicted master's or state tensor's placeholder."""
-        return self._placeholders.holds(tensor)
-
-    def layer_of(self, param: nn.Parameter) -> int | None:
-        """The homed-or-evicted layer `param` is a trainable parameter of, else None."""
-        return self._layer_of.get(param)
 
     def _staged_to_own(self, layer: int) -> None:
         """A staged layer's tensors copied out of its buffer, which goes back."""

@@ -13,7 +13,7 @@ Docs: docs/engine.md "Execution model" (**Weights**).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -218,14 +218,16 @@ class WeightPool:
         return event
 
     # ---- compute copies written by the optimizer update -------------------------------
-    def compute_copy(self, layer: int) -> list[torch.Tensor] | None:
-        """Views (one per parameter of `layer`) for the update to write the compute-dtype
-        copy into; None when there is nothing to cast (fp32 compute). Called on the update
-        thread before `layer` is updated: a stale copy is first refreshed from the masters,
-        so parameters the update skips (no gradient) are right too."""
+    def compute_copy(self, layer: int, params: Sequence[nn.Parameter] | None = None
+                     ) -> list[torch.Tensor] | None:
+        """Views for the update to write the compute-dtype copy into, one per parameter of
+        `params` (default: every parameter of `layer`; an optimizer of a LoRA updates its
+        adapters only); None when there is nothing to cast (fp32 compute). Called on the
+        update thread before `layer` is updated: a stale copy is first refreshed from the
+        masters, so parameters the update skips (frozen, no gradient) are right too."""
         if self._dtype == torch.float32 or not 1 <= layer <= len(self._params):
             return None
-        params = self._params[layer - 1]
+        wanted, params = params, self._params[layer - 1]
         # a copy in its file is not read back: the masters it was cast from are as valid
         valid = self._copy_keys[layer - 1] == self._master_key(layer) \
             and self._copies[layer - 1] is not None
@@ -239,7 +241,10 @@ class WeightPool:
         if not valid:
             for p, view in zip(params, views, strict=True):
                 view.copy_(p.data)
-        return views
+        if wanted is None:
+            return views
+        view_of = dict(zip(params, views, strict=True))
+        return [view_of[p] for p in wanted]
 
     def compute_copy_written(self, layer: int) -> None:
         """The update has written `layer`'s copy from its new masters: stream from it (and

@@ -41,7 +41,8 @@ class LayerwiseOptimizer(Protocol):
 class CopyTarget(Protocol):
     """Where the update writes each layer's compute-dtype copy (the weight pool)."""
 
-    def compute_copy(self, layer: int) -> list[torch.Tensor] | None: ...
+    def compute_copy(self, layer: int, params: Sequence[nn.Parameter] | None = None
+                     ) -> list[torch.Tensor] | None: ...
 
     def compute_copy_written(self, layer: int) -> None: ...
 
@@ -172,9 +173,12 @@ class LayerwiseUpdate:
         return index not in self._foreign_groups and index not in self._device_groups
 
     def _compute_copy(self, index: int) -> list[torch.Tensor] | None:
-        """Where group `index`'s compute-dtype copy goes (decoder layers only), if any."""
+        """Where the compute-dtype copy of group `index`'s parameters this optimizer
+        updates goes (decoder layers only), one view each, if any."""
         layer = 0 < index < len(self._groups) - 1  # a decoder layer (not a resident group)
-        return self._copies.compute_copy(index) if self._copies is not None and layer else None
+        if self._copies is None or not layer:
+            return None
+        return self._copies.compute_copy(index, self._groups[index])
 
     def defer_zero_grad(self, set_to_none: bool = True) -> bool:
         """A `zero_grad()` during the update: clear the updated groups' gradients now and
