@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -81,6 +81,10 @@ class _Entry:
     file: int
     tensor: torch.Tensor
     dtype: torch.dtype | None  # the export dtype of the weights; None: as held
+    #: (parameter, state name or None for its master) where its values live in the
+    #: layer's file on NVMe (`tensor` a placeholder): read by the writer, one layer at a
+    #: time (`NvmeMasters.read_values`)
+    source: tuple[nn.Parameter, str | None] | None = None
 
 
 class PendingSave:
@@ -91,13 +95,16 @@ class PendingSave:
     def __init__(self, *, final: Path, tmp: Path, rank: int, world: int, groups: int,
                  files: Sequence[tuple[Path, bytes]], entries: Sequence[_Entry],
                  stack: contextlib.ExitStack | None, manifest: dict[str, Any] | None,
-                 write_bytes_per_s: float, on_published: Callable[[], None]) -> None:
+                 write_bytes_per_s: float, on_published: Callable[[], None],
+                 read_layer: Callable[[int], Mapping[tuple[nn.Parameter, str | None],
+                                                     torch.Tensor]] | None = None) -> None:
         self.final = final
         self._stack, self._tmp, self._tmp_inode = stack, tmp, tmp.stat().st_ino
         self._rank, self._world = rank, world
         self._files, self._entries, self._manifest = files, entries, manifest
         self._rate = write_bytes_per_s
         self._on_published = on_published
+        self._read_layer = read_layer
         self._written = [threading.Event() for _ in range(groups)]
         for g in set(range(groups)) - {e.group for e in entries}:
             self._written[g].set()  # this rank writes nothing of g: its update never waits
@@ -178,11 +185,17 @@ class PendingSave:
 
     def _write_groups(self, handles: Sequence[direct.DirectFile]) -> None:
         opened = 0  # the gates of the groups before this one are open
+        read: tuple[int, Mapping[tuple[nn.Parameter, str | None], torch.Tensor]] = (-1, {})
         for entry in self._entries:
             for g in range(opened, min(entry.group, len(self._written))):
                 self._written[g].set()
             opened = max(opened, entry.group)
-            self._write(handles[entry.file], entry.tensor, entry.dtype)
+            tensor = entry.tensor
+            if entry.source is not None:  # its layer's file, read once (one layer's DRAM)
+                if read[0] != entry.group:
+                    read = (entry.group, self._read_layer(entry.group))
+                tensor = read[1][entry.source]
+            self._write(handles[entry.file], tensor, entry.dtype)
         for event in self._written:  # every byte is out of the tensors (staged or written)
             event.set()
 
@@ -270,6 +283,8 @@ class _Part:
     share_header: bytes | None
     share_tensors: list[tuple[int, torch.Tensor]]  # (group, tensor), group order
     share_record: dict[str, Any]
+    #: id of a tensor above -> where its values live on NVMe (`_Entry.source`)
+    sources: dict[int, tuple[nn.Parameter, str | None]]
 
 
 def start_save(accelerator: CheckpointedAccelerator, final: Path,
@@ -294,7 +309,8 @@ def start_save(accelerator: CheckpointedAccelerator, final: Path,
         if rank == 0:
             weight_groups.add(len(groups))  # and rank 0 the tensors no update writes
         part = _part(model, optimizer, groups, weight_groups, mine, params, dtype,
-                     max_shard_bytes=plugin.checkpoint_max_shard_bytes, rank=rank)
+                     max_shard_bytes=plugin.checkpoint_max_shard_bytes, rank=rank,
+                     in_files=_in_files(engine))
         sizes = [[(n, layout.exported_bytes(t, dtype)) for _, n, t in shard]
                  for shard in part.shards]
         report: tuple[str, Any] = ("ok", (sizes, part.share_record))
@@ -322,21 +338,28 @@ def start_save(accelerator: CheckpointedAccelerator, final: Path,
     return PendingSave(final=final, tmp=tmp, rank=rank, world=world, groups=len(groups),
                        files=files, entries=entries, stack=stack, manifest=manifest,
                        write_bytes_per_s=plugin.checkpoint_write_bytes_per_s,
-                       on_published=on_published)
+                       on_published=on_published, read_layer=engine.masters.read_values)
 
 
 def _part(model: nn.Module, optimizer: torch.optim.Optimizer,
           groups: Sequence[Sequence[nn.Parameter]], weight_groups: set[int],
           mine: Sequence[int], params: Sequence[nn.Parameter], dtype: torch.dtype | None, *,
-          max_shard_bytes: int, rank: int) -> _Part:
+          max_shard_bytes: int, rank: int,
+          in_files: Callable[[nn.Parameter, str], tuple[nn.Parameter, str | None] | None]
+          ) -> _Part:
     """This rank's weights (the tensors of `weight_groups`, cut into shards) and its share
     of the optimizer state (`params`, the groups `mine`), each in group order."""
     # Each tensor as it is now, the masters (no layer runs between steps), not the
     # parameter: a layer the next forward runs while the writer reaches it points its
     # `.data` at a weight slot the pool refills with other layers (a torn tensor on a CPU,
     # the compute-dtype copy on a GPU).
-    ordered = [(g, name, t.detach()) for g, name, t in
-               group_order(fmt.unique_state(model), groups) if g in weight_groups]
+    weights = [item for item in group_order(fmt.unique_state(model), groups)
+               if item[0] in weight_groups]
+    ordered = [(g, name, t.detach()) for g, name, t in weights]
+    # a tensor whose values live in its layer's file on NVMe: the writer reads them there
+    sources = {id(held): where for (_, name, t), (_, _, held) in zip(weights, ordered,
+                                                                     strict=True)
+               if (where := in_files(t, name)) is not None}
     by_name = {name: (g, name, t) for g, name, t in ordered}
     shards = [[by_name[name] for name, _ in shard] for shard in layout.plan_shards(
         [(n, t) for _, n, t in ordered], max_shard_bytes=max_shard_bytes, dtype=dtype)
@@ -350,9 +373,26 @@ def _part(model: nn.Module, optimizer: torch.optim.Optimizer,
         header = layout.safetensors_header([(key, t) for key, t, _ in named],
                                            metadata=metadata)
         tensors = [(group_of.get(id(p), len(groups)), t) for _, t, p in named]
+        sources |= {id(t): where for key, t, p in named
+                    if (where := in_files(p, key)) is not None}
     return _Part(shards=shards, share_header=header, share_tensors=tensors,
                  share_record=fmt.share_record(rank=rank, mine=mine, optimizer=optimizer,
-                                              params=params, written=written))
+                                              params=params, written=written),
+                 sources=sources)
+
+
+def _in_files(engine: StreamingEngine) -> Callable[[nn.Parameter, str], tuple[
+        nn.Parameter, str | None] | None]:
+    """Where a tensor of the save lives in a layer's file on NVMe: given its parameter and
+    its share key (`<name>/<state key>`, or its weight name), the `_Entry.source` (None:
+    the tensor holds its values)."""
+    def source(param: nn.Parameter, key: str) -> tuple[nn.Parameter, str | None] | None:
+        name = key.rsplit("/", 1)[1] if "/" in key else fmt.MASTER_KEY
+        state_name = None if name == fmt.MASTER_KEY else name
+        in_file = isinstance(param, nn.Parameter) and engine.masters.in_file(param, state_name)
+        return (param, state_name) if in_file else None
+
+    return source
 
 
 def _files(tmp: Path, part: _Part, sizes: Sequence[Sequence[Sequence[tuple[str, int]]]], *,
@@ -372,9 +412,10 @@ def _files(tmp: Path, part: _Part, sizes: Sequence[Sequence[Sequence[tuple[str, 
     for index, shard in enumerate(part.shards):
         files.append((tmp / names[first + index], layout.safetensors_header(
             [(n, t) for _, n, t in shard], dtype=dtype)))
-        entries += [_Entry(group=g, file=index, tensor=t, dtype=dtype) for g, _, t in shard]
+        entries += [_Entry(group=g, file=index, tensor=t, dtype=dtype,
+                           source=part.sources.get(id(t))) for g, _, t in shard]
     if part.share_header is not None:
         files.append((tmp / part.share_record["file"], part.share_header))
-        entries += [_Entry(group=g, file=len(files) - 1, tensor=t, dtype=None)
-                    for g, t in part.share_tensors]
+        entries += [_Entry(group=g, file=len(files) - 1, tensor=t, dtype=None,
+                           source=part.sources.get(id(t))) for g, t in part.share_tensors]
     return files, sorted(entries, key=lambda e: e.group)

@@ -247,26 +247,31 @@ class Accelerator(accelerate.Accelerator):
                     str(directory), safe_serialization=safe_serialization, **kwargs)
             self._lazytrain_save_plan(directory)
 
-        if self.lazytrain_saves_async():
+        engine = self.lazytrain.engine
+        if self.lazytrain_saves_async() or (engine is not None and engine.masters.layers):
+            # with masters on NVMe the writer reads them from their files, a layer at a
+            # time: a blocking save is that writer, waited for
             self.lazytrain_start_save(final, write_stock,
                                       on_published=lambda: share_checkpoint.rotate(self, final))
+            if not self.lazytrain_saves_async():
+                self.lazytrain_wait_for_checkpoint()
             return str(final)
         start_s = time.perf_counter()
-        with self.lazytrain.masters_in_dram():  # those homed on NVMe: read back for it
-            share_checkpoint.save_shares(self, final, write_stock)
+        share_checkpoint.save_shares(self, final, write_stock)
         share_checkpoint.rotate(self, final)
         logger.info("lazytrain: checkpoint %s written (sync, %.2f s)", final,
                     time.perf_counter() - start_s)
         return str(final)
 
     def lazytrain_saves_async(self) -> bool:
-        """The setting, and an update that runs layer by layer on its thread (the per-group
-        wait the save hooks into), on every rank alike; not where the plan homes masters
-        and moments on NVMe (the save reads them back into DRAM first, then writes)."""
+        """The setting, and an update that runs layer by layer (the per-group wait the save
+        hooks into), on every rank alike: on its thread, or, where the plan homes masters
+        and moments on NVMe, at the step (read back group by group, each past its gate)."""
         state = self.lazytrain
-        return (self.lazytrain_plugin.checkpoint_mode == "async" and state.engine is not None
-                and not state.engine.masters.layers
-                and (step := installed_step(state.optimizer)) is not None and step.overlapped)
+        if self.lazytrain_plugin.checkpoint_mode != "async" or state.engine is None:
+            return False
+        step = installed_step(state.optimizer)
+        return bool(state.engine.masters.layers) or (step is not None and step.overlapped)
 
     def lazytrain_start_save(self, final: Path, write_stock: Callable[[Path], None], *,
                              on_published: Callable[[], None]) -> None:

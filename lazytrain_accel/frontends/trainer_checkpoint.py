@@ -78,8 +78,6 @@ def _synchronous_because(trainer: Trainer) -> str | None:
         return "no LazyTrain engine"
     if accelerator.lazytrain_plugin.checkpoint_mode != "async":
         return "checkpoint_mode='sync'"
-    if accelerator.lazytrain.engine is not None and accelerator.lazytrain.engine.masters.layers:
-        return "the plan homes masters and moments on NVMe: read back into DRAM for the save"
     if not accelerator.lazytrain_saves_async():
         return ("the update runs inline (optimizer='keep', overlap_step=False, or "
                 "overlap_step='auto' on a CPU device), so no per-layer wait can order it "

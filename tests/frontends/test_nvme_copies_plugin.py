@@ -163,3 +163,27 @@ def test_masters_homed_on_nvme_by_the_plan_train_save_and_resume_as_in_dram(
     assert resumed_state == state and resumed == losses[2:]
     for name, value in params.items():
         torch.testing.assert_close(resumed_params[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_a_save_reads_the_layers_homed_on_nvme_one_at_a_time(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """The checkpoint of a run with masters and moments on NVMe never brings them all back
+    into DRAM: its writer reads each homed layer's file once, in order, as it reaches that
+    layer (`asynchronous.PendingSave`), and writes the same checkpoint (the resume test
+    above loads one)."""
+    from lazytrain_accel.engine.core.engine import StreamingEngine
+    from lazytrain_accel.engine.memory.optimizer_files import NvmeMasters
+
+    reads: list[int] = []
+    read_values = NvmeMasters.read_values
+    monkeypatch.setattr(NvmeMasters, "read_values",
+                        lambda self, layer: reads.append(layer) or read_values(self, layer))
+
+    def whole(*_: object) -> None:
+        raise AssertionError("the save brought every homed layer into DRAM")
+
+    monkeypatch.setattr(StreamingEngine, "masters_in_dram", whole)
+    _, _, _, state = _steps(tmp_path, _masters_budget_gb(), save_after=1)
+    homed = sorted(state.optimizer)
+    assert reads[:len(homed)] == homed  # then the state dict's reads, after the save
+    assert (tmp_path / "ckpt" / "model.safetensors").is_file()

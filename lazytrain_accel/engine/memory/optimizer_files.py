@@ -60,6 +60,9 @@ class _Layout:
     entries: tuple[_Entry, ...]
     nbytes: int  # the file's length: the last entry's end
 
+    def holds(self, param: nn.Parameter, name: str | None) -> bool:
+        return any(e.param is param and e.name == name for e in self.entries)
+
 
 def _round_up(nbytes: int) -> int:
     return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
@@ -211,6 +214,13 @@ class NvmeMasters:
         for entry in layout.entries:
             self._place(entry, self._state, values[entry.param, entry.name], check=True)
         self._generations.pop(layer, None)
+
+    def in_file(self, param: nn.Parameter, name: str | None) -> int | None:
+        """The layer whose file holds `param`'s master (`name` None) or its state `name`
+        now, else None (in DRAM: a layer not evicted, or the step count)."""
+        layer = self._layer_of.get(param)
+        layout = self._evicted.get(layer) if layer is not None else None
+        return layer if layout is not None and layout.holds(param, name) else None
 
     def read_values(self, layer: int) -> dict[tuple[nn.Parameter, str | None], torch.Tensor]:
         """Layer `layer`'s masters (name None) and state tensors by (parameter, name), read
