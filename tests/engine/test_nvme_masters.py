@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import build_model, make_plan, train_clipped, twin
+from engine_helpers import batches, build_model, fail_writes, make_plan, train_clipped, twin
 
 from lazytrain_accel.engine import attach
+from lazytrain_accel.optim import HybridAdamW8bit
 from lazytrain_accel.planning.plan import StateHomes
+from lazytrain_accel.storage.direct_io import StateIOError
 
 CPU = torch.device("cpu")
 LAYERS = 4
@@ -190,3 +193,35 @@ def test_a_qlora_models_lora_masters_on_nvme_train_as_in_dram(tmp_path):
     assert runs["nvme"][0] == runs["dram"][0]
     for name, value in runs["dram"][2].items():
         assert torch.equal(runs["nvme"][2][name], value), name
+
+
+def test_a_failed_master_write_names_its_file_and_detach_still_cleans_up(tmp_path,
+                                                                         monkeypatch):
+    """Layer 2's masters and moments cannot be written after its update (EIO): the next
+    update, which reads them back, fails naming `optim-2.bin` and the drive; `detach`
+    says they are lost (resume from the last checkpoint) and still removes the files."""
+    model = build_model("llama", LAYERS)
+    plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS),
+                               state=StateHomes(optimizer=(2,)))
+    engine = attach(model, plan, device=CPU, compute_dtype=torch.bfloat16,
+                    nvme_dir=str(tmp_path))
+    opt = HybridAdamW8bit(model.parameters(), lr=1e-2)
+    ids = batches(1)[0]
+    for step in range(2):
+        if step == 1:
+            fail_writes(monkeypatch, errno.EIO)  # layer 2's write after this update fails
+        model(input_ids=ids, labels=ids).loss.backward()
+        engine.step_layerwise(opt)
+        engine.synchronize()
+        opt.zero_grad()
+    monkeypatch.undo()
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(RuntimeError, match="layer-wise optimizer update failed") as failed:
+        engine.step_layerwise(opt)
+        engine.synchronize()
+    assert isinstance(failed.value.__cause__, StateIOError)
+    assert "optim-2.bin" in str(failed.value.__cause__)
+    directory = engine.spill.directory
+    with pytest.raises(RuntimeError, match=r"layers \[2\].*resume from the last checkpoint"):
+        engine.detach()
+    assert not directory.exists()

@@ -506,7 +506,13 @@ class StreamingEngine:
     def detach(self) -> None:
         """Restore the model: own forwards, masters in place, buffers where they were."""
         self.synchronize()
-        self.masters.close()  # every master and moment back in DRAM, the files removed
+        try:  # every master and moment back in DRAM, the files removed
+            self.masters.close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """The rest of `detach`, done whether the masters came back or not."""
         for hook in self._state_dict_hooks:
             hook.remove()
         self.residents.swap_out()

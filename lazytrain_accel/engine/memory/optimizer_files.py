@@ -32,7 +32,7 @@ from lazytrain_accel.engine.memory.layer_files import LayerFiles
 from lazytrain_accel.engine.memory.state_io import StateIO
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.planning.state import STATE_STAGING_GROUPS
-from lazytrain_accel.storage.direct_io import BLOCK_BYTES, aligned_empty
+from lazytrain_accel.storage.direct_io import BLOCK_BYTES, StateIOError, aligned_empty
 
 #: The optimizer state entries that stay in DRAM (a step count: one number).
 KEPT_IN_DRAM = ("step",)
@@ -366,17 +366,34 @@ class NvmeMasters:
         self._files.wait_written(layer)
 
     def close(self) -> None:
-        """Every layer back in DRAM, the files removed, the buffers freed."""
-        self.end_update()
+        """Every layer back in DRAM, the files removed, the buffers freed; a layer whose
+        file cannot be read back (its write failed) is named in the error raised after."""
+        lost: list[tuple[int, BaseException]] = []
+        try:
+            self.end_update()
+        except StateIOError as err:  # a staged layer's write: read back below, or lost
+            lost.append((0, err))
         for layer in sorted(set(self._evicted) | set(self._staged)):
-            self.restore(layer)
-        self._files.close()
+            try:
+                self.restore(layer)
+            except StateIOError as err:
+                lost.append((layer, err))
+        try:
+            self._files.close()
+        except StateIOError as err:
+            lost.append((0, err))
         with self._buffers:
             self._free.clear()
             self._count = 0
         if self._held_bytes:
             self._acct.free("host_pageable", self._held_bytes)
             self._held_bytes = 0
+        layers = sorted({layer for layer, _ in lost if layer})
+        if lost:
+            raise RuntimeError(
+                f"the masters and moments of layers {layers or '?'} homed on NVMe could not "
+                f"be read back ({lost[0][1]}); the files are removed: resume from the last "
+                "checkpoint") from lost[0][1]
 
     # ---- tensors, buffers ------------------------------------------------------------
     def _tensor(self, entry: _Entry, state: OptimizerState | None) -> torch.Tensor:
