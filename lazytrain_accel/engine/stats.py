@@ -87,7 +87,9 @@ class StepStats:
     # buffer, or the layer-wise update (`Accounting.stalled`); host work is not a stall
     stall_s: float = 0.0
     optimizer_wait_s: float = 0.0  # of stall_s, waiting on the layer-wise update (exposure)
-    optimizer_update_s: float = 0.0  # the layer-wise update's own run time, on its thread
+    # the layer-wise update's own run time, on its thread: not its waits for the state's
+    # reads from NVMe or a checkpoint's gate (what the re-planner's host update rate reads)
+    optimizer_update_s: float = 0.0
     # the residents' update on the device (resident_update "device"), on the training
     # thread before the layer-wise update starts (on a GPU: the time to queue it)
     device_update_s: float = 0.0

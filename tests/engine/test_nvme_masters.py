@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import errno
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,26 @@ def test_a_failed_master_write_names_its_file_and_detach_still_cleans_up(tmp_pat
     with pytest.raises(RuntimeError, match=r"layers \[2\].*resume from the last checkpoint"):
         engine.detach()
     assert not directory.exists()
+
+
+def test_the_updates_own_time_leaves_out_its_waits_for_the_drive(tmp_path, monkeypatch):
+    """A drive slow to give back the homed layers' state (0.2 s a layer) makes the
+    layer-wise update wait, not run: `optimizer_update_s`, whence the re-planner takes the
+    host update's rate, stays below the waits (the drive's time is priced on its lanes)."""
+    from lazytrain_accel.engine.memory.optimizer_files import NvmeMasters
+
+    stage = NvmeMasters.stage
+
+    def slow_stage(self, layer, *args):
+        if layer in self.evicted_layers:
+            time.sleep(0.2)
+        return stage(self, layer, *args)
+
+    monkeypatch.setattr(NvmeMasters, "stage", slow_stage)
+    homes = StateHomes(optimizer=(1, 2, 3, 4))
+    engine, _, _ = _train(build_model("llama", LAYERS), dataclasses.replace(
+        make_plan("checkpoint_all", LAYERS), state=homes), tmp_path, steps=2)
+    stats = engine.total_stats()
+    engine.detach()
+    assert stats.optimizer_wait_s >= 2 * len(homes.optimizer) * 0.2 * 0.9
+    assert stats.optimizer_update_s < len(homes.optimizer) * 0.2

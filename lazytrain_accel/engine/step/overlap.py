@@ -121,6 +121,7 @@ class LayerwiseUpdate:
     def run(self) -> None:
         """The update, whole; an error is kept for the training thread's next `wait`."""
         start = time.perf_counter()
+        waited_s = 0.0  # for a checkpoint's gate or the state's reads: not the update's own
         grads, masters = self._grads, self._masters
         try:
             order = [j for j in range(len(self._groups)) if self._updates(j)]
@@ -130,12 +131,14 @@ class LayerwiseUpdate:
                 grads.begin_update(order)
             for index, (group, done) in enumerate(zip(self._groups, self._done, strict=True)):
                 if self._updates(index):
+                    wait_start = time.perf_counter()
                     if self._before_group is not None:
                         self._before_group(index)
                     if masters is not None:
                         masters.stage(index)
                     if grads is not None:
                         grads.stage(index)
+                    waited_s += time.perf_counter() - wait_start
                     copy = self._compute_copy(index)
                     if group or copy is not None:  # the optimizer's own frame: the kernel's caller
                         self._opt.step_params(group, out_bf16=copy)
@@ -164,7 +167,7 @@ class LayerwiseUpdate:
             with self._lock:
                 for done in self._done:
                     done.set()
-            self._acct.add("optimizer_update_s", time.perf_counter() - start)
+            self._acct.add("optimizer_update_s", time.perf_counter() - start - waited_s)
             self._finished.set()
 
     def _updates(self, index: int) -> bool:
