@@ -198,8 +198,11 @@ def test_a_writer_error_keeps_the_previous_checkpoint_and_frees_the_updates(
     groups = [list(model.parameters())[:3], list(model.parameters())[3:]]
     plugin = SimpleNamespace(checkpoint_dtype="auto", checkpoint_max_shard_bytes=10**9,
                              checkpoint_write_bytes_per_s=0.0)
+    masters = SimpleNamespace(in_file=lambda param, name: None,  # all in DRAM
+                              read_values=lambda layer: {})
     acc = SimpleNamespace(lazytrain=SimpleNamespace(
-        engine=SimpleNamespace(steps=SimpleNamespace(update_groups=groups, peers=None)),
+        engine=SimpleNamespace(steps=SimpleNamespace(update_groups=groups, peers=None),
+                               masters=masters),
         model=model, optimizer=optimizer), lazytrain_plugin=plugin, step=1)
     final = tmp_path / "ckpt"
     final.mkdir()
