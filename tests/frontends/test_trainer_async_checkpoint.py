@@ -293,8 +293,10 @@ def test_an_error_in_training_lets_the_pending_save_finish_whole(tmp_path: Path)
     from transformers.trainer_utils import get_last_checkpoint
 
     error, out = _RaiseAfterSave(), tmp_path / "out"
-    with pytest.raises(ValueError, match="a bad batch"):
-        _train(out, tmp_path / "cache", mode="async", callback=error)
+    with pytest.raises(ValueError, match="a bad batch"):  # a writer slow enough (~15 s) to
+        # be writing still at the next step's end on a loaded CI machine
+        _train(out, tmp_path / "cache", mode="async", rate=SLOW_WRITE_BYTES_PER_S / 3,
+               callback=error)
     assert error.published_at_error is False  # the writer was still writing
     assert get_last_checkpoint(str(out)) in (None, str(out / "checkpoint-2"))
     error.trainer.accelerator.lazytrain_wait_for_checkpoint()  # what the exit waits for
