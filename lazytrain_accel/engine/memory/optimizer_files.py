@@ -85,6 +85,20 @@ def _layout(params: Sequence[nn.Parameter], state: OptimizerState | None) -> _La
     return _Layout(tuple(entries), end)
 
 
+def _back_to_back(layout: _Layout, tensors: Sequence[torch.Tensor],
+                  pad: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` (contiguous, one per entry of `layout`) flattened, with `pad(n)` bytes
+    before each where its offset leaves a gap: the file's bytes in order."""
+    pieces: list[torch.Tensor] = []
+    position = 0
+    for entry, tensor in zip(layout.entries, tensors, strict=True):
+        if entry.offset > position:
+            pieces.append(pad(entry.offset - position))
+        pieces.append(tensor.view(-1))
+        position = entry.offset + entry.nbytes
+    return pieces
+
+
 class _Placeholders:
     """Stride-0 tensors of any shape over one element per dtype: NaN for floats, so a
     stray read of an evicted master poisons loudly; none of them can be written."""
@@ -187,17 +201,9 @@ class NvmeMasters:
 
     def _pieces(self, layout: _Layout, state: OptimizerState | None) -> list[torch.Tensor]:
         """The file's bytes as tensors back to back: each entry's tensor, zeros between."""
-        pieces: list[torch.Tensor] = []
-        position = 0
         pad = torch.zeros(BLOCK_BYTES, dtype=torch.uint8)
-        for entry in layout.entries:
-            if entry.offset > position:
-                pieces.append(pad[:entry.offset - position])
-            tensor = self._tensor(entry, state)
-            pieces.append(tensor.reshape(-1) if tensor.is_contiguous() else
-                          tensor.contiguous().reshape(-1))
-            position = entry.offset + entry.nbytes
-        return pieces
+        return _back_to_back(layout, [self._tensor(e, state).contiguous()
+                                      for e in layout.entries], lambda n: pad[:n])
 
     def restore(self, layer: int, state: OptimizerState | None = None) -> None:
         """Bring layer `layer`'s masters and moments (into `state`, the optimizer's) back
@@ -232,12 +238,8 @@ class NvmeMasters:
     def _read_values(self, layer: int, layout: _Layout
                      ) -> dict[tuple[nn.Parameter, str | None], torch.Tensor]:
         tensors = [torch.empty(e.shape, dtype=e.dtype) for e in layout.entries]
-        pieces, position = [], 0
-        for entry, tensor in zip(layout.entries, tensors, strict=True):
-            if entry.offset > position:
-                pieces.append(torch.empty(entry.offset - position, dtype=torch.uint8))
-            pieces.append(tensor.view(-1))
-            position = entry.offset + entry.nbytes
+        pieces = _back_to_back(layout, tensors,
+                               lambda n: torch.empty(n, dtype=torch.uint8))
         self._files.read(layer, pieces).result()
         return {(e.param, e.name): t for e, t in zip(layout.entries, tensors, strict=True)}
 
