@@ -87,6 +87,7 @@ _DEFAULTS: dict[str, Any] = {
     "frozen_weights": "keep",
     "resident_update": "auto",
     "node_store": "auto",
+    "node_layout": "replicated",
     "pin_chunk_max_gib": 256.0,
     "bind_cores": "auto",
     "node_store_dir": ANONYMOUS_SEGMENT,
@@ -116,6 +117,10 @@ RESIDENT_UPDATE_CHOICES: tuple[str, ...] = ("auto", "host", "device")
 #: local ranks where it can be used, or keep a full copy per rank (all-reduce).
 NODE_STORE_CHOICES: tuple[str, ...] = ("auto", "off")
 
+#: `node_layout` values (`planning/node.py:NODE_LAYOUTS`): over several nodes, each node
+#: holds the whole host state, or 1/K of the masters, moments and gradients.
+NODE_LAYOUT_CHOICES: tuple[str, ...] = ("replicated", "split")
+
 #: `bind_cores` values: bind each local rank's threads to cores of its own, or leave them.
 BIND_CORES_CHOICES: tuple[str, ...] = ("auto", "off")
 
@@ -132,6 +137,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {"emulate_links": EMULATE_LINKS,
                                         "frozen_weights": FROZEN_WEIGHTS,
                                         "resident_update": RESIDENT_UPDATE_CHOICES,
                                         "node_store": NODE_STORE_CHOICES,
+                                        "node_layout": NODE_LAYOUT_CHOICES,
                                         "bind_cores": BIND_CORES_CHOICES,
                                         "replan": REPLAN_CHOICES,
                                         "checkpoint_dtype": CHECKPOINT_DTYPE_CHOICES,
@@ -208,6 +214,12 @@ class LazyTrainConfig:
             copy of the parameters per node from shared memory and splits the update
             across the local ranks (docs/user_guide.md "Several GPUs"); "off" keeps a full
             copy and the whole update on every rank, gradients all-reduced.
+        node_layout: over several nodes (each with its node store), "replicated"
+            (default) keeps the whole host state on every node, the gradients all-reduced
+            and every node updating alike; "split" updates each group on one node only
+            (its masters' moments and reduced gradients there alone), the gradients
+            reduced to that node and the new weights broadcast from it
+            (docs/user_guide.md "Several nodes").
         pin_chunk_max_gib: the node store is page-locked (`cudaHostRegister`) in chunks of
             at most this many GiB (default 256: one registration of >= 512 GiB fails on
             real systems); where it cannot be, training goes on from pageable memory,
@@ -264,6 +276,7 @@ class LazyTrainConfig:
     frozen_weights: str | None = None
     resident_update: str | None = None
     node_store: str | None = None
+    node_layout: str | None = None
     pin_chunk_max_gib: float | None = None
     bind_cores: str | None = None
     node_store_dir: str | None = None
@@ -456,9 +469,7 @@ def _coerce(name: str, value: Any) -> Any:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{name}={value!r} must be a non-empty string")
     value = value.strip()
-    if name in ("plan", "hardware", "emulate_links", "frozen_weights",
-                "resident_update", "node_store", "bind_cores", "replan",
-                "checkpoint_dtype", "checkpoint_mode") and not _is_json_path(value):
+    if (name in ("plan", "hardware") or name in _CHOICES) and not _is_json_path(value):
         return value.lower()  # names ("auto", strategies, presets) are case-insensitive
     return (os.path.expanduser(value) if name in ("nvme_dir", "cache_dir", "node_store_dir")
             else value)

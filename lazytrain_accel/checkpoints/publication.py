@@ -44,8 +44,9 @@ def local_world_size(world: int) -> int:
 def my_share(engine: StreamingEngine | None, optimizer: torch.optim.Optimizer | None, *,
              rank: int, world: int) -> tuple[list[int], list[nn.Parameter]]:
     """The groups whose share this rank writes, and their parameters: under a split
-    update the groups it owns (those every rank owns: rank 0); without one, rank 0 every
-    parameter of the optimizer (the same on every rank), the others none."""
+    update the groups it owns (those every rank owns: rank 0) and, split across nodes,
+    updates; without one, rank 0 every parameter of the optimizer (the same on every
+    rank), the others none."""
     groups = engine.steps.update_groups if engine is not None else []
     peers = engine.steps.peers if engine is not None else None
     if peers is None:
@@ -53,7 +54,9 @@ def my_share(engine: StreamingEngine | None, optimizer: torch.optim.Optimizer | 
             return [], []
         return (list(range(len(groups))),
                 [p for g in optimizer.param_groups for p in g["params"]])
-    owned = [g for g in range(len(groups)) if peers.owns(g)]
+    remote = engine.steps.remote  # the split layout: a group is written where updated
+    owned = [g for g in range(len(groups))
+             if peers.owns(g) and (remote is None or not remote.is_remote(g))]
     everyone: list[list[int] | None] = [None] * world
     dist.all_gather_object(everyone, owned)
     shared_by_all = set.intersection(*(set(o) for o in everyone))

@@ -40,13 +40,18 @@ if TYPE_CHECKING:
 logger = logging.getLogger("lazytrain_accel")
 
 
-def owned_params(engine: StreamingEngine | None) -> list[nn.Parameter] | None:
+def owned_params(engine: StreamingEngine | None, *, updated: bool = False
+                 ) -> list[nn.Parameter] | None:
     """The parameters of the groups this rank owns in a split update (groups every rank
-    owns included); None without one (this rank holds and updates everything)."""
+    owns included; `updated`: only those it updates, not those another node updates and
+    sends it under the split layout); None without one (this rank holds and updates
+    everything)."""
     peers = engine.steps.peers if engine is not None else None
     if peers is None:
         return None
-    return [p for g, ps in enumerate(engine.steps.update_groups) if peers.owns(g) for p in ps]
+    remote = engine.steps.remote if updated else None
+    return [p for g, ps in enumerate(engine.steps.update_groups) if peers.owns(g)
+            and (remote is None or not remote.is_remote(g)) for p in ps]
 
 
 def load_share_checkpoint(directory: Path, manifest: Mapping[str, Any] | None, *,
@@ -56,18 +61,24 @@ def load_share_checkpoint(directory: Path, manifest: Mapping[str, Any] | None, *
                           require_optimizer: bool = False) -> None:
     """Load this rank's part of a share checkpoint (`manifest`) or of a stock one (None):
     with `weights`, the weights this rank loads (every rank then waits for every owner's
-    masters), and the optimizer state of the parameters it owns (with `MASTER_KEY`, their
-    exact masters). A stock checkpoint's optimizer state is the one-process state dict
-    `stock_optimizer`. `require_optimizer`: a checkpoint without optimizer state, or with
-    one share of it only, is refused (resuming would restart the moments), never skipped."""
+    masters), and the optimizer state of the parameters it owns and updates (with
+    `MASTER_KEY`, their exact masters). A stock checkpoint's optimizer state is the
+    one-process state dict `stock_optimizer`. `require_optimizer`: a checkpoint without
+    optimizer state, or with one share of it only, is refused (resuming would restart the
+    moments), never skipped."""
     if optimizer is None and not weights:
         return
     rank, world = rank_and_world()
     mine = owned_params(engine)
     owned_ids = None if mine is None else {id(p) for p in mine}
+    updated = owned_params(engine, updated=True)  # whose moments this rank holds
+    updated_ids = None if updated is None else {id(p) for p in updated}
 
     def owned(p: torch.Tensor) -> bool:
         return owned_ids is None or id(p) in owned_ids
+
+    def updates(p: torch.Tensor) -> bool:
+        return updated_ids is None or id(p) in updated_ids
 
     if manifest is not None:
         check_layout(manifest, model, world_size=world)
@@ -82,7 +93,7 @@ def load_share_checkpoint(directory: Path, manifest: Mapping[str, Any] | None, *
         if weights:
             _load_owned_weights(model, directory, owned, split=mine is not None)
         if optimizer is not None:
-            _load_optimizer_state(optimizer, directory, manifest, model, owned, world=world,
+            _load_optimizer_state(optimizer, directory, manifest, model, updates, world=world,
                                   stock_optimizer=stock_optimizer,
                                   require_optimizer=require_optimizer)
     if weights and world > 1:

@@ -3,7 +3,8 @@
 `ShareReducer` sends each layer's gradients to their owning local rank as they land
 (an asynchronous `reduce`, overlapped with the backward; at most `MAX_FOREIGN_IN_FLIGHT`
 send buffers of other ranks' layers held), then, across nodes, all-reduces each share
-among its owners; owners take the mean as `.grad`. The global norm is one process's, bit
+among its owners (replicated layout) or reduces each group to the node that updates it
+(split: `node_of`); owners take the mean as `.grad`. The global norm is one process's, bit
 for bit: each value written by the rank that counts it (`gather`), combined in the
 one-process order (`clip_shares`, `combine_norms`).
 Design: docs/architecture.md "Several ranks on a node" ("Gradients", "The global norm").
@@ -51,7 +52,8 @@ class ShareReducer:
 
     def __init__(self, engine: ShareHooks, groups: Sequence[Sequence[nn.Parameter]],
                  owners: Sequence[int], *, peers: NodePeers, layout: NodeGroups,
-                 should_reduce: Callable[[], bool]) -> None:
+                 should_reduce: Callable[[], bool],
+                 node_of: Sequence[int] | None = None) -> None:
         self._world_size = dist.get_world_size()
         self._layout = layout
         self._rank = layout.local_rank  # owners are local ranks
@@ -60,6 +62,11 @@ class ShareReducer:
         self._groups = [list(g) for g in groups]
         self._owner_of = {p: owner for g, owner in zip(groups, owners, strict=True)
                           for p in g}
+        # the node updating each parameter's group (split layout), else None: every node
+        self._node_of = None if node_of is None else {
+            p: node for g, node in zip(groups, node_of, strict=True) for p in g}
+        #: bytes this rank has sent to the other nodes' ranks in its reduces across nodes
+        self.cross_sent_bytes = 0
         self._should_reduce = should_reduce
         # (work, flat, params, owner) in launch order for the groups this rank owns (and
         # every-rank groups); `_crossed` of them have had their second stage (across the
@@ -67,7 +74,7 @@ class ShareReducer:
         self._pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter], int]] = []
         self._foreign: list[tuple[dist.Work, torch.Tensor]] = []
         self._crossed = 0
-        self._across: list[dist.Work] = []
+        self._across: list[dist.Work | _SumOfSends] = []
         self._reduced: set[nn.Parameter] = set()
         self._norm_tables: tuple[dict[nn.Parameter, float], dict[nn.Parameter, float]
                                  ] | None = None
@@ -148,16 +155,35 @@ class ShareReducer:
         if self._layout.nodes == 1:
             return
         while self._crossed < len(self._pending):
-            work, flat, _, owner = self._pending[self._crossed]
+            work, flat, params, owner = self._pending[self._crossed]
             if owner == self._rank:
                 if not block and not work.is_completed():
                     return
                 self._wait(work)
-                self._across.append(dist.all_reduce(flat, op=dist.ReduceOp.SUM,
-                                                    group=self._layout.cross, async_op=True))
+                self._across.append(self._across_nodes(flat, params[0]))
             self._crossed += 1
 
-    def _wait(self, work: dist.Work) -> None:
+    def _across_nodes(self, flat: torch.Tensor, first: nn.Parameter
+                      ) -> dist.Work | _SumOfSends:
+        """The second stage of a group's reduce (`first`: one of its parameters): an
+        all-reduce among its owners on every node, or a reduce to the node updating it."""
+        layout, nbytes = self._layout, flat.numel() * flat.element_size()
+        if self._node_of is None:
+            # a ring all-reduce sends 2 (K - 1) / K of the buffer from each node
+            self.cross_sent_bytes += 2 * nbytes * (layout.nodes - 1) // layout.nodes
+            return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=layout.cross,
+                                   async_op=True)
+        # Sent whole to that node, which adds the others' in node order: each node sends
+        # (K - 1) / K of the gradients, as the model's reduce-scatter. (gloo's `reduce`
+        # reduce-scatters, then gathers to the root: the root sends half of every buffer.)
+        node = self._node_of[first]
+        if node != layout.node:
+            self.cross_sent_bytes += nbytes
+            return dist.isend(flat, dst=layout.cross_ranks[node], group=layout.cross)
+        return _SumOfSends(flat, [layout.cross_ranks[n] for n in range(layout.nodes)
+                                  if n != layout.node], group=layout.cross)
+
+    def _wait(self, work: dist.Work | _SumOfSends) -> None:
         try:
             work.wait()
         except RuntimeError as err:
@@ -177,8 +203,10 @@ class ShareReducer:
             self._wait(work)
             if owner == EVERY_RANK:
                 write_mean_grads(flat, params, self._world_size)
-            else:
+            elif self._updates_here(params[0]):
                 adopt_mean_grads(flat, params, self._world_size)
+            else:  # reduced to the node that updates it: none held here
+                continue
             self._engine.refresh_grad_sq_norms(params)
         self._pending.clear()
         self._across.clear()
@@ -187,12 +215,18 @@ class ShareReducer:
         self._norm_tables = None
 
     def _counts(self, p: nn.Parameter) -> bool:
-        """Whether this rank contributes `p` to the global norm: its owner on the first
-        node (each node's owners hold the same reduced share); rank 0 for every-rank
-        groups."""
+        """Whether this rank contributes `p` to the global norm: its owner on the node
+        that updates it (replicated: the first node, each node's owners holding the same
+        reduced share); rank 0 for every-rank groups."""
         owner = self._owner_of[p]
-        return self._layout.node == 0 and (
-            owner == self._rank or (owner == EVERY_RANK and self._rank == 0))
+        if owner == EVERY_RANK:
+            return self._layout.node == 0 and self._rank == 0
+        node = 0 if self._node_of is None else self._node_of[p]
+        return self._layout.node == node and owner == self._rank
+
+    def _updates_here(self, p: nn.Parameter) -> bool:
+        """Whether this node updates `p`'s group (every node in the replicated layout)."""
+        return self._node_of is None or self._node_of[p] == self._layout.node
 
     def gather(self, *tables: Mapping[nn.Parameter, float]
                ) -> list[dict[nn.Parameter, float]]:
@@ -243,6 +277,24 @@ class ShareReducer:
         """Squared L2 norm of the whole reduced gradient (the non-finite guard's)."""
         measured, sq = self.grad_norm_tables()
         return sum(n * n for n in measured.values()) + sum(sq.values())
+
+
+class _SumOfSends:
+    """The other nodes' copies of a buffer, received and added into it in node order
+    once waited for (a `dist.Work` to the reducer)."""
+
+    def __init__(self, flat: torch.Tensor, sources: list[int],
+                 group: dist.ProcessGroup | None) -> None:
+        self._flat = flat
+        self._received = [torch.empty_like(flat) for _ in sources]
+        self._works = [dist.irecv(buf, src=src, group=group)
+                       for buf, src in zip(self._received, sources, strict=True)]
+
+    def wait(self) -> None:
+        for work, buf in zip(self._works, self._received, strict=True):
+            work.wait()
+            self._flat.add_(buf)
+        self._works, self._received = [], []
 
 
 def clip_shares(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float,

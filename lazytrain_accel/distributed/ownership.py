@@ -1,7 +1,8 @@
 """Who owns what in a split update: the launch's nodes and each update group's owner.
 
 `node_groups` places this rank among the launch's nodes x local ranks and builds the 2-D
-process groups (`NodeGroups`: within the node, and across the nodes for this local rank).
+process groups (`NodeGroups`: within the node, and across the nodes for this local rank,
+with a second one for the split layout's broadcasts of new weights).
 `share_owners` gives each update group (0: input residents, j: layer j, L+1: output
 residents) its owning local rank by `planning/node.py:owner_of_groups` (the simulator's
 rule too): contiguous runs in forward order balanced by trainable master bytes;
@@ -25,28 +26,36 @@ from lazytrain_accel.planning.node import owner_of_groups
 class NodeGroups:
     """The launch as nodes x local ranks. `node_ranks[l]`: the global rank of this node's
     local rank l; `intra`: this node's process group, `cross`: this local rank's group
-    across the nodes (None, the default group and no cross group, with one node)."""
+    across the nodes (None, the default group and no cross group, with one node).
+    `cross_ranks[n]`: the global rank of this local rank on node n. `exchange`: a second
+    group of the `cross` ranks for the split layout's broadcasts, issued by the update
+    thread while the training thread's reduces use `cross` (None unless split)."""
 
     local_rank: int
     node: int
     nodes: int
     node_ranks: tuple[int, ...]
+    cross_ranks: tuple[int, ...] = ()
     intra: dist.ProcessGroup | None = None
     cross: dist.ProcessGroup | None = None
+    exchange: dist.ProcessGroup | None = None
 
     @property
     def local_size(self) -> int:
         return len(self.node_ranks)
 
 
-def node_groups(*, local_rank: int, local_world_size: int, node_id: str) -> NodeGroups:
-    """This rank's place in the launch and its 2-D process groups. Nodes are told apart by
-    `node_id` (`node_store.launch_identity`, the name the segment is keyed by), numbered
-    in order of their lowest global rank; every node must hold local ranks
-    0..`local_world_size`-1. Every rank calls this (`new_group` is collective)."""
+def node_groups(*, local_rank: int, local_world_size: int, node_id: str,
+                split: bool = False) -> NodeGroups:
+    """This rank's place in the launch and its 2-D process groups (`split`: the exchange
+    groups too). Nodes are told apart by `node_id` (`node_store.launch_identity`, the name
+    the segment is keyed by), numbered in order of their lowest global rank; every node
+    must hold local ranks 0..`local_world_size`-1. Every rank calls this (`new_group` is
+    collective)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     if local_world_size == world:  # one node: the default group, no second stage
-        return NodeGroups(local_rank=rank, node=0, nodes=1, node_ranks=tuple(range(world)))
+        return NodeGroups(local_rank=rank, node=0, nodes=1, node_ranks=tuple(range(world)),
+                          cross_ranks=(rank,))
     if world % local_world_size:
         raise ValueError(f"{world} processes do not split into nodes of LOCAL_WORLD_SIZE="
                          f"{local_world_size}")
@@ -61,17 +70,20 @@ def node_groups(*, local_rank: int, local_world_size: int, node_id: str) -> Node
                              "LOCAL_RANK/LOCAL_WORLD_SIZE/node ranks disagree")
         ranks[local] = r
     nodes = list(members)  # insertion order: by lowest global rank
-    intra = cross = None
+    intra = cross = exchange = None
     for node in nodes:  # every rank creates every group, in the same order
         group = dist.new_group(members[node])
         if node == node_id:
             intra = group
-    for local in range(local_world_size):
-        group = dist.new_group([members[node][local] for node in nodes])
-        if local == local_rank:
-            cross = group
+    for kind in ("cross", "exchange") if split else ("cross",):
+        for local in range(local_world_size):
+            group = dist.new_group([members[node][local] for node in nodes])
+            if local == local_rank:
+                cross, exchange = (group, exchange) if kind == "cross" else (cross, group)
     return NodeGroups(local_rank=local_rank, node=nodes.index(node_id), nodes=len(nodes),
-                      node_ranks=tuple(members[node_id]), intra=intra, cross=cross)
+                      node_ranks=tuple(members[node_id]),
+                      cross_ranks=tuple(members[node][local_rank] for node in nodes),
+                      intra=intra, cross=cross, exchange=exchange)
 
 
 def share_owners(groups: Sequence[Sequence[nn.Parameter]], ranks: int, *,
@@ -79,6 +91,11 @@ def share_owners(groups: Sequence[Sequence[nn.Parameter]], ranks: int, *,
     """The local rank owning each update group: `owner_of_groups` of the groups' trainable
     master bytes. The split update and the store's placement by owner (before the masters
     exist: sized by `master_dtype`) both ask here."""
-    return owner_of_groups([sum(p.numel() * master_dtype(p).itemsize for p in g
-                                if p.requires_grad) for g in groups],
-                           ranks, every_rank=every_rank)
+    return owner_of_groups(group_master_bytes(groups), ranks, every_rank=every_rank)
+
+
+def group_master_bytes(groups: Sequence[Sequence[nn.Parameter]]) -> list[int]:
+    """Each group's trainable master bytes (sized by `master_dtype`: before the masters
+    exist too), what ownership balances."""
+    return [sum(p.numel() * master_dtype(p).itemsize for p in g if p.requires_grad)
+            for g in groups]

@@ -1,8 +1,10 @@
 """The optimizer update split across the local ranks that share a `NodeStore`.
 
-`start_split_update` wires the three parts on each rank: who owns which update group
+`start_split_update` wires the parts on each rank: who owns which update group
 (`ownership.py`), the waits for the other owners' updates (`peer_sync.py`, installed as
-the engine's peers) and the gradient reduce to each group's owner (`grad_reduce.py`).
+the engine's peers), the gradient reduce to each group's owner (`grad_reduce.py`) and,
+under the split layout across nodes, the new weights' broadcast from the node that
+updated each group (`node_exchange.py`, the engine's remote updates).
 Design: docs/architecture.md "Several ranks on a node"; docs/user_guide.md "7. Several GPUs".
 """
 
@@ -17,9 +19,11 @@ import torch.distributed as dist
 
 from lazytrain_accel.distributed.generation_words import GenerationWords
 from lazytrain_accel.distributed.grad_reduce import ShareHooks, ShareReducer
-from lazytrain_accel.distributed.ownership import NodeGroups, share_owners
+from lazytrain_accel.distributed.node_exchange import NodeExchange
+from lazytrain_accel.distributed.ownership import NodeGroups, group_master_bytes, share_owners
 from lazytrain_accel.distributed.peer_sync import NodePeers
 from lazytrain_accel.engine.step.coordinator import StepCoordinator
+from lazytrain_accel.planning.node import node_of_groups
 
 
 class SplitEngine(ShareHooks, Protocol):
@@ -27,14 +31,19 @@ class SplitEngine(ShareHooks, Protocol):
 
     steps: StepCoordinator
     device: torch.device
+    compute_dtype: torch.dtype
 
 
 def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
                        should_reduce: Callable[[], bool],
-                       layout: NodeGroups | None = None) -> ShareReducer:
+                       layout: NodeGroups | None = None,
+                       node_layout: str = "replicated") -> ShareReducer:
     """Give this rank its share (`owner_of_groups` over the node's local ranks, by
     trainable bytes), make the engine's update skip and wait for the other shares, route
-    gradients to their owners (`layout`: the launch's nodes; None: one node)."""
+    gradients to their owners (`layout`: the launch's nodes; None: one node). Under
+    `node_layout="split"` over several nodes each share is cut over the nodes
+    (`node_of_groups`): a group is updated on one node and its weights sent to the
+    others."""
     if engine.steps.master_files is not None and engine.steps.master_files.layers:
         raise ValueError(
             f"the plan homes masters and moments on NVMe (layers "
@@ -52,5 +61,16 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
     dist.all_gather_object(pids, os.getpid(), group=layout.intra)
     peers = NodePeers(generations, owners, layout.local_rank, pids=pids)
     engine.steps.peers = peers
+    node_of = None
+    if node_layout == "split" and layout.nodes > 1:
+        if engine.compute_dtype != torch.float32:
+            raise ValueError(
+                f"node_layout='split' sends each group's new fp32 weights to the other "
+                f"nodes, which stream them as they are: a {engine.compute_dtype} compute "
+                "copy per node is not built yet; use mixed_precision='no' or "
+                "node_layout='replicated'")
+        node_of = node_of_groups(group_master_bytes(groups), owners, layout.nodes)
+        engine.steps.remote = NodeExchange(layout, owners=owners, node_of=node_of,
+                                           peers=peers)
     return ShareReducer(engine, groups, owners, peers=peers, layout=layout,
-                        should_reduce=should_reduce)
+                        should_reduce=should_reduce, node_of=node_of)

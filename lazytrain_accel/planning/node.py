@@ -10,7 +10,8 @@ share updates at `R / N` (`share_update_params_per_s`). Ownership (`owner_of_gro
 the engine's split update): contiguous runs of groups in forward order, balanced by bytes.
 Every rank runs the same per-rank plan; a node's tokens/s is N times a rank's. Across K
 nodes (docs/planner.md "Several nodes"): each node holds the whole state ("replicated") or
-1/K of all but the compute copy ("split", `state_shards`); `network_bytes_per_step`.
+1/K of all but the compute copy ("split", `state_shards`; which node updates each group:
+`node_of_groups`); `network_bytes_per_step`.
 """
 
 from __future__ import annotations
@@ -134,3 +135,18 @@ def owner_of_groups(group_bytes: Sequence[int], ranks: int, *,
         owners.append(min(ranks - 1, int(ranks * middle / total)) if total else 0)
         before += nbytes
     return owners
+
+
+def node_of_groups(group_bytes: Sequence[int], owners: Sequence[int], nodes: int
+                   ) -> list[int]:
+    """The node that updates each group in the split layout (`EVERY_RANK` for the groups
+    every rank updates): each local rank's run of groups (`owners`, `owner_of_groups`) cut
+    over the `nodes` by the same rule, so local rank l's share is split between the
+    nodes' local ranks l, contiguous and balanced by bytes, each walked in forward order."""
+    node_of = [EVERY_RANK] * len(owners)
+    for rank in sorted(set(owners) - {EVERY_RANK}):
+        run = [g for g, owner in enumerate(owners) if owner == rank]
+        for g, node in zip(run, owner_of_groups([group_bytes[g] for g in run], nodes),
+                           strict=True):
+            node_of[g] = node
+    return node_of

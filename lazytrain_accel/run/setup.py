@@ -217,16 +217,15 @@ def plan_request(config: LazyTrainConfig, *, strategy: str, budgets: Budgets,
                  ) -> PlanRequest:
     """`make_plan`'s request from `config` (the prediction includes the host update where
     the hybrid 8-bit one runs it); `time_limit_s` overrides the config's solver limit;
-    `running`: the plan a re-plan runs now (never returned slower than it). The engine
-    holds the replicated layout across nodes (each node the whole host state), so the
-    plan prices that one."""
+    `running`: the plan a re-plan runs now (never returned slower than it). Across
+    nodes the plan prices the layout `config.node_layout` names."""
     return PlanRequest(strategy=strategy, budgets=budgets,
                        max_recompute_block=config.max_recompute_block,
                        time_limit_s=(config.solver_time_limit_s if time_limit_s is None
                                      else time_limit_s),
                        include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT,
                        resident_update=resident_update, gpus_per_node=gpus_per_node,
-                       nodes=nodes, node_layout="replicated", running=running,
+                       nodes=nodes, node_layout=config.node_layout, running=running,
                        host_state=streamed_state(config))
 
 

@@ -292,13 +292,19 @@ def _wire_reducer(state: RunState) -> None:
     """The gradients' way between ranks: split across a node store's ranks (each updates
     its share), else all-reduced whole; one process has none."""
     engine, launch = state.engine, state.launch
+    split = engine.plan.node_layout == "split"
+    if split and state.store is None:
+        raise ValueError("node_layout='split' divides each node's store over the nodes, but "
+                         "this launch keeps a copy per rank (node_store='off', or no store "
+                         "could be mapped: see the lines above); use node_layout='replicated'")
     if state.store is not None:
         _, node_id = node_store.launch_identity(os.environ)
         groups = node_groups(local_rank=launch.local_process_index,
-                             local_world_size=state.layout.node_ranks, node_id=node_id)
+                             local_world_size=state.layout.node_ranks, node_id=node_id,
+                             split=split)
         state.reducer = split_update.start_split_update(
             engine, generations=state.store.generations, layout=groups,
-            should_reduce=launch.should_reduce)
+            should_reduce=launch.should_reduce, node_layout=engine.plan.node_layout)
         _pin_store(state)
     elif launch.num_processes > 1:
         state.reducer = GradientAllReducer(engine, state.model,

@@ -111,10 +111,6 @@ def test_plans_the_engine_cannot_run_are_refused_at_attach(tmp_path):
                                state=StateHomes(copies=(1,)))
     with pytest.raises(ValueError, match="computes in fp32"):
         attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
-    plan = dataclasses.replace(make_plan("checkpoint_all", LAYERS), nodes=2,
-                               node_layout="split")  # the planner's only (issue 45)
-    with pytest.raises(ValueError, match="node-layout replicated"):
-        attach(model, plan, device=CPU, nvme_dir=str(tmp_path))
 
 
 def test_a_replan_homing_more_copies_on_nvme_keeps_the_run_exact(tmp_path):

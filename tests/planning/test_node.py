@@ -9,7 +9,7 @@ import pytest
 
 from lazytrain_accel.planning import Budgets, PlanInfeasibleError, build_problem, make_plan
 from lazytrain_accel.planning.host import host_base_terms
-from lazytrain_accel.planning.node import EVERY_RANK, owner_of_groups
+from lazytrain_accel.planning.node import EVERY_RANK, node_of_groups, owner_of_groups
 from lazytrain_accel.planning.plan import Plan
 from lazytrain_accel.planning.request import PlanRequest
 from lazytrain_accel.planning.simulate import HOST_OPTIMIZER, host_optimizer_lane, simulate
@@ -141,6 +141,22 @@ def test_the_simulator_splits_the_update_by_the_engines_rule(ranks: int,
     assert lanes == {name: host_optimizer_lane(owner) for name, owner in zip(names, owners,
                                                                            strict=True)
                      if owner != EVERY_RANK}
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 3])
+def test_the_split_layout_cuts_each_local_ranks_run_over_the_nodes(nodes: int) -> None:
+    """`node_of_groups` (the split layout's rule): each local rank's run of groups is cut
+    over the nodes, contiguous, in forward order, balanced by bytes as the ranks are;
+    every-rank groups stay every node's."""
+    groups = [1_000_000, *[2**20] * 12, 1024]
+    owners = owner_of_groups(groups, 2, every_rank=(0, 13))
+    node_of = node_of_groups(groups, owners, nodes)
+    assert [g for g, n in enumerate(node_of) if n == EVERY_RANK] == [0, 13]
+    for rank in (0, 1):
+        run = [node_of[g] for g, owner in enumerate(owners) if owner == rank]
+        assert run == sorted(run) and set(run) == set(range(nodes))  # contiguous, all
+        counts = [run.count(n) for n in range(nodes)]
+        assert max(counts) - min(counts) <= 1  # equal layers: equal shares
 
 
 def test_the_next_forward_waits_on_the_first_shares_run() -> None:

@@ -149,14 +149,7 @@ class StreamingEngine:
     def _check_state(self, plan: Plan, *, reduce_hooks: bool) -> None:
         """Refuse a plan homing on NVMe gradients where a data-parallel hook reads them
         after the fold, or copies (or masters, which the device then streams) where an
-        fp32 run keeps no copies; or one splitting the state over the nodes, which the
-        engine holds whole on each yet."""
-        if plan.node_layout == "split":
-            raise ValueError(
-                f"the plan splits the host state over {plan.nodes} nodes (node_layout "
-                "'split'): `lazytrain plan` prices that layout, but the engine holds the "
-                "whole state on every node yet; plan with node_layout='replicated' "
-                "(lazytrain plan --node-layout replicated)")
+        fp32 run keeps no copies."""
         state = plan.state
         if state.grads and reduce_hooks:
             raise ValueError(

@@ -22,7 +22,12 @@ from torch import nn
 from lazytrain_accel.engine.memory.grad_files import NvmeGrads
 from lazytrain_accel.engine.memory.optimizer_files import NvmeMasters
 from lazytrain_accel.engine.stats import Accounting
-from lazytrain_accel.engine.step.overlap import CopyTarget, LayerwiseOptimizer, LayerwiseUpdate
+from lazytrain_accel.engine.step.overlap import (
+    CopyTarget,
+    LayerwiseOptimizer,
+    LayerwiseUpdate,
+    RemoteUpdates,
+)
 from lazytrain_accel.engine.step.worker import UpdateWorker
 
 
@@ -73,6 +78,9 @@ class StepCoordinator:
         self._worker = UpdateWorker()
         #: Set by a node store's split update: the groups other ranks own and update.
         self.peers: PeerUpdates | None = None
+        #: Set by the split layout across nodes: the groups another node updates, whose
+        #: new weights this rank receives, and the sending of those this rank updates.
+        self.remote: RemoteUpdates | None = None
         #: Set while a checkpoint save runs beside training: the update of group g first
         #: waits until the save has written g (`checkpoints/asynchronous.py`).
         self.save_gate: SaveGate | None = None
@@ -137,6 +145,9 @@ class StepCoordinator:
             peers.begin_step()  # every rank applies the same steps (global norm)
         if inline is not None:
             result = inline()
+            if self.remote is not None:  # in forward order, as the layer-wise update
+                for g, group in enumerate(self._owned_groups(optimizer)):
+                    self.remote.exchange(g, group)
             if peers is not None:
                 peers.publish_all()
             return result
@@ -154,7 +165,8 @@ class StepCoordinator:
                                        foreign_groups=peers.foreign_groups if peers else (),
                                        on_group_done=peers.publish if peers else None,
                                        before_group=self._wait_for_save(),
-                                       grads=self.grad_files, masters=self.master_files)
+                                       grads=self.grad_files, masters=self.master_files,
+                                       remote=self.remote)
         self._worker.submit(self._update.run)
         if self.device_update_beside_host:
             self._update_on_device(optimizer, groups, device_groups, device_done,

@@ -73,6 +73,15 @@ class StagedMasters(Protocol):
     def end_update(self) -> None: ...
 
 
+class RemoteUpdates(Protocol):
+    """Groups updated on another node, whose new weights this rank receives, and those
+    this rank updates and sends (the split layout's `NodeExchange`)."""
+
+    def is_remote(self, group: int) -> bool: ...
+
+    def exchange(self, group: int, params: Sequence[nn.Parameter]) -> None: ...
+
+
 class LayerwiseUpdate:
     """The host's update of `groups` in forward order: `run` is the job the caller hands
     to the run's `UpdateWorker` (`StepCoordinator.update`, one frame below the step:
@@ -88,7 +97,9 @@ class LayerwiseUpdate:
     holds the gradients of the layers homed on NVMe: read back for each one's update
     (ahead, in this order) and dropped after it; `masters` the masters and moments of
     those homed there: read back before (ahead, in this order), written back after, before
-    the compute copy the update wrote is keyed to them.
+    the compute copy the update wrote is keyed to them. `remote`: under the split
+    layout, a group another node updates is received from it instead, and one this
+    rank updates is sent to the other nodes after its update (`RemoteUpdates.exchange`).
     """
 
     def __init__(self, optimizer: LayerwiseOptimizer,
@@ -100,8 +111,10 @@ class LayerwiseUpdate:
                  on_group_done: Callable[[int], None] | None = None,
                  before_group: Callable[[int], None] | None = None,
                  grads: StagedGrads | None = None,
-                 masters: StagedMasters | None = None) -> None:
+                 masters: StagedMasters | None = None,
+                 remote: RemoteUpdates | None = None) -> None:
         self._opt = optimizer
+        self._remote = remote
         self._grads = grads
         self._masters = masters
         self._before_group = before_group
@@ -124,27 +137,36 @@ class LayerwiseUpdate:
         waited_s = 0.0  # for a checkpoint's gate or the state's reads: not the update's own
         grads, masters = self._grads, self._masters
         try:
-            order = [j for j in range(len(self._groups)) if self._updates(j)]
+            order = [j for j in range(len(self._groups)) if self._updates(j)
+                     and not (self._remote is not None and self._remote.is_remote(j))]
+            staged_groups = set(order)  # updated here (not received from another node)
             if masters is not None:
                 masters.begin_update(order, self._opt.state)
             if grads is not None:
                 grads.begin_update(order)
             for index, (group, done) in enumerate(zip(self._groups, self._done, strict=True)):
                 if self._updates(index):
+                    staged = index in staged_groups
                     wait_start = time.perf_counter()
                     if self._before_group is not None:
                         self._before_group(index)
-                    if masters is not None:
+                    if masters is not None and staged:
                         masters.stage(index)
-                    if grads is not None:
+                    if grads is not None and staged:
                         grads.stage(index)
                     waited_s += time.perf_counter() - wait_start
+                    if not staged:  # its new weights from the node that updated them
+                        self._remote.exchange(index, group)
+                    # (received: the copy is stale, so refreshed from the new masters)
                     copy = self._compute_copy(index)
-                    if group or copy is not None:  # the optimizer's own frame: the kernel's caller
+                    # the optimizer's own frame: the kernel's caller
+                    if staged and (group or copy is not None):
                         self._opt.step_params(group, out_bf16=copy)
-                    if grads is not None:
+                        if self._remote is not None:
+                            self._remote.exchange(index, group)
+                    if grads is not None and staged:
                         grads.unstage(index)
-                    if masters is not None:
+                    if masters is not None and staged:
                         masters.after_update(index)
                     if copy is not None:
                         self._copies.compute_copy_written(index)

@@ -1,0 +1,83 @@
+"""The split layout's weights across nodes: each group updated on one node, sent to all.
+
+Under `node_layout="split"` the group g of local rank l (`ownership.share_owners`) is
+updated by local rank l of node `node_of[g]` alone (`planning/node.py:node_of_groups`):
+only that node holds its moments and its reduced gradient (`grad_reduce.py` reduces the
+gradient there). `NodeExchange` then broadcasts the group's new weights from that rank
+to the local ranks l of the other nodes, which write them into their own node store
+(where their local peers wait for them as for any owner's update). Each local rank l
+walks its groups in forward order on its update thread, sending or receiving each, on
+`NodeGroups.exchange`, a group of its own: the training thread's reduces use `cross`.
+Design: docs/architecture.md "Several nodes".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lazytrain_accel.distributed.ownership import NodeGroups
+from lazytrain_accel.distributed.peer_sync import NodePeers
+from lazytrain_accel.planning.node import EVERY_RANK
+
+
+class NodeExchange:
+    """This rank's part of the split layout's broadcasts (the engine's `RemoteUpdates`,
+    `engine/step/coordinator.py`)."""
+
+    def __init__(self, layout: NodeGroups, *, owners: Sequence[int],
+                 node_of: Sequence[int], peers: NodePeers) -> None:
+        if layout.exchange is None:
+            raise ValueError("the split layout needs the exchange groups: build the "
+                             "launch's groups with node_groups(..., split=True)")
+        self._layout = layout
+        self._node_of = list(node_of)
+        self._mine = [owner == layout.local_rank for owner in owners]
+        self._peers = peers  # names a dead local rank when a broadcast fails
+        #: bytes this rank has sent to the other nodes' ranks so far (each broadcast it
+        #: roots counts once per receiving node): the network model's figure
+        self.sent_bytes = 0
+
+    def updates_here(self, group: int) -> bool:
+        """Whether this node updates `group` (of any local rank)."""
+        return self._node_of[group] in (self._layout.node, EVERY_RANK)
+
+    def is_remote(self, group: int) -> bool:
+        """Whether `group` is this local rank's and another node updates it: this rank
+        receives its new weights instead of updating it."""
+        return self._mine[group] and not self.updates_here(group)
+
+    def sends(self, group: int) -> bool:
+        """Whether this rank updates `group` and sends its new weights to the others."""
+        return self._mine[group] and self.updates_here(group) \
+            and self._node_of[group] != EVERY_RANK
+
+    def exchange(self, group: int, params: Sequence[nn.Parameter]) -> None:
+        """Broadcast `params` (group `group`'s updated parameters) from the node that
+        updated them to this local rank on every other node; a receiver writes them into
+        its own. Every local rank l of every node calls it for each of its groups, in the
+        same order; a group of another local rank's, or every rank's, is left alone."""
+        if not params or not self._mine[group] or self._node_of[group] == EVERY_RANK:
+            return
+        src = self._layout.cross_ranks[self._node_of[group]]
+        sending = self.sends(group)
+        if sending:
+            flat = torch.cat([p.detach().reshape(-1) for p in params]) if len(params) > 1 \
+                else params[0].detach().reshape(-1)
+        else:
+            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
+        try:
+            dist.broadcast(flat, src=src, group=self._layout.exchange)
+        except RuntimeError as err:
+            raise self._peers.named_failure(err) from err
+        if sending:
+            self.sent_bytes += flat.numel() * flat.element_size() * (self._layout.nodes - 1)
+            return
+        offset = 0
+        with torch.no_grad():
+            for p in params:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
