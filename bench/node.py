@@ -169,19 +169,43 @@ def worker(args: argparse.Namespace) -> None:
     if engine is not None and engine.stats().optimizer_update_s > 0:
         # the hybrid operator's update ran on its thread, overlapped: its own run time
         update_s = [engine.stats().optimizer_update_s / args.steps]
+    node_model = node_model_bytes(accelerator) if accelerator is not None else None
     cpus = Path(f"/proc/{os.getpid()}/status").read_text().split("Cpus_allowed_list:")[1]
     (out / f"rank{rank}.json").write_text(json.dumps({
         "threads": torch.get_num_threads(), "cpus_allowed": cpus.split()[0],
         "runtime_pss": runtime_pss, "train_start": train_start, "train_end": train_end,
         "step_s": (train_end - train_start) / args.steps,
         "update_s": sum(update_s) / len(update_s), "losses": losses, "step_pss": step_pss,
-        "tiers": tiers,
+        "tiers": tiers, "node_model": node_model,
         "params": sum(p.numel() for p in model.parameters()) if engine is not None
         else sum(p.full_tensor().numel() for p in model.parameters())}))
     if accelerator is not None:
         accelerator.end_training()
     else:
         dist.destroy_process_group()
+
+
+def node_model_bytes(accelerator) -> int:
+    """The node model's host bytes of a node in the running layout at the running plan
+    (`planning/layouts.py`, what `lazytrain plan --nodes K` prints), less the terms a CPU
+    "device" never allocates (the pinned staging a GPU's copies go through): what this
+    bench's measured state (the device tier left out) compares with."""
+    from lazytrain_accel.planning.host import GRAD_STAGING_TERM, WEIGHT_STAGING_TERM
+    from lazytrain_accel.planning.layouts import layout_figures
+    from lazytrain_accel.planning.problem import build_problem
+
+    state = accelerator.lazytrain
+    plan, run = state.run.plan, state.run
+    figure = layout_figures(plan, run.model_profile, run.hardware, state.budgets)[
+        plan.node_layout].host_bytes
+    problem = build_problem(run.model_profile, run.hardware, budgets=state.budgets,
+                            max_recompute_block=max(e - s for s, e in plan.blocks),
+                            resident_update=plan.resident_update, optimizer=plan.optimizer,
+                            gpus_per_node=plan.gpus_per_node, nodes=plan.nodes,
+                            node_layout=plan.node_layout, state=plan.state)
+    staging = sum(b for name, b in problem.cpu_base_terms
+                  if name.startswith((WEIGHT_STAGING_TERM, GRAD_STAGING_TERM)))
+    return figure - staging
 
 
 # ---- the launcher -----------------------------------------------------------------------
@@ -192,64 +216,91 @@ def free_port() -> int:
 
 
 def launch(system: str, ranks: int, args: argparse.Namespace, workdir: Path, *,
-           bind: str = "auto") -> dict:
-    """One launch of `ranks` processes (`bind`: LAZYTRAIN_BIND_CORES); the ranks'
-    results and the summed-PSS samples."""
-    out = workdir / f"{system}-{ranks}-{bind}"
+           bind: str = "auto", nodes: int = 1, layout: str = "replicated") -> dict:
+    """One launch of `ranks` processes (`bind`: LAZYTRAIN_BIND_CORES) on each of `nodes`
+    simulated nodes (one `accelerate launch --machine_rank r` each, holding the state as
+    `layout` says); the ranks' results and the summed-PSS samples (per node: `nodes`)."""
+    out = workdir / f"{system}-{ranks}-{bind}-{nodes}{layout}"
     out.mkdir(parents=True)
     port = free_port()
-    if ranks == 1:
-        launcher = ["--cpu", "--num_processes", "1"]
-    else:  # accelerate's multi-process CPU mode
-        launcher = ["--multi_gpu", "--num_processes", str(ranks), "--main_process_port",
-                    str(port)]
+    world = ranks * nodes
     model_args = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                   ("hidden", "layers", "vocab", "seq_len", "global_batch", "steps", "warmup")]
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--num_machines",
-           "1", "--mixed_precision", "no", "--dynamo_backend", "no", __file__,
-           "--worker", system, "--out", str(out), "--port", str(port), *model_args]
-    threads = max(1, (os.cpu_count() or 1) // ranks)
+    threads = max(1, (os.cpu_count() or 1) // world)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads),
            **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold
               else {}),
            "LAZYTRAIN_HARDWARE": "h800", "LAZYTRAIN_CACHE_DIR": str(workdir / "cache"),
-           "LAZYTRAIN_NVME_DIR": str(workdir / "nvme"), "LAZYTRAIN_BIND_CORES": bind}
-    log = (out / "log.txt").open("w")
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out)
-    samples: list[tuple[float, int]] = []  # (time, summed PSS) with every rank alive
+           "LAZYTRAIN_NVME_DIR": str(workdir / "nvme"), "LAZYTRAIN_BIND_CORES": bind,
+           "LAZYTRAIN_NODE_LAYOUT": layout,
+           # several nodes: the residents' state with the layers' (the model's host terms);
+           # on this CPU "device" their device-side state would be host bytes uncounted
+           **({"LAZYTRAIN_RESIDENT_UPDATE": "host"} if nodes > 1 else {})}
+    procs = []
+    for node in range(nodes):
+        if world == 1:
+            launcher = ["--cpu", "--num_processes", "1"]
+        else:  # accelerate's multi-process CPU mode
+            launcher = ["--multi_gpu", "--num_processes", str(world), "--main_process_port",
+                        str(port), "--main_process_ip", "127.0.0.1", "--machine_rank",
+                        str(node)]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *launcher,
+               "--num_machines", str(nodes), "--mixed_precision", "no", "--dynamo_backend",
+               "no", __file__, "--worker", system, "--out", str(out), "--port", str(port),
+               *model_args]
+        log = (out / f"log{node}.txt").open("w")
+        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       cwd=out), log))
+    # (time, summed PSS of each node's ranks) with every rank alive
+    samples: list[tuple[float, list[int]]] = []
     deadline = time.time() + LAUNCH_TIMEOUT_S
-    while proc.poll() is None:
+    while any(proc.poll() is None for proc, _ in procs):
         if time.time() > deadline:
-            proc.kill()
+            for proc, _ in procs:
+                proc.kill()
             break
-        pids = [out / f"pid{r}" for r in range(ranks)]
+        pids = [out / f"pid{r}" for r in range(world)]
         if all(p.is_file() for p in pids):
             try:
                 now = time.time()
-                samples.append((now, sum(pss_bytes(int(p.read_text())) for p in pids)))
+                pss = [pss_bytes(int(p.read_text())) for p in pids]
+                samples.append((now, [sum(pss[n * ranks:(n + 1) * ranks])
+                                      for n in range(nodes)]))
             except (OSError, ValueError):  # a rank has just exited
                 pass
         time.sleep(SAMPLE_S)
-    log.close()
-    if proc.returncode != 0:
-        tail = (out / "log.txt").read_text()[-4000:]
-        raise RuntimeError(f"{system} x{ranks} exited {proc.returncode}:\n{tail}")
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
+    for node, (proc, log) in enumerate(procs):
+        proc.wait()
+        log.close()
+        if proc.returncode != 0:
+            tail = (out / f"log{node}.txt").read_text()[-4000:]
+            raise RuntimeError(f"{system} x{ranks} node {node} exited {proc.returncode}:"
+                               f"\n{tail}")
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
     start = max(r["train_start"] for r in results)
     end = min(r["train_end"] for r in results)
-    # the sampler's sums inside the timed steps, and each step's sum of the ranks' own
-    # readings after `optimizer.step()` (a short run may fall between two samples)
-    window = [s for t, s in samples if start <= t <= end]
-    window += [sum(step) for step in zip(*(r["step_pss"] for r in results), strict=True)]
-    runtime = sum(r["runtime_pss"] for r in results)
-    return {"system": system, "ranks": ranks, "bind": bind, "host": max(window),
-            "threads": [r["threads"] for r in results],
-            "cpus": [r["cpus_allowed"] for r in results],
-            "state": max(window) - runtime, "runtime": runtime, "samples": len(window) - args.steps,
-            "step_s": results[0]["step_s"],
-            "update_s": sum(r["update_s"] for r in results) / ranks,
-            "loss0": results[0]["losses"][0], "params": results[0]["params"],
-            "device_tier": sum(r["tiers"].get("device", 0) for r in results)}
+    per_node = []
+    for n in range(nodes):
+        mine = results[n * ranks:(n + 1) * ranks]
+        # the sampler's sums inside the timed steps, and each step's sum of the ranks' own
+        # readings after `optimizer.step()` (a short run may fall between two samples)
+        window = [sums[n] for t, sums in samples if start <= t <= end]
+        window += [sum(step) for step in zip(*(r["step_pss"] for r in mine), strict=True)]
+        runtime = sum(r["runtime_pss"] for r in mine)
+        per_node.append({"host": max(window), "state": max(window) - runtime,
+                         "runtime": runtime, "samples": len(window) - args.steps,
+                         "device_tier": sum(r["tiers"].get("device", 0) for r in mine),
+                         "model": mine[0].get("node_model")})
+    row = {"system": system, "ranks": ranks, "bind": bind, "nodes": nodes, "layout": layout,
+           **{k: sum(n[k] for n in per_node) for k in ("host", "state", "runtime",
+                                                       "device_tier")},
+           "samples": min(n["samples"] for n in per_node), "per_node": per_node,
+           "threads": [r["threads"] for r in results],
+           "cpus": [r["cpus_allowed"] for r in results],
+           "step_s": results[0]["step_s"],
+           "update_s": sum(r["update_s"] for r in results) / world,
+           "loss0": results[0]["losses"][0], "params": results[0]["params"]}
+    return row
 
 
 def main() -> None:
@@ -269,12 +320,19 @@ def main() -> None:
     p.add_argument("--mmap-threshold", type=int, default=131072,
                    help="MALLOC_MMAP_THRESHOLD_ of every rank (0: glibc's dynamic one)")
     p.add_argument("--tries", type=int, default=2, help="launches of a row before it fails")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="simulated nodes of --ranks processes each (LazyTrain only)")
+    p.add_argument("--layouts", nargs="+", choices=("replicated", "split"),
+                   default=["replicated"], help="LAZYTRAIN_NODE_LAYOUT of multi-node rows")
     p.add_argument("--bind", choices=("auto", "off", "both"), default="auto",
                    help="LAZYTRAIN_BIND_CORES of the LazyTrain ranks; both: each LazyTrain "
                         "row bound and unbound, launched one after the other")
     args = p.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.nodes > 1:
+        print_layouts(args)
         return
     rows = []
     started = time.perf_counter()
@@ -326,6 +384,28 @@ def main() -> None:
               f"{row['state'] / MB:.0f} | {row['step_s']:.2f} | {row['update_s']:.3f} | "
               + " | ".join(ratios) + " |")
     print_binding(rows)
+
+
+def print_layouts(args: argparse.Namespace) -> None:
+    """LazyTrain over `args.nodes` simulated nodes in each of `args.layouts`: per node,
+    the measured state at its peak (the device tier left out) against the node model's."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="lazytrain-node-bench-") as tmp:
+        for ranks in args.ranks:
+            for layout in args.layouts:
+                rows.append(launch("lazytrain", ranks, args, Path(tmp), nodes=args.nodes,
+                                   layout=layout))
+    print(f"\nLlama {rows[0]['params'] / 1e6:.0f}M parameters (hidden {args.hidden}, "
+          f"{args.layers} layers, vocab {args.vocab}), {args.nodes} simulated nodes, "
+          f"global batch {args.global_batch} x {args.seq_len}, {args.steps} timed steps\n")
+    print("| ranks/node | layout | node | state MB (peak PSS - runtime - device tier) | "
+          "model MB | measured / model |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        for n, node in enumerate(row["per_node"]):
+            state = node["state"] - node["device_tier"]
+            print(f"| {row['ranks']} | {row['layout']} | {n} | {state / MB:.1f} | "
+                  f"{node['model'] / MB:.1f} | {state / node['model']:.2f} |")
 
 
 def print_binding(rows: list[dict]) -> None:

@@ -13,6 +13,7 @@ Design: docs/architecture.md "Several ranks on a node" ("Gradients", "The global
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -34,6 +35,12 @@ from lazytrain_accel.planning.node import EVERY_RANK
 #: Reduces of layers another rank owns that may be in flight at once on a rank: each
 #: holds that layer's flattened fp32 gradients until it completes.
 MAX_FOREIGN_IN_FLIGHT = 1
+#: Groups whose second stage across nodes (split layout) may be unfinished at once on a
+#: rank: each holds its flattened fp32 gradients until sent or added.
+MAX_CROSSINGS_IN_FLIGHT = 2
+#: Elements of a group's gradients crossing nodes per message (16 MiB of fp32): the
+#: receiving node adds each into its own as it lands, holding one such chunk.
+CROSSING_CHUNK_NUMEL = 4 * 2**20
 
 
 class ShareHooks(GradReadyHooks, Protocol):
@@ -71,10 +78,19 @@ class ShareReducer:
         # (work, flat, params, owner) in launch order for the groups this rank owns (and
         # every-rank groups); `_crossed` of them have had their second stage (across the
         # nodes) launched. `_foreign`: reduces of other ranks' groups still in flight.
-        self._pending: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter], int]] = []
+        # (A group sent to the node that updates it leaves with its buffer: None here,
+        # held by its crossing until sent.)
+        self._pending: list[tuple[dist.Work | None, torch.Tensor | None,
+                                  list[nn.Parameter], int]] = []
+        # split: each group's second stage runs on one thread of its own, in launch
+        # order, so the hooks never wait for the other nodes (`_cross_one`)
+        self._crosser = None if node_of is None else ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="lazytrain-cross-nodes")
+        self._crossings: list[Future[None]] = []
+        self._received: torch.Tensor | None = None  # the crossing thread's chunk buffer
         self._foreign: list[tuple[dist.Work, torch.Tensor]] = []
         self._crossed = 0
-        self._across: list[dist.Work | _SumOfSends] = []
+        self._across: list[dist.Work] = []
         self._reduced: set[nn.Parameter] = set()
         self._norm_tables: tuple[dict[nn.Parameter, float], dict[nn.Parameter, float]
                                  ] | None = None
@@ -145,45 +161,74 @@ class ShareReducer:
         """Bytes of the flattened gradients this reducer holds now (its own groups'
         buffers awaiting `finish`, other ranks' in flight)."""
         return sum(flat.numel() * flat.element_size()
-                   for flat in [f for _, f, _, _ in self._pending]
+                   for flat in [f for _, f, _, _ in self._pending if f is not None]
                    + [f for _, f in self._foreign])
 
     def _cross_nodes(self, *, block: bool) -> None:
-        """Launch, in launch order, the across-nodes all-reduce of each of this rank's
-        groups whose reduce within the node has completed (all of them when `block`):
-        the owners of a share on every node issue the same collectives in the same order."""
+        """Launch, in launch order, the second stage (across the nodes) of each of this
+        rank's groups whose reduce within the node has completed (all of them when
+        `block`; split: every one, its thread waiting for that reduce): the owners of a
+        share on every node issue theirs in the same order."""
         if self._layout.nodes == 1:
             return
         while self._crossed < len(self._pending):
             work, flat, params, owner = self._pending[self._crossed]
             if owner == self._rank:
-                if not block and not work.is_completed():
-                    return
-                self._wait(work)
-                self._across.append(self._across_nodes(flat, params[0]))
+                if self._crosser is not None:
+                    self._settle_crossings(keep=MAX_CROSSINGS_IN_FLIGHT - 1)
+                    self._crossings.append(self._crosser.submit(
+                        self._cross_one, work, flat, params[0]))
+                    if not self._updates_here(params[0]):
+                        # its buffer goes with the send (and its work, which holds it)
+                        self._pending[self._crossed] = (None, None, params, owner)
+                else:
+                    if not block and not work.is_completed():
+                        return
+                    self._wait(work)
+                    # a ring all-reduce sends 2 (K - 1) / K of the buffer from each node
+                    nbytes = flat.numel() * flat.element_size()
+                    self.cross_sent_bytes += 2 * nbytes * (self._layout.nodes - 1) \
+                        // self._layout.nodes
+                    self._across.append(dist.all_reduce(
+                        flat, op=dist.ReduceOp.SUM, group=self._layout.cross,
+                        async_op=True))
             self._crossed += 1
 
-    def _across_nodes(self, flat: torch.Tensor, first: nn.Parameter
-                      ) -> dist.Work | _SumOfSends:
-        """The second stage of a group's reduce (`first`: one of its parameters): an
-        all-reduce among its owners on every node, or a reduce to the node updating it."""
-        layout, nbytes = self._layout, flat.numel() * flat.element_size()
-        if self._node_of is None:
-            # a ring all-reduce sends 2 (K - 1) / K of the buffer from each node
-            self.cross_sent_bytes += 2 * nbytes * (layout.nodes - 1) // layout.nodes
-            return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=layout.cross,
-                                   async_op=True)
-        # Sent whole to that node, which adds the others' in node order: each node sends
-        # (K - 1) / K of the gradients, as the model's reduce-scatter. (gloo's `reduce`
-        # reduce-scatters, then gathers to the root: the root sends half of every buffer.)
-        node = self._node_of[first]
-        if node != layout.node:
-            self.cross_sent_bytes += nbytes
-            return dist.isend(flat, dst=layout.cross_ranks[node], group=layout.cross)
-        return _SumOfSends(flat, [layout.cross_ranks[n] for n in range(layout.nodes)
-                                  if n != layout.node], group=layout.cross)
+    def _settle_crossings(self, *, keep: int) -> None:
+        """Wait for the oldest crossings until at most `keep` are left (each holds its
+        group's buffer until it has crossed), raising the first one's error."""
+        while len(self._crossings) > keep:
+            self._crossings.pop(0).result()
 
-    def _wait(self, work: dist.Work | _SumOfSends) -> None:
+    def _cross_one(self, work: dist.Work, flat: torch.Tensor, first: nn.Parameter) -> None:
+        """The split layout's second stage of a group's reduce (`first`: one of its
+        parameters), on the crossing thread once its reduce within the node is done: the
+        buffer sent whole to the node that updates it, which adds the others' into its
+        own in node order. Each node sends (K - 1) / K of the gradients, as the model's
+        reduce-scatter. (gloo's `reduce` reduce-scatters, then gathers to the root, so the
+        root sends half of every buffer too; its `gather` copies the root's own.)"""
+        layout = self._layout
+        self._wait(work)
+        node = self._node_of[first]
+        chunks = range(0, flat.numel(), CROSSING_CHUNK_NUMEL)
+        if node != layout.node:
+            self.cross_sent_bytes += flat.numel() * flat.element_size()
+            for start in chunks:
+                self._wait(dist.isend(flat[start:start + CROSSING_CHUNK_NUMEL],
+                                      dst=layout.cross_ranks[node], group=layout.cross))
+            return
+        # chunk by chunk: one chunk's buffer, not a second copy of the group's
+        if self._received is None or self._received.dtype != flat.dtype:
+            self._received = torch.empty(CROSSING_CHUNK_NUMEL, dtype=flat.dtype)
+        for n in range(layout.nodes):
+            for start in chunks if n != node else ():
+                part = flat[start:start + CROSSING_CHUNK_NUMEL]
+                received = self._received[:part.numel()]
+                self._wait(dist.irecv(received, src=layout.cross_ranks[n],
+                                      group=layout.cross))
+                part.add_(received)
+
+    def _wait(self, work: dist.Work) -> None:
         try:
             work.wait()
         except RuntimeError as err:
@@ -198,15 +243,16 @@ class ShareReducer:
         self._cross_nodes(block=True)
         for work in self._across:
             self._wait(work)
+        self._settle_crossings(keep=0)  # their errors, named (`_wait`)
         self._release_foreign(keep=0)
         for work, flat, params, owner in self._pending:
+            if flat is None:  # sent to the node that updates it: none held here
+                continue
             self._wait(work)
             if owner == EVERY_RANK:
                 write_mean_grads(flat, params, self._world_size)
-            elif self._updates_here(params[0]):
+            else:
                 adopt_mean_grads(flat, params, self._world_size)
-            else:  # reduced to the node that updates it: none held here
-                continue
             self._engine.refresh_grad_sq_norms(params)
         self._pending.clear()
         self._across.clear()
@@ -277,24 +323,6 @@ class ShareReducer:
         """Squared L2 norm of the whole reduced gradient (the non-finite guard's)."""
         measured, sq = self.grad_norm_tables()
         return sum(n * n for n in measured.values()) + sum(sq.values())
-
-
-class _SumOfSends:
-    """The other nodes' copies of a buffer, received and added into it in node order
-    once waited for (a `dist.Work` to the reducer)."""
-
-    def __init__(self, flat: torch.Tensor, sources: list[int],
-                 group: dist.ProcessGroup | None) -> None:
-        self._flat = flat
-        self._received = [torch.empty_like(flat) for _ in sources]
-        self._works = [dist.irecv(buf, src=src, group=group)
-                       for buf, src in zip(self._received, sources, strict=True)]
-
-    def wait(self) -> None:
-        for work, buf in zip(self._works, self._received, strict=True):
-            work.wait()
-            self._flat.add_(buf)
-        self._works, self._received = [], []
 
 
 def clip_shares(parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float,

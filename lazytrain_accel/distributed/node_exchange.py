@@ -55,29 +55,46 @@ class NodeExchange:
         return self._mine[group] and self.updates_here(group) \
             and self._node_of[group] != EVERY_RANK
 
-    def exchange(self, group: int, params: Sequence[nn.Parameter]) -> None:
-        """Broadcast `params` (group `group`'s updated parameters) from the node that
-        updated them to this local rank on every other node; a receiver writes them into
-        its own. Every local rank l of every node calls it for each of its groups, in the
-        same order; a group of another local rank's, or every rank's, is left alone."""
+    def start(self, group: int, params: Sequence[nn.Parameter]) -> Exchange | None:
+        """Start broadcasting `params` (group `group`'s updated parameters) from the node
+        that updated them to this local rank on every other node, each tensor in place
+        (a receiver's into its own), and return at once; None for a group of another
+        local rank's, or every rank's. Every local rank l of every node starts them for
+        its groups in the same order (forward order: a receive as soon as reached, a
+        send once updated), so the nodes update their parts side by side."""
         if not params or not self._mine[group] or self._node_of[group] == EVERY_RANK:
-            return
+            return None
         src = self._layout.cross_ranks[self._node_of[group]]
-        sending = self.sends(group)
-        if sending:
-            flat = torch.cat([p.detach().reshape(-1) for p in params]) if len(params) > 1 \
-                else params[0].detach().reshape(-1)
-        else:
-            flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype)
         try:
-            dist.broadcast(flat, src=src, group=self._layout.exchange)
+            works = [dist.broadcast(p.detach(), src=src, group=self._layout.exchange,
+                                    async_op=True) for p in params]
         except RuntimeError as err:
             raise self._peers.named_failure(err) from err
-        if sending:
-            self.sent_bytes += flat.numel() * flat.element_size() * (self._layout.nodes - 1)
-            return
-        offset = 0
-        with torch.no_grad():
-            for p in params:
-                p.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+        if self.sends(group):
+            self.sent_bytes += sum(p.numel() * p.element_size() for p in params) * (
+                self._layout.nodes - 1)
+        return Exchange(works, None if self.sends(group) else list(params), self._peers)
+
+
+class Exchange:
+    """A group's broadcasts under way (`NodeExchange.start`)."""
+
+    def __init__(self, works: list[dist.Work], received: list[nn.Parameter] | None,
+                 peers: NodePeers) -> None:
+        self._works = works
+        self._received = received  # the parameters written, on a receiving rank
+        self._peers = peers
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def wait(self) -> None:
+        """Block until every broadcast is done, raising naming a dead local rank."""
+        try:
+            for work in self._works:
+                work.wait()
+        except RuntimeError as err:
+            raise self._peers.named_failure(err) from err
+        for p in self._received or ():  # written behind autograd's back: a copy keyed
+            torch.autograd.graph.increment_version(p)  # to them is stale
+        self._works, self._received = [], None

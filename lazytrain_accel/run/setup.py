@@ -165,7 +165,8 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
     key = json.dumps([fingerprint, strategy, budgets.gpu_bytes, budgets.cpu_bytes,
                       budgets.nvme_bytes, config.max_recompute_block,
                       config.loss_chunk_tokens, config.optimizer.value, resident_update,
-                      gpus_per_node, nodes, rates], sort_keys=True)
+                      gpus_per_node, nodes, config.node_layout, streamed_state(config),
+                      rates], sort_keys=True)
     cache_path = Path(config.cache_dir) / "plans" / f"{_short_hash(key)}.json"
     if cache_path.is_file():
         try:

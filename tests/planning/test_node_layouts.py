@@ -185,3 +185,19 @@ def test_replicated_refusal_names_the_split_layout() -> None:
         make_plan(model, hardware, request)
     split = make_plan(model, hardware, dataclasses.replace(request, node_layout="split"))
     assert split.prediction.peak_cpu_bytes <= tight.cpu_bytes
+
+
+def test_the_plan_cache_keeps_each_layout_apart(tmp_path) -> None:
+    """A cached replicated plan is not the split run's (both launches of one job share the
+    cache directory): the cache key holds the layout."""
+    from lazytrain_accel.config import LazyTrainConfig
+    from lazytrain_accel.run.setup import resolve_plan
+
+    model, hardware = chain(num_layers=4)
+    plans = {layout: resolve_plan(LazyTrainConfig(plan="checkpoint_all", node_layout=layout,
+                                                  cache_dir=str(tmp_path)),
+                                  model, hardware, gpus_per_node=2, nodes=2)
+             for layout in ("replicated", "split")}
+    assert {layout: p.node_layout for layout, p in plans.items()} == {
+        "replicated": "replicated", "split": "split"}
+    assert len(list((tmp_path / "plans").iterdir())) == 2

@@ -146,8 +146,11 @@ class StepCoordinator:
         if inline is not None:
             result = inline()
             if self.remote is not None:  # in forward order, as the layer-wise update
-                for g, group in enumerate(self._owned_groups(optimizer)):
-                    self.remote.exchange(g, group)
+                transfers = [self.remote.start(g, group)
+                             for g, group in enumerate(self._owned_groups(optimizer))]
+                for transfer in transfers:
+                    if transfer is not None:
+                        transfer.wait()
             if peers is not None:
                 peers.publish_all()
             return result

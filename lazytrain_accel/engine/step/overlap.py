@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -73,13 +74,21 @@ class StagedMasters(Protocol):
     def end_update(self) -> None: ...
 
 
+class Transfer(Protocol):
+    """A group's weights under way between nodes (`node_exchange.Exchange`)."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
 class RemoteUpdates(Protocol):
     """Groups updated on another node, whose new weights this rank receives, and those
     this rank updates and sends (the split layout's `NodeExchange`)."""
 
     def is_remote(self, group: int) -> bool: ...
 
-    def exchange(self, group: int, params: Sequence[nn.Parameter]) -> None: ...
+    def start(self, group: int, params: Sequence[nn.Parameter]) -> Transfer | None: ...
 
 
 class LayerwiseUpdate:
@@ -98,8 +107,10 @@ class LayerwiseUpdate:
     (ahead, in this order) and dropped after it; `masters` the masters and moments of
     those homed there: read back before (ahead, in this order), written back after, before
     the compute copy the update wrote is keyed to them. `remote`: under the split
-    layout, a group another node updates is received from it instead, and one this
-    rank updates is sent to the other nodes after its update (`RemoteUpdates.exchange`).
+    layout, a group another node updates is received from it instead (started when
+    reached, landed in order as it arrives: between this thread's own groups, and at the
+    end), and one this rank updates is sent to the other nodes after its update, so the
+    nodes update their parts side by side (`RemoteUpdates.start`).
     """
 
     def __init__(self, optimizer: LayerwiseOptimizer,
@@ -144,38 +155,44 @@ class LayerwiseUpdate:
                 masters.begin_update(order, self._opt.state)
             if grads is not None:
                 grads.begin_update(order)
-            for index, (group, done) in enumerate(zip(self._groups, self._done, strict=True)):
+            receiving: deque[tuple[int, Transfer | None]] = deque()  # from other nodes
+            sending: list[Transfer] = []
+            for index, group in enumerate(self._groups):
                 if self._updates(index):
-                    staged = index in staged_groups
                     wait_start = time.perf_counter()
                     if self._before_group is not None:
                         self._before_group(index)
-                    if masters is not None and staged:
+                    if index not in staged_groups:  # its weights from the node updating it
+                        waited_s += time.perf_counter() - wait_start
+                        receiving.append((index, self._remote.start(index, group)))
+                        self._land(receiving, block=False)
+                        continue  # landed as it arrives
+                    if masters is not None:
                         masters.stage(index)
-                    if grads is not None and staged:
+                    if grads is not None:
                         grads.stage(index)
                     waited_s += time.perf_counter() - wait_start
-                    if not staged:  # its new weights from the node that updated them
-                        self._remote.exchange(index, group)
-                    # (received: the copy is stale, so refreshed from the new masters)
                     copy = self._compute_copy(index)
-                    # the optimizer's own frame: the kernel's caller
-                    if staged and (group or copy is not None):
+                    if group or copy is not None:  # the optimizer's own frame: the kernel's caller
                         self._opt.step_params(group, out_bf16=copy)
-                        if self._remote is not None:
-                            self._remote.exchange(index, group)
-                    if grads is not None and staged:
+                    if self._remote is not None:
+                        transfer = self._remote.start(index, group)
+                        sending += [transfer] if transfer is not None else []
+                    if grads is not None:
                         grads.unstage(index)
-                    if masters is not None and staged:
+                    if masters is not None:
                         masters.after_update(index)
                     if copy is not None:
                         self._copies.compute_copy_written(index)
                     if self._on_group_done is not None:
                         self._on_group_done(index)
-                with self._lock:
-                    if self._zero is not None:
-                        _zero(group, self._zero)
-                    done.set()
+                self._set_done(index)
+                self._land(receiving, block=False)
+            wait_start = time.perf_counter()
+            self._land(receiving, block=True)
+            for transfer in sending:
+                transfer.wait()
+            waited_s += time.perf_counter() - wait_start
             if self._device_update_done is not None:
                 self._device_update_done.wait()
             self._opt.end_step()
@@ -191,6 +208,30 @@ class LayerwiseUpdate:
                     done.set()
             self._acct.add("optimizer_update_s", time.perf_counter() - start - waited_s)
             self._finished.set()
+
+    def _set_done(self, index: int) -> None:
+        """Group `index` may be read: its deferred `zero_grad()` applied, its waiters let
+        through."""
+        with self._lock:
+            if self._zero is not None:
+                _zero(self._groups[index], self._zero)
+            self._done[index].set()
+
+    def _land(self, receiving: deque[tuple[int, Transfer | None]], *, block: bool) -> None:
+        """Finish the groups received from other nodes, in order, that have arrived (all
+        of them when `block`): their compute copy refreshed from the new masters, their
+        owner's publication made, their waiters let through."""
+        while receiving and (block or receiving[0][1] is None
+                             or receiving[0][1].is_completed()):
+            index, transfer = receiving.popleft()
+            if transfer is not None:  # (None: none of this optimizer's parameters in it)
+                transfer.wait()
+            copy = self._compute_copy(index)  # stale now: refreshed from the new masters
+            if copy is not None:
+                self._copies.compute_copy_written(index)
+            if self._on_group_done is not None:
+                self._on_group_done(index)
+            self._set_done(index)
 
     def _updates(self, index: int) -> bool:
         """Whether this thread updates group `index` (not another process's, nor one the
