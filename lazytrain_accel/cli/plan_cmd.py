@@ -344,8 +344,8 @@ def _print_layouts(summary: dict[str, Any]) -> None:
             f"the network's {f['network_s']:.2f} s per step bounds it")
     print(f"  job: {k} nodes, {summary['job_tokens_per_s']:.1f} tokens/s ({pace})")
     if chosen == "split":
-        print("  (the engine holds the replicated layout today: a run of this plan needs "
-              "the split one, issue 45)")
+        print("  (a run takes it with LazyTrainPlugin(node_layout='split'); fp32 compute "
+              "only for now)")
 
 
 def _store_line(summary: dict[str, Any]) -> str:
