@@ -388,3 +388,31 @@ def test_a_split_layout_checkpoint_resumes_bit_exact_and_on_one_process(
         weights.update(name.encode() + t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     assert one["weights"] == weights.hexdigest()
     assert int(one["state_params"]) == len(named)
+
+
+def test_a_node_killed_mid_step_stops_the_other_naming_it(tmp_path: Path) -> None:
+    """The split layout over 2 simulated nodes x 2 ranks, kill -9 of rank 2 (node 1's
+    first) between its backward and its update at step 2; node 1's launcher stops its
+    other rank. Node 0's ranks stop within 60 s of the kill, their report names rank 2
+    and node 1, and no segment is left in /dev/shm."""
+    segments = _segments()
+    losses = tmp_path / "killed.json"
+    port = str(_free_port())
+    env = {**os.environ, "LAZYTRAIN_CACHE_DIR": str(tmp_path / "cache"),
+           "LAZYTRAIN_HARDWARE": "h800", "LAZYTRAIN_NVME_DIR": str(tmp_path / "nvme"),
+           "LAZYTRAIN_NODE_LAYOUT": "split"}
+    procs = [subprocess.Popen(
+        [*ACCELERATE, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(r),
+         "--num_processes", "4", "--main_process_ip", "127.0.0.1", "--main_process_port",
+         port, "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), "--cpu",
+         "--losses", str(losses), "--steps", "6", "--lazytrain", "--plan", "checkpoint_all",
+         "--batch-size", "2", "--kill-rank", "2", "--kill-step", "2"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    ended = time.time()
+    assert all(p.returncode != 0 for p in procs), [out[-3000:] for out in outputs]
+    killed_at = float(Path(f"{losses}.killed_at").read_text())
+    assert ended - killed_at < 60, (ended - killed_at, outputs[0][-4000:])
+    assert re.search(r"rank 2 \(node 1", outputs[0]), outputs[0][-6000:]
+    assert _segments() == segments

@@ -38,8 +38,8 @@ MAX_FOREIGN_IN_FLIGHT = 1
 #: Groups whose second stage across nodes (split layout) may be unfinished at once on a
 #: rank: each holds its flattened fp32 gradients until sent or added.
 MAX_CROSSINGS_IN_FLIGHT = 2
-#: Elements of a group's gradients crossing nodes per message (16 MiB of fp32): the
-#: receiving node adds each into its own as it lands, holding one such chunk.
+#: Elements of a group's gradients crossing nodes per gather (16 MiB of fp32): the
+#: updating node adds each into its own as it lands, holding one such chunk per node.
 CROSSING_CHUNK_NUMEL = 4 * 2**20
 
 
@@ -87,7 +87,8 @@ class ShareReducer:
         self._crosser = None if node_of is None else ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="lazytrain-cross-nodes")
         self._crossings: list[Future[None]] = []
-        self._received: torch.Tensor | None = None  # the crossing thread's chunk buffer
+        # the crossing thread's chunk buffers on the updating node, one per node
+        self._chunks: list[torch.Tensor] | None = None
         self._foreign: list[tuple[dist.Work, torch.Tensor]] = []
         self._crossed = 0
         self._across: list[dist.Work] = []
@@ -203,36 +204,32 @@ class ShareReducer:
     def _cross_one(self, work: dist.Work, flat: torch.Tensor, first: nn.Parameter) -> None:
         """The split layout's second stage of a group's reduce (`first`: one of its
         parameters), on the crossing thread once its reduce within the node is done: the
-        buffer sent whole to the node that updates it, which adds the others' into its
-        own in node order. Each node sends (K - 1) / K of the gradients, as the model's
-        reduce-scatter. (gloo's `reduce` reduce-scatters, then gathers to the root, so the
-        root sends half of every buffer too; its `gather` copies the root's own.)"""
+        buffer gathered, chunk by chunk, to the node that updates it, which adds the
+        others' into its own in node order. Each node sends (K - 1) / K of the gradients,
+        as the model's reduce-scatter. (gloo's `reduce` reduce-scatters, then gathers to
+        the root, so the root sends half of every buffer too; its point-to-point sends
+        and receives never fail when their peer dies, where a collective does.)"""
         layout = self._layout
         self._wait(work)
         node = self._node_of[first]
-        chunks = range(0, flat.numel(), CROSSING_CHUNK_NUMEL)
-        if node != layout.node:
+        root = layout.cross_ranks[node]
+        here = node == layout.node
+        if not here:
             self.cross_sent_bytes += flat.numel() * flat.element_size()
-            for start in chunks:
-                self._wait(dist.isend(flat[start:start + CROSSING_CHUNK_NUMEL],
-                                      dst=layout.cross_ranks[node], group=layout.cross))
-            return
-        # chunk by chunk: one chunk's buffer, not a second copy of the group's
-        if self._received is None or self._received.dtype != flat.dtype:
-            self._received = torch.empty(CROSSING_CHUNK_NUMEL, dtype=flat.dtype)
-        for n in range(layout.nodes):
-            for start in chunks if n != node else ():
-                part = flat[start:start + CROSSING_CHUNK_NUMEL]
-                received = self._received[:part.numel()]
-                self._wait(dist.irecv(received, src=layout.cross_ranks[n],
-                                      group=layout.cross))
-                part.add_(received)
+        elif self._chunks is None or self._chunks[0].dtype != flat.dtype:
+            self._chunks = [torch.empty(CROSSING_CHUNK_NUMEL, dtype=flat.dtype)
+                            for _ in range(layout.nodes)]
+        for start in range(0, flat.numel(), CROSSING_CHUNK_NUMEL):
+            part = flat[start:start + CROSSING_CHUNK_NUMEL]
+            chunks = [c[:part.numel()] for c in self._chunks] if here else None
+            self._wait(dist.gather(part, chunks, dst=root, group=layout.cross,
+                                   async_op=True))
+            for n, chunk in enumerate(chunks or ()):
+                if n != node:
+                    part.add_(chunk)
 
     def _wait(self, work: dist.Work) -> None:
-        try:
-            work.wait()
-        except RuntimeError as err:
-            raise self._peers.named_failure(err) from err
+        self._peers.wait_work(work)
 
     def finish(self) -> None:
         """Reduce what the hooks did not cover (residents), wait; owners take the mean
@@ -289,10 +286,7 @@ class ShareReducer:
                 if p in table and self._counts(p):
                     which[i], values[i] = t + 1, table[p]
         both = torch.cat([which, values]).to(self._backend_device)
-        try:
-            dist.all_reduce(both, op=dist.ReduceOp.SUM)
-        except RuntimeError as err:
-            raise self._peers.named_failure(err) from err
+        self._wait(dist.all_reduce(both, op=dist.ReduceOp.SUM, async_op=True))
         which, values = both.cpu().view(2, -1).tolist()
         if any(w not in range(len(tables) + 1) for w in which):
             raise RuntimeError("two ranks counted the same parameter's gradient norm: the "

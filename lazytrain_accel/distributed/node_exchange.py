@@ -90,11 +90,8 @@ class Exchange:
 
     def wait(self) -> None:
         """Block until every broadcast is done, raising naming a dead local rank."""
-        try:
-            for work in self._works:
-                work.wait()
-        except RuntimeError as err:
-            raise self._peers.named_failure(err) from err
+        for work in self._works:
+            self._peers.wait_work(work)
         for p in self._received or ():  # written behind autograd's back: a copy keyed
             torch.autograd.graph.increment_version(p)  # to them is stale
         self._works, self._received = [], None

@@ -5,15 +5,21 @@ store: the owner of group g raises `generations[g]` after updating it (a release
 every other local rank polls it with acquire loads (`GenerationWords`) until it reaches
 the number of applied steps. A waiter checks every `LIVENESS_CHECK_S` that the owner's
 process still runs, so a dead owner is named within a second, and gives up on a live one
-after `OWNER_WAIT_TIMEOUT_S`.
+after `OWNER_WAIT_TIMEOUT_S`. A failed collective is restated naming the dead ranks, of
+this node or of another on the same host (`named_failure`).
 Design: docs/architecture.md "Several ranks on a node" ("Waits").
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import torch.distributed as dist
+
+from lazytrain_accel.distributed import ranks
 from lazytrain_accel.distributed.generation_words import GenerationWords
 from lazytrain_accel.distributed.node_store import pid_alive
 from lazytrain_accel.planning.node import EVERY_RANK
@@ -26,17 +32,33 @@ OWNER_WAIT_TIMEOUT_S = 1800.0
 LIVENESS_CHECK_S = 0.5
 
 
+class PeerDiedError(RuntimeError):
+    """A rank this one waited for has died (named in the message)."""
+
+
+@dataclass(frozen=True)
+class RemoteRank:
+    """A rank of another node: where it runs, so a failure can name it."""
+
+    rank: int
+    node: int
+    local_rank: int
+    host: str
+    pid: int
+
+
 class NodePeers:
     """This node's other local ranks as the engine's `PeerUpdates` sees them
     (`engine/step/coordinator.py`, a Protocol): per-group update generations in the node
     store, written by owners, read by all."""
 
     def __init__(self, generations: GenerationWords, owners: Sequence[int], rank: int, *,
-                 pids: Sequence[int]) -> None:
+                 pids: Sequence[int], others: Sequence[RemoteRank] = ()) -> None:
         self._generations = generations  # in the node store, shared by the local ranks
         self._owners = list(owners)
         self._rank = rank
         self._pids = list(pids)  # of each local rank
+        self._others = list(others)  # the other nodes' ranks (several nodes)
         self._applied = 0  # steps applied so far (every rank skips the same steps)
 
     def owns(self, group: int) -> bool:
@@ -92,12 +114,51 @@ class NodePeers:
         for g in range(len(self._owners)):
             self.wait(g)
 
+    def wait_work(self, work: dist.Work) -> None:
+        """Wait for a collective of this launch, checking every `LIVENESS_CHECK_S` that the
+        ranks it could be waiting for still run: a dead one (of this node, or of another
+        on this host) is named within a second (gloo waits on a peer whose socket a hung
+        survivor keeps open); its own error restated by `named_failure`."""
+        sleep_s, checked = 1e-5, time.monotonic()
+        try:
+            while not work.is_completed():
+                if time.monotonic() - checked > LIVENESS_CHECK_S:
+                    checked = time.monotonic()
+                    if dead := self._dead():
+                        raise PeerDiedError(f"{', '.join(dead)} died mid-step; local rank "
+                                           f"{self._rank} stops (see the launcher's report; "
+                                           "resume from the last checkpoint)")
+                time.sleep(sleep_s)
+                sleep_s = min(2 * sleep_s, _POLL_MAX_S)
+            work.wait()
+        except PeerDiedError as err:
+            ranks.note_peer_failure(str(err))
+            raise
+        except RuntimeError as err:
+            named = self.named_failure(err)
+            ranks.note_peer_failure(str(named))
+            raise named from err
+
+    def _dead(self) -> list[str]:
+        """The ranks of this launch on this host whose process is gone, named."""
+        dead = [f"local rank {r} (pid {pid})" for r, pid in enumerate(self._pids)
+                if not pid_alive(pid)]
+        here = os.uname().nodename
+        return dead + [f"rank {o.rank} (node {o.node}, local rank {o.local_rank}, pid {o.pid})"
+                       for o in self._others if o.host == here and not pid_alive(o.pid)]
+
     def named_failure(self, err: RuntimeError) -> RuntimeError:
         """`err` of a collective, restated naming the local ranks whose process is gone
         (gloo says only "connection reset by peer"); `err` itself when all run."""
-        dead = [(r, pid) for r, pid in enumerate(self._pids) if not pid_alive(pid)]
-        if not dead:
-            return err
-        names = ", ".join(f"local rank {r} (pid {pid})" for r, pid in dead)
-        return RuntimeError(f"{names} died mid-step; rank {self._rank} stops (see the "
-                            f"launcher's report; resume from the last checkpoint): {err}")
+        dead = self._dead()
+        here = os.uname().nodename
+        if dead:
+            return RuntimeError(f"{', '.join(dead)} died mid-step; local rank {self._rank} "
+                                "stops (see the launcher's report; resume from the last "
+                                f"checkpoint): {err}")
+        if any(o.host != here for o in self._others):  # whose pids cannot be seen here
+            nodes = sorted({o.node for o in self._others})
+            return RuntimeError(f"a collective with the other nodes ({nodes}) failed: a rank "
+                                "there may have stopped (see their launchers' reports); "
+                                f"local rank {self._rank} stops: {err}")
+        return err

@@ -226,6 +226,15 @@ def local_numa_nodes(*, local_rank: int, node_id: str) -> list[int] | None:
     return [n for _, n in local]
 
 
+_peer_failures: list[str] = []
+
+
+def note_peer_failure(why: str) -> None:
+    """A collective failed because a rank of the launch died (`peer_sync.NodePeers`):
+    the exit then leaves the process group as it is (`_teardown`)."""
+    _peer_failures.append(why)
+
+
 def register_exit_teardown(synchronize: Callable[[], None]) -> None:
     """At interpreter exit: `synchronize` (a bound method, held weakly: wait for a running
     update), then meet the other ranks and destroy the default process group, unless the
@@ -241,6 +250,10 @@ def _teardown(synchronize_ref: weakref.WeakMethod) -> None:
     except RuntimeError as err:  # the script failed (a rank died): still leave the group
         logger.warning("lazytrain: at exit, the update could not be waited for (%s)", err)
     if not (dist.is_available() and dist.is_initialized()):
+        return
+    if _peer_failures:  # its groups may hold work a dead peer never answers: left as they
+        logger.warning("lazytrain: at exit, the process group is left as it is: %s",
+                       _peer_failures[0])  # are, the launcher reports the dead rank
         return
     try:
         if dist.get_backend() == "gloo":

@@ -21,7 +21,7 @@ from lazytrain_accel.distributed.generation_words import GenerationWords
 from lazytrain_accel.distributed.grad_reduce import ShareHooks, ShareReducer
 from lazytrain_accel.distributed.node_exchange import NodeExchange
 from lazytrain_accel.distributed.ownership import NodeGroups, group_master_bytes, share_owners
-from lazytrain_accel.distributed.peer_sync import NodePeers
+from lazytrain_accel.distributed.peer_sync import NodePeers, RemoteRank
 from lazytrain_accel.engine.step.coordinator import StepCoordinator
 from lazytrain_accel.planning.node import node_of_groups
 
@@ -59,7 +59,14 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
     owners = share_owners(groups, layout.local_size, every_rank=on_gpus)
     pids: list[int | None] = [None] * layout.local_size
     dist.all_gather_object(pids, os.getpid(), group=layout.intra)
-    peers = NodePeers(generations, owners, layout.local_rank, pids=pids)
+    others: list[RemoteRank] = []
+    if layout.nodes > 1:  # where every rank runs, for a failure to name the dead
+        places: list[tuple[str, int, int, int] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(places, (os.uname().nodename, os.getpid(), layout.node,
+                                        layout.local_rank))
+        others = [RemoteRank(rank=r, node=node, local_rank=local, host=host, pid=pid)
+                  for r, (host, pid, node, local) in enumerate(places) if node != layout.node]
+    peers = NodePeers(generations, owners, layout.local_rank, pids=pids, others=others)
     engine.steps.peers = peers
     node_of = None
     if node_layout == "split" and layout.nodes > 1:
