@@ -295,7 +295,7 @@ def start_save(accelerator: CheckpointedAccelerator, final: Path,
     rank's writer of the rest (module docstring). Any rank's failure here is raised on
     every rank, the previous checkpoint untouched."""
     rank, world = pub.rank_and_world()
-    local = pub.local_world_size(world)  # one node writes the weights
+    local = pub.local_world_size(world)  # one node writes the weights (split: each its own)
     model, optimizer = accelerator.lazytrain.model, accelerator.lazytrain.optimizer
     plugin, engine = accelerator.lazytrain_plugin, accelerator.lazytrain.engine
     groups = engine.steps.update_groups
@@ -305,7 +305,8 @@ def start_save(accelerator: CheckpointedAccelerator, final: Path,
     part: _Part | None = None
     try:
         write_stock(tmp)  # scheduler, RNG, samplers, the plan: at this step
-        weight_groups = set(mine) if rank < local else set()
+        split = engine.steps.remote is not None  # a group's weights where it is updated
+        weight_groups = set(mine) if rank < local or split else set()
         if rank == 0:
             weight_groups.add(len(groups))  # and rank 0 the tensors no update writes
         part = _part(model, optimizer, groups, weight_groups, mine, params, dtype,

@@ -72,8 +72,6 @@ class ShareReducer:
         # the node updating each parameter's group (split layout), else None: every node
         self._node_of = None if node_of is None else {
             p: node for g, node in zip(groups, node_of, strict=True) for p in g}
-        #: bytes this rank has sent to the other nodes' ranks in its reduces across nodes
-        self.cross_sent_bytes = 0
         self._should_reduce = should_reduce
         # (work, flat, params, owner) in launch order for the groups this rank owns (and
         # every-rank groups); `_crossed` of them have had their second stage (across the
@@ -186,10 +184,6 @@ class ShareReducer:
                     if not block and not work.is_completed():
                         return
                     self._wait(work)
-                    # a ring all-reduce sends 2 (K - 1) / K of the buffer from each node
-                    nbytes = flat.numel() * flat.element_size()
-                    self.cross_sent_bytes += 2 * nbytes * (self._layout.nodes - 1) \
-                        // self._layout.nodes
                     self._across.append(dist.all_reduce(
                         flat, op=dist.ReduceOp.SUM, group=self._layout.cross,
                         async_op=True))
@@ -214,9 +208,7 @@ class ShareReducer:
         node = self._node_of[first]
         root = layout.cross_ranks[node]
         here = node == layout.node
-        if not here:
-            self.cross_sent_bytes += flat.numel() * flat.element_size()
-        elif self._chunks is None or self._chunks[0].dtype != flat.dtype:
+        if here and (self._chunks is None or self._chunks[0].dtype != flat.dtype):
             self._chunks = [torch.empty(CROSSING_CHUNK_NUMEL, dtype=flat.dtype)
                             for _ in range(layout.nodes)]
         for start in range(0, flat.numel(), CROSSING_CHUNK_NUMEL):

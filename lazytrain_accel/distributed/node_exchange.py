@@ -37,9 +37,6 @@ class NodeExchange:
         self._node_of = list(node_of)
         self._mine = [owner == layout.local_rank for owner in owners]
         self._peers = peers  # names a dead local rank when a broadcast fails
-        #: bytes this rank has sent to the other nodes' ranks so far (each broadcast it
-        #: roots counts once per receiving node): the network model's figure
-        self.sent_bytes = 0
 
     def updates_here(self, group: int) -> bool:
         """Whether this node updates `group` (of any local rank)."""
@@ -70,9 +67,6 @@ class NodeExchange:
                                     async_op=True) for p in params]
         except RuntimeError as err:
             raise self._peers.named_failure(err) from err
-        if self.sends(group):
-            self.sent_bytes += sum(p.numel() * p.element_size() for p in params) * (
-                self._layout.nodes - 1)
         return Exchange(works, None if self.sends(group) else list(params), self._peers)
 
 

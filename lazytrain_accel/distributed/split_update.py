@@ -76,6 +76,12 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
                 f"nodes, which stream them as they are: a {engine.compute_dtype} compute "
                 "copy per node is not built yet; use mixed_precision='no' or "
                 "node_layout='replicated'")
+        if engine.steps.device_groups and not on_gpus \
+                and engine.steps.device_update_beside_host:
+            raise ValueError(
+                "node_layout='split' on this asynchronous CPU device sends the residents' "
+                "weights from the training thread while the update thread sends the "
+                "layers': plan with resident_update='host'")
         node_of = node_of_groups(group_master_bytes(groups), owners, layout.nodes)
         engine.steps.remote = NodeExchange(layout, owners=owners, node_of=node_of,
                                            peers=peers)

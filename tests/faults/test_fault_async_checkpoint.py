@@ -201,7 +201,7 @@ def test_a_writer_error_keeps_the_previous_checkpoint_and_frees_the_updates(
     masters = SimpleNamespace(in_file=lambda param, name: None,  # all in DRAM
                               read_values=lambda layer: {})
     acc = SimpleNamespace(lazytrain=SimpleNamespace(
-        engine=SimpleNamespace(steps=SimpleNamespace(update_groups=groups, peers=None),
+        engine=SimpleNamespace(steps=SimpleNamespace(update_groups=groups, peers=None, remote=None),
                                masters=masters),
         model=model, optimizer=optimizer), lazytrain_plugin=plugin, step=1)
     final = tmp_path / "ckpt"

@@ -49,7 +49,7 @@ def _accelerator(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, dt
                  max_shard_bytes: int) -> SimpleNamespace:
     """What `save_shares` / `load_shares` read of one process's Accelerator."""
     groups = [list(model.parameters())]
-    steps = SimpleNamespace(update_groups=groups, peers=None)
+    steps = SimpleNamespace(update_groups=groups, peers=None, remote=None)
     plugin = SimpleNamespace(checkpoint_dtype=dtype, checkpoint_max_shard_bytes=max_shard_bytes)
     engine = SimpleNamespace(steps=steps, masters_in_dram=lambda _: contextlib.nullcontext())
     lazytrain = SimpleNamespace(engine=engine, model=model, optimizer=optimizer)

@@ -365,12 +365,14 @@ def test_a_rank_holds_only_its_shares_gradients_and_a_few_in_flight(monkeypatch)
     owners = [0, 0, 0, 1, 1, 1]  # this process is local rank 0: layers 3..5 are foreign
     launched: list[tuple[torch.Tensor, int]] = []
 
-    class Work:
+    class Work:  # completes once polled twice (a wait polls until it completes)
         def __init__(self) -> None:
             self.done = False
+            self.polls = 0
 
         def is_completed(self) -> bool:
-            return self.done
+            self.polls += 1
+            return self.done or self.polls > 1
 
         def wait(self) -> None:
             self.done = True

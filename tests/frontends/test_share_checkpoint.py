@@ -205,7 +205,7 @@ def _fake_accelerator(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
 
     params = list(model.parameters())
     peers = SimpleNamespace(owns=lambda g: True)
-    steps = SimpleNamespace(update_groups=_shares(params, 3), peers=peers)
+    steps = SimpleNamespace(update_groups=_shares(params, 3), peers=peers, remote=None)
     engine = SimpleNamespace(steps=steps, masters_in_dram=lambda _: contextlib.nullcontext())
     lazytrain = SimpleNamespace(engine=engine, model=model, optimizer=optimizer)
     return SimpleNamespace(lazytrain=lazytrain,

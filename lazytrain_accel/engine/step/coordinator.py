@@ -246,6 +246,11 @@ class StepCoordinator:
                     wait_for_save(j)
                 with self._acct.timed("device_update_s"):
                     optimizer.step_params([p for j in device_groups for p in groups[j]])
+                for j in device_groups if self.remote is not None else ():
+                    # (split, CPU "device": another node's residents updated there, sent)
+                    transfer = self.remote.start(j, groups[j])
+                    if transfer is not None:
+                        transfer.wait()
                 for j in device_groups if self.peers is not None else ():
                     self.peers.publish(j)  # masters on a CPU "device" are the shared ones
         except BaseException:
