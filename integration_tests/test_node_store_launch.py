@@ -316,14 +316,19 @@ def test_two_nodes_of_two_ranks(launch: Callable[..., Run], optimizer: str) -> N
     assert nodes.losses == pytest.approx(one.losses, rel=1e-5 if optimizer == "keep" else 1e-4)
     if optimizer == "hybrid8bit":
         assert nodes.pss_state <= 2.6 * one.pss_state, (nodes.pss_state, one.pss_state)
-    # what crossed between the nodes, measured (the kernel's count of each TCP
-    # connection's bytes), against the planner's node model of this layout (issue 45)
-    if nodes.net_per_step is None:
+    _assert_network_as_modelled(nodes, "replicated")
+
+
+def _assert_network_as_modelled(run: Run, layout: str) -> None:
+    """What crossed between the two nodes of `run`, measured (the kernel's count of each
+    TCP connection's bytes), within 1.1x of the planner's node model of `layout` (issue
+    45); skipped where `ss` could not count."""
+    if run.net_per_step is None:
         pytest.skip("`ss` (iproute2) is not installed: the bytes between the nodes were not "
                     "counted (everything else above passed)")
-    model = network_bytes_per_step(host_update_params=nodes.params, every_rank_params=0,
-                                   copy_bytes_per_param=4, nodes=2, layout="replicated")
-    for node, sent in nodes.net_per_step.items():
+    model = network_bytes_per_step(host_update_params=run.params, every_rank_params=0,
+                                   copy_bytes_per_param=4, nodes=2, layout=layout)
+    for node, sent in run.net_per_step.items():
         assert model / 1.1 <= sent <= 1.1 * model, (node, sent, model)
 
 
@@ -343,13 +348,7 @@ def test_split_layout_across_two_nodes(launch: Callable[..., Run], optimizer: st
     assert split.samples == replicated.samples
     assert split.losses == replicated.losses
     assert set(split.weights) == {replicated.weights[0]}
-    if split.net_per_step is None:
-        pytest.skip("`ss` (iproute2) is not installed: the bytes between the nodes were not "
-                    "counted (everything else above passed)")
-    model = network_bytes_per_step(host_update_params=split.params, every_rank_params=0,
-                                   copy_bytes_per_param=4, nodes=2, layout="split")
-    for node, sent in split.net_per_step.items():
-        assert model / 1.1 <= sent <= 1.1 * model, (node, sent, model)
+    _assert_network_as_modelled(split, "split")
 
 
 def test_a_split_layout_checkpoint_resumes_bit_exact_and_on_one_process(
