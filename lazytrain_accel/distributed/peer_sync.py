@@ -125,9 +125,7 @@ class NodePeers:
                 if time.monotonic() - checked > LIVENESS_CHECK_S:
                     checked = time.monotonic()
                     if dead := self._dead():
-                        raise PeerDiedError(f"{', '.join(dead)} died mid-step; local rank "
-                                           f"{self._rank} stops (see the launcher's report; "
-                                           "resume from the last checkpoint)")
+                        raise PeerDiedError(self._died(dead))
                 time.sleep(sleep_s)
                 sleep_s = min(2 * sleep_s, _POLL_MAX_S)
             work.wait()
@@ -147,15 +145,17 @@ class NodePeers:
         return dead + [f"rank {o.rank} (node {o.node}, local rank {o.local_rank}, pid {o.pid})"
                        for o in self._others if o.host == here and not pid_alive(o.pid)]
 
+    def _died(self, dead: list[str]) -> str:
+        return (f"{', '.join(dead)} died mid-step; local rank {self._rank} stops (see the "
+                "launcher's report; resume from the last checkpoint)")
+
     def named_failure(self, err: RuntimeError) -> RuntimeError:
         """`err` of a collective, restated naming the local ranks whose process is gone
         (gloo says only "connection reset by peer"); `err` itself when all run."""
         dead = self._dead()
         here = os.uname().nodename
         if dead:
-            return RuntimeError(f"{', '.join(dead)} died mid-step; local rank {self._rank} "
-                                "stops (see the launcher's report; resume from the last "
-                                f"checkpoint): {err}")
+            return RuntimeError(f"{self._died(dead)}: {err}")
         if any(o.host != here for o in self._others):  # whose pids cannot be seen here
             nodes = sorted({o.node for o in self._others})
             return RuntimeError(f"a collective with the other nodes ({nodes}) failed: a rank "
