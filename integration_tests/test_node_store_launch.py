@@ -269,23 +269,33 @@ def test_a_small_dev_shm_trains_as_one_process(launch: Callable[..., Run],
         assert json.loads((d / "losses.json").read_text()) == one.losses
 
 
-def _launch_nodes(tmp_path: Path, name: str, *script_args: str, nodes: int = 2,
-                  ranks_per_node: int = 2, env: dict[str, str] | None = None) -> list[float]:
-    """`nodes` simulated nodes on this host: one `accelerate launch --num_machines K
-    --machine_rank r` per node (torchrun's static rendezvous on 127.0.0.1), run side by
-    side; each node's ranks get GROUP_RANK r, so each node maps its own segment."""
-    losses = tmp_path / f"{name}.json"
+def _start_nodes(tmp_path: Path, losses: Path, *script_args: str, nodes: int = 2,
+                 ranks_per_node: int = 2, env: dict[str, str] | None = None,
+                 wrap: Callable[[int, list[str]], list[str]] = lambda node, cmd: cmd
+                 ) -> list[subprocess.Popen]:
+    """`nodes` simulated nodes on this host, started side by side: one `accelerate launch
+    --num_machines K --machine_rank r` per node (torchrun's static rendezvous on
+    127.0.0.1); each node's ranks get GROUP_RANK r, so each node maps its own segment.
+    `wrap(r, command)`: node r's command as run (another namespace, another setting)."""
     port = str(_free_port())
     full_env = {**os.environ, "LAZYTRAIN_CACHE_DIR": str(tmp_path / "cache"),
                 "LAZYTRAIN_HARDWARE": "h800", "LAZYTRAIN_NVME_DIR": str(tmp_path / "nvme"),
                 **(env or {})}
-    procs = [subprocess.Popen(
-        [*ACCELERATE, "--multi_gpu", "--num_machines", str(nodes), "--machine_rank", str(r),
-         "--num_processes", str(nodes * ranks_per_node), "--main_process_ip", "127.0.0.1",
-         "--main_process_port", port, "--mixed_precision", "no", "--dynamo_backend", "no",
-         str(SCRIPT), "--cpu", "--losses", str(losses), *script_args],
+    return [subprocess.Popen(wrap(r, [
+        *ACCELERATE, "--multi_gpu", "--num_machines", str(nodes), "--machine_rank", str(r),
+        "--num_processes", str(nodes * ranks_per_node), "--main_process_ip", "127.0.0.1",
+        "--main_process_port", port, "--mixed_precision", "no", "--dynamo_backend", "no",
+        str(SCRIPT), "--cpu", "--losses", str(losses), *script_args]),
         env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(nodes)]
+
+
+def _launch_nodes(tmp_path: Path, name: str, *script_args: str, nodes: int = 2,
+                  ranks_per_node: int = 2, env: dict[str, str] | None = None) -> list[float]:
+    """`_start_nodes`, each node's launch to exit 0: the losses."""
+    losses = tmp_path / f"{name}.json"
+    procs = _start_nodes(tmp_path, losses, *script_args, nodes=nodes,
+                         ranks_per_node=ranks_per_node, env=env)
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     for r, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"node {r}:\n{out[-6000:]}"
@@ -351,42 +361,99 @@ def test_split_layout_across_two_nodes(launch: Callable[..., Run], optimizer: st
     _assert_network_as_modelled(split, "split")
 
 
+#: The split layout's checkpoint runs: 2 simulated nodes x 2 ranks, an asynchronous save.
+SPLIT_CKPT_ARGS = ("--lazytrain", "--plan", "offload_all", "--batch-size", "2", "--steps", "4")
+SPLIT_ENV = {"LAZYTRAIN_NODE_LAYOUT": "split"}
+
+
+@dataclass
+class SplitRun:
+    """A split launch saving at step 2 of 4: its losses, each rank's final digests, the
+    checkpoint and rank 0's masters at the save."""
+
+    losses: list[float]
+    digests: list[dict[str, str]]
+    ckpt: Path
+    masters: Path
+
+
+@pytest.fixture(scope="module")
+def split_full(tmp_path_factory: pytest.TempPathFactory) -> SplitRun:
+    work = tmp_path_factory.mktemp("split_full")
+    losses = _launch_nodes(work, "full", *SPLIT_CKPT_ARGS, "--save-at", "2", "--ckpt-dir",
+                           str(work / "ckpt"), "--masters-out", str(work / "m.pt"),
+                           "--digest-out", str(work / "full_"), env=SPLIT_ENV)
+    return SplitRun(losses=losses, digests=_digests(work / "full_"), ckpt=work / "ckpt",
+                    masters=work / "m.pt")
+
+
+def _digests(prefix: Path) -> list[dict[str, str]]:
+    return [json.loads(Path(f"{prefix}{rank}.json").read_text()) for rank in range(4)]
+
+
+def _assert_resumes_as(full: SplitRun, ckpt: Path, tmp_path: Path) -> None:
+    """A fresh split launch from `ckpt` (the save at step 2) ends as `full` did, bit for
+    bit: its losses of steps 3-4, every rank's weights and state."""
+    resumed = _launch_nodes(tmp_path, "resumed", *SPLIT_CKPT_ARGS, "--resume-from", str(ckpt),
+                            "--digest-out", str(tmp_path / "resumed_"), env=SPLIT_ENV)
+    assert resumed == full.losses[2:]
+    assert _digests(tmp_path / "resumed_") == full.digests
+
+
 def test_a_split_layout_checkpoint_resumes_bit_exact_and_on_one_process(
-        tmp_path: Path) -> None:
+        tmp_path: Path, split_full: SplitRun) -> None:
     """A checkpoint of the split layout (2 simulated nodes x 2 ranks, asynchronous): each
     group's share written once, by the rank of the node that updates it (the only one
     holding its moments). A fresh split launch resumes it bit for bit (losses, every
     rank's weights and state); one process re-shards it onto itself: right after
     `load_state` it holds the masters at the save and every parameter's state."""
-    ckpt = tmp_path / "ckpt"
-    args = ("--lazytrain", "--plan", "offload_all", "--batch-size", "2")
-    env = {"LAZYTRAIN_NODE_LAYOUT": "split"}
-    full = _launch_nodes(tmp_path, "full", *args, "--steps", "4", "--save-at", "2",
-                         "--ckpt-dir", str(ckpt), "--masters-out", str(tmp_path / "m.pt"),
-                         "--digest-out", str(tmp_path / "full_"), env=env)
-    manifest = json.loads((ckpt / "lazytrain_shares.json").read_text())
+    manifest = json.loads((split_full.ckpt / "lazytrain_shares.json").read_text())
     assert (manifest["world_size"], manifest["nodes"]) == (4, 2)
     named = [n for s in manifest["shares"] for n in s["params"]]
     assert len(named) == len(set(named))  # each parameter's state once
     assert len([s for s in manifest["shares"] if s["params"]]) == 4  # by each rank
-
-    resumed = _launch_nodes(tmp_path, "resumed", *args, "--steps", "4", "--resume-from",
-                            str(ckpt), "--digest-out", str(tmp_path / "resumed_"), env=env)
-    assert resumed == full[2:]
-    for rank in range(4):
-        ours = json.loads((tmp_path / f"resumed_{rank}.json").read_text())
-        assert ours == json.loads((tmp_path / f"full_{rank}.json").read_text()), rank
+    _assert_resumes_as(split_full, split_full.ckpt, tmp_path)
 
     # (its per-rank batch stays 2: the plan check refuses a checkpoint planned for another)
-    _launch(tmp_path, "one", *args, "--steps", "2", "--resume-from", str(ckpt),
+    _launch(tmp_path, "one", "--lazytrain", "--plan", "offload_all", "--batch-size", "2",
+            "--steps", "2", "--resume-from", str(split_full.ckpt),
             "--digest-out", str(tmp_path / "one_"))
     one = json.loads((tmp_path / "one_0.json").read_text())
-    masters = torch.load(tmp_path / "m.pt")
+    masters = torch.load(split_full.masters)
     weights = hashlib.sha256()
     for name, t in masters.items():
         weights.update(name.encode() + t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     assert one["weights"] == weights.hexdigest()
     assert int(one["state_params"]) == len(named)
+
+
+def test_a_node_killed_while_sending_its_weights_stops_the_other_and_resumes_exactly(
+        tmp_path: Path, split_full: SplitRun) -> None:
+    """The split layout over 2 simulated nodes x 2 ranks, saving at step 2; kill -9 of
+    rank 2 (node 1's first) once its update of step 3 has started sending a group's new
+    weights to node 0, which is receiving them. Node 0's ranks stop within 60 s of the
+    kill naming rank 2 and node 1, nothing is left in /dev/shm, and a fresh launch from
+    the step-2 checkpoint ends bit for bit as the run that was never killed."""
+    segments = _segments()
+    losses = tmp_path / "killed.json"
+    procs = _start_nodes(tmp_path, losses, *SPLIT_CKPT_ARGS, "--save-at", "2", "--ckpt-dir",
+                         str(tmp_path / "ckpt"), "--kill-rank", "2", "--kill-step", "3",
+                         "--kill-when", "exchange", env=SPLIT_ENV)
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    ended = time.time()
+    assert all(p.returncode != 0 for p in procs), [out[-3000:] for out in outputs]
+    killed_at = float(Path(f"{losses}.killed_at").read_text())
+    assert ended - killed_at < 60, (ended - killed_at, outputs[0][-4000:])
+    _assert_both_raise_naming_rank_2(outputs[0])
+    assert _segments() == segments
+    _assert_resumes_as(split_full, tmp_path / "ckpt", tmp_path)
+
+
+def _assert_both_raise_naming_rank_2(node_0_output: str) -> None:
+    """Node 0's two ranks each raised an error naming rank 2 of node 1."""
+    for rank in (0, 1):
+        assert re.search(rf"\[rank{rank}\]: [\w.]*Error: .*rank 2 \(node 1, local rank 0",
+                         node_0_output), node_0_output[-6000:]
 
 
 def test_a_node_killed_mid_step_stops_the_other_naming_it(tmp_path: Path) -> None:
@@ -396,22 +463,58 @@ def test_a_node_killed_mid_step_stops_the_other_naming_it(tmp_path: Path) -> Non
     and node 1, and no segment is left in /dev/shm."""
     segments = _segments()
     losses = tmp_path / "killed.json"
-    port = str(_free_port())
-    env = {**os.environ, "LAZYTRAIN_CACHE_DIR": str(tmp_path / "cache"),
-           "LAZYTRAIN_HARDWARE": "h800", "LAZYTRAIN_NVME_DIR": str(tmp_path / "nvme"),
-           "LAZYTRAIN_NODE_LAYOUT": "split"}
-    procs = [subprocess.Popen(
-        [*ACCELERATE, "--multi_gpu", "--num_machines", "2", "--machine_rank", str(r),
-         "--num_processes", "4", "--main_process_ip", "127.0.0.1", "--main_process_port",
-         port, "--mixed_precision", "no", "--dynamo_backend", "no", str(SCRIPT), "--cpu",
-         "--losses", str(losses), "--steps", "6", "--lazytrain", "--plan", "checkpoint_all",
-         "--batch-size", "2", "--kill-rank", "2", "--kill-step", "2"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(2)]
+    procs = _start_nodes(tmp_path, losses, "--steps", "6", "--lazytrain", "--plan",
+                         "checkpoint_all", "--batch-size", "2", "--kill-rank", "2",
+                         "--kill-step", "2", env={"LAZYTRAIN_NODE_LAYOUT": "split"})
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     ended = time.time()
     assert all(p.returncode != 0 for p in procs), [out[-3000:] for out in outputs]
     killed_at = float(Path(f"{losses}.killed_at").read_text())
     assert ended - killed_at < 60, (ended - killed_at, outputs[0][-4000:])
-    assert re.search(r"rank 2 \(node 1", outputs[0]), outputs[0][-6000:]
+    _assert_both_raise_naming_rank_2(outputs[0])
+    assert _segments() == segments
+
+
+def _read_only_store_dir(directory: Path) -> Callable[[int, list[str]], list[str]]:
+    """A `wrap` for `_start_nodes`: node 1 runs in a mount namespace of its own where
+    `directory` is a read-only bind mount and its node store is to live there."""
+    directory.mkdir()
+    def wrap(node: int, cmd: list[str]) -> list[str]:
+        if node != 1:
+            return cmd
+        return ["unshare", "--mount", "sh", "-c",
+                f'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && '
+                f'LAZYTRAIN_NODE_STORE_DIR="{directory}" exec "$@"', "sh", str(directory), *cmd]
+    return wrap
+
+
+def _no_mount_namespace() -> str | None:
+    """Why this host cannot give a process a read-only bind mount of its own, or None."""
+    try:
+        subprocess.run(["unshare", "--mount", "sh", "-c", "mount --bind / /mnt"],
+                       check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"unshare --mount with a bind mount is not permitted here ({err})"
+    return None
+
+
+def test_a_node_that_cannot_open_its_store_stops_every_node_naming_it(tmp_path: Path) -> None:
+    """2 simulated nodes x 2 ranks, node 1's node store to be created in a directory that
+    is read-only (a mount namespace of its own): node 1's leader cannot create it, and
+    every rank of both nodes stops at `prepare` within 60 s, node 0's report naming rank
+    2 (node 1, local rank 0) and the error; nothing is left in /dev/shm."""
+    if why := _no_mount_namespace():
+        pytest.skip(why)
+    segments = _segments()
+    started = time.time()
+    procs = _start_nodes(tmp_path, tmp_path / "losses.json", "--steps", "2", "--lazytrain",
+                         "--plan", "checkpoint_all", "--batch-size", "2",
+                         wrap=_read_only_store_dir(tmp_path / "store"))
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode != 0 for p in procs), [out[-3000:] for out in outputs]
+    assert time.time() - started < 60 + 30, outputs[0][-4000:]  # 30 s: the launches' start
+    for out in outputs:
+        assert re.search(r"rank 2 \(node 1, local rank 0, host [^,]+, pid \d+\) could not "
+                         r"open the node store: OSError: \[Errno 30\] Read-only file system",
+                         out), out[-6000:]
     assert _segments() == segments

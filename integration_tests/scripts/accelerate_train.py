@@ -9,7 +9,9 @@ sequences (their first token) each step trained on, in rank then micro-batch ord
 learning-rate schedule counts optimizer steps whatever the world size (`linear_decay`).
 `--poison-rank R --poison-step S` makes rank R's loss
 infinite at step S (a local overflow); `--kill-rank R --kill-step S` kills rank R
-(SIGKILL) after its backward of step S (the time in <losses>.killed_at); `--state-out`
+(SIGKILL) after its backward of step S (the time in <losses>.killed_at), or with
+`--kill-when exchange` (the split layout over nodes) once its update of step S has started
+sending its first group's new weights to the other nodes; `--state-out`
 writes each rank's final weights checksum, learning rate, skipped-step count and the
 plan's node shape; `--pss-out` each rank's proportional set size
 (/proc/self/smaps_rollup) with the runtime loaded and no model yet ("runtime": the
@@ -116,6 +118,30 @@ def slow_save(args: argparse.Namespace) -> None:
     time.sleep(args.slow_save_s)
 
 
+def kill_self(args: argparse.Namespace) -> None:
+    """SIGKILL this process, its time in <losses>.killed_at first."""
+    with open(f"{args.losses}.killed_at", "w") as f:
+        f.write(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_when_sending(args: argparse.Namespace, step_now: Callable[[], int]) -> None:
+    """Kill this rank (`--kill-when exchange`) once `NodeExchange.start` has started
+    sending a group's new weights from step `--kill-step` on (on the update's thread,
+    which may run beside the next step's forward): the other nodes are receiving them."""
+    from lazytrain_accel.distributed.node_exchange import NodeExchange
+
+    start = NodeExchange.start
+
+    def start_then_die(self: NodeExchange, group: int, params: Any) -> Any:
+        exchange = start(self, group, params)
+        if exchange is not None and self.sends(group) and step_now() >= args.kill_step:
+            kill_self(args)
+        return exchange
+
+    NodeExchange.start = start_then_die
+
+
 def make_accelerator(args: argparse.Namespace, plugin: LazyTrainPlugin | None
                      ) -> Accelerator:
     # A seedable sampler makes the data order a function of (seed, epoch), so a resumed
@@ -158,6 +184,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--kill-rank", type=int, default=None, help="SIGKILL itself mid-step")
     p.add_argument("--kill-step", type=int, default=None)
+    p.add_argument("--kill-when", choices=("backward", "exchange"), default="backward")
     p.add_argument("--masters-out", default=None, help="rank 0's masters at --save-at")
     p.add_argument("--digest-out", default=None, help="per-rank JSON file prefix")
     p.add_argument("--net-out", default=None, help="per-rank JSON file prefix: TCP bytes "
@@ -208,6 +235,8 @@ def main() -> None:
     micro_losses: list[torch.Tensor] = []
     samples: list[list[int]] = []  # per step: each sequence's first token
     step = 0
+    if args.kill_rank == accelerator.process_index and args.kill_when == "exchange":
+        kill_when_sending(args, lambda: step)
     skip_batches = 0
     net = None
     if args.net_out and available():  # each rank's pid and node: whose sockets leave it
@@ -230,10 +259,9 @@ def main() -> None:
                 poisoned = (accelerator.process_index == args.poison_rank
                             and step == args.poison_step)
                 accelerator.backward(out.loss * (float("inf") if poisoned else 1.0))
-                if accelerator.process_index == args.kill_rank and step == args.kill_step:
-                    with open(f"{args.losses}.killed_at", "w") as f:
-                        f.write(repr(time.time()))
-                    os.kill(os.getpid(), signal.SIGKILL)  # between backward and update
+                if (accelerator.process_index == args.kill_rank and step == args.kill_step
+                        and args.kill_when == "backward"):
+                    kill_self(args)  # between backward and update
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()

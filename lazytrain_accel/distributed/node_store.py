@@ -146,46 +146,69 @@ def _round_up(n: int, k: int) -> int:
 
 
 def share_model(model: nn.Module, *, name: str, leader: bool, local_ranks: int,
-                num_groups: int, barrier: Callable[[], None], directory: Path | None = None,
+                num_groups: int, agree: Callable[[Exception | None], None],
+                directory: Path | None = None,
                 nodes: Sequence[int | None] | None = None) -> NodeStore:
     """Move `model`'s parameters into the node's segment; every local rank calls it.
 
     The leader creates the segment (anonymous, or in `directory`: `_create`), reserves its
-    bytes, fills it and listens on the handoff socket `name`; `barrier()` (all local ranks)
-    then lets the other `local_ranks - 1` ranks ask for its descriptor and map it.
-    Afterwards each parameter's `.data` is a view of the segment (fp32 for trainable float
-    parameters); the rank's own copy is freed as nothing else references it. `nodes` (the
-    leader's): the NUMA node each of `shared_params(model)` is placed on (None: the
-    default policy); None places nothing (a host of one node).
+    bytes, fills it and listens on the handoff socket `name`; then the other
+    `local_ranks - 1` ranks ask for its descriptor and map it. Afterwards each parameter's
+    `.data` is a view of the segment (fp32 for trainable float parameters); the rank's own
+    copy is freed as nothing else references it. `nodes` (the leader's): the NUMA node
+    each of `shared_params(model)` is placed on (None: the default policy); None places
+    nothing (a host of one node).
+
+    `agree(error)` is where the ranks meet, twice on each (after the leader's fill, after
+    the followers' mapping), each with what failed on it or None; it raises on every rank
+    when any rank failed, so a rank that cannot open the store stops the launch with its
+    name instead of leaving the others in their next collective.
     """
     params = shared_params(model)
     slots, nbytes, layout_hash = _layout(params, num_groups)
     if not leader:
-        barrier()
-        fd = segment_handoff.receive(name)
+        _met(agree, None)  # the leader has filled the segment, or every rank raises
         try:
-            _check_private(fd, f"the segment handed over on @{name}")
-            store = _map(fd, nbytes, num_groups)
-        finally:
-            os.close(fd)  # the mapping stays valid without its descriptor
-        _check_header(store, nbytes=nbytes, layout_hash=layout_hash)
-        _point_into(store, params, slots, copy=False)
+            fd = segment_handoff.receive(name)
+            try:
+                _check_private(fd, f"the segment handed over on @{name}")
+                store = _map(fd, nbytes, num_groups)
+            finally:
+                os.close(fd)  # the mapping stays valid without its descriptor
+            _check_header(store, nbytes=nbytes, layout_hash=layout_hash)
+            _point_into(store, params, slots, copy=False)
+        except Exception as err:
+            _met(agree, err)
+        _met(agree, None)
         return store
-    with segment_handoff.listen(name, backlog=local_ranks) as listener:
-        placements = () if nodes is None else first_touch.page_placements(
-            [(slot.offset_bytes, slot.offset_bytes + slot.nbytes, node)
-             for slot, node in zip(slots, nodes, strict=True)], page_bytes=mmap.PAGESIZE)
-        fd = _create(name, nbytes, directory, placements)
+    with contextlib.ExitStack() as stack:
         try:
+            listener = stack.enter_context(segment_handoff.listen(name, backlog=local_ranks))
+            placements = () if nodes is None else first_touch.page_placements(
+                [(slot.offset_bytes, slot.offset_bytes + slot.nbytes, node)
+                 for slot, node in zip(slots, nodes, strict=True)], page_bytes=mmap.PAGESIZE)
+            fd = _create(name, nbytes, directory, placements)
+            stack.callback(os.close, fd)
             store = _map(fd, nbytes, num_groups)
             store.header.copy_(torch.tensor([_MAGIC, _VERSION, os.getpid(), nbytes,
                                              layout_hash, num_groups, 0, 0]))
             _point_into(store, params, slots, copy=True)
-            barrier()
+        except Exception as err:
+            _met(agree, err)
+        _met(agree, None)
+        try:
             segment_handoff.serve(listener, fd, followers=local_ranks - 1)
-        finally:
-            os.close(fd)
+        except Exception as err:
+            _met(agree, err)
+        _met(agree, None)
     return store
+
+
+def _met(agree: Callable[[Exception | None], None], error: Exception | None) -> None:
+    """`agree(error)`, then `error` raised here if `agree` did not raise (one rank)."""
+    agree(error)
+    if error is not None:
+        raise error
 
 
 def _point_into(store: NodeStore, params: Sequence[tuple[str, nn.Parameter]],

@@ -16,6 +16,7 @@ leave together at exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import hashlib
 import json
@@ -23,7 +24,7 @@ import logging
 import os
 import pickle
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -78,7 +79,8 @@ def from_first(make: Callable[[], T]) -> T:
         except Exception as err:  # every rank must leave the broadcast, with the error
             error = err
             box[0] = ("error", _portable(err))
-    dist.broadcast_object_list(box, src=0, group=control_group())
+    with _named_failures():
+        dist.broadcast_object_list(box, src=0, group=control_group())
     kind, payload = box[0]
     if error is not None:
         raise error
@@ -97,13 +99,64 @@ def _portable(err: Exception) -> Exception:
         return RuntimeError(f"{type(err).__name__}: {err}")
 
 
+#: Restates a failed collective's error naming the rank that died (`NodePeers.
+#: named_failure`), once the launch's peers are known (`name_failures_with`).
+_failure_namer: list[Callable[[RuntimeError], RuntimeError]] = []
+
+
+def name_failures_with(namer: Callable[[RuntimeError], RuntimeError]) -> None:
+    """From now on a collective of this module that fails is raised as `namer(err)`:
+    `err` restated naming a rank whose process is gone (then also noted for the exit,
+    `note_peer_failure`), or `err` itself when every rank runs."""
+    _failure_namer[:] = [namer]
+
+
+@contextlib.contextmanager
+def _named_failures() -> Iterator[None]:
+    try:
+        yield
+    except RuntimeError as err:
+        named = _failure_namer[0](err) if _failure_namer else err
+        if named is err:
+            raise
+        note_peer_failure(str(named))
+        raise named from err
+
+
 def gathered(value: T) -> list[T]:
     """Every rank's `value`, in rank order (one all-gather); `[value]` with one process."""
     if not is_multi_process():
         return [value]
     values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value, group=control_group())
+    with _named_failures():
+        dist.all_gather_object(values, value, group=control_group())
     return values
+
+
+def this_rank() -> str:
+    """This rank named as a failure message names it: its global rank, node (the
+    launcher's node rank), local rank, host and pid."""
+    node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
+    return (f"rank {global_rank()} (node {node}, local rank "
+            f"{os.environ.get('LOCAL_RANK', '0')}, host {os.uname().nodename}, "
+            f"pid {os.getpid()})")
+
+
+class RankFailedError(RuntimeError):
+    """A step every rank takes together failed on some rank (named in the message)."""
+
+
+def raise_if_any_failed(error: Exception | None, doing: str) -> None:
+    """Every rank calls this once at the same point with what failed on it (None: nothing):
+    when any rank's `error` is not None, every rank raises one `RankFailedError` naming
+    each failed rank and its error, so a failure on one node stops every node at once
+    with its name (one all-gather), never a hang in the next collective."""
+    failure = None if error is None else (this_rank(), f"{type(error).__name__}: {error}")
+    failed = [f for f in gathered(failure) if f is not None]
+    if failed:
+        named = "; ".join(f"{where} could not {doing}: {what}" for where, what in failed)
+        raise RankFailedError(f"{named}. Every rank of the launch stops here; fix that "
+                              "rank's setting and relaunch") from error
 
 
 def agreed_max(values: list[int]) -> list[int]:
@@ -112,7 +165,8 @@ def agreed_max(values: list[int]) -> list[int]:
     if not is_multi_process():
         return list(values)
     tensor = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=control_group())
+    with _named_failures():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=control_group())
     return [int(v) for v in tensor.tolist()]
 
 

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from lazytrain_accel.distributed import ranks
 from lazytrain_accel.distributed.generation_words import GenerationWords
 from lazytrain_accel.distributed.grad_reduce import ShareHooks, ShareReducer
 from lazytrain_accel.distributed.node_exchange import NodeExchange
@@ -67,6 +68,7 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
         others = [RemoteRank(rank=r, node=node, local_rank=local, host=host, pid=pid)
                   for r, (host, pid, node, local) in enumerate(places) if node != layout.node]
     peers = NodePeers(generations, owners, layout.local_rank, pids=pids, others=others)
+    ranks.name_failures_with(peers.named_failure)  # the control collectives name the dead
     engine.steps.peers = peers
     node_of = None
     if node_layout == "split" and layout.nodes > 1:

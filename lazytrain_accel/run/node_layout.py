@@ -45,22 +45,28 @@ def node_layout_for(config: LazyTrainConfig, model: nn.Module, *, num_processes:
         return NodeLayout()
     why_not = node_store.unusable_because(config.node_store, num_processes=num_processes,
                                           env=os.environ, store_dir=config.node_store_dir)
-    report = logger.info
+    warn = False
     if why_not is None and (unsafe := generation_words.unavailable_because()):
-        why_not, report = f"the node store is refused: {unsafe}", logger.warning
+        why_not, warn = f"the node store is refused: {unsafe}", True
     segment_room = None
     if why_not is None and config.node_store_dir != ANONYMOUS_SEGMENT:
         room = node_store.room_for(model, config.node_store_dir)
-        room = dataclasses.replace(room, free_bytes=ranks.least(room.free_bytes))
-        if not room.fits:  # every rank sees the same figure: they fall back together
+        if not room.fits:
             segment_room = room
             why_not = f"{room.directory} cannot hold the node store"
-    if why_not is None:
+    # Every rank's finding, in one meeting every rank attends whatever it found (nodes may
+    # be given other settings): one rank that cannot share makes every rank keep its own.
+    found = ranks.gathered((ranks.this_rank(), why_not, warn, segment_room))
+    refused = [(where, why, warned, r) for where, why, warned, r in found if why is not None]
+    if not refused:
         local = int(os.environ["LOCAL_WORLD_SIZE"])
         return NodeLayout(node_ranks=local, nodes=num_processes // local)
+    where, why_not, warn, segment_room = refused[0]
     if is_main_process:
-        report("lazytrain: each rank keeps its own host copy and the whole update "
-               "(gradients all-reduced): %s", why_not)
+        (logger.warning if warn else logger.info)(
+            "lazytrain: each rank keeps its own host copy and the whole update "
+            "(gradients all-reduced): %s%s", why_not,
+            "" if len(found) == 1 else f" (on {where}; {len(refused)} of {len(found)} ranks)")
     return NodeLayout(segment_room=segment_room)
 
 
@@ -83,7 +89,8 @@ def share_store(config: LazyTrainConfig, model: nn.Module, layout: NodeLayout, *
     return node_store.share_model(
         model, name=node_store.segment_name(job_id=job_id, node_id=node_id),
         leader=leader, local_ranks=layout.node_ranks,
-        num_groups=num_groups, barrier=torch.distributed.barrier,
+        num_groups=num_groups,
+        agree=lambda error: ranks.raise_if_any_failed(error, "open the node store"),
         directory=None if directory == ANONYMOUS_SEGMENT else Path(directory), nodes=nodes)
 
 

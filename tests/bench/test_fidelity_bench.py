@@ -31,8 +31,9 @@ def test_compute_is_measured_per_term():
     compute, overhead = fidelity.measure_compute(TINY, 2, 16, steps=1)
     assert set(compute) == {"fwd_s", "bwd_s", "rest_s"}
     assert compute["fwd_s"] > 0 and compute["bwd_s"] > 0
-    # every layer run through the engine costs something beyond its compute
-    assert overhead.forward_s > 0 and overhead.backward_s > 0
+    # the engine's cost per layer beyond its compute: a difference of two timings, which a
+    # loaded machine can make negative, kept at zero then (never a timed assertion here)
+    assert overhead.forward_s >= 0 and overhead.backward_s >= 0 and overhead.step_s >= 0
 
 
 def test_rates_plans_and_one_round(tmp_path):

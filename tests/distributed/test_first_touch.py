@@ -209,7 +209,7 @@ def test_the_leader_places_the_store_before_it_reserves_it(numa_maps, tmp_path, 
     with caplog.at_level(logging.INFO, logger="lazytrain_accel"):
         store = node_store.share_model(
             model, name=node_store.segment_name(job_id=str(tmp_path), node_id="placed"),
-            leader=True, local_ranks=1, num_groups=1, barrier=lambda: None,
+            leader=True, local_ranks=1, num_groups=1, agree=lambda error: None,
             nodes=[0] * len(params))
     assert events == ["place", "reserve"]
     _placed_or_skip(placed == [True], caplog)
@@ -222,7 +222,7 @@ def test_without_nodes_no_policy_is_set(numa_maps, tmp_path, monkeypatch) -> Non
     monkeypatch.setattr(first_touch, "_mbind", lambda *a: pytest.fail("mbind was called"))
     store = node_store.share_model(
         nn.Linear(4, 4), name=node_store.segment_name(job_id=str(tmp_path), node_id="n"),
-        leader=True, local_ranks=1, num_groups=1, barrier=lambda: None)
+        leader=True, local_ranks=1, num_groups=1, agree=lambda error: None)
     assert _policy_at(store.bytes.data_ptr()) == "default"
 
 
@@ -238,7 +238,7 @@ def test_a_refused_mbind_is_said_once_and_the_store_is_still_made(tmp_path, capl
         for i, model in enumerate(models):
             node_store.share_model(
                 model, name=node_store.segment_name(job_id=str(tmp_path), node_id=str(i)),
-                leader=True, local_ranks=1, num_groups=1, barrier=lambda: None,
+                leader=True, local_ranks=1, num_groups=1, agree=lambda error: None,
                 nodes=[1] * len(node_store.shared_params(model)))
     refusals = [r.getMessage() for r in caplog.records if "not placed" in r.getMessage()]
     assert len(refusals) == 1 and os.strerror(errno.EPERM) in refusals[0], refusals

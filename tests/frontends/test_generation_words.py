@@ -76,7 +76,7 @@ def test_python_sees_the_generations_read_only(tmp_path: Path) -> None:
     tensor ends before the words (only `publish` writes them)."""
     name = node_store.segment_name(job_id=str(tmp_path), node_id="words")
     store = node_store.share_model(nn.Linear(2, 2), name=name, leader=True, local_ranks=1,
-                                   num_groups=3, barrier=lambda: None)
+                                   num_groups=3, agree=lambda error: None)
     with pytest.raises(TypeError, match="read-only"):
         store.generations.view[1] = 5
     assert store.header.numel() * store.header.element_size() == 8 * 8

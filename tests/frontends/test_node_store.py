@@ -44,34 +44,48 @@ def _name(tmp_path: Path) -> str:
 
 
 def _share(model: nn.Module, name: str, *, leader: bool, local_ranks: int = 1,
-           barrier: Callable[[], None] = lambda: None, directory: Path | None = None,
-           num_groups: int = 1) -> node_store.NodeStore:
+           agree: Callable[[Exception | None], None] = lambda error: None,
+           directory: Path | None = None, num_groups: int = 1) -> node_store.NodeStore:
     return node_store.share_model(model, name=name, leader=leader, local_ranks=local_ranks,
-                                  num_groups=num_groups, barrier=barrier, directory=directory)
+                                  num_groups=num_groups, agree=agree, directory=directory)
 
 
-def _share_pair(leader_model: nn.Module, follower_model: nn.Module, name: str
-                ) -> tuple[node_store.NodeStore, node_store.NodeStore | BaseException]:
-    """A leader (this thread) and a follower (another thread) of one node, as two ranks:
-    (the leader's store, the follower's store or what it raised)."""
-    barrier = threading.Barrier(2, timeout=30)
-    result: list = []
+class _Meeting:
+    """Two threads' `agree`, as `ranks.raise_if_any_failed` is for processes: each meets
+    the other, then both raise when either brought an error."""
 
-    def follow() -> None:
+    def __init__(self) -> None:
+        self._barrier = threading.Barrier(2, timeout=30)
+        self._errors: list[Exception] = []
+
+    def __call__(self, error: Exception | None) -> None:
+        if error is not None:
+            self._errors.append(error)
+        self._barrier.wait()
+        if self._errors:
+            raise RuntimeError(f"a rank could not open the node store: {self._errors[0]}")
+
+
+def _share_pair(leader_model: nn.Module, follower_model: nn.Module, name: str, *,
+                directory: Path | None = None
+                ) -> tuple[node_store.NodeStore | Exception, node_store.NodeStore | Exception]:
+    """A leader (this thread) and a follower (another thread) of one node, as two ranks,
+    the segment in `directory` (None: anonymous): each one's store or what it raised."""
+    meeting = _Meeting()
+    results: dict[str, node_store.NodeStore | Exception] = {}
+
+    def share(role: str, model: nn.Module) -> None:
         try:
-            result.append(_share(follower_model, name, leader=False, local_ranks=2,
-                                 barrier=barrier.wait))
-        except BaseException as err:  # handed to the test thread
-            result.append(err)
-            barrier.abort()
+            results[role] = _share(model, name, leader=role == "leader", local_ranks=2,
+                                   agree=meeting, directory=directory)
+        except Exception as err:  # handed to the test thread
+            results[role] = err
 
-    thread = threading.Thread(target=follow)
+    thread = threading.Thread(target=share, args=("follower", follower_model))
     thread.start()
-    try:
-        store = _share(leader_model, name, leader=True, local_ranks=2, barrier=barrier.wait)
-    finally:
-        thread.join(timeout=60)
-    return store, result[0]
+    share("leader", leader_model)
+    thread.join(timeout=60)
+    return results["leader"], results["follower"]
 
 
 def _mapped_segments(name: str) -> list[str]:
@@ -121,8 +135,20 @@ def test_a_follower_sees_the_leaders_writes(tmp_path: Path) -> None:
 def test_ranks_with_different_models_fail_with_a_sentence(tmp_path: Path) -> None:
     other = _model()
     other[2] = nn.Linear(16, 4, bias=False)
-    _, raised = _share_pair(_model(), other, _name(tmp_path))
-    assert isinstance(raised, RuntimeError) and "different models" in str(raised), raised
+    leader, follower = _share_pair(_model(), other, _name(tmp_path))
+    assert isinstance(follower, RuntimeError) and "different models" in str(follower), follower
+    # the leader, whose own part went well, stops at the meeting with the follower's words
+    assert isinstance(leader, RuntimeError) and "different models" in str(leader), leader
+
+
+def test_a_leader_that_cannot_create_the_segment_stops_its_follower(tmp_path: Path) -> None:
+    """The leader's segment cannot be created (its directory is gone): the follower, which
+    would otherwise wait for a segment that never comes, raises with the leader's error at
+    the first meeting."""
+    leader, follower = _share_pair(_model(), _model(), _name(tmp_path),
+                                   directory=tmp_path / "gone")
+    assert isinstance(leader, RuntimeError) and "gone" in str(leader), leader
+    assert isinstance(follower, RuntimeError) and "gone" in str(follower), follower
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a process as another user")
