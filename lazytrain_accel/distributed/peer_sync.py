@@ -30,6 +30,8 @@ _POLL_MAX_S = 1e-3
 OWNER_WAIT_TIMEOUT_S = 1800.0
 #: How often a waiter checks that the owner it waits for still runs.
 LIVENESS_CHECK_S = 0.5
+#: How long a failed collective looks for the death of a peer that caused it.
+DEATH_GRACE_S = 1.0
 
 
 class PeerDiedError(RuntimeError):
@@ -151,8 +153,13 @@ class NodePeers:
 
     def named_failure(self, err: RuntimeError) -> RuntimeError:
         """`err` of a collective, restated naming the local ranks whose process is gone
-        (gloo says only "connection reset by peer"); `err` itself when all run."""
-        dead = self._dead()
+        (gloo says only "connection reset by peer"); `err` itself when all run. A peer
+        killed this instant resets its sockets before its process is gone (the kernel
+        closes its files first), so its death is looked for during `DEATH_GRACE_S`."""
+        dead, deadline = self._dead(), time.monotonic() + DEATH_GRACE_S
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.02)
+            dead = self._dead()
         here = os.uname().nodename
         if dead:
             return RuntimeError(f"{self._died(dead)}: {err}")
