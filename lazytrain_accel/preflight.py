@@ -26,6 +26,7 @@ from lazytrain_accel.planning.host import (
     host_remedy,
     per_rank,
 )
+from lazytrain_accel.planning.node import state_shards
 from lazytrain_accel.planning.plan import Home, Plan
 from lazytrain_accel.planning.problem import STAGING_BOUNDARIES, layer_state_sizes
 from lazytrain_accel.planning.slots import weight_slots
@@ -71,12 +72,14 @@ def estimate_host_bytes(*, model_profile: ModelProfile, plan: Plan, optimizer: s
     planner's host terms (`host_base_terms`, `activation_host_terms`) at the plan's homes,
     with NVMe bounce buffers only when the plan homes anything on NVMe. A plan for a node
     of N local ranks (`Plan.gpus_per_node`, a node store) counts the node: the shared
-    state once, each rank's own buffers N times."""
+    state once (its 1/K under the split layout over K nodes), each rank's own buffers N
+    times."""
     counts = plan.count_homes()
     base = host_base_terms(model_profile, optimizer=optimizer,
                            resident_update=plan.resident_update,
                            weight_slots=weight_slots(plan),
-                           ranks=plan.gpus_per_node)
+                           ranks=plan.gpus_per_node,
+                           shards=state_shards(plan.node_layout, plan.nodes))
     if plan.state.any:  # less what the plan homes on NVMe, plus the buffers it streams by
         base = host_terms_with_state(base, weights_of(plan.state),
                                      layer_state_sizes(model_profile, optimizer),

@@ -30,17 +30,12 @@ from lazytrain_accel.distributed.data_parallel import (
 from lazytrain_accel.distributed.ownership import NodeGroups
 from lazytrain_accel.distributed.peer_sync import NodePeers
 from lazytrain_accel.optim.clipping import clip_coefficient, combine_norms, tensor_norms
+from lazytrain_accel.planning.host import (
+    CROSSING_CHUNK_NUMEL,
+    MAX_CROSSINGS_IN_FLIGHT,
+    MAX_FOREIGN_IN_FLIGHT,
+)
 from lazytrain_accel.planning.node import EVERY_RANK
-
-#: Reduces of layers another rank owns that may be in flight at once on a rank: each
-#: holds that layer's flattened fp32 gradients until it completes.
-MAX_FOREIGN_IN_FLIGHT = 1
-#: Groups whose second stage across nodes (split layout) may be unfinished at once on a
-#: rank: each holds its flattened fp32 gradients until sent or added.
-MAX_CROSSINGS_IN_FLIGHT = 2
-#: Elements of a group's gradients crossing nodes per gather (16 MiB of fp32): the
-#: updating node adds each into its own as it lands, holding one such chunk per node.
-CROSSING_CHUNK_NUMEL = 4 * 2**20
 
 
 class ShareHooks(GradReadyHooks, Protocol):

@@ -30,6 +30,17 @@ OPTIMIZERS: tuple[str, ...] = tuple(OPTIMIZER_STATE_BYTES_PER_PARAM)
 #: Pinned staging buffers used in turn for weights (H2D) and for gradients (D2H).
 NUM_HOST_STAGING = 2
 
+#: The gradient reduce between ranks (`distributed/grad_reduce.py`), its buffers per rank:
+#: reduces of layers another local rank owns in flight at once, each holding that layer's
+#: flattened fp32 gradients until it completes;
+MAX_FOREIGN_IN_FLIGHT = 1
+#: under the split layout, groups whose second stage (to the node that updates them) may
+#: be unfinished at once, each holding its flattened gradients until sent or added;
+MAX_CROSSINGS_IN_FLIGHT = 2
+#: and the elements of a group's gradients crossing nodes per gather (4 MiB of fp32): the
+#: updating node receives one such chunk from each node, adding it into its own.
+CROSSING_CHUNK_NUMEL = 2**20
+
 #: Term names (refusals and preflight look their remedies up by these).
 MASTER_TERM = "the trainable parameters' fp32 masters"
 GRAD_TERM = "the trainable parameters' fp32 gradients"
@@ -40,6 +51,7 @@ WEIGHT_STAGING_TERM = "pinned staging for weights"
 GRAD_STAGING_TERM = "pinned staging for 2 layers of gradients"
 NVME_STAGING_TERM = "NVMe bounce buffers"
 CPU_HOME_TERM = "boundaries homed in host DRAM"
+GRAD_IN_FLIGHT_TERM = "gradients in flight between ranks"
 
 #: What shrinks each term, as the CLI flag and the `LazyTrainConfig` field.
 HOST_TERM_REMEDY: dict[str, str] = {
@@ -55,6 +67,8 @@ HOST_TERM_REMEDY: dict[str, str] = {
     NVME_STAGING_TERM: "a plan with no NVMe homes needs none: --nvme-gb 0 (nvme_limit_gb=0)",
     CPU_HOME_TERM: "--cpu-memory-gb (cpu_memory_limit_gb) lower makes the plan home fewer "
     "boundaries in DRAM (NVMe or recompute instead)",
+    GRAD_IN_FLIGHT_TERM: "one layer's gradients per rank and reduce in flight: fewer ranks "
+    "per node, or smaller layers",
 }
 
 
@@ -111,6 +125,8 @@ def host_base_terms(model: ModelProfile, *, optimizer: str = "hybrid8bit",
         (per_rank(WEIGHT_STAGING_TERM, ranks), ranks * weight_staging),
         (per_rank(GRAD_STAGING_TERM, ranks), ranks * NUM_HOST_STAGING * model.layer_grad_bytes),
     ]
+    if in_flight := grads_in_flight_bytes(model, ranks=ranks, shards=shards):
+        terms.append((per_rank(GRAD_IN_FLIGHT_TERM, ranks), in_flight))
     if w is not None:
         terms.append((f"{FROZEN_HOST_TERM} ({w.frozen_format})", model.frozen_host_bytes))
     if writes_compute_copies(model, optimizer):
@@ -118,6 +134,21 @@ def host_base_terms(model: ModelProfile, *, optimizer: str = "hybrid8bit",
         terms.append((COMPUTE_COPY_TERM,
                        model.num_layers * floats * model.compute_bytes_per_elem))
     return tuple(sorted(terms, key=lambda t: -t[1]))
+
+
+def grads_in_flight_bytes(model: ModelProfile, *, ranks: int, shards: int) -> int:
+    """A node's buffers of the gradient reduce between ranks at its peak (`ranks` local
+    ranks, the state cut `shards` ways over the nodes): per rank, the sends to other
+    local owners in flight and, split, the groups crossing to other nodes and the chunks
+    it receives from each node (`MAX_FOREIGN_IN_FLIGHT`, `MAX_CROSSINGS_IN_FLIGHT`,
+    `CROSSING_CHUNK_NUMEL`). Per layer: its trainable parameters' fp32 gradients, flat.
+    An upper bound for the node updating the first layers: their gradients land last, so
+    at its peak nothing of it is crossing."""
+    layer = GRAD_BYTES_PER_PARAM * model.layer_trainable_param_count
+    layers = (MAX_FOREIGN_IN_FLIGHT if ranks > 1 else 0) + (
+        MAX_CROSSINGS_IN_FLIGHT if shards > 1 else 0)
+    chunks = shards * CROSSING_CHUNK_NUMEL * GRAD_BYTES_PER_PARAM if shards > 1 else 0
+    return ranks * (layers * layer + chunks)
 
 
 def activation_host_terms(*, boundary_bytes: int, cpu_homes: Any, staging_boundaries: int,

@@ -24,6 +24,9 @@ SHARED_BYTES = (4 * TRAINABLE  # fp32 masters
                 + 2 * TRAINABLE + TRAINABLE // 32  # 8-bit moments + absmax per 256
                 + 4 * 2**27 * 2)  # the layers' bf16 compute copies
 PER_RANK_BYTES = 2 * 2**28 + 2 * 2**28  # two layers of weight and of gradient staging
+#: On a node of several ranks, each also holds one layer's fp32 gradients in flight to
+#: another local owner (`MAX_FOREIGN_IN_FLIGHT`).
+IN_FLIGHT_BYTES = 4 * 2**27
 A = 2**30
 
 
@@ -36,7 +39,8 @@ def test_host_bytes_count_the_shared_state_once_and_each_ranks_buffers_n_times()
     assert SHARED_BYTES == 6_469_269_682
     for ranks in (1, 8):
         terms = host_base_terms(model, weight_slots=3, ranks=ranks)
-        assert sum(b for _, b in terms) == SHARED_BYTES + ranks * PER_RANK_BYTES
+        assert sum(b for _, b in terms) == SHARED_BYTES + ranks * PER_RANK_BYTES + (
+            ranks * IN_FLIGHT_BYTES if ranks > 1 else 0)
     eight = dict(host_base_terms(model, ranks=8))
     assert eight["pinned staging for weights (x 8 ranks)"] == 8 * 2 * 2**28
     assert eight["the trainable parameters' fp32 masters"] == 4 * TRAINABLE
@@ -46,7 +50,18 @@ def test_host_bytes_count_the_shared_state_once_and_each_ranks_buffers_n_times()
     node = build_problem(model, hardware, gpus_per_node=8).tier_need_bytes(
         gpu=0, cache=0, cpu=3, nvme=0)["cpu"]
     assert one == SHARED_BYTES + PER_RANK_BYTES + (2 + 3) * A
-    assert node == SHARED_BYTES + 8 * PER_RANK_BYTES + 8 * (2 + 3) * A
+    assert node == SHARED_BYTES + 8 * PER_RANK_BYTES + 8 * IN_FLIGHT_BYTES + 8 * (2 + 3) * A
+
+
+def test_a_split_node_counts_the_gradients_crossing_to_the_other_nodes() -> None:
+    """Split over K nodes, per rank: one layer in flight to a local owner, two groups
+    crossing (`MAX_CROSSINGS_IN_FLIGHT`) and a 4 MiB chunk received from each node."""
+    model, _ = _chain()
+    for ranks, nodes in ((1, 2), (8, 4)):
+        terms = dict(host_base_terms(model, ranks=ranks, shards=nodes))
+        name = "gradients in flight between ranks" + ("" if ranks == 1 else f" (x {ranks} ranks)")
+        foreign = IN_FLIGHT_BYTES if ranks > 1 else 0
+        assert terms[name] == ranks * (foreign + 2 * IN_FLIGHT_BYTES + nodes * 4 * 2**20)
 
 
 def _node_link_bytes_per_s(update_params_per_s: float, gpus_per_node: int) -> float:
@@ -193,11 +208,13 @@ def test_the_node_host_peak_counts_every_ranks_boundaries() -> None:
 
 def test_a_node_plans_where_n_copies_would_not_fit(tmp_path) -> None:
     model, hardware = _chain()
-    budget = SHARED_BYTES + 8 * PER_RANK_BYTES + 8 * 2 * A + GIB  # one copy + 8 ranks' own
+    # one copy + 8 ranks' own (their staging, a layer in flight, 2 boundaries)
+    budget = SHARED_BYTES + 8 * (PER_RANK_BYTES + IN_FLIGHT_BYTES) + 8 * 2 * A + GIB
     budgets = Budgets(gpu_bytes=80 * GIB, cpu_bytes=budget, nvme_bytes=0)
     one = make_plan(model, hardware, PlanRequest(budgets=budgets))
     assert 8 * one.prediction.peak_cpu_bytes > budget  # 8 copies of the state do not fit
-    node = make_plan(model, hardware, PlanRequest(budgets=budgets, gpus_per_node=8, nodes=2))
+    node = make_plan(model, hardware, PlanRequest(budgets=budgets, gpus_per_node=8, nodes=2,
+                                                  node_layout="replicated"))
     assert node.prediction.peak_cpu_bytes <= budget
     path = tmp_path / "plan.json"
     node.save(path)
