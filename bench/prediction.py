@@ -7,7 +7,8 @@ workload rates).
     PYTHONPATH=. python bench/prediction.py [--steps 40]
 
 Models: the demo (`lazytrain demo`: its plan table's "step (s)" of this run's column
-against the median of its progress lines' mean steps after step 1), an 8-layer 256-wide
+against the median of its timed steps, all but the first and the traced one, from its
+demo_summary.json; the progress lines print one step in ten), an 8-layer 256-wide
 Llama at batch 4 x 64, and a QLoRA run of it (nf4 base quantized at `prepare`, LoRA r=8
 on every linear with PEFT). The Llama runs print the plan's `prediction.step_s` and
 time every optimizer step; the median is over the steps after the first 5.
@@ -79,9 +80,8 @@ def run_demo(steps: int, work: Path, env: dict[str, str]) -> dict[str, float]:
                           str(steps), "--eval-count", "8", "--output-dir", str(work / "demo")],
                          env=env, capture_output=True, text=True, timeout=1800, check=True)
     table = re.search(r"step \(s\)\s*│\s*([\d.]+)", out.stdout)
-    lines = [float(s) for n, s in re.findall(r"^step (\d+)/\d+ .* step ([\d.]+) s",
-                                                 out.stdout, re.M) if n != "1"]
-    return {"predicted_s": float(table.group(1)), "median_s": statistics.median(lines)}
+    summary = json.loads((work / "demo" / "demo_summary.json").read_text())
+    return {"predicted_s": float(table.group(1)), "median_s": summary["train"]["median_step_s"]}
 
 
 def measure(model: str, cache: Path, steps: int) -> dict[str, float]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ class TrainResult:
     steps: int
     final_loss: float
     mean_step_s: float  # excludes the first and the traced step
+    median_step_s: float  # of the same steps
     tokens_per_s: float
     stall_s: float  # engine wait on transfers and updates, summed over all steps
 
@@ -119,4 +121,5 @@ def train(accelerator: Accelerator, model: torch.nn.Module, optimizer: torch.opt
     timed = [t for i, t in enumerate(step_times_s) if i not in (0, traced_step)] or step_times_s
     mean_step_s = sum(timed) / len(timed)
     return TrainResult(steps=steps, final_loss=loss_value, mean_step_s=mean_step_s,
+                       median_step_s=statistics.median(timed),
                        tokens_per_s=tokens / mean_step_s, stall_s=stall_s)
