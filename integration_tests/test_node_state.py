@@ -6,8 +6,9 @@ samples the ranks' summed PSS through the timed steps; the state is the peak les
 process's bare runtime. The engine's device tier is left out of both: on this CPU device
 it is host pages standing for each GPU's memory (two weight slots of one layer each, per
 rank; on a GPU node they are not host bytes), and it does not grow with the model's depth.
-Marked `alone`: beside another test's processes the reduces complete later and the peak
-rises.
+The 4-rank test is marked `alone`: beside another test's processes the reduces complete
+later and the peak rises. The split layout's bar holds beside them (its model counts the
+reduce's buffers in flight at their caps): read 0.96x / 1.02x at a load average of 5.7.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ def test_four_ranks_hold_the_state_of_a_125m_model_once(tmp_path: Path) -> None:
     assert ratio <= 1.3, (ratio, _state_bytes(many), _state_bytes(one))
 
 
-@pytest.mark.alone
 def test_a_split_node_holds_its_share_of_the_state(tmp_path: Path) -> None:
     """2 simulated nodes x 2 ranks of the same 125M model in the split layout (issue 45):
     each node's peak state (its ranks' summed PSS less their runtime and the device tier)
@@ -64,7 +64,8 @@ def test_a_split_node_holds_its_share_of_the_state(tmp_path: Path) -> None:
     nothing of it is crossing, and the model is the upper bound of both). Before the
     model counted them, 1.13-1.24x here and 1.31x once in CI; before a reduce's work
     object stopped holding the buffer it had sent, 1.55x. The bars leave this machine's
-    spread room on both sides: a model that over-counts fails too."""
+    spread room on both sides (0.96x / 1.02x beside another test's processes, load
+    average 5.7): a model that over-counts fails too."""
     row = node.launch("lazytrain", 2, MODEL, tmp_path, nodes=2, layout="split")
     for n, measured in enumerate(row["per_node"]):
         ratio = (measured["state"] - measured["device_tier"]) / measured["model"]

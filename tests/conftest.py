@@ -38,12 +38,13 @@ _STARTS_RANKS = ("--num_processes", "num_processes=", "init_process_group", "mp.
 
 #: Seconds a module's tests took on one of two pytest-xdist workers (2 loaded cores,
 #: 2026-12-06: `.ci/run`'s main pass, and a run of the modules its slowest-30 list does
-#: not show), for the modules of 25 s or more. Only the order in which the workers take
+#: not show; 2026-12-07: the node modules' new tests, the long sample less its 32K case),
+#: for the modules of 25 s or more. Only the order in which the workers take
 #: the modules follows from these (`_longest_modules_first`).
 _MODULE_SECONDS = {
-    "integration_tests/test_node_store_launch.py": 230,
+    "integration_tests/test_node_store_launch.py": 300,
     "tests/frontends/test_replanner.py": 180,
-    "tests/frontends/test_long_sample.py": 170,
+    "tests/frontends/test_long_sample.py": 100,
     "tests/test_docs.py": 165,
     "integration_tests/test_trainer.py": 165,
     "integration_tests/test_trainer_node_launch.py": 160,
@@ -59,6 +60,7 @@ _MODULE_SECONDS = {
     "integration_tests/test_trainer_args.py": 50,
     "tests/frontends/test_trainer_async_checkpoint.py": 45,
     "integration_tests/test_launch_exit.py": 40,
+    "integration_tests/test_node_state.py": 35,
     "integration_tests/test_node_store_crash.py": 32,
     "tests/faults/test_fault_async_checkpoint.py": 31,
     "tests/engine/test_emulated_engine.py": 31,
