@@ -434,26 +434,28 @@ def test_a_node_killed_while_sending_its_weights_stops_the_other_and_resumes_exa
     weights to node 0, which is receiving them. Node 0's ranks stop within 60 s of the
     kill naming rank 2 and node 1, nothing is left in /dev/shm, and a fresh launch from
     the step-2 checkpoint ends bit for bit as the run that was never killed."""
+    _assert_killing_rank_2_stops_both_nodes(
+        tmp_path, *SPLIT_CKPT_ARGS, "--save-at", "2", "--ckpt-dir", str(tmp_path / "ckpt"),
+        "--kill-step", "3", "--kill-when", "exchange")
+    _assert_resumes_as(split_full, tmp_path / "ckpt", tmp_path)
+
+
+def _assert_killing_rank_2_stops_both_nodes(tmp_path: Path, *script_args: str) -> None:
+    """A split launch over 2 simulated nodes x 2 ranks whose rank 2 (node 1's first) kills
+    itself as `script_args` say: every rank stops, node 0's within 60 s of the kill, its
+    two ranks each raising an error naming rank 2 of node 1, and /dev/shm is as before."""
     segments = _segments()
     losses = tmp_path / "killed.json"
-    procs = _start_nodes(tmp_path, losses, *SPLIT_CKPT_ARGS, "--save-at", "2", "--ckpt-dir",
-                         str(tmp_path / "ckpt"), "--kill-rank", "2", "--kill-step", "3",
-                         "--kill-when", "exchange", env=SPLIT_ENV)
+    procs = _start_nodes(tmp_path, losses, *script_args, "--kill-rank", "2", env=SPLIT_ENV)
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     ended = time.time()
     assert all(p.returncode != 0 for p in procs), [out[-3000:] for out in outputs]
     killed_at = float(Path(f"{losses}.killed_at").read_text())
     assert ended - killed_at < 60, (ended - killed_at, outputs[0][-4000:])
-    _assert_both_raise_naming_rank_2(outputs[0])
-    assert _segments() == segments
-    _assert_resumes_as(split_full, tmp_path / "ckpt", tmp_path)
-
-
-def _assert_both_raise_naming_rank_2(node_0_output: str) -> None:
-    """Node 0's two ranks each raised an error naming rank 2 of node 1."""
     for rank in (0, 1):
         assert re.search(rf"\[rank{rank}\]: [\w.]*Error: .*rank 2 \(node 1, local rank 0",
-                         node_0_output), node_0_output[-6000:]
+                         outputs[0]), outputs[0][-6000:]
+    assert _segments() == segments
 
 
 def test_a_node_killed_mid_step_stops_the_other_naming_it(tmp_path: Path) -> None:
@@ -461,18 +463,9 @@ def test_a_node_killed_mid_step_stops_the_other_naming_it(tmp_path: Path) -> Non
     first) between its backward and its update at step 2; node 1's launcher stops its
     other rank. Node 0's ranks stop within 60 s of the kill, their report names rank 2
     and node 1, and no segment is left in /dev/shm."""
-    segments = _segments()
-    losses = tmp_path / "killed.json"
-    procs = _start_nodes(tmp_path, losses, "--steps", "6", "--lazytrain", "--plan",
-                         "checkpoint_all", "--batch-size", "2", "--kill-rank", "2",
-                         "--kill-step", "2", env={"LAZYTRAIN_NODE_LAYOUT": "split"})
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    ended = time.time()
-    assert all(p.returncode != 0 for p in procs), [out[-3000:] for out in outputs]
-    killed_at = float(Path(f"{losses}.killed_at").read_text())
-    assert ended - killed_at < 60, (ended - killed_at, outputs[0][-4000:])
-    _assert_both_raise_naming_rank_2(outputs[0])
-    assert _segments() == segments
+    _assert_killing_rank_2_stops_both_nodes(tmp_path, "--steps", "6", "--lazytrain", "--plan",
+                                            "checkpoint_all", "--batch-size", "2",
+                                            "--kill-step", "2")
 
 
 def _read_only_store_dir(directory: Path) -> Callable[[int, list[str]], list[str]]:
