@@ -66,7 +66,8 @@ def node_layout_for(config: LazyTrainConfig, model: nn.Module, *, num_processes:
         (logger.warning if warn else logger.info)(
             "lazytrain: each rank keeps its own host copy and the whole update "
             "(gradients all-reduced): %s%s", why_not,
-            "" if len(found) == 1 else f" (on {where}; {len(refused)} of {len(found)} ranks)")
+            "" if len(refused) == len(found) else
+            f" (on {where}; {len(refused)} of {len(found)} ranks)")
     return NodeLayout(segment_room=segment_room)
 
 
