@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,26 +29,18 @@ from integration_tests import test_node_store_launch as launches  # noqa: E402
 
 def killed_launch(work: Path, when: str, full: launches.SplitRun) -> dict[str, object]:
     """One launch killed at step 3 (`when`), then its checkpoint resumed: what it showed."""
-    segments = launches._segments()
-    losses = work / "killed.json"
-    procs = launches._start_nodes(
-        work, losses, *launches.SPLIT_CKPT_ARGS, "--save-at", "2", "--ckpt-dir",
-        str(work / "ckpt"), "--kill-rank", "2", "--kill-step", "3", "--kill-when", when,
-        env=launches.SPLIT_ENV)
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    ended = time.time()
-    killed_at = float(Path(f"{losses}.killed_at").read_text())
-    named = all(re.search(rf"\[rank{r}\]: [\w.]*Error: .*rank 2 \(node 1, local rank 0",
-                          outputs[0]) for r in (0, 1))
-    if not named:  # what node 0's ranks raised instead
-        print(outputs[0][-12000:], file=sys.stderr)
+    killed = launches.kill_rank_2(work, *launches.SPLIT_CKPT_ARGS, "--save-at", "2",
+                                  "--ckpt-dir", str(work / "ckpt"), "--kill-step", "3",
+                                  "--kill-when", when)
+    if not killed.named:  # what node 0's ranks raised instead
+        print(killed.node_0_output[-12000:], file=sys.stderr)
     resumed = launches._launch_nodes(work, "resumed", *launches.SPLIT_CKPT_ARGS,
                                      "--resume-from", str(work / "ckpt"), "--digest-out",
                                      str(work / "resumed_"), env=launches.SPLIT_ENV)
     exact = (resumed == full.losses[2:]
              and launches._digests(work / "resumed_") == full.digests)
-    return {"stopped": all(p.returncode != 0 for p in procs), "stop_s": ended - killed_at,
-            "named": named, "shm_clean": launches._segments() == segments, "exact": exact}
+    return {"stopped": killed.stopped, "stop_s": killed.stop_s, "named": killed.named,
+            "shm_clean": killed.shm_clean, "exact": exact}
 
 
 def main() -> None:
@@ -62,12 +52,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lazytrain-node-faults-") as tmp:
         work = Path(tmp)
         (work / "full").mkdir()
-        losses = launches._launch_nodes(
-            work / "full", "full", *launches.SPLIT_CKPT_ARGS, "--save-at", "2", "--ckpt-dir",
-            str(work / "full" / "ckpt"), "--digest-out", str(work / "full" / "full_"),
-            env=launches.SPLIT_ENV)
-        full = launches.SplitRun(losses=losses, digests=launches._digests(
-            work / "full" / "full_"), ckpt=work / "full" / "ckpt", masters=work / "unused")
+        full = launches.split_full_run(work / "full")
         print("| killed | launch | every rank stopped | kill to exit (s) | node 0 names "
               "rank 2 | /dev/shm clean | resume bit-exact |")
         print("|---|---|---|---|---|---|---|")

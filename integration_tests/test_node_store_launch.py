@@ -377,14 +377,18 @@ class SplitRun:
     masters: Path
 
 
-@pytest.fixture(scope="module")
-def split_full(tmp_path_factory: pytest.TempPathFactory) -> SplitRun:
-    work = tmp_path_factory.mktemp("split_full")
+def split_full_run(work: Path) -> SplitRun:
+    """The split launch never killed, saving at step 2 of 4, in `work`."""
     losses = _launch_nodes(work, "full", *SPLIT_CKPT_ARGS, "--save-at", "2", "--ckpt-dir",
                            str(work / "ckpt"), "--masters-out", str(work / "m.pt"),
                            "--digest-out", str(work / "full_"), env=SPLIT_ENV)
     return SplitRun(losses=losses, digests=_digests(work / "full_"), ckpt=work / "ckpt",
                     masters=work / "m.pt")
+
+
+@pytest.fixture(scope="module")
+def split_full(tmp_path_factory: pytest.TempPathFactory) -> SplitRun:
+    return split_full_run(tmp_path_factory.mktemp("split_full"))
 
 
 def _digests(prefix: Path) -> list[dict[str, str]]:
@@ -440,22 +444,42 @@ def test_a_node_killed_while_sending_its_weights_stops_the_other_and_resumes_exa
     _assert_resumes_as(split_full, tmp_path / "ckpt", tmp_path)
 
 
-def _assert_killing_rank_2_stops_both_nodes(tmp_path: Path, *script_args: str) -> None:
-    """A split launch over 2 simulated nodes x 2 ranks whose rank 2 (node 1's first) kills
-    itself as `script_args` say: every rank stops, node 0's within 60 s of the kill, its
-    two ranks each raising an error naming rank 2 of node 1, and /dev/shm is as before."""
+@dataclass
+class KilledLaunch:
+    """What a split launch whose rank 2 (node 1's first) killed itself showed."""
+
+    stopped: bool  # every rank exited non-zero
+    stop_s: float  # from the kill to the last node's exit
+    named: bool  # node 0's two ranks each raised an error naming rank 2 of node 1
+    shm_clean: bool  # /dev/shm as before the launch
+    node_0_output: str
+
+
+def kill_rank_2(work: Path, *script_args: str) -> KilledLaunch:
+    """A split launch over 2 simulated nodes x 2 ranks in `work` whose rank 2 kills itself
+    as `script_args` say (`--kill-step`, `--kill-when`)."""
     segments = _segments()
-    losses = tmp_path / "killed.json"
-    procs = _start_nodes(tmp_path, losses, *script_args, "--kill-rank", "2", env=SPLIT_ENV)
+    losses = work / "killed.json"
+    procs = _start_nodes(work, losses, *script_args, "--kill-rank", "2", env=SPLIT_ENV)
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     ended = time.time()
-    assert all(p.returncode != 0 for p in procs), [out[-3000:] for out in outputs]
     killed_at = float(Path(f"{losses}.killed_at").read_text())
-    assert ended - killed_at < 60, (ended - killed_at, outputs[0][-4000:])
-    for rank in (0, 1):
-        assert re.search(rf"\[rank{rank}\]: [\w.]*Error: .*rank 2 \(node 1, local rank 0",
-                         outputs[0]), outputs[0][-6000:]
-    assert _segments() == segments
+    return KilledLaunch(
+        stopped=all(p.returncode != 0 for p in procs), stop_s=ended - killed_at,
+        named=all(re.search(rf"\[rank{rank}\]: [\w.]*Error: .*rank 2 \(node 1, local rank 0",
+                            outputs[0]) for rank in (0, 1)),
+        shm_clean=_segments() == segments, node_0_output=outputs[0])
+
+
+def _assert_killing_rank_2_stops_both_nodes(tmp_path: Path, *script_args: str) -> None:
+    """`kill_rank_2`: every rank stops, node 0's within 60 s of the kill, its two ranks
+    each raising an error naming rank 2 of node 1, and /dev/shm is as before."""
+    killed = kill_rank_2(tmp_path, *script_args)
+    tail = killed.node_0_output[-6000:]
+    assert killed.stopped, tail
+    assert killed.stop_s < 60, (killed.stop_s, tail)
+    assert killed.named, tail
+    assert killed.shm_clean
 
 
 def test_a_node_killed_mid_step_stops_the_other_naming_it(tmp_path: Path) -> None:

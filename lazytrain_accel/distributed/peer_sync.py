@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -32,6 +32,18 @@ OWNER_WAIT_TIMEOUT_S = 1800.0
 LIVENESS_CHECK_S = 0.5
 #: How long a failed collective looks for the death of a peer that caused it.
 DEATH_GRACE_S = 1.0
+
+
+def _poll_until(ready: Callable[[], bool], check: Callable[[], None]) -> None:
+    """Poll `ready()` with a growing sleep (10 us up to `_POLL_MAX_S`), calling `check()`
+    (which raises to give up) every `LIVENESS_CHECK_S`."""
+    sleep_s, checked = 1e-5, time.monotonic()
+    while not ready():
+        if time.monotonic() - checked > LIVENESS_CHECK_S:
+            checked = time.monotonic()
+            check()
+        time.sleep(sleep_s)
+        sleep_s = min(2 * sleep_s, _POLL_MAX_S)
 
 
 class PeerDiedError(RuntimeError):
@@ -92,25 +104,25 @@ class NodePeers:
     def wait(self, group: int) -> None:
         """Block until `group`'s owner has updated it for every applied step; raise
         naming the owner when its process is gone or it hangs."""
-        sleep_s = 1e-5
-        start = checked = time.monotonic()
-        while not self.is_ready(group):
-            owner, now = self._owners[group], time.monotonic()
-            if now - checked > LIVENESS_CHECK_S:
-                checked = now
-                if not pid_alive(self._pids[owner]):
-                    raise RuntimeError(
-                        f"local rank {owner} (pid {self._pids[owner]}) died while this rank "
-                        f"(rank {self._rank}) waited for its update of parameter group "
-                        f"{group}; stopping (see rank {owner}'s log and the launcher's "
-                        "report; resume from the last checkpoint)")
-            if now - start > OWNER_WAIT_TIMEOUT_S:
+        if self.is_ready(group):  # the usual case: no closure, no clock
+            return
+        start = time.monotonic()
+
+        def check_owner() -> None:
+            owner = self._owners[group]
+            if not pid_alive(self._pids[owner]):
+                raise RuntimeError(
+                    f"local rank {owner} (pid {self._pids[owner]}) died while this rank "
+                    f"(rank {self._rank}) waited for its update of parameter group "
+                    f"{group}; stopping (see rank {owner}'s log and the launcher's "
+                    "report; resume from the last checkpoint)")
+            if time.monotonic() - start > OWNER_WAIT_TIMEOUT_S:
                 raise RuntimeError(
                     f"local rank {owner} (pid {self._pids[owner]}) has not updated "
                     f"parameter group {group} for {OWNER_WAIT_TIMEOUT_S:.0f} s and still "
                     "runs: it hangs (see its log)")
-            time.sleep(sleep_s)
-            sleep_s = min(2 * sleep_s, _POLL_MAX_S)
+
+        _poll_until(lambda: self.is_ready(group), check_owner)
 
     def wait_all(self) -> None:
         for g in range(len(self._owners)):
@@ -121,15 +133,12 @@ class NodePeers:
         ranks it could be waiting for still run: a dead one (of this node, or of another
         on this host) is named within a second (gloo waits on a peer whose socket a hung
         survivor keeps open); its own error restated by `named_failure`."""
-        sleep_s, checked = 1e-5, time.monotonic()
+        def check_peers() -> None:
+            if dead := self._dead():
+                raise PeerDiedError(self._died(dead))
+
         try:
-            while not work.is_completed():
-                if time.monotonic() - checked > LIVENESS_CHECK_S:
-                    checked = time.monotonic()
-                    if dead := self._dead():
-                        raise PeerDiedError(self._died(dead))
-                time.sleep(sleep_s)
-                sleep_s = min(2 * sleep_s, _POLL_MAX_S)
+            _poll_until(work.is_completed, check_peers)
             work.wait()
         except PeerDiedError as err:
             ranks.note_peer_failure(str(err))
@@ -144,7 +153,7 @@ class NodePeers:
         dead = [f"local rank {r} (pid {pid})" for r, pid in enumerate(self._pids)
                 if not pid_alive(pid)]
         here = os.uname().nodename
-        return dead + [f"rank {o.rank} (node {o.node}, local rank {o.local_rank}, pid {o.pid})"
+        return dead + [ranks.rank_name(o.rank, node=o.node, local_rank=o.local_rank, pid=o.pid)
                        for o in self._others if o.host == here and not pid_alive(o.pid)]
 
     def _died(self, dead: list[str]) -> str:

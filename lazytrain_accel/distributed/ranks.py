@@ -133,13 +133,20 @@ def gathered(value: T) -> list[T]:
     return values
 
 
+def rank_name(rank: int, *, node: int | str, local_rank: int | str, pid: int,
+              host: str | None = None) -> str:
+    """A rank as failure messages name it: "rank R (node N, local rank L[, host H], pid P)"."""
+    where = "" if host is None else f"host {host}, "
+    return f"rank {rank} (node {node}, local rank {local_rank}, {where}pid {pid})"
+
+
 def this_rank() -> str:
-    """This rank named as a failure message names it: its global rank, node (the
-    launcher's node rank), local rank, host and pid."""
-    node = os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
-    return (f"rank {global_rank()} (node {node}, local rank "
-            f"{os.environ.get('LOCAL_RANK', '0')}, host {os.uname().nodename}, "
-            f"pid {os.getpid()})")
+    """This rank's `rank_name`: its global rank, node (the launcher's node rank), local
+    rank, host and pid."""
+    return rank_name(global_rank(),
+                     node=os.environ.get("GROUP_RANK", os.environ.get("NODE_RANK", "0")),
+                     local_rank=os.environ.get("LOCAL_RANK", "0"), pid=os.getpid(),
+                     host=os.uname().nodename)
 
 
 class RankFailedError(RuntimeError):

@@ -57,7 +57,7 @@ def node_layout_for(config: LazyTrainConfig, model: nn.Module, *, num_processes:
     # Every rank's finding, in one meeting every rank attends whatever it found (nodes may
     # be given other settings): one rank that cannot share makes every rank keep its own.
     found = ranks.gathered((ranks.this_rank(), why_not, warn, segment_room))
-    refused = [(where, why, warned, r) for where, why, warned, r in found if why is not None]
+    refused = [f for f in found if f[1] is not None]  # (where, why_not, warn, segment_room)
     if not refused:
         local = int(os.environ["LOCAL_WORLD_SIZE"])
         return NodeLayout(node_ranks=local, nodes=num_processes // local)
