@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -277,27 +278,38 @@ def test_a_failed_save_is_raised_by_train_and_keeps_the_previous_checkpoint(
 
 
 class _RaiseAfterSave(TrainerCallback):
-    """An error in the step after the first save, while its writer is still writing."""
+    """An error in the step after the first save, while its writer is still pending."""
 
     def __init__(self) -> None:
         self.trainer: Any = None  # set once built
         self.published_at_error: bool | None = None
+        self.raised = threading.Event()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.global_step == SAVE_STEPS + 1:
             self.published_at_error = (Path(args.output_dir) / "checkpoint-2").exists()
+            self.raised.set()
             raise ValueError("a bad batch")
 
 
-def test_an_error_in_training_lets_the_pending_save_finish_whole(tmp_path: Path) -> None:
+def test_an_error_in_training_lets_the_pending_save_finish_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from transformers.trainer_utils import get_last_checkpoint
 
     error, out = _RaiseAfterSave(), tmp_path / "out"
-    with pytest.raises(ValueError, match="a bad batch"):  # a writer slow enough (~15 s) to
-        # be writing still at the next step's end on a loaded CI machine
-        _train(out, tmp_path / "cache", mode="async", rate=SLOW_WRITE_BYTES_PER_S / 3,
-               callback=error)
-    assert error.published_at_error is False  # the writer was still writing
+    stock_wait = async_checkpoint.PendingSave._wait_for_ranks
+
+    def publish_after_the_error(save: async_checkpoint.PendingSave) -> None:
+        # The update of the step after the save waits for each group's bytes (its gate),
+        # so the writer's last group and the step's end race: the publish is held until
+        # the error is raised (an event, not a writer slow enough).
+        assert error.raised.wait(timeout=120), "the step after the save never ended"
+        stock_wait(save)
+
+    monkeypatch.setattr(async_checkpoint.PendingSave, "_wait_for_ranks", publish_after_the_error)
+    with pytest.raises(ValueError, match="a bad batch"):
+        _train(out, tmp_path / "cache", mode="async", callback=error)
+    assert error.published_at_error is False  # the save was still pending
     assert get_last_checkpoint(str(out)) in (None, str(out / "checkpoint-2"))
     error.trainer.accelerator.lazytrain_wait_for_checkpoint()  # what the exit waits for
     assert sc.read_manifest(out / "checkpoint-2") is not None  # published whole
