@@ -187,10 +187,13 @@ def worker(args: argparse.Namespace) -> None:
 
 def node_model_bytes(accelerator) -> int:
     """The node model's host bytes of a node in the running layout at the running plan
-    (`planning/layouts.py`, what `lazytrain plan --nodes K` prints), less the terms a CPU
-    "device" never allocates (the pinned staging a GPU's copies go through): what this
-    bench's measured state (the device tier left out) compares with."""
-    from lazytrain_accel.planning.host import GRAD_STAGING_TERM, WEIGHT_STAGING_TERM
+    (`planning/layouts.py`, what `lazytrain plan --nodes K` prints), less the term a CPU
+    "device" never allocates (the pinned staging a GPU's weights go through): what this
+    bench's measured state (the device tier left out) compares with. The gradient
+    staging stays: on a CPU device the gradient reduce's queued sends hold the
+    backward's own outputs in its place (`MAX_REDUCES_IN_FLIGHT` layers a rank, as the
+    staging's two slots on a GPU)."""
+    from lazytrain_accel.planning.host import WEIGHT_STAGING_TERM
     from lazytrain_accel.planning.layouts import layout_figures
     from lazytrain_accel.planning.problem import build_problem
 
@@ -204,7 +207,7 @@ def node_model_bytes(accelerator) -> int:
                             gpus_per_node=plan.gpus_per_node, nodes=plan.nodes,
                             node_layout=plan.node_layout, state=plan.state)
     staging = sum(b for name, b in problem.cpu_base_terms
-                  if name.startswith((WEIGHT_STAGING_TERM, GRAD_STAGING_TERM)))
+                  if name.startswith(WEIGHT_STAGING_TERM))
     return figure - staging
 
 

@@ -58,14 +58,14 @@ def test_a_split_node_holds_its_share_of_the_state(tmp_path: Path) -> None:
     """2 simulated nodes x 2 ranks of the same 125M model in the split layout (issue 45):
     each node's peak state (its ranks' summed PSS less their runtime and the device tier)
     against the node model's figure for that layout, what `lazytrain plan --nodes 2`
-    prints (less the pinned staging a CPU device never allocates), which counts the
-    gradient reduce's buffers in flight (`host.grads_in_flight_bytes`): measured 0.93x and
-    1.01x (2026-12-07; the first node lower: its own layers' gradients land last, when
-    nothing of it is crossing, and the model is the upper bound of both). Before the
-    model counted them, 1.13-1.24x here and 1.31x once in CI; before a reduce's work
-    object stopped holding the buffer it had sent, 1.55x. The bars leave this machine's
-    spread room on both sides (0.96x / 1.02x beside another test's processes, load
-    average 5.7): a model that over-counts fails too."""
+    prints (less the pinned weight staging a CPU device never allocates), which counts the
+    gradient reduce's piece buffers (`host.grads_in_flight_bytes`): measured 0.94x and
+    1.00x (2026-12-07, pieces sent from where the gradients landed; the first node lower:
+    its own layers' gradients land last, when nothing of it is crossing, and the model is
+    the upper bound of both). Before the model counted the reduce's buffers, 1.13-1.24x
+    here and 1.31x once in CI; before a reduce's work object stopped holding the buffer it
+    had sent, 1.55x. The bars leave this machine's spread room on both sides: a model that
+    over-counts fails too."""
     row = node.launch("lazytrain", 2, MODEL, tmp_path, nodes=2, layout="split")
     for n, measured in enumerate(row["per_node"]):
         ratio = (measured["state"] - measured["device_tier"]) / measured["model"]

@@ -1,18 +1,20 @@
 """The gradient reduce of a split update: each layer's gradients to their owner.
 
-`ShareReducer` sends each layer's gradients to their owning local rank as they land
-(an asynchronous `reduce`, overlapped with the backward; at most `MAX_FOREIGN_IN_FLIGHT`
-send buffers of other ranks' layers held), then, across nodes, all-reduces each share
-among its owners (replicated layout) or reduces each group to the node that updates it
-(split: `node_of`); owners take the mean as `.grad`. The global norm is one process's, bit
-for bit: each value written by the rank that counts it (`gather`), combined in the
-one-process order (`clip_shares`, `combine_norms`).
+`ShareReducer` sends each layer's gradients to their owning local rank as they land, on
+a thread of its own (overlapped with the backward), in pieces of at most
+`REDUCE_PIECE_NUMEL` elements: a rank that does not keep a layer takes its landed
+gradients before they become `.grad` (`GradSink.taker`), and its owner reduces into its
+own `.grad` in place, so no rank holds a layer's fp32 gradients in flight. Across nodes
+each piece is then all-reduced among the share's owners (replicated layout) or gathered
+to the node that updates it (split: `node_of`); owners take the mean as `.grad`. The
+global norm is one process's, bit for bit: each value written by the rank that counts it
+(`gather`), combined in the one-process order (`clip_shares`, `combine_norms`).
 Design: docs/architecture.md "Several ranks on a node" ("Gradients", "The global norm").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -22,7 +24,6 @@ from torch import nn
 
 from lazytrain_accel.distributed.data_parallel import (
     GradReadyHooks,
-    adopt_mean_grads,
     flat_grads,
     reduce_device,
     write_mean_grads,
@@ -30,16 +31,15 @@ from lazytrain_accel.distributed.data_parallel import (
 from lazytrain_accel.distributed.ownership import NodeGroups
 from lazytrain_accel.distributed.peer_sync import NodePeers
 from lazytrain_accel.optim.clipping import clip_coefficient, combine_norms, tensor_norms
-from lazytrain_accel.planning.host import (
-    CROSSING_CHUNK_NUMEL,
-    MAX_CROSSINGS_IN_FLIGHT,
-    MAX_FOREIGN_IN_FLIGHT,
-)
+from lazytrain_accel.planning.host import MAX_REDUCES_IN_FLIGHT, REDUCE_PIECE_NUMEL
 from lazytrain_accel.planning.node import EVERY_RANK
 
 
 class ShareHooks(GradReadyHooks, Protocol):
     """What the reducer needs of the engine (`StreamingEngine`)."""
+
+    def register_grad_taker(self, taker: Callable[[list[nn.Parameter], list[torch.Tensor]],
+                                                  Future[None] | None]) -> None: ...
 
     def grad_sq_norms(self) -> dict[nn.Parameter, float]: ...
 
@@ -48,9 +48,20 @@ class ShareHooks(GradReadyHooks, Protocol):
     def record_grad_sq_norms(self, params: list[nn.Parameter]) -> None: ...
 
 
+def pieces(tensors: Sequence[torch.Tensor], numel: int) -> Iterator[torch.Tensor]:
+    """Each tensor's elements, flattened, in slices of at most `numel` (views of
+    contiguous tensors). Never one spanning two tensors: the cut depends on the shapes
+    alone, so every rank sends the same pieces, in place where its tensor is an fp32 one
+    on the reduce's device, through a bucket where not."""
+    for tensor in tensors:
+        flat = tensor.reshape(-1)
+        for start in range(0, flat.numel(), numel):
+            yield flat[start:start + numel]
+
+
 class ShareReducer:
-    """Overlapped per-layer gradient reduce to each group's owner (docs/architecture.md
-    "Several ranks on a node")."""
+    """Overlapped per-layer gradient reduce to each group's owner, in bounded pieces
+    (docs/architecture.md "Several ranks on a node")."""
 
     def __init__(self, engine: ShareHooks, groups: Sequence[Sequence[nn.Parameter]],
                  owners: Sequence[int], *, peers: NodePeers, layout: NodeGroups,
@@ -68,35 +79,58 @@ class ShareReducer:
         self._node_of = None if node_of is None else {
             p: node for g, node in zip(groups, node_of, strict=True) for p in g}
         self._should_reduce = should_reduce
-        # (work, flat, params, owner) in launch order for the groups this rank owns (and
-        # every-rank groups); `_crossed` of them have had their second stage (across the
-        # nodes) launched. `_foreign`: reduces of other ranks' groups still in flight.
-        # (A group sent to the node that updates it leaves with its buffer: None here,
-        # held by its crossing until sent.)
-        self._pending: list[tuple[dist.Work | None, torch.Tensor | None,
-                                  list[nn.Parameter], int]] = []
-        # split: each group's second stage runs on one thread of its own, in launch
-        # order, so the hooks never wait for the other nodes (`_cross_one`)
-        self._crosser = None if node_of is None else ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="lazytrain-cross-nodes")
-        self._crossings: list[Future[None]] = []
-        # the crossing thread's chunk buffers on the updating node, one per node
+        # One thread sends every group's pieces, in launch order (the same on every rank,
+        # so the collectives of each process group meet): within the node, then across.
+        self._sender = ThreadPoolExecutor(max_workers=1,
+                                          thread_name_prefix="lazytrain-reduce")
+        # (job, its params, the bytes of gradients it holds that no `.grad` keeps)
+        self._jobs: list[tuple[Future[None], list[nn.Parameter], int]] = []
+        self._failed: BaseException | None = None  # a job's error: the later ones skip
+        # the sender's buffers on the reduce's device, through a step: one piece, and one
+        # per node received by the node that updates a group (split); as large as the
+        # largest piece so far
+        self._bucket: torch.Tensor | None = None
         self._chunks: list[torch.Tensor] | None = None
-        self._foreign: list[tuple[dist.Work, torch.Tensor]] = []
-        self._crossed = 0
-        self._across: list[dist.Work] = []
+        self._kept: dict[nn.Parameter, None] = {}  # `.grad`s reduced in place, in order
+        # every-rank groups: one all-reduce of a flat copy each
+        self._everyone: list[tuple[dist.Work, torch.Tensor, list[nn.Parameter]]] = []
         self._reduced: set[nn.Parameter] = set()
         self._norm_tables: tuple[dict[nn.Parameter, float], dict[nn.Parameter, float]
                                  ] | None = None
         self._backend_device = reduce_device()
         engine.register_grad_ready_hook(self._on_layer_grads)
+        engine.register_grad_taker(self.take)
+
+    def _keeps(self, p: nn.Parameter) -> bool:
+        """Whether this rank keeps `p`'s reduced gradient: its owner on the node that
+        updates it."""
+        return self._owner_of.get(p) == self._rank and self._updates_here(p)
+
+    def take(self, params: list[nn.Parameter], grads: list[torch.Tensor]
+             ) -> Future[None] | None:
+        """The engine's taker (`GradSink.taker`): a layer's landed host gradients, before
+        they are folded, sent to their owner from where they landed (a staging buffer,
+        the backward's outputs) where this rank does not keep them and they start this
+        step's sum; the send's Future (done once it no longer reads them), else None."""
+        if any(p in self._reduced for p in params):
+            self._settle(keep=0)  # reduced already this step: the fold meets no send
+        if not self._should_reduce() or any(p.grad is not None for p in params) \
+                or any(g.device.type != "cpu" for g in grads):
+            return None
+        owners = {self._owner_of.get(p, EVERY_RANK) for p in params}
+        if len(owners) != 1 or EVERY_RANK in owners or self._keeps(params[0]):
+            return None
+        self._begin_pass(exclude=params)
+        return self._submit(params, list(grads), owners.pop())
 
     def _on_layer_grads(self, params: list[nn.Parameter]) -> None:
         if self._should_reduce():
-            if not self._reduced:  # the pass's first layer: the output side's backward is done
-                self._launch(self._output_residents(exclude=params))
+            self._begin_pass(exclude=params)
             self._launch([p for p in params if p.grad is not None])
-            self._cross_nodes(block=False)
+
+    def _begin_pass(self, *, exclude: list[nn.Parameter]) -> None:
+        if not self._reduced:  # the pass's first layer: the output side's backward is done
+            self._launch(self._output_residents(exclude=exclude))
 
     def _output_residents(self, *, exclude: list[nn.Parameter]) -> list[nn.Parameter]:
         """The output side's residents (final norm, untied head: the last group), sent
@@ -117,103 +151,114 @@ class ShareReducer:
         return residents
 
     def _launch(self, params: list[nn.Parameter]) -> None:
+        """Reduce the `.grad`s of `params`: every-rank groups all-reduced whole, the
+        others sent to their owner, which reduces into its `.grad` in place; a rank that
+        does not keep them drops its `.grad` (the send holds it until done)."""
         by_owner: dict[int, list[nn.Parameter]] = {}
         for p in params:
             by_owner.setdefault(self._owner_of.get(p, EVERY_RANK), []).append(p)
         for owner, ps in by_owner.items():
-            if owner not in (EVERY_RANK, self._rank):  # room first: at most the cap held
-                self._release_foreign(keep=MAX_FOREIGN_IN_FLIGHT - 1)
-            flat = flat_grads(ps, self._backend_device)
             if owner == EVERY_RANK:  # every rank of every node: one all-reduce
-                work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True)
-                self._pending.append((work, flat, ps, owner))
+                flat = flat_grads(ps, self._backend_device)
+                self._everyone.append((dist.all_reduce(flat, op=dist.ReduceOp.SUM,
+                                                       async_op=True), flat, ps))
                 self._reduced.update(ps)
                 continue
-            # `flat` holds them now (a copy): no second copy in flight, none kept
-            self._engine.release_grads(ps)
-            work = dist.reduce(flat, dst=self._layout.node_ranks[owner],
-                               op=dist.ReduceOp.SUM, group=self._layout.intra,
-                               async_op=True)
-            if owner == self._rank:
-                self._pending.append((work, flat, ps, owner))
+            for p in ps:  # views of them are reduced in place
+                if not p.grad.is_contiguous():
+                    p.grad = p.grad.contiguous()
+            grads = [p.grad for p in ps]
+            if self._keeps(ps[0]):
+                self._kept.update(dict.fromkeys(ps))
             else:
-                self._foreign.append((work, flat))
-            self._reduced.update(ps)
-        self._release_foreign(keep=MAX_FOREIGN_IN_FLIGHT)
+                self._engine.release_grads(ps)
+            self._submit(ps, grads, owner)
 
-    def _release_foreign(self, *, keep: int) -> None:
-        """Drop the send buffers of other ranks' groups whose reduce has completed,
-        oldest first, waiting while more than `keep` are in flight."""
-        while self._foreign:
-            work, _ = self._foreign[0]
-            if len(self._foreign) <= keep and not work.is_completed():
-                return
-            self._wait(work)
-            del self._foreign[0]
+    def _submit(self, params: list[nn.Parameter], grads: list[torch.Tensor],
+                owner: int) -> Future[None]:
+        """Queue the send of one group's `grads` to local rank `owner`, first waiting for
+        the oldest while `MAX_REDUCES_IN_FLIGHT` are queued."""
+        self._settle(keep=MAX_REDUCES_IN_FLIGHT - 1)
+        held = 0 if self._keeps(params[0]) else sum(g.numel() * g.element_size()
+                                                    for g in grads)
+        job = self._sender.submit(self._send, params[0], grads, owner)
+        self._jobs.append((job, params, held))
+        self._reduced.update(params)
+        return job
+
+    def _settle(self, *, keep: int) -> None:
+        """Wait for the oldest sends until at most `keep` are queued, raising the first
+        one's error."""
+        while len(self._jobs) > keep:
+            job, _, _ = self._jobs[0]
+            try:
+                job.result()
+            finally:
+                del self._jobs[0]
 
     def held_grad_bytes(self) -> int:
-        """Bytes of the flattened gradients this reducer holds now (its own groups'
-        buffers awaiting `finish`, other ranks' in flight)."""
-        return sum(flat.numel() * flat.element_size()
-                   for flat in [f for _, f, _, _ in self._pending if f is not None]
-                   + [f for _, f in self._foreign])
+        """Bytes this reducer holds now beside the kept `.grad`s: the gradients of the
+        queued sends of groups it does not keep, and its piece buffers."""
+        buffers = [self._bucket] + (self._chunks or [])
+        return sum(held for job, _, held in self._jobs if not job.done()) + sum(
+            b.numel() * b.element_size() for b in buffers if b is not None)
 
-    def _cross_nodes(self, *, block: bool) -> None:
-        """Launch, in launch order, the second stage (across the nodes) of each of this
-        rank's groups whose reduce within the node has completed (all of them when
-        `block`; split: every one, its thread waiting for that reduce): the owners of a
-        share on every node issue theirs in the same order."""
-        if self._layout.nodes == 1:
-            return
-        while self._crossed < len(self._pending):
-            work, flat, params, owner = self._pending[self._crossed]
-            if owner == self._rank:
-                if self._crosser is not None:
-                    self._settle_crossings(keep=MAX_CROSSINGS_IN_FLIGHT - 1)
-                    self._crossings.append(self._crosser.submit(
-                        self._cross_one, work, flat, params[0]))
-                    if not self._updates_here(params[0]):
-                        # its buffer goes with the send (and its work, which holds it)
-                        self._pending[self._crossed] = (None, None, params, owner)
-                else:
-                    if not block and not work.is_completed():
-                        return
-                    self._wait(work)
-                    self._across.append(dist.all_reduce(
-                        flat, op=dist.ReduceOp.SUM, group=self._layout.cross,
-                        async_op=True))
-            self._crossed += 1
+    def _send(self, first: nn.Parameter, grads: list[torch.Tensor], owner: int) -> None:
+        """On the sender thread: one group's gradients (`first`: one of its parameters),
+        piece by piece, reduced to local rank `owner` and, across nodes, on from there:
+        in place, or through the bucket (and back out where this rank keeps the sum)."""
+        if self._failed is not None:
+            raise self._failed
+        try:
+            keep = self._keeps(first)
+            dst = self._layout.node_ranks[owner]
+            for part in pieces(grads, REDUCE_PIECE_NUMEL):
+                piece = self._piece(part)
+                self._wait(dist.reduce(piece, dst=dst, op=dist.ReduceOp.SUM,
+                                       group=self._layout.intra, async_op=True))
+                if owner == self._rank and self._layout.nodes > 1:
+                    self._cross(piece, first)
+                if keep and piece is not part:
+                    part.copy_(piece)
+        except BaseException as err:
+            self._failed = err
+            raise
 
-    def _settle_crossings(self, *, keep: int) -> None:
-        """Wait for the oldest crossings until at most `keep` are left (each holds its
-        group's buffer until it has crossed), raising the first one's error."""
-        while len(self._crossings) > keep:
-            self._crossings.pop(0).result()
+    def _piece(self, part: torch.Tensor) -> torch.Tensor:
+        """What one collective sends of `part`: itself where it is fp32 on the reduce's
+        device (in place), else its copy in the bucket."""
+        if part.dtype == torch.float32 and part.device == self._backend_device:
+            return part
+        if self._bucket is None or self._bucket.numel() < part.numel():
+            self._bucket = torch.empty(part.numel(), dtype=torch.float32,
+                                       device=self._backend_device)
+        return self._bucket[:part.numel()].copy_(part)
 
-    def _cross_one(self, work: dist.Work, flat: torch.Tensor, first: nn.Parameter) -> None:
-        """The split layout's second stage of a group's reduce (`first`: one of its
-        parameters), on the crossing thread once its reduce within the node is done: the
-        buffer gathered, chunk by chunk, to the node that updates it, which adds the
-        others' into its own in node order. Each node sends (K - 1) / K of the gradients,
-        as the model's reduce-scatter. (gloo's `reduce` reduce-scatters, then gathers to
-        the root, so the root sends half of every buffer too; its point-to-point sends
-        and receives never fail when their peer dies, where a collective does.)"""
+    def _cross(self, piece: torch.Tensor, first: nn.Parameter) -> None:
+        """The second stage of a piece this rank owns, once reduced within the node:
+        all-reduced among the share's owners on every node (replicated), or gathered to
+        the node that updates its group, which adds the others' into its own in node
+        order (split). Each node sends (K - 1) / K of the gradients there, as the model's
+        reduce-scatter. (gloo's `reduce` reduce-scatters, then gathers to the root, so
+        the root sends half of every buffer too; its point-to-point sends and receives
+        never fail when their peer dies, where a collective does.)"""
         layout = self._layout
-        self._wait(work)
+        if self._node_of is None:
+            self._wait(dist.all_reduce(piece, op=dist.ReduceOp.SUM, group=layout.cross,
+                                       async_op=True))
+            return
         node = self._node_of[first]
-        root = layout.cross_ranks[node]
         here = node == layout.node
-        if here and (self._chunks is None or self._chunks[0].dtype != flat.dtype):
-            self._chunks = [torch.empty(CROSSING_CHUNK_NUMEL, dtype=flat.dtype)
+        if here and (self._chunks is None or self._chunks[0].numel() < piece.numel()):
+            self._chunks = [torch.empty(piece.numel(), dtype=torch.float32,
+                                        device=self._backend_device)
                             for _ in range(layout.nodes)]
-        for start in range(0, flat.numel(), CROSSING_CHUNK_NUMEL):
-            part = flat[start:start + CROSSING_CHUNK_NUMEL]
-            chunks = [c[:part.numel()] for c in self._chunks] if here else None
-            self._wait(dist.gather(part, chunks, dst=root, group=layout.cross,
-                                   async_op=True))
-            for n, chunk in enumerate(chunks or ()):
-                if n != node:
-                    part.add_(chunk)
+        chunks = [c[:piece.numel()] for c in self._chunks] if here else None
+        self._wait(dist.gather(piece, chunks, dst=layout.cross_ranks[node],
+                               group=layout.cross, async_op=True))
+        for n, chunk in enumerate(chunks or ()):
+            if n != node:
+                piece.add_(chunk)
 
     def _wait(self, work: dist.Work) -> None:
         self._peers.wait_work(work)
@@ -224,23 +269,18 @@ class ShareReducer:
         groups_rest = [p for g in self._groups for p in g
                        if p.grad is not None and p not in self._reduced]
         self._launch(groups_rest)
-        self._cross_nodes(block=True)
-        for work in self._across:
+        self._settle(keep=0)  # their errors, named (`_wait`)
+        for work, flat, params in self._everyone:
             self._wait(work)
-        self._settle_crossings(keep=0)  # their errors, named (`_wait`)
-        self._release_foreign(keep=0)
-        for work, flat, params, owner in self._pending:
-            if flat is None:  # sent to the node that updates it: none held here
-                continue
-            self._wait(work)
-            if owner == EVERY_RANK:
-                write_mean_grads(flat, params, self._world_size)
-            else:
-                adopt_mean_grads(flat, params, self._world_size)
+            write_mean_grads(flat, params, self._world_size)
             self._engine.refresh_grad_sq_norms(params)
-        self._pending.clear()
-        self._across.clear()
-        self._crossed = 0
+        kept = [p for p in self._kept if p.grad is not None]
+        for p in kept:
+            p.grad.div_(self._world_size)
+        self._engine.refresh_grad_sq_norms(kept)
+        self._everyone.clear()
+        self._kept.clear()
+        self._bucket = self._chunks = None  # (made again at the next step's first piece)
         self._reduced.clear()
         self._norm_tables = None
 

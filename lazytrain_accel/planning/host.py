@@ -30,16 +30,14 @@ OPTIMIZERS: tuple[str, ...] = tuple(OPTIMIZER_STATE_BYTES_PER_PARAM)
 #: Pinned staging buffers used in turn for weights (H2D) and for gradients (D2H).
 NUM_HOST_STAGING = 2
 
-#: The gradient reduce between ranks (`distributed/grad_reduce.py`), its buffers per rank:
-#: reduces of layers another local rank owns in flight at once, each holding that layer's
-#: flattened fp32 gradients until it completes;
-MAX_FOREIGN_IN_FLIGHT = 1
-#: under the split layout, groups whose second stage (to the node that updates them) may
-#: be unfinished at once, each holding its flattened gradients until sent or added;
-MAX_CROSSINGS_IN_FLIGHT = 2
-#: and the elements of a group's gradients crossing nodes per gather (4 MiB of fp32): the
-#: updating node receives one such chunk from each node, adding it into its own.
-CROSSING_CHUNK_NUMEL = 2**20
+#: The gradient reduce between ranks (`distributed/grad_reduce.py`) sends each group in
+#: pieces of at most this many elements (16 MiB of fp32), from where its gradients landed
+#: (the pinned staging) or the owner's `.grad` in place: a rank's buffers are one piece
+#: and, on the node updating a group of the split layout, one received from each node;
+REDUCE_PIECE_NUMEL = 2**22
+#: at most this many groups' sends are queued at once: one sent while the next lands
+#: (in the gradient staging's other slot, or the backward's outputs on a CPU device).
+MAX_REDUCES_IN_FLIGHT = 1
 
 #: Term names (refusals and preflight look their remedies up by these).
 MASTER_TERM = "the trainable parameters' fp32 masters"
@@ -67,8 +65,8 @@ HOST_TERM_REMEDY: dict[str, str] = {
     NVME_STAGING_TERM: "a plan with no NVMe homes needs none: --nvme-gb 0 (nvme_limit_gb=0)",
     CPU_HOME_TERM: "--cpu-memory-gb (cpu_memory_limit_gb) lower makes the plan home fewer "
     "boundaries in DRAM (NVMe or recompute instead)",
-    GRAD_IN_FLIGHT_TERM: "one layer's gradients per rank and reduce in flight: fewer ranks "
-    "per node, or smaller layers",
+    GRAD_IN_FLIGHT_TERM: "16 MiB pieces per rank (and one from each node, split): fewer "
+    "ranks per node or nodes",
 }
 
 
@@ -137,18 +135,16 @@ def host_base_terms(model: ModelProfile, *, optimizer: str = "hybrid8bit",
 
 
 def grads_in_flight_bytes(model: ModelProfile, *, ranks: int, shards: int) -> int:
-    """A node's buffers of the gradient reduce between ranks at its peak (`ranks` local
-    ranks, the state cut `shards` ways over the nodes): per rank, the sends to other
-    local owners in flight and, split, the groups crossing to other nodes and the chunks
-    it receives from each node (`MAX_FOREIGN_IN_FLIGHT`, `MAX_CROSSINGS_IN_FLIGHT`,
-    `CROSSING_CHUNK_NUMEL`). Per layer: its trainable parameters' fp32 gradients, flat.
-    An upper bound for the node updating the first layers: their gradients land last, so
-    at its peak nothing of it is crossing."""
-    layer = GRAD_BYTES_PER_PARAM * model.layer_trainable_param_count
-    layers = (MAX_FOREIGN_IN_FLIGHT if ranks > 1 else 0) + (
-        MAX_CROSSINGS_IN_FLIGHT if shards > 1 else 0)
-    chunks = shards * CROSSING_CHUNK_NUMEL * GRAD_BYTES_PER_PARAM if shards > 1 else 0
-    return ranks * (layers * layer + chunks)
+    """A node's buffers of the gradient reduce between ranks (`ranks` local ranks, the
+    state cut `shards` ways over the nodes): per rank, one piece and, split, one piece
+    received from each node (`REDUCE_PIECE_NUMEL`). The gradients themselves are not
+    copied: a rank that does not keep a layer sends them from the pinned staging they
+    landed in (`GRAD_STAGING_TERM`), its owner reduces into its `.grad` in place
+    (`GRAD_TERM`). Pieces no larger than a layer's trainable parameters."""
+    if ranks == 1 and shards == 1:
+        return 0
+    piece = GRAD_BYTES_PER_PARAM * min(REDUCE_PIECE_NUMEL, model.layer_trainable_param_count)
+    return ranks * piece * (1 + (shards if shards > 1 else 0))
 
 
 def activation_host_terms(*, boundary_bytes: int, cpu_homes: Any, staging_boundaries: int,

@@ -293,6 +293,8 @@ def test_the_split_update_gives_each_rank_the_planners_share(monkeypatch) -> Non
 
         def register_grad_ready_hook(self, hook) -> None: ...
 
+        def register_grad_taker(self, taker) -> None: ...
+
     for name, value in (("get_world_size", 2), ("get_rank", 0), ("get_backend", "gloo")):
         monkeypatch.setattr(split_update.dist, name, lambda value=value: value)
     monkeypatch.setattr(split_update.dist, "all_gather_object",
@@ -379,46 +381,46 @@ def test_node_groups_are_the_launchs_nodes_and_local_ranks(monkeypatch) -> None:
         ownership.node_groups(local_rank=1, local_world_size=2, node_id="b")
 
 
-def test_a_rank_holds_only_its_shares_gradients_and_a_few_in_flight(monkeypatch) -> None:
-    """Issue 22: during the backward a rank held every layer's fp32 gradients twice
-    (`.grad` and the reduce's flattened copy) until the step. Now each layer's `.grad` is
-    dropped once flattened, another rank's layer's buffer once its reduce completed (at
-    most `MAX_FOREIGN_IN_FLIGHT` in flight), and the owner's `.grad` is its buffer's mean:
-    the same values as before."""
+def test_a_rank_holds_only_its_shares_gradients_and_sends_the_rest_in_pieces(
+        monkeypatch) -> None:
+    """Issue 22, then 45: a rank held every layer's fp32 gradients twice (`.grad` and a
+    flattened copy), then each other rank's layer whole in flight (12.9 GB a layer at
+    405B). Now a layer this rank does not keep is taken where it landed (the bf16 staging
+    here, never `.grad`) and sent in pieces of at most `REDUCE_PIECE_NUMEL` through one
+    fp32 bucket, at most `MAX_REDUCES_IN_FLIGHT` groups queued; the owner reduces into
+    its own `.grad` in place (no copy) and takes the mean: the same values as one
+    process."""
     torch.manual_seed(0)
+    piece_numel = 100  # a layer of 512 + 8 elements: 6 pieces in its weight, 1 in its bias
+    monkeypatch.setattr(grad_reduce, "REDUCE_PIECE_NUMEL", piece_numel)
     layers = [[nn.Parameter(torch.zeros(64, 8)), nn.Parameter(torch.zeros(8))]
               for _ in range(6)]
     owners = [0, 0, 0, 1, 1, 1]  # this process is local rank 0: layers 3..5 are foreign
-    launched: list[tuple[torch.Tensor, int]] = []
+    sent: list[tuple[int, int, int]] = []  # (numel, dst, data_ptr)
 
-    class Work:  # completes once polled twice (a wait polls until it completes)
-        def __init__(self) -> None:
-            self.done = False
-            self.polls = 0
-
+    class Work:
         def is_completed(self) -> bool:
-            self.polls += 1
-            return self.done or self.polls > 1
+            return True
 
-        def wait(self) -> None:
-            self.done = True
+        def wait(self) -> None: ...
 
-    works: list[Work] = []
-
-    def reduce(flat, dst, op, group, async_op):  # the peer's gradients: the same again
-        launched.append((flat, dst))
-        works.append(Work())
+    def reduce(piece, dst, op, group, async_op):  # the peer's gradients: the same again
+        sent.append((piece.numel(), dst, piece.data_ptr()))
         if dst == 0:
-            flat.mul_(2)
-        return works[-1]
+            piece.mul_(2)
+        return Work()
 
     class Engine:
         def __init__(self) -> None:
             self.hooks: list = []
+            self.taker = None
             self.refreshed: list = []
 
         def register_grad_ready_hook(self, hook) -> None:
             self.hooks.append(hook)
+
+        def register_grad_taker(self, taker) -> None:
+            self.taker = taker
 
         def refresh_grad_sq_norms(self, params) -> None:
             self.refreshed += params
@@ -430,6 +432,15 @@ def test_a_rank_holds_only_its_shares_gradients_and_a_few_in_flight(monkeypatch)
             for p in params:
                 p.grad = None
 
+        def land(self, params, grads) -> object:  # `GradSink.fold` of staged gradients
+            if (taken := self.taker(params, grads)) is not None:
+                return taken
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.float()  # the fold's own fp32 storage
+            for hook in self.hooks:
+                hook(params)
+            return None
+
     for name, value in (("get_world_size", 2), ("get_rank", 0), ("get_backend", "gloo")):
         monkeypatch.setattr(grad_reduce.dist, name, lambda value=value: value)
     monkeypatch.setattr(grad_reduce.dist, "reduce", reduce)
@@ -440,21 +451,25 @@ def test_a_rank_holds_only_its_shares_gradients_and_a_few_in_flight(monkeypatch)
         engine, layers, owners, peers=peers,
         layout=ownership.NodeGroups(local_rank=0, node=0, nodes=1, node_ranks=(0, 1)),
         should_reduce=lambda: True)
-    layer_bytes = sum(p.numel() * 4 for p in layers[0])
-    grads = {}
+    grads, kept = {}, []
     for j in reversed(range(6)):  # the backward: last layer first
-        for p in layers[j]:
-            p.grad = grads[p] = torch.randn_like(p)
-        engine.hooks[0](layers[j])
-        assert all(p.grad is None for p in layers[j])  # the flat buffer took them
-        in_flight = sum(not w.done for w, (_, dst) in zip(works, launched, strict=True)
-                        if dst == 1)
-        assert in_flight <= grad_reduce.MAX_FOREIGN_IN_FLIGHT
-        owned_so_far = sum(1 for k in range(j, 6) if owners[k] == 0)
-        assert reducer.held_grad_bytes() <= layer_bytes * (
-            owned_so_far + grad_reduce.MAX_FOREIGN_IN_FLIGHT)
+        landed = [torch.randn(p.shape, dtype=torch.bfloat16) for p in layers[j]]
+        grads.update(zip(layers[j], [g.float() for g in landed], strict=True))
+        taken = engine.land(layers[j], landed)
+        assert (taken is None) == (owners[j] == 0)  # taken only where not kept
+        assert all((p.grad is None) == (owners[j] == 1) for p in layers[j])
+        kept += [(p.grad.data_ptr(), p.grad.numel()) for p in layers[j] if p.grad is not None]
+        assert len(reducer._jobs) <= grad_reduce.MAX_REDUCES_IN_FLIGHT
+        # no copy of a kept layer; at most the queued foreign layers and one piece
+        assert reducer.held_grad_bytes() <= (
+            2 * grad_reduce.MAX_REDUCES_IN_FLIGHT * 520 + 4 * piece_numel)
     reducer.finish()
-    assert reducer.held_grad_bytes() == 0 and all(w.done for w in works)
+    assert reducer.held_grad_bytes() == 0  # its bucket too, until the next step
+    assert [n for n, _, _ in sent[:7]] == [100] * 5 + [12, 8]
+    assert len(sent) == 6 * 7
+    assert all(any(ptr <= at < ptr + 4 * n for ptr, n in kept)  # the owner's, in place
+               for _, dst, at in sent if dst == 0)
+    assert len({at for _, dst, at in sent if dst == 1}) == 1  # the others': one bucket
     for j, owner in enumerate(owners):
         for p in layers[j]:
             if owner == 0:  # (g + g) / 2, bit for bit

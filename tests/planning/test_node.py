@@ -24,9 +24,9 @@ SHARED_BYTES = (4 * TRAINABLE  # fp32 masters
                 + 2 * TRAINABLE + TRAINABLE // 32  # 8-bit moments + absmax per 256
                 + 4 * 2**27 * 2)  # the layers' bf16 compute copies
 PER_RANK_BYTES = 2 * 2**28 + 2 * 2**28  # two layers of weight and of gradient staging
-#: On a node of several ranks, each also holds one layer's fp32 gradients in flight to
-#: another local owner (`MAX_FOREIGN_IN_FLIGHT`).
-IN_FLIGHT_BYTES = 4 * 2**27
+#: On a node of several ranks, each also holds the gradient reduce's 16 MiB piece buffer
+#: (`REDUCE_PIECE_NUMEL` fp32 elements), never a layer of them.
+IN_FLIGHT_BYTES = 4 * 2**22
 A = 2**30
 
 
@@ -53,15 +53,16 @@ def test_host_bytes_count_the_shared_state_once_and_each_ranks_buffers_n_times()
     assert node == SHARED_BYTES + 8 * PER_RANK_BYTES + 8 * IN_FLIGHT_BYTES + 8 * (2 + 3) * A
 
 
-def test_a_split_node_counts_the_gradients_crossing_to_the_other_nodes() -> None:
-    """Split over K nodes, per rank: one layer in flight to a local owner, two groups
-    crossing (`MAX_CROSSINGS_IN_FLIGHT`) and a 4 MiB chunk received from each node."""
+def test_a_split_node_counts_the_pieces_crossing_to_the_other_nodes() -> None:
+    """Split over K nodes, per rank: the piece it sends and one received from each node
+    on the node that updates the group (`REDUCE_PIECE_NUMEL`), whatever the layer's size:
+    a 405B layer's 12.9 GB of fp32 gradients are never held in flight."""
     model, _ = _chain()
     for ranks, nodes in ((1, 2), (8, 4)):
         terms = dict(host_base_terms(model, ranks=ranks, shards=nodes))
         name = "gradients in flight between ranks" + ("" if ranks == 1 else f" (x {ranks} ranks)")
-        foreign = IN_FLIGHT_BYTES if ranks > 1 else 0
-        assert terms[name] == ranks * (foreign + 2 * IN_FLIGHT_BYTES + nodes * 4 * 2**20)
+        assert terms[name] == ranks * IN_FLIGHT_BYTES * (1 + nodes)
+    assert "gradients in flight between ranks" not in dict(host_base_terms(model))
 
 
 def _node_link_bytes_per_s(update_params_per_s: float, gpus_per_node: int) -> float:

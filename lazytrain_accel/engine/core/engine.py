@@ -16,6 +16,7 @@ import inspect
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -462,12 +463,23 @@ class StreamingEngine:
     def register_grad_ready_hook(self, hook: Callable[[list[nn.Parameter]], None]) -> None:
         """Call `hook(params)` each time a streamed layer's gradients have been folded
         into the host `.grad` of `params` (once per layer per backward pass)."""
+        self._check_reducible()
+        self.sink.ready_hooks.append(hook)
+
+    def register_grad_taker(self, taker: Callable[[list[nn.Parameter], list[torch.Tensor]],
+                                                  Future[None] | None]) -> None:
+        """Offer each layer's landed host gradients to `taker(params, grads)` before they
+        are folded into `.grad`; where it returns a Future it has taken them (never
+        `.grad`), and reads them until that is done (`GradSink.taker`)."""
+        self._check_reducible()
+        self.sink.taker = taker
+
+    def _check_reducible(self) -> None:
         if self.plan.state.grads:
             raise ValueError(
                 f"the plan homes gradients on NVMe (layers {list(self.plan.state.grads)}) but "
                 "a hook would reduce them across ranks once folded, which needs them in "
                 "DRAM: with several ranks plan with host_state='copies'")
-        self.sink.ready_hooks.append(hook)
 
     def stats(self) -> StepStats:
         return self.acct.snapshot()

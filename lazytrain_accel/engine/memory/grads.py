@@ -5,12 +5,15 @@ backend (CUDA, or its CPU emulation) they are copied on the D2H side stream into
 pinned staging buffers and folded into the host `.grad` once the copy is done (at the
 next layer's backward, or at the end of the backward pass); on CPU they are folded in at
 once. Each fold also records the squared L2 norm of the accumulated gradient, so clipping
-after the last micro-batch needs no pass.
+after the last micro-batch needs no pass. A taker (a split update's reduce) may take a
+layer's landed gradients instead of the fold: they never become `.grad`, and a staging
+buffer it reads is reused only once it is done with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 from torch import nn
@@ -29,6 +32,13 @@ class GradSink:
         # Called with a layer's params once their grads are accumulated on the host
         # (data parallelism starts that layer's all-reduce there).
         self.ready_hooks: list[Callable[[list[nn.Parameter]], None]] = []
+        #: Called with a layer's params and landed grads before they are folded: a Future
+        #: (done once it no longer reads the grads) when it takes them instead of `.grad`,
+        #: None to leave them to the fold (`grad_reduce.ShareReducer.take`).
+        self.taker: Callable[[list[nn.Parameter], list[torch.Tensor]],
+                             Future[None] | None] | None = None
+        # staging slot -> the taker still reading what landed there
+        self._taken: dict[int, Future[None]] = {}
         #: The files of the layers whose gradients the plan homes on NVMe: a layer's
         #: folded `.grad` goes there once its norms are recorded (`grad_files.py`).
         self.files: NvmeGrads | None = None
@@ -53,6 +63,9 @@ class GradSink:
         slot = self._next
         self._next = 1 - self._next
         self._drain(slot)  # the host has read this staging's previous contents
+        if (taken := self._taken.pop(slot, None)) is not None:
+            with self._acct.stalled():
+                taken.result()  # and so has a taker (its error raised here)
         streams, staging, offset = self._streams, self._staging[slot], 0
         streams.claim(staging)
         with streams.copy_stream("d2h"), self._acct.timed_transfer("grads_d2h", nbytes):
@@ -61,6 +74,15 @@ class GradSink:
                 streams.keep_alive(g)
                 offset += g.numel()
             self._pending.append((slot, params, streams.record()))
+        if self.taker is not None:
+            self._fold_landed(keep=slot)
+
+    def _fold_landed(self, *, keep: int) -> None:
+        """Fold now the pending copies (but slot `keep`'s) that have completed, without
+        waiting: a taker's send of them has until their slot is reused, a layer later."""
+        for slot, _, event in list(self._pending):
+            if slot != keep and (event is None or event.query()):
+                self._drain(slot)
 
     def drain(self) -> None:
         """Fold every pending copy into the host gradients (end of a backward pass)."""
@@ -79,16 +101,21 @@ class GradSink:
                 offset += p.numel()
             nbytes = offset * staging.element_size()
             with self._acct.host_work("grads_fold", nbytes):
-                self.fold(params, grads, owned=False)
+                if (taken := self.fold(params, grads, owned=False)) is not None:
+                    self._taken[slot] = taken
             del self._pending[k]
             return
 
     def fold(self, params: list[nn.Parameter], grads: list[torch.Tensor], *,
-              owned: bool) -> None:
-        """Accumulate; `owned` grads are fresh autograd outputs that may become `.grad`."""
+              owned: bool) -> Future[None] | None:
+        """Accumulate; `owned` grads are fresh autograd outputs that may become `.grad`.
+        Returns the taker's Future where it took them instead."""
         if not params:
-            return
+            return None
         layer = self.files.layer_of(params) if self.files is not None else None
+        if self.taker is not None and layer is None \
+                and (taken := self.taker(params, grads)) is not None:
+            return taken
         if layer is not None:  # an earlier micro-batch's gradients, from the file
             self.files.restore(layer)
         for p, g in zip(params, grads, strict=True):
@@ -105,6 +132,7 @@ class GradSink:
             hook(params)
         if layer is not None:
             self.files.spill(layer)
+        return None
 
     def owned_grad(self, p: nn.Parameter) -> torch.Tensor:
         """`p`'s host gradient storage, allocated once and reused each step after the
@@ -143,4 +171,5 @@ class GradSink:
         if self._staging:
             self._acct.free("host_pinned", self._staging_bytes)
         self._staging = []
+        self._taken.clear()  # the reduce has ended: `ShareReducer.finish`
         self._grads.clear()
