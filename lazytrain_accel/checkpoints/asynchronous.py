@@ -6,7 +6,8 @@ returns. A writer walks the update groups its own rank's update changes (0: inpu
 residents, j: layer j, L+1: output residents, then the tensors no update writes) and
 writes them straight from the tensors. Invariant: the next update of group g waits at g's
 gate (`StepCoordinator.save_gate`) until g's bytes are out of the tensors, so the
-checkpoint holds step k exactly and no copy of the state is made. Publication is the
+checkpoint holds step k exactly and no copy of the state is made (state homed on NVMe is
+copied from its layer's file, file to file). Publication is the
 atomic directory of `publication.py`, rank 0 renaming once every rank's mark is there.
 Design: docs/architecture.md "Checkpoints beside training"; docs/user_guide.md "8. Checkpoints".
 """
@@ -30,6 +31,7 @@ from torch import nn
 from lazytrain_accel.checkpoints import direct, layout
 from lazytrain_accel.checkpoints import publication as pub
 from lazytrain_accel.checkpoints import share_format as fmt
+from lazytrain_accel.storage.direct_io import FileRange
 
 if TYPE_CHECKING:
     from lazytrain_accel.config import LazyTrainConfig
@@ -97,7 +99,9 @@ class PendingSave:
                  stack: contextlib.ExitStack | None, manifest: dict[str, Any] | None,
                  write_bytes_per_s: float, on_published: Callable[[], None],
                  read_layer: Callable[[int], Mapping[tuple[nn.Parameter, str | None],
-                                                     torch.Tensor]] | None = None) -> None:
+                                                     torch.Tensor]] | None = None,
+                 file_range: Callable[[nn.Parameter, str | None], FileRange | None]
+                 | None = None) -> None:
         self.final = final
         self._stack, self._tmp, self._tmp_inode = stack, tmp, tmp.stat().st_ino
         self._rank, self._world = rank, world
@@ -105,6 +109,7 @@ class PendingSave:
         self._rate = write_bytes_per_s
         self._on_published = on_published
         self._read_layer = read_layer
+        self._file_range = file_range
         self._written = [threading.Event() for _ in range(groups)]
         for g in set(range(groups)) - {e.group for e in entries}:
             self._written[g].set()  # this rank writes nothing of g: its update never waits
@@ -112,6 +117,7 @@ class PendingSave:
         self._lock = threading.Lock()
         self.update_waited_s = 0.0
         self.written_bytes = 0
+        self.copied_bytes = 0  # of them, copied file to file from the state on NVMe
         self.duration_s: float | None = None  # from start to publication
         #: The writer's own: wall seconds until every group was written (out of the
         #: tensors), then fsyncing the files, and the CPU seconds its thread used.
@@ -191,6 +197,8 @@ class PendingSave:
                 self._written[g].set()
             opened = max(opened, entry.group)
             tensor = entry.tensor
+            if entry.source is not None and self._copy(handles[entry.file], entry):
+                continue
             if entry.source is not None:  # its layer's file, read once (one layer's DRAM)
                 if read[0] != entry.group:
                     read = (entry.group, self._read_layer(entry.group))
@@ -199,18 +207,39 @@ class PendingSave:
         for event in self._written:  # every byte is out of the tensors (staged or written)
             event.set()
 
+    def _copy(self, f: direct.DirectFile, entry: _Entry) -> bool:
+        """Append `entry`'s bytes from its layer's file on NVMe, file to file
+        (`DirectFile.copy_from`), where they are the bytes the checkpoint holds; False
+        where not (a cast to the export dtype: read through DRAM instead)."""
+        where = None if self._file_range is None else self._file_range(*entry.source)
+        if where is None or where.dtype != layout.export_dtype(entry.tensor, entry.dtype):
+            return False
+        source = os.open(where.path, os.O_RDONLY)
+        try:
+            for start in range(0, where.nbytes, _CHUNK_BYTES):
+                n = f.copy_from(source, where.offset_bytes + start,
+                                min(_CHUNK_BYTES, where.nbytes - start))
+                self.copied_bytes += n
+                self._count(n)
+        finally:
+            os.close(source)
+        return True
+
     def _write(self, f: direct.DirectFile, tensor: torch.Tensor, dtype: torch.dtype | None
                ) -> None:
         data = layout.tensor_bytes(tensor, dtype)
         for start in range(0, len(data), _CHUNK_BYTES):
             chunk = data[start:start + _CHUNK_BYTES]
             f.write(chunk)
-            self.written_bytes += len(chunk)
-            if self._rate > 0:  # a throttled writer (setting): keep to the rate
-                ahead_s = (self.written_bytes / self._rate
-                           - (time.perf_counter() - self._start_s))
-                if ahead_s > 0:
-                    time.sleep(ahead_s)
+            self._count(len(chunk))
+
+    def _count(self, nbytes: int) -> None:
+        """`nbytes` more written; a throttled writer (setting) keeps to its rate."""
+        self.written_bytes += nbytes
+        if self._rate > 0:
+            ahead_s = self.written_bytes / self._rate - (time.perf_counter() - self._start_s)
+            if ahead_s > 0:
+                time.sleep(ahead_s)
 
     def _wait_for_ranks(self) -> None:
         """Rank 0: until every other rank has marked its files written; raise the first
@@ -339,7 +368,8 @@ def start_save(accelerator: CheckpointedAccelerator, final: Path,
     return PendingSave(final=final, tmp=tmp, rank=rank, world=world, groups=len(groups),
                        files=files, entries=entries, stack=stack, manifest=manifest,
                        write_bytes_per_s=plugin.checkpoint_write_bytes_per_s,
-                       on_published=on_published, read_layer=engine.masters.read_values)
+                       on_published=on_published, read_layer=engine.masters.read_values,
+                       file_range=engine.masters.file_range)
 
 
 def _part(model: nn.Module, optimizer: torch.optim.Optimizer,

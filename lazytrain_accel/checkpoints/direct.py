@@ -7,15 +7,16 @@ the device's block, so every byte goes through `Staging` (one page-aligned buffe
 `STAGING_BYTES` that a writer's files share); a file's tail past its last whole block
 waits there until `finish` writes it padded and truncates the file to its length. Where
 the file system refuses `O_DIRECT` (tmpfs, some FUSE) the same writes go through the page
-cache. The primitives (aligned buffers, the `O_DIRECT` open and its fallbacks) are
-`storage/direct_io.py`'s. Memory: `STAGING_BYTES` per writer, whatever the checkpoint's
-size. Why: docs/architecture.md "Checkpoints beside training"; figures: docs/
-benchmarks.md "Checkpoints".
+cache. `copy_from` appends a range of another file file to file (`copy_file_range(2)`).
+Primitives: `storage/direct_io.py`. Memory: `STAGING_BYTES` per writer, whatever the
+checkpoint's size. Why: docs/architecture.md "Checkpoints beside training"; figures:
+docs/benchmarks.md "Checkpoints".
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 from pathlib import Path
 
@@ -50,7 +51,9 @@ class DirectFile:
     `close` as for any file."""
 
     def __init__(self, path: Path, staging: Staging) -> None:
+        self._path = path
         self._fd = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self._copy_fd: int | None = None  # the same file without O_DIRECT: `copy_from`
         self._staging = staging
         self._offset_bytes = 0  # on the disk: whole blocks, the staging buffer's start
         self._tail = b""  # bytes past them, while another file holds the staging buffer
@@ -77,6 +80,25 @@ class DirectFile:
                 self._write_blocks(len(staging.view))
         return size
 
+    def copy_from(self, source: int, offset_bytes: int, nbytes: int) -> int:
+        """Append `nbytes` of the file open as `source` from `offset_bytes`, file to file:
+        the whole blocks between this file's next block boundary and the last one by the
+        kernel (`copy_file_range(2)`; `sendfile(2)` where the two file systems refuse it),
+        never through this process; the bytes before and after them (under a block each)
+        through the staging buffer. Returns `nbytes`."""
+        staging = self._take_staging()
+        head = min(-(self._offset_bytes + staging.filled_bytes) % BLOCK_BYTES, nbytes)
+        whole = (nbytes - head) // BLOCK_BYTES * BLOCK_BYTES
+        self.write(_pread(source, head, offset_bytes))
+        if whole:
+            self._write_blocks(self._take_staging().filled_bytes)  # whole blocks: all
+            if self._copy_fd is None:
+                self._copy_fd = os.open(self._path, os.O_WRONLY)
+            copy_range(source, offset_bytes + head, self._copy_fd, self._offset_bytes, whole)
+            self._offset_bytes += whole
+        self.write(_pread(source, nbytes - head - whole, offset_bytes + head + whole))
+        return nbytes
+
     def finish(self) -> None:
         """Write the bytes still staged (the last block padded with zeros) and set the
         file's length to the bytes written."""
@@ -95,6 +117,8 @@ class DirectFile:
     def close(self) -> None:
         if self._staging.owner is self:
             self._staging.owner = None
+        if self._copy_fd is not None:
+            os.close(self._copy_fd)
         os.close(self._fd)
 
     def __enter__(self) -> DirectFile:
@@ -132,3 +156,39 @@ class DirectFile:
         rest = staging.filled_bytes - size_bytes
         staging.view[:rest] = staging.view[size_bytes:staging.filled_bytes]
         staging.filled_bytes = rest
+
+
+def _pread(fd: int, nbytes: int, offset_bytes: int) -> bytes:
+    data = os.pread(fd, nbytes, offset_bytes) if nbytes else b""
+    if len(data) != nbytes:
+        raise OSError(errno.EIO, f"read {len(data)} of {nbytes} bytes at {offset_bytes}: "
+                                 "the source file is shorter than the range to copy")
+    return data
+
+
+def copy_range(source: int, source_offset_bytes: int, target: int, target_offset_bytes: int,
+               nbytes: int) -> None:
+    """Copy `nbytes` from `source` at `source_offset_bytes` to `target` at
+    `target_offset_bytes` inside the kernel: `copy_file_range(2)` (a reflink where the
+    file system shares blocks), else `sendfile(2)` where the two files' file systems
+    refuse it (EXDEV across some mounts, EINVAL, EOPNOTSUPP, ENOSYS)."""
+    done = 0
+    try:
+        while done < nbytes:
+            n = os.copy_file_range(source, target, nbytes - done, source_offset_bytes + done,
+                                   target_offset_bytes + done)
+            if n == 0:
+                raise OSError(errno.EIO, f"copied {done} of {nbytes} bytes: the source "
+                                         "file is shorter than the range to copy")
+            done += n
+        return
+    except OSError as err:
+        if err.errno not in (errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
+    os.lseek(target, target_offset_bytes + done, os.SEEK_SET)
+    while done < nbytes:
+        n = os.sendfile(target, source, source_offset_bytes + done, nbytes - done)
+        if n == 0:
+            raise OSError(errno.EIO, f"copied {done} of {nbytes} bytes: the source file "
+                                     "is shorter than the range to copy")
+        done += n

@@ -53,6 +53,17 @@ _REMEDIES = {
 }
 
 
+@dataclass(frozen=True)
+class FileRange:
+    """Where a tensor's bytes lie in a file: a layer's state file on NVMe
+    (`NvmeMasters.file_range`), which a checkpoint copies file to file."""
+
+    path: Path
+    offset_bytes: int
+    nbytes: int
+    dtype: torch.dtype
+
+
 class StateIOError(OSError):
     """An `OSError` of a direct read or write, with the file, the operation, errno's text
     and what to do in its message."""

@@ -191,32 +191,56 @@ def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint(tmp_path: Pa
     assert any(left for _, left in found), (seed, found)  # some kill landed mid-save
 
 
-def test_a_writer_error_keeps_the_previous_checkpoint_and_frees_the_updates(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _accelerator(masters: SimpleNamespace) -> tuple[SimpleNamespace, list]:
     model = tiny_model()
     optimizer = HybridAdamW8bit(model.parameters(), lr=1e-2)
     groups = [list(model.parameters())[:3], list(model.parameters())[3:]]
     plugin = SimpleNamespace(checkpoint_dtype="auto", checkpoint_max_shard_bytes=10**9,
                              checkpoint_write_bytes_per_s=0.0)
-    masters = SimpleNamespace(in_file=lambda param, name: None,  # all in DRAM
-                              read_values=lambda layer: {})
     acc = SimpleNamespace(lazytrain=SimpleNamespace(
         engine=SimpleNamespace(steps=SimpleNamespace(update_groups=groups, peers=None, remote=None),
                                masters=masters),
         model=model, optimizer=optimizer), lazytrain_plugin=plugin, step=1)
+    return acc, groups
+
+
+@pytest.mark.parametrize("failing", ["write", "copy_file_range"])
+def test_a_writer_error_keeps_the_previous_checkpoint_and_frees_the_updates(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+        monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
+    """A full drive at a write through the staging buffer, or at a copy file to file of
+    state homed on NVMe (issue 44 item 4: here the first group's masters, in a file)."""
+    homed: dict[object, async_checkpoint.FileRange] = {}
+    masters = SimpleNamespace(in_file=lambda param, name: 1 if param in homed and name is None
+                              else None, read_values=lambda layer: {},
+                              file_range=lambda param, name: homed.get(param))
+    acc, groups = _accelerator(masters)
     final = tmp_path / "ckpt"
     final.mkdir()
     (final / "previous.txt").write_text("kept")
-    calls = {"n": 0}
-    stock_bytes = async_checkpoint.layout.tensor_bytes
+    if failing == "write":
+        calls = {"n": 0}
+        stock_bytes = async_checkpoint.layout.tensor_bytes
 
-    def failing(tensor: torch.Tensor, dtype: torch.dtype | None) -> memoryview:
-        calls["n"] += 1
-        if calls["n"] == 4:
+        def fail_fourth(tensor: torch.Tensor, dtype: torch.dtype | None) -> memoryview:
+            calls["n"] += 1
+            if calls["n"] == 4:
+                raise OSError(28, "No space left on device")
+            return stock_bytes(tensor, dtype)
+
+        monkeypatch.setattr(async_checkpoint.layout, "tensor_bytes", fail_fourth)
+    else:
+        state = tmp_path_factory.mktemp("nvme") / "optim-1.bin"
+        with open(state, "wb") as f:  # the first group's fp32 masters, back to back
+            for p in groups[0]:
+                homed[p] = async_checkpoint.FileRange(state, f.tell(), 4 * p.numel(),
+                                                      torch.float32)
+                f.write(p.detach().numpy().tobytes())
+
+        def full(*_: object) -> int:
             raise OSError(28, "No space left on device")
-        return stock_bytes(tensor, dtype)
 
-    monkeypatch.setattr(async_checkpoint.layout, "tensor_bytes", failing)
+        monkeypatch.setattr(async_checkpoint.direct.os, "copy_file_range", full)
     pending = async_checkpoint.start_save(acc, final, lambda d: None, on_published=lambda: None)
     with pytest.raises(RuntimeError, match=r"previous checkpoint .* kept: OSError.*No space"):
         pending.wait()

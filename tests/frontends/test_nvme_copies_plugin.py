@@ -7,6 +7,7 @@ next forward or run at the step."""
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -165,19 +166,30 @@ def test_masters_homed_on_nvme_by_the_plan_train_save_and_resume_as_in_dram(
         torch.testing.assert_close(resumed_params[name], value, rtol=0, atol=0, msg=name)
 
 
-def test_a_save_reads_the_layers_homed_on_nvme_one_at_a_time(tmp_path: Path,
-                                                              monkeypatch) -> None:
-    """The checkpoint of a run with masters and moments on NVMe never brings them all back
-    into DRAM: its writer reads each homed layer's file once, in order, as it reaches that
-    layer (`asynchronous.PendingSave`), and writes the same checkpoint (the resume test
-    above loads one)."""
+def test_a_save_copies_the_state_homed_on_nvme_file_to_file(tmp_path: Path,
+                                                             monkeypatch) -> None:
+    """The checkpoint of a run with masters and moments on NVMe never brings them back
+    into DRAM (issue 44 item 4): its writer copies each homed tensor from its layer's file
+    into the checkpoint's, file to file (`DirectFile.copy_from`, `copy_file_range(2)`),
+    reading none of them, and writes the same checkpoint (the resume test above loads
+    one)."""
+    from lazytrain_accel.checkpoints.direct import DirectFile
     from lazytrain_accel.engine.core.engine import StreamingEngine
     from lazytrain_accel.engine.memory.optimizer_files import NvmeMasters
 
-    reads: list[int] = []
+    reads: list[int] = []  # by the save's writer (the state dict after it reads on this thread)
     read_values = NvmeMasters.read_values
-    monkeypatch.setattr(NvmeMasters, "read_values",
-                        lambda self, layer: reads.append(layer) or read_values(self, layer))
+
+    def read(self: NvmeMasters, layer: int) -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            reads.append(layer)
+        return read_values(self, layer)
+
+    monkeypatch.setattr(NvmeMasters, "read_values", read)
+    copied: list[int] = []
+    copy_from = DirectFile.copy_from
+    monkeypatch.setattr(DirectFile, "copy_from", lambda self, source, offset, nbytes: (
+        copied.append(nbytes) or copy_from(self, source, offset, nbytes)))
 
     def whole(*_: object) -> None:
         raise AssertionError("the save brought every homed layer into DRAM")
@@ -185,5 +197,10 @@ def test_a_save_reads_the_layers_homed_on_nvme_one_at_a_time(tmp_path: Path,
     monkeypatch.setattr(StreamingEngine, "masters_in_dram", whole)
     _, _, _, state = _steps(tmp_path, _masters_budget_gb(), save_after=1)
     homed = sorted(state.optimizer)
-    assert reads[:len(homed)] == homed  # then the state dict's reads, after the save
+    assert homed and reads == []  # none read by the save
+    model = _build("llama", LAYERS)
+    layer_params = [p for p in model.model.layers[0].parameters()]
+    # per homed layer: each fp32 master, and its two 8-bit moments (with their scales)
+    masters = sum(4 * p.numel() for p in layer_params)
+    assert sum(copied) > len(homed) * masters
     assert (tmp_path / "ckpt" / "model.safetensors").is_file()

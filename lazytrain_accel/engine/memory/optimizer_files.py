@@ -32,7 +32,12 @@ from lazytrain_accel.engine.memory.layer_files import LayerFiles
 from lazytrain_accel.engine.memory.state_io import StateIO
 from lazytrain_accel.engine.stats import Accounting
 from lazytrain_accel.planning.state import STATE_STAGING_GROUPS
-from lazytrain_accel.storage.direct_io import BLOCK_BYTES, StateIOError, aligned_empty
+from lazytrain_accel.storage.direct_io import (
+    BLOCK_BYTES,
+    FileRange,
+    StateIOError,
+    aligned_empty,
+)
 
 #: The optimizer state entries that stay in DRAM (a step count: one number).
 KEPT_IN_DRAM = ("step",)
@@ -227,6 +232,18 @@ class NvmeMasters:
         layer = self._layer_of.get(param)
         layout = self._evicted.get(layer) if layer is not None else None
         return layer if layout is not None and layout.holds(param, name) else None
+
+    def file_range(self, param: nn.Parameter, name: str | None) -> FileRange | None:
+        """Where `param`'s master (`name` None) or its state `name` lies in its layer's
+        file, once that file's last write is on the drive (a checkpoint copies it from
+        there, file to file); None where it is in DRAM."""
+        layer = self.in_file(param, name)
+        if layer is None:
+            return None
+        entry = next(e for e in self._evicted[layer].entries
+                     if e.param is param and e.name == name)
+        self._files.wait_written(layer)
+        return FileRange(self._files.path(layer), entry.offset, entry.nbytes, entry.dtype)
 
     def read_values(self, layer: int) -> dict[tuple[nn.Parameter, str | None], torch.Tensor]:
         """Layer `layer`'s masters (name None) and state tensors by (parameter, name), read
