@@ -8,7 +8,8 @@ of its own, its `optimizer_share_<r>.safetensors`, the manifest; no `optimizer.p
 (`checkpoint_mode="async"`, the default with the layer-wise update): `_save_checkpoint`
 writes the stock files of the save's step, starts the writer `save_state` uses
 (`checkpoints/asynchronous.py`) and returns. `save_only_model`, a model that is not a
-`PreTrainedModel` or `checkpoint_mode="sync"`: synchronous, the log line says why.
+`PreTrainedModel` or `checkpoint_mode="sync"`: synchronous, the log line says why (the
+last, with state homed on NVMe: that writer, waited for; it copies the state's files).
 Docs: docs/trainer.md "Checkpoints", docs/user_guide.md "8. Checkpoints".
 """
 
@@ -40,6 +41,10 @@ _SAVE_LOGGERS = ("transformers.trainer", "transformers.modeling_utils",
                  "transformers.generation.configuration_utils")
 
 
+#: `_synchronous_because` for a Trainer set to save synchronously.
+SYNC_SETTING = "checkpoint_mode='sync'"
+
+
 def make_checkpoints_atomic(trainer: Trainer) -> None:
     """Route this Trainer instance's `_save_checkpoint` through a staging folder, or
     beside training (module docstring); the end of `train()` waits for a pending save."""
@@ -54,6 +59,16 @@ def make_checkpoints_atomic(trainer: Trainer) -> None:
         if synchronous_because is None:
             return _save_beside_training(trainer, stock_save, model, trial, args, kwargs)
         start_s = time.perf_counter()
+        if synchronous_because == SYNC_SETTING and accelerator.lazytrain.engine is not None \
+                and accelerator.lazytrain.engine.masters.layers:
+            # state homed on NVMe: the writer copies it from its files, waited for here,
+            # where the stock save would bring it all back into DRAM
+            _save_beside_training(trainer, stock_save, model, trial, args, kwargs)
+            accelerator.lazytrain_wait_for_checkpoint()
+            logger.info("lazytrain: checkpoint written (sync, %.2f s: %s; the state homed on "
+                        "NVMe copied from its files)", time.perf_counter() - start_s,
+                        synchronous_because)
+            return None
         lazytrain = getattr(accelerator, "lazytrain", None)
         with lazytrain.masters_in_dram() if lazytrain is not None else contextlib.nullcontext():
             final = _save_synchronously(trainer, stock_save, model, trial, args, kwargs)
@@ -77,7 +92,7 @@ def _synchronous_because(trainer: Trainer) -> str | None:
     if getattr(accelerator, "lazytrain", None) is None:
         return "no LazyTrain engine"
     if accelerator.lazytrain_plugin.checkpoint_mode != "async":
-        return "checkpoint_mode='sync'"
+        return SYNC_SETTING
     if not accelerator.lazytrain_saves_async():
         return ("the update runs inline (optimizer='keep', overlap_step=False, or "
                 "overlap_step='auto' on a CPU device), so no per-layer wait can order it "

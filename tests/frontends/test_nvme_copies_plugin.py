@@ -97,7 +97,7 @@ def test_a_resume_with_state_on_nvme_continues_as_the_run_that_saved(tmp_path: P
     losses, _, params, state = _steps(tmp_path, budget_gb, save_after=1)
     resumed, _, resumed_params, resumed_state = _steps(tmp_path, budget_gb, resume=True)
     assert state.grads and state.copies and resumed_state == state
-    assert resumed == losses[2:]
+    assert len(losses) == 4 and resumed[-2:] == losses[2:]  # (its log holds steps 1-2 too)
     for name, value in params.items():
         torch.testing.assert_close(resumed_params[name], value, rtol=0, atol=0, msg=name)
 
@@ -204,3 +204,48 @@ def test_a_save_copies_the_state_homed_on_nvme_file_to_file(tmp_path: Path,
     masters = sum(4 * p.numel() for p in layer_params)
     assert sum(copied) > len(homed) * masters
     assert (tmp_path / "ckpt" / "model.safetensors").is_file()
+
+
+def _trainer_run(out: Path, tmp_path: Path, budget_gb: float, *, resume: bool = False
+                 ) -> tuple[list[float], object]:
+    """Four steps of the Trainer (bf16, `checkpoint_mode="sync"`, a save at step 2), or
+    the last two from that save; (the logged losses, the plan's state homes)."""
+    from transformers import TrainingArguments
+
+    from lazytrain_accel.frontends.transformers import LazyTrainTrainer
+
+    torch.manual_seed(0)
+    args = TrainingArguments(output_dir=str(out), use_cpu=True, bf16=True, report_to="none",
+                             max_steps=4, save_steps=2, logging_steps=1, disable_tqdm=True,
+                             per_device_train_batch_size=2, seed=0, learning_rate=1e-2,
+                             max_grad_norm=0.5, dataloader_drop_last=True)
+    trainer = LazyTrainTrainer(
+        model=_build("llama", LAYERS).eval(), args=args, train_dataset=_loader().dataset,
+        lazytrain_config={"plan": "checkpoint_all", "hardware": "h800",
+                          "resident_update": "host", "cache_dir": str(tmp_path / "c"),
+                          "nvme_dir": str(tmp_path / "n"), "cpu_memory_limit_gb": budget_gb,
+                          "checkpoint_mode": "sync"})
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2") if resume else None)
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    return losses, trainer.accelerator.lazytrain.run.plan.state
+
+
+def test_a_blocking_trainer_save_copies_the_state_homed_on_nvme(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """The Trainer's blocking save (`checkpoint_mode="sync"`) of a run whose plan homes
+    masters and moments on NVMe goes through the checkpoint writer, waited for, which
+    copies them from their files (`save_state` does the same): the stock save brought the
+    whole homed state back into DRAM. The checkpoint resumes the last two steps exactly."""
+    from lazytrain_accel.engine.core.engine import StreamingEngine
+
+    def whole(*_: object) -> None:
+        raise AssertionError("the save brought every homed layer into DRAM")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(StreamingEngine, "masters_in_dram", whole)
+        losses, state = _trainer_run(tmp_path / "out", tmp_path / "a", _masters_budget_gb())
+    assert state.optimizer, state
+    assert (tmp_path / "out" / "checkpoint-2" / "model.safetensors").is_file()
+    resumed, _ = _trainer_run(tmp_path / "out", tmp_path / "b", _masters_budget_gb(),
+                              resume=True)
+    assert len(losses) == 4 and resumed[-2:] == losses[2:]  # (its log holds steps 1-2 too)
