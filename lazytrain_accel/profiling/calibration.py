@@ -19,10 +19,12 @@ from dataclasses import dataclass, field, replace
 
 from lazytrain_accel.profiling.hardware import HardwareProfile
 
-#: The engine's transfer kinds (engine/stats.py `TRANSFER_KINDS`) that cross each link.
+#: The engine's transfer kinds (engine/stats.py `TRANSFER_KINDS`) that cross each link:
+#: the drive's, the boundaries' hops and the host state's I/O (each its busy time).
 LINK_KINDS: dict[str, tuple[str, ...]] = {
     "h2d": ("h2d", "weights_h2d"), "d2h": ("d2h", "grads_d2h"),
-    "nvme_read": ("nvme_read",), "nvme_write": ("nvme_write",),
+    "nvme_read": ("nvme_read", "state_nvme_read"),
+    "nvme_write": ("nvme_write", "state_nvme_write"),
 }
 #: The host's work per transfer (engine/stats.py `HOST_WORK_KINDS`) behind each rate.
 HOST_WORK_RATES: dict[str, str] = {"host_stage": "weights_stage", "host_fold": "grads_fold"}

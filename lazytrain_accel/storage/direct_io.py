@@ -25,7 +25,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -301,10 +301,15 @@ class DirectIO:
     other users bounds the memory of all of them together."""
 
     def __init__(self, workers: int = DEFAULT_WORKERS, *,
-                 pool: AlignedBufferPool | None = None) -> None:
+                 pool: AlignedBufferPool | None = None,
+                 pace: Callable[[str, int], contextlib.AbstractContextManager[None]]
+                 | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers}: direct I/O needs at least one thread")
         self.pool = pool or AlignedBufferPool(CHUNK_BYTES, workers)
+        #: brackets each chunk's transfer with its link ("nvme_read", "nvme_write") and
+        #: bytes: an emulated device's drive throttles there (`EmulatedStreams.io_link`)
+        self._pace = pace
         self._executor = ThreadPoolExecutor(max_workers=workers,
                                             thread_name_prefix="lazytrain-direct-io")
         self._closed = False
@@ -366,7 +371,10 @@ class DirectIO:
             if transfer.error is None:  # after one chunk failed the rest is moot
                 end = min(start + self.pool.buffer_bytes, transfer.layout.total_bytes)
                 move = _write_chunk if transfer.writing else _read_chunk
-                move(transfer, start, end, self.pool)
+                link = "nvme_write" if transfer.writing else "nvme_read"
+                with contextlib.nullcontext() if self._pace is None \
+                        else self._pace(link, end - start):
+                    move(transfer, start, end, self.pool)
         except Exception as err:  # settled on the future, whatever it was
             error = err
         transfer.chunk_done(error)

@@ -86,6 +86,24 @@ def test_throttled_links_take_bytes_over_rate():
     assert time.perf_counter() - start >= 0.1
 
 
+def test_io_threads_share_a_throttled_drives_clock():
+    """Two I/O threads (the host state's) on one throttled link take the bytes of both over
+    the rate, as one drive serving them in turn, not each its own drive."""
+    streams = _slow(nvme_read=1e6)
+
+    def transfer() -> None:
+        with streams.io_link("nvme_read", 50_000):  # 50 KB at 1 MB/s
+            pass
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=transfer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.perf_counter() - start >= 0.1
+
+
 def test_copies_queued_back_to_back_stream_at_the_link_rate_however_late_the_worker_wakes(
         monkeypatch):
     """Each queued copy's pieces are due when the copy before it was due to end: the

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import errno
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -215,6 +216,9 @@ def test_a_failed_master_write_names_its_file_and_detach_still_cleans_up(tmp_pat
         engine.step_layerwise(opt)
         engine.synchronize()
         opt.zero_grad()
+    written = threading.Event()  # the write behind the update has run (and failed): on
+    engine.masters._files.when_written(2, written.set)  # the emulated drive, after a jitter
+    assert written.wait(timeout=30)
     monkeypatch.undo()
     model(input_ids=ids, labels=ids).loss.backward()
     with pytest.raises(RuntimeError, match="layer-wise optimizer update failed") as failed:

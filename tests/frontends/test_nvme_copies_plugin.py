@@ -249,3 +249,43 @@ def test_a_blocking_trainer_save_copies_the_state_homed_on_nvme(tmp_path: Path,
     resumed, _ = _trainer_run(tmp_path / "out", tmp_path / "b", _masters_budget_gb(),
                               resume=True)
     assert len(losses) == 4 and resumed[-2:] == losses[2:]  # (its log holds steps 1-2 too)
+
+
+def test_a_drive_slower_than_its_profile_shows_in_the_states_io(tmp_path: Path) -> None:
+    """Issue 44 item 6: the emulated drive runs at 1/500 of the profile's NVMe rates; the
+    state homed there crosses it (each chunk throttled on the drive's one clock), and the
+    rates the re-planner calibrates from a run's transfers (`calibration.step_rates`: the
+    boundaries' hops and the state's I/O, each its busy time) read the slower drive, which
+    the drift rule then compares with the plan's."""
+    import dataclasses
+
+    from lazytrain_accel.profiling.calibration import StepSample, step_rates
+
+    h800 = HARDWARE_PRESETS["h800"]
+    drive_bytes_per_s = 2e7
+    assert h800.nvme_read_bytes_per_s > 100 * drive_bytes_per_s
+    links = tmp_path / "links.json"
+    dataclasses.replace(h800, nvme_read_bytes_per_s=drive_bytes_per_s,
+                        nvme_write_bytes_per_s=drive_bytes_per_s).save(links)
+    model = _build("llama", LAYERS).eval()
+    acc = Accelerator(cpu=True, mixed_precision="bf16", plugin=LazyTrainPlugin(
+        plan="checkpoint_all", hardware="h800", resident_update="host",
+        cache_dir=str(tmp_path / "c"), nvme_dir=str(tmp_path / "n"),
+        cpu_memory_limit_gb=_masters_budget_gb(), emulate_async=True,
+        emulate_links=str(links)))
+    model, opt = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=1e-2))
+    assert acc.lazytrain.run.plan.state.optimizer
+    for k, batch in enumerate(_loader()):
+        if k == 3:
+            break
+        acc.backward(model(**batch).loss)
+        opt.step()
+        opt.zero_grad()
+    stats = acc.lazytrain.engine.total_stats()
+    acc.end_training()
+    assert stats.transfer_bytes["state_nvme_read"] > 0
+    rates = step_rates(StepSample(
+        transfer_s=stats.transfer_s, transfer_bytes=stats.transfer_bytes, layer_compute_s=0.0,
+        layer_flops=0.0, optimizer_update_s=0.0, updated_param_count=0))
+    for link in ("nvme_read", "nvme_write"):  # the throttle, less the requests' own time
+        assert 0.5 * drive_bytes_per_s <= rates[link] <= 1.05 * drive_bytes_per_s, (link, rates)

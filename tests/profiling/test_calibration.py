@@ -34,6 +34,17 @@ def test_a_link_rate_sums_its_kinds_and_skips_what_the_step_barely_used() -> Non
     assert rates["compute"] == pytest.approx(4e9) and rates["host_update"] == pytest.approx(1e7)
 
 
+def test_the_drive_rates_count_the_host_states_io_beside_the_boundaries() -> None:
+    """Issue 44: the state homed on NVMe crosses the same drive as the boundaries' hops, so
+    a drive slower than its profile shows in either (each kind its busy seconds)."""
+    rates = step_rates(_sample(
+        transfer_s={"nvme_read": 0.01, "state_nvme_read": 0.03, "state_nvme_write": 0.02},
+        transfer_bytes={"nvme_read": 1_000_000, "state_nvme_read": 3_000_000,
+                        "state_nvme_write": 2_000_000}))
+    assert rates["nvme_read"] == pytest.approx(4e6 / 0.04)
+    assert rates["nvme_write"] == pytest.approx(2e6 / 0.02)  # the state's writes alone
+
+
 def test_the_median_ignores_one_outlier_and_settles_only_when_still() -> None:
     estimate = RateEstimate(window_steps=3, settle_steps=2, tolerance=0.2)
     for value in (100.0, 5.0, 100.0):  # one step slowed by something else

@@ -182,7 +182,7 @@ class StreamingEngine:
         self.acct = Accounting(clock=self.streams)  # device work timed where it runs
         self.spill = NvmeSpill(nvme_dir, self.acct, streams=self.streams)
         #: The one direct-I/O of the state files (compute copies, gradients) on NVMe.
-        self.state_io = StateIO(self.acct)
+        self.state_io = StateIO(self.acct, pace=self.streams.io_link)
         trainable = [[p for p in ps if p.requires_grad] for ps in self._layer_params]
         max_numel = max((sum(p.numel() for p in ps) for ps in trainable), default=1)
         self.sink = GradSink(streams=self.streams, accounting=self.acct,

@@ -216,6 +216,8 @@ class EmulatedStreams:
                                        settings.jitter_s) for link in ("h2d", "d2h")}
         self._io_rngs = {link: random.Random(f"{settings.seed}:{link}")
                          for link in ("nvme_read", "nvme_write")}
+        self._io_lock = threading.Lock()  # the I/O threads share the links' clocks
+        self._io_busy_until: dict[str, float] = {}  # per link: when its last transfer ends
         self._local = threading.local()
         self._host_seen = dict.fromkeys(self._workers, 0)  # newest op the host waited for
         self._last_use: dict[int, tuple[str, int]] = {}  # storage -> (link, op) last using it
@@ -310,14 +312,21 @@ class EmulatedStreams:
 
     @contextmanager
     def io_link(self, link: IoLink, nbytes: int) -> Iterator[None]:
-        """On the spill's single I/O thread: jitter before, throttle to the link's rate."""
+        """On an I/O thread (the spill's, the host state's): jitter before; throttled, the
+        transfer ends no sooner than the link can carry `nbytes` after its previous one
+        (one clock per link, whatever the thread: a drive serves its requests in turn)."""
         if self.settings.jitter_s:
-            time.sleep(self._io_rngs[link].random() * self.settings.jitter_s)
+            with self._io_lock:
+                jitter_s = self._io_rngs[link].random() * self.settings.jitter_s
+            time.sleep(jitter_s)
         start = time.perf_counter()
         yield
         rate = self.settings.link_bytes_per_s.get(link)
         if rate:
-            _sleep_until(start + nbytes / rate)
+            with self._io_lock:
+                end_s = self._io_busy_until[link] = (
+                    max(start, self._io_busy_until.get(link, 0.0)) + nbytes / rate)
+            _sleep_until(end_s)
 
     def set_link_rate(self, link: str, bytes_per_s: float | None) -> None:
         """Throttle `link` ("h2d", "d2h", "nvme_read", "nvme_write") to `bytes_per_s` from

@@ -83,7 +83,7 @@ class Streams(Protocol):
         ...
 
     def io_link(self, link: IoLink, nbytes: int) -> AbstractContextManager[None]:
-        """Bracket one NVMe transfer of `nbytes` on the spill's I/O thread."""
+        """Bracket one NVMe transfer of `nbytes` on an I/O thread (the spill's, the state's)."""
         ...
 
     def start_interval(self) -> Callable[[], Interval]:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -31,8 +32,11 @@ EITHER = "state_nvme"
 class StateIO:
     """Reads and writes of state files, counted in `accounting` as `READ` / `WRITE`."""
 
-    def __init__(self, accounting: Accounting) -> None:
+    def __init__(self, accounting: Accounting, *,
+                 pace: Callable[[str, int], AbstractContextManager[None]] | None = None
+                 ) -> None:
         self._acct = accounting
+        self._pace = pace  # each chunk on its link: an emulated drive's throttle
         self._io: DirectIO | None = None  # its threads start with the first request
         self._lock = threading.Lock()
         self._in_flight = {READ: 0, WRITE: 0, EITHER: 0}
@@ -54,7 +58,7 @@ class StateIO:
 
     def _start(self, kind: str, path: Path, tensors: Sequence[torch.Tensor]) -> Future[None]:
         if self._io is None:
-            self._io = DirectIO(workers=STATE_IO_WORKERS)
+            self._io = DirectIO(workers=STATE_IO_WORKERS, pace=self._pace)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self._event(kind, +1, 0)
         start = self._io.write_tensors if kind == WRITE else self._io.read_tensors
