@@ -30,12 +30,18 @@ def test_interleaved_files_hold_exactly_what_was_appended(tmp_path: Path) -> Non
         files[name].write(memoryview(data))
         expected[name] += data.tobytes()
         data[:] = 0  # the caller's buffer may change once write returns
+    _assert_files_hold(tmp_path, files, expected)
+
+
+def _assert_files_hold(folder: Path, files: dict[str, DirectFile],
+                       expected: dict[str, bytearray]) -> None:
+    """Finish and close `files`, then check each holds exactly its `expected` bytes."""
     for f in files.values():
         f.finish()
         f.fsync()
         f.close()
     for name, content in expected.items():
-        assert (tmp_path / name).read_bytes() == bytes(content), name
+        assert (folder / name).read_bytes() == bytes(content), name
 
 
 def test_an_empty_file_stays_empty(tmp_path: Path) -> None:
@@ -111,12 +117,7 @@ def test_ranges_copied_file_to_file_interleave_with_writes_exactly(
             copied += nbytes
     finally:
         os.close(source)
-    for f in files.values():
-        f.finish()
-        f.fsync()
-        f.close()
-    for name, content in expected.items():
-        assert (tmp_path / name).read_bytes() == bytes(content), name
+    _assert_files_hold(tmp_path, files, expected)
     if kernel_copy == "copy_file_range":
         assert all(at % BLOCK_BYTES == 0 and n % BLOCK_BYTES == 0 for at, n in kernel)
         assert sum(n for _, n in kernel) > copied // 2  # most of it, never a byte in DRAM
