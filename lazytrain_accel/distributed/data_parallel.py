@@ -107,22 +107,3 @@ def write_mean_grads(flat: torch.Tensor, params: list[nn.Parameter], world_size:
         n = p.grad.numel()
         p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
         offset += n
-
-
-def adopt_mean_grads(flat: torch.Tensor, params: list[nn.Parameter], world_size: int) -> None:
-    """`write_mean_grads` for parameters whose `.grad` was dropped once `flat` took it
-    (`grad_reduce.ShareReducer`): each `.grad` becomes a view of its slice of `flat`
-    divided by `world_size` (the same values, no second copy); added to a `.grad` that is
-    already there (the same layer reduced twice in one step)."""
-    flat = flat.to("cpu").div_(world_size)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        mean = flat[offset:offset + n].view_as(p)
-        if mean.dtype != p.dtype:
-            mean = mean.to(p.dtype)
-        if p.grad is None:
-            p.grad = mean
-        else:
-            p.grad.add_(mean)
-        offset += n
