@@ -6,6 +6,7 @@ next forward or run at the step."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import threading
 from pathlib import Path
@@ -251,41 +252,82 @@ def test_a_blocking_trainer_save_copies_the_state_homed_on_nvme(tmp_path: Path,
     assert len(losses) == 4 and resumed[-2:] == losses[2:]  # (its log holds steps 1-2 too)
 
 
+#: The emulated drive of the slow-drive runs: 1/500 of the h800 profile's NVMe rates.
+SLOW_DRIVE_BYTES_PER_S = 2e7
+
+
+def _slow_drive_run(tmp_path: Path, *, steps: int, replan: str = "off"
+                    ) -> tuple[list[float], object]:
+    """`steps` steps of the masters-on-NVMe run on the emulated device, its drive at
+    `SLOW_DRIVE_BYTES_PER_S` where the profile claims h800's; (losses, the engine's run
+    totals at the end)."""
+    import dataclasses
+
+    h800 = HARDWARE_PRESETS["h800"]
+    assert h800.nvme_read_bytes_per_s > 100 * SLOW_DRIVE_BYTES_PER_S
+    links = tmp_path / "links.json"
+    dataclasses.replace(h800, nvme_read_bytes_per_s=SLOW_DRIVE_BYTES_PER_S,
+                        nvme_write_bytes_per_s=SLOW_DRIVE_BYTES_PER_S).save(links)
+    model = _build("llama", LAYERS).eval()
+    acc = Accelerator(cpu=True, mixed_precision="bf16", plugin=LazyTrainPlugin(
+        plan="checkpoint_all", hardware="h800", resident_update="host",
+        cache_dir=str(tmp_path / "c"), nvme_dir=str(tmp_path / "n"),
+        cpu_memory_limit_gb=_masters_budget_gb(), emulate_async=True,
+        emulate_links=str(links), replan=replan))
+    model, opt = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=1e-2))
+    assert acc.lazytrain.run.plan.state.optimizer
+    losses = []
+    for batch in itertools.islice(_batches(), steps):
+        loss = model(**batch).loss
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    stats = acc.lazytrain.engine.total_stats()
+    acc.end_training()
+    return losses, stats
+
+
+def _batches():
+    """`_loader()`'s batches, over and over."""
+    while True:
+        yield from _loader()
+
+
 def test_a_drive_slower_than_its_profile_shows_in_the_states_io(tmp_path: Path) -> None:
     """Issue 44 item 6: the emulated drive runs at 1/500 of the profile's NVMe rates; the
     state homed there crosses it (each chunk throttled on the drive's one clock), and the
     rates the re-planner calibrates from a run's transfers (`calibration.step_rates`: the
     boundaries' hops and the state's I/O, each its busy time) read the slower drive, which
     the drift rule then compares with the plan's."""
-    import dataclasses
-
     from lazytrain_accel.profiling.calibration import StepSample, step_rates
 
-    h800 = HARDWARE_PRESETS["h800"]
-    drive_bytes_per_s = 2e7
-    assert h800.nvme_read_bytes_per_s > 100 * drive_bytes_per_s
-    links = tmp_path / "links.json"
-    dataclasses.replace(h800, nvme_read_bytes_per_s=drive_bytes_per_s,
-                        nvme_write_bytes_per_s=drive_bytes_per_s).save(links)
-    model = _build("llama", LAYERS).eval()
-    acc = Accelerator(cpu=True, mixed_precision="bf16", plugin=LazyTrainPlugin(
-        plan="checkpoint_all", hardware="h800", resident_update="host",
-        cache_dir=str(tmp_path / "c"), nvme_dir=str(tmp_path / "n"),
-        cpu_memory_limit_gb=_masters_budget_gb(), emulate_async=True,
-        emulate_links=str(links)))
-    model, opt = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=1e-2))
-    assert acc.lazytrain.run.plan.state.optimizer
-    for k, batch in enumerate(_loader()):
-        if k == 3:
-            break
-        acc.backward(model(**batch).loss)
-        opt.step()
-        opt.zero_grad()
-    stats = acc.lazytrain.engine.total_stats()
-    acc.end_training()
+    _, stats = _slow_drive_run(tmp_path, steps=3)
+    drive_bytes_per_s = SLOW_DRIVE_BYTES_PER_S
     assert stats.transfer_bytes["state_nvme_read"] > 0
     rates = step_rates(StepSample(
         transfer_s=stats.transfer_s, transfer_bytes=stats.transfer_bytes, layer_compute_s=0.0,
         layer_flops=0.0, optimizer_update_s=0.0, updated_param_count=0))
     for link in ("nvme_read", "nvme_write"):  # the throttle, less the requests' own time
         assert 0.5 * drive_bytes_per_s <= rates[link] <= 1.05 * drive_bytes_per_s, (link, rates)
+
+
+def test_a_drive_slower_than_its_profile_is_judged_by_the_drift_rule(tmp_path: Path,
+                                                                     caplog) -> None:
+    """Issue 44 item 6 with `replan="auto"`: the drift rule sees the slow drive through the
+    state's I/O alone (this plan homes no boundary on NVMe), names its two links and
+    solves for the measured rates; this fixed strategy has no faster plan there, so the
+    run keeps its own, and its losses equal those of the run that never re-planned."""
+    import logging
+
+    steps = 8
+    with caplog.at_level(logging.DEBUG, logger="lazytrain_accel"):
+        auto, stats = _slow_drive_run(tmp_path / "auto", steps=steps, replan="auto")
+    kept, _ = _slow_drive_run(tmp_path / "off", steps=steps)
+    assert stats.transfer_bytes["nvme_read"] == 0 < stats.transfer_bytes["state_nvme_read"]
+    messages = [r.getMessage() for r in caplog.records]
+    drifted = [m.split(" drifted from")[0] for m in messages if "drifted from" in m]
+    assert drifted and "nvme_read" in drifted[0] and "nvme_write" in drifted[0], drifted
+    judged = [m for m in messages if "keeping it" in m or "re-planned" in m]
+    assert judged, messages
+    assert auto == kept
