@@ -190,9 +190,9 @@ def node_model_bytes(accelerator) -> int:
     (`planning/layouts.py`, what `lazytrain plan --nodes K` prints), less the term a CPU
     "device" never allocates (the pinned staging a GPU's weights go through): what this
     bench's measured state (the device tier left out) compares with. The gradient
-    staging stays: on a CPU device the gradient reduce's queued sends hold the
-    backward's own outputs in its place (`MAX_REDUCES_IN_FLIGHT` layers a rank, as the
-    staging's two slots on a GPU)."""
+    staging stays: on a CPU device the gradient reduce holds the backward's own outputs
+    in its place (the layer being sent and the one landing, as the staging's two slots
+    on a GPU)."""
     from lazytrain_accel.planning.host import WEIGHT_STAGING_TERM
     from lazytrain_accel.planning.layouts import layout_figures
     from lazytrain_accel.planning.problem import build_problem
