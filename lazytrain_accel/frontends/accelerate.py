@@ -247,10 +247,7 @@ class Accelerator(accelerate.Accelerator):
                     str(directory), safe_serialization=safe_serialization, **kwargs)
             self._lazytrain_save_plan(directory)
 
-        engine = self.lazytrain.engine
-        if self.lazytrain_saves_async() or (engine is not None and engine.masters.layers):
-            # with masters on NVMe the writer reads them from their files, a layer at a
-            # time: a blocking save is that writer, waited for
+        if self.lazytrain_saves_with_writer():
             self.lazytrain_start_save(final, write_stock,
                                       on_published=lambda: share_checkpoint.rotate(self, final))
             if not self.lazytrain_saves_async():
@@ -262,6 +259,15 @@ class Accelerator(accelerate.Accelerator):
         logger.info("lazytrain: checkpoint %s written (sync, %.2f s)", final,
                     time.perf_counter() - start_s)
         return str(final)
+
+    def lazytrain_saves_with_writer(self) -> bool:
+        """Whether a save goes through the checkpoint writer (`lazytrain_start_save`):
+        beside training (`lazytrain_saves_async`), or, where the plan homes masters and
+        moments on NVMe, waited for (it copies them from their files, which a stock save
+        would read back into DRAM whole)."""
+        engine = self.lazytrain.engine
+        return self.lazytrain_saves_async() or (engine is not None
+                                                and bool(engine.masters.layers))
 
     def lazytrain_saves_async(self) -> bool:
         """The setting, and an update that runs layer by layer (the per-group wait the save

@@ -59,10 +59,7 @@ def make_checkpoints_atomic(trainer: Trainer) -> None:
         if synchronous_because is None:
             return _save_beside_training(trainer, stock_save, model, trial, args, kwargs)
         start_s = time.perf_counter()
-        if synchronous_because == SYNC_SETTING and accelerator.lazytrain.engine is not None \
-                and accelerator.lazytrain.engine.masters.layers:
-            # state homed on NVMe: the writer copies it from its files, waited for here,
-            # where the stock save would bring it all back into DRAM
+        if synchronous_because == SYNC_SETTING and accelerator.lazytrain_saves_with_writer():
             _save_beside_training(trainer, stock_save, model, trial, args, kwargs)
             accelerator.lazytrain_wait_for_checkpoint()
             logger.info("lazytrain: checkpoint written (sync, %.2f s: %s; the state homed on "

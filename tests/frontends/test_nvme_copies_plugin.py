@@ -27,11 +27,12 @@ GIB = 2**30
 LAYERS = 8
 
 
-def _plugin(tmp_path: Path, cpu_memory_limit_gb: float = 0,
-            overlap_step: bool = True) -> LazyTrainPlugin:
+def _plugin(tmp_path: Path, cpu_memory_limit_gb: float = 0, overlap_step: bool = True,
+            **settings: object) -> LazyTrainPlugin:
     return LazyTrainPlugin(plan="checkpoint_all", hardware="h800", resident_update="host",
                            cache_dir=str(tmp_path / "c"), nvme_dir=str(tmp_path / "n"),
-                           cpu_memory_limit_gb=cpu_memory_limit_gb, overlap_step=overlap_step)
+                           cpu_memory_limit_gb=cpu_memory_limit_gb, overlap_step=overlap_step,
+                           **settings)
 
 
 def test_copies_homed_on_nvme_by_the_plan_train_as_in_dram(tmp_path: Path) -> None:
@@ -269,11 +270,9 @@ def _slow_drive_run(tmp_path: Path, *, steps: int, replan: str = "off"
     dataclasses.replace(h800, nvme_read_bytes_per_s=SLOW_DRIVE_BYTES_PER_S,
                         nvme_write_bytes_per_s=SLOW_DRIVE_BYTES_PER_S).save(links)
     model = _build("llama", LAYERS).eval()
-    acc = Accelerator(cpu=True, mixed_precision="bf16", plugin=LazyTrainPlugin(
-        plan="checkpoint_all", hardware="h800", resident_update="host",
-        cache_dir=str(tmp_path / "c"), nvme_dir=str(tmp_path / "n"),
-        cpu_memory_limit_gb=_masters_budget_gb(), emulate_async=True,
-        emulate_links=str(links), replan=replan))
+    acc = Accelerator(cpu=True, mixed_precision="bf16", plugin=_plugin(
+        tmp_path, _masters_budget_gb(), emulate_async=True, emulate_links=str(links),
+        replan=replan))
     model, opt = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=1e-2))
     assert acc.lazytrain.run.plan.state.optimizer
     losses = []
