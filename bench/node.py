@@ -105,8 +105,9 @@ def worker(args: argparse.Namespace) -> None:
         from lazytrain_accel import Accelerator, LazyTrainPlugin
 
         optimizer_choice = "keep" if args.worker == "lazytrain-keep" else "hybrid8bit"
-        accelerator = Accelerator(cpu=True, plugin=LazyTrainPlugin(
-            plan="checkpoint_all", optimizer=optimizer_choice))
+        accelerator = Accelerator(cpu=True, mixed_precision=args.mixed_precision,
+                                  plugin=LazyTrainPlugin(plan="checkpoint_all",
+                                                         optimizer=optimizer_choice))
     world = dist.get_world_size() if dist.is_initialized() else 1
     runtime_pss = pss_bytes()  # imports and the process group, no model yet
 
@@ -228,7 +229,8 @@ def launch(system: str, ranks: int, args: argparse.Namespace, workdir: Path, *,
     port = free_port()
     world = ranks * nodes
     model_args = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-                  ("hidden", "layers", "vocab", "seq_len", "global_batch", "steps", "warmup")]
+                  ("hidden", "layers", "vocab", "seq_len", "global_batch", "steps", "warmup",
+                   "mixed_precision")]
     threads = max(1, (os.cpu_count() or 1) // world)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(threads),
            **({"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold
@@ -317,6 +319,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--vocab", type=int, default=8000)
     p.add_argument("--seq-len", type=int, default=32)
+    p.add_argument("--mixed-precision", choices=("no", "bf16"), default="no",
+                   help="the plugin runs' compute dtype (bf16: the engine streams bf16 "
+                   "compute copies; under the split layout a node holds the others' "
+                   "layers as those alone)")
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=1)
@@ -400,7 +406,8 @@ def print_layouts(args: argparse.Namespace) -> None:
                                    layout=layout))
     print(f"\nLlama {rows[0]['params'] / 1e6:.0f}M parameters (hidden {args.hidden}, "
           f"{args.layers} layers, vocab {args.vocab}), {args.nodes} simulated nodes, "
-          f"global batch {args.global_batch} x {args.seq_len}, {args.steps} timed steps\n")
+          f"global batch {args.global_batch} x {args.seq_len}, {args.steps} timed steps, "
+          f"mixed precision {args.mixed_precision}\n")
     print("| ranks/node | layout | node | state MB (peak PSS - runtime - device tier) | "
           "model MB | measured / model |")
     print("|---|---|---|---|---|---|")

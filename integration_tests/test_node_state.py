@@ -31,7 +31,7 @@ from bench import node  # noqa: E402
 #: same code read 1.24-1.31x between launches; at 16 layers, 1.14-1.16x at 4 ranks and
 #: 1.05x at 2 (2026-12-06).
 MODEL = argparse.Namespace(hidden=768, layers=16, vocab=8000, seq_len=32, global_batch=4,
-                           steps=2, warmup=1, mmap_threshold=131072)
+                           steps=2, warmup=1, mmap_threshold=131072, mixed_precision="no")
 
 
 def _state_bytes(row: dict) -> int:
@@ -54,19 +54,24 @@ def test_four_ranks_hold_the_state_of_a_125m_model_once(tmp_path: Path) -> None:
     assert ratio <= 1.3, (ratio, _state_bytes(many), _state_bytes(one))
 
 
-def test_a_split_node_holds_its_share_of_the_state(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_a_split_node_holds_its_share_of_the_state(tmp_path: Path,
+                                                   mixed_precision: str) -> None:
     """2 simulated nodes x 2 ranks of the same 125M model in the split layout (issue 45):
     each node's peak state (its ranks' summed PSS less their runtime and the device tier)
     against the node model's figure for that layout, what `lazytrain plan --nodes 2`
     prints (less the pinned weight staging a CPU device never allocates), which counts the
-    gradient reduce's piece buffers (`host.grads_in_flight_bytes`): measured 0.94x and
-    1.00x (2026-12-07, pieces sent from where the gradients landed; the first node lower:
-    its own layers' gradients land last, when nothing of it is crossing, and the model is
-    the upper bound of both). Before the model counted the reduce's buffers, 1.13-1.24x
-    here and 1.31x once in CI; before a reduce's work object stopped holding the buffer it
-    had sent, 1.55x. The bars leave this machine's spread room on both sides: a model that
-    over-counts fails too."""
-    row = node.launch("lazytrain", 2, MODEL, tmp_path, nodes=2, layout="split")
+    gradient reduce's piece buffers (`host.grads_in_flight_bytes`). fp32 compute (every
+    node holds every master, which the GPUs stream): measured 0.94x and 1.00x (2026-12-07,
+    pieces sent from where the gradients landed; the first node lower: its own layers'
+    gradients land last, when nothing of it is crossing, and the model is the upper bound
+    of both). bf16 compute (a node holds the other node's layers as their bf16 compute
+    copy alone): 1.07x and 1.04x (1110 and 1081 MB, against 1637 and 1626 MB replicated).
+    Before the model counted the reduce's buffers, 1.13-1.24x here and 1.31x once in CI;
+    before a reduce's work object stopped holding the buffer it had sent, 1.55x. The bars
+    leave this machine's spread room on both sides: a model that over-counts fails too."""
+    model = argparse.Namespace(**{**vars(MODEL), "mixed_precision": mixed_precision})
+    row = node.launch("lazytrain", 2, model, tmp_path, nodes=2, layout="split")
     for n, measured in enumerate(row["per_node"]):
         ratio = (measured["state"] - measured["device_tier"]) / measured["model"]
         assert 0.85 <= ratio <= 1.2, (n, ratio, measured)

@@ -168,3 +168,42 @@ def test_replicated_ranks_save_one_whole_checkpoint_and_resume(tmp_path: Path) -
     assert len(whole_losses) == 4
     assert resumed_losses == whole_losses
     assert {r["weights_sha256"] for r in resumed} == {whole[0]["weights_sha256"]}
+
+
+def test_a_split_trainer_at_bf16_saves_every_weight_gathered(tmp_path: Path) -> None:
+    """2 simulated nodes x 2 ranks of the stock Trainer script, `--bf16`, the split layout
+    (issue 45): each node holds the masters of the layers it updates only, the others as
+    their bf16 compute copy, so the weights `trainer.save_model()` writes are gathered on
+    every rank first (the Trainer's `_save`): the saved file holds every weight, none a
+    placeholder's NaN, each equal to the state dict `accelerator.get_state_dict` gathers
+    on every rank (the same digest on all four)."""
+    from safetensors.torch import load_file
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**os.environ, "LAZYTRAIN_CACHE_DIR": str(tmp_path / "cache"),
+           "LAZYTRAIN_HARDWARE": "h800", "LAZYTRAIN_NVME_DIR": str(tmp_path / "nvme"),
+           "LAZYTRAIN_NODE_LAYOUT": "split", "LAZYTRAIN_OVERLAP_STEP": "1"}
+    args = [str(SCRIPT), "--lazytrain", "--summary", str(tmp_path / "split.json"),
+            "--rank_out", str(tmp_path / "rank_"), "--output_dir", str(tmp_path / "out"),
+            "--save_final", str(tmp_path / "final"), "--per_device_train_batch_size", "2",
+            "--learning_rate", "3e-3", "--logging_steps", "1", "--save_strategy", "no",
+            "--report_to", "none", "--use_cpu", "--bf16", "--seed", "0", "--max_steps", "2"]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines",
+         "2", "--machine_rank", str(node), "--num_processes", "4", "--main_process_ip",
+         "127.0.0.1", "--main_process_port", port, "--mixed_precision", "no",
+         "--dynamo_backend", "no", *LAUNCH, *args],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for node, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"node {node}:\n{out[-6000:]}"
+    ranks = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(4)]
+    assert len({r["weights_sha256"] for r in ranks}) == 1
+    saved = load_file(tmp_path / "final" / "model.safetensors")
+    assert saved and not any(t.isnan().any() for t in saved.values())
+    # the same values (summed in double, in another order)
+    assert sum(float(t.double().sum()) for t in saved.values()) == pytest.approx(
+        ranks[0]["weights_sum"], rel=1e-12)

@@ -61,13 +61,16 @@ def build_data(num_samples: int, seq_len: int, vocab: int) -> torch.utils.data.T
     return torch.utils.data.TensorDataset(ids)
 
 
-def digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
-    """sha256 of the weights' bytes and of this rank's optimizer state (by name)."""
+def digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            values: dict[str, torch.Tensor]) -> dict[str, str]:
+    """sha256 of the weights' bytes (`values`: the model's state dict, as
+    `accelerator.get_state_dict` gathers it) and of this rank's optimizer state (by
+    name)."""
     weights, state = hashlib.sha256(), hashlib.sha256()
     names = {p: n for n, p in model.named_parameters()}
-    for name, p in model.named_parameters():
-        weights.update(name.encode() + p.detach().contiguous().view(-1).view(torch.uint8)
-                       .numpy().tobytes())
+    for name, _ in model.named_parameters():
+        weights.update(name.encode() + values[name].detach().contiguous().view(-1)
+                       .view(torch.uint8).numpy().tobytes())
     inner = getattr(optimizer, "optimizer", optimizer)
     for p, entry in sorted(inner.state.items(), key=lambda item: names[item[0]]):
         for key in sorted(entry):
@@ -147,6 +150,7 @@ def make_accelerator(args: argparse.Namespace, plugin: LazyTrainPlugin | None
     # A seedable sampler makes the data order a function of (seed, epoch), so a resumed
     # run can skip the batches it already saw and see the same ones after.
     return Accelerator(cpu=args.cpu, gradient_accumulation_steps=args.grad_accum,
+                       mixed_precision=args.mixed_precision,
                        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True),
                        plugin=plugin)
 
@@ -180,6 +184,8 @@ def main() -> None:
     p.add_argument("--poison-step", type=int, default=None)
     p.add_argument("--state-out", default=None, help="per-rank JSON file prefix")
     p.add_argument("--pss-out", default=None, help="per-rank JSON file prefix")
+    p.add_argument("--mixed-precision", default="no", help="the Accelerator's (bf16: "
+                   "the engine streams bf16 compute copies)")
     p.add_argument("--hidden-size", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--kill-rank", type=int, default=None, help="SIGKILL itself mid-step")
@@ -284,9 +290,12 @@ def main() -> None:
                     Path(args.progress_out).write_text(str(step))
                 if args.save_at is not None and step == args.save_at:
                     accelerator.save_state(args.ckpt_dir)
-                    if args.masters_out and accelerator.is_main_process:
-                        torch.save({n: p.detach().clone() for n, p in
-                                    model.named_parameters()}, args.masters_out)
+                    if args.masters_out:  # every rank: a collective under split bf16
+                        at_save = accelerator.get_state_dict(model)
+                        if accelerator.is_main_process:
+                            torch.save({n: at_save[n].detach().clone()
+                                        for n, _ in model.named_parameters()},
+                                       args.masters_out)
                     if not args.finish_save_at_end:
                         write_progress(accelerator, args.ckpt_dir, step)
                 if step >= args.steps:
@@ -300,11 +309,18 @@ def main() -> None:
         if args.samples_out:
             with open(args.samples_out, "w") as f:
                 json.dump(samples, f)
+    pss_end = 0
+    if args.pss_out:  # the training state, before the state dict below copies weights
+        accelerator.wait_for_everyone()
+        pss_end = pss_bytes()
+    # every rank (a collective under the split layout below fp32 compute, whose nodes
+    # hold the layers others update as their compute copy alone)
+    values = accelerator.get_state_dict(model) if args.state_out or args.digest_out else {}
     if args.state_out:
         accelerator.wait_for_everyone()  # a running layer-wise update has ended
         with open(f"{args.state_out}{accelerator.process_index}.json", "w") as f:
-            json.dump({"weights_sum": sum(float(p.detach().double().sum())
-                                       for p in model.parameters()),
+            json.dump({"weights_sum": sum(float(values[n].detach().double().sum())
+                                       for n, _ in model.named_parameters()),
                        "lr": scheduler.get_last_lr()[0],
                        "skipped": accelerator.lazytrain.guard.skipped_steps
                        if args.lazytrain else None,
@@ -318,13 +334,12 @@ def main() -> None:
     if args.digest_out:
         accelerator.wait_for_everyone()
         with open(f"{args.digest_out}{accelerator.process_index}.json", "w") as f:
-            json.dump(digests(model, optimizer), f)
+            json.dump(digests(model, optimizer, values), f)
     if args.pss_out:
-        accelerator.wait_for_everyone()
         with open(f"{args.pss_out}{accelerator.process_index}.json", "w") as f:
             engine = accelerator.lazytrain.engine if args.lazytrain else None
             json.dump({"runtime": pss_runtime, "before_prepare": pss_before_prepare,
-                       "end": pss_bytes(),
+                       "end": pss_end,
                        # on a CPU device the engine's "device" buffers (its weight slots)
                        # are host pages standing for GPU memory
                        "device": engine.stats().current_bytes["device"]

@@ -40,14 +40,17 @@ class ScriptArguments:
     seq_len: int = 16
     hidden_size: int = 64
     rank_out: str | None = None
+    save_final: str | None = field(default=None, metadata={
+        "help": "trainer.save_model() here after training (every rank)"})
 
 
-def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 of every parameter's bytes, in order: equal exactly when bit-identical."""
+def weights_digest(model: torch.nn.Module, values: dict[str, torch.Tensor]) -> str:
+    """sha256 of every parameter's bytes (`values`: the model's state dict as the
+    accelerator gathers it), in order: equal exactly when bit-identical."""
     digest = hashlib.sha256()
-    for name, p in model.named_parameters():
+    for name, _ in model.named_parameters():
         digest.update(name.encode())
-        digest.update(p.detach().float().contiguous().numpy().tobytes())
+        digest.update(values[name].detach().float().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -84,21 +87,26 @@ def main() -> None:
     data = CountingDataset(script_args.num_samples, script_args.seq_len, config.vocab_size)
     trainer = Trainer(model=model, args=training_args, train_dataset=data)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if script_args.save_final:
+        trainer.save_model(script_args.save_final)
     if script_args.rank_out:
+        end = pss_bytes()  # the training state, before the state dict below
+        # every rank: a collective where no node holds every weight (split layout, bf16)
+        values = trainer.accelerator.get_state_dict(trainer.model)
         accelerator = trainer.accelerator
         lazytrain = getattr(accelerator, "lazytrain", None)  # None: the stock Trainer
         run = lazytrain.run if lazytrain is not None else None
         engine = lazytrain.engine if lazytrain is not None else None
         with open(f"{script_args.rank_out}{training_args.process_index}.json", "w") as f:
-            json.dump({"runtime": pss_runtime, "end": pss_bytes(),
+            json.dump({"runtime": pss_runtime, "end": end,
                        "device": engine.stats().current_bytes["device"]
                        if engine is not None and engine.device.type == "cpu" else 0,
                        "world_size": training_args.world_size,
                        "node_store": lazytrain is not None and lazytrain.store is not None,
                        "gpus_per_node": run.plan.gpus_per_node if run is not None else None,
-                       "weights_sum": sum(float(p.detach().double().sum())
-                                          for p in model.parameters()),
-                       "weights_sha256": weights_digest(model)}, f)
+                       "weights_sum": sum(float(values[n].detach().double().sum())
+                                          for n, _ in model.named_parameters()),
+                       "weights_sha256": weights_digest(model, values)}, f)
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     summary = {
         "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],

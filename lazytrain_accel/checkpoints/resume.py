@@ -91,7 +91,9 @@ def load_share_checkpoint(directory: Path, manifest: Mapping[str, Any] | None, *
     # masters and moments homed on NVMe: in DRAM to load into, back to their files after
     with engine.masters_in_dram(optimizer) if engine is not None else contextlib.nullcontext():
         if weights:
-            _load_owned_weights(model, directory, owned, split=mine is not None)
+            # (a split update: its node may hold layers as their compute copy alone)
+            _load_owned_weights(model, directory, owned, split=mine is not None,
+                                copies={} if mine is None else engine.pool.received_views())
         if optimizer is not None:
             _load_optimizer_state(optimizer, directory, manifest, model, updates, world=world,
                                   stock_optimizer=stock_optimizer,
@@ -101,13 +103,18 @@ def load_share_checkpoint(directory: Path, manifest: Mapping[str, Any] | None, *
 
 
 def _load_owned_weights(model: nn.Module, directory: Path,
-                        owned: Callable[[torch.Tensor], bool], *, split: bool) -> None:
+                        owned: Callable[[torch.Tensor], bool], *, split: bool,
+                        copies: Mapping[nn.Parameter, torch.Tensor]) -> None:
     """The weights, but those in the node store that another rank owns (`split`: under a
-    split update): their owner loads them."""
-    from lazytrain_accel.distributed.node_store import shared_params
+    split update): their owner loads them. A layer this node holds as its compute copy
+    alone (`copies`: each parameter's view in it) loads there, cast; its masters are
+    another node's (placeholders here)."""
+    from lazytrain_accel.distributed.node_store import is_placeholder, shared_params
 
     in_store = {id(p) for _, p in shared_params(model)} if split else set()
-    load_weights(model, directory, loads=lambda t: id(t) not in in_store or owned(t))
+    load_weights(model, directory,
+                 loads=lambda t: (id(t) not in in_store or owned(t)) and not is_placeholder(t),
+                 also={id(p): view for p, view in copies.items() if owned(p)})
 
 
 def _load_optimizer_state(optimizer: torch.optim.Optimizer, directory: Path,
@@ -148,13 +155,16 @@ def _refuse_one_share(optimizer: torch.optim.Optimizer, path: Path, model: nn.Mo
 
 
 def load_weights(model: nn.Module, directory: Path, *,
-                 loads: Callable[[torch.Tensor], bool]) -> int:
+                 loads: Callable[[torch.Tensor], bool],
+                 also: Mapping[int, torch.Tensor] | None = None) -> int:
     """Copy the tensors of `model.state_dict()` for which `loads(tensor)` holds from the
     weights in `directory` (one file or shards, `checkpoint_layout.weight_files`), in
     place (compute copies keyed on the parameter's version see the change; a weight saved
-    in another dtype is cast). Returns how many were loaded; raises naming missing keys."""
+    in another dtype is cast), and into `also[id(tensor)]` where given. Returns how many
+    were loaded; raises naming missing keys."""
     from safetensors import safe_open
 
+    also = also or {}
     files = weight_files(directory)
     if files is None:
         raise FileNotFoundError(f"{directory} holds no safetensors weights ({WEIGHTS} or "
@@ -174,7 +184,8 @@ def load_weights(model: nn.Module, directory: Path, *,
         opened: dict[Path, Any] = {}
         for key, names in by_object.items():
             target = targets[key]
-            if not loads(target):
+            loaded_here = loads(target)
+            if not loaded_here and key not in also:
                 continue
             name = next(n for n in names if n in files)
             if files[name] not in opened:
@@ -184,7 +195,10 @@ def load_weights(model: nn.Module, directory: Path, *,
             if saved.shape != target.shape:
                 raise ValueError(f"{names[0]}: the checkpoint holds shape "
                                  f"{tuple(saved.shape)}, the model {tuple(target.shape)}")
-            target.copy_(saved)
+            if loaded_here:
+                target.copy_(saved)
+            if key in also:
+                also[key].copy_(saved)
             loaded += 1
     return loaded
 

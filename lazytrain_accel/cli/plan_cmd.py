@@ -344,8 +344,7 @@ def _print_layouts(summary: dict[str, Any]) -> None:
             f"the network's {f['network_s']:.2f} s per step bounds it")
     print(f"  job: {k} nodes, {summary['job_tokens_per_s']:.1f} tokens/s ({pace})")
     if chosen == "split":
-        print("  (a run takes it with LazyTrainPlugin(node_layout='split'); fp32 compute "
-              "only for now)")
+        print("  (a run takes it with LazyTrainPlugin(node_layout='split'))")
 
 
 def _store_line(summary: dict[str, Any]) -> str:

@@ -13,12 +13,13 @@ Design: docs/architecture.md "Several nodes".
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lazytrain_accel.distributed.node_store import is_placeholder
 from lazytrain_accel.distributed.ownership import NodeGroups
 from lazytrain_accel.distributed.peer_sync import NodePeers
 from lazytrain_accel.planning.node import EVERY_RANK
@@ -29,14 +30,56 @@ class NodeExchange:
     `engine/step/coordinator.py`)."""
 
     def __init__(self, layout: NodeGroups, *, owners: Sequence[int],
-                 node_of: Sequence[int], peers: NodePeers) -> None:
+                 node_of: Sequence[int], peers: NodePeers,
+                 rank_of: Mapping[tuple[int, int], int] | None = None,
+                 sends_copies: bool = False) -> None:
         if layout.exchange is None:
             raise ValueError("the split layout needs the exchange groups: build the "
                              "launch's groups with node_groups(..., split=True)")
         self._layout = layout
         self._node_of = list(node_of)
+        self._owners = list(owners)
         self._mine = [owner == layout.local_rank for owner in owners]
         self._peers = peers  # names a dead local rank when a broadcast fails
+        #: (node, local rank) -> global rank, for `gather_masters`
+        self._rank_of = dict(rank_of or {})
+        #: whether the layers' compute copies are sent (each node holding the masters of
+        #: those it updates alone), the same on every rank
+        self._sends_copies = sends_copies
+
+    @property
+    def sends_copies(self) -> bool:
+        """Whether the layers' compute copies are sent in place of their masters, so that
+        no node holds every master (`gather_masters` then gathers them)."""
+        return self._sends_copies
+
+    def gather_masters(self, groups: Sequence[Sequence[nn.Parameter]]
+                       ) -> dict[nn.Parameter, torch.Tensor]:
+        """The fp32 masters this node does not hold (placeholders: the layers another node
+        updates, held here as their compute copy), each broadcast from the rank that
+        updates it to every rank, layer by layer; an empty dict where every node holds
+        every master. Collective: every rank calls it at the same point, with no update
+        running (a full `state_dict`, as FSDP's full state dict or ZeRO-3's gather)."""
+        if not self._sends_copies:
+            return {}
+        values: dict[nn.Parameter, torch.Tensor] = {}
+        for g, params in enumerate(groups):
+            node = self._node_of[g]
+            if node == EVERY_RANK or not 0 < g < len(groups) - 1:
+                continue  # the residents' masters are on every node
+            src = self._rank_of[node, self._owners[g]]
+            for p in params:
+                if not (p.requires_grad and p.is_floating_point()):
+                    continue  # frozen weights: in every node's store
+                mine = dist.get_rank() == src
+                value = p.detach() if mine else torch.empty(p.shape, dtype=torch.float32)
+                try:
+                    self._peers.wait_work(dist.broadcast(value, src=src, async_op=True))
+                except RuntimeError as err:
+                    raise self._peers.named_failure(err) from err
+                if is_placeholder(p.data):
+                    values[p] = value
+        return values
 
     def updates_here(self, group: int) -> bool:
         """Whether this node updates `group` (of any local rank)."""
@@ -47,27 +90,37 @@ class NodeExchange:
         receives its new weights instead of updating it."""
         return self._mine[group] and not self.updates_here(group)
 
+    def exchanges(self, group: int) -> bool:
+        """Whether this rank sends or receives `group`'s new weights (`start`)."""
+        return self._mine[group] and self._node_of[group] != EVERY_RANK
+
     def sends(self, group: int) -> bool:
         """Whether this rank updates `group` and sends its new weights to the others."""
         return self._mine[group] and self.updates_here(group) \
             and self._node_of[group] != EVERY_RANK
 
-    def start(self, group: int, params: Sequence[nn.Parameter]) -> Exchange | None:
+    def start(self, group: int, params: Sequence[nn.Parameter],
+              copy: torch.Tensor | None = None) -> Exchange | None:
         """Start broadcasting `params` (group `group`'s updated parameters) from the node
         that updated them to this local rank on every other node, each tensor in place
         (a receiver's into its own), and return at once; None for a group of another
-        local rank's, or every rank's. Every local rank l of every node starts them for
-        its groups in the same order (forward order: a receive as soon as reached, a
-        send once updated), so the nodes update their parts side by side."""
-        if not params or not self._mine[group] or self._node_of[group] == EVERY_RANK:
+        local rank's, or every rank's. `copy`: the layer's whole compute copy, sent in
+        their place where the other nodes hold no masters of it (below fp32 compute:
+        the sender's written by its update, a receiver's its node's `NodeStore.copies`).
+        Every local rank l of every node starts them for its groups in the same order
+        (forward order: a receive as soon as reached, a send once updated), so the nodes
+        update their parts side by side."""
+        if not params or not self.exchanges(group):
             return None
         src = self._layout.cross_ranks[self._node_of[group]]
+        tensors = [p.detach() for p in params] if copy is None else [copy]
         try:
-            works = [dist.broadcast(p.detach(), src=src, group=self._layout.exchange,
-                                    async_op=True) for p in params]
+            works = [dist.broadcast(t, src=src, group=self._layout.exchange, async_op=True)
+                     for t in tensors]
         except RuntimeError as err:
             raise self._peers.named_failure(err) from err
-        return Exchange(works, None if self.sends(group) else list(params), self._peers)
+        received = None if self.sends(group) or copy is not None else list(params)
+        return Exchange(works, received, self._peers)
 
 
 class Exchange:
@@ -89,3 +142,25 @@ class Exchange:
         for p in self._received or ():  # written behind autograd's back: a copy keyed
             torch.autograd.graph.increment_version(p)  # to them is stale
         self._works, self._received = [], None
+
+
+def refuse_partial_state_dicts(model: nn.Module) -> None:
+    """Make `model.state_dict()` raise, naming the way, where it would hand out the
+    placeholders of masters another node holds (a split layout below fp32 compute)
+    instead of weights; `state_dict(keep_vars=True)` (the parameters themselves, as the
+    engine's checkpoints read them) is left as it is."""
+
+    def refuse(_: nn.Module, state_dict: dict, prefix: str, local_metadata: object) -> None:
+        held = [name for name, value in state_dict.items()
+                if not isinstance(value, nn.Parameter) and isinstance(value, torch.Tensor)
+                and is_placeholder(value)]
+        if held:
+            raise RuntimeError(
+                f"{len(held)} weights of this model (first: {held[0]}) live on other nodes "
+                "(node_layout='split' below fp32 compute: each node holds the masters of "
+                "the layers it updates, and the others as their compute copy); call "
+                "accelerator.get_state_dict(model) on every rank, which gathers them (as "
+                "accelerator.save_model and the Trainer's saves do), or plan with "
+                "node_layout='replicated'")
+
+    model.register_state_dict_post_hook(refuse)

@@ -8,12 +8,15 @@ segment has no name that could outlive the job (a memfd, or a file in `node_stor
 unlinked at once); a file found under its name is opened only when it is a regular file
 of this user that nobody else may read, else refused (`UnsafeSegmentError`). Layout: a
 header (magic, version, leader pid, size, a hash of names, shapes and dtypes), one int64
-generation per group, each parameter 64-byte aligned. Docs: docs/user_guide.md "7. Several GPUs".
+generation per group, each parameter 64-byte aligned. Under the split layout below fp32
+compute the layers another node updates are held as their compute copy alone (`Elsewhere`:
+placeholders for their masters). Docs: docs/user_guide.md "7. Several GPUs".
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import mmap
@@ -31,6 +34,7 @@ from lazytrain_accel.config import ANONYMOUS_SEGMENT
 from lazytrain_accel.distributed import first_touch, segment_handoff
 from lazytrain_accel.distributed.generation_words import GenerationWords
 from lazytrain_accel.engine.memory.weights import master_dtype
+from lazytrain_accel.storage.flat import flat_views
 
 logger = logging.getLogger("lazytrain_accel")
 
@@ -98,7 +102,7 @@ def room_for(model: nn.Module, directory: str) -> preflight.SegmentRoom:
     a directory). Its bytes are counted with one update generation per parameter, an
     upper bound: the plan's groups (its layers + 2) are not known before planning."""
     params = shared_params(model)
-    return preflight.segment_room(directory, _layout(params, len(params) + 2)[1],
+    return preflight.segment_room(directory, _layout(params, len(params) + 2)[2],
                                   available_bytes=preflight.available_host_bytes())
 
 
@@ -118,6 +122,8 @@ class NodeStore:
         # written only by the owners' release stores (peer_sync.py); zero when created
         self.generations = GenerationWords(buffer, offset_bytes=8 * _HEADER_FIELDS,
                                            count=num_groups)
+        #: layer -> its flat compute copy, for the layers another node updates (`Elsewhere`)
+        self.copies: dict[int, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
@@ -128,17 +134,65 @@ class NodeStore:
         return flat.view(slot.dtype).view(slot.shape)
 
 
-def _layout(params: Sequence[tuple[str, nn.Parameter]], num_groups: int
-            ) -> tuple[list[_Slot], int, int]:
-    """(slot per parameter, total bytes, layout hash)."""
+@dataclass(frozen=True, kw_only=True)
+class Elsewhere:
+    """The decoder layers whose masters another node holds (the split layout at a compute
+    dtype below fp32): this node keeps each one's compute copy alone, flat in `dtype` in
+    the order of its `layers[j]` (the weight pool's layout), received from the node that
+    updates it; their trainable parameters hold placeholders (`placeholder`)."""
+
+    layers: Mapping[int, Sequence[nn.Parameter]]
+    dtype: torch.dtype
+
+    @functools.cached_property
+    def _held(self) -> frozenset[int]:
+        return frozenset(id(p) for ps in self.layers.values() for p in ps)
+
+    def holds_master(self, p: nn.Parameter) -> bool:
+        """Whether `p`'s master is in this node's store (not another node's)."""
+        return not (p.requires_grad and p.is_floating_point() and id(p) in self._held)
+
+
+_NAN = {torch.float32: torch.full((), float("nan"), dtype=torch.float32)}
+
+
+def placeholder(p: torch.Tensor) -> torch.Tensor:
+    """A stride-0 fp32 NaN of `p`'s shape holding no bytes, in place of a master another
+    node holds: a stray read poisons loudly, and it cannot be written."""
+    return _NAN[master_dtype(p)].expand(p.shape)
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    """Whether `t` is a `placeholder` (a master this node does not hold)."""
+    nan = _NAN.get(t.dtype)
+    return nan is not None and t.data_ptr() == nan.data_ptr()
+
+
+def _layout(params: Sequence[tuple[str, nn.Parameter]], num_groups: int,
+            elsewhere: Elsewhere | None = None
+            ) -> tuple[list[_Slot | None], dict[int, _Slot], int, int]:
+    """(slot per parameter, None for a master another node holds; the compute copy slot
+    of each layer of `elsewhere`; total bytes; layout hash)."""
     offset = _round_up(8 * (_HEADER_FIELDS + num_groups), _ALIGN_BYTES)
-    slots, digest = [], hashlib.sha256()
+    slots: list[_Slot | None] = []
+    digest = hashlib.sha256()
     for name, p in params:
+        if elsewhere is not None and not elsewhere.holds_master(p):
+            slots.append(None)
+            digest.update(f"{name}:elsewhere;".encode())
+            continue
         dtype = master_dtype(p)
         slots.append(_Slot(offset_bytes=offset, shape=p.shape, dtype=dtype))
         offset = _round_up(offset + p.numel() * dtype.itemsize, _ALIGN_BYTES)
         digest.update(f"{name}:{tuple(p.shape)}:{dtype};".encode())
-    return slots, max(offset, 1), int.from_bytes(digest.digest()[:7], "little")
+    copies = {}
+    for layer, ps in sorted((elsewhere.layers if elsewhere is not None else {}).items()):
+        numel = sum(p.numel() for p in ps)
+        copies[layer] = _Slot(offset_bytes=offset, shape=torch.Size([numel]),
+                              dtype=elsewhere.dtype)
+        offset = _round_up(offset + numel * elsewhere.dtype.itemsize, _ALIGN_BYTES)
+        digest.update(f"copy {layer}:{numel}:{elsewhere.dtype};".encode())
+    return slots, copies, max(offset, 1), int.from_bytes(digest.digest()[:7], "little")
 
 
 def _round_up(n: int, k: int) -> int:
@@ -148,7 +202,8 @@ def _round_up(n: int, k: int) -> int:
 def share_model(model: nn.Module, *, name: str, leader: bool, local_ranks: int,
                 num_groups: int, agree: Callable[[Exception | None], None],
                 directory: Path | None = None,
-                nodes: Sequence[int | None] | None = None) -> NodeStore:
+                nodes: Sequence[int | None] | None = None,
+                elsewhere: Elsewhere | None = None) -> NodeStore:
     """Move `model`'s parameters into the node's segment; every local rank calls it.
 
     The leader creates the segment (anonymous, or in `directory`: `_create`), reserves its
@@ -157,7 +212,8 @@ def share_model(model: nn.Module, *, name: str, leader: bool, local_ranks: int,
     `.data` is a view of the segment (fp32 for trainable float parameters); the rank's own
     copy is freed as nothing else references it. `nodes` (the leader's): the NUMA node
     each of `shared_params(model)` is placed on (None: the default policy); None places
-    nothing (a host of one node).
+    nothing (a host of one node). `elsewhere`: the layers held as their compute copy alone
+    (`NodeStore.copies`, filled by the leader from the weights as they are now).
 
     `agree(error)` is where the ranks meet, twice on each (after the leader's fill, after
     the followers' mapping), each with what failed on it or None; it raises on every rank
@@ -165,7 +221,7 @@ def share_model(model: nn.Module, *, name: str, leader: bool, local_ranks: int,
     name instead of leaving the others in their next collective.
     """
     params = shared_params(model)
-    slots, nbytes, layout_hash = _layout(params, num_groups)
+    slots, copy_slots, nbytes, layout_hash = _layout(params, num_groups, elsewhere)
     if not leader:
         _met(agree, None)  # the leader has filled the segment, or every rank raises
         try:
@@ -176,7 +232,7 @@ def share_model(model: nn.Module, *, name: str, leader: bool, local_ranks: int,
             finally:
                 os.close(fd)  # the mapping stays valid without its descriptor
             _check_header(store, nbytes=nbytes, layout_hash=layout_hash)
-            _point_into(store, params, slots, copy=False)
+            _point_into(store, params, slots, copy_slots, elsewhere, copy=False)
         except Exception as err:
             _met(agree, err)
         _met(agree, None)
@@ -186,13 +242,14 @@ def share_model(model: nn.Module, *, name: str, leader: bool, local_ranks: int,
             listener = stack.enter_context(segment_handoff.listen(name, backlog=local_ranks))
             placements = () if nodes is None else first_touch.page_placements(
                 [(slot.offset_bytes, slot.offset_bytes + slot.nbytes, node)
-                 for slot, node in zip(slots, nodes, strict=True)], page_bytes=mmap.PAGESIZE)
+                 for slot, node in zip(slots, nodes, strict=True) if slot is not None],
+                page_bytes=mmap.PAGESIZE)
             fd = _create(name, nbytes, directory, placements)
             stack.callback(os.close, fd)
             store = _map(fd, nbytes, num_groups)
             store.header.copy_(torch.tensor([_MAGIC, _VERSION, os.getpid(), nbytes,
                                              layout_hash, num_groups, 0, 0]))
-            _point_into(store, params, slots, copy=True)
+            _point_into(store, params, slots, copy_slots, elsewhere, copy=True)
         except Exception as err:
             _met(agree, err)
         _met(agree, None)
@@ -212,9 +269,23 @@ def _met(agree: Callable[[Exception | None], None], error: Exception | None) -> 
 
 
 def _point_into(store: NodeStore, params: Sequence[tuple[str, nn.Parameter]],
-                slots: Sequence[_Slot], *, copy: bool) -> None:
+                slots: Sequence[_Slot | None], copy_slots: Mapping[int, _Slot],
+                elsewhere: Elsewhere | None, *, copy: bool) -> None:
+    """Point each parameter at its slot (`copy`: the leader's, filled from it first), a
+    master another node holds at a placeholder, and give `store` the compute copies of
+    the layers held as such (cast from the weights before they are let go)."""
     with torch.no_grad():
+        for layer, slot in copy_slots.items():
+            store.copies[layer] = store.view(slot)
+            if copy:
+                for p, view in zip(elsewhere.layers[layer],
+                                   flat_views(store.copies[layer], elsewhere.layers[layer]),
+                                   strict=True):
+                    view.copy_(p.data)
         for (_, p), slot in zip(params, slots, strict=True):
+            if slot is None:
+                p.data = placeholder(p)
+                continue
             view = store.view(slot)
             if copy:
                 view.copy_(p.data)

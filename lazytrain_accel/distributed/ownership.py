@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lazytrain_accel.engine.memory.weights import master_dtype
-from lazytrain_accel.planning.node import owner_of_groups
+from lazytrain_accel.planning.node import EVERY_RANK, node_of_groups, owner_of_groups
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,19 +56,8 @@ def node_groups(*, local_rank: int, local_world_size: int, node_id: str,
     if local_world_size == world:  # one node: the default group, no second stage
         return NodeGroups(local_rank=rank, node=0, nodes=1, node_ranks=tuple(range(world)),
                           cross_ranks=(rank,))
-    if world % local_world_size:
-        raise ValueError(f"{world} processes do not split into nodes of LOCAL_WORLD_SIZE="
-                         f"{local_world_size}")
-    places: list[tuple[str, int] | None] = [None] * world
-    dist.all_gather_object(places, (node_id, local_rank))
-    members: dict[str, list[int | None]] = {}
-    for r, (node, local) in enumerate(places):
-        ranks = members.setdefault(node, [None] * local_world_size)
-        if not 0 <= local < local_world_size or ranks[local] is not None:
-            raise ValueError(f"rank {r} reports local rank {local} on node {node!r}, which "
-                             f"is out of 0..{local_world_size - 1} or taken: the launcher's "
-                             "LOCAL_RANK/LOCAL_WORLD_SIZE/node ranks disagree")
-        ranks[local] = r
+    members = node_members(local_rank=local_rank, local_world_size=local_world_size,
+                           node_id=node_id)
     nodes = list(members)  # insertion order: by lowest global rank
     intra = cross = exchange = None
     for node in nodes:  # every rank creates every group, in the same order
@@ -84,6 +73,51 @@ def node_groups(*, local_rank: int, local_world_size: int, node_id: str,
                       node_ranks=tuple(members[node_id]),
                       cross_ranks=tuple(members[node][local_rank] for node in nodes),
                       intra=intra, cross=cross, exchange=exchange)
+
+
+def node_members(*, local_rank: int, local_world_size: int, node_id: str
+                 ) -> dict[str, list[int]]:
+    """Each node's global ranks by local rank, the nodes in order of their lowest global
+    rank (that order numbers them: `NodeGroups.node`). Collective on the default group."""
+    world = dist.get_world_size()
+    if world % local_world_size:
+        raise ValueError(f"{world} processes do not split into nodes of LOCAL_WORLD_SIZE="
+                         f"{local_world_size}")
+    places: list[tuple[str, int] | None] = [None] * world
+    dist.all_gather_object(places, (node_id, local_rank))
+    members: dict[str, list[int | None]] = {}
+    for r, (node, local) in enumerate(places):
+        ranks = members.setdefault(node, [None] * local_world_size)
+        if not 0 <= local < local_world_size or ranks[local] is not None:
+            raise ValueError(f"rank {r} reports local rank {local} on node {node!r}, which "
+                             f"is out of 0..{local_world_size - 1} or taken: the launcher's "
+                             "LOCAL_RANK/LOCAL_WORLD_SIZE/node ranks disagree")
+        ranks[local] = r
+    for node, ranks in members.items():
+        if None in ranks:
+            held = [local for local, r in enumerate(ranks) if r is not None]
+            raise ValueError(f"node {node!r} holds local ranks {held} of "
+                             f"0..{local_world_size - 1}: every node must run "
+                             "LOCAL_WORLD_SIZE ranks")
+    return {node: [r for r in ranks if r is not None] for node, ranks in members.items()}
+
+
+def split_groups(groups: Sequence[Sequence[nn.Parameter]], *, local_ranks: int, nodes: int,
+                 every_rank: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    """(owner, node) of each update group under the split layout over `nodes` nodes of
+    `local_ranks` (`share_owners`, `node_of_groups`): local rank owner[g] of node node[g]
+    updates group g (`EVERY_RANK` both for the groups every rank updates)."""
+    owners = share_owners(groups, local_ranks, every_rank=every_rank)
+    return owners, node_of_groups(group_master_bytes(groups), owners, nodes)
+
+
+def layers_elsewhere(groups: Sequence[Sequence[nn.Parameter]], node_of: Sequence[int],
+                     node: int) -> dict[int, list[nn.Parameter]]:
+    """The decoder layers (groups 1..L) another node updates under the split layout, with
+    their parameters: on node `node` they are held as their compute copy alone, received
+    from that node (`node_store.share_model`'s `elsewhere`)."""
+    return {g: list(groups[g]) for g in range(1, len(groups) - 1)
+            if node_of[g] not in (node, EVERY_RANK) and groups[g]}
 
 
 def share_owners(groups: Sequence[Sequence[nn.Parameter]], ranks: int, *,

@@ -11,7 +11,7 @@ Design: docs/architecture.md "Several ranks on a node"; docs/user_guide.md "7. S
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 import torch
@@ -21,10 +21,17 @@ from lazytrain_accel.distributed import ranks
 from lazytrain_accel.distributed.generation_words import GenerationWords
 from lazytrain_accel.distributed.grad_reduce import ShareHooks, ShareReducer
 from lazytrain_accel.distributed.node_exchange import NodeExchange
-from lazytrain_accel.distributed.ownership import NodeGroups, group_master_bytes, share_owners
+from lazytrain_accel.distributed.ownership import (
+    NodeGroups,
+    group_master_bytes,
+    layers_elsewhere,
+    share_owners,
+)
 from lazytrain_accel.distributed.peer_sync import NodePeers, RemoteRank
+from lazytrain_accel.engine.memory.weights import WeightPool
 from lazytrain_accel.engine.step.coordinator import StepCoordinator
 from lazytrain_accel.planning.node import node_of_groups
+from lazytrain_accel.planning.plan import Plan
 
 
 class SplitEngine(ShareHooks, Protocol):
@@ -33,18 +40,23 @@ class SplitEngine(ShareHooks, Protocol):
     steps: StepCoordinator
     device: torch.device
     compute_dtype: torch.dtype
+    pool: WeightPool
+    plan: Plan
 
 
 def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
                        should_reduce: Callable[[], bool],
                        layout: NodeGroups | None = None,
-                       node_layout: str = "replicated") -> ShareReducer:
+                       node_layout: str = "replicated",
+                       copies: Mapping[int, torch.Tensor] | None = None) -> ShareReducer:
     """Give this rank its share (`owner_of_groups` over the node's local ranks, by
     trainable bytes), make the engine's update skip and wait for the other shares, route
     gradients to their owners (`layout`: the launch's nodes; None: one node). Under
     `node_layout="split"` over several nodes each share is cut over the nodes
     (`node_of_groups`): a group is updated on one node and its weights sent to the
-    others."""
+    others. `copies` (the node store's, `node_store.Elsewhere`; None where every node
+    holds every master): a decoder layer's compute copy is sent in place of its masters,
+    into `copies` on the nodes that do not update it."""
     if engine.steps.master_files is not None and engine.steps.master_files.layers:
         raise ValueError(
             f"the plan homes masters and moments on NVMe (layers "
@@ -61,23 +73,19 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
     pids: list[int | None] = [None] * layout.local_size
     dist.all_gather_object(pids, os.getpid(), group=layout.intra)
     others: list[RemoteRank] = []
+    rank_of: dict[tuple[int, int], int] = {}
     if layout.nodes > 1:  # where every rank runs, for a failure to name the dead
         places: list[tuple[str, int, int, int] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(places, (os.uname().nodename, os.getpid(), layout.node,
                                         layout.local_rank))
         others = [RemoteRank(rank=r, node=node, local_rank=local, host=host, pid=pid)
                   for r, (host, pid, node, local) in enumerate(places) if node != layout.node]
+        rank_of = {(node, local): r for r, (_, _, node, local) in enumerate(places)}
     peers = NodePeers(generations, owners, layout.local_rank, pids=pids, others=others)
     ranks.name_failures_with(peers.named_failure)  # the control collectives name the dead
     engine.steps.peers = peers
     node_of = None
     if node_layout == "split" and layout.nodes > 1:
-        if engine.compute_dtype != torch.float32:
-            raise ValueError(
-                f"node_layout='split' sends each group's new fp32 weights to the other "
-                f"nodes, which stream them as they are: a {engine.compute_dtype} compute "
-                "copy per node is not built yet; use mixed_precision='no' or "
-                "node_layout='replicated'")
         if engine.steps.device_groups and not on_gpus \
                 and engine.steps.device_update_beside_host:
             raise ValueError(
@@ -85,7 +93,29 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
                 "weights from the training thread while the update thread sends the "
                 "layers': plan with resident_update='host'")
         node_of = node_of_groups(group_master_bytes(groups), owners, layout.nodes)
+        if copies is not None:
+            _receive_copies(engine, copies, layers_elsewhere(groups, node_of, layout.node))
         engine.steps.remote = NodeExchange(layout, owners=owners, node_of=node_of,
-                                           peers=peers)
+                                           peers=peers, rank_of=rank_of,
+                                           sends_copies=copies is not None)
     return ShareReducer(engine, groups, owners, peers=peers, layout=layout,
                         should_reduce=should_reduce, node_of=node_of)
+
+
+def _receive_copies(engine: SplitEngine, copies: Mapping[int, torch.Tensor],
+                    elsewhere: Mapping[int, object]) -> None:
+    """Stream the layers another node updates from `copies`, their compute copies as that
+    node sends them, where the store holds no masters of them (below fp32 compute, the
+    hybrid update writing the copies); they must be the layers this split sends here."""
+    if set(copies) != set(elsewhere):
+        raise RuntimeError(f"the node store holds the compute copies of layers "
+                           f"{sorted(copies)}, but the split update sends this node layers "
+                           f"{sorted(elsewhere)}: the store and the update cut the groups "
+                           "differently")
+    homed = set(copies) & set(engine.plan.state.copies)
+    if homed:
+        raise ValueError(f"the plan homes the compute copies of layers {sorted(homed)} on "
+                         "NVMe, which under node_layout='split' this node receives from "
+                         "another into its node store; plan without NVMe compute copies "
+                         "(host_state) or use node_layout='replicated'")
+    engine.pool.receive_copies(copies)

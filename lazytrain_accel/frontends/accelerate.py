@@ -211,6 +211,31 @@ class Accelerator(accelerate.Accelerator):
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper,
                                     keep_torch_compile=keep_torch_compile)
 
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """Stock `get_state_dict`, once a running update is whole; under the split layout
+        below fp32 compute, where a node holds the layers other nodes update as their
+        compute copy alone, the fp32 masters of those are gathered from the nodes that
+        hold them (`NodeExchange.gather_masters`). Then, as with ZeRO-3 or FSDP, every
+        rank calls it (as `save_model` does)."""
+        self._lazytrain_synchronize()
+        if not self.lazytrain_gathers_weights():
+            return super().get_state_dict(model, unwrap=unwrap)
+        engine = self.lazytrain.engine
+        gathered = engine.steps.remote.gather_masters(engine.steps.update_groups)
+        module = self.unwrap_model(model) if unwrap else model
+        # the parameters themselves (a plain state_dict() refuses the placeholders)
+        return {name: gathered.get(value, value).detach()
+                for name, value in module.state_dict(keep_vars=True).items()}
+
+    def lazytrain_gathers_weights(self) -> bool:
+        """Whether no node holds every weight (the split layout below fp32 compute), so
+        that a full state dict is gathered from the nodes (`get_state_dict`)."""
+        from lazytrain_accel.distributed.node_exchange import NodeExchange
+
+        engine = self.lazytrain.engine if self.lazytrain is not None else None
+        remote = engine.steps.remote if engine is not None else None
+        return isinstance(remote, NodeExchange) and remote.sends_copies
+
     # ---- state ----------------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,
                    **kwargs: Any) -> str:

@@ -50,6 +50,17 @@ def make_checkpoints_atomic(trainer: Trainer) -> None:
     beside training (module docstring); the end of `train()` waits for a pending save."""
     stock_save = trainer._save_checkpoint
     stock_finalize = trainer._finalize_training
+    stock_save_weights = trainer._save
+
+    def save_weights(output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        # every rank enters `_save` (`save_model`); where no node holds every weight
+        # (the split layout below fp32 compute) each takes part in the gather first
+        accelerator = trainer.accelerator
+        if state_dict is None and not getattr(trainer, "_lazytrain_weights_by_writer", False) \
+                and getattr(accelerator, "lazytrain", None) is not None \
+                and accelerator.lazytrain_gathers_weights():
+            state_dict = accelerator.get_state_dict(trainer.model)
+        return stock_save_weights(output_dir, state_dict)
 
     def save_checkpoint(model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
         accelerator = trainer.accelerator
@@ -80,6 +91,7 @@ def make_checkpoints_atomic(trainer: Trainer) -> None:
 
     trainer._save_checkpoint = save_checkpoint
     trainer._finalize_training = finalize_training
+    trainer._save = save_weights
     remove_dead_staging(trainer.args.output_dir)
 
 
@@ -173,11 +185,11 @@ def _weights_left_to_the_writer(trainer: Trainer) -> Iterator[None]:
             model.generation_config.save_pretrained(save_directory)
 
     model.save_pretrained = save_pretrained  # the instance only; the class's shows again
-    trainer._lazytrain_saving_shares = True
+    trainer._lazytrain_saving_shares = trainer._lazytrain_weights_by_writer = True
     try:
         yield
     finally:
-        trainer._lazytrain_saving_shares = False
+        trainer._lazytrain_saving_shares = trainer._lazytrain_weights_by_writer = False
         vars(model).pop("save_pretrained", None)
 
 

@@ -274,6 +274,9 @@ class HybridAdamW8bit(torch.optim.Optimizer):
                                       chunk_elements=DEVICE_UPDATE_CHUNK_ELEMENTS)
                 if master is not param.data:
                     param.data.copy_(master)
+                # written through `.data`: a copy keyed to the parameter's version (the
+                # engine's compute copy, `WeightPool`) must see the change
+                torch.autograd.graph.increment_version(param)
 
     def _prepare(self, context: _StepContext, param: torch.nn.Parameter) -> tuple[
             torch.Tensor, torch.Tensor, dict[str, Any], reference.AdamStepScalars, int]:

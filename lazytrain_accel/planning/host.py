@@ -103,7 +103,8 @@ def host_base_terms(model: ModelProfile, *, optimizer: str = "hybrid8bit",
     (`weight_slots`: device weight buffers, each with a packed layer's staging beside it;
     those once per rank, `ranks` on the node). The node holds 1/`shards` of the
     gradients and optimizer state (the split layout over `shards` nodes, `node.py`), and
-    of the masters where they are not also the compute copy (fp32 compute streams them)."""
+    of the layers' masters where they are not also the compute copy (fp32 compute streams
+    them; the residents' masters, cast each pass, are on every node)."""
     check_optimizer(optimizer)
     w = model.weights
     host_trainable = model.trainable_param_count - (
@@ -114,9 +115,11 @@ def host_base_terms(model: ModelProfile, *, optimizer: str = "hybrid8bit",
     weight_staging = NUM_HOST_STAGING * float_layer_bytes + weight_slots * packed_bytes
     cut = "" if shards == 1 else f" (1/{shards} per node)"
     masters_cut = master_shards(model, optimizer, shards)
+    resident_masters = 0 if masters_cut == 1 or resident_update == "device" else \
+        MASTER_BYTES_PER_PARAM * model.resident_trainable_param_count
     terms = [
-        (MASTER_TERM + ("" if masters_cut == 1 else cut),
-         -(-MASTER_BYTES_PER_PARAM * host_trainable // masters_cut)),
+        (MASTER_TERM + ("" if masters_cut == 1 else cut), resident_masters - (
+            -(MASTER_BYTES_PER_PARAM * host_trainable - resident_masters) // masters_cut)),
         (GRAD_TERM + cut, -(-GRAD_BYTES_PER_PARAM * host_trainable // shards)),
         (f"{OPTIMIZER_TERM} ({optimizer}){cut}",
          int(OPTIMIZER_STATE_BYTES_PER_PARAM[optimizer] * host_trainable / shards)),

@@ -18,7 +18,12 @@ from torch import nn
 from lazytrain_accel import preflight
 from lazytrain_accel.config import ANONYMOUS_SEGMENT, LazyTrainConfig
 from lazytrain_accel.distributed import generation_words, node_store, ranks
-from lazytrain_accel.distributed.ownership import share_owners
+from lazytrain_accel.distributed.ownership import (
+    layers_elsewhere,
+    node_members,
+    share_owners,
+    split_groups,
+)
 from lazytrain_accel.engine.memory.residents import update_groups
 from lazytrain_accel.engine.model.discovery import find_decoder_layers
 from lazytrain_accel.planning.node import EVERY_RANK
@@ -73,10 +78,14 @@ def node_layout_for(config: LazyTrainConfig, model: nn.Module, *, num_processes:
 
 def share_store(config: LazyTrainConfig, model: nn.Module, layout: NodeLayout, *,
                 local_process_index: int, is_main_process: bool, num_groups: int,
-                device: torch.device, resident_update: str) -> node_store.NodeStore | None:
+                device: torch.device, resident_update: str,
+                copies_dtype: torch.dtype | None = None) -> node_store.NodeStore | None:
     """Map the parameters from the node's shared segment (`layout.node_ranks` > 1), else
     None: every rank keeps its own copy (all-reduce). On a multi-socket host the leader
-    places each group's bytes on its owner's NUMA node (`segment_nodes`)."""
+    places each group's bytes on its owner's NUMA node (`segment_nodes`). `copies_dtype`
+    (the split layout over several nodes, the update writing compute copies of that
+    dtype): the layers another node updates are held as their compute copy alone
+    (`node_store.Elsewhere`)."""
     if layout.node_ranks == 1:
         return None
     directory = config.node_store_dir
@@ -87,12 +96,50 @@ def share_store(config: LazyTrainConfig, model: nn.Module, layout: NodeLayout, *
     leader = local_process_index == 0
     nodes = (segment_nodes(model, rank_nodes, device=device, resident_update=resident_update)
              if leader and rank_nodes is not None else None)
+    elsewhere = None
+    if copies_dtype is not None and layout.nodes > 1:
+        elsewhere = held_elsewhere(model, layout, local_rank=local_process_index,
+                                   node_id=node_id, device=device,
+                                   resident_update=resident_update, dtype=copies_dtype)
     return node_store.share_model(
         model, name=node_store.segment_name(job_id=job_id, node_id=node_id),
         leader=leader, local_ranks=layout.node_ranks,
         num_groups=num_groups,
         agree=lambda error: ranks.raise_if_any_failed(error, "open the node store"),
-        directory=None if directory == ANONYMOUS_SEGMENT else Path(directory), nodes=nodes)
+        directory=None if directory == ANONYMOUS_SEGMENT else Path(directory), nodes=nodes,
+        elsewhere=elsewhere)
+
+
+def held_elsewhere(model: nn.Module, layout: NodeLayout, *, local_rank: int, node_id: str,
+                   device: torch.device, resident_update: str, dtype: torch.dtype
+                   ) -> node_store.Elsewhere:
+    """The decoder layers another node updates under the split layout (the split update's
+    own cut, `ownership.split_groups`, over this launch's nodes), held here as their
+    compute copy in `dtype`. Collective: the nodes are numbered from every rank's id."""
+    from lazytrain_accel.engine.memory import quantized
+
+    groups = update_groups(model, *find_decoder_layers(model))
+    if any(quantized.is_packed(p) for g in groups for p in g):
+        raise ValueError("node_layout='split' below fp32 compute holds the layers other "
+                         "nodes update as their compute copy, which a packed frozen base "
+                         "(frozen_weights nf4/int8) is not built for; use "
+                         "node_layout='replicated'")
+    members = node_members(local_rank=local_rank, local_world_size=layout.node_ranks,
+                           node_id=node_id)
+    _, node_of = split_groups(groups, local_ranks=layout.node_ranks, nodes=layout.nodes,
+                              every_rank=_every_rank(groups, device, resident_update))
+    return node_store.Elsewhere(
+        layers=layers_elsewhere(groups, node_of, list(members).index(node_id)), dtype=dtype)
+
+
+def _every_rank(groups: list[list[nn.Parameter]], device: torch.device,
+                resident_update: str) -> tuple[int, ...]:
+    """The groups every rank updates: the residents, where their masters live on each GPU
+    (as `start_split_update` decides from the engine's device groups)."""
+    resident = groups[0] + groups[-1]
+    return (0, len(groups) - 1) if (
+        device.type != "cpu" and resident_update == "device"
+        and any(p.requires_grad and p.is_floating_point() for p in resident)) else ()
 
 
 def segment_nodes(model: nn.Module, rank_nodes: list[int], *, device: torch.device,
@@ -102,11 +149,8 @@ def segment_nodes(model: nn.Module, rank_nodes: list[int], *, device: torch.devi
     update's rule, over the engine's update groups); None for a group every rank updates
     (residents with their masters on each GPU, as `start_split_update` decides)."""
     groups = update_groups(model, *find_decoder_layers(model))
-    resident = groups[0] + groups[-1]
-    on_gpus = (0, len(groups) - 1) if (
-        device.type != "cpu" and resident_update == "device"
-        and any(p.requires_grad and p.is_floating_point() for p in resident)) else ()
-    owners = share_owners(groups, len(rank_nodes), every_rank=on_gpus)
+    owners = share_owners(groups, len(rank_nodes),
+                          every_rank=_every_rank(groups, device, resident_update))
     node_of = {id(p): None if owner == EVERY_RANK else rank_nodes[owner]
                for group, owner in zip(groups, owners, strict=True) for p in group}
     return [node_of.get(id(p)) for _, p in node_store.shared_params(model)]

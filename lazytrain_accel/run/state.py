@@ -21,7 +21,7 @@ from torch import nn
 
 from lazytrain_accel import preflight, threads
 from lazytrain_accel.config import LazyTrainConfig
-from lazytrain_accel.distributed import node_store, ranks, split_update
+from lazytrain_accel.distributed import node_exchange, node_store, ranks, split_update
 from lazytrain_accel.distributed.data_parallel import GradientAllReducer
 from lazytrain_accel.distributed.grad_reduce import ShareReducer
 from lazytrain_accel.distributed.ownership import node_groups
@@ -215,7 +215,8 @@ def build_run_state(config: LazyTrainConfig, model: nn.Module, loader: Any, *,
     store = share_store(config, model, layout, local_process_index=launch.local_process_index,
                         is_main_process=launch.is_main_process,
                         num_groups=run.plan.num_layers + 2, device=launch.device,
-                        resident_update=run.plan.resident_update)
+                        resident_update=run.plan.resident_update,
+                        copies_dtype=_split_copies_dtype(run.plan, compute_dtype))
     engine = attach(model, run.plan, device=launch.device, compute_dtype=compute_dtype,
                     nvme_dir=config.nvme_dir,
                     loss_chunk_tokens=setup.engine_loss_chunk_tokens(config),
@@ -229,6 +230,18 @@ def build_run_state(config: LazyTrainConfig, model: nn.Module, loader: Any, *,
     guard.install_sigint()
     _wire_reducer(state)
     return state
+
+
+def _split_copies_dtype(plan: Plan, compute_dtype: torch.dtype | None
+                        ) -> torch.dtype | None:
+    """The dtype of the compute copies a node of the split layout holds in place of the
+    masters other nodes update (what the host model prices, `planning/host.py`
+    `master_shards`): the hybrid update's copies below fp32 compute; else None (each
+    node holds every master, the compute copy cast from it)."""
+    if plan.node_layout != "split" or plan.nodes == 1 or plan.optimizer != "hybrid8bit" \
+            or compute_dtype in (None, torch.float32):
+        return None
+    return compute_dtype
 
 
 def _bind_threads(config: LazyTrainConfig, launch: Launch) -> None:
@@ -298,13 +311,17 @@ def _wire_reducer(state: RunState) -> None:
                          "this launch keeps a copy per rank (node_store='off', or no store "
                          "could be mapped: see the lines above); use node_layout='replicated'")
     if state.store is not None:
+        copies = split and _split_copies_dtype(engine.plan, engine.compute_dtype) is not None
         _, node_id = node_store.launch_identity(os.environ)
         groups = node_groups(local_rank=launch.local_process_index,
                              local_world_size=state.layout.node_ranks, node_id=node_id,
                              split=split)
         state.reducer = split_update.start_split_update(
             engine, generations=state.store.generations, layout=groups,
-            should_reduce=launch.should_reduce, node_layout=engine.plan.node_layout)
+            should_reduce=launch.should_reduce, node_layout=engine.plan.node_layout,
+            copies=state.store.copies if copies else None)
+        if copies:
+            node_exchange.refuse_partial_state_dicts(state.model)
         _pin_store(state)
     elif launch.num_processes > 1:
         state.reducer = GradientAllReducer(engine, state.model,

@@ -26,7 +26,7 @@ def test_the_engine_and_the_node_store_lay_out_the_same_masters(tmp_path) -> Non
     model = build_model("llama", 2).to(torch.bfloat16)
     model.model.embed_tokens.weight.requires_grad_(False)  # a frozen weight stays bf16
     params = node_store.shared_params(model)
-    slots, _, _ = node_store._layout(params, len(params) + 2)
+    slots, _, _, _ = node_store._layout(params, len(params) + 2)
     engine = attach(model, make_plan("megatrain", 2), device=CPU, nvme_dir=str(tmp_path))
     after = dict(model.named_parameters())
     assert {after[name].dtype for name, _ in params} == {torch.float32, torch.bfloat16}

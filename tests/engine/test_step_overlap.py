@@ -172,6 +172,58 @@ def test_bf16_copies_come_out_of_the_update_and_go_stale_on_an_edit(tmp_path):
     assert engine.pool._fresh_copy(2) is None and engine.pool._fresh_copy(3) is not None
 
 
+def test_a_whole_step_of_the_hybrid_operator_leaves_the_copies_stale(tmp_path):
+    """An update of every parameter at once (the step not overlapped) writes no compute
+    copy: the masters' versions change (the operator writes through `.data` and bumps
+    them), so copies an earlier layer-wise update wrote are cast again, not streamed."""
+    from lazytrain_accel.optim import HybridAdamW8bit
+
+    model = build_model("llama", 4)
+    engine = attach(model, make_plan("megatrain", 4), device=CPU,
+                    compute_dtype=torch.bfloat16, nvme_dir=str(tmp_path))
+    opt = HybridAdamW8bit(model.parameters(), lr=LR)
+    ids = batches(1)[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    engine.step_layerwise(opt)
+    engine.synchronize()
+    assert all(engine.pool._fresh_copy(j) is not None for j in range(1, 5))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    assert all(engine.pool._fresh_copy(j) is None for j in range(1, 5))
+
+
+def test_a_layer_received_from_another_node_streams_its_copy_alone(tmp_path):
+    """The split layout below fp32 compute: a layer whose masters another node holds is
+    streamed from the compute copy received into (`receive_copies`), never cast, its
+    masters placeholders; the update writes no copy of it; a checkpoint loads into it
+    (`received_views`); a layer this rank sends is its masters' cast."""
+    from lazytrain_accel.distributed.node_store import placeholder
+
+    model = build_model("llama", 4)
+    engine = attach(model, make_plan("megatrain", 4), device=CPU,
+                    compute_dtype=torch.bfloat16, nvme_dir=str(tmp_path))
+    ids = batches(1)[0]
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=ids).loss
+    received = torch.cat([p.detach().reshape(-1) for p in engine.layer_params(2)]
+                         ).to(torch.bfloat16)
+    engine.pool.receive_copies({2: received})
+    for p in engine.layer_params(2):
+        p.data = placeholder(p)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, labels=ids).loss, expected)
+    assert engine.pool.compute_copy(2) is None
+    assert engine.pool.exchanged_copy(2) is received
+    views = engine.pool.received_views()
+    assert set(views) == set(engine.layer_params(2))
+    assert all(v.untyped_storage().data_ptr() == received.untyped_storage().data_ptr()
+               for v in views.values())
+    sent = torch.cat([p.detach().reshape(-1) for p in engine.layer_params(3)])
+    assert torch.equal(engine.pool.exchanged_copy(3), sent.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="received copy"):
+        engine.pool.receive_copies({3: received[1:]})  # not that layer's size
+
+
 class _HeadGate(LayeredSGD):
     """Holds the update of the output side (`head`) until layer 1 of the next forward ran."""
 

@@ -132,6 +132,60 @@ def test_a_follower_sees_the_leaders_writes(tmp_path: Path) -> None:
     assert torch.equal(follower[2].bias, leader[2].bias)  # one copy, two mappings
 
 
+def test_a_layer_held_elsewhere_is_its_compute_copy_alone(tmp_path: Path) -> None:
+    """The split layout below fp32 compute: a layer another node updates holds no master
+    here (a placeholder, no bytes of the segment), only its bf16 compute copy, flat in its
+    parameters' order, cast by the leader from the weights and seen by the follower; the
+    segment is the smaller by the masters less the copy; its frozen weight stays."""
+    leader, follower = _model(), _model()
+    before = [p.detach().clone() for p in leader[1:].parameters()]
+    elsewhere = [node_store.Elsewhere(layers={1: list(m[1:].parameters())},
+                                      dtype=torch.bfloat16) for m in (leader, follower)]
+    meeting = _Meeting()
+    name, stores = _name(tmp_path), {}
+
+    def share(role: str, model: nn.Module, where: node_store.Elsewhere) -> None:
+        stores[role] = node_store.share_model(
+            model, name=name, leader=role == "leader", local_ranks=2, num_groups=3,
+            agree=meeting, elsewhere=where)
+
+    thread = threading.Thread(target=share, args=("follower", follower, elsewhere[1]))
+    thread.start()
+    share("leader", leader, elsewhere[0])
+    thread.join(timeout=60)
+    whole = _share(_model(), _name(tmp_path / "whole"), leader=True, num_groups=3)
+    for store, model in ((stores["leader"], leader), (stores["follower"], follower)):
+        copy = store.copies[1]
+        assert copy.dtype == torch.bfloat16
+        assert copy.numel() == sum(p.numel() for p in model[1:].parameters())
+        expected = torch.cat([t.reshape(-1) for t in before]).to(torch.bfloat16)
+        assert torch.equal(copy, expected)
+        assert node_store.is_placeholder(model[2].weight.data)
+        assert model[2].weight.isnan().all() and model[2].weight.stride() == (0, 0)
+        assert not node_store.is_placeholder(model[1].weight.data)  # frozen: in the store
+        assert torch.equal(model[1].weight.detach(), before[0])
+        assert not node_store.is_placeholder(model[0].weight.data)
+    trainable = sum(p.numel() for p in leader[1:].parameters() if p.requires_grad)
+    assert whole.nbytes - stores["leader"].nbytes >= 4 * trainable - 2 * copy.numel() - 64 * 4
+    with pytest.raises(RuntimeError):
+        leader[2].weight.data.add_(1.0)  # a placeholder cannot be written
+
+
+def test_a_state_dict_with_weights_on_other_nodes_is_refused_naming_the_gather() -> None:
+    """`model.state_dict()` would hand out placeholders for the masters another node holds:
+    it raises naming `accelerator.get_state_dict`; the parameters themselves
+    (`keep_vars=True`, what checkpoints read) are still given."""
+    from lazytrain_accel.distributed.node_exchange import refuse_partial_state_dicts
+
+    model = _model()
+    assert model.state_dict()  # nothing held elsewhere: as stock
+    model[2].weight.data = node_store.placeholder(model[2].weight)
+    refuse_partial_state_dicts(model)
+    with pytest.raises(RuntimeError, match=r"2\.weight.*get_state_dict"):
+        model.state_dict()
+    assert model.state_dict(keep_vars=True)["2.weight"] is model[2].weight
+
+
 def test_ranks_with_different_models_fail_with_a_sentence(tmp_path: Path) -> None:
     other = _model()
     other[2] = nn.Linear(16, 4, bias=False)

@@ -27,6 +27,10 @@ PATCHED = [
     (Trainer, "_load_optimizer_and_scheduler", "frontends/transformers.py checks the plan"),
     (Trainer, "_save_checkpoint", "frontends/trainer_checkpoint.py atomic checkpoints"),
     (Trainer, "_get_output_dir", "frontends/trainer_checkpoint.py redirects the save"),
+    (Trainer, "_save", "frontends/trainer_checkpoint.py gathers a split node layout's "
+     "weights on every rank first"),
+    (accelerate.Accelerator, "get_state_dict",
+     "frontends/accelerate.py gathers a split node layout's weights"),
     (Trainer, "_finalize_training",
      "frontends/trainer_checkpoint.py waits for a pending save before the best model loads"),
     (Trainer, "get_train_dataloader", "frontends/transformers.py sizes the plan"),

@@ -206,7 +206,8 @@ def _fake_accelerator(model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     params = list(model.parameters())
     peers = SimpleNamespace(owns=lambda g: True)
     steps = SimpleNamespace(update_groups=_shares(params, 3), peers=peers, remote=None)
-    engine = SimpleNamespace(steps=steps, masters_in_dram=lambda _: contextlib.nullcontext())
+    engine = SimpleNamespace(steps=steps, masters_in_dram=lambda _: contextlib.nullcontext(),
+                             pool=SimpleNamespace(received_views=dict))  # (no split layout)
     lazytrain = SimpleNamespace(engine=engine, model=model, optimizer=optimizer)
     return SimpleNamespace(lazytrain=lazytrain,
                            step=5, is_main_process=True, lazytrain_plugin=plugin)

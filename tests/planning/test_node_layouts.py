@@ -47,8 +47,13 @@ def test_a_split_node_holds_its_copies_and_a_kth_of_the_rest(nodes: int) -> None
     replicated = sum(b for _, b in host_base_terms(model, weight_slots=3, ranks=8))
     split = sum(b for _, b in host_base_terms(model, weight_slots=3, ranks=8, shards=nodes))
     assert replicated == SHARED_BYTES + 8 * PER_RANK_BYTES + 8 * IN_FLIGHT_BYTES
-    rest = SHARED_BYTES - COPIES  # masters, gradients, moments: cut K ways, rounded up
-    own = COPIES + 8 * PER_RANK_BYTES + 8 * IN_FLIGHT_BYTES + crossing_bytes(8, nodes)
+    # the residents' masters (cast each pass: no compute copy) stay whole on every node
+    resident_masters = 4 * model.resident_trainable_param_count
+    # the layers' masters, gradients, moments: cut K ways, rounded up
+    rest = SHARED_BYTES - COPIES - resident_masters
+    own = (COPIES + resident_masters + 8 * PER_RANK_BYTES + 8 * IN_FLIGHT_BYTES
+           + crossing_bytes(8, nodes))
+    assert resident_masters > 0
     assert split - own == pytest.approx(rest / nodes, abs=3)
     named = dict(host_base_terms(model, ranks=8, shards=nodes))
     assert named[f"the trainable parameters' fp32 gradients (1/{nodes} per node)"] == (
@@ -132,7 +137,7 @@ def test_layout_figures_swap_the_state_terms_and_nothing_else() -> None:
     figures = layout_figures(plan, model, hardware, budgets)
     split, replicated = figures["split"], figures["replicated"]
     assert split.host_bytes == plan.prediction.peak_cpu_bytes
-    rest = SHARED_BYTES - COPIES
+    rest = SHARED_BYTES - COPIES - 4 * model.resident_trainable_param_count
     assert replicated.host_bytes - split.host_bytes == pytest.approx(
         rest * 3 / 4 - crossing_bytes(2, 4), abs=3)
     assert split.network_bytes < replicated.network_bytes

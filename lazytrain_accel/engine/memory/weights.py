@@ -7,13 +7,14 @@ Two slots, three when the plan recomputes; which slot a load takes is
 master goes through one of two pinned staging buffers (the cast on the host) to its slot
 on the H2D side stream: never a pinned copy of the model. Below fp32 the layer-wise update
 writes each layer's compute copy (`compute_copy`), and loads stream from it while its
-masters are the same tensors at the same version.
+masters are the same tensors at the same version; a layer whose masters another node
+holds streams the copy received from it (`receive_copies`).
 Docs: docs/engine.md "Execution model" (**Weights**).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 
 import torch
@@ -80,6 +81,9 @@ class WeightPool:
         #: (slot, layer) -> the layer's parameters as views of the slot, made at the first
         #: use of the pair: a dozen views cost ~0.1 ms of host time at each load on a CPU
         self._slot_views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        #: layer -> its compute copy as another node sends it (the split layout: no master
+        #: of it here), streamed as it is (`receive_copies`)
+        self._received: dict[int, torch.Tensor] = {}
 
     @property
     def num_slots(self) -> int:
@@ -225,7 +229,8 @@ class WeightPool:
         adapters only); None when there is nothing to cast (fp32 compute). Called on the
         update thread before `layer` is updated: a stale copy is first refreshed from the
         masters, so parameters the update skips (frozen, no gradient) are right too."""
-        if self._dtype == torch.float32 or not 1 <= layer <= len(self._params):
+        if self._dtype == torch.float32 or not 1 <= layer <= len(self._params) \
+                or layer in self._received:
             return None
         wanted, params = params, self._params[layer - 1]
         # a copy in its file is not read back: the masters it was cast from are as valid
@@ -256,6 +261,39 @@ class WeightPool:
                 self._nvme.write(layer, copy)
                 self._file_keys[layer] = self._copy_keys[layer - 1]
 
+    def receive_copies(self, copies: Mapping[int, torch.Tensor]) -> None:
+        """Stream the layers of `copies` from them: each its compute copy, flat in the
+        order of its parameters, which another node writes (the split layout's exchange,
+        `exchanged_copy`) where no master of it lives on this node."""
+        for layer, copy in copies.items():
+            numel = sum(p.numel() for p in self._params[layer - 1])
+            if copy.dtype != self._dtype or copy.numel() != numel:
+                raise ValueError(f"layer {layer}'s received copy is {copy.numel()} "
+                                 f"{copy.dtype}, the layer {numel} {self._dtype}")
+        self._received = dict(copies)
+
+    def received_views(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Each parameter of the layers received as compute copies (`receive_copies`) with
+        its view in its layer's copy: where a checkpoint's weights load on this node."""
+        return {p: view for layer, copy in self._received.items()
+                for p, view in zip(self._params[layer - 1],
+                                   flat_views(copy, self._params[layer - 1]), strict=True)}
+
+    def exchanged_copy(self, layer: int) -> torch.Tensor | None:
+        """`layer`'s whole compute copy, flat, for the split layout's exchange: the copy
+        this rank receives into (`receive_copies`), or the one to send, its update's (cast
+        from the masters here where an update of all layers at once wrote none); None at
+        fp32 compute (the masters are sent instead)."""
+        if layer in self._received:
+            return self._received[layer]
+        if self._dtype == torch.float32:
+            return None
+        if self._copies[layer - 1] is None \
+                or self._copy_keys[layer - 1] != self._master_key(layer):
+            self.compute_copy(layer)
+            self.compute_copy_written(layer)
+        return self._copies[layer - 1]
+
     def home_copies(self, layers: set[int]) -> None:
         """Home the copies of `layers` on NVMe from their next update (a new plan)."""
         if self._nvme is not None:
@@ -273,6 +311,8 @@ class WeightPool:
     def _fresh_copy(self, layer: int) -> torch.Tensor | None:
         """`layer`'s copy if it is its masters' (read back from its file where the plan
         homes it on NVMe and its buffer was dropped), else None."""
+        if layer in self._received:  # written by the exchange before the layer is ready
+            return self._received[layer]
         key = self._copy_keys[layer - 1]
         if key is None or key != self._master_key(layer):
             if self.masters_generation(layer) is not None:

@@ -27,6 +27,7 @@ from lazytrain_accel.engine.step.overlap import (
     LayerwiseOptimizer,
     LayerwiseUpdate,
     RemoteUpdates,
+    exchanged_copy,
 )
 from lazytrain_accel.engine.step.worker import UpdateWorker
 
@@ -146,8 +147,10 @@ class StepCoordinator:
         if inline is not None:
             result = inline()
             if self.remote is not None:  # in forward order, as the layer-wise update
-                transfers = [self.remote.start(g, group)
-                             for g, group in enumerate(self._owned_groups(optimizer))]
+                groups = self._owned_groups(optimizer)
+                transfers = [self.remote.start(g, group, exchanged_copy(
+                    self._copies, g, len(groups)) if self.remote.exchanges(g) else None)
+                    for g, group in enumerate(groups)]
                 for transfer in transfers:
                     if transfer is not None:
                         transfer.wait()

@@ -47,6 +47,8 @@ class CopyTarget(Protocol):
 
     def compute_copy_written(self, layer: int) -> None: ...
 
+    def exchanged_copy(self, layer: int) -> torch.Tensor | None: ...
+
 
 class StagedGrads(Protocol):
     """Gradients the update reads back from files, layer by layer (`NvmeGrads`)."""
@@ -88,7 +90,10 @@ class RemoteUpdates(Protocol):
 
     def is_remote(self, group: int) -> bool: ...
 
-    def start(self, group: int, params: Sequence[nn.Parameter]) -> Transfer | None: ...
+    def exchanges(self, group: int) -> bool: ...
+
+    def start(self, group: int, params: Sequence[nn.Parameter],
+              copy: torch.Tensor | None = None) -> Transfer | None: ...
 
 
 class LayerwiseUpdate:
@@ -164,7 +169,8 @@ class LayerwiseUpdate:
                         self._before_group(index)
                     if index not in staged_groups:  # its weights from the node updating it
                         waited_s += time.perf_counter() - wait_start
-                        receiving.append((index, self._remote.start(index, group)))
+                        receiving.append((index, self._remote.start(
+                            index, group, self._exchanged_copy(index))))
                         self._land(receiving, block=False)
                         continue  # landed as it arrives
                     if masters is not None:
@@ -175,15 +181,15 @@ class LayerwiseUpdate:
                     copy = self._compute_copy(index)
                     if group or copy is not None:  # the optimizer's own frame: the kernel's caller
                         self._opt.step_params(group, out_bf16=copy)
-                    if self._remote is not None:
-                        transfer = self._remote.start(index, group)
-                        sending += [transfer] if transfer is not None else []
                     if grads is not None:
                         grads.unstage(index)
                     if masters is not None:
                         masters.after_update(index)
                     if copy is not None:
                         self._copies.compute_copy_written(index)
+                    if self._remote is not None:
+                        transfer = self._remote.start(index, group, self._exchanged_copy(index))
+                        sending += [transfer] if transfer is not None else []
                     if self._on_group_done is not None:
                         self._on_group_done(index)
                 self._set_done(index)
@@ -238,6 +244,9 @@ class LayerwiseUpdate:
         training thread updates on the device)."""
         return index not in self._foreign_groups and index not in self._device_groups
 
+    def _exchanged_copy(self, index: int) -> torch.Tensor | None:
+        return exchanged_copy(self._copies, index, len(self._groups))
+
     def _compute_copy(self, index: int) -> list[torch.Tensor] | None:
         """Where the compute-dtype copy of group `index`'s parameters this optimizer
         updates goes (decoder layers only), one view each, if any."""
@@ -275,6 +284,15 @@ class LayerwiseUpdate:
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError("the layer-wise optimizer update failed") from err
+
+
+def exchanged_copy(copies: CopyTarget | None, index: int, num_groups: int
+                   ) -> torch.Tensor | None:
+    """Group `index`'s whole compute copy (of `num_groups`) where the split layout sends
+    or receives it in place of its masters (decoder layers below fp32 compute), else
+    None."""
+    layer = 0 < index < num_groups - 1  # a decoder layer (not a resident group)
+    return copies.exchanged_copy(index) if copies is not None and layer else None
 
 
 def _zero(params: list[nn.Parameter], set_to_none: bool) -> None:
