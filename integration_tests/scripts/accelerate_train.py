@@ -136,8 +136,8 @@ def kill_when_sending(args: argparse.Namespace, step_now: Callable[[], int]) -> 
 
     start = NodeExchange.start
 
-    def start_then_die(self: NodeExchange, group: int, params: Any) -> Any:
-        exchange = start(self, group, params)
+    def start_then_die(self: NodeExchange, group: int, params: Any, copy: Any = None) -> Any:
+        exchange = start(self, group, params, copy)
         if exchange is not None and self.sends(group) and step_now() >= args.kill_step:
             kill_self(args)
         return exchange

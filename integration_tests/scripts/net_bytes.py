@@ -4,7 +4,9 @@ the peer acknowledged, gloo's included; bytes_sent would count a retransmission 
 how the simulated-nodes runs measure what crosses from one node to another.
 
 Each established socket of this host is listed with the pids that hold it; a socket of
-ours whose peer port is a local port of one of `peers` is a connection to it. A socket
+ours whose peer address (ip:port: a port number alone may be bound on two of the host's
+addresses, another process's) is a local address of one of `peers` is a connection to
+it. A socket
 lists every process holding it: one forked but not yet exec'd (any rank's own `ss` call,
 all at once after a barrier) holds its parent's sockets for a moment, so each socket
 counts for all of its pids, not the first one listed.
@@ -16,7 +18,7 @@ import re
 import shutil
 import subprocess
 
-_ENTRY = re.compile(r"^\S+\s+\S+\s+\S+:(\d+)\s+\S+:(\d+)\s+users:(.*)$")
+_ENTRY = re.compile(r"^\S+\s+\S+\s+(\S+:\d+)\s+(\S+:\d+)\s+users:(.*)$")
 _PID = re.compile(r"pid=(\d+)")
 _SENT = re.compile(r"\bbytes_acked:(\d+)")
 
@@ -30,13 +32,14 @@ def bytes_sent_to(pid: int, peers: set[int]) -> int:
     they acknowledged)."""
     out = subprocess.run(["ss", "-tinpH", "state", "established"], capture_output=True,
                          text=True, check=True).stdout
-    # (local port, peer port, the pids holding it, bytes sent and acknowledged)
-    sockets: list[tuple[int, int, frozenset[int], int]] = []
-    entry: tuple[int, int, frozenset[int]] | None = None
+    # (local address, peer address, the pids holding it, bytes sent and acknowledged):
+    # whole addresses, since one port number may be bound on two of the host's addresses
+    sockets: list[tuple[str, str, frozenset[int], int]] = []
+    entry: tuple[str, str, frozenset[int]] | None = None
     for line in out.splitlines():
         m = _ENTRY.match(line)
         if m:
-            entry = (int(m[1]), int(m[2]), frozenset(int(p) for p in _PID.findall(m[3])))
+            entry = (m[1], m[2], frozenset(int(p) for p in _PID.findall(m[3])))
             continue
         sent = _SENT.search(line)
         if entry is not None and sent:

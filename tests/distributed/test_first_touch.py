@@ -77,7 +77,7 @@ def test_each_groups_bytes_go_to_its_owners_socket(tmp_path: Path) -> None:
     node_of = {id(p): rank_nodes[o] for g, o in zip(groups, owners, strict=True) for p in g}
     params = node_store.shared_params(model)
     assert nodes == [node_of[id(p)] for _, p in params]
-    slots, nbytes, _ = node_store._layout(params, len(groups))
+    slots, _, nbytes, _ = node_store._layout(params, len(groups))
     placed = _spans_placed([(s.offset_bytes, s.offset_bytes + s.nbytes, n)
                             for s, n in zip(slots, nodes, strict=True)])
     assert [node for _, _, node in placed] == [0, 1]  # socket 0's run, then socket 1's
