@@ -112,6 +112,11 @@ class NodeExchange:
         update their parts side by side."""
         if not params or not self.exchanges(group):
             return None
+        if (copy is not None) != (self._sends_copies and 0 < group < len(self._node_of) - 1):
+            raise ValueError(f"group {group}: the split layout sends "
+                             f"{'the compute copy' if self._sends_copies else 'the masters'} "
+                             "of a decoder layer; the caller gave "
+                             f"{'a copy' if copy is not None else 'none'}")
         src = self._layout.cross_ranks[self._node_of[group]]
         tensors = [p.detach() for p in params] if copy is None else [copy]
         try:

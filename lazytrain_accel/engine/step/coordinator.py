@@ -149,8 +149,8 @@ class StepCoordinator:
             if self.remote is not None:  # in forward order, as the layer-wise update
                 groups = self._owned_groups(optimizer)
                 transfers = [self.remote.start(g, group, exchanged_copy(
-                    self._copies, g, len(groups)) if self.remote.exchanges(g) else None)
-                    for g, group in enumerate(groups)]
+                    self._copies, self.remote, g, len(groups))
+                    if self.remote.exchanges(g) else None) for g, group in enumerate(groups)]
                 for transfer in transfers:
                     if transfer is not None:
                         transfer.wait()

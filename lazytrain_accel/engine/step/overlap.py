@@ -92,6 +92,9 @@ class RemoteUpdates(Protocol):
 
     def exchanges(self, group: int) -> bool: ...
 
+    @property
+    def sends_copies(self) -> bool: ...
+
     def start(self, group: int, params: Sequence[nn.Parameter],
               copy: torch.Tensor | None = None) -> Transfer | None: ...
 
@@ -245,7 +248,7 @@ class LayerwiseUpdate:
         return index not in self._foreign_groups and index not in self._device_groups
 
     def _exchanged_copy(self, index: int) -> torch.Tensor | None:
-        return exchanged_copy(self._copies, index, len(self._groups))
+        return exchanged_copy(self._copies, self._remote, index, len(self._groups))
 
     def _compute_copy(self, index: int) -> list[torch.Tensor] | None:
         """Where the compute-dtype copy of group `index`'s parameters this optimizer
@@ -286,13 +289,15 @@ class LayerwiseUpdate:
             raise RuntimeError("the layer-wise optimizer update failed") from err
 
 
-def exchanged_copy(copies: CopyTarget | None, index: int, num_groups: int
-                   ) -> torch.Tensor | None:
-    """Group `index`'s whole compute copy (of `num_groups`) where the split layout sends
-    or receives it in place of its masters (decoder layers below fp32 compute), else
-    None."""
+def exchanged_copy(copies: CopyTarget | None, remote: RemoteUpdates, index: int,
+                   num_groups: int) -> torch.Tensor | None:
+    """Group `index`'s whole compute copy (of `num_groups`) where `remote` (the split
+    layout) sends or receives it in place of its masters (decoder layers, where no node
+    holds every master: below fp32 compute with copies the update writes), else None."""
     layer = 0 < index < num_groups - 1  # a decoder layer (not a resident group)
-    return copies.exchanged_copy(index) if copies is not None and layer else None
+    if copies is None or not layer or not remote.sends_copies:
+        return None
+    return copies.exchanged_copy(index)
 
 
 def _zero(params: list[nn.Parameter], set_to_none: bool) -> None:
