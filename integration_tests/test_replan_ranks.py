@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import replan
 from test_accelerate_launch import ACCELERATE, _free_port
@@ -33,6 +35,9 @@ def _start(tmp_path: Path, name: str, num_processes: int) -> subprocess.Popen[st
         env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.alone  # the re-plans follow measured rates: beside another worker's launches
+# the one-process run chose other homes than the two ranks' (2 of 2 CI rehearsals on
+# 2026-12-07, 2 vCPUs); alone, 3 of 3 here
 def test_two_ranks_replan_once_at_the_same_step_and_train_as_one_process(tmp_path) -> None:
     replan.claimed_profile().save(tmp_path / "claimed.json")
     replan.true_profile().save(tmp_path / "true.json")

@@ -16,7 +16,7 @@ import argparse
 import multiprocessing
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
@@ -31,10 +31,12 @@ def slowed_fill(delay_s: float, filling: Path) -> None:
     """Copy one parameter at a time, `delay_s` apart; mark the file after the first."""
     copy_all = node_store._point_into
 
-    def one_by_one(store: node_store.NodeStore, params: Sequence, slots: Sequence, *,
+    def one_by_one(store: node_store.NodeStore, params: Sequence, slots: Sequence,
+                   copy_slots: Mapping, elsewhere: node_store.Elsewhere | None, *,
                    copy: bool) -> None:
+        copy_all(store, [], [], copy_slots, elsewhere, copy=copy)  # (none held elsewhere)
         for param, slot in zip(params, slots, strict=True):
-            copy_all(store, [param], [slot], copy=copy)
+            copy_all(store, [param], [slot], {}, None, copy=copy)
             if copy:
                 filling.touch()
                 time.sleep(delay_s)
