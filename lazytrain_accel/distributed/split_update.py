@@ -23,14 +23,12 @@ from lazytrain_accel.distributed.grad_reduce import ShareHooks, ShareReducer
 from lazytrain_accel.distributed.node_exchange import NodeExchange
 from lazytrain_accel.distributed.ownership import (
     NodeGroups,
-    group_master_bytes,
     layers_elsewhere,
-    share_owners,
+    split_groups,
 )
 from lazytrain_accel.distributed.peer_sync import NodePeers, RemoteRank
 from lazytrain_accel.engine.memory.weights import WeightPool
 from lazytrain_accel.engine.step.coordinator import StepCoordinator
-from lazytrain_accel.planning.node import node_of_groups
 from lazytrain_accel.planning.plan import Plan
 
 
@@ -69,7 +67,9 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
     groups = engine.steps.update_groups
     # Device-homed residents have a master per GPU; on a CPU device they stay shared.
     on_gpus = engine.steps.device_groups if engine.device.type != "cpu" else ()
-    owners = share_owners(groups, layout.local_size, every_rank=on_gpus)
+    # the split layout's cut over the nodes too: the rule the node store laid out by
+    owners, cut = split_groups(groups, local_ranks=layout.local_size, nodes=layout.nodes,
+                               every_rank=on_gpus)
     pids: list[int | None] = [None] * layout.local_size
     dist.all_gather_object(pids, os.getpid(), group=layout.intra)
     others: list[RemoteRank] = []
@@ -92,7 +92,7 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
                 "node_layout='split' on this asynchronous CPU device sends the residents' "
                 "weights from the training thread while the update thread sends the "
                 "layers': plan with resident_update='host'")
-        node_of = node_of_groups(group_master_bytes(groups), owners, layout.nodes)
+        node_of = cut
         if copies is not None:
             _receive_copies(engine, copies, layers_elsewhere(groups, node_of, layout.node))
         engine.steps.remote = NodeExchange(layout, owners=owners, node_of=node_of,
