@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 # One way only: config checks a hardware name against the presets; profiling never reads
 # config (its callers pass the directories it needs), so neither imports the other back.
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+from lazytrain_accel.storage import drives
 from lazytrain_accel.suggest import did_you_mean
 
 ENV_PREFIX = "LAZYTRAIN_"
@@ -169,7 +171,9 @@ class LazyTrainConfig:
             --list-hardware`) or the path of a hardware profile JSON.
         optimizer: "hybrid8bit" replaces the user's optimizer by the hybrid 8-bit CPU
             operator; "keep" keeps the user's optimizer class on the host masters.
-        nvme_dir: directory for activations the plan homes on NVMe.
+        nvme_dir: directory for the activations and host state the plan homes on NVMe;
+            several drives: one directory on each, as a list or joined by "," (the
+            files spread over them, `storage/drives.py`).
         gpu_memory_limit_gb / cpu_memory_limit_gb / nvme_limit_gb: budgets for the
             planner; 0 means "what the hardware profile says".
         max_recompute_block: K, the longest recompute block the planner may choose.
@@ -257,7 +261,7 @@ class LazyTrainConfig:
     plan: str | None = None
     hardware: str | None = None
     optimizer: OptimizerChoice | str | None = None
-    nvme_dir: str | None = None
+    nvme_dir: str | Sequence[str] | None = None
     gpu_memory_limit_gb: float | None = None
     cpu_memory_limit_gb: float | None = None
     nvme_limit_gb: float | None = None
@@ -435,6 +439,19 @@ def env_setting(name: str) -> Any:
 
 def _coerce(name: str, value: Any) -> Any:
     """Turn an argument or environment string into the field's type, or raise ValueError."""
+    if name == "nvme_dir" and not (isinstance(value, str) and not value.strip()):
+        # one directory per drive: a list, or a string joined by ","
+        if isinstance(value, str):
+            dirs = value.split(drives.DIR_SEPARATOR)
+        elif isinstance(value, (list, tuple)):
+            dirs = list(value)
+        else:
+            raise ValueError(f"{name}={value!r} must be a directory, or one per drive as a "
+                             f"list or joined by {drives.DIR_SEPARATOR!r}")
+        try:
+            return drives.join_dirs(dirs)
+        except ValueError as err:
+            raise ValueError(f"{name}={value!r}: {err}") from None
     if name == "optimizer":
         if isinstance(value, OptimizerChoice):
             return value
@@ -471,5 +488,5 @@ def _coerce(name: str, value: Any) -> Any:
     value = value.strip()
     if (name in ("plan", "hardware") or name in _CHOICES) and not _is_json_path(value):
         return value.lower()  # names ("auto", strategies, presets) are case-insensitive
-    return (os.path.expanduser(value) if name in ("nvme_dir", "cache_dir", "node_store_dir")
+    return (os.path.expanduser(value) if name in ("cache_dir", "node_store_dir")
             else value)

@@ -37,6 +37,7 @@ from lazytrain_accel.planning.state import (
     weights_of,
 )
 from lazytrain_accel.profiling.profile import ModelProfile
+from lazytrain_accel.storage.drives import drive_groups, layer_shares, split_dirs
 
 GIB = 2**30
 
@@ -163,8 +164,11 @@ def nvme_need_bytes(plan: Plan, model_profile: ModelProfile | None = None,
     return plan.count_homes()[Home.NVME.value] * plan.boundary_bytes + state
 
 
-def check_nvme_dir(nvme_dir: str, need_bytes: int) -> None:
-    """Raise `PreflightError` unless `nvme_dir` can take `need_bytes` of boundary files.
+def check_nvme_dir(nvme_dir: str, need_bytes: int, *, num_layers: int = 1) -> None:
+    """Raise `PreflightError` unless the directories `nvme_dir` names (one per drive,
+    `storage/drives.py`) can take `need_bytes` of boundary and state files, spread over
+    them as the engine does (layer j's files in directory j % D, of `num_layers` layers;
+    directories on one file system share its free space).
 
     A missing directory is created when its parent exists (the default `<tmp>/lazytrain_nvme`
     case); a missing parent is an error, as it usually means a mistyped or unmounted drive.
@@ -172,8 +176,25 @@ def check_nvme_dir(nvme_dir: str, need_bytes: int) -> None:
     """
     if need_bytes <= 0:
         return
-    path = Path(nvme_dir)
     how = "point nvme_dir (LAZYTRAIN_NVME_DIR) at a directory on a local NVMe drive"
+    dirs = split_dirs(nvme_dir)
+    for path in dirs:
+        _check_usable(path, how)
+    share = dict(zip(dirs, layer_shares(num_layers, len(dirs)), strict=True))
+    for group in drive_groups(dirs):
+        need = math.ceil(need_bytes * min(1.0, sum(share[path] for path in group)))
+        free = shutil.disk_usage(group[0]).free
+        if free < need:
+            where = " and ".join(repr(str(p)) for p in group)
+            raise PreflightError(
+                f"nvme_dir {where} has {free / GIB:.2f} GiB free but the plan keeps "
+                f"{need / GIB:.2f} GiB of activations and host state there; free space, "
+                f"{how} with more room (or add a drive: one directory per drive, joined by "
+                "','), or plan with nvme_limit_gb below the free space")
+
+
+def _check_usable(path: Path, how: str) -> None:
+    """`path` is a writable directory (created when only it is missing)."""
     try:
         exists = path.exists()
     except OSError as err:  # a parent this user may not search
@@ -192,12 +213,6 @@ def check_nvme_dir(nvme_dir: str, need_bytes: int) -> None:
             raise PreflightError(f"nvme_dir {str(path)!r} does not exist and cannot be "
                                  f"created ({err.strerror}); {how}") from None
     _probe_writable(path, how)
-    free = shutil.disk_usage(path).free
-    if free < need_bytes:
-        raise PreflightError(
-            f"nvme_dir {str(path)!r} has {free / GIB:.2f} GiB free but the plan keeps "
-            f"{need_bytes / GIB:.2f} GiB of activations there; free space, {how} with more "
-            "room, or plan with nvme_limit_gb below the free space")
 
 
 def _probe_writable(path: Path, how: str) -> None:
@@ -270,7 +285,8 @@ def check_run(*, model: object, plan: Plan, model_profile: ModelProfile, optimiz
     estimate = dataclasses.replace(estimate, terms=(
         *estimate.terms, (per_rank(SAVE_BUFFER_TERM, ranks), ranks * buffer_bytes)))
     check_host_memory(estimate, available_bytes)
-    check_nvme_dir(nvme_dir, nvme_need_bytes(plan, model_profile, optimizer))
+    check_nvme_dir(nvme_dir, nvme_need_bytes(plan, model_profile, optimizer),
+                   num_layers=plan.num_layers)
     return estimate
 
 

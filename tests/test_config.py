@@ -265,3 +265,16 @@ def test_env_setting_reads_one_field_without_a_config(monkeypatch) -> None:
     monkeypatch.setenv("LAZYTRAIN_EMULATE_LINKS", "sometimes")
     with pytest.raises(ValueError, match="LAZYTRAIN_EMULATE_LINKS"):
         env_setting("emulate_links")
+
+
+def test_nvme_dir_names_one_directory_per_drive(monkeypatch) -> None:
+    """A list, or a string joined by "," (the environment's form): expanded, in order,
+    repeats dropped; an empty entry is an error naming the field."""
+    home = os.path.expanduser("~")
+    assert LazyTrainConfig(nvme_dir=["~/a", "/b", "/b"]).nvme_dir == f"{home}/a,/b"
+    assert LazyTrainConfig(nvme_dir=" /x , /y ").nvme_dir == "/x,/y"
+    monkeypatch.setenv("LAZYTRAIN_NVME_DIR", "/p,/q")
+    assert LazyTrainConfig().nvme_dir == "/p,/q"
+    for bad in (["/a", ""], "/a,,/b", [], 3):
+        with pytest.raises(ValueError, match="nvme_dir="):
+            LazyTrainConfig(nvme_dir=bad)

@@ -105,8 +105,9 @@ def _add_run_args(p: argparse.ArgumentParser, *, batch: str) -> None:
                        help=f"{what} budget in GiB (default: LAZYTRAIN_{env}, else 0 = the "
                        "hardware profile's)")
     p.add_argument("--nvme-drives", type=positive_int, default=1,
-                   help="NVMe drives striped under nvme_dir (RAID-0, or one nvme_dir per "
-                   "drive): the profile's NVMe rates are one drive's, times this (default 1)")
+                   help="this many of the profile's NVMe drives (a RAID-0 mount, or one "
+                   "nvme_dir per drive): its NVMe rates and drive count times this "
+                   "(default 1: the profile as it is)")
     p.add_argument("--host-state", choices=HOST_STATES, default="auto",
                    help="where the layers' host state may live when DRAM cannot hold it: "
                    "auto (the planner decides every part), streamed (the parts a run streams "
@@ -159,7 +160,9 @@ def with_drives(hardware: HardwareProfile, drives: int) -> HardwareProfile:
         hardware, name=f"{hardware.name} x{drives} NVMe",
         nvme_read_bytes_per_s=drives * hardware.nvme_read_bytes_per_s,
         nvme_write_bytes_per_s=drives * hardware.nvme_write_bytes_per_s,
-        source=f"{hardware.source}; {drives} drives striped: NVMe rates x {drives}")
+        nvme_bytes=drives * hardware.nvme_bytes, nvme_drives=drives * hardware.nvme_drives,
+        source=f"{hardware.source}; {drives} times its drives striped: NVMe rates and "
+               f"capacity x {drives}")
 
 
 def _profile(config: dict, args: argparse.Namespace, batch_size: int,
@@ -212,6 +215,9 @@ def _traffic_summary(plan: Plan, model: ModelProfile, hardware: HardwareProfile
     return {"nvme_read_bytes": t.read_bytes, "nvme_written_bytes": t.written_bytes,
             "nvme_busy_s": t.busy_s, "nvme_bandwidth_share": t.bandwidth_share,
             "nvme_added_s": t.drive_added_s, "floor_s": t.floor_s,
+            "nvme_drives": hardware.nvme_drives,
+            "nvme_read_bytes_per_s": hardware.nvme_read_bytes_per_s,
+            "nvme_write_bytes_per_s": hardware.nvme_write_bytes_per_s,
             "step_over_floor": plan.prediction.step_s / t.floor_s}
 
 
@@ -264,7 +270,10 @@ def _print_state(summary: dict[str, Any]) -> None:
               "in DRAM")
     if summary.get("nvme_read_bytes"):
         print(f"  NVMe per step: {summary['nvme_read_bytes'] / 1e9:.1f} GB read, "
-              f"{summary['nvme_written_bytes'] / 1e9:.1f} GB written, drives busy "
+              f"{summary['nvme_written_bytes'] / 1e9:.1f} GB written on "
+              f"{summary['nvme_drives']} drive(s) at "
+              f"{summary['nvme_read_bytes_per_s'] / 1e9:.1f} / "
+              f"{summary['nvme_write_bytes_per_s'] / 1e9:.1f} GB/s, drives busy "
               f"{summary['nvme_busy_s']:.1f} s ({summary['nvme_bandwidth_share']:.0%} of the "
               f"step), adding {summary['nvme_added_s']:.1f} s; floor {summary['floor_s']:.1f} "
               f"s (compute or drives), step {summary['step_over_floor']:.2f}x the floor")

@@ -153,6 +153,10 @@ class HardwareProfile:
     # a read beside a write in the time of both in turn: `measure.py` times it). The
     # update phase's state reads and writes are then priced on one lane.
     nvme_full_duplex: bool = True
+    # The NVMe drives the rates above are the sum of: one per directory of `nvme_dir` on
+    # its own file system (`storage/drives.py`; `measure.py` counts them), or 1 for a
+    # single drive or a RAID mount (whose measured rates are the array's).
+    nvme_drives: int = 1
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -171,6 +175,9 @@ class HardwareProfile:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"hardware profile field {f.name}={value!r} must be a number")
+            if f.name == "nvme_drives" and not isinstance(value, int):
+                raise ValueError(f"hardware profile field {f.name}={value!r} must be a "
+                                 "whole number of drives")
             if f.name in _MAY_BE_ZERO:
                 if not math.isfinite(value) or value < 0:
                     raise ValueError(f"hardware profile {self.name!r}: {f.name}={value!r} "
@@ -247,9 +254,9 @@ class HardwareProfile:
 
 _GIB = 1024**3
 _PAPER = "LazyTrain paper (arXiv 2608.11919) measurements"
-_NVME_PAPER = f"NVMe 2.83 GB/s read / 3.35 GB/s write: {_PAPER}"
-_NVME_DC = ("NVMe 6.8 / 4.0 GB/s: vendor sheet of a PCIe 4.0 datacenter SSD (Samsung PM9A3 "
-            "3.84 TB sequential read/write)")
+_NVME_PAPER = f"NVMe 2.83 GB/s read / 3.35 GB/s write, one drive: {_PAPER}"
+_NVME_DC = ("NVMe 6.8 / 4.0 GB/s, one drive: vendor sheet of a PCIe 4.0 datacenter SSD "
+            "(Samsung PM9A3 3.84 TB sequential read/write)")
 _PCIE4 = ("PCIe 4.0 x16 24 GB/s each way: typical pinned bandwidthTest result (~75% of the "
           "31.5 GB/s link)")
 _HOPPER_ACHIEVED = ("achieved rate 0.32 x peak: back-derived from the paper's H800 27B run "
@@ -380,8 +387,8 @@ HARDWARE_PRESETS: dict[str, HardwareProfile] = {p.name: p for p in (
             host_isa="avx512", network_gbps=100,
             source=["peak 165.2 dense bf16 TFLOPS (fp32 accumulate): NVIDIA Ada AD102 "
                     "whitepaper", _AMPERE_ACHIEVED, _PCIE4,
-                    "NVMe 7.45 / 6.9 GB/s: vendor sheet of a PCIe 4.0 consumer SSD (Samsung "
-                    "990 Pro 2 TB)", "host 256 GiB: assumed (workstation)",
+                    "NVMe 7.45 / 6.9 GB/s, one drive: vendor sheet of a PCIe 4.0 consumer SSD "
+                    "(Samsung 990 Pro 2 TB)", "host 256 GiB: assumed (workstation)",
                     _WORKSTATION_DDR5_HOST,
                     _NET_WORKSTATION]),
 )}

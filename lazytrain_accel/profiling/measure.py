@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
 import os
 import platform
 import shutil
@@ -19,7 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -28,6 +31,9 @@ import torch
 from lazytrain_accel.optim import HybridAdamW8bit, native
 from lazytrain_accel.profiling.hardware import MEASURED_NAME_PREFIX, HardwareProfile, preset_for_gpu
 from lazytrain_accel.storage.direct_io import DirectIO
+from lazytrain_accel.storage.drives import drive_groups, split_dirs
+
+logger = logging.getLogger("lazytrain_accel")
 
 _MIB = 1024**2
 
@@ -262,13 +268,14 @@ def _host_update_kernel() -> str:
     return "torch path" if native.load_kernel() is None else native.runnable_variants()[0].name
 
 
-def _machine_key(device: torch.device, nvme_dir: Path) -> str:
+def _machine_key(device: torch.device, nvme_dirs: Sequence[Path]) -> str:
     """The cache key: a profile is reused only where it was measured as the run will go,
     including the thread count the run set (`threads.apply_threads`, before this) and the
     host update's kernel (a compiler installed since, or a new CPU, measures again)."""
     key = {"host": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count(),
            "ram_bytes": psutil.virtual_memory().total, "gpu": _gpu_name(device),
-           "nvme_dir": str(nvme_dir.resolve()), "torch": torch.__version__,
+           "nvme_dir": ",".join(str(d.resolve()) for d in nvme_dirs),
+           "torch": torch.__version__,
            "optimizer_probe": _OPTIMIZER_PROBE, "threads": torch.get_num_threads(),
            "host_update_kernel": _host_update_kernel()}
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
@@ -288,14 +295,43 @@ def local_capacities(device: torch.device | None = None) -> dict[str, int | str]
             "cpu_memory_bytes": int(cpu_bytes)}
 
 
-def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> HardwareProfile:
+@dataclass(frozen=True)
+class _Drives:
+    read_bytes_per_s: float  # the drives' sum
+    write_bytes_per_s: float
+    full_duplex: bool  # every drive
+    free_bytes: int  # the drives' sum
+    count: int
+
+
+def _measure_drives(dirs: Sequence[Path], probe_bytes: int) -> _Drives:
+    """The drives under `dirs` (one per file system, `drive_groups`) probed at once, as
+    the engine's I/O threads per drive run them, their rates summed."""
+    drives = [group[0] for group in drive_groups(dirs)]
+    if len(drives) < len(dirs):
+        logger.warning("lazytrain: nvme_dir names %d directories on %d file systems: "
+                       "directories on one drive share its bandwidth (measured once)",
+                       len(dirs), len(drives))
+
+    def probe(directory: Path) -> tuple[float, float, bool]:
+        read, write = _measure_nvme(directory, probe_bytes)
+        return read, write, _measure_nvme_full_duplex(directory, probe_bytes // 2)
+
+    with ThreadPoolExecutor(max_workers=len(drives)) as pool:
+        rates = list(pool.map(probe, drives))
+    return _Drives(read_bytes_per_s=sum(r[0] for r in rates),
+                   write_bytes_per_s=sum(r[1] for r in rates),
+                   full_duplex=all(r[2] for r in rates),
+                   free_bytes=sum(shutil.disk_usage(d).free for d in drives), count=len(drives))
+
+
+def _measure(device: torch.device, nvme_dirs: Sequence[Path],
+             probe_bytes: int) -> HardwareProfile:
     capacities = local_capacities(device)
     # A host memcpy reaches its steady rate on far less than a PCIe transfer needs.
     link_bytes = probe_bytes if device.type == "cuda" else min(probe_bytes, 64 * _MIB)
     h2d, d2h = _measure_link(device, link_bytes)
-    nvme_dir.mkdir(parents=True, exist_ok=True)
-    nvme_read, nvme_write = _measure_nvme(nvme_dir, probe_bytes)
-    full_duplex = _measure_nvme_full_duplex(nvme_dir, probe_bytes // 2)
+    drives = _measure_drives(nvme_dirs, probe_bytes)
     matmul = _measure_matmul(device)
     dequant, dequant_how = _measure_dequant(device)
     host_update = _measure_optimizer(device)
@@ -307,11 +343,12 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
         name=f"{MEASURED_NAME_PREFIX}{platform.node() or 'host'}", gpu_name=gpu_name,
         gpu_memory_bytes=int(capacities["gpu_memory_bytes"]),
         cpu_memory_bytes=int(capacities["cpu_memory_bytes"]),
-        nvme_bytes=int(shutil.disk_usage(nvme_dir).free),
+        nvme_bytes=drives.free_bytes,
         peak_bf16_flops_per_s=_vendor_peak_flops_per_s(gpu_name, matmul),
         achieved_flops_per_s=matmul, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h,
-        nvme_read_bytes_per_s=nvme_read, nvme_write_bytes_per_s=nvme_write,
-        nvme_full_duplex=full_duplex,
+        nvme_read_bytes_per_s=drives.read_bytes_per_s,
+        nvme_write_bytes_per_s=drives.write_bytes_per_s,
+        nvme_full_duplex=drives.full_duplex, nvme_drives=drives.count,
         cpu_optimizer_params_per_s=host_update,
         gpu_optimizer_params_per_s=_measure_device_optimizer(device, host_update),
         device_runs_async=device.type == "cuda",
@@ -321,8 +358,10 @@ def _measure(device: torch.device, nvme_dir: Path, probe_bytes: int) -> Hardware
         compute_on_host=device.type != "cuda",
         source=(f"measured by lazytrain_accel on {platform.node()} at {when} with torch "
                 f"{torch.__version__}: {link_bytes // _MIB} MiB host<->device copies, a "
-                f"{probe_bytes // _MIB} MiB file in {nvme_dir} (a read beside a write: drive "
-                f"{'full' if full_duplex else 'shared'} duplex), a square matmul "
+                f"{probe_bytes // _MIB} MiB file in each of "
+                f"{', '.join(map(str, nvme_dirs))} ({drives.count} drive(s) at once; a read "
+                f"beside a write: {'full' if drives.full_duplex else 'shared'} duplex), "
+                "a square matmul "
                 f"({'bf16' if device.type == 'cuda' else 'fp32'}), a HybridAdamW8bit step of 10M "
                 f"params at {torch.get_num_threads()} threads ({_host_update_kernel()} kernel; "
                 f"and of 16M on the device), {dequant_how}, tiny decoder layers "
@@ -346,7 +385,7 @@ def measure_hardware(*, cache_dir: str, nvme_dir: str, refresh: bool = False,
             return HardwareProfile.load(measured)
         except ValueError:
             pass  # a cache from another release or a torn write: measure again
-    profile = _measure(_device_or_default(device), _nvme_path(nvme_dir), probe_bytes)
+    profile = _measure(_device_or_default(device), _nvme_paths(nvme_dir), probe_bytes)
     profile.save(measured)
     return profile
 
@@ -357,13 +396,14 @@ def _device_or_default(device: torch.device | None) -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _nvme_path(nvme_dir: str) -> Path:
-    path = Path(nvme_dir).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+def _nvme_paths(nvme_dir: str) -> list[Path]:
+    paths = split_dirs(nvme_dir)
+    for path in paths:
+        path.mkdir(parents=True, exist_ok=True)
+    return paths
 
 
 def _cache_path(kind: str, cache_dir: str, nvme_dir: str,
                 device: torch.device | None) -> Path:
-    key = _machine_key(_device_or_default(device), _nvme_path(nvme_dir))
+    key = _machine_key(_device_or_default(device), _nvme_paths(nvme_dir))
     return Path(cache_dir).expanduser() / f"{kind}-{key}.json"

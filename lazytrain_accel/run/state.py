@@ -119,7 +119,7 @@ class RunState:
             return None
         # the larger plan may home more on NVMe: fail with a sentence, not an ENOSPC
         preflight.check_nvme_dir(self.plugin.nvme_dir, preflight.nvme_need_bytes(
-            run.plan, run.model_profile, run.plan.optimizer))
+            run.plan, run.model_profile, run.plan.optimizer), num_layers=run.plan.num_layers)
         self.adopt(run, sizing)
         return run.plan
 

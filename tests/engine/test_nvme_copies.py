@@ -59,14 +59,14 @@ def test_copies_on_nvme_train_bit_for_bit_as_in_dram_and_leave_no_file(tmp_path,
     engine, losses, seen = _train(
         model, dataclasses.replace(plan, state=StateHomes(copies=copies)), tmp_path / "nvme")
     assert losses == ref_losses
-    files = sorted(p.name for p in engine.spill.directory.joinpath("state").iterdir())
+    files = sorted(p.name for p in engine.spill.directories[0].joinpath("state").iterdir())
     assert files == [f"copy-{j}.bin" for j in copies]
     numel = sum(p.numel() for p in engine.layer_params(1))
-    assert (engine.spill.directory / "state" / "copy-1.bin").stat().st_size == 2 * numel
+    assert (engine.spill.directories[0] / "state" / "copy-1.bin").stat().st_size == 2 * numel
     # after the backward's loads the NVMe-homed copies live in their files only (the
     # update then rewrote them in DRAM: every layer but the ones homed on NVMe keeps one)
     assert all(not seen[-1][j] for j in range(1, LAYERS + 1) if j not in copies)
-    directory = engine.spill.directory
+    directory = engine.spill.directories[0]
     engine.detach()  # its I/O threads joined: every transfer counted
     ref_engine.detach()
     assert not directory.exists()

@@ -61,11 +61,11 @@ def test_grads_on_nvme_train_bit_for_bit_as_in_dram(tmp_path, dtype):
     assert losses == ref_losses
     assert all(set(n) == set(norms[0]) for n in norms)
     assert {p for j in homed for p in engine.layer_params(j)} <= set(norms[0])
-    state = engine.spill.directory / "state"
+    state = engine.spill.directories[0] / "state"
     assert sorted(p.name for p in state.iterdir()) == [f"grad-{j}.bin" for j in homed]
     numel = sum(p.numel() for p in engine.layer_params(1))
     assert (state / "grad-1.bin").stat().st_size == 4 * numel
-    directory = engine.spill.directory
+    directory = engine.spill.directories[0]
     engine.detach()
     ref_engine.detach()
     assert not directory.exists()

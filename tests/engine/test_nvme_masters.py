@@ -73,11 +73,11 @@ def test_masters_on_nvme_train_bit_for_bit_as_in_dram(tmp_path, homes, min_8bit_
                                  between=between)
     assert losses == ref_losses
     assert evicted == [list(homes.optimizer)] * 3
-    state = engine.spill.directory / "state"
+    state = engine.spill.directories[0] / "state"
     assert {p.name for p in state.iterdir()} >= {f"optim-{j}.bin" for j in homes.optimizer}
     numel = sum(p.numel() for p in engine.layer_params(1))
     moved = engine.total_stats().transfer_bytes
-    directory = engine.spill.directory
+    directory = engine.spill.directories[0]
     engine.detach()  # masters and moments back in DRAM, the files gone
     ref_engine.detach()
     assert not directory.exists()
@@ -226,7 +226,7 @@ def test_a_failed_master_write_names_its_file_and_detach_still_cleans_up(tmp_pat
         engine.synchronize()
     assert isinstance(failed.value.__cause__, StateIOError)
     assert "optim-2.bin" in str(failed.value.__cause__)
-    directory = engine.spill.directory
+    directory = engine.spill.directories[0]
     with pytest.raises(RuntimeError, match=r"layers \[2\].*resume from the last checkpoint"):
         engine.detach()
     assert not directory.exists()

@@ -250,3 +250,30 @@ def test_a_saves_buffer_is_counted_as_the_largest_tensor_the_writer_copies(tmp_p
 def _shares_memory(tensor: torch.Tensor, data: memoryview) -> bool:
     """Whether the writer's bytes are `tensor`'s own memory (no copy)."""
     return torch.frombuffer(data, dtype=torch.uint8).data_ptr() == tensor.data_ptr()
+
+
+def test_several_drives_are_checked_each_for_its_share(tmp_path) -> None:
+    """`nvme_dir` naming one directory per drive: each drive must hold its layers' share
+    (layer j on directory j % D); directories on one file system share its free space."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm as a file system apart from the test's directory")
+    small = Path(tempfile.mkdtemp(prefix="lazytrain-drive-", dir=shm))
+    try:
+        over_small = 2 * (shutil.disk_usage(small).free + GIB)  # half of it: too much there
+        if over_small // 2 >= shutil.disk_usage(tmp_path).free:
+            pytest.skip("the test's drive is not larger than /dev/shm")
+        with pytest.raises(PreflightError, match=f"nvme_dir '{small}' has"):
+            preflight.check_nvme_dir(f"{tmp_path / 'a'},{small}", need_bytes=over_small,
+                                     num_layers=4)
+        # four layers over three directories: one on the first (layer 3), two, one
+        preflight.check_nvme_dir(f"{small},{tmp_path / 'a'},{tmp_path / 'b'}",
+                                 need_bytes=over_small, num_layers=4)
+    finally:
+        shutil.rmtree(small)
+    free = shutil.disk_usage(tmp_path).free
+    # each half fits the drive, both together do not
+    with pytest.raises(PreflightError, match=f"nvme_dir '{tmp_path / 'a'}' and "
+                                             f"'{tmp_path / 'b'}' has"):
+        preflight.check_nvme_dir(f"{tmp_path / 'a'},{tmp_path / 'b'}",
+                                 need_bytes=int(1.5 * free), num_layers=4)

@@ -28,9 +28,13 @@ LAYERS = 8
 
 
 def _plugin(tmp_path: Path, cpu_memory_limit_gb: float = 0, overlap_step: bool = True,
-            **settings: object) -> LazyTrainPlugin:
+            drives: int = 1, **settings: object) -> LazyTrainPlugin:
+    """`drives` > 1: `nvme_dir` names that many directories, `n0`, `n1`, ... (one per
+    drive); else `n`."""
+    nvme_dir = (str(tmp_path / "n") if drives == 1 else
+                ",".join(str(tmp_path / f"n{i}") for i in range(drives)))
     return LazyTrainPlugin(plan="checkpoint_all", hardware="h800", resident_update="host",
-                           cache_dir=str(tmp_path / "c"), nvme_dir=str(tmp_path / "n"),
+                           cache_dir=str(tmp_path / "c"), nvme_dir=nvme_dir,
                            cpu_memory_limit_gb=cpu_memory_limit_gb, overlap_step=overlap_step,
                            **settings)
 
@@ -115,13 +119,15 @@ def _masters_budget_gb() -> float:
 
 
 def _steps(tmp_path: Path, budget_gb: float, *, resume: bool = False,
-           save_after: int | None = None) -> tuple[list[float], dict, dict, object]:
+           save_after: int | None = None, drives: int = 1
+           ) -> tuple[list[float], dict, dict, object]:
     """Four clipped steps (the first two skipped on `resume`, which loads the checkpoint
     `save_after` a step wrote); (losses, state_dict() before the end, parameters after
     it, the plan's state homes)."""
     model = _build("llama", LAYERS).eval()  # no dropout: the steps' math alone
     acc = Accelerator(cpu=True, mixed_precision="bf16",
-                      plugin=_plugin(tmp_path / ("b" if resume else "a"), budget_gb))
+                      plugin=_plugin(tmp_path / ("b" if resume else "a"), budget_gb,
+                                     drives=drives))
     model, opt = acc.prepare(model, HybridAdamW8bit(model.parameters(), lr=1e-2,
                                                     max_grad_norm=0.5))
     state = acc.lazytrain.run.plan.state
@@ -151,16 +157,19 @@ def test_masters_homed_on_nvme_by_the_plan_train_save_and_resume_as_in_dram(
     """The budget leaves the masters and moments of some layers no room in DRAM: the plan
     homes them on NVMe, and the run trains as the all-DRAM one bit for bit (its state dict
     read from the files before the end, its parameters after it); a checkpoint written
-    after two steps resumes the last two exactly."""
+    after two steps resumes the last two exactly. The run spreads its files over two
+    directories (one per drive); the resume keeps them in one."""
     budget_gb = _masters_budget_gb()
-    losses, state_dict, params, state = _steps(tmp_path / "nvme", budget_gb, save_after=1)
+    losses, state_dict, params, state = _steps(tmp_path / "nvme", budget_gb, save_after=1,
+                                               drives=2)
     dram_losses, _, dram_params, dram_state = _steps(tmp_path / "dram", 0)
     assert state.optimizer and not dram_state.any, state
     assert losses == dram_losses
     for name, value in dram_params.items():
         torch.testing.assert_close(params[name], value, rtol=0, atol=0, msg=name)
         torch.testing.assert_close(state_dict[name], value, rtol=0, atol=0, msg=name)
-    assert not any((tmp_path / "nvme" / "a" / "n").glob("lazytrain-*"))
+    drives = [tmp_path / "nvme" / "a" / f"n{i}" for i in range(2)]
+    assert all(d.is_dir() and not any(d.glob("lazytrain-*")) for d in drives)
     resumed, _, resumed_params, resumed_state = _steps(tmp_path / "nvme", budget_gb,
                                                        resume=True)
     assert resumed_state == state and resumed == losses[2:]

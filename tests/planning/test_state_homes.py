@@ -140,10 +140,9 @@ def test_a_70b_full_fine_tune_plans_on_a_4090_with_128_gb_and_4_drives() -> None
     geometry = preset_geometry(load_model_config("llama3-70b"), name="llama3-70b")
     model = profile_model(geometry, batch_size=4, seq_len=2048, loss_chunk_tokens=None,
                           tile_tokens=None)
-    drives = 4
-    hardware = dataclasses.replace(
-        RTX4090, nvme_read_bytes_per_s=drives * RTX4090.nvme_read_bytes_per_s,
-        nvme_write_bytes_per_s=drives * RTX4090.nvme_write_bytes_per_s)
+    hardware = plan_cmd.with_drives(RTX4090, 4)  # what `--nvme-drives 4` plans with
+    assert hardware.nvme_drives == 4
+    assert hardware.nvme_read_bytes_per_s == 4 * RTX4090.nvme_read_bytes_per_s
     budgets = Budgets.from_hardware(hardware, cpu_memory_limit_gb=128, nvme_limit_gb=4000)
     plan = make_plan(model, hardware, PlanRequest(budgets=budgets, time_limit_s=30))
     assert plan.state.any and plan.prediction.peak_cpu_bytes <= budgets.cpu_bytes
@@ -195,8 +194,11 @@ def test_lazytrain_plan_prints_the_state_baselines_its_plan_priced(
     monkeypatch.setattr(plan_cmd, "make_plan", recorded)
     assert main(["plan", "--model", str(config), "--hardware", "rtx4090", "--batch-size",
                  "2", "--seq-len", "64", "--cpu-memory-gb", repr(budgets.cpu_bytes / GIB),
-                 "--time-limit-s", "10", "--json"]) == 0
-    baselines = json.loads(capsys.readouterr().out)["host_state_baselines"]
+                 "--time-limit-s", "10", "--nvme-drives", "2", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    baselines = summary["host_state_baselines"]
+    assert summary["nvme_drives"] == 2  # the preset's one drive, twice: its rates summed
+    assert summary["nvme_read_bytes_per_s"] == 2 * RTX4090.nvme_read_bytes_per_s
     assert [request.host_state for _, _, request in calls
             if request.strategy == "lazytrain"] == ["auto", "dram"]
     assert all(request.diagnose_s == 0 for _, _, request in calls[1:])  # refusals unread

@@ -113,3 +113,55 @@ def test_the_optimizer_rate_times_the_update_the_engine_runs(monkeypatch) -> Non
     monkeypatch.setattr(HybridAdamW8bit, "step_params", counted)
     assert measure._measure_optimizer(torch.device("cpu"), num_params=4096) > 0
     assert calls == [True] * 4  # one warm-up and three timed steps, each with a gradient
+
+
+def _other_file_system(tmp_path: Path) -> Path:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm as a file system apart from the test's directory")
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="lazytrain-drive-", dir=shm))
+
+
+def test_each_drive_is_probed_at_once_and_their_rates_summed(tmp_path, monkeypatch,
+                                                             caplog) -> None:
+    """`nvme_dir` naming one directory per drive: each file system probed once (two
+    directories on one drive share it, and say so), all at once, the rates summed."""
+    disk, same = tmp_path / "a", tmp_path / "b"
+    disk.mkdir()
+    same.mkdir()
+    other = _other_file_system(tmp_path)
+    try:
+        probed = []
+
+        def rates(directory: Path, nbytes: int) -> tuple[float, float]:
+            probed.append(directory)
+            return (1e9, 5e8) if directory == disk else (2e9, 1e9)
+
+        monkeypatch.setattr(measure, "_measure_nvme", rates)
+        monkeypatch.setattr(measure, "_measure_nvme_full_duplex", lambda d, n: d == disk)
+        with caplog.at_level("WARNING", logger="lazytrain_accel"):
+            drives = measure._measure_drives([disk, other, same], 1 << 20)
+        assert sorted(probed) == sorted([disk, other])
+        assert "3 directories on 2 file systems" in caplog.text
+        assert (drives.count, drives.read_bytes_per_s, drives.write_bytes_per_s) == (
+            2, 3e9, 1.5e9)
+        assert not drives.full_duplex  # one of them shares its bandwidth
+        monkeypatch.undo()
+        real = measure._measure_drives([disk, other], 4 << 20)  # the probes themselves
+        assert real.count == 2 and real.read_bytes_per_s > 0 and real.write_bytes_per_s > 0
+        assert not list(disk.iterdir()) and not list(other.iterdir())
+    finally:
+        import shutil
+
+        shutil.rmtree(other)
+
+
+def test_the_drives_are_one_machine_key_in_order(measured, tmp_path, monkeypatch) -> None:
+    profile, cache, nvme = measured
+    calls = []
+    monkeypatch.setattr(measure, "_measure", lambda *a: calls.append(a[1]) or profile)
+    for dirs in (f"{nvme},{tmp_path}", f"{nvme},{tmp_path}", f"{tmp_path},{nvme}"):
+        measure.measure_hardware(cache_dir=cache, nvme_dir=dirs)
+    assert calls == [[Path(nvme), tmp_path], [tmp_path, Path(nvme)]]

@@ -144,7 +144,7 @@ class StreamingEngine:
         this engine's NVMe directory; None where the compute keeps no copies (fp32)."""
         if self.compute_dtype == torch.float32:
             return None
-        return NvmeCopies(self.spill.directory / "state", set(self.plan.state.copies),
+        return NvmeCopies(self.spill.state_dirs, set(self.plan.state.copies),
                           self.acct, self.state_io, claim_root=self.spill.claim)
 
     def _check_state(self, plan: Plan, *, reduce_hooks: bool) -> None:
@@ -187,11 +187,11 @@ class StreamingEngine:
         max_numel = max((sum(p.numel() for p in ps) for ps in trainable), default=1)
         self.sink = GradSink(streams=self.streams, accounting=self.acct,
                              max_numel=max(max_numel, 1), grad_dtype=self.compute_dtype)
-        self.sink.files = NvmeGrads(self.spill.directory / "state", set(self.plan.state.grads),
+        self.sink.files = NvmeGrads(self.spill.state_dirs, set(self.plan.state.grads),
                                     trainable, self.acct, self.state_io,
                                     claim_root=self.spill.claim)
         #: The masters and moments of the layers the plan homes on NVMe.
-        self.masters = NvmeMasters(self.spill.directory / "state",
+        self.masters = NvmeMasters(self.spill.state_dirs,
                                    set(self.plan.state.optimizer), trainable, self.acct,
                                    self.state_io, claim_root=self.spill.claim)
         self.pool = quantized.weight_pool(self._layer_params, streams=self.streams,

@@ -134,7 +134,7 @@ class ActivationStore:
             return
         self._d2h(rec)
         self._stall_on(lambda: self._streams.host_waits(rec.host_ready))
-        rec.write = self._spill.write(self._name(rec), rec.host)
+        rec.write = self._spill.write(self._name(rec), rec.host, index=rec.index)
 
     def _nvme_read(self, rec: _Boundary) -> None:
         if rec.host is not None or rec.read is not None or rec.device is not None:
@@ -142,7 +142,7 @@ class ActivationStore:
         self._nvme_write(rec)  # no-op once written; the read queues after the write
         rec.host = self._streams.empty_host(rec.shape, rec.dtype)
         self._acct.allocate(self._streams.host_tier, rec.nbytes)
-        rec.read = self._spill.read(self._name(rec), rec.host)
+        rec.read = self._spill.read(self._name(rec), rec.host, index=rec.index)
 
     def _h2d(self, rec: _Boundary) -> None:
         if rec.device is not None:
@@ -199,7 +199,7 @@ class ActivationStore:
         if rec is None:
             return
         if rec.write is not None or rec.on_nvme:
-            self._spill.remove(self._name(rec))
+            self._spill.remove(self._name(rec), index=rec.index)
         if rec.write is not None and not rec.on_nvme:  # consumed from its host copy
             self._unchecked_writes.append(rec.write)
         if rec.device is not None:

@@ -12,7 +12,7 @@ Docs: docs/engine.md "Host state on NVMe".
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -24,14 +24,14 @@ from lazytrain_accel.engine.stats import Accounting
 
 
 class NvmeCopies:
-    """Files of the compute copies of `layers` (1-based) under `directory`."""
+    """Files of the compute copies of `layers` (1-based) under `directories` (one per drive)."""
 
-    def __init__(self, directory: Path, layers: set[int], accounting: Accounting,
+    def __init__(self, directories: Sequence[Path], layers: set[int], accounting: Accounting,
                  io: StateIO, *, claim_root: Callable[[], None]) -> None:
         #: The layers homed on NVMe now; a re-plan may change them (`WeightPool` reads a
         #: copy back from its file wherever it dropped the buffer, homed there or not).
         self.layers = frozenset(layers)
-        self._files = LayerFiles(directory, "copy", accounting, io, claim_root=claim_root)
+        self._files = LayerFiles(directories, "copy", accounting, io, claim_root=claim_root)
 
     def write(self, layer: int, copy: torch.Tensor) -> None:
         """Write `copy` (layer `layer`'s, contiguous) behind: it must not change until

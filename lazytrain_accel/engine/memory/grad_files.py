@@ -33,14 +33,14 @@ from lazytrain_accel.storage.flat import flat_views
 
 
 class NvmeGrads:
-    """Files of the gradients of `layers` (1-based) under `directory`; `params[j - 1]`
-    are layer j's trainable parameters, in the order the engine folds them."""
+    """Files of the gradients of `layers` (1-based) under `directories` (one per drive);
+    `params[j - 1]` are layer j's trainable parameters, in the order the engine folds them."""
 
-    def __init__(self, directory: Path, layers: set[int], params: list[list[nn.Parameter]],
-                 accounting: Accounting, io: StateIO, *, claim_root: Callable[[], None]
-                 ) -> None:
+    def __init__(self, directories: Sequence[Path], layers: set[int],
+                 params: list[list[nn.Parameter]], accounting: Accounting, io: StateIO, *,
+                 claim_root: Callable[[], None]) -> None:
         self.layers = frozenset(layers)
-        self._files = LayerFiles(directory, "grad", accounting, io, claim_root=claim_root)
+        self._files = LayerFiles(directories, "grad", accounting, io, claim_root=claim_root)
         self._params = params
         self._acct = accounting
         #: parameter -> (its layer, its place among the layer's parameters)

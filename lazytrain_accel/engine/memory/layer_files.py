@@ -3,9 +3,10 @@ that the compute copies (`copy_files.py`) and the gradients (`grad_files.py`) on
 share: writes behind through the engine's `StateIO` (a file's next write or read waits
 for its last write), its NVMe bytes counted, the files removed at `close`.
 
-The directory is `<engine's NVMe directory>/state`, made at the first write once the
-engine's own directory is claimed (`claim_root`: `NvmeSpill.claim`, locked for the
-process's life). A failed write or read raises its `StateIOError` at the file's next use.
+The directories are `<engine's NVMe directory>/state` on each drive (`NvmeSpill.state_dirs`:
+layer `j`'s file on drive `j % D`), made at the first write once the engine's own
+directories are claimed (`claim_root`: `NvmeSpill.claim`, locked for the process's life).
+A failed write or read raises its `StateIOError` at the file's next use.
 Docs: docs/engine.md "Host state on NVMe".
 """
 
@@ -22,11 +23,11 @@ from lazytrain_accel.engine.stats import Accounting
 
 
 class LayerFiles:
-    """Files `<prefix>-<layer>.bin` under `directory`."""
+    """Files `<prefix>-<layer>.bin`, layer `j`'s under `directories[j % len(directories)]`."""
 
-    def __init__(self, directory: Path, prefix: str, accounting: Accounting, io: StateIO, *,
-                 claim_root: Callable[[], None]) -> None:
-        self._directory = directory
+    def __init__(self, directories: Sequence[Path], prefix: str, accounting: Accounting,
+                 io: StateIO, *, claim_root: Callable[[], None]) -> None:
+        self._directories = list(directories)
         self._prefix = prefix
         self._claim_root = claim_root
         self._acct = accounting
@@ -35,20 +36,24 @@ class LayerFiles:
         #: layer -> its last write (the tensors it writes stay alive until it is done)
         self._writes: dict[int, Future[None]] = {}
 
+    def _drive(self, layer: int) -> int:
+        return layer % len(self._directories)
+
     def path(self, layer: int) -> Path:
-        return self._directory / f"{self._prefix}-{layer}.bin"
+        return self._directories[self._drive(layer)] / f"{self._prefix}-{layer}.bin"
 
     def write(self, layer: int, tensors: Sequence[torch.Tensor]) -> Future[None]:
         """Write `tensors` (contiguous) to layer `layer`'s file behind, after its previous
         write: they must not change until the returned future is done."""
         self.wait_written(layer)
         self._claim_root()
-        self._directory.mkdir(exist_ok=True)
+        self.path(layer).parent.mkdir(exist_ok=True)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         if nbytes > self._sizes.get(layer, 0):
             self._acct.allocate("nvme", nbytes - self._sizes.get(layer, 0))
             self._sizes[layer] = nbytes
-        write = self._writes[layer] = self._io.write(self.path(layer), list(tensors))
+        write = self._writes[layer] = self._io.write(self.path(layer), list(tensors),
+                                                     drive=self._drive(layer))
         return write
 
     def when_written(self, layer: int, then: Callable[[], None]) -> None:
@@ -71,7 +76,7 @@ class LayerFiles:
         """Start filling `tensors` from layer `layer`'s file (after its last write, waited
         for here); the future ends with the read."""
         self.wait_written(layer)
-        return self._io.read(self.path(layer), list(tensors))
+        return self._io.read(self.path(layer), list(tensors), drive=self._drive(layer))
 
     def close(self) -> None:
         """Wait for every write, remove the files, then raise the first write's error."""

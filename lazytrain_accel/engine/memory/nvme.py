@@ -1,9 +1,10 @@
-"""Boundary files on NVMe, written and read by one background I/O thread.
+"""Boundary files on NVMe, written and read by a background I/O thread per drive.
 
-Each engine gets its own directory `<nvme_dir>/lazytrain-<pid>-<random>`, so processes
+Each engine gets its own directory `<nvme_dir>/lazytrain-<pid>-<random>` on each drive
+`nvme_dir` names (`storage/drives.py`: boundary `j`'s file on drive `j % D`), so processes
 sharing a disk never collide; files are removed as soon as their boundary is consumed,
-the directory when the engine detaches (and at interpreter exit as a last resort). The
-directory is made at its first use with a lock held for the process's life
+the directories when the engine detaches (and at interpreter exit as a last resort). They
+are made at their first use with a lock held for the process's life
 (`storage/run_dirs.py`), which also removes what killed processes left there.
 """
 
@@ -24,6 +25,7 @@ import torch
 
 from lazytrain_accel.engine.device.streams import Streams, SyncStreams
 from lazytrain_accel.engine.stats import Accounting
+from lazytrain_accel.storage.drives import split_dirs
 from lazytrain_accel.storage.run_dirs import claim_directory
 
 
@@ -46,29 +48,46 @@ def _io_error(what: str, path: Path, err: OSError) -> NvmeIOError:
 class NvmeSpill:
     def __init__(self, nvme_dir: str | None, accounting: Accounting, *,
                  streams: Streams | None = None) -> None:
-        root = Path(nvme_dir) if nvme_dir else Path(tempfile.gettempdir()) / "lazytrain_nvme"
-        self.directory = root / f"lazytrain-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        roots = (split_dirs(nvme_dir) if nvme_dir
+                 else [Path(tempfile.gettempdir()) / "lazytrain_nvme"])
+        name = f"lazytrain-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        #: this engine's directory on each drive, in `nvme_dir`'s order
+        self.directories = [root / name for root in roots]
         self._acct = accounting
         self._streams = streams or SyncStreams(torch.device("cpu"))  # throttles, jitters
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-nvme")
+        # one thread per drive: a file's write, read and removal keep their order on it
+        self._io = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"lazytrain-nvme{d}")
+                    for d in range(len(roots))]
         self._sizes: dict[str, int] = {}
         self._closed = False
         self._claim_lock = threading.Lock()
-        self._lock_fd: int | None = None  # held while the directory exists
-        atexit.register(shutil.rmtree, self.directory, True)
+        self._lock_fds: list[int] = []  # held while the directories exist
+        for directory in self.directories:
+            atexit.register(shutil.rmtree, directory, True)
+
+    @property
+    def state_dirs(self) -> list[Path]:
+        """Where the host state's files go, one directory per drive (`LayerFiles`)."""
+        return [directory / "state" for directory in self.directories]
 
     def claim(self) -> None:
-        """Make the directory (once, from any thread) before a file goes in: with its
-        lock held, after removing the directories of processes that died."""
+        """Make the directories (once, from any thread) before a file goes in: each with
+        its lock held, after removing the directories of processes that died."""
         with self._claim_lock:
-            if self._lock_fd is None and not self._closed:
-                self._lock_fd = claim_directory(self.directory)
+            if not self._lock_fds and not self._closed:
+                for directory in self.directories:
+                    self._lock_fds.append(claim_directory(directory))
 
-    def write(self, name: str, tensor: torch.Tensor) -> Future[None]:
-        """Write a host tensor's bytes to file `name` in the background."""
+    def _drive(self, index: int) -> int:
+        return index % len(self.directories)
+
+    def write(self, name: str, tensor: torch.Tensor, *, index: int = 0) -> Future[None]:
+        """Write a host tensor's bytes to file `name` in the background, on the drive of
+        boundary `index` (its reads and removal name the same index)."""
         raw = tensor.reshape(-1).view(torch.uint8)
         self._sizes[name] = raw.numel()
-        return self._io.submit(self._write, self.directory / name, raw)
+        drive = self._drive(index)
+        return self._io[drive].submit(self._write, self.directories[drive] / name, raw)
 
     def _write(self, path: Path, raw: torch.Tensor) -> None:
         start = time.perf_counter()
@@ -82,10 +101,11 @@ class NvmeSpill:
         self._acct.allocate("nvme", raw.numel())
         self._acct.add_transfer("nvme_write", time.perf_counter() - start, raw.numel())
 
-    def read(self, name: str, out: torch.Tensor) -> Future[torch.Tensor]:
+    def read(self, name: str, out: torch.Tensor, *, index: int = 0) -> Future[torch.Tensor]:
         """Fill host tensor `out` from file `name` in the background (after its write)."""
         self._streams.poison(out)  # a read of `out` before this future's result shows
-        return self._io.submit(self._read, self.directory / name, out)
+        drive = self._drive(index)
+        return self._io[drive].submit(self._read, self.directories[drive] / name, out)
 
     def _read(self, path: Path, out: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
@@ -101,15 +121,17 @@ class NvmeSpill:
         self._acct.add_transfer("nvme_read", time.perf_counter() - start, raw.numel())
         return out
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str, *, index: int = 0) -> None:
         """Delete file `name` (queued after any pending I/O on it)."""
         size = self._sizes.pop(name, None)
         if size is None:
             return
+        drive = self._drive(index)
+        path = self.directories[drive] / name
         if self._closed:  # a late garbage-collected forward: no I/O is pending any more
-            self._remove(self.directory / name, size)
+            self._remove(path, size)
         else:
-            self._io.submit(self._remove, self.directory / name, size)
+            self._io[drive].submit(self._remove, path, size)
 
     def _remove(self, path: Path, size: int) -> None:
         if path.exists():
@@ -124,19 +146,22 @@ class NvmeSpill:
         interpreter exit concurrent.futures' own hook (run before `atexit`'s, so before
         `ranks.register_exit_teardown`'s wait for the engine) let its worker run every
         queued item, then joined it and marked the executor shut down."""
-        try:
-            done = self._io.submit(lambda: None)
-        except RuntimeError:
-            if not self._io._shutdown:  # not the executor's own refusal to take more
-                raise
-            return
-        done.result()
+        for io in self._io:
+            try:
+                done = io.submit(lambda: None)
+            except RuntimeError:
+                if not io._shutdown:  # not the executor's own refusal to take more
+                    raise
+                continue
+            done.result()
 
     def close(self) -> None:
         self._closed = True
-        self._io.shutdown(wait=True)
-        shutil.rmtree(self.directory, ignore_errors=True)
+        for io in self._io:
+            io.shutdown(wait=True)
+        for directory in self.directories:
+            shutil.rmtree(directory, ignore_errors=True)
         with self._claim_lock:
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            for fd in self._lock_fds:
+                os.close(fd)
+            self._lock_fds = []

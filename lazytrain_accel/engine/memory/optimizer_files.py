@@ -9,8 +9,8 @@ zero; writing into them raises); the device streams the layer's compute copy, ke
 aligned buffers: `.data` and the state become views of it) and evicts it after (written
 behind from the buffer). A file is the layer's parameters in order, each its master then
 its state tensors by name, every tensor on a `BLOCK_BYTES` boundary (no bounce copies).
-Files go through the engine's `StateIO` as `LayerFiles` into `<NVMe directory>/state`; a
-failed write or read raises its `StateIOError` at the layer's next use.
+Files go through the engine's `StateIO` as `LayerFiles` into `<NVMe directory>/state`
+(one per drive); a failed write or read raises its `StateIOError` at the layer's next use.
 Docs: docs/engine.md "Host state on NVMe".
 """
 
@@ -125,15 +125,15 @@ class _Placeholders:
 
 
 class NvmeMasters:
-    """The files of the masters and moments of `layers` (1-based) under `directory`;
-    `params[j - 1]` are layer j's trainable parameters."""
+    """The files of the masters and moments of `layers` (1-based) under `directories` (one
+    per drive); `params[j - 1]` are layer j's trainable parameters."""
 
-    def __init__(self, directory: Path, layers: set[int], params: list[list[nn.Parameter]],
-                 accounting: Accounting, io: StateIO, *, claim_root: Callable[[], None]
-                 ) -> None:
+    def __init__(self, directories: Sequence[Path], layers: set[int],
+                 params: list[list[nn.Parameter]], accounting: Accounting, io: StateIO, *,
+                 claim_root: Callable[[], None]) -> None:
         #: The layers homed on NVMe now (a re-plan may change them: `set_layers`).
         self.layers = frozenset(layers)
-        self._files = LayerFiles(directory, "optim", accounting, io, claim_root=claim_root)
+        self._files = LayerFiles(directories, "optim", accounting, io, claim_root=claim_root)
         self._params = params
         self._layer_of = {p: j for j, ps in enumerate(params, start=1) for p in ps}
         self._acct = accounting

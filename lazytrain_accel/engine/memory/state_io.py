@@ -1,8 +1,9 @@
 """`StateIO`: the one direct-I/O of an engine's host-state files (the compute copies of
-`copy_files.py`, the gradients of `grad_files.py`), so the requests of both parts share
-one queue of `STATE_IO_WORKERS` threads on the drive, and each direction's time is the
-drive's busy time (the union of its requests' spans): bytes over it is the rate the drive
-gave, which summing each request's own seconds would understate whenever they overlap.
+`copy_files.py`, the gradients of `grad_files.py`, the masters of `optimizer_files.py`),
+so the requests of every part share one queue of `STATE_IO_WORKERS` threads per drive, and
+each direction's time is the drives' busy time (the union of their requests' spans): bytes
+over it is the rate the drives gave, which summing each request's own seconds would
+understate whenever they overlap.
 Docs: docs/engine.md "Host state on NVMe".
 """
 
@@ -37,31 +38,36 @@ class StateIO:
                  ) -> None:
         self._acct = accounting
         self._pace = pace  # each chunk on its link: an emulated drive's throttle
-        self._io: DirectIO | None = None  # its threads start with the first request
+        self._io: dict[int, DirectIO] = {}  # per drive; threads start with its first request
         self._lock = threading.Lock()
         self._in_flight = {READ: 0, WRITE: 0, EITHER: 0}
         self._since = {READ: 0.0, WRITE: 0.0, EITHER: 0.0}  # the last event while busy
 
-    def write(self, path: Path, tensors: Sequence[torch.Tensor]) -> Future[None]:
-        """Write `tensors` back to back into `path`; they must not change until done."""
-        return self._start(WRITE, path, tensors)
+    def write(self, path: Path, tensors: Sequence[torch.Tensor], *, drive: int = 0
+              ) -> Future[None]:
+        """Write `tensors` back to back into `path` (on drive number `drive` of the run's
+        `nvme_dir`); they must not change until done."""
+        return self._start(WRITE, path, tensors, drive)
 
-    def read(self, path: Path, tensors: Sequence[torch.Tensor]) -> Future[None]:
+    def read(self, path: Path, tensors: Sequence[torch.Tensor], *, drive: int = 0
+             ) -> Future[None]:
         """Fill `tensors` from `path` (written by `write` for tensors of their sizes)."""
-        return self._start(READ, path, tensors)
+        return self._start(READ, path, tensors, drive)
 
     def close(self) -> None:
         """Finish the queued requests, then end the threads."""
-        if self._io is not None:
-            self._io.close()
-            self._io = None
+        ios, self._io = self._io, {}
+        for io in ios.values():
+            io.close()
 
-    def _start(self, kind: str, path: Path, tensors: Sequence[torch.Tensor]) -> Future[None]:
-        if self._io is None:
-            self._io = DirectIO(workers=STATE_IO_WORKERS, pace=self._pace)
+    def _start(self, kind: str, path: Path, tensors: Sequence[torch.Tensor],
+               drive: int) -> Future[None]:
+        io = self._io.get(drive)
+        if io is None:
+            io = self._io[drive] = DirectIO(workers=STATE_IO_WORKERS, pace=self._pace)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self._event(kind, +1, 0)
-        start = self._io.write_tensors if kind == WRITE else self._io.read_tensors
+        start = io.write_tensors if kind == WRITE else io.read_tensors
         request = start(path, tensors)
         request.add_done_callback(lambda done: self._event(
             kind, -1, nbytes if done.exception() is None else 0))
