@@ -84,7 +84,7 @@ def estimate_host_bytes(*, model_profile: ModelProfile, plan: Plan, optimizer: s
     if plan.state.any:  # less what the plan homes on NVMe, plus the buffers it streams by
         base = host_terms_with_state(base, weights_of(plan.state),
                                      layer_state_sizes(model_profile, optimizer),
-                                     staged=homed_parts(plan.state))
+                                     staged=homed_parts(plan.state), ranks=plan.gpus_per_node)
     homes = activation_host_terms(boundary_bytes=plan.boundary_bytes,
                                   cpu_homes=counts[Home.CPU.value],
                                   staging_boundaries=STAGING_BOUNDARIES,

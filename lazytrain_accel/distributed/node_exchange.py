@@ -151,9 +151,10 @@ class Exchange:
 
 def refuse_partial_state_dicts(model: nn.Module) -> None:
     """Make `model.state_dict()` raise, naming the way, where it would hand out the
-    placeholders of masters another node holds (a split layout below fp32 compute)
-    instead of weights; `state_dict(keep_vars=True)` (the parameters themselves, as the
-    engine's checkpoints read them) is left as it is."""
+    placeholders of masters another process holds (another node's under the split layout
+    below fp32 compute; another local rank's where the plan homes them on NVMe) instead
+    of weights; `state_dict(keep_vars=True)` (the parameters themselves, as the engine's
+    checkpoints read them) is left as it is."""
 
     def refuse(_: nn.Module, state_dict: dict, prefix: str, local_metadata: object) -> None:
         held = [name for name, value in state_dict.items()
@@ -161,11 +162,11 @@ def refuse_partial_state_dicts(model: nn.Module) -> None:
                 and is_placeholder(value)]
         if held:
             raise RuntimeError(
-                f"{len(held)} weights of this model (first: {held[0]}) live on other nodes "
-                "(node_layout='split' below fp32 compute: each node holds the masters of "
-                "the layers it updates, and the others as their compute copy); call "
-                "accelerator.get_state_dict(model) on every rank, which gathers them (as "
-                "accelerator.save_model and the Trainer's saves do), or plan with "
-                "node_layout='replicated'")
+                f"{len(held)} weights of this model (first: {held[0]}) live in other "
+                "processes (node_layout='split' below fp32 compute: each node holds the "
+                "masters of the layers it updates, and the others as their compute copy; "
+                "masters homed on NVMe: on the drive of the local rank that updates them); "
+                "call accelerator.get_state_dict(model) on every rank, which gathers them "
+                "(as accelerator.save_model and the Trainer's saves do)")
 
     model.register_state_dict_post_hook(refuse)

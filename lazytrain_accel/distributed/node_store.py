@@ -8,9 +8,10 @@ segment has no name that could outlive the job (a memfd, or a file in `node_stor
 unlinked at once); a file found under its name is opened only when it is a regular file
 of this user that nobody else may read, else refused (`UnsafeSegmentError`). Layout: a
 header (magic, version, leader pid, size, a hash of names, shapes and dtypes), one int64
-generation per group, each parameter 64-byte aligned. Under the split layout below fp32
-compute the layers another node updates are held as their compute copy alone (`Elsewhere`:
-placeholders for their masters). Docs: docs/user_guide.md "7. Several GPUs".
+generation per group, each parameter 64-byte aligned. Below fp32 compute, the layers
+another node updates (the split layout) and those whose masters live on NVMe are held as
+their compute copy alone (`Elsewhere`: placeholders for their masters, but the ones this
+rank homes on its drive). Docs: docs/user_guide.md "7. Several GPUs".
 """
 
 from __future__ import annotations
@@ -122,8 +123,10 @@ class NodeStore:
         # written only by the owners' release stores (peer_sync.py); zero when created
         self.generations = GenerationWords(buffer, offset_bytes=8 * _HEADER_FIELDS,
                                            count=num_groups)
-        #: layer -> its flat compute copy, for the layers another node updates (`Elsewhere`)
+        #: layer -> its flat compute copy, for the layers held as such (`Elsewhere`)
         self.copies: dict[int, torch.Tensor] = {}
+        #: the layers of `copies` whose masters this rank keeps for its drive
+        self.kept: frozenset[int] = frozenset()
 
     @property
     def nbytes(self) -> int:
@@ -136,21 +139,33 @@ class NodeStore:
 
 @dataclass(frozen=True, kw_only=True)
 class Elsewhere:
-    """The decoder layers whose masters another node holds (the split layout at a compute
-    dtype below fp32): this node keeps each one's compute copy alone, flat in `dtype` in
-    the order of its `layers[j]` (the weight pool's layout), received from the node that
-    updates it; their trainable parameters hold placeholders (`placeholder`)."""
+    """The decoder layers whose masters the store does not hold (at a compute dtype below
+    fp32): those another node holds (the split layout) and those homed on NVMe by the
+    local rank that updates them. The store keeps each one's compute copy alone, flat in
+    `dtype` in the order of its `layers[j]` (the weight pool's layout), written by the
+    rank that updates it (or received from its node); their trainable parameters hold
+    placeholders (`placeholder`), but those of the layers in `kept`: this rank homes
+    their masters on its drive, from its own weights (`engine.attach`'s `NodeCopies`)."""
 
     layers: Mapping[int, Sequence[nn.Parameter]]
     dtype: torch.dtype
+    kept: frozenset[int] = frozenset()
 
     @functools.cached_property
     def _held(self) -> frozenset[int]:
         return frozenset(id(p) for ps in self.layers.values() for p in ps)
 
+    @functools.cached_property
+    def _kept(self) -> frozenset[int]:
+        return frozenset(id(p) for j in self.kept for p in self.layers[j])
+
     def holds_master(self, p: nn.Parameter) -> bool:
-        """Whether `p`'s master is in this node's store (not another node's)."""
+        """Whether `p`'s master is in this node's store (not elsewhere)."""
         return not (p.requires_grad and p.is_floating_point() and id(p) in self._held)
+
+    def keeps(self, p: nn.Parameter) -> bool:
+        """Whether this rank keeps `p`'s master, outside the store, for its drive."""
+        return id(p) in self._kept
 
 
 _NAN = {torch.float32: torch.full((), float("nan"), dtype=torch.float32)}
@@ -272,8 +287,11 @@ def _point_into(store: NodeStore, params: Sequence[tuple[str, nn.Parameter]],
                 slots: Sequence[_Slot | None], copy_slots: Mapping[int, _Slot],
                 elsewhere: Elsewhere | None, *, copy: bool) -> None:
     """Point each parameter at its slot (`copy`: the leader's, filled from it first), a
-    master another node holds at a placeholder, and give `store` the compute copies of
-    the layers held as such (cast from the weights before they are let go)."""
+    master held elsewhere at a placeholder (one this rank keeps stays as it is), and give
+    `store` the compute copies of the layers held as such (cast from the weights before
+    they are let go)."""
+    if elsewhere is not None:
+        store.kept = elsewhere.kept
     with torch.no_grad():
         for layer, slot in copy_slots.items():
             store.copies[layer] = store.view(slot)
@@ -284,7 +302,8 @@ def _point_into(store: NodeStore, params: Sequence[tuple[str, nn.Parameter]],
                     view.copy_(p.data)
         for (_, p), slot in zip(params, slots, strict=True):
             if slot is None:
-                p.data = placeholder(p)
+                if not elsewhere.keeps(p):
+                    p.data = placeholder(p)
                 continue
             view = store.view(slot)
             if copy:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from lazytrain_accel.distributed import ranks
 from lazytrain_accel.distributed.generation_words import GenerationWords
 from lazytrain_accel.distributed.grad_reduce import ShareHooks, ShareReducer
+from lazytrain_accel.distributed.homed_masters import HomedEngine, HomedMasters
 from lazytrain_accel.distributed.node_exchange import NodeExchange
 from lazytrain_accel.distributed.ownership import (
     NodeGroups,
@@ -32,7 +33,7 @@ from lazytrain_accel.engine.step.coordinator import StepCoordinator
 from lazytrain_accel.planning.plan import Plan
 
 
-class SplitEngine(ShareHooks, Protocol):
+class SplitEngine(ShareHooks, HomedEngine, Protocol):
     """What `start_split_update` needs of the engine (`StreamingEngine`)."""
 
     steps: StepCoordinator
@@ -46,7 +47,8 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
                        should_reduce: Callable[[], bool],
                        layout: NodeGroups | None = None,
                        node_layout: str = "replicated",
-                       copies: Mapping[int, torch.Tensor] | None = None) -> ShareReducer:
+                       copies: Mapping[int, torch.Tensor] | None = None
+                       ) -> tuple[ShareReducer, HomedMasters | None]:
     """Give this rank its share (`owner_of_groups` over the node's local ranks, by
     trainable bytes), make the engine's update skip and wait for the other shares, route
     gradients to their owners (`layout`: the launch's nodes; None: one node). Under
@@ -54,13 +56,8 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
     (`node_of_groups`): a group is updated on one node and its weights sent to the
     others. `copies` (the node store's, `node_store.Elsewhere`; None where every node
     holds every master): a decoder layer's compute copy is sent in place of its masters,
-    into `copies` on the nodes that do not update it."""
-    if engine.steps.master_files is not None and engine.steps.master_files.layers:
-        raise ValueError(
-            f"the plan homes masters and moments on NVMe (layers "
-            f"{sorted(engine.steps.master_files.layers)}), but the local ranks share them in "
-            "the node store, which one rank cannot send to its drive; plan with "
-            "host_state='copies' (what several ranks home on NVMe)")
+    into `copies` on the nodes that do not update it. Returns the reducer, and where the
+    ranks home masters on NVMe (`engine.node_copies`) their gather for a full state dict."""
     if layout is None:
         layout = NodeGroups(local_rank=dist.get_rank(), node=0, nodes=1,
                             node_ranks=tuple(range(dist.get_world_size())))
@@ -70,6 +67,19 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
     # the split layout's cut over the nodes too: the rule the node store laid out by
     owners, cut = split_groups(groups, local_ranks=layout.local_size, nodes=layout.nodes,
                                every_rank=on_gpus)
+    split = node_layout == "split" and layout.nodes > 1
+    homed = engine.steps.master_files.layers if engine.steps.master_files is not None else ()
+    others = sorted(j for j in homed if owners[j] != layout.local_rank
+                    or (split and cut[j] != layout.node))
+    if others:
+        raise RuntimeError(f"this rank homes the masters of layers {others} on its drive, "
+                           "which another rank updates: the node store and the update cut "
+                           "the groups differently")
+    if engine.node_copies is not None and layout.nodes > 1:
+        raise ValueError("the plan homes masters and moments on NVMe (layers "
+                         f"{sorted(engine.node_copies.copies)}) on a launch of several "
+                         "nodes, which homes them on one node's ranks only so far; plan "
+                         "with host_state='dram' or run on one node")
     pids: list[int | None] = [None] * layout.local_size
     dist.all_gather_object(pids, os.getpid(), group=layout.intra)
     others: list[RemoteRank] = []
@@ -85,7 +95,7 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
     ranks.name_failures_with(peers.named_failure)  # the control collectives name the dead
     engine.steps.peers = peers
     node_of = None
-    if node_layout == "split" and layout.nodes > 1:
+    if split:
         if engine.steps.device_groups and not on_gpus \
                 and engine.steps.device_update_beside_host:
             raise ValueError(
@@ -98,20 +108,25 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
         engine.steps.remote = NodeExchange(layout, owners=owners, node_of=node_of,
                                            peers=peers, rank_of=rank_of,
                                            sends_copies=copies is not None)
-    return ShareReducer(engine, groups, owners, peers=peers, layout=layout,
-                        should_reduce=should_reduce, node_of=node_of)
+    reducer = ShareReducer(engine, groups, owners, peers=peers, layout=layout,
+                           should_reduce=should_reduce, node_of=node_of)
+    homed = None if engine.node_copies is None else HomedMasters(
+        engine, owners=owners, layout=layout, peers=peers)
+    return reducer, homed
 
 
 def _receive_copies(engine: SplitEngine, copies: Mapping[int, torch.Tensor],
                     elsewhere: Mapping[int, object]) -> None:
-    """Stream the layers another node updates from `copies`, their compute copies as that
-    node sends them, where the store holds no masters of them (below fp32 compute, the
-    hybrid update writing the copies); they must be the layers this split sends here."""
-    if set(copies) != set(elsewhere):
+    """Stream the layers another node updates from `copies` (the node store's), their
+    compute copies as that node sends them, where the store holds no masters of them
+    (below fp32 compute, the hybrid update writing the copies); the store holds every
+    layer this split sends here as such (and those homed on NVMe: `NodeCopies`)."""
+    if not set(elsewhere) <= set(copies):
         raise RuntimeError(f"the node store holds the compute copies of layers "
                            f"{sorted(copies)}, but the split update sends this node layers "
                            f"{sorted(elsewhere)}: the store and the update cut the groups "
                            "differently")
+    copies = {j: copies[j] for j in elsewhere}
     homed = set(copies) & set(engine.plan.state.copies)
     if homed:
         raise ValueError(f"the plan homes the compute copies of layers {sorted(homed)} on "

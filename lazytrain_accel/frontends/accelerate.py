@@ -215,26 +215,38 @@ class Accelerator(accelerate.Accelerator):
         """Stock `get_state_dict`, once a running update is whole; under the split layout
         below fp32 compute, where a node holds the layers other nodes update as their
         compute copy alone, the fp32 masters of those are gathered from the nodes that
-        hold them (`NodeExchange.gather_masters`). Then, as with ZeRO-3 or FSDP, every
-        rank calls it (as `save_model` does)."""
+        hold them (`NodeExchange.gather_masters`), and the masters a node store's ranks
+        home on NVMe from the rank that updates each (`HomedMasters.gather`). Then, as with
+        ZeRO-3 or FSDP, every rank calls it (as `save_model` does)."""
+        from lazytrain_accel.distributed.node_exchange import NodeExchange
+
         self._lazytrain_synchronize()
         if not self.lazytrain_gathers_weights():
             return super().get_state_dict(model, unwrap=unwrap)
-        engine = self.lazytrain.engine
-        gathered = engine.steps.remote.gather_masters(engine.steps.update_groups)
+        engine, homed = self.lazytrain.engine, self.lazytrain.homed
+        remote = engine.steps.remote
+        gathered = {}
+        if isinstance(remote, NodeExchange):
+            gathered |= remote.gather_masters(engine.steps.update_groups)
+        if homed is not None:
+            gathered |= homed.gather(engine.steps.update_groups)
         module = self.unwrap_model(model) if unwrap else model
         # the parameters themselves (a plain state_dict() refuses the placeholders)
         return {name: gathered.get(value, value).detach()
                 for name, value in module.state_dict(keep_vars=True).items()}
 
     def lazytrain_gathers_weights(self) -> bool:
-        """Whether no node holds every weight (the split layout below fp32 compute), so
-        that a full state dict is gathered from the nodes (`get_state_dict`)."""
+        """Whether no process holds every weight (the split layout below fp32 compute;
+        masters homed on NVMe by a node store's ranks), so that a full state dict is
+        gathered (`get_state_dict`)."""
         from lazytrain_accel.distributed.node_exchange import NodeExchange
 
         engine = self.lazytrain.engine if self.lazytrain is not None else None
-        remote = engine.steps.remote if engine is not None else None
-        return isinstance(remote, NodeExchange) and remote.sends_copies
+        if engine is None:
+            return False
+        remote = engine.steps.remote
+        return (isinstance(remote, NodeExchange) and remote.sends_copies) \
+            or self.lazytrain.homed is not None
 
     # ---- state ----------------------------------------------------------------------
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True,

@@ -489,7 +489,8 @@ class Problem:
         and the host state homed as `state` says (the MIP's weights, with the state's
         buffers charged; default this problem's homes)."""
         base = self.cpu_base_terms if state is None else host_terms_with_state(
-            self.dram_cpu_base_terms, state, self.state_sizes, staged=self.state_parts)
+            self.dram_cpu_base_terms, state, self.state_sizes, staged=self.state_parts,
+            ranks=self.gpus_per_node)
         return (*base, *activation_host_terms(
             boundary_bytes=self.boundary_bytes, cpu_homes=cpu,
             staging_boundaries=self.host_staging_boundaries, nvme_staging=nvme_staging,
@@ -652,7 +653,7 @@ def with_state_homes(p: Problem, state: StateHomes) -> Problem:
     """`p` with the layers' host state homed as `state` says: the DRAM terms less what
     lives on NVMe, plus the buffers it streams through (`state.py`)."""
     terms = host_terms_with_state(p.dram_cpu_base_terms, weights_of(state), p.state_sizes,
-                                  staged=homed_parts(state))
+                                  staged=homed_parts(state), ranks=p.gpus_per_node)
     terms = tuple(sorted(terms, key=lambda t: -t[1]))
     return replace(p, state=state, cpu_base_terms=terms,
                    static_cpu_bytes=sum(b for _, b in terms))
@@ -666,7 +667,8 @@ def _host_work_s(nbytes: int, bytes_per_s: float) -> float:
 def with_node_links(problem: Problem, hardware: HardwareProfile) -> Problem:
     """`problem` (priced at the PCIe rates) with each link at its share of the host DRAM
     that the node's updates leave, their traffic averaged over the compute-only step
-    (`node.py`: `link_bytes_per_s`, `host_update_bytes_per_s`)."""
+    (`node.py`: `link_bytes_per_s`, `host_update_bytes_per_s`), and each of the node's
+    ranks at its share of the node's drives."""
     update_bytes_per_s = host_update_bytes_per_s(
         hardware, update_param_count=problem.host_update_param_count,
         compute_s=problem.compute_s)
@@ -675,8 +677,11 @@ def with_node_links(problem: Problem, hardware: HardwareProfile) -> Problem:
         return link_bytes_per_s(pcie_bytes_per_s, hardware, problem.gpus_per_node,
                                 update_bytes_per_s=update_bytes_per_s)
 
+    ranks = problem.gpus_per_node
     return replace(problem, h2d_bytes_per_s=share(problem.h2d_bytes_per_s),
-                   d2h_bytes_per_s=share(problem.d2h_bytes_per_s))
+                   d2h_bytes_per_s=share(problem.d2h_bytes_per_s),
+                   nvme_read_bytes_per_s=problem.nvme_read_bytes_per_s / ranks,
+                   nvme_write_bytes_per_s=problem.nvme_write_bytes_per_s / ranks)
 
 
 def resident_tail_d2h_bytes(model: ModelProfile, *, on_device: bool) -> int:

@@ -19,6 +19,7 @@ from lazytrain_accel.planning.loss_head import plan_loss_head
 from lazytrain_accel.planning.no_solver import admissible, evaluate_fixed
 from lazytrain_accel.planning.node import resolve_node_layout
 from lazytrain_accel.planning.plan import (
+    STATE_PARTS,
     Home,
     Plan,
     Prediction,
@@ -34,7 +35,12 @@ from lazytrain_accel.planning.problem import (
     with_state_homes,
 )
 from lazytrain_accel.planning.refusal import infeasible_error
-from lazytrain_accel.planning.request import DIAGNOSE_TIME_LIMIT_S, RESTRICTED_PARTS, PlanRequest
+from lazytrain_accel.planning.request import (
+    DIAGNOSE_TIME_LIMIT_S,
+    NODE_STATE_PARTS,
+    RESTRICTED_PARTS,
+    PlanRequest,
+)
 from lazytrain_accel.planning.schedule import blocks_of, schedule_transfers
 from lazytrain_accel.planning.simulate import simulate
 from lazytrain_accel.planning.state_search import needs_state_homes, state_candidates
@@ -298,8 +304,8 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
 
     def solved(profile: ModelProfile, resident_update: str) -> Plan:
         p = problem(profile, resident_update)
-        if not (r.include_optimizer and r.gpus_per_node == 1 and r.host_state != "dram"
-                and needs_state_homes(p)):
+        if not (r.include_optimizer and (r.gpus_per_node == 1 or r.nodes == 1)
+                and r.host_state != "dram" and needs_state_homes(p)):
             return solved_in(p, profile)
         plan = plan_host_state(p, profile, hardware, r, solved_in)
         priced.append(plan.solver.state_steps_s)
@@ -369,6 +375,10 @@ def plan_host_state(p: Problem, model: ModelProfile, hardware: HardwareProfile,
         j for j, home in enumerate(BASELINES[r.strategy](p)) if home == Home.RECOMPUTE)
     parts = RESTRICTED_PARTS.get(r.host_state)  # the planner chooses among these only
     chosen = "auto" if parts else r.host_state
+    if p.gpus_per_node > 1:  # a node store's ranks: what they can home
+        parts = tuple(part for part in parts or STATE_PARTS if part in NODE_STATE_PARTS)
+        if not parts:
+            return solved_in(p, model)
     if parts:
         p = dataclasses.replace(p, state_parts=parts)
     plans, refusal, steps_s = [], None, {}

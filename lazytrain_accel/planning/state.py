@@ -25,6 +25,7 @@ from lazytrain_accel.planning.host import (
     MASTER_TERM,
     OPTIMIZER_STATE_BYTES_PER_PARAM,
     OPTIMIZER_TERM,
+    per_rank,
 )
 from lazytrain_accel.planning.plan import STATE_PARTS, StateHomes, backward_window
 
@@ -94,10 +95,11 @@ def nvme_state_bytes(weights: StateWeights, sizes: StateSizes) -> Any:
 
 
 def host_terms_with_state(terms: tuple[tuple[str, int], ...], weights: StateWeights,
-                          sizes: StateSizes, *, staged: tuple[str, ...]
+                          sizes: StateSizes, *, staged: tuple[str, ...], ranks: int = 1
                           ) -> tuple[tuple[str, Any], ...]:
     """The host base terms (`host.host_base_terms`, every part in DRAM) less the parts
-    homed on NVMe, plus the buffers the `staged` parts stream through (none: unchanged)."""
+    homed on NVMe, plus the buffers the `staged` parts stream through (none: unchanged),
+    each of a node's `ranks` its own (each stages the layers it updates)."""
     if not staged:
         return terms
     count = {part: sum(weights.get(part, {}).values()) for part in STATE_PARTS}
@@ -111,7 +113,7 @@ def host_terms_with_state(terms: tuple[tuple[str, int], ...], weights: StateWeig
             if name.startswith(term):
                 nbytes = nbytes - less
         out.append((name, nbytes))
-    return (*out, (STATE_STAGING_TERM, sizes.staging_bytes(staged)))
+    return (*out, (per_rank(STATE_STAGING_TERM, ranks), ranks * sizes.staging_bytes(staged)))
 
 
 def grad_write_window(layer: int, num_layers: int, *, folds: bool) -> int | None:

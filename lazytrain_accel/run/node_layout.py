@@ -79,13 +79,15 @@ def node_layout_for(config: LazyTrainConfig, model: nn.Module, *, num_processes:
 def share_store(config: LazyTrainConfig, model: nn.Module, layout: NodeLayout, *,
                 local_process_index: int, is_main_process: bool, num_groups: int,
                 device: torch.device, resident_update: str,
-                copies_dtype: torch.dtype | None = None) -> node_store.NodeStore | None:
+                copies_dtype: torch.dtype | None = None, split_copies: bool = False,
+                homed: frozenset[int] = frozenset()) -> node_store.NodeStore | None:
     """Map the parameters from the node's shared segment (`layout.node_ranks` > 1), else
     None: every rank keeps its own copy (all-reduce). On a multi-socket host the leader
-    places each group's bytes on its owner's NUMA node (`segment_nodes`). `copies_dtype`
-    (the split layout over several nodes, the update writing compute copies of that
-    dtype): the layers another node updates are held as their compute copy alone
-    (`node_store.Elsewhere`)."""
+    places each group's bytes on its owner's NUMA node (`segment_nodes`). Held as their
+    compute copy alone in `copies_dtype` (`node_store.Elsewhere`): with `split_copies`
+    (the split layout over several nodes, the update writing compute copies) the layers
+    another node updates, and the layers `homed` (whose masters and moments the plan
+    homes on NVMe, each on the drive of the rank that updates it)."""
     if layout.node_ranks == 1:
         return None
     directory = config.node_store_dir
@@ -97,10 +99,14 @@ def share_store(config: LazyTrainConfig, model: nn.Module, layout: NodeLayout, *
     nodes = (segment_nodes(model, rank_nodes, device=device, resident_update=resident_update)
              if leader and rank_nodes is not None else None)
     elsewhere = None
-    if copies_dtype is not None and layout.nodes > 1:
+    split = split_copies and layout.nodes > 1
+    if split or homed:
+        if copies_dtype is None:
+            raise ValueError("the node store holds compute copies only below fp32 compute")
         elsewhere = held_elsewhere(model, layout, local_rank=local_process_index,
                                    node_id=node_id, device=device,
-                                   resident_update=resident_update, dtype=copies_dtype)
+                                   resident_update=resident_update, dtype=copies_dtype,
+                                   split=split, homed=homed)
     return node_store.share_model(
         model, name=node_store.segment_name(job_id=job_id, node_id=node_id),
         leader=leader, local_ranks=layout.node_ranks,
@@ -111,25 +117,30 @@ def share_store(config: LazyTrainConfig, model: nn.Module, layout: NodeLayout, *
 
 
 def held_elsewhere(model: nn.Module, layout: NodeLayout, *, local_rank: int, node_id: str,
-                   device: torch.device, resident_update: str, dtype: torch.dtype
-                   ) -> node_store.Elsewhere:
-    """The decoder layers another node updates under the split layout (the split update's
-    own cut, `ownership.split_groups`, over this launch's nodes), held here as their
-    compute copy in `dtype`. Collective: the nodes are numbered from every rank's id."""
+                   device: torch.device, resident_update: str, dtype: torch.dtype,
+                   split: bool, homed: frozenset[int]) -> node_store.Elsewhere:
+    """The decoder layers held here as their compute copy in `dtype`: with `split`, those
+    another node updates (the split update's own cut, `ownership.split_groups`, over this
+    launch's nodes); and those `homed` on NVMe, whose masters this rank keeps (for its
+    drive) where it updates them. Collective: the nodes are numbered from every rank's id."""
     from lazytrain_accel.engine.memory import quantized
 
     groups = update_groups(model, *find_decoder_layers(model))
     if any(quantized.is_packed(p) for g in groups for p in g):
-        raise ValueError("node_layout='split' below fp32 compute holds the layers other "
-                         "nodes update as their compute copy, which a packed frozen base "
-                         "(frozen_weights nf4/int8) is not built for; use "
-                         "node_layout='replicated'")
+        raise ValueError("the node store holds layers as their compute copy (the split "
+                         "layout below fp32 compute, masters homed on NVMe), which a packed "
+                         "frozen base (frozen_weights nf4/int8) is not built for; use "
+                         "node_layout='replicated' with the masters in DRAM")
     members = node_members(local_rank=local_rank, local_world_size=layout.node_ranks,
                            node_id=node_id)
-    _, node_of = split_groups(groups, local_ranks=layout.node_ranks, nodes=layout.nodes,
-                              every_rank=_every_rank(groups, device, resident_update))
-    return node_store.Elsewhere(
-        layers=layers_elsewhere(groups, node_of, list(members).index(node_id)), dtype=dtype)
+    node = list(members).index(node_id)
+    owners, node_of = split_groups(groups, local_ranks=layout.node_ranks, nodes=layout.nodes,
+                                   every_rank=_every_rank(groups, device, resident_update))
+    layers = dict(layers_elsewhere(groups, node_of, node)) if split else {}
+    layers |= {j: groups[j] for j in homed}
+    kept = frozenset(j for j in homed if owners[j] == local_rank
+                     and (not split or node_of[j] == node))
+    return node_store.Elsewhere(layers=layers, dtype=dtype, kept=kept)
 
 
 def _every_rank(groups: list[list[nn.Parameter]], device: torch.device,

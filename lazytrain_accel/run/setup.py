@@ -165,7 +165,8 @@ def resolve_plan(config: LazyTrainConfig, model_profile: ModelProfile,
     key = json.dumps([fingerprint, strategy, budgets.gpu_bytes, budgets.cpu_bytes,
                       budgets.nvme_bytes, config.max_recompute_block,
                       config.loss_chunk_tokens, config.optimizer.value, resident_update,
-                      gpus_per_node, nodes, config.node_layout, streamed_state(config),
+                      gpus_per_node, nodes, config.node_layout,
+                      streamed_state(config, gpus_per_node),
                       rates], sort_keys=True)
     cache_path = Path(config.cache_dir) / "plans" / f"{_short_hash(key)}.json"
     if cache_path.is_file():
@@ -227,18 +228,23 @@ def plan_request(config: LazyTrainConfig, *, strategy: str, budgets: Budgets,
                        include_optimizer=config.optimizer == OptimizerChoice.HYBRID8BIT,
                        resident_update=resident_update, gpus_per_node=gpus_per_node,
                        nodes=nodes, node_layout=config.node_layout, running=running,
-                       host_state=streamed_state(config))
+                       host_state=streamed_state(config, gpus_per_node))
 
 
-def streamed_state(config: LazyTrainConfig) -> str:
+def streamed_state(config: LazyTrainConfig, gpus_per_node: int = 1) -> str:
     """The parts of the layers' host state a run may home on NVMe (`PlanRequest.host_state`):
-    the compute copies always; where the hybrid 8-bit operator updates layer by layer and
-    no other rank reduces gradients after the fold or shares the masters (one process),
-    every part ("auto": the gradients, the masters and moments too)."""
+    the compute copies where each rank keeps its own host copy; under the hybrid 8-bit
+    operator, which updates layer by layer, where no other rank reduces gradients after
+    the fold (one process) every part ("auto": the gradients, the masters and moments
+    too), and the masters and moments on the ranks sharing a node store (`gpus_per_node`
+    > 1: "masters", each on the drive of the rank that updates it)."""
     from lazytrain_accel.distributed import ranks
 
-    alone = not ranks.is_multi_process()
-    return "auto" if config.optimizer == OptimizerChoice.HYBRID8BIT and alone else "copies"
+    if config.optimizer != OptimizerChoice.HYBRID8BIT:
+        return "copies"
+    if gpus_per_node > 1:
+        return "masters"
+    return "copies" if ranks.is_multi_process() else "auto"
 
 
 def budgets_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Budgets:
@@ -374,6 +380,9 @@ def format_plan_summary(plan: Plan) -> str:
                            else "the model's own loss"),
         f"  predicted peaks: gpu {pred.peak_gpu_bytes / gib:.2f} GiB, cpu "
         f"{pred.peak_cpu_bytes / gib:.2f} GiB, nvme {pred.peak_nvme_bytes / gib:.2f} GiB",
+        *([f"  host state on NVMe (layers): masters and moments {len(plan.state.optimizer)}, "
+           f"gradients {len(plan.state.grads)}, compute copies {len(plan.state.copies)}"]
+          if plan.state.any else []),
         f"  solver: {solver.status}, {solver.solve_s:.2f} s, gap {solver.gap:.2%}"
         + (f" ({solver.message})" if solver.message else ""),
     ]

@@ -24,7 +24,9 @@ from lazytrain_accel.config import LazyTrainConfig
 from lazytrain_accel.distributed import node_exchange, node_store, ranks, split_update
 from lazytrain_accel.distributed.data_parallel import GradientAllReducer
 from lazytrain_accel.distributed.grad_reduce import ShareReducer
+from lazytrain_accel.distributed.homed_masters import HomedMasters
 from lazytrain_accel.distributed.ownership import node_groups
+from lazytrain_accel.engine.memory.weights import NodeCopies
 from lazytrain_accel.run import batch_shape, setup, shared
 from lazytrain_accel.run.node_layout import NodeLayout, node_layout_for, share_store
 from lazytrain_accel.run.replan_ranks import LaunchReplanner, LaunchTotals
@@ -80,6 +82,8 @@ class RunState:
     #: one host copy per node, mapped by every local rank (None: each rank its own)
     store: node_store.NodeStore | None = None
     reducer: GradientAllReducer | ShareReducer | None = None
+    #: the masters the node's ranks home on NVMe, gathered for a full state dict
+    homed: HomedMasters | None = None
     #: the optimizer rebuilt on the streamed model's host masters (set at its prepare)
     optimizer: torch.optim.Optimizer | None = None
     #: a checkpoint being written beside training (`checkpoint_mode="async"`)
@@ -212,15 +216,19 @@ def build_run_state(config: LazyTrainConfig, model: nn.Module, loader: Any, *,
                     ranks.plan_digest(run.plan))
         ranks.register_exit_teardown(launch.synchronize)
     _check_host_memory(config, model, run, layout, launch)
+    homed = frozenset(run.plan.state.optimizer) if layout.node_ranks > 1 else frozenset()
     store = share_store(config, model, layout, local_process_index=launch.local_process_index,
                         is_main_process=launch.is_main_process,
                         num_groups=run.plan.num_layers + 2, device=launch.device,
                         resident_update=run.plan.resident_update,
-                        copies_dtype=_split_copies_dtype(run.plan, compute_dtype))
+                        copies_dtype=compute_dtype,
+                        split_copies=_split_copies_dtype(run.plan, compute_dtype) is not None,
+                        homed=homed)
     engine = attach(model, run.plan, device=launch.device, compute_dtype=compute_dtype,
                     nvme_dir=config.nvme_dir,
                     loss_chunk_tokens=setup.engine_loss_chunk_tokens(config),
-                    emulation=setup.emulation_for(config, run.hardware))
+                    emulation=setup.emulation_for(config, run.hardware),
+                    node_copies=_node_copies(store, homed))
     guard = StepGuard(model=model, engine=engine,
                       max_nonfinite_skips=config.max_nonfinite_skips,
                       raise_on_interrupt=launch.interrupt_raises)
@@ -230,6 +238,16 @@ def build_run_state(config: LazyTrainConfig, model: nn.Module, loader: Any, *,
     guard.install_sigint()
     _wire_reducer(state)
     return state
+
+
+def _node_copies(store: node_store.NodeStore | None, homed: frozenset[int]) -> NodeCopies | None:
+    """The node store's compute copies of the layers whose masters the plan homes on NVMe
+    (`homed`), each updated by the rank whose masters stayed out of the store for its
+    drive (`node_store.Elsewhere.kept`); None where there are none."""
+    if store is None or not homed:
+        return None
+    return NodeCopies(copies={j: store.copies[j] for j in homed},
+                      updated_here=store.kept)
 
 
 def _split_copies_dtype(plan: Plan, compute_dtype: torch.dtype | None
@@ -316,11 +334,11 @@ def _wire_reducer(state: RunState) -> None:
         groups = node_groups(local_rank=launch.local_process_index,
                              local_world_size=state.layout.node_ranks, node_id=node_id,
                              split=split)
-        state.reducer = split_update.start_split_update(
+        state.reducer, state.homed = split_update.start_split_update(
             engine, generations=state.store.generations, layout=groups,
             should_reduce=launch.should_reduce, node_layout=engine.plan.node_layout,
             copies=state.store.copies if copies else None)
-        if copies:
+        if copies or state.homed is not None:  # masters of others: placeholders here
             node_exchange.refuse_partial_state_dicts(state.model)
         _pin_store(state)
     elif launch.num_processes > 1:

@@ -171,6 +171,33 @@ def test_a_layer_held_elsewhere_is_its_compute_copy_alone(tmp_path: Path) -> Non
         leader[2].weight.data.add_(1.0)  # a placeholder cannot be written
 
 
+def test_a_layer_homed_on_nvme_keeps_its_masters_on_the_rank_that_updates_it(
+        tmp_path: Path) -> None:
+    """Masters homed on NVMe by a node store's ranks: the store holds the layer's compute
+    copy alone for both; the rank that updates it (here the follower) keeps its own
+    masters out of the store, for its drive (`Elsewhere.kept`), the other a placeholder."""
+    leader, follower = _model(), _model()
+    before = follower[2].weight.data_ptr()
+    name, stores, meeting = _name(tmp_path), {}, _Meeting()
+
+    def share(role: str, model: nn.Module, kept: frozenset[int]) -> None:
+        stores[role] = node_store.share_model(
+            model, name=name, leader=role == "leader", local_ranks=2, num_groups=3,
+            agree=meeting, elsewhere=node_store.Elsewhere(
+                layers={1: list(model[1:].parameters())}, dtype=torch.bfloat16, kept=kept))
+
+    thread = threading.Thread(target=share, args=("follower", follower, frozenset({1})))
+    thread.start()
+    share("leader", leader, frozenset())
+    thread.join(timeout=60)
+    assert (stores["leader"].kept, stores["follower"].kept) == (frozenset(), {1})
+    assert node_store.is_placeholder(leader[2].weight.data)
+    assert follower[2].weight.data_ptr() == before  # its own, not the segment's
+    segment = stores["follower"].bytes
+    assert not segment.data_ptr() <= before < segment.data_ptr() + segment.numel()
+    assert torch.equal(stores["follower"].copies[1], stores["leader"].copies[1])
+
+
 def test_a_state_dict_with_weights_on_other_nodes_is_refused_naming_the_gather() -> None:
     """`model.state_dict()` would hand out placeholders for the masters another node holds:
     it raises naming `accelerator.get_state_dict`; the parameters themselves
@@ -341,6 +368,7 @@ def test_the_split_update_gives_each_rank_the_planners_share(monkeypatch) -> Non
 
     class Engine:
         device = torch.device("cpu")
+        node_copies = None
 
         class steps:
             update_groups, device_groups, peers, master_files = groups, [0, 5], None, None

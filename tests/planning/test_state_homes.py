@@ -348,3 +348,29 @@ def test_a_drive_sharing_its_bandwidth_takes_the_update_phases_reads_and_writes_
                              fixed_homes=list(plan.homes))
         assert decided.objective_s - windows.objective_s == pytest.approx(simulated_s,
                                                                           rel=0.05)
+
+
+def test_a_node_stores_ranks_home_masters_only_each_at_its_share_of_the_drives() -> None:
+    """Two ranks sharing a node store (`gpus_per_node=2`): DRAM short of the layers'
+    state homes masters and moments only (`NODE_STATE_PARTS`: the copy stays in the store,
+    the gradients in DRAM), each rank stages its own layers, and each is priced at half
+    the node's drives."""
+    model = _tiny(layers=12)
+    hardware = _slow_drive(model, 50.0)
+    node = build_problem(model, hardware, gpus_per_node=2)
+    assert node.nvme_read_bytes_per_s == hardware.nvme_read_bytes_per_s / 2
+    assert node.nvme_write_bytes_per_s == hardware.nvme_write_bytes_per_s / 2
+    # 4.5 layers' masters short: with 2 x 3 layers staged, 11 of 12 go to NVMe
+    short = 4.5 * node.state_sizes.optimizer_bytes
+    budgets = Budgets.from_hardware(hardware, cpu_memory_limit_gb=(
+        node.cpu_fixed_bytes - short + 8 * node.boundary_bytes) / GIB)
+    plan = make_plan(model, hardware, PlanRequest(budgets=budgets, gpus_per_node=2,
+                                                  time_limit_s=10))
+    assert plan.state.optimizer and not plan.state.grads and not plan.state.copies
+    assert plan.prediction.peak_cpu_bytes <= budgets.cpu_bytes
+    terms = dict(with_state_homes(node, plan.state).cpu_base_terms)
+    staged = terms[f"{STATE_STAGING_TERM} (x 2 ranks)"]
+    assert staged == 2 * node.state_sizes.staging_bytes(("optimizer",))
+    # one process of the same node's bytes may home every part
+    alone = make_plan(model, hardware, PlanRequest(budgets=budgets, time_limit_s=10))
+    assert alone.state.any

@@ -35,7 +35,7 @@ from lazytrain_accel.engine.memory.nvme import NvmeSpill
 from lazytrain_accel.engine.memory.optimizer_files import NvmeMasters
 from lazytrain_accel.engine.memory.residents import ResidentParams, owners, update_groups
 from lazytrain_accel.engine.memory.state_io import StateIO
-from lazytrain_accel.engine.memory.weights import master_dtype
+from lazytrain_accel.engine.memory.weights import NodeCopies, master_dtype
 from lazytrain_accel.engine.model import hf_checkpointing
 from lazytrain_accel.engine.model.binding import bind_call, drop_cache
 from lazytrain_accel.engine.model.discovery import find_decoder_layers
@@ -55,7 +55,8 @@ class StreamingEngine:
     def __init__(self, model: nn.Module, plan: Plan, *, device: torch.device,
                  compute_dtype: torch.dtype | None, nvme_dir: str | None,
                  loss_chunk_tokens: int | str = 0,
-                 emulation: EmulationSettings | bool | None = None) -> None:
+                 emulation: EmulationSettings | bool | None = None,
+                 node_copies: NodeCopies | None = None) -> None:
         if loss_chunk_tokens != "auto" and (not isinstance(loss_chunk_tokens, int)
                                             or loss_chunk_tokens < 0):
             raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens!r} must be an integer >= 0 "
@@ -75,8 +76,11 @@ class StreamingEngine:
         early, *self._layer_params, late = update_groups(model, parent, layers_attr,
                                                          self._layers)
         self._buffer_devices = move_buffers(model, self.device)
+        #: the compute copies a node store holds for the layers whose masters the plan
+        #: homes on NVMe (their owners' drives), or None (this process holds every master)
+        self.node_copies = node_copies
         self._check_state(plan, reduce_hooks=False)
-        homed = {p for j in plan.state.optimizer for p in self._layer_params[j - 1]
+        homed = {p for j in self._homed_here(plan) for p in self._layer_params[j - 1]
                  if p.requires_grad}
         for p in model.parameters():  # fp32 host masters; frozen weights stay as stored
             if quantized.is_packed(p):
@@ -87,7 +91,7 @@ class StreamingEngine:
         self._build_parts(nvme_dir, early + late, late)
         self._state_dict_hooks = [layer.register_state_dict_post_hook(
             self.masters.module_hook(layer, j)) for j, layer in enumerate(self._layers, 1)]
-        for j in plan.state.optimizer:
+        for j in self._homed_here(plan):
             self._evict_masters(j)
         self._model_patch = ModelPatch(self, model, parent, self._layers, self.residents.params,
                                        head_modules=owners(model, self.residents.late))
@@ -152,6 +156,8 @@ class StreamingEngine:
         after the fold, or copies (or masters, which the device then streams) where an
         fp32 run keeps no copies."""
         state = plan.state
+        if self.node_copies is not None:
+            self._check_node_copies(plan)
         if state.grads and reduce_hooks:
             raise ValueError(
                 f"the plan homes gradients on NVMe (layers {list(state.grads)}) but a hook "
@@ -166,6 +172,29 @@ class StreamingEngine:
                              f"{state.optimizer}) but this run computes in fp32, whose "
                              "device streams the masters themselves; plan for the run's "
                              "compute dtype (bf16 streams a copy of them)")
+
+    def _check_node_copies(self, plan: Plan) -> None:
+        """A plan this engine can run with the node store's copies: it homes on NVMe the
+        masters of the layers the store holds as copies (fixed when the store was laid
+        out), and no copy of them."""
+        held = set(self.node_copies.copies)
+        if set(plan.state.optimizer) != held:
+            raise ValueError(
+                f"the plan homes the masters and moments of layers {list(plan.state.optimizer)}"
+                f" on NVMe, but the node store was laid out for layers {sorted(held)} "
+                "(their compute copies shared by the node's ranks); a plan of the local "
+                "ranks keeps the homes it started with: restart the launch to change them")
+        both = held & set(plan.state.copies)
+        if both:
+            raise ValueError(f"the plan homes the compute copies of layers {sorted(both)} on "
+                             "NVMe, which the node store holds for every local rank; plan "
+                             "their copies in DRAM (host_state='auto' does)")
+
+    def _homed_here(self, plan: Plan) -> list[int]:
+        """The layers whose masters and moments this process homes on its drive: the
+        plan's, but those another process of the node updates (`NodeCopies.foreign`)."""
+        foreign = self.node_copies.foreign if self.node_copies is not None else frozenset()
+        return [j for j in plan.state.optimizer if j not in foreign]
 
     def _absorb_checkpointing(self) -> None:
         """HF checkpointing was requested: keep it off; say once who decides recompute."""
@@ -192,7 +221,7 @@ class StreamingEngine:
                                     claim_root=self.spill.claim)
         #: The masters and moments of the layers the plan homes on NVMe.
         self.masters = NvmeMasters(self.spill.state_dirs,
-                                   set(self.plan.state.optimizer), trainable, self.acct,
+                                   set(self._homed_here(self.plan)), trainable, self.acct,
                                    self.state_io, claim_root=self.spill.claim)
         self.pool = quantized.weight_pool(self._layer_params, streams=self.streams,
                                           compute_dtype=self.compute_dtype,
@@ -202,6 +231,10 @@ class StreamingEngine:
                                           num_slots=weight_slots(self.plan),
                                           nvme_copies=self._nvme_copies())
         self.pool.masters_generation = self.masters.generation
+        if self.node_copies is not None:
+            shared = self.node_copies.copies
+            self.pool.share_copies({j: shared[j] for j in self.node_copies.updated_here})
+            self.pool.receive_copies({j: shared[j] for j in self.node_copies.foreign})
         self.residents = ResidentParams(resident, late=late, device=self.device,
                                         compute_dtype=self.compute_dtype, sink=self.sink,
                                         accounting=self.acct,
@@ -364,9 +397,9 @@ class StreamingEngine:
         self.pool.grow(weight_slots(plan))
         self.pool.home_copies(set(plan.state.copies))
         self.sink.files.set_layers(set(plan.state.grads))
-        if set(plan.state.optimizer) != self.masters.layers:
+        if set(self._homed_here(plan)) != self.masters.layers:
             self.steps.wait()  # no update stages a layer while its home changes
-            self.masters.set_layers(plan.state.optimizer)
+            self.masters.set_layers(self._homed_here(plan))
         if self._loss_chunk_from_plan:
             self._set_loss_chunk(plan.loss_chunk_tokens)
 
@@ -544,7 +577,8 @@ def _to_master(p: nn.Parameter) -> None:
 def attach(model: nn.Module, plan: Plan, *, device: torch.device,
            compute_dtype: torch.dtype | None = None,
            nvme_dir: str | None = None, loss_chunk_tokens: int | str = 0,
-           emulation: EmulationSettings | bool | None = None) -> StreamingEngine:
+           emulation: EmulationSettings | bool | None = None,
+           node_copies: NodeCopies | None = None) -> StreamingEngine:
     """Stream `model`'s decoder layers per `plan` on `device`; see `StreamingEngine`.
 
     `plan.num_layers` must equal the decoder depth. `compute_dtype` (default fp32) is the
@@ -554,8 +588,10 @@ def attach(model: nn.Module, plan: Plan, *, device: torch.device,
     cross-entropy (`apply_fused_loss`; docs/engine.md "Fused loss"); "auto" takes the
     plan's (`Plan.loss_chunk_tokens`), and a new plan's on `set_plan`. On a CPU,
     `emulation` selects the emulated async device (`engine/device/emulation.py`; None: from
-    `LAZYTRAIN_EMULATE_ASYNC`, False: synchronous).
+    `LAZYTRAIN_EMULATE_ASYNC`, False: synchronous). `node_copies`: the node store's
+    compute copies of the layers whose masters the plan homes on NVMe, and which of them
+    this process updates (the others' masters are placeholders here).
     """
     return StreamingEngine(model, plan, device=device, compute_dtype=compute_dtype,
                            nvme_dir=nvme_dir, loss_chunk_tokens=loss_chunk_tokens,
-                           emulation=emulation)
+                           emulation=emulation, node_copies=node_copies)

@@ -8,7 +8,9 @@ master goes through one of two pinned staging buffers (the cast on the host) to 
 on the H2D side stream: never a pinned copy of the model. Below fp32 the layer-wise update
 writes each layer's compute copy (`compute_copy`), and loads stream from it while its
 masters are the same tensors at the same version; a layer whose masters another node
-holds streams the copy received from it (`receive_copies`).
+holds streams the copy received from it (`receive_copies`); a node store's ranks stream
+a layer whose masters live on its owner's drive from the store's copy, which the owner's
+update writes (`NodeCopies`).
 Docs: docs/engine.md "Execution model" (**Weights**).
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -28,6 +31,23 @@ from lazytrain_accel.storage.direct_io import aligned_empty
 from lazytrain_accel.storage.flat import flat_views
 
 NUM_STAGING = 2  # pinned staging buffers, used in turn
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCopies:
+    """Compute copies in memory the processes of a node share (the node store's, for the
+    layers whose masters and moments the plan homes on NVMe: `distributed/node_store.py`),
+    each flat in its layer's parameters' order. This process updates `updated_here` of
+    them: their masters live in its own files, and its update writes their copy in place.
+    The others it streams as their owners write them: their masters are placeholders here."""
+
+    copies: Mapping[int, torch.Tensor]
+    updated_here: frozenset[int]
+
+    @property
+    def foreign(self) -> frozenset[int]:
+        """The layers another process updates."""
+        return frozenset(self.copies) - self.updated_here
 
 
 def master_dtype(param: torch.Tensor) -> torch.dtype:
@@ -84,6 +104,9 @@ class WeightPool:
         #: layer -> its compute copy as another node sends it (the split layout: no master
         #: of it here), streamed as it is (`receive_copies`)
         self._received: dict[int, torch.Tensor] = {}
+        #: the layers whose `_copies` buffer is memory shared with other processes, which
+        #: this one's update writes (`share_copies`): never dropped, never freed here
+        self._shared: set[int] = set()
 
     @property
     def num_slots(self) -> int:
@@ -262,15 +285,29 @@ class WeightPool:
                 self._file_keys[layer] = self._copy_keys[layer - 1]
 
     def receive_copies(self, copies: Mapping[int, torch.Tensor]) -> None:
-        """Stream the layers of `copies` from them: each its compute copy, flat in the
-        order of its parameters, which another node writes (the split layout's exchange,
-        `exchanged_copy`) where no master of it lives on this node."""
+        """Stream the layers of `copies` from them too: each its compute copy, flat in the
+        order of its parameters, which another process writes (the split layout's
+        exchange, `exchanged_copy`; a node store's owner, `NodeCopies`) where no master of
+        it lives in this one."""
+        self._check_copies(copies)
+        self._received.update(copies)
+
+    def share_copies(self, copies: Mapping[int, torch.Tensor]) -> None:
+        """Keep the compute copies of the layers of `copies` in them: memory shared with
+        other processes, which this one's update writes and the others stream
+        (`NodeCopies.updated_here`)."""
+        self._check_copies(copies)
+        for layer, copy in copies.items():
+            self._copies[layer - 1] = copy
+            self._copy_keys[layer - 1] = None  # cast from the masters before it streams
+            self._shared.add(layer)
+
+    def _check_copies(self, copies: Mapping[int, torch.Tensor]) -> None:
         for layer, copy in copies.items():
             numel = sum(p.numel() for p in self._params[layer - 1])
             if copy.dtype != self._dtype or copy.numel() != numel:
-                raise ValueError(f"layer {layer}'s received copy is {copy.numel()} "
+                raise ValueError(f"layer {layer}'s given copy is {copy.numel()} "
                                  f"{copy.dtype}, the layer {numel} {self._dtype}")
-        self._received = dict(copies)
 
     def received_views(self) -> dict[nn.Parameter, torch.Tensor]:
         """Each parameter of the layers received as compute copies (`receive_copies`) with
@@ -362,8 +399,8 @@ class WeightPool:
         self._nvme.when_written(layer, lambda: self._acct.free("host_pageable", nbytes))
 
     def close(self) -> None:
-        for copy in self._copies:
-            if copy is not None:
+        for layer, copy in enumerate(self._copies, start=1):
+            if copy is not None and layer not in self._shared:
                 self._acct.free("host_pageable", copy.numel() * copy.element_size())
         self._copies = [None] * len(self._params)
         if self._nvme is not None:

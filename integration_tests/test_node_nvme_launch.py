@@ -1,0 +1,79 @@
+"""Two ranks sharing a node store, their DRAM budget short of the host state (issues 44
+and 45): the plan homes masters and moments on NVMe, each layer's on the drive of the
+rank that updates it, the store holding its compute copy for both; the run trains bit
+for bit as the one with all in DRAM, a full state dict gathers the homed masters, and a
+checkpoint of it resumes exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from integration_tests.test_accelerate_launch import _launch
+from lazytrain_accel.planning.problem import build_problem
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
+from lazytrain_accel.run import setup
+
+HIDDEN, LAYERS, BATCH = 128, 16, 4
+ARGS = ("--lazytrain", "--plan", "checkpoint_all", "--mixed-precision", "bf16",
+        "--hidden-size", str(HIDDEN), "--layers", str(LAYERS), "--batch-size", str(BATCH),
+        "--steps", "4")
+
+
+def _budget_gb(short_layers: float) -> float:
+    """The node's DRAM budget short of its host state by `short_layers` layers' masters
+    and moments (the model `accelerate_train.py` builds, planned for 2 ranks)."""
+    config = Qwen2Config(vocab_size=128, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                         num_hidden_layers=LAYERS, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    profile = setup.profile_for_run(Qwen2ForCausalLM(config), batch_size=BATCH, seq_len=16,
+                                    compute_dtype=torch.bfloat16)
+    p = build_problem(profile, HARDWARE_PRESETS["h800"], gpus_per_node=2)
+    return (p.cpu_fixed_bytes - short_layers * p.state_sizes.optimizer_bytes) / 2**30
+
+
+def _weights(directory: Path) -> list[str]:
+    return [json.loads((directory / f"digest_{r}.json").read_text())["weights"]
+            for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[float], Path]]:
+    """The all-DRAM launch, the homed one (a checkpoint after step 2), and its resume."""
+    out = {}
+    budget = f"{_budget_gb(0.4 * LAYERS):.9f}"
+    for name, budget_gb, extra in (("dram", "0", ()), ("homed", budget, ("--save-at", "2")),
+                                   ("resumed", budget, ())):
+        d = tmp_path_factory.mktemp(name)
+        if name == "homed":
+            extra = (*extra, "--ckpt-dir", str(d / "ckpt"))
+        if name == "resumed":
+            extra = ("--resume-from", str(out["homed"][1] / "ckpt"))
+        env = {"LAZYTRAIN_CPU_MEMORY_LIMIT_GB": budget_gb, "LAZYTRAIN_THREADS": "0"}
+        losses = _launch(d, name, *ARGS, *extra, "--digest-out", str(d / "digest_"),
+                         num_processes=2, env=env)
+        out[name] = losses, d
+    return out
+
+
+def test_masters_homed_on_each_ranks_drive_train_as_in_dram(runs) -> None:
+    (dram, dram_dir), (homed, homed_dir) = runs["dram"], runs["homed"]
+    plan = json.loads((homed_dir / "ckpt" / "lazytrain_plan.json").read_text())
+    assert plan["gpus_per_node"] == 2
+    assert len(plan["state"]["optimizer"]) >= 0.4 * LAYERS, plan["state"]
+    assert not plan["state"]["grads"] and not plan["state"]["copies"]  # in the store, DRAM
+    assert homed == dram
+    # every rank's full state dict (rank 0 gathers the masters rank 1 homes, and back)
+    assert _weights(homed_dir) == _weights(dram_dir) == [_weights(dram_dir)[0]] * 2
+    assert not list((homed_dir / "nvme").glob("lazytrain-*"))  # removed at the end
+
+
+def test_a_checkpoint_of_homed_masters_resumes_exactly(runs) -> None:
+    (homed, homed_dir), (resumed, resumed_dir) = runs["homed"], runs["resumed"]
+    assert resumed == homed[2:]
+    assert _weights(resumed_dir) == _weights(homed_dir)

@@ -1,0 +1,68 @@
+"""`HomedMasters`: the masters a node store's ranks home on NVMe, gathered for a full
+state dict.
+
+Where the plan homes a layer's masters and moments on NVMe, the node store holds the
+layer's compute copy alone and the local rank that updates it keeps its masters in its
+own files (`engine.attach`'s `NodeCopies`); the other ranks hold placeholders. A full
+state dict (`Accelerator.get_state_dict`, the Trainer's saves) therefore broadcasts each
+such master from its owner, read from its file, to the node's ranks, layer by layer, as
+ZeRO-3 gathers its partitions. Docs: docs/user_guide.md "9. When the state is larger
+than RAM".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lazytrain_accel.distributed.ownership import NodeGroups
+from lazytrain_accel.distributed.peer_sync import NodePeers
+from lazytrain_accel.engine.memory.optimizer_files import NvmeMasters
+from lazytrain_accel.engine.memory.weights import NodeCopies
+
+
+class HomedEngine(Protocol):
+    """What `HomedMasters` needs of the engine (`StreamingEngine`)."""
+
+    node_copies: NodeCopies | None
+    masters: NvmeMasters
+
+
+class HomedMasters:
+    def __init__(self, engine: HomedEngine, *, owners: Sequence[int], layout: NodeGroups,
+                 peers: NodePeers) -> None:
+        self._engine = engine
+        self._owners = owners
+        self._layout = layout
+        self._peers = peers
+
+    def gather(self, groups: Sequence[Sequence[nn.Parameter]]
+               ) -> dict[nn.Parameter, torch.Tensor]:
+        """Every homed layer's fp32 masters on every local rank, from the rank that
+        updates each. Collective over the node: every rank calls it at the same point,
+        with no update running."""
+        copies = self._engine.node_copies
+        if copies is None:
+            return {}
+        values: dict[nn.Parameter, torch.Tensor] = {}
+        for layer in sorted(copies.copies):
+            owner = self._owners[layer]
+            mine = owner == self._layout.local_rank
+            in_file = self._engine.masters.read_values(layer) if mine else {}
+            for p in groups[layer]:
+                if not (p.requires_grad and p.is_floating_point()):
+                    continue  # frozen weights: in the store
+                value = (in_file.get((p, None), p.detach()) if mine
+                         else torch.empty(p.shape, dtype=torch.float32))
+                try:
+                    self._peers.wait_work(dist.broadcast(
+                        value, src=self._layout.node_ranks[owner], group=self._layout.intra,
+                        async_op=True))
+                except RuntimeError as err:
+                    raise self._peers.named_failure(err) from err
+                values[p] = value
+        return values
