@@ -2,7 +2,8 @@
 and 45): the plan homes masters and moments on NVMe, each layer's on the drive of the
 rank that updates it, the store holding its compute copy for both; the run trains bit
 for bit as the one with all in DRAM, a full state dict gathers the homed masters, and a
-checkpoint of it resumes exactly."""
+checkpoint of it resumes exactly. Two simulated nodes of two ranks (the replicated
+layout) home them on each node's drives alike."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from integration_tests.test_accelerate_launch import _launch
+from integration_tests.test_node_store_launch import _launch_nodes
 from lazytrain_accel.planning.problem import build_problem
 from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 from lazytrain_accel.run import setup
@@ -24,22 +26,22 @@ ARGS = ("--lazytrain", "--plan", "checkpoint_all", "--mixed-precision", "bf16",
         "--steps", "4")
 
 
-def _budget_gb(short_layers: float) -> float:
+def _budget_gb(short_layers: float, batch_size: int = BATCH) -> float:
     """The node's DRAM budget short of its host state by `short_layers` layers' masters
     and moments (the model `accelerate_train.py` builds, planned for 2 ranks)."""
     config = Qwen2Config(vocab_size=128, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
                          num_hidden_layers=LAYERS, num_attention_heads=4,
                          num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False)
-    profile = setup.profile_for_run(Qwen2ForCausalLM(config), batch_size=BATCH, seq_len=16,
-                                    compute_dtype=torch.bfloat16)
+    profile = setup.profile_for_run(Qwen2ForCausalLM(config), batch_size=batch_size,
+                                    seq_len=16, compute_dtype=torch.bfloat16)
     p = build_problem(profile, HARDWARE_PRESETS["h800"], gpus_per_node=2)
     return (p.cpu_fixed_bytes - short_layers * p.state_sizes.optimizer_bytes) / 2**30
 
 
-def _weights(directory: Path) -> list[str]:
+def _weights(directory: Path, ranks: int = 2) -> list[str]:
     return [json.loads((directory / f"digest_{r}.json").read_text())["weights"]
-            for r in range(2)]
+            for r in range(ranks)]
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +79,23 @@ def test_a_checkpoint_of_homed_masters_resumes_exactly(runs) -> None:
     (homed, homed_dir), (resumed, resumed_dir) = runs["homed"], runs["resumed"]
     assert resumed == homed[2:]
     assert _weights(resumed_dir) == _weights(homed_dir)
+
+
+def test_two_nodes_home_masters_on_each_nodes_drives(tmp_path: Path) -> None:
+    """2 simulated nodes x 2 ranks, `node_layout="replicated"`: each node's owner of a
+    layer homes its masters (both owners apply the same update), bit for bit the launch
+    with all in DRAM; every rank's gathered weights agree."""
+    budget = f"{_budget_gb(0.4 * LAYERS, batch_size=2):.9f}"
+    args = (*ARGS[:-4], "--batch-size", "2", "--steps", "3")
+    out = {}
+    for name, budget_gb in (("dram", "0"), ("homed", budget)):
+        d = tmp_path / name
+        env = {"LAZYTRAIN_CPU_MEMORY_LIMIT_GB": budget_gb, "LAZYTRAIN_THREADS": "0",
+               "LAZYTRAIN_NODE_LAYOUT": "replicated"}
+        losses = _launch_nodes(d, name, *args, "--digest-out", str(d / "digest_"), env=env)
+        (plan,) = {p.read_text() for p in (d / "cache" / "plans").glob("*.json")}
+        out[name] = losses, _weights(d, ranks=4), json.loads(plan)["state"]["optimizer"]
+        assert not list((d / "nvme").glob("lazytrain-*"))
+    assert len(out["homed"][2]) >= 0.4 * LAYERS and not out["dram"][2]
+    assert out["homed"][:2] == out["dram"][:2]
+    assert len(set(out["homed"][1])) == 1

@@ -75,11 +75,12 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
         raise RuntimeError(f"this rank homes the masters of layers {others} on its drive, "
                            "which another rank updates: the node store and the update cut "
                            "the groups differently")
-    if engine.node_copies is not None and layout.nodes > 1:
+    if engine.node_copies is not None and split:
         raise ValueError("the plan homes masters and moments on NVMe (layers "
-                         f"{sorted(engine.node_copies.copies)}) on a launch of several "
-                         "nodes, which homes them on one node's ranks only so far; plan "
-                         "with host_state='dram' or run on one node")
+                         f"{sorted(engine.node_copies.copies)}) under node_layout='split', "
+                         "which holds each layer's masters on one node: not built yet; "
+                         "use node_layout='replicated' (each node's ranks home them on "
+                         "their drives) or plan with host_state='dram'")
     pids: list[int | None] = [None] * layout.local_size
     dist.all_gather_object(pids, os.getpid(), group=layout.intra)
     others: list[RemoteRank] = []
