@@ -76,15 +76,17 @@ def estimate_host_bytes(*, model_profile: ModelProfile, plan: Plan, optimizer: s
     state once (its 1/K under the split layout over K nodes), each rank's own buffers N
     times."""
     counts = plan.count_homes()
+    shards = state_shards(plan.node_layout, plan.nodes)
     base = host_base_terms(model_profile, optimizer=optimizer,
                            resident_update=plan.resident_update,
                            weight_slots=weight_slots(plan),
-                           ranks=plan.gpus_per_node,
-                           shards=state_shards(plan.node_layout, plan.nodes))
+                           ranks=plan.gpus_per_node, shards=shards)
     if plan.state.any:  # less what the plan homes on NVMe, plus the buffers it streams by
         base = host_terms_with_state(base, weights_of(plan.state),
-                                     layer_state_sizes(model_profile, optimizer),
-                                     staged=homed_parts(plan.state), ranks=plan.gpus_per_node)
+                                     layer_state_sizes(model_profile, optimizer,
+                                                       shards=shards),
+                                     staged=homed_parts(plan.state), ranks=plan.gpus_per_node,
+                                     shards=shards)
     homes = activation_host_terms(boundary_bytes=plan.boundary_bytes,
                                   cpu_homes=counts[Home.CPU.value],
                                   staging_boundaries=STAGING_BOUNDARIES,

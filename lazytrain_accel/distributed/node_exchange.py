@@ -13,7 +13,7 @@ Design: docs/architecture.md "Several nodes".
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,9 @@ class NodeExchange:
     def __init__(self, layout: NodeGroups, *, owners: Sequence[int],
                  node_of: Sequence[int], peers: NodePeers,
                  rank_of: Mapping[tuple[int, int], int] | None = None,
-                 sends_copies: bool = False) -> None:
+                 sends_copies: bool = False,
+                 read_masters: Callable[[int], Mapping[tuple[nn.Parameter, str | None],
+                                                       torch.Tensor]] | None = None) -> None:
         if layout.exchange is None:
             raise ValueError("the split layout needs the exchange groups: build the "
                              "launch's groups with node_groups(..., split=True)")
@@ -46,6 +48,9 @@ class NodeExchange:
         #: whether the layers' compute copies are sent (each node holding the masters of
         #: those it updates alone), the same on every rank
         self._sends_copies = sends_copies
+        #: layer -> its masters (and moments) as its file on NVMe holds them, {} where
+        #: they are in DRAM (`NvmeMasters.read_values`)
+        self._read_masters = read_masters or (lambda layer: {})
 
     @property
     def sends_copies(self) -> bool:
@@ -55,9 +60,10 @@ class NodeExchange:
 
     def gather_masters(self, groups: Sequence[Sequence[nn.Parameter]]
                        ) -> dict[nn.Parameter, torch.Tensor]:
-        """The fp32 masters this node does not hold (placeholders: the layers another node
-        updates, held here as their compute copy), each broadcast from the rank that
-        updates it to every rank, layer by layer; an empty dict where every node holds
+        """The fp32 masters this rank does not hold (placeholders: the layers another node
+        updates, held here as their compute copy; those another rank homes on its drive),
+        each broadcast from the rank that updates it to every rank, layer by layer (read
+        from its file there where homed on NVMe); an empty dict where every node holds
         every master. Collective: every rank calls it at the same point, with no update
         running (a full `state_dict`, as FSDP's full state dict or ZeRO-3's gather)."""
         if not self._sends_copies:
@@ -68,16 +74,18 @@ class NodeExchange:
             if node == EVERY_RANK or not 0 < g < len(groups) - 1:
                 continue  # the residents' masters are on every node
             src = self._rank_of[node, self._owners[g]]
+            mine = dist.get_rank() == src
+            in_file = self._read_masters(g) if mine else {}
             for p in params:
                 if not (p.requires_grad and p.is_floating_point()):
                     continue  # frozen weights: in every node's store
-                mine = dist.get_rank() == src
-                value = p.detach() if mine else torch.empty(p.shape, dtype=torch.float32)
+                value = (in_file.get((p, None), p.detach()) if mine
+                         else torch.empty(p.shape, dtype=torch.float32))
                 try:
                     self._peers.wait_work(dist.broadcast(value, src=src, async_op=True))
                 except RuntimeError as err:
                     raise self._peers.named_failure(err) from err
-                if is_placeholder(p.data):
+                if is_placeholder(p.data) or (p, None) in in_file:
                     values[p] = value
         return values
 

@@ -75,12 +75,6 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
         raise RuntimeError(f"this rank homes the masters of layers {others} on its drive, "
                            "which another rank updates: the node store and the update cut "
                            "the groups differently")
-    if engine.node_copies is not None and split:
-        raise ValueError("the plan homes masters and moments on NVMe (layers "
-                         f"{sorted(engine.node_copies.copies)}) under node_layout='split', "
-                         "which holds each layer's masters on one node: not built yet; "
-                         "use node_layout='replicated' (each node's ranks home them on "
-                         "their drives) or plan with host_state='dram'")
     pids: list[int | None] = [None] * layout.local_size
     dist.all_gather_object(pids, os.getpid(), group=layout.intra)
     others: list[RemoteRank] = []
@@ -108,10 +102,12 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
             _receive_copies(engine, copies, layers_elsewhere(groups, node_of, layout.node))
         engine.steps.remote = NodeExchange(layout, owners=owners, node_of=node_of,
                                            peers=peers, rank_of=rank_of,
-                                           sends_copies=copies is not None)
+                                           sends_copies=copies is not None,
+                                           read_masters=engine.masters.read_values)
     reducer = ShareReducer(engine, groups, owners, peers=peers, layout=layout,
                            should_reduce=should_reduce, node_of=node_of)
-    homed = None if engine.node_copies is None else HomedMasters(
+    # (under the split layout the exchange gathers every master, homed ones included)
+    homed = None if engine.node_copies is None or split else HomedMasters(
         engine, owners=owners, layout=layout, peers=peers)
     return reducer, homed
 

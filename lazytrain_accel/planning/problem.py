@@ -490,7 +490,7 @@ class Problem:
         buffers charged; default this problem's homes)."""
         base = self.cpu_base_terms if state is None else host_terms_with_state(
             self.dram_cpu_base_terms, state, self.state_sizes, staged=self.state_parts,
-            ranks=self.gpus_per_node)
+            ranks=self.gpus_per_node, shards=self.state_shards)
         return (*base, *activation_host_terms(
             boundary_bytes=self.boundary_bytes, cpu_homes=cpu,
             staging_boundaries=self.host_staging_boundaries, nvme_staging=nvme_staging,
@@ -653,7 +653,8 @@ def with_state_homes(p: Problem, state: StateHomes) -> Problem:
     """`p` with the layers' host state homed as `state` says: the DRAM terms less what
     lives on NVMe, plus the buffers it streams through (`state.py`)."""
     terms = host_terms_with_state(p.dram_cpu_base_terms, weights_of(state), p.state_sizes,
-                                  staged=homed_parts(state), ranks=p.gpus_per_node)
+                                  staged=homed_parts(state), ranks=p.gpus_per_node,
+                                  shards=p.state_shards)
     terms = tuple(sorted(terms, key=lambda t: -t[1]))
     return replace(p, state=state, cpu_base_terms=terms,
                    static_cpu_bytes=sum(b for _, b in terms))

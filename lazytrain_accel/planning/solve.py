@@ -304,8 +304,7 @@ def make_plan(model: ModelProfile, hardware: HardwareProfile,
 
     def solved(profile: ModelProfile, resident_update: str) -> Plan:
         p = problem(profile, resident_update)
-        if not (r.include_optimizer and (r.gpus_per_node == 1 or p.node_layout != "split")
-                and r.host_state != "dram" and needs_state_homes(p)):
+        if not (r.include_optimizer and r.host_state != "dram" and needs_state_homes(p)):
             return solved_in(p, profile)
         plan = plan_host_state(p, profile, hardware, r, solved_in)
         priced.append(plan.solver.state_steps_s)

@@ -95,11 +95,13 @@ def nvme_state_bytes(weights: StateWeights, sizes: StateSizes) -> Any:
 
 
 def host_terms_with_state(terms: tuple[tuple[str, int], ...], weights: StateWeights,
-                          sizes: StateSizes, *, staged: tuple[str, ...], ranks: int = 1
-                          ) -> tuple[tuple[str, Any], ...]:
+                          sizes: StateSizes, *, staged: tuple[str, ...], ranks: int = 1,
+                          shards: int = 1) -> tuple[tuple[str, Any], ...]:
     """The host base terms (`host.host_base_terms`, every part in DRAM) less the parts
     homed on NVMe, plus the buffers the `staged` parts stream through (none: unchanged),
-    each of a node's `ranks` its own (each stages the layers it updates)."""
+    each of a node's `ranks` its own (each stages the layers it updates), whole layers
+    where `sizes` are a node's 1/`shards` of each (the split layout updates each layer
+    on one node)."""
     if not staged:
         return terms
     count = {part: sum(weights.get(part, {}).values()) for part in STATE_PARTS}
@@ -113,7 +115,8 @@ def host_terms_with_state(terms: tuple[tuple[str, int], ...], weights: StateWeig
             if name.startswith(term):
                 nbytes = nbytes - less
         out.append((name, nbytes))
-    return (*out, (per_rank(STATE_STAGING_TERM, ranks), ranks * sizes.staging_bytes(staged)))
+    return (*out, (per_rank(STATE_STAGING_TERM, ranks),
+                   ranks * shards * sizes.staging_bytes(staged)))
 
 
 def grad_write_window(layer: int, num_layers: int, *, folds: bool) -> int | None:
