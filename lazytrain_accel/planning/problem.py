@@ -668,8 +668,9 @@ def _host_work_s(nbytes: int, bytes_per_s: float) -> float:
 def with_node_links(problem: Problem, hardware: HardwareProfile) -> Problem:
     """`problem` (priced at the PCIe rates) with each link at its share of the host DRAM
     that the node's updates leave, their traffic averaged over the compute-only step
-    (`node.py`: `link_bytes_per_s`, `host_update_bytes_per_s`), and each of the node's
-    ranks at its share of the node's drives."""
+    (`node.py`: `link_bytes_per_s`, `host_update_bytes_per_s`). The drives keep the
+    node's rates: a node problem's update phase is the node's (every layer's state, at
+    the node's update rate, `share_update_params_per_s` x N ranks each a 1/N share)."""
     update_bytes_per_s = host_update_bytes_per_s(
         hardware, update_param_count=problem.host_update_param_count,
         compute_s=problem.compute_s)
@@ -678,11 +679,8 @@ def with_node_links(problem: Problem, hardware: HardwareProfile) -> Problem:
         return link_bytes_per_s(pcie_bytes_per_s, hardware, problem.gpus_per_node,
                                 update_bytes_per_s=update_bytes_per_s)
 
-    ranks = problem.gpus_per_node
     return replace(problem, h2d_bytes_per_s=share(problem.h2d_bytes_per_s),
-                   d2h_bytes_per_s=share(problem.d2h_bytes_per_s),
-                   nvme_read_bytes_per_s=problem.nvme_read_bytes_per_s / ranks,
-                   nvme_write_bytes_per_s=problem.nvme_write_bytes_per_s / ranks)
+                   d2h_bytes_per_s=share(problem.d2h_bytes_per_s))
 
 
 def resident_tail_d2h_bytes(model: ModelProfile, *, on_device: bool) -> int:
