@@ -33,6 +33,8 @@ class HomedEngine(Protocol):
 
 
 class HomedMasters:
+    """The gather of a node's homed masters (`gather`), from the owners `owners[g]`."""
+
     def __init__(self, engine: HomedEngine, *, owners: Sequence[int], layout: NodeGroups,
                  peers: NodePeers) -> None:
         self._engine = engine

@@ -68,11 +68,11 @@ def start_split_update(engine: SplitEngine, *, generations: GenerationWords,
     owners, cut = split_groups(groups, local_ranks=layout.local_size, nodes=layout.nodes,
                                every_rank=on_gpus)
     split = node_layout == "split" and layout.nodes > 1
-    homed = engine.steps.master_files.layers if engine.steps.master_files is not None else ()
-    others = sorted(j for j in homed if owners[j] != layout.local_rank
-                    or (split and cut[j] != layout.node))
-    if others:
-        raise RuntimeError(f"this rank homes the masters of layers {others} on its drive, "
+    files = engine.steps.master_files
+    not_mine = sorted(j for j in (files.layers if files is not None else ())
+                      if owners[j] != layout.local_rank or (split and cut[j] != layout.node))
+    if not_mine:
+        raise RuntimeError(f"this rank homes the masters of layers {not_mine} on its drive, "
                            "which another rank updates: the node store and the update cut "
                            "the groups differently")
     pids: list[int | None] = [None] * layout.local_size
