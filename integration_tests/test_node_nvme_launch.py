@@ -1,16 +1,15 @@
-"""Two ranks sharing a node store, their DRAM budget short of the host state (issues 44
-and 45): the plan homes masters and moments on NVMe, each layer's on the drive of the
-rank that updates it, the store holding its compute copy for both; the run trains bit
-for bit as the one with all in DRAM, a full state dict gathers the homed masters, and a
-checkpoint of it resumes exactly. Two simulated nodes of two ranks (the replicated
-layout) home them on each node's drives alike."""
+"""Ranks sharing a node store, their DRAM budget short of the host state (issues 44 and
+45): the plan homes masters and moments on NVMe, each layer's on the drive of the rank
+that updates it, the store holding its compute copy for every local rank. Two ranks on
+one node, and two simulated nodes of two ranks under both layouts (split: a layer's
+masters on the one node that updates it), train bit for bit as with all in DRAM; a full
+state dict gathers the homed masters on every rank; a split checkpoint resumes exactly."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -42,75 +41,65 @@ def _budget_gb(short_layers: float, batch_size: int = BATCH, nodes: int = 1,
     return (p.cpu_fixed_bytes - short_layers * p.state_sizes.optimizer_bytes) / 2**30
 
 
-def _weights(directory: Path, ranks: int = 2) -> list[str]:
+def _weights(directory: Path, ranks: int) -> list[str]:
     return [json.loads((directory / f"digest_{r}.json").read_text())["weights"]
             for r in range(ranks)]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[float], Path]]:
-    """The all-DRAM launch, the homed one (a checkpoint after step 2), and its resume."""
+def _homed_layers(directory: Path) -> list[int]:
+    """The layers whose masters the launch's plan (cached by its ranks) homes on NVMe."""
+    (plan,) = {p.read_text() for p in (directory / "cache" / "plans").glob("*.json")}
+    state = json.loads(plan)["state"]
+    assert not state["grads"] and not state["copies"]  # in DRAM, the copies in the store
+    return state["optimizer"]
+
+
+def test_two_ranks_home_masters_on_their_drives_and_train_as_in_dram(tmp_path: Path) -> None:
     out = {}
-    budget = f"{_budget_gb(0.4 * LAYERS):.9f}"
-    for name, budget_gb, extra in (("dram", "0", ()), ("homed", budget, ("--save-at", "2")),
-                                   ("resumed", budget, ())):
-        d = tmp_path_factory.mktemp(name)
-        if name == "homed":
-            extra = (*extra, "--ckpt-dir", str(d / "ckpt"))
-        if name == "resumed":
-            extra = ("--resume-from", str(out["homed"][1] / "ckpt"))
+    for name, budget_gb in (("dram", "0"), ("homed", f"{_budget_gb(0.4 * LAYERS):.9f}")):
+        d = tmp_path / name
         env = {"LAZYTRAIN_CPU_MEMORY_LIMIT_GB": budget_gb, "LAZYTRAIN_THREADS": "0"}
-        losses = _launch(d, name, *ARGS, *extra, "--digest-out", str(d / "digest_"),
+        losses = _launch(d, name, *ARGS, "--digest-out", str(d / "digest_"),
                          num_processes=2, env=env)
-        out[name] = losses, d
-    return out
-
-
-def test_masters_homed_on_each_ranks_drive_train_as_in_dram(runs) -> None:
-    (dram, dram_dir), (homed, homed_dir) = runs["dram"], runs["homed"]
-    plan = json.loads((homed_dir / "ckpt" / "lazytrain_plan.json").read_text())
-    assert plan["gpus_per_node"] == 2
-    assert len(plan["state"]["optimizer"]) >= 0.4 * LAYERS, plan["state"]
-    assert not plan["state"]["grads"] and not plan["state"]["copies"]  # in the store, DRAM
-    assert homed == dram
+        out[name] = losses, _weights(d, 2), _homed_layers(d)
+        assert not list((d / "nvme").glob("lazytrain-*"))  # removed at the end
+    assert len(out["homed"][2]) >= 0.4 * LAYERS and not out["dram"][2]
+    assert out["homed"][0] == out["dram"][0]
     # every rank's full state dict (rank 0 gathers the masters rank 1 homes, and back)
-    assert _weights(homed_dir) == _weights(dram_dir) == [_weights(dram_dir)[0]] * 2
-    assert not list((homed_dir / "nvme").glob("lazytrain-*"))  # removed at the end
+    assert out["homed"][1] == out["dram"][1] == [out["dram"][1][0]] * 2
 
 
-def test_a_checkpoint_of_homed_masters_resumes_exactly(runs) -> None:
-    (homed, homed_dir), (resumed, resumed_dir) = runs["homed"], runs["resumed"]
-    assert resumed == homed[2:]
-    assert _weights(resumed_dir) == _weights(homed_dir)
-
-
-@pytest.mark.parametrize("layout", ["replicated", "split"])
-def test_two_nodes_home_masters_on_their_drives(tmp_path: Path, layout: str) -> None:
+def test_two_nodes_home_masters_on_their_drives_under_both_layouts(tmp_path: Path) -> None:
     """2 simulated nodes x 2 ranks. Replicated: each node's owner of a layer homes its
     masters on its node's drives (both owners apply the same update). Split: each layer's
     masters live on the one node that updates it, on its owner's drive; the others hold
-    its compute copy (issue 45), and a full state dict gathers the masters from the
-    owners' files. Bit for bit the launch with all in DRAM, every rank's gathered weights
-    alike; split: a checkpoint at step 2 resumes the last step exactly."""
-    shorts = {"replicated": 0.4, "split": 0.15}  # the split node holds half the state
-    budget = f"{_budget_gb(shorts[layout] * LAYERS, batch_size=2, nodes=2, layout=layout):.9f}"
+    its compute copy, and a full state dict reads the masters from the owners' files.
+    Both bit for bit the split launch with all in DRAM (which is the replicated one's at
+    bf16 over 2 nodes: `test_node_store_launch.py`), every rank's gathered weights alike;
+    the split checkpoint at step 2 resumes the last step exactly (each group saved where
+    it is updated, from the owner's files where homed; the node that does not update a
+    layer loads its weights into that layer's compute copy, cast as its node casts it)."""
     args = (*ARGS[:-4], "--batch-size", "2", "--steps", "3")
-    env = {"LAZYTRAIN_THREADS": "0", "LAZYTRAIN_NODE_LAYOUT": layout}
-    runs = [("dram", "0", ()), ("homed", budget, ())]
-    if layout == "split":
-        runs[1] = ("homed", budget, ("--save-at", "2", "--ckpt-dir", str(tmp_path / "ckpt")))
-        runs.append(("resumed", budget, ("--resume-from", str(tmp_path / "ckpt"))))
+    ckpt = tmp_path / "ckpt"
+    # a split node holds half the state: short by fewer layers' masters
+    launches = (("dram", "split", 0.0, ()), ("replicated", "replicated", 0.4, ()),
+                ("split", "split", 0.15, ("--save-at", "2", "--ckpt-dir", str(ckpt))),
+                ("resumed", "split", 0.15, ("--resume-from", str(ckpt))))
     out = {}
-    for name, budget_gb, extra in runs:
+    for name, layout, short, extra in launches:
         d = tmp_path / name
+        budget = f"{_budget_gb(short * LAYERS, batch_size=2, nodes=2, layout=layout):.9f}" \
+            if short else "0"
+        env = {"LAZYTRAIN_THREADS": "0", "LAZYTRAIN_NODE_LAYOUT": layout,
+               "LAZYTRAIN_CPU_MEMORY_LIMIT_GB": budget}
         losses = _launch_nodes(d, name, *args, *extra, "--digest-out", str(d / "digest_"),
-                               env={**env, "LAZYTRAIN_CPU_MEMORY_LIMIT_GB": budget_gb})
-        (plan,) = {p.read_text() for p in (d / "cache" / "plans").glob("*.json")}
-        out[name] = losses, _weights(d, ranks=4), json.loads(plan)["state"]["optimizer"]
+                               env=env)
+        out[name] = losses, _weights(d, 4), _homed_layers(d)
         assert not list((d / "nvme").glob("lazytrain-*"))
-    assert len(out["homed"][2]) >= 0.6 * LAYERS and not out["dram"][2]
-    assert out["homed"][:2] == out["dram"][:2]
-    assert len(set(out["homed"][1])) == 1
-    if layout == "split":
-        assert out["resumed"][0] == out["homed"][0][2:]
-        assert out["resumed"][1] == out["homed"][1]
+    assert not out["dram"][2]
+    for name in ("replicated", "split"):
+        assert len(out[name][2]) >= 0.6 * LAYERS, (name, out[name][2])
+        assert out[name][:2] == out["dram"][:2], name
+    assert len(set(out["dram"][1])) == 1
+    assert out["resumed"][0] == out["split"][0][2:]
+    assert out["resumed"][1] == out["split"][1]

@@ -466,21 +466,6 @@ def test_a_split_layout_checkpoint_resumes_bit_exact_and_on_one_process(
     assert int(one["state_params"]) == len(named)
 
 
-def test_a_split_layout_checkpoint_at_bf16_resumes_bit_exact(tmp_path: Path) -> None:
-    """The split layout at bf16 compute (each node holding the other's layers as their
-    compute copy alone) saves each group where it is updated, and a fresh launch
-    resumes it bit for bit: the node that does not update a layer loads its weights
-    into that layer's compute copy (cast as its updating node casts its master)."""
-    args = (*SPLIT_CKPT_ARGS, "--mixed-precision", "bf16")
-    full = _launch_nodes(tmp_path, "full", *args, "--save-at", "2", "--ckpt-dir",
-                         str(tmp_path / "ckpt"), "--digest-out", str(tmp_path / "full_"),
-                         env=SPLIT_ENV)
-    resumed = _launch_nodes(tmp_path, "resumed", *args, "--resume-from", str(tmp_path / "ckpt"),
-                            "--digest-out", str(tmp_path / "resumed_"), env=SPLIT_ENV)
-    assert resumed == full[2:]
-    assert _digests(tmp_path / "resumed_") == _digests(tmp_path / "full_")
-
-
 def test_a_node_killed_while_sending_its_weights_stops_the_other_and_resumes_exactly(
         tmp_path: Path, split_full: SplitRun) -> None:
     """The split layout over 2 simulated nodes x 2 ranks, saving at step 2; kill -9 of

@@ -220,7 +220,7 @@ def test_a_layer_received_from_another_node_streams_its_copy_alone(tmp_path):
                for v in views.values())
     sent = torch.cat([p.detach().reshape(-1) for p in engine.layer_params(3)])
     assert torch.equal(engine.pool.exchanged_copy(3), sent.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="received copy"):
+    with pytest.raises(ValueError, match="given copy"):
         engine.pool.receive_copies({3: received[1:]})  # not that layer's size
 
 
