@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from lazytrain_accel.distributed.node_exchange import broadcast_masters
 from lazytrain_accel.distributed.ownership import NodeGroups
 from lazytrain_accel.distributed.peer_sync import NodePeers
 from lazytrain_accel.engine.memory.optimizer_files import NvmeMasters
@@ -53,18 +53,9 @@ class HomedMasters:
         values: dict[nn.Parameter, torch.Tensor] = {}
         for layer in sorted(copies.copies):
             owner = self._owners[layer]
-            mine = owner == self._layout.local_rank
-            in_file = self._engine.masters.read_values(layer) if mine else {}
-            for p in groups[layer]:
-                if not (p.requires_grad and p.is_floating_point()):
-                    continue  # frozen weights: in the store
-                value = (in_file.get((p, None), p.detach()) if mine
-                         else torch.empty(p.shape, dtype=torch.float32))
-                try:
-                    self._peers.wait_work(dist.broadcast(
-                        value, src=self._layout.node_ranks[owner], group=self._layout.intra,
-                        async_op=True))
-                except RuntimeError as err:
-                    raise self._peers.named_failure(err) from err
-                values[p] = value
+            in_file = (self._engine.masters.read_values(layer)
+                       if owner == self._layout.local_rank else None)
+            values |= broadcast_masters(groups[layer], src=self._layout.node_ranks[owner],
+                                        peers=self._peers, in_file=in_file,
+                                        group=self._layout.intra)
         return values

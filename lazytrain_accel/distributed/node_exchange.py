@@ -74,18 +74,10 @@ class NodeExchange:
             if node == EVERY_RANK or not 0 < g < len(groups) - 1:
                 continue  # the residents' masters are on every node
             src = self._rank_of[node, self._owners[g]]
-            mine = dist.get_rank() == src
-            in_file = self._read_masters(g) if mine else {}
-            for p in params:
-                if not (p.requires_grad and p.is_floating_point()):
-                    continue  # frozen weights: in every node's store
-                value = (in_file.get((p, None), p.detach()) if mine
-                         else torch.empty(p.shape, dtype=torch.float32))
-                try:
-                    self._peers.wait_work(dist.broadcast(value, src=src, async_op=True))
-                except RuntimeError as err:
-                    raise self._peers.named_failure(err) from err
-                if is_placeholder(p.data) or (p, None) in in_file:
+            in_file = self._read_masters(g) if dist.get_rank() == src else None
+            for p, value in broadcast_masters(params, src=src, peers=self._peers,
+                                              in_file=in_file).items():
+                if is_placeholder(p.data) or (in_file is not None and (p, None) in in_file):
                     values[p] = value
         return values
 
@@ -155,6 +147,28 @@ class Exchange:
         for p in self._received or ():  # written behind autograd's back: a copy keyed
             torch.autograd.graph.increment_version(p)  # to them is stale
         self._works, self._received = [], None
+
+
+def broadcast_masters(params: Sequence[nn.Parameter], *, src: int, peers: NodePeers,
+                      in_file: Mapping[tuple[nn.Parameter, str | None], torch.Tensor] | None,
+                      group: dist.ProcessGroup | None = None
+                      ) -> dict[nn.Parameter, torch.Tensor]:
+    """The fp32 masters of `params` (the trainable floats: frozen weights are in every
+    store) broadcast from global rank `src` over `group`, a tensor at a time: on `src`
+    (`in_file` not None) its own, those its layer's file holds read from there; on the
+    others received. Collective: every rank of `group` calls it alike."""
+    values: dict[nn.Parameter, torch.Tensor] = {}
+    for p in params:
+        if not (p.requires_grad and p.is_floating_point()):
+            continue
+        value = (in_file.get((p, None), p.detach()) if in_file is not None
+                 else torch.empty(p.shape, dtype=torch.float32))
+        try:
+            peers.wait_work(dist.broadcast(value, src=src, group=group, async_op=True))
+        except RuntimeError as err:
+            raise peers.named_failure(err) from err
+        values[p] = value
+    return values
 
 
 def refuse_partial_state_dicts(model: nn.Module) -> None:

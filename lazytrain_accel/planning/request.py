@@ -17,14 +17,13 @@ from lazytrain_accel.planning.state_search import CANDIDATE_NAMES
 #: The `PlanRequest.host_state` values that let the planner choose among some parts only:
 #: "copies" the compute copies (what ranks each with its own host copy may home:
 #: docs/engine.md "Host state on NVMe"), "streamed" the compute copies and the gradients
-#: (the masters and moments stay in DRAM), "masters" the masters and moments (what the
-#: ranks of a node store may home: `NODE_STATE_PARTS`).
+#: (the masters and moments stay in DRAM).
 RESTRICTED_PARTS: dict[str, tuple[str, ...]] = {"copies": ("copies",),
-                                                "streamed": ("copies", "grads"),
-                                                "masters": ("optimizer",)}
-#: The parts the local ranks sharing a node store may home on NVMe (`gpus_per_node` > 1):
-#: each layer's masters and moments, on the drive of the rank that updates it; its compute
-#: copy stays in the store for every rank, and the gradients in DRAM for the reduce.
+                                                "streamed": ("copies", "grads")}
+#: The parts the local ranks sharing a node store may home on NVMe (`gpus_per_node` > 1),
+#: whatever `host_state` allows beside (`solve.plan_host_state`): each layer's masters and
+#: moments, on the drive of the rank that updates it; its compute copy stays in the store
+#: for every rank, and the gradients in DRAM for the reduce.
 NODE_STATE_PARTS: tuple[str, ...] = ("optimizer",)
 #: `PlanRequest.host_state`: the planner's choice (of every part, or of some), all in
 #: DRAM, or one candidate.

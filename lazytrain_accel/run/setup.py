@@ -234,17 +234,14 @@ def plan_request(config: LazyTrainConfig, *, strategy: str, budgets: Budgets,
 def streamed_state(config: LazyTrainConfig, gpus_per_node: int = 1) -> str:
     """The parts of the layers' host state a run may home on NVMe (`PlanRequest.host_state`):
     the compute copies where each rank keeps its own host copy; under the hybrid 8-bit
-    operator, which updates layer by layer, where no other rank reduces gradients after
-    the fold (one process) every part ("auto": the gradients, the masters and moments
-    too), and the masters and moments on the ranks sharing a node store (`gpus_per_node`
-    > 1: "masters", each on the drive of the rank that updates it)."""
+    operator, which updates layer by layer, what the planner allows ("auto") in one
+    process (every part) and on the ranks sharing a node store (`gpus_per_node` > 1: the
+    masters and moments, `request.NODE_STATE_PARTS`)."""
     from lazytrain_accel.distributed import ranks
 
     if config.optimizer != OptimizerChoice.HYBRID8BIT:
         return "copies"
-    if gpus_per_node > 1:
-        return "masters"
-    return "copies" if ranks.is_multi_process() else "auto"
+    return "auto" if gpus_per_node > 1 or not ranks.is_multi_process() else "copies"
 
 
 def budgets_for(config: LazyTrainConfig, hardware: HardwareProfile) -> Budgets:

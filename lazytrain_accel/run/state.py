@@ -222,7 +222,7 @@ def build_run_state(config: LazyTrainConfig, model: nn.Module, loader: Any, *,
                         num_groups=run.plan.num_layers + 2, device=launch.device,
                         resident_update=run.plan.resident_update,
                         copies_dtype=compute_dtype,
-                        split_copies=_split_copies_dtype(run.plan, compute_dtype) is not None,
+                        split_copies=_split_sends_copies(run.plan, compute_dtype),
                         homed=homed)
     engine = attach(model, run.plan, device=launch.device, compute_dtype=compute_dtype,
                     nvme_dir=config.nvme_dir,
@@ -250,16 +250,13 @@ def _node_copies(store: node_store.NodeStore | None, homed: frozenset[int]) -> N
                       updated_here=store.kept)
 
 
-def _split_copies_dtype(plan: Plan, compute_dtype: torch.dtype | None
-                        ) -> torch.dtype | None:
-    """The dtype of the compute copies a node of the split layout holds in place of the
-    masters other nodes update (what the host model prices, `planning/host.py`
-    `master_shards`): the hybrid update's copies below fp32 compute; else None (each
-    node holds every master, the compute copy cast from it)."""
-    if plan.node_layout != "split" or plan.nodes == 1 or plan.optimizer != "hybrid8bit" \
-            or compute_dtype in (None, torch.float32):
-        return None
-    return compute_dtype
+def _split_sends_copies(plan: Plan, compute_dtype: torch.dtype | None) -> bool:
+    """Whether a node of the split layout holds the layers other nodes update as their
+    compute copy alone (what the host model prices, `planning/host.py` `master_shards`):
+    the hybrid update's copies below fp32 compute; else each node holds every master,
+    the compute copy cast from it."""
+    return (plan.node_layout == "split" and plan.nodes > 1 and plan.optimizer == "hybrid8bit"
+            and compute_dtype not in (None, torch.float32))
 
 
 def _bind_threads(config: LazyTrainConfig, launch: Launch) -> None:
@@ -329,7 +326,7 @@ def _wire_reducer(state: RunState) -> None:
                          "this launch keeps a copy per rank (node_store='off', or no store "
                          "could be mapped: see the lines above); use node_layout='replicated'")
     if state.store is not None:
-        copies = split and _split_copies_dtype(engine.plan, engine.compute_dtype) is not None
+        copies = _split_sends_copies(engine.plan, engine.compute_dtype)
         _, node_id = node_store.launch_identity(os.environ)
         groups = node_groups(local_rank=launch.local_process_index,
                              local_world_size=state.layout.node_ranks, node_id=node_id,

@@ -60,12 +60,18 @@ def drive_groups(dirs: Sequence[Path]) -> list[list[Path]]:
     return list(groups.values())
 
 
+def drive_of(index: int, num_dirs: int) -> int:
+    """The directory (of `num_dirs`) that layer or boundary `index`'s files go to: the one
+    rule the engine's files (`LayerFiles`, `NvmeSpill`) and preflight's shares follow."""
+    return index % num_dirs
+
+
 def layer_shares(num_layers: int, num_dirs: int) -> list[float]:
     """The fraction of `num_layers` equal layers' files (numbered from 1) each of
-    `num_dirs` directories gets when layer `j`'s go to directory `j % num_dirs`."""
+    `num_dirs` directories gets (`drive_of`)."""
     if num_layers <= 0:
         return [1.0] * num_dirs
     counts = [0] * num_dirs
     for j in range(1, num_layers + 1):
-        counts[j % num_dirs] += 1
+        counts[drive_of(j, num_dirs)] += 1
     return [count / num_layers for count in counts]

@@ -20,6 +20,7 @@ import torch
 
 from lazytrain_accel.engine.memory.state_io import StateIO
 from lazytrain_accel.engine.stats import Accounting
+from lazytrain_accel.storage.drives import drive_of
 
 
 class LayerFiles:
@@ -37,7 +38,7 @@ class LayerFiles:
         self._writes: dict[int, Future[None]] = {}
 
     def _drive(self, layer: int) -> int:
-        return layer % len(self._directories)
+        return drive_of(layer, len(self._directories))
 
     def path(self, layer: int) -> Path:
         return self._directories[self._drive(layer)] / f"{self._prefix}-{layer}.bin"

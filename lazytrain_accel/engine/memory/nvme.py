@@ -25,7 +25,7 @@ import torch
 
 from lazytrain_accel.engine.device.streams import Streams, SyncStreams
 from lazytrain_accel.engine.stats import Accounting
-from lazytrain_accel.storage.drives import split_dirs
+from lazytrain_accel.storage.drives import drive_of, split_dirs
 from lazytrain_accel.storage.run_dirs import claim_directory
 
 
@@ -79,7 +79,7 @@ class NvmeSpill:
                     self._lock_fds.append(claim_directory(directory))
 
     def _drive(self, index: int) -> int:
-        return index % len(self.directories)
+        return drive_of(index, len(self.directories))
 
     def write(self, name: str, tensor: torch.Tensor, *, index: int = 0) -> Future[None]:
         """Write a host tensor's bytes to file `name` in the background, on the drive of
