@@ -215,6 +215,7 @@ def _traffic_summary(plan: Plan, model: ModelProfile, hardware: HardwareProfile
     return {"nvme_read_bytes": t.read_bytes, "nvme_written_bytes": t.written_bytes,
             "nvme_busy_s": t.busy_s, "nvme_bandwidth_share": t.bandwidth_share,
             "nvme_added_s": t.drive_added_s, "floor_s": t.floor_s,
+            "ordered_floor_s": t.ordered_floor_s,
             "nvme_drives": hardware.nvme_drives,
             "nvme_read_bytes_per_s": hardware.nvme_read_bytes_per_s,
             "nvme_write_bytes_per_s": hardware.nvme_write_bytes_per_s,
@@ -277,6 +278,11 @@ def _print_state(summary: dict[str, Any]) -> None:
               f"{summary['nvme_busy_s']:.1f} s ({summary['nvme_bandwidth_share']:.0%} of the "
               f"step), adding {summary['nvme_added_s']:.1f} s; floor {summary['floor_s']:.1f} "
               f"s (compute or drives), step {summary['step_over_floor']:.2f}x the floor")
+        ordered_s = summary["ordered_floor_s"]
+        if ordered_s > summary["floor_s"]:
+            print(f"    the update reads its state after the backward (the clip needs every "
+                  f"gradient): backward and update reads take {ordered_s:.1f} s, step "
+                  f"{summary['step_s'] / ordered_s:.2f}x that")
     for name, step_s in summary.get("host_state_baselines", {}).items():
         print(f"  vs host state {name}: " + (f"step {step_s:.1f} s, "
                                              f"{step_s / summary['step_s']:.3f}x this plan's"

@@ -1,6 +1,8 @@
 """What a plan asks of the drives per step (`lazytrain plan` prints it): the NVMe bytes
 read and written (boundaries and host state), the share of the drives' bandwidth the step
-keeps busy, the seconds the drives add to the step, and the step's physical floor.
+keeps busy, the seconds the drives add to the step, the step's physical floor, and the
+floor of its order: the update's reads wait for the gradients' norm (clipping), so they
+cannot share the backward's time on the drive.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from dataclasses import dataclass
 
 from lazytrain_accel.planning.node import state_shards
 from lazytrain_accel.planning.plan import Home, Plan
-from lazytrain_accel.planning.problem import layer_state_sizes
+from lazytrain_accel.planning.problem import build_problem, layer_state_sizes
 from lazytrain_accel.planning.simulate import simulate
-from lazytrain_accel.planning.state import step_nvme_state_bytes
+from lazytrain_accel.planning.state import step_nvme_state_bytes, update_io_bytes, weights_of
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.profile import ModelProfile
@@ -27,10 +29,21 @@ class NvmeTraffic:
 
     read_bytes: int
     written_bytes: int
-    busy_s: float  # the slower direction at the drives' rates (reads and writes overlap)
+    busy_s: float  # the drives' time: the slower direction, or both on a shared drive
     drive_added_s: float  # the step less the same plan's step on unbounded drives
     compute_s: float  # compute, recompute and the engine's overheads
     step_s: float
+    backward_s: float  # the backward's compute
+    update_read_bytes: int  # read by the update phase (masters, moments, gradients)
+    read_bytes_per_s: float
+
+    @property
+    def ordered_floor_s(self) -> float:
+        """The floor of the step's order: the update reads its state only once the
+        backward has ended (the clip needs every gradient's norm), and the next backward
+        ends only after the update of every layer, so a step takes at least the backward
+        plus the update phase's reads, whatever the schedule."""
+        return self.backward_s + self.update_read_bytes / self.read_bytes_per_s
 
     @property
     def floor_s(self) -> float:
@@ -51,8 +64,15 @@ def nvme_traffic(plan: Plan, model: ModelProfile, hardware: HardwareProfile) -> 
                               shards=state_shards(plan.node_layout, plan.nodes))
     state_read, state_written = step_nvme_state_bytes(plan.state, sizes, plan.num_layers)
     read, written = boundary_bytes + state_read, boundary_bytes + state_written
-    busy_s = max(read / hardware.nvme_read_bytes_per_s,
-                 written / hardware.nvme_write_bytes_per_s)
+    read_s = read / hardware.nvme_read_bytes_per_s
+    written_s = written / hardware.nvme_write_bytes_per_s
+    busy_s = max(read_s, written_s) if hardware.nvme_full_duplex else read_s + written_s
+    weights = weights_of(plan.state)
+    update_read = sum(update_io_bytes(weights, sizes, j)[0]
+                      for j in range(1, plan.num_layers + 1))
+    problem = build_problem(model, hardware, resident_update=plan.resident_update,
+                            optimizer=plan.optimizer, gpus_per_node=plan.gpus_per_node,
+                            nodes=plan.nodes, node_layout=plan.node_layout, state=plan.state)
     unbound = dataclasses.replace(
         hardware, nvme_read_bytes_per_s=hardware.nvme_read_bytes_per_s * _UNBOUND_DRIVES,
         nvme_write_bytes_per_s=hardware.nvme_write_bytes_per_s * _UNBOUND_DRIVES)
@@ -62,4 +82,5 @@ def nvme_traffic(plan: Plan, model: ModelProfile, hardware: HardwareProfile) -> 
         read_bytes=read, written_bytes=written, busy_s=busy_s,
         drive_added_s=max(pred.step_s - simulate(rebased, model, unbound).step_s, 0.0),
         compute_s=pred.compute_s + pred.recompute_s + pred.overhead_s + pred.host_s,
-        step_s=pred.step_s)
+        step_s=pred.step_s, backward_s=plan.num_layers * problem.bwd_run_s,
+        update_read_bytes=update_read, read_bytes_per_s=hardware.nvme_read_bytes_per_s)

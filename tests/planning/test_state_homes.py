@@ -149,6 +149,8 @@ def test_a_70b_full_fine_tune_plans_on_a_4090_with_128_gb_and_4_drives() -> None
     traffic = nvme_traffic(plan, model, hardware)
     assert traffic.read_bytes > 500e9 and traffic.written_bytes > 500e9
     assert plan.prediction.step_s <= 1.15 * traffic.floor_s
+    # the floor of the step's order (the update's reads after the backward) bounds it too
+    assert traffic.floor_s < traffic.ordered_floor_s <= plan.prediction.step_s
 
 
 def test_the_state_homes_travel_in_the_plan_file_and_a_run_takes_them(tmp_path) -> None:
@@ -306,6 +308,9 @@ def test_with_the_host_state_short_of_dram_no_plan_is_slower_than_a_baseline() -
         assert plan.prediction.peak_cpu_bytes <= request.budgets.cpu_bytes
         if plan.state.any:
             _check_state_priced_alike(plan, model, hardware, request.max_recompute_block)
+            # no schedule beats the backward plus the update phase's reads
+            ordered_s = nvme_traffic(plan, model, hardware).ordered_floor_s
+            assert ordered_s <= plan.prediction.step_s * (1 + 1e-9)
         others = [("greedy", {"host_state": "greedy"}), ("all_nvme", {"host_state": "all_nvme"}),
                   *((name, {"strategy": name}) for name in BASELINES)]
         for name, change in others:
