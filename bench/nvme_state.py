@@ -181,7 +181,8 @@ def main() -> None:
         if r["budget_bytes"]:  # on a CPU device the plan's device bytes are host RAM too
             room = r["budget_bytes"] - r["present_bytes"] + r["device_bytes"]
             line += (f" against {room / GIB:.2f} GiB the budget and the device tier leave "
-                     f"({r['growth_bytes'] / room:.2f}x)")
+                     f"({r['growth_bytes'] / room:.3f}x, "
+                     f"{(r['growth_bytes'] - room) / 2**20:+.0f} MiB)")
         print(line)
     for name, r in runs[1:]:
         if r["read_bytes_per_s"]:

@@ -72,8 +72,10 @@ def stock(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 
 
 def test_plugin_reproduces_stock_accelerator(tmp_path: Path, stock: list[float]) -> None:
-    ours = _launch(tmp_path, "ours", "--steps", "5", "--lazytrain", "--plan", "checkpoint_all",
-                   "--optimizer", "keep")
+    """The plan named by `LAZYTRAIN_PLAN` in the launch's environment (the script passes
+    none): the variable reaches the plugin in the launched process."""
+    ours = _launch(tmp_path, "ours", "--steps", "5", "--lazytrain", "--optimizer", "keep",
+                   env={"LAZYTRAIN_PLAN": "checkpoint_all"})
     assert len(ours) == 5
     assert ours == pytest.approx(stock[:5], rel=1e-5, abs=1e-6)
 
@@ -88,7 +90,7 @@ def test_hybrid8bit_default_trains_like_stock(tmp_path: Path, stock: list[float]
     assert ours == pytest.approx(stock, rel=0.02)
 
 
-def test_env_var_reaches_plugin_under_launch(tmp_path: Path, stock: list[float]) -> None:
+def test_env_var_reaches_plugin_under_launch(tmp_path: Path) -> None:
     # An invalid value proves the variable is read inside the launched process.
     losses = tmp_path / "bad.json"
     proc = subprocess.run(
@@ -101,10 +103,7 @@ def test_env_var_reaches_plugin_under_launch(tmp_path: Path, stock: list[float])
     )
     assert proc.returncode != 0
     assert "plan='not_a_strategy' is not valid" in proc.stderr
-    ours = _launch(tmp_path, "env", "--steps", "3", "--lazytrain", "--optimizer", "keep",
-                   env={"LAZYTRAIN_PLAN": "offload_all"})
-    assert len(ours) == 3
-    assert ours == pytest.approx(stock[:3], rel=1e-5, abs=1e-6)
+    # a valid one trains as it says: test_plugin_reproduces_stock_accelerator
 
 
 def test_two_processes_match_one_process_on_global_batch(tmp_path: Path) -> None:
