@@ -44,7 +44,7 @@ _STARTS_RANKS = ("--num_processes", "num_processes=", "init_process_group", "mp.
 _MODULE_SECONDS = {
     "integration_tests/test_node_store_launch.py": 300,
     "tests/frontends/test_replanner.py": 180,
-    "integration_tests/test_node_nvme_launch.py": 115,
+    "integration_tests/test_node_nvme_launch.py": 90,
     "tests/frontends/test_long_sample.py": 100,
     "tests/test_docs.py": 165,
     "integration_tests/test_trainer.py": 165,

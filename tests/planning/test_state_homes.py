@@ -200,6 +200,7 @@ def test_lazytrain_plan_prints_the_state_baselines_its_plan_priced(
     summary = json.loads(capsys.readouterr().out)
     baselines = summary["host_state_baselines"]
     assert summary["nvme_drives"] == 2  # the preset's one drive, twice: its rates summed
+    assert 0 < summary["ordered_floor_s"] <= summary["step_s"]  # the floor of its order
     assert summary["nvme_read_bytes_per_s"] == 2 * RTX4090.nvme_read_bytes_per_s
     assert [request.host_state for _, _, request in calls
             if request.strategy == "lazytrain"] == ["auto", "dram"]
