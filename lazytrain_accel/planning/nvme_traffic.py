@@ -14,7 +14,7 @@ from lazytrain_accel.planning.node import state_shards
 from lazytrain_accel.planning.plan import Home, Plan
 from lazytrain_accel.planning.problem import build_problem, layer_state_sizes
 from lazytrain_accel.planning.simulate import simulate
-from lazytrain_accel.planning.state import step_nvme_state_bytes, update_io_bytes, weights_of
+from lazytrain_accel.planning.state import step_nvme_state_bytes, update_phase_bytes
 from lazytrain_accel.profiling.fingerprint import run_fingerprint
 from lazytrain_accel.profiling.hardware import HardwareProfile
 from lazytrain_accel.profiling.profile import ModelProfile
@@ -67,9 +67,7 @@ def nvme_traffic(plan: Plan, model: ModelProfile, hardware: HardwareProfile) -> 
     read_s = read / hardware.nvme_read_bytes_per_s
     written_s = written / hardware.nvme_write_bytes_per_s
     busy_s = max(read_s, written_s) if hardware.nvme_full_duplex else read_s + written_s
-    weights = weights_of(plan.state)
-    update_read = sum(update_io_bytes(weights, sizes, j)[0]
-                      for j in range(1, plan.num_layers + 1))
+    update_read, _ = update_phase_bytes(plan.state, sizes, plan.num_layers)
     problem = build_problem(model, hardware, resident_update=plan.resident_update,
                             optimizer=plan.optimizer, gpus_per_node=plan.gpus_per_node,
                             nodes=plan.nodes, node_layout=plan.node_layout, state=plan.state)

@@ -180,15 +180,22 @@ def update_io_bytes(weights: StateWeights, sizes: StateSizes, layer: int) -> tup
     return read, written
 
 
-def step_nvme_state_bytes(homes: StateHomes, sizes: StateSizes, num_layers: int
-                          ) -> tuple[int, int]:
-    """(read, written) NVMe bytes of the state per step: the update phase's and the
-    backward's."""
+def update_phase_bytes(homes: StateHomes, sizes: StateSizes, num_layers: int
+                       ) -> tuple[int, int]:
+    """(read, written) NVMe bytes of the update phase: every layer's `update_io_bytes`."""
     weights = weights_of(homes)
     read = written = 0
     for j in range(1, num_layers + 1):
         r, w = update_io_bytes(weights, sizes, j)
         read, written = read + r, written + w
+    return read, written
+
+
+def step_nvme_state_bytes(homes: StateHomes, sizes: StateSizes, num_layers: int
+                          ) -> tuple[int, int]:
+    """(read, written) NVMe bytes of the state per step: the update phase's and the
+    backward's."""
+    read, written = update_phase_bytes(homes, sizes, num_layers)
     read += sizes.copies_bytes * sum(1 for j in homes.copies if j < num_layers)
     written += sizes.grads_bytes * len(homes.grads)
     return read, written
