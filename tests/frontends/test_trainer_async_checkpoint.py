@@ -110,6 +110,18 @@ def _train(out: Path, cache: Path, *, mode: str, resume: Path | None = None,
                                  for k, v in s.items()} for p, s in optimizer.state.items()}}
 
 
+class _NextStepEnded(TrainerCallback):
+    """Sets `ended` at the end of the step after the first save (after `_Watch` saw it)."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None  # set once built
+        self.ended = threading.Event()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == SAVE_STEPS + 1:
+            self.ended.set()
+
+
 class _Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.INFO)
@@ -128,13 +140,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     lines, level = _Lines(), ours.level
     ours.addHandler(lines)
     ours.setLevel(logging.INFO)
+    stock_wait = async_checkpoint.PendingSave._wait_for_ranks
+    next_step = _NextStepEnded()
+
+    def publish_after_the_next_step(save: async_checkpoint.PendingSave) -> None:
+        # The update of the step after a save waits for each group's bytes (its gate), so
+        # the writer's last group and that step's end race: the first save's publish is
+        # held until the step has ended (an event, not a writer slow enough), the
+        # precondition of the first test below.
+        if save.final.name == f"checkpoint-{SAVE_STEPS}":
+            assert next_step.ended.wait(timeout=120), "the step after the save never ended"
+        stock_wait(save)
+
     try:
-        result = {"root": root,
-                  # slower still, so that its first save outlasts the next step on a
-                  # loaded machine (the precondition of the first test below)
-                  "async": _train(root / "async", root / "cache", mode="async",
-                                  rate=SLOW_WRITE_BYTES_PER_S / 3),
-                  "sync": _train(root / "sync", root / "cache", mode="sync")}
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(async_checkpoint.PendingSave, "_wait_for_ranks",
+                          publish_after_the_next_step)
+            result = {"root": root,
+                      "async": _train(root / "async", root / "cache", mode="async",
+                                      callback=next_step)}
+        result["sync"] = _train(root / "sync", root / "cache", mode="sync")
         (root / "resumed").mkdir()
         shutil.copytree(root / "async" / "checkpoint-2", root / "resumed" / "checkpoint-2")
         result["resumed"] = _train(root / "resumed", root / "cache", mode="async",
@@ -308,7 +333,8 @@ def test_an_error_in_training_lets_the_pending_save_finish_whole(
 
     monkeypatch.setattr(async_checkpoint.PendingSave, "_wait_for_ranks", publish_after_the_error)
     with pytest.raises(ValueError, match="a bad batch"):
-        _train(out, tmp_path / "cache", mode="async", callback=error)
+        # uncapped: the publish is held, not the writer slowed
+        _train(out, tmp_path / "cache", mode="async", callback=error, rate=0.0)
     assert error.published_at_error is False  # the save was still pending
     assert get_last_checkpoint(str(out)) in (None, str(out / "checkpoint-2"))
     error.trainer.accelerator.lazytrain_wait_for_checkpoint()  # what the exit waits for
