@@ -393,10 +393,21 @@ def _open_for(path: Path, layout: _Layout, *, writing: bool) -> int:
     return fd
 
 
+def _direct_part(layout: _Layout, start: int, end: int) -> tuple[memoryview | None, int]:
+    """The tensor memory of [start, end)'s whole blocks where one aligned tensor holds
+    them (moved without a copy), and where the bytes left for a bounce buffer begin: so a
+    file's last chunk sends only its sub-block tail through the buffer, whose other pages
+    stay untouched (unmapped)."""
+    whole_end = start + (end - start) // BLOCK_BYTES * BLOCK_BYTES
+    run = layout.aligned_run(start, whole_end) if whole_end > start else None
+    return run, (whole_end if run is not None else start)
+
+
 def _write_chunk(transfer: _Transfer, start: int, end: int, pool: AlignedBufferPool) -> None:
-    run = transfer.layout.aligned_run(start, end)
+    run, start = _direct_part(transfer.layout, start, end)
     if run is not None:
-        write_all(transfer.fd, run, start)
+        write_all(transfer.fd, run, start - len(run))
+    if start == end:
         return
     with pool.buffer() as buffer:
         for address, offset, size in transfer.layout.pieces(start, end):
@@ -407,9 +418,11 @@ def _write_chunk(transfer: _Transfer, start: int, end: int, pool: AlignedBufferP
 
 
 def _read_chunk(transfer: _Transfer, start: int, end: int, pool: AlignedBufferPool) -> None:
-    run = transfer.layout.aligned_run(start, end)
+    run, start = _direct_part(transfer.layout, start, end)
     if run is not None:
-        _check_read(transfer, start, read_all(transfer.fd, run, start), end)
+        first = start - len(run)
+        _check_read(transfer, first, read_all(transfer.fd, run, first), start)
+    if start == end:
         return
     with pool.buffer() as buffer:
         got = read_all(transfer.fd, buffer.view[:_padded(end - start)], start, end - start)

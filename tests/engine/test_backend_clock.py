@@ -119,7 +119,7 @@ def test_stall_is_the_time_the_emulated_compute_waits_for_its_links(tmp_path):
     model = build_model("llama", 10)
     engine = attach(model, make_plan("mixed", 10), device=CPU, nvme_dir=str(tmp_path),
                     emulation=EmulationSettings(seed=0, jitter_s=0.0,
-                                                link_bytes_per_s={"h2d": 1e6}))
+                                                link_bytes_per_s={"h2d": 5e5}))
     ids = next(iter(batches(1)))
     model(input_ids=ids, labels=ids).loss.backward()  # warm-up
     model.zero_grad(set_to_none=True)

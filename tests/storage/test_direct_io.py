@@ -207,20 +207,25 @@ def test_finished_transfers_keep_no_tensor_and_close_waits(tmp_path: Path) -> No
 def test_aligned_empty_moves_its_whole_blocks_without_a_copy(
         tmp_path: Path, small_io: DirectIO, monkeypatch: pytest.MonkeyPatch,
         dtype: torch.dtype) -> None:
-    """The state files' buffers (a layer's compute copy, the gradients' staging) come from
-    `aligned_empty`: every whole chunk of them skips the bounce buffer; the tail (not whole
-    blocks) goes through it, the bytes exact either way."""
+    """The state files' buffers (a layer's compute copy, its gradients) come from
+    `aligned_empty`: every whole block of them skips the bounce buffer, the last chunk's
+    too; only the sub-block tail goes through it (so a pool buffer's other pages are never
+    touched: not resident), the bytes exact either way."""
     numel = (5 * BLOCK_BYTES + 100) // torch.empty((), dtype=dtype).element_size()
     source = direct_io.aligned_empty(numel, dtype)
     assert source.data_ptr() % BLOCK_BYTES == 0 and source.shape == (numel,)
     source.copy_(_random(numel, dtype, seed=7))
-    uncopied = []
-    stock_view = direct_io._raw_view
+    uncopied, bounced = [], []
+    stock_view, stock_move = direct_io._raw_view, direct_io.ctypes.memmove
     monkeypatch.setattr(direct_io, "_raw_view",
-                        lambda *args: uncopied.append(args) or stock_view(*args))
+                        lambda *args: uncopied.append(args[1]) or stock_view(*args))
+    monkeypatch.setattr(direct_io.ctypes, "memmove",
+                        lambda *args: bounced.append(args[2]) or stock_move(*args))
     small_io.write_tensors(tmp_path / "f", [source]).result(timeout=60)
     back = direct_io.aligned_empty(numel, dtype)
     small_io.read_tensors(tmp_path / "f", [back]).result(timeout=60)
     assert torch.equal(source.view(torch.uint8), back.view(torch.uint8))
     assert (tmp_path / "f").read_bytes() == _file_bytes([source])
-    assert len(uncopied) == 2 * 2  # chunks of two blocks: two whole ones, each way
+    # chunks of two blocks: two whole ones and the last's whole block, each way
+    assert sorted(uncopied) == sorted([2 * BLOCK_BYTES, 2 * BLOCK_BYTES, BLOCK_BYTES] * 2)
+    assert bounced == [100, 100]  # the tail, once each way

@@ -54,7 +54,10 @@ class NvmeGrads:
         self._queue: deque[int] = deque()
         self._reads: dict[int, tuple[torch.Tensor, Future[None]]] = {}
         self._staged: dict[int, torch.Tensor] = {}
-        self._buffer_numel = max((sum(p.numel() for p in ps) for ps in params), default=0)
+        self._layer_numel = [sum(p.numel() for p in ps) for ps in params]
+        self._buffer_numel = max(self._layer_numel, default=0)
+        #: layer -> the aligned buffer its `.grad` are views of, between `fold` and `spill`
+        self._open: dict[int, torch.Tensor] = {}
 
     # ---- what the engine asks -------------------------------------------------------
     @property
@@ -74,32 +77,50 @@ class NvmeGrads:
         return layer if layer in self.layers else None
 
     # ---- the backward ----------------------------------------------------------------
-    def restore(self, layer: int) -> None:
-        """Put layer `layer`'s gradients of an earlier micro-batch of this step back into
-        `.grad` (read now, on this thread), for the fold to add to."""
+    def fold(self, layer: int, params: Sequence[nn.Parameter],
+             grads: Sequence[torch.Tensor]) -> None:
+        """Accumulate `grads` of `params` (layer `layer`'s) into their `.grad`, which are
+        views of one aligned buffer of the layer's, its earlier micro-batch's gradients
+        read back into it first: `spill` writes that buffer whole, without a bounce
+        buffer's copy (`direct_io`)."""
+        buffer = self._open.get(layer)
+        if buffer is None:
+            buffer = self._open[layer] = self.restore(layer)
+        views = dict(zip(self._params[layer - 1], self._views(buffer, layer), strict=True))
+        for p, g in zip(params, grads, strict=True):
+            if p.grad is not None:
+                p.grad.add_(g.to(p.device))
+            else:
+                p.grad = views[p].copy_(g)
+
+    def restore(self, layer: int) -> torch.Tensor:
+        """An aligned buffer of layer `layer`'s gradients, its parameters' `.grad` views of
+        it: those of an earlier micro-batch of this step read back into it (now, on this
+        thread), the others' slots unset."""
+        buffer = aligned_empty(self._layer_numel[layer - 1], torch.float32)
         has = self._held.pop(layer, None)
-        if has is None:
-            return
-        params = self._params[layer - 1]
-        grads = [torch.empty_like(p, memory_format=torch.contiguous_format)
-                 for p, held in zip(params, has, strict=True) if held]
-        self._read(layer, grads).result()
-        it = iter(grads)
-        for p, held in zip(params, has, strict=True):
-            if held:
-                p.grad = next(it)
+        if has is not None:
+            self._read(layer, [buffer]).result()
+            for p, held, view in zip(self._params[layer - 1], has, self._views(buffer, layer),
+                                     strict=True):
+                if held:
+                    p.grad = view
+        return buffer
 
     def spill(self, layer: int) -> None:
         """Write layer `layer`'s `.grad` (folded, its norms recorded) to its file behind
         and drop it from the parameters."""
         params = self._params[layer - 1]
         has = [p.grad is not None for p in params]
+        buffer = self._open.pop(layer)
         if not any(has):
             return
-        grads = [p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-                 for p in params if p.grad is not None]
-        write = self._files.write(layer, grads)
-        write.add_done_callback(lambda _: grads.clear())  # written: their DRAM is free
+        for p, view in zip(params, self._views(buffer, layer), strict=True):
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)  # a `.grad` set outside the fold (a re-plan's layer)
+        write = self._files.write(layer, [buffer])
+        kept = [buffer]
+        write.add_done_callback(lambda _: kept.clear())  # written: its DRAM is free
         self._held[layer] = has
         for p in params:
             p.grad = None
@@ -123,9 +144,10 @@ class NvmeGrads:
         has = self._held.pop(layer)
         self._staged[layer] = buffer
         read.result()
-        params = [p for p, held in zip(self._params[layer - 1], has, strict=True) if held]
-        for p, view in zip(params, flat_views(buffer, params), strict=True):
-            p.grad = view
+        for p, held, view in zip(self._params[layer - 1], has, self._views(buffer, layer),
+                                 strict=True):
+            if held:
+                p.grad = view
 
     def unstage(self, layer: int) -> None:
         """Layer `layer`'s update is done: drop its gradients, reuse its buffer."""
@@ -152,12 +174,13 @@ class NvmeGrads:
         """Forget this step's gradients (a skipped step, a `zero_grad()`)."""
         self.end_update()
         self._held.clear()
+        self._open.clear()
 
     def set_layers(self, layers: set[int]) -> None:
         """A re-plan homes `layers`' gradients on NVMe from now: those of this step living
         in the file of a layer no longer homed there come back to `.grad`."""
         for layer in sorted(set(self._held) - layers):
-            self.restore(layer)
+            self.restore(layer)  # `.grad` views of the buffer, which they keep alive
         self.layers = frozenset(layers)
 
     # ---- files and buffers -----------------------------------------------------------
@@ -170,6 +193,7 @@ class NvmeGrads:
         closes its `StateIO`)."""
         self.end_update()
         self._held.clear()
+        self._open.clear()
         if self._buffers:
             self._acct.free("host_pageable", self._buffers * self._buffer_numel * 4)
         self._free, self._buffers = [], 0
@@ -189,6 +213,9 @@ class NvmeGrads:
             self._buffers += 1
             self._acct.allocate("host_pageable", self._buffer_numel * 4)
         buffer = self._free.pop()
-        numel = sum(p.numel() for p, held in zip(self._params[layer - 1], self._held[layer],
-                                                 strict=True) if held)
-        self._reads[layer] = (buffer, self._read(layer, [buffer[:numel]]))
+        self._reads[layer] = (buffer, self._read(layer, [buffer[:self._layer_numel[layer - 1]]]))
+
+    def _views(self, buffer: torch.Tensor, layer: int) -> list[torch.Tensor]:
+        """Layer `layer`'s parameters' slots in `buffer`: its file's layout (every
+        parameter's, those without a gradient this step left unset)."""
+        return flat_views(buffer, self._params[layer - 1])

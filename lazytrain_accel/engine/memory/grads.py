@@ -116,17 +116,16 @@ class GradSink:
         if self.taker is not None and layer is None \
                 and (taken := self.taker(params, grads)) is not None:
             return taken
-        if layer is not None:  # an earlier micro-batch's gradients, from the file
-            self.files.restore(layer)
-        for p, g in zip(params, grads, strict=True):
-            if p.grad is not None:
-                p.grad.add_(g.to(p.device))
-            elif owned and g.dtype == p.dtype and g.device == p.device:
-                p.grad = g
-            elif layer is not None:  # its own tensor: written to the file, then freed
-                p.grad = g.to(p.dtype, copy=True)
-            else:  # a staging view or a cast: `.grad` needs its own storage
-                p.grad = self.owned_grad(p).copy_(g)
+        if layer is not None:  # into the buffer its file is written from
+            self.files.fold(layer, params, grads)
+        else:
+            for p, g in zip(params, grads, strict=True):
+                if p.grad is not None:
+                    p.grad.add_(g.to(p.device))
+                elif owned and g.dtype == p.dtype and g.device == p.device:
+                    p.grad = g
+                else:  # a staging view or a cast: `.grad` needs its own storage
+                    p.grad = self.owned_grad(p).copy_(g)
         self.record_norms(params)
         for hook in self.ready_hooks:
             hook(params)
