@@ -30,11 +30,23 @@ class Example:
 def encode_record(tokenizer: PreTrainedTokenizerBase, record: dict[str, str], *,
                   seq_len: int) -> Example:
     """Token ids of prompt + response + end token, cut to `seq_len`; labels mask the prompt."""
-    prompt = tokenizer(prompt_of(record), add_special_tokens=False)["input_ids"]
-    response = tokenizer(record["response"].strip(), add_special_tokens=False)["input_ids"]
-    ids = (prompt + response + [tokenizer.eos_token_id])[:seq_len]
-    labels = ([IGNORE_INDEX] * len(prompt) + response + [tokenizer.eos_token_id])[:seq_len]
-    return Example(input_ids=ids, labels=labels)
+    return encode_records(tokenizer, [record], seq_len=seq_len)[0]
+
+
+def encode_records(tokenizer: PreTrainedTokenizerBase, records: list[dict[str, str]], *,
+                   seq_len: int) -> list[Example]:
+    """`encode_record` of each record, the prompts and the responses each tokenized in one
+    batched call (a fast tokenizer's batch runs in Rust: the demo's 6,000 records took
+    2.6 s one call at a time)."""
+    if not records:
+        return []
+    prompts = tokenizer([prompt_of(r) for r in records], add_special_tokens=False)["input_ids"]
+    responses = tokenizer([r["response"].strip() for r in records],
+                          add_special_tokens=False)["input_ids"]
+    end = [tokenizer.eos_token_id]
+    return [Example(input_ids=(prompt + response + end)[:seq_len],
+                    labels=([IGNORE_INDEX] * len(prompt) + response + end)[:seq_len])
+            for prompt, response in zip(prompts, responses, strict=True)]
 
 
 class CausalLMCollator:

@@ -21,7 +21,7 @@ from lazytrain_accel.data.arithmetic import (
     load_jsonl,
     split_train_eval,
 )
-from lazytrain_accel.data.collate import CausalLMCollator, encode_record
+from lazytrain_accel.data.collate import CausalLMCollator, encode_records
 from lazytrain_accel.data.evaluate import EvalResult, Sample, exact_match
 from lazytrain_accel.demo.artifacts import MEASURED_TRACE_FILE, write_artifacts
 from lazytrain_accel.demo.budget import demo_gpu_budget_gb
@@ -91,7 +91,7 @@ def _load_records(settings: DemoSettings) -> tuple[list[dict], list[dict]]:
 
 
 def _make_loader(tokenizer: Any, records: list[dict], settings: DemoSettings) -> DataLoader:
-    examples = [encode_record(tokenizer, r, seq_len=settings.seq_len) for r in records]
+    examples = encode_records(tokenizer, records, seq_len=settings.seq_len)
     if len(examples) < settings.batch_size:
         raise ValueError(f"--batch-size {settings.batch_size} exceeds the {len(examples)} "
                          "training records; lower it or pass a larger --dataset")

@@ -6,6 +6,7 @@ path), then training through the Accelerate plugin with measured vs predicted fi
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -16,6 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from lazytrain_accel.profiling.hardware import HARDWARE_PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,25 +94,27 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path: Path, cache_dir: Path) ->
     assert "\nprepare:nf4 " in table
 
 
-def test_without_peft_the_qlora_formats_are_skipped_in_one_line(tmp_path: Path,
-                                                                 cache_dir: Path) -> None:
+def test_without_peft_the_qlora_formats_are_skipped_in_one_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """An environment with only the package's dependencies has no peft (a test-only
-    dependency): the check still passes, says so once, and the JSON records the skip."""
-    shim = tmp_path / "shim"  # as if peft were not installed, wherever it is installed
-    shim.mkdir()
-    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['peft'] = None\n")
-    out = tmp_path / "out"
-    done = dry_run(out, cache_dir, pythonpath=str(shim))
-    lines = [line for line in (done.stdout + done.stderr).splitlines() if "peft" in line]
-    assert len(lines) == 1 and lines[0].startswith("QLoRA formats skipped: peft"), lines
-    assert "pip install peft" in lines[0] and ".whl/" in lines[0]
-    report = json.loads((out / "gpu_check.json").read_text())
-    qlora = report["qlora"]
-    assert qlora["skipped"] == lines[0]
-    assert qlora["results"] == qlora["errors"] == []
+    dependency): the check's modules still import, the QLoRA phase passes, says why in one
+    line of its table, and its JSON records the skip (the phase in process: the dry run
+    above runs every other phase, which nothing of peft's reaches)."""
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if peft were not installed
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    for name in ("gpu_check", "gpu_qlora", "gpu_equivalence", "gpu_pinning"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    gpu_check = importlib.import_module("gpu_check")  # no module imports peft at the top
+    gpu_qlora = gpu_check.gpu_qlora
+    hardware = HARDWARE_PRESETS["h800"]
+    qlora = gpu_qlora.run_phase(gpu_qlora.dry_setting(), hardware)
+    skipped = qlora["skipped"]
+    assert skipped.startswith("QLoRA formats skipped: peft"), skipped
+    assert "pip install peft" in skipped and ".whl/" in skipped
+    assert qlora["results"] == qlora["errors"] == [] and gpu_qlora.passed(qlora)
     assert [m["side"] for m in qlora["dequant"]["measured"]] == [256, 512]  # still measured
-    assert all(e["passed"] for e in report["equivalence"]) and report["runs"]  # the rest ran
-    assert lines[0] in (out / "gpu_check.txt").read_text()
+    table = gpu_qlora.format_table(qlora)
+    assert [line for line in table.splitlines() if "peft" in line] == [skipped]
 
 
 def _check_qlora(qlora: dict) -> None:

@@ -8,7 +8,13 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config
 
 from lazytrain_accel.data.arithmetic import generate_problems
-from lazytrain_accel.data.collate import IGNORE_INDEX, CausalLMCollator, encode_record, prompt_of
+from lazytrain_accel.data.collate import (
+    IGNORE_INDEX,
+    CausalLMCollator,
+    encode_record,
+    encode_records,
+    prompt_of,
+)
 from lazytrain_accel.data.tokenizer import build_demo_tokenizer
 
 RECORDS = generate_problems(300, seed=11)
@@ -65,6 +71,22 @@ def test_labels_cover_exactly_the_response_and_end_token() -> None:
     assert learned[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(learned[:-1]) == record["response"]
     assert example.input_ids[prompt_len:] == learned
+
+
+def test_records_encoded_in_one_batch_are_each_records_own_tokens() -> None:
+    """The batched encoding the demo's loader uses gives every record the ids of its own
+    prompt and response, tokenized one string at a time, cut alike."""
+    tokenizer = build_demo_tokenizer(TEXTS)
+    for seq_len in (16, 64):
+        examples = encode_records(tokenizer, RECORDS, seq_len=seq_len)
+        assert len(examples) == len(RECORDS)
+        for record, example in zip(RECORDS, examples, strict=True):
+            prompt = tokenizer(prompt_of(record), add_special_tokens=False)["input_ids"]
+            response = tokenizer(record["response"], add_special_tokens=False)["input_ids"]
+            whole = prompt + response + [tokenizer.eos_token_id]
+            assert example.input_ids == whole[:seq_len]
+            assert example.labels == ([IGNORE_INDEX] * len(prompt) + whole[len(prompt):])[:seq_len]
+    assert encode_records(tokenizer, [], seq_len=8) == []
 
 
 def test_collator_pads_every_batch_to_seq_len_and_masks_padding() -> None:
