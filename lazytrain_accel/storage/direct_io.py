@@ -397,7 +397,7 @@ def _direct_part(layout: _Layout, start: int, end: int) -> tuple[memoryview | No
     """The tensor memory of [start, end)'s whole blocks where one aligned tensor holds
     them (moved without a copy), and where the bytes left for a bounce buffer begin: so a
     file's last chunk sends only its sub-block tail through the buffer, whose other pages
-    stay untouched (unmapped)."""
+    are never touched (never resident)."""
     whole_end = start + (end - start) // BLOCK_BYTES * BLOCK_BYTES
     run = layout.aligned_run(start, whole_end) if whole_end > start else None
     return run, (whole_end if run is not None else start)
