@@ -262,11 +262,14 @@ def _free_deltas_s(p: Problem, edges: list[tuple[int, int]], windows: dict[str, 
     for edge in edges:
         if edge[1] - edge[0] < 2:
             continue
-        dur, nbytes = p.window_durations_s({edge: 1}), p.mandatory_bytes({edge: 1})
+        near = p.block_windows(edge)  # elsewhere the block changes nothing
         for link, wanted in windows.items():
             rate = p.rate_bytes_per_s(link)
-            for w in wanted:
-                d = dur[w] - base_dur[w] - (nbytes[link][w] - base_bytes[link][w]) / rate
+            for w in sorted(wanted.intersection(near)):
+                dur, h2d_bytes = p.one_block_window(edge, w)
+                # a block moves weights only: the other links' bytes are the base's
+                nbytes = h2d_bytes if link == "h2d" else base_bytes[link][w]
+                d = dur - base_dur[w] - (nbytes - base_bytes[link][w]) / rate
                 if d:
                     deltas.setdefault((link, w), []).append((edge, d))
     return deltas

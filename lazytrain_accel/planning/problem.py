@@ -331,9 +331,38 @@ class Problem:
         staging the weights the window loads (prefetches and re-streams), folding the
         gradients it folds (`fold_in`)."""
         weights = self.mandatory_bytes(edges)["h2d"]
-        return [nbytes * (self.stage_s / self.layer_param_bytes)
-                + (self.fold_s if self.fold_in(w) is not None else 0.0)
-                for w, nbytes in enumerate(weights)]
+        return [self._host_s(w, nbytes) for w, nbytes in enumerate(weights)]
+
+    def _host_s(self, window: int, h2d_bytes: Any) -> Any:
+        """The host's work in `window` that loads `h2d_bytes` of weights (`host_window_s`)."""
+        return (h2d_bytes * (self.stage_s / self.layer_param_bytes)
+                + (self.fold_s if self.fold_in(window) is not None else 0.0))
+
+    def block_windows(self, block: tuple[int, int]) -> range:
+        """The windows whose duration or weight bytes block `block` changes: its re-stream
+        windows (`restream_windows`: B_e's and the two beside it) and, where the host's
+        staging runs on the compute's thread, the window before each (it ends that one)."""
+        w = backward_window(block[1], self.num_layers)
+        return range(max(w - 2, 0), min(w + 2, self.num_windows))
+
+    def one_block_window(self, block: tuple[int, int], window: int) -> tuple[float, int]:
+        """`window_durations_s({block: 1})[window]` and `mandatory_bytes({block: 1})["h2d"]
+        [window]`, the same floats, without the other windows: `milp._free_deltas_s` asks
+        this for every block at the hop windows among its `block_windows`."""
+        s, e = block
+        restream = {w: nbytes for w, nbytes in self.restream_windows(s, e) if nbytes}
+
+        def h2d(w: int) -> int:
+            base = self.weight_h2d_bytes(w)
+            return base + restream[w] * 1 if w in restream else base
+
+        dur = self.base_duration_s(window)
+        if e - s >= 2 and window == backward_window(e, self.num_layers):
+            dur = dur + (self.recompute_s(s, e) + self.restream_stall_s(s, e)) * 1
+        if self.host_on_compute:
+            dur = dur + (self._host_s(window + 1, h2d(window + 1))
+                         if window + 1 < self.num_windows else 0.0)
+        return dur, h2d(window)
 
     @property
     def host_tail_s(self) -> float:

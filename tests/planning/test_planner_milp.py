@@ -252,3 +252,21 @@ def test_infeasible_cpu_base_names_cpu() -> None:
         make_plan(model, hardware, PlanRequest(strategy="checkpoint_all", budgets=budgets))
     assert set(err.value.shortfall_bytes) == {"cpu"}
     assert err.value.shortfall_bytes["cpu"] == pytest.approx(5 * GIB, rel=1e-3)
+
+
+@pytest.mark.parametrize("host_on_compute", [False, True])
+def test_one_block_window_is_the_full_windows_at_that_window(host_on_compute: bool) -> None:
+    """`Problem.one_block_window`, which the hop floors ask for every block at a few
+    windows, gives the very floats `window_durations_s` and `mandatory_bytes` give for
+    that block alone (the host's staging and folds on the compute's thread or not)."""
+    model, hardware = chain(num_layers=7)
+    p = dataclasses.replace(build_problem(model, hardware), host_on_compute=host_on_compute,
+                            stage_s=0.0031, fold_s=0.0017)
+    base_s, base_h2d = p.window_durations_s({}), p.mandatory_bytes({})["h2d"]
+    blocks = [(s, e) for s in range(p.num_layers + 1) for e in range(s + 2, p.num_layers + 1)]
+    for block in blocks:
+        duration_s, h2d = p.window_durations_s({block: 1}), p.mandatory_bytes({block: 1})["h2d"]
+        for w in range(p.num_windows):
+            assert p.one_block_window(block, w) == (duration_s[w], h2d[w]), (block, w)
+            if w not in p.block_windows(block):  # where the hop floors do not look
+                assert (duration_s[w], h2d[w]) == (base_s[w], base_h2d[w]), (block, w)
