@@ -262,11 +262,13 @@ def _free_deltas_s(p: Problem, edges: list[tuple[int, int]], windows: dict[str, 
     for edge in edges:
         if edge[1] - edge[0] < 2:
             continue
-        near = p.block_windows(edge)  # elsewhere the block changes nothing
+        # elsewhere the block changes nothing; both links' hops may share a window
+        changed = {w: p.one_block_window(edge, w) for w in p.block_windows(edge)
+                   if any(w in wanted for wanted in windows.values())}
         for link, wanted in windows.items():
             rate = p.rate_bytes_per_s(link)
-            for w in sorted(wanted.intersection(near)):
-                dur, h2d_bytes = p.one_block_window(edge, w)
+            for w in sorted(wanted.intersection(changed)):
+                dur, h2d_bytes = changed[w]
                 # a block moves weights only: the other links' bytes are the base's
                 nbytes = h2d_bytes if link == "h2d" else base_bytes[link][w]
                 d = dur - base_dur[w] - (nbytes - base_bytes[link][w]) / rate

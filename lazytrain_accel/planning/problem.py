@@ -352,13 +352,12 @@ class Problem:
         s, e = block
         restream = {w: nbytes for w, nbytes in self.restream_windows(s, e) if nbytes}
 
-        def h2d(w: int) -> int:
-            base = self.weight_h2d_bytes(w)
-            return base + restream[w] * 1 if w in restream else base
+        def h2d(w: int) -> int:  # the weight 1 of the whole-list functions: exact as is
+            return self.weight_h2d_bytes(w) + restream.get(w, 0)
 
         dur = self.base_duration_s(window)
         if e - s >= 2 and window == backward_window(e, self.num_layers):
-            dur = dur + (self.recompute_s(s, e) + self.restream_stall_s(s, e)) * 1
+            dur = dur + (self.recompute_s(s, e) + self.restream_stall_s(s, e))
         if self.host_on_compute:
             dur = dur + (self._host_s(window + 1, h2d(window + 1))
                          if window + 1 < self.num_windows else 0.0)

@@ -395,18 +395,19 @@ def _open_for(path: Path, layout: _Layout, *, writing: bool) -> int:
 
 def _direct_part(layout: _Layout, start: int, end: int) -> tuple[memoryview | None, int]:
     """The tensor memory of [start, end)'s whole blocks where one aligned tensor holds
-    them (moved without a copy), and where the bytes left for a bounce buffer begin: so a
-    file's last chunk sends only its sub-block tail through the buffer, whose other pages
-    are never touched (never resident)."""
+    them (moved without a copy, from `start`), and where the bytes left for a bounce
+    buffer begin: so a file's last chunk sends only its sub-block tail through the
+    buffer, whose other pages are never touched (never resident)."""
     whole_end = start + (end - start) // BLOCK_BYTES * BLOCK_BYTES
     run = layout.aligned_run(start, whole_end) if whole_end > start else None
     return run, (whole_end if run is not None else start)
 
 
 def _write_chunk(transfer: _Transfer, start: int, end: int, pool: AlignedBufferPool) -> None:
-    run, start = _direct_part(transfer.layout, start, end)
+    run, rest = _direct_part(transfer.layout, start, end)
     if run is not None:
-        write_all(transfer.fd, run, start - len(run))
+        write_all(transfer.fd, run, start)
+    start = rest
     if start == end:
         return
     with pool.buffer() as buffer:
@@ -418,10 +419,10 @@ def _write_chunk(transfer: _Transfer, start: int, end: int, pool: AlignedBufferP
 
 
 def _read_chunk(transfer: _Transfer, start: int, end: int, pool: AlignedBufferPool) -> None:
-    run, start = _direct_part(transfer.layout, start, end)
+    run, rest = _direct_part(transfer.layout, start, end)
     if run is not None:
-        first = start - len(run)
-        _check_read(transfer, first, read_all(transfer.fd, run, first), start)
+        _check_read(transfer, start, read_all(transfer.fd, run, start), rest)
+    start = rest
     if start == end:
         return
     with pool.buffer() as buffer:

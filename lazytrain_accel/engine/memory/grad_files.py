@@ -83,9 +83,7 @@ class NvmeGrads:
         views of one aligned buffer of the layer's, its earlier micro-batch's gradients
         read back into it first: `spill` writes that buffer whole, without a bounce
         buffer's copy (`direct_io`)."""
-        buffer = self._open.get(layer)
-        if buffer is None:
-            buffer = self._open[layer] = self.restore(layer)
+        buffer = self._open[layer] = self.restore(layer)
         views = dict(zip(self._params[layer - 1], self._views(buffer, layer), strict=True))
         for p, g in zip(params, grads, strict=True):
             if p.grad is not None:
